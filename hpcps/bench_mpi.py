@@ -1,0 +1,58 @@
+"""Raw MPI point-to-point bandwidth between rank 0 and rank 1: the reference of the PS benchmarks.
+
+Ping-pong of NumPy buffers with ``Isend``/``Irecv`` (through :mod:`hpcps.transport`), reported
+as one-way bandwidth (bytes / half the round-trip time), median over repetitions.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from hpcps import transport
+
+SIZES = [8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 23, 1 << 26]
+
+
+def pingpong(comm, nbytes: int, reps: int, peer: int, timeout: float = 60.0) -> list[float]:
+    """Round-trip times (seconds) of ``reps`` ping-pongs of ``nbytes`` with ``peer``."""
+    buf = np.zeros(max(nbytes, 1), dtype=np.uint8)
+    out = np.empty_like(buf)
+    times = []
+    first = comm.Get_rank() < peer
+    for _ in range(reps + 1):  # one warm-up round
+        t = time.perf_counter()
+        if first:
+            transport.wait(transport.isend(comm, buf, peer, 1, "ping"), timeout)
+            transport.wait(transport.irecv(comm, out, peer, 2, "pong"), timeout)
+        else:
+            transport.wait(transport.irecv(comm, out, peer, 1, "ping"), timeout)
+            transport.wait(transport.isend(comm, buf, peer, 2, "pong"), timeout)
+        times.append(time.perf_counter() - t)
+    return times[1:]
+
+
+def raw_bandwidth(comm, nbytes: int, reps: int = 10) -> float:
+    """One-way bandwidth in bytes/s between ranks 0 and 1, median; only meaningful on rank 0."""
+    rank = comm.Get_rank()
+    if rank > 1:
+        return float("nan")
+    times = pingpong(comm, nbytes, reps, 1 - rank)
+    return nbytes / (float(np.median(times)) / 2)
+
+
+def run(comm, sizes=SIZES, reps: int = 10) -> list[dict]:
+    """Measure every size; returns rows (on rank 0) of size, latency and bandwidth."""
+    if comm.Get_size() < 2:
+        raise SystemExit("hpcps bench mpi needs at least 2 ranks (mpiexec -n 2 hpcps bench mpi)")
+    rows = []
+    for nbytes in sizes:
+        r = max(3, min(reps, int(2e8 // max(nbytes, 1))))
+        rank = comm.Get_rank()
+        if rank <= 1:
+            times = pingpong(comm, nbytes, r, 1 - rank)
+            half = float(np.median(times)) / 2
+            rows.append({"bytes": nbytes, "reps": r, "one_way_s": half, "gb_per_s": nbytes / half / 1e9})
+        transport.barrier(comm, timeout=120)
+    return rows

@@ -1,0 +1,233 @@
+"""The one module that talks to MPI.
+
+Everything above this layer (server, worker client, training, CLI) calls these functions and never
+imports mpi4py itself. Rules kept here:
+
+* Hot-path messages are NumPy buffers sent with mpi4py's capitalised calls (``Isend``/``Irecv``),
+  never pickled objects; a payload over 2 GiB is split into chunks.
+* No wait spins: MPICH's blocking calls busy-poll a core, which on an oversubscribed node slows the
+  ranks that do compute. :func:`wait` polls nonblocking requests and sleeps between polls with an
+  exponential back-off (see ``POLL_*`` below), and takes a timeout after which it says which peer
+  never answered.
+* An unhandled exception on any rank aborts the whole job, printing the rank and the error
+  (:func:`install_abort_handler`), so that no rank waits forever for a dead peer.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+# mpi4py initialises MPI when MPI is imported; we keep its defaults (threads, finalize at exit).
+from mpi4py import MPI
+
+# Back-off of the polling wait: first POLL_SPIN_S of pure polling (latency of a fast answer stays
+# that of MPI), then sleeps that double from POLL_MIN_SLEEP_S up to POLL_MAX_SLEEP_S.
+POLL_SPIN_S = 50e-6
+POLL_MIN_SLEEP_S = 20e-6
+POLL_MAX_SLEEP_S = 1e-3
+
+# Largest element count sent in one MPI message: counts are C ints, and MPICH has trouble with
+# messages over 2 GiB. 2**31 - 1 bytes, rounded down to a multiple of 8.
+MAX_MESSAGE_BYTES = (2**31 - 1) // 8 * 8
+
+
+class StallError(RuntimeError):
+    """A wait ran past its timeout; the message says which peers never answered."""
+
+
+_abort_installed = False
+
+
+def world() -> MPI.Comm:
+    """MPI.COMM_WORLD (the library itself works on duplicates of it)."""
+    return MPI.COMM_WORLD
+
+
+def rank_prefix(comm: MPI.Comm | None = None) -> str:
+    comm = comm or MPI.COMM_WORLD
+    return f"rank {comm.Get_rank()}/{comm.Get_size()}"
+
+
+def abort(message: str, code: int = 1, comm: MPI.Comm | None = None) -> None:
+    """Print ``message`` with this rank's number to stderr and abort the whole MPI job."""
+    comm = comm or MPI.COMM_WORLD
+    sys.stderr.write(f"hpcps: {rank_prefix(comm)}: {message.rstrip()}\n")
+    sys.stderr.write(f"hpcps: {rank_prefix(comm)}: aborting the MPI job\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    comm.Abort(code)
+
+
+def install_abort_handler() -> None:
+    """Make an unhandled exception on this rank (main or any thread) abort the whole job.
+
+    Without it, the other ranks would wait forever in their next collective or receive for the
+    rank that died. The message printed names this rank and carries the traceback.
+    """
+    global _abort_installed
+    if _abort_installed or MPI.COMM_WORLD.Get_size() == 1:
+        return
+    _abort_installed = True
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        if issubclass(exc_type, KeyboardInterrupt) or (
+            issubclass(exc_type, SystemExit) and exc.code in (None, 0)
+        ):
+            previous(exc_type, exc, tb)
+            return
+        text = "".join(traceback.format_exception(exc_type, exc, tb))
+        abort(f"unhandled exception:\n{text}")
+
+    def thread_hook(args):
+        if args.exc_type is SystemExit:
+            return
+        text = "".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback))
+        abort(f"unhandled exception in thread {args.thread.name if args.thread else '?'}:\n{text}")
+
+    sys.excepthook = hook
+    threading.excepthook = thread_hook
+
+
+@dataclass
+class Pending:
+    """A nonblocking request with what it is for (used in stall messages) and its buffers.
+
+    Keeping the buffers referenced here keeps them alive until the request completes.
+    """
+
+    request: MPI.Request
+    what: str
+    peer: int = -1
+    buffers: tuple = ()
+
+
+def _sleep_backoff(start: float, sleep: float) -> float:
+    if time.perf_counter() - start < POLL_SPIN_S:
+        return sleep
+    time.sleep(sleep)
+    return min(sleep * 2.0, POLL_MAX_SLEEP_S)
+
+
+def wait(
+    pending: Sequence[Pending] | Pending,
+    timeout: float | None,
+    *,
+    warn_after: float | None = None,
+    on_warn: Callable[[str], None] | None = None,
+) -> None:
+    """Wait for requests to complete without spinning a core.
+
+    Args:
+        pending: one or more :class:`Pending` requests.
+        timeout: seconds; ``None`` waits forever. On timeout a :class:`StallError` names the
+            requests (and peers) still outstanding.
+        warn_after: seconds after which ``on_warn`` (default: print to stderr) is called once with
+            the same description, while the wait goes on.
+
+    Raises:
+        StallError: when ``timeout`` passes first.
+    """
+    if isinstance(pending, Pending):
+        pending = [pending]
+    todo = [p for p in pending if p.request != MPI.REQUEST_NULL]
+    start = time.perf_counter()
+    sleep = POLL_MIN_SLEEP_S
+    warned = False
+    while todo:
+        todo = [p for p in todo if not p.request.Test()]
+        if not todo:
+            return
+        elapsed = time.perf_counter() - start
+        if warn_after is not None and not warned and elapsed > warn_after:
+            warned = True
+            msg = f"still waiting after {elapsed:.1f} s for {describe(todo)}"
+            (on_warn or _warn)(msg)
+        if timeout is not None and elapsed > timeout:
+            raise StallError(
+                f"{rank_prefix()}: no answer after {timeout:g} s: {describe(todo)}"
+            )
+        sleep = _sleep_backoff(start, sleep)
+
+
+def describe(todo: Sequence[Pending]) -> str:
+    peers = sorted({p.peer for p in todo if p.peer >= 0})
+    whats = sorted({p.what for p in todo})
+    s = ", ".join(whats)
+    if peers:
+        s += f" (from rank{'s' if len(peers) > 1 else ''} {', '.join(map(str, peers))})"
+    return s
+
+
+def _warn(msg: str) -> None:
+    sys.stderr.write(f"hpcps: {rank_prefix()}: warning: {msg}\n")
+    sys.stderr.flush()
+
+
+def barrier(comm: MPI.Comm, timeout: float | None = None, what: str = "barrier") -> None:
+    """A barrier that sleeps while it waits (see :func:`wait`)."""
+    wait(Pending(comm.Ibarrier(), what), timeout)
+
+
+_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+
+
+def allreduce(
+    comm: MPI.Comm, array: np.ndarray, op: str = "sum", timeout: float | None = None,
+    what: str = "allreduce",
+) -> np.ndarray:
+    """Allreduce a NumPy array (a new array is returned) while sleeping between polls."""
+    send = np.ascontiguousarray(array)
+    out = np.empty_like(send)
+    if send.nbytes > MAX_MESSAGE_BYTES:
+        flat_in, flat_out = send.reshape(-1), out.reshape(-1)
+        step = MAX_MESSAGE_BYTES // send.itemsize
+        for lo in range(0, flat_in.size, step):
+            wait(Pending(comm.Iallreduce(flat_in[lo:lo + step], flat_out[lo:lo + step], _OPS[op]),
+                         what, buffers=(flat_in, flat_out)), timeout)
+        return out
+    wait(Pending(comm.Iallreduce(send, out, _OPS[op]), what, buffers=(send, out)), timeout)
+    return out
+
+
+def env_rank() -> int:
+    """The world rank, read from MPI (``SLURM_PROCID`` is 0 on every rank under ``mpiexec``)."""
+    return MPI.COMM_WORLD.Get_rank()
+
+
+def is_mpi_launched() -> bool:
+    """True when started by an MPI launcher with more than one rank."""
+    return MPI.COMM_WORLD.Get_size() > 1 or "PMI_RANK" in os.environ
+
+
+def _chunks(array: np.ndarray):
+    flat = array.reshape(-1).view(np.uint8) if array.size else array.reshape(-1)
+    if flat.nbytes <= MAX_MESSAGE_BYTES:
+        yield flat
+        return
+    for lo in range(0, flat.nbytes, MAX_MESSAGE_BYTES):
+        yield flat[lo:lo + MAX_MESSAGE_BYTES]
+
+
+def isend(comm: MPI.Comm, array: np.ndarray, dest: int, tag: int, what: str = "send") -> list[Pending]:
+    """Start sending a contiguous NumPy array; payloads over 2 GiB go as several messages.
+
+    The receiver must post :func:`irecv` with an array of the same size in bytes.
+    """
+    array = np.ascontiguousarray(array)
+    return [Pending(comm.Isend(c, dest=dest, tag=tag), what, dest, (array, c)) for c in _chunks(array)]
+
+
+def irecv(comm: MPI.Comm, out: np.ndarray, source: int, tag: int, what: str = "receive") -> list[Pending]:
+    """Start receiving into the contiguous array ``out`` (see :func:`isend`)."""
+    if not out.flags.c_contiguous:
+        raise ValueError("irecv needs a C-contiguous output array")
+    return [Pending(comm.Irecv(c, source=source, tag=tag), what, source, (out, c)) for c in _chunks(out)]

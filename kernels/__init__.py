@@ -1,0 +1,1 @@
+"""Pure numba kernels (no MPI, no hpcps imports)."""

@@ -1,0 +1,129 @@
+#!/usr/bin/env python
+"""Run the whole test suite: serial tests with pytest, then each MPI test under mpiexec.
+
+    python tests/run.py [pytest options, e.g. -k name or a path]
+
+1. Compiles the numba kernels once into the cache (so ranks do not compile them concurrently).
+2. Runs the tests not marked ``mpi`` with plain pytest.
+3. Lists the tests marked ``@pytest.mark.mpi(min_size=N)`` and runs each group of equal N as
+   ``mpiexec -n N python -m pytest --with-mpi ...`` under a timeout, so a hung job cannot outlast
+   its budget (and the harness in ``mpi_harness.py`` aborts a job whose rank failed).
+4. Prints one closing line ``N passed, N failed, N skipped`` over everything and exits non-zero if
+   anything failed. pytest's "no tests collected" (exit 5) counts as zero tests, not as a failure.
+
+Environment: ``HPCPS_MPIEXEC`` (launcher, default: the ``mpiexec`` beside this Python, then the one
+on PATH), ``HPCPS_MPIEXEC_ARGS`` (extra launcher arguments, e.g. ``--oversubscribe`` for Open MPI),
+``HPCPS_MPI_GROUP_TIMEOUT`` (seconds per mpiexec run, default 900).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KEYS = ("passed", "failed", "skipped", "error", "xfailed", "xpassed")
+
+
+def mpiexec() -> list[str]:
+    exe = os.environ.get("HPCPS_MPIEXEC")
+    if not exe:
+        beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+        exe = beside if os.path.exists(beside) else shutil.which("mpiexec")
+    if not exe:
+        sys.exit("tests/run.py: no mpiexec found; install the 'mpi' extra or set HPCPS_MPIEXEC")
+    return [exe, *shlex.split(os.environ.get("HPCPS_MPIEXEC_ARGS", ""))]
+
+
+def run(cmd: list[str], env: dict, timeout: float | None = None) -> int:
+    print("+", " ".join(shlex.quote(c) for c in cmd), flush=True)
+    try:
+        return subprocess.run(cmd, env=env, cwd=ROOT, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        print(f"tests/run.py: TIMEOUT after {timeout:g} s: {' '.join(cmd)}", flush=True)
+        return 124
+
+
+def read_counts(report_dir: str) -> dict:
+    path = os.path.join(report_dir, "rank0.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)["counts"]
+
+
+def main(argv: list[str]) -> int:
+    env = dict(os.environ)
+    env.setdefault("NUMBA_CACHE_DIR", os.path.join(ROOT, ".numba_cache"))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    py = sys.executable
+    totals = dict.fromkeys(KEYS, 0)
+    problems: list[str] = []
+    t0 = time.time()
+
+    # 1. Compile the kernels once, serially, into the shared cache.
+    if run([py, "-m", "hpcps_kernels", "warmup"], env, timeout=900) != 0:
+        problems.append("kernel warm-up failed")
+
+    with tempfile.TemporaryDirectory(prefix="hpcps-tests-") as tmp:
+        # 2. Serial tests.
+        rdir = os.path.join(tmp, "serial")
+        rc = run([py, "-m", "pytest", "-m", "not mpi", *argv], dict(env, HPCPS_TEST_REPORT_DIR=rdir))
+        counts = read_counts(rdir)
+        for k in KEYS:
+            totals[k] += counts.get(k, 0)
+        if rc not in (0, 5):
+            problems.append(f"serial pytest exited {rc}")
+
+        # 3. MPI tests, grouped by world size.
+        listing = os.path.join(tmp, "mpi-tests.json")
+        rc = subprocess.run(
+            [py, "-m", "pytest", "--collect-only", "-q", "-m", "mpi", "--with-mpi", *argv],
+            env=dict(env, HPCPS_LIST_MPI_TESTS=listing), cwd=ROOT, stdout=subprocess.DEVNULL,
+        ).returncode
+        if rc not in (0, 5):
+            problems.append(f"collecting the MPI tests exited {rc}")
+        tests = json.load(open(listing)) if os.path.exists(listing) else []
+        groups: dict[int, list[str]] = {}
+        for t in tests:
+            groups.setdefault(max(t["size"], 1), []).append(t["nodeid"])
+        timeout = float(os.environ.get("HPCPS_MPI_GROUP_TIMEOUT", "900"))
+        for size in sorted(groups):
+            rdir = os.path.join(tmp, f"mpi{size}")
+            ids = groups[size]
+            print(f"\n=== {len(ids)} MPI test(s) at {size} ranks ===", flush=True)
+            cmd = [*mpiexec(), "-n", str(size), py, os.path.join(ROOT, "tests", "rank_output.py"), "-m", "pytest", "--with-mpi", "-q", "-p", "no:cacheprovider", *ids]
+            rc = run(cmd, dict(env, HPCPS_TEST_REPORT_DIR=rdir), timeout=timeout)
+            counts = read_counts(rdir)
+            for k in KEYS:
+                totals[k] += counts.get(k, 0)
+            if rc not in (0, 5):
+                problems.append(f"MPI tests at {size} ranks exited {rc}")
+                if not counts:
+                    totals["failed"] += len(ids)  # the job died before it could report
+                for r in range(1, size):
+                    log = os.path.join(rdir, f"rank{r}.log")
+                    if os.path.exists(log):
+                        print(f"--- tail of rank {r}'s output ---")
+                        print("".join(open(log).readlines()[-30:]))
+
+    print(f"\n=== whole suite in {time.time() - t0:.0f} s ===")
+    for p in problems:
+        print("problem:", p)
+    failed = totals["failed"] + totals["error"]
+    if problems and failed == 0:
+        failed = 1
+    if sum(totals.values()) == 0:
+        print("no tests collected")
+    print(f"{totals['passed']} passed, {failed} failed, {totals['skipped']} skipped")
+    return 1 if failed or problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

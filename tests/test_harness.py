@@ -1,0 +1,157 @@
+"""The MPI test harness itself: a failing rank ends the job quickly, and ranks agree on verdicts.
+
+These launch real ``mpiexec`` jobs in subprocesses with a timeout and look at how they end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from run import mpiexec  # noqa: E402
+
+LIMIT_S = 30
+
+
+def launch(tmp_path, n: int, args: list[str], env_extra: dict | None = None, timeout: float = 90):
+    env = {k: v for k, v in os.environ.items() if k != "HPCPS_TEST_REPORT_DIR"}
+    env.update(PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1")
+    env.update(env_extra or {})
+    start = time.monotonic()
+    proc = subprocess.run([*mpiexec(), "-n", str(n), sys.executable, *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    return proc, time.monotonic() - start, proc.stdout + proc.stderr
+
+
+def test_unhandled_exception_on_one_rank_aborts_the_job(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import time
+        from mpi4py import MPI
+        from hpcps import transport
+        transport.install_abort_handler()
+        comm = MPI.COMM_WORLD
+        if comm.rank == 1:
+            time.sleep(0.5)
+            raise ValueError("rank one fails on purpose")
+        comm.Barrier()          # the others wait for rank 1 forever without the handler
+        print("UNREACHABLE")
+    """))
+    proc, elapsed, out = launch(tmp_path, 3, [str(script)])
+    assert proc.returncode != 0
+    assert elapsed < LIMIT_S
+    assert "rank 1/3" in out and "ValueError: rank one fails on purpose" in out
+    assert "UNREACHABLE" not in out
+
+
+def test_failed_assertion_in_mpi_test_ends_pytest_job(tmp_path):
+    (tmp_path / "test_fails.py").write_text(textwrap.dedent("""
+        import numpy as np
+        import pytest
+        from mpi4py import MPI
+
+        @pytest.mark.mpi(min_size=2)
+        def test_one_rank_fails_while_other_waits():
+            comm = MPI.COMM_WORLD
+            if comm.rank == 1:
+                assert 2 + 2 == 5, "rank one's assertion fails on purpose"
+            buf = np.zeros(1)
+            comm.Recv(buf, source=1)   # never sent: rank 0 is stuck until the job is aborted
+    """))
+    proc, elapsed, out = launch(
+        tmp_path, 2, ["-m", "pytest", "-p", "mpi_harness", "--with-mpi", "-q", "test_fails.py"],
+        {"HPCPS_TEST_FAIL_GRACE": "3"})
+    assert proc.returncode != 0
+    assert elapsed < LIMIT_S
+    assert "rank 1/2" in out and "rank one's assertion fails on purpose" in out
+
+
+def test_deadlocked_mpi_test_is_ended_by_the_timeout(tmp_path):
+    (tmp_path / "test_hangs.py").write_text(textwrap.dedent("""
+        import numpy as np
+        import pytest
+        from mpi4py import MPI
+
+        @pytest.mark.mpi(min_size=2)
+        @pytest.mark.timeout(4)
+        def test_both_ranks_receive_first():
+            buf = np.zeros(1)
+            MPI.COMM_WORLD.Recv(buf, source=1 - MPI.COMM_WORLD.rank)
+    """))
+    proc, elapsed, out = launch(
+        tmp_path, 2, ["-m", "pytest", "-p", "mpi_harness", "--with-mpi", "-q",
+                      "-o", "timeout_method=thread", "test_hangs.py"])
+    assert proc.returncode != 0
+    assert elapsed < LIMIT_S
+    assert "Timeout" in out
+
+
+def test_ranks_agree_on_verdict_and_the_session_goes_on(tmp_path):
+    (tmp_path / "test_agree.py").write_text(textwrap.dedent("""
+        import pytest
+        from mpi4py import MPI
+
+        @pytest.mark.mpi(min_size=2)
+        def test_fails_on_rank_one_only():
+            assert MPI.COMM_WORLD.rank != 1, "only rank one disagrees"
+
+        @pytest.mark.mpi(min_size=2)
+        def test_passes_everywhere():
+            assert MPI.COMM_WORLD.allreduce(1) == MPI.COMM_WORLD.size
+    """))
+    report = tmp_path / "report"
+    proc, elapsed, out = launch(
+        tmp_path, 2, ["-m", "pytest", "-p", "mpi_harness", "--with-mpi", "-q", "test_agree.py"],
+        {"HPCPS_TEST_REPORT_DIR": str(report)})
+    assert proc.returncode != 0
+    for rank in (0, 1):
+        result = json.loads((report / f"rank{rank}.json").read_text())
+        assert result["counts"]["failed"] == 1, (rank, result)
+        assert result["counts"]["passed"] == 1, (rank, result)
+        assert result["failed"] == ["test_agree.py::test_fails_on_rank_one_only"]
+    assert "failed on rank(s) 1" in out and "only rank one disagrees" in out
+
+
+@pytest.mark.mpi(min_size=2)
+def test_polling_barrier_and_allreduce_agree_across_ranks():
+    import numpy as np
+    from mpi4py import MPI
+
+    from hpcps import transport
+
+    comm = MPI.COMM_WORLD
+    transport.barrier(comm, timeout=30)
+    total = transport.allreduce(comm, np.arange(5, dtype=np.int64) * (comm.rank + 1), timeout=30)
+    n = comm.size
+    np.testing.assert_array_equal(total, np.arange(5) * n * (n + 1) // 2)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_wait_timeout_names_the_peer_that_never_answered():
+    import numpy as np
+    from mpi4py import MPI
+
+    from hpcps import transport
+
+    comm = MPI.COMM_WORLD.Dup()
+    if comm.rank == 0:
+        buf = np.zeros(1)
+        req = comm.Irecv(buf, source=1, tag=7)
+        with pytest.raises(transport.StallError, match=r"pull reply \(from rank 1\)"):
+            transport.wait(transport.Pending(req, "pull reply", peer=1, buffers=(buf,)), timeout=0.3)
+        comm.Send(np.zeros(1), dest=1, tag=8)          # release rank 1
+        transport.wait(transport.Pending(req, "pull reply", peer=1, buffers=(buf,)), timeout=10)
+        assert buf[0] == 42.0
+    elif comm.rank == 1:
+        comm.Recv(np.zeros(1), source=0, tag=8)
+        comm.Send(np.full(1, 42.0), dest=0, tag=7)
+    comm.Free()
