@@ -1,5 +1,397 @@
-"""Placeholder until the kernels land (issue 3)."""
+"""Standalone profiler of the kernels: ``python -m hpcps_kernels {warmup,bench}``.
+
+``bench`` times every kernel on Criteo-shaped batches (39 nonzeros per row, Zipf-distributed
+tokens per field, keys in a 2**24 or 2**40 space) beside its NumPy/SciPy reference, and beside two
+roofline figures it measures in the same run on this machine:
+
+* sequential read bandwidth (GB/s): one core summing a 512 MiB array;
+* random-access rate (M/s): one core gathering from a 512 MiB table at random positions.
+
+Figures are medians of ``--repeat`` runs after a warm-up call; speed-up = reference time / kernel
+time from the same run. Single-threaded on purpose: parallelism comes from MPI ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+from numba import njit
+
+from . import hashing, hashtable, keys, metrics, models, optim, parse
+from . import reference as ref
+
+ROOF_BYTES = 512 << 20
 
 
-def main(argv):
+# -- rooflines -------------------------------------------------------------------------------------
+
+@njit(cache=True)
+def _seq_read(a):
+    s = 0.0
+    for i in range(a.shape[0]):
+        s += a[i]
+    return s
+
+
+@njit(cache=True)
+def _random_gather(table, idx):
+    s = 0.0
+    for i in range(idx.shape[0]):
+        s += table[idx[i]]
+    return s
+
+
+def median_time(fn, repeat: int) -> float:
+    fn()  # warm-up (and compile)
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def rooflines(repeat: int) -> dict:
+    rng = np.random.default_rng(0)
+    a = np.ones(ROOF_BYTES // 8, dtype=np.float64)
+    t = median_time(lambda: _seq_read(a), repeat)
+    seq = a.nbytes / t
+    idx = rng.integers(0, a.shape[0], 1 << 24)
+    t = median_time(lambda: _random_gather(a, idx), repeat)
+    return {"seq_read_gb_s": seq / 1e9, "random_access_m_s": idx.shape[0] / t / 1e6}
+
+
+# -- data ----------------------------------------------------------------------------------------
+
+VOCAB = np.array([10, 30, 100, 300, 1_000, 3_000, 10_000, 30_000, 100_000, 300_000, 1_000_000,
+                  3_000_000, 10_000_000] * 3)  # 39 fields of very different sizes
+
+
+def criteo_batch(rows: int, bits: int, seed: int = 0):
+    """A CSR batch shaped like Criteo: 39 nonzeros per row, Zipf tokens per field, hashed keys."""
+    rng = np.random.default_rng(seed)
+    tok = (rng.zipf(1.2, size=(rows, 39)) - 1) % VOCAB[None, :]
+    raw = (np.arange(39, dtype=np.uint64)[None, :] << np.uint64(40)) ^ tok.astype(np.uint64)
+    mixed = raw * np.uint64(0x9E3779B97F4A7C15)
+    mixed ^= mixed >> np.uint64(29)
+    idx = (mixed & np.uint64((1 << bits) - 1)).reshape(-1)
+    indptr = np.arange(0, rows * 39 + 1, 39, dtype=np.int64)
+    vals = np.ones(rows * 39, dtype=np.float32)
+    labels = (rng.random(rows) < 0.25).astype(np.float32)
+    return indptr, idx, vals, labels
+
+
+def libsvm_text(indptr, idx, labels) -> bytes:
+    lines = []
+    for r in range(len(indptr) - 1):
+        feats = " ".join(f"{k}:1" for k in np.unique(idx[indptr[r]:indptr[r + 1]]).tolist())
+        lines.append(f"{int(labels[r])} {feats}")
+    return ("\n".join(lines) + "\n").encode()
+
+
+def criteo_text(rows: int, seed: int = 0) -> bytes:
+    rng = np.random.default_rng(seed)
+    ints = rng.integers(0, 5000, (rows, 13))
+    cats = (rng.zipf(1.2, size=(rows, 26)) - 1) % VOCAB[None, :26]
+    out = []
+    for r in range(rows):
+        out.append("\t".join([str(int(rng.random() < 0.25)), *map(str, ints[r]), *(f"{c:08x}" for c in cats[r])]))
+    return ("\n".join(out) + "\n").encode()
+
+
+# -- benchmarks ----------------------------------------------------------------------------------
+
+def _row(name, n, unit, t, t_ref=None, ref_name="", roof=None, extra=None):
+    r = {"kernel": name, "n": n, "unit": unit, "time_s": t, "rate": n / t,
+         "ref": ref_name, "ref_time_s": t_ref, "speedup": (t_ref / t) if t_ref else None,
+         "roofline_fraction": roof}
+    r.update(extra or {})
+    return r
+
+
+def bench_unique(rows, repeat, roof):
+    out = []
+    for bits in (24, 40):
+        indptr, idx, vals, labels = criteo_batch(rows, bits)
+        t = median_time(lambda: keys.unique_keys(idx), repeat)
+        tr = median_time(lambda: np.unique(idx, return_inverse=True), repeat)
+        out.append(_row(f"unique_keys/2^{bits}", idx.size, "keys", t, tr, "np.unique(return_inverse)"))
+    return out
+
+
+def bench_lr(rows, repeat, roof):
+    out = []
+    for bits in (24, 40):
+        indptr, idx, vals, labels = criteo_batch(rows, bits)
+        uniq, pos = keys.unique_keys(idx)
+        w = np.random.default_rng(1).normal(size=len(uniq)).astype(np.float32) * 0.01
+        g = np.empty_like(w)
+        t = median_time(lambda: models.lr_forward_backward(indptr, pos, vals, labels, w, g, 1.0 / rows, 0.0, 0), repeat)
+        tr = median_time(lambda: ref.lr_forward_backward(indptr, pos, vals, labels, w, 1.0 / rows, 0.0), repeat)
+        out.append(_row(f"lr_grad/2^{bits} (u={len(uniq)})", idx.size, "nnz", t, tr, "scipy CSR X@w, X.T@g"))
+    # Roofline case: positions straight into a 2^26-entry weight vector (256 MiB, beyond any cache);
+    # two random accesses per nonzero (read w, update grad).
+    indptr, idx, vals, labels = criteo_batch(rows, 26)
+    pos = idx.astype(np.int64)
+    w = np.zeros(1 << 26, dtype=np.float32)
+    g = np.empty_like(w)
+    big_grad = np.zeros_like(w)
+
+    def run():
+        # lr_forward_backward zeroes the whole gradient buffer; time only the pass over nonzeros
+        return models.lr_forward_backward(indptr, pos, vals, labels, w, g[:0] if False else big_grad, 1.0, 0.0, 0)
+
+    t_zero = median_time(lambda: big_grad.fill(0.0), repeat)
+    t = median_time(run, repeat) - t_zero
+    rate = 2 * idx.size / t / 1e6
+    out.append(_row("lr_grad/2^26 weights (256 MiB)", idx.size, "nnz", t, None, "",
+                    rate / roof["random_access_m_s"], {"random_accesses_m_s": rate}))
+    return out
+
+
+def bench_fm(rows, repeat, roof):
+    rows = max(rows // 4, 1)
+    indptr, idx, vals, labels = criteo_batch(rows, 24)
+    uniq, pos = keys.unique_keys(idx)
+    rng = np.random.default_rng(2)
+    w = (0.01 * rng.normal(size=len(uniq))).astype(np.float32)
+    V = (0.01 * rng.normal(size=(len(uniq), 8))).astype(np.float32)
+    gw, gV, m = np.empty_like(w), np.empty_like(V), np.empty(0)
+    t = median_time(lambda: models.fm_forward_backward(indptr, pos, vals, labels, w, V, gw, gV, 1.0, 0.0, 0, m), repeat)
+    tr = median_time(lambda: ref.fm_forward_backward(indptr, pos, vals, labels, w, V, 1.0, 0.0), repeat)
+    return [_row("fm_grad/k=8", idx.size, "nnz", t, tr, "scipy CSR (X@V, X.T@...)")]
+
+
+def bench_segment_reduce(rows, repeat, roof):
+    out = []
+    for dim in (1, 16):
+        r = rows if dim == 1 else max(rows // 8, 1)
+        # four workers' pushes: each its batch's sorted unique keys with a gradient row per key
+        parts = [keys.unique_keys(criteo_batch(r // 4, 24, seed=s)[1])[0] for s in range(4)]
+        k = np.concatenate(parts)
+        v = np.ones((k.size, dim), dtype=np.float32)
+        pv = [(p, np.ones((p.size, dim), dtype=np.float32)) for p in parts]
+        tr = median_time(lambda: ref.segment_reduce(k, v), repeat)
+        t = median_time(lambda: keys.segment_reduce(k, v), repeat)
+        out.append(_row(f"segment_reduce/dim={dim} (any order)", k.size, "keys", t, tr, "np.unique + np.add.at"))
+        t = median_time(lambda: keys.merge_sorted(pv), repeat)
+        out.append(_row(f"merge_sorted/dim={dim} (4 sorted)", k.size, "keys", t, tr, "np.unique + np.add.at"))
+    return out
+
+
+def bench_optim(rows, repeat, roof):
+    rng = np.random.default_rng(3)
+    n_rows = 10_000_000
+    slots = np.unique(rng.integers(0, n_rows, rows * 8))
+    rng.shuffle(slots)
+    g = rng.normal(size=(slots.size, 1)).astype(np.float32)
+    w = np.zeros((n_rows, 1), dtype=np.float32)
+    s1, s2 = np.zeros_like(w), np.zeros_like(w)
+    t_ = np.zeros(n_rows, dtype=np.float32)
+    cases = [
+        ("sgd", (0.1, 0.0), optim.sgd, lambda: ref.sgd_vectorized(w, slots, g, 0.1, 0.0)),
+        ("adagrad", (0.1, 1e-8, 0.0), optim.adagrad,
+         lambda: ref.adagrad_vectorized(w, s1, slots, g, 0.1, 1e-8, 0.0)),
+        ("ftrl", (0.1, 1.0, 1.0, 1.0), optim.ftrl,
+         lambda: ref.ftrl_vectorized(w, s1, s2, slots, g, 0.1, 1.0, 1.0, 1.0)),
+        ("adam", (0.01, 0.9, 0.999, 1e-8, 0.0), optim.adam,
+         lambda: ref.adam_vectorized(w, s1, s2, t_, slots, g, 0.01, 0.9, 0.999, 1e-8, 0.0)),
+    ]
+    out = []
+    for name, args, kernel, rfn in cases:
+        table = np.zeros((n_rows, optim.width(name, 1)), dtype=np.float32)
+        table[:, 1:] = optim.state_init(name, 1)
+        t = median_time(lambda: kernel(table, slots, g, *args), repeat)
+        tr = median_time(rfn, repeat)
+        out.append(_row(f"{name}/10M rows", slots.size, "keys", t, tr, "vectorised NumPy, separate arrays",
+                        slots.size / t / 1e6 / roof["random_access_m_s"]))
+        del table
+    return out
+
+
+def bench_hashtable(rows, repeat, roof):
+    n = 10_000_000
+    rng = np.random.default_rng(4)
+    k = np.unique(rng.integers(0, 2**64, int(n * 1.2), dtype=np.uint64))
+    rng.shuffle(k)
+    k, fresh = k[:n], k[n:]
+
+    def insert_all():
+        idx = hashtable.KeyIndex()
+        for lo in range(0, n, 1_000_000):
+            idx.lookup_or_insert(k[lo:lo + 1_000_000])
+        return idx
+
+    t_grow = median_time(insert_all, max(1, repeat // 2))
+    idx = insert_all()
+    # steady state at 10 M keys: batches of 1 M keys, 90 % already present, 10 % new
+    batches = []
+    for b in range(repeat + 1):
+        mix = np.concatenate([k[rng.integers(0, n, 900_000)], fresh[b * 100_000:(b + 1) * 100_000]])
+        rng.shuffle(mix)
+        batches.append(mix)
+    idx.reserve(n + len(batches) * 100_000)
+    it = iter(batches)
+    t_steady = median_time(lambda: idx.lookup_or_insert(next(it)), repeat)
+    probe = k[rng.integers(0, n, 2_000_000)]
+    t_look = median_time(lambda: idx.lookup(probe), repeat)
+    sub = k[:1_000_000]
+    t_dict = median_time(lambda: {key: i for i, key in enumerate(sub.tolist())}, 1) * (n / sub.size)
+    d = {key: i for i, key in enumerate(sub.tolist())}
+    probe_sub = probe[:200_000].tolist()
+    t_dict_look = median_time(lambda: [d.get(x, -1) for x in probe_sub], repeat) * (probe.size / len(probe_sub))
+    grown = insert_all()
+    # payload of an FTRL table, dim 1: key 8 + weight 4 + z 4 + n 4 bytes; the table holds the
+    # index and, per allocated slot, the key and the row
+    payload = 8 + 4 + 4 + 4
+    table_bytes = grown.index.nbytes + grown.key_capacity * payload
+    extra = {"bytes_per_key": table_bytes / grown.size, "payload_bytes": payload,
+             "bytes_ratio": table_bytes / grown.size / payload}
+    return [_row("hash lookup_or_insert/grow 0->10M", n, "keys", t_grow, t_dict, "Python dict", None, extra),
+            _row("hash lookup_or_insert/at 10M", 1_000_000, "keys", t_steady, t_dict_look / 2, "Python dict",
+                 1e6 / t_steady / 1e6 / roof["random_access_m_s"]),
+            _row("hash lookup/10M", probe.size, "keys", t_look, t_dict_look, "Python dict",
+                 probe.size / t_look / 1e6 / roof["random_access_m_s"])]
+
+
+def bench_hashing(rows, repeat, roof):
+    toks = [f"{x:08x}".encode() for x in np.random.default_rng(5).integers(0, 2**32, rows)]
+    buf = np.frombuffer(b"".join(toks), dtype=np.uint8)
+    starts = np.arange(0, 8 * rows, 8, dtype=np.int64)
+    ends = starts + 8
+    fields = (np.arange(rows) % 26).astype(np.uint64)
+    t = median_time(lambda: hashing.hash_tokens(buf, starts, ends, fields), repeat)
+    try:
+        import xxhash
+
+        f = xxhash.xxh64_intdigest
+        tr = median_time(lambda: [f(tk, seed=int(s)) for tk, s in zip(toks, fields.tolist())], repeat)
+        name = "xxhash (C) per token from Python"
+    except ImportError:
+        tr, name = None, ""
+    return [_row("xxh64 tokens (8 B)", rows, "keys", t, tr, name)]
+
+
+def bench_parse(rows, repeat, roof):
+    indptr, idx, vals, labels = criteo_batch(max(rows // 4, 1), 24)
+    text = libsvm_text(indptr, idx, labels)
+    t = median_time(lambda: parse.parse_libsvm(text), repeat)
+    try:
+        import io
+
+        from sklearn.datasets import load_svmlight_file
+
+        tr = median_time(lambda: load_svmlight_file(io.BytesIO(text), n_features=1 << 24), repeat)
+        name = "sklearn load_svmlight_file (Cython)"
+    except ImportError:
+        tr = median_time(lambda: ref.parse_libsvm(text), 1)
+        name = "pure Python"
+    out = [_row("parse libsvm", len(text) / 1e6, "MB", t, tr, name, len(text) / t / 1e9 / roof["seq_read_gb_s"])]
+    ctext = criteo_text(max(rows // 8, 1))
+    t = median_time(lambda: parse.parse_criteo(ctext, bits=24), repeat)
+    part = ctext[: ctext.rfind(b"\n", 0, len(ctext) // 10) + 1]
+    tr = median_time(lambda: ref.parse_criteo(part, bits=24), 1) * (len(ctext) / len(part))
+    out.append(_row("parse criteo tsv", len(ctext) / 1e6, "MB", t, tr, "Python split + xxh64"))
+    return out
+
+
+def bench_metrics(rows, repeat, roof):
+    rng = np.random.default_rng(6)
+    n = rows * 5
+    y = (rng.random(n) < 0.25).astype(np.float32)
+    s = rng.normal(size=n) + y
+    t = median_time(lambda: metrics.auc(y, s), repeat)
+    tr = median_time(lambda: ref.auc(y, s), repeat)
+    t2 = median_time(lambda: metrics.logloss(y, s), repeat)
+    tr2 = median_time(lambda: ref.logloss(y, s), repeat)
+    return [_row("auc", n, "rows", t, tr, "scipy rankdata"), _row("logloss", n, "rows", t2, tr2, "NumPy logaddexp")]
+
+
+BENCHES = {
+    "unique": bench_unique, "lr": bench_lr, "fm": bench_fm, "segment_reduce": bench_segment_reduce,
+    "optim": bench_optim, "hashtable": bench_hashtable, "hashing": bench_hashing, "parse": bench_parse,
+    "metrics": bench_metrics,
+}
+
+
+def warmup() -> None:
+    """Compile (or load from the cache) every kernel once, on tiny inputs."""
+    indptr, idx, vals, labels = criteo_batch(4, 24)
+    uniq, pos = keys.unique_keys(idx)
+    w = np.zeros(len(uniq), dtype=np.float32)
+    V = np.zeros((len(uniq), 2), dtype=np.float32)
+    models.lr_forward_backward(indptr, pos, vals, labels, w, np.empty_like(w), 1.0, 0.0, 0)
+    models.lr_predict(indptr, pos, vals, w, np.empty(4))
+    models.fm_forward_backward(indptr, pos, vals, labels, w, V, np.empty_like(w), np.empty_like(V), 1.0, 0.0, 0, np.empty(4))
+    keys.segment_reduce(idx, np.ones((idx.size, 1), dtype=np.float32))
+    keys.merge_sorted([(uniq, np.ones((uniq.size, 1), np.float32))] * 2)
+    keys.is_sorted_unique(uniq)
+    sl = np.array([0, 2], dtype=np.int64)
+    g = np.ones((2, 1), dtype=np.float32)
+    optim.sgd(np.zeros((3, 1), np.float32), sl, g, 0.1, 0.0)
+    optim.adagrad(np.zeros((3, 2), np.float32), sl, g, 0.1, 1e-8, 0.0)
+    optim.ftrl(np.zeros((3, 3), np.float32), sl, g, 0.1, 1.0, 0.0, 0.0)
+    optim.adam(np.ones((3, 5), np.float32), sl, g, 0.1, 0.9, 0.999, 1e-8, 0.0)
+    ki = hashtable.KeyIndex()
+    ki.lookup(ki.keys[:0].copy())
+    ki.lookup_or_insert(np.arange(100, dtype=np.uint64))
+    hashtable.KeyIndex.from_keys(np.arange(10, dtype=np.uint64))
+    hashing.feature_key(1, b"x")
+    parse.parse_libsvm(b"1 1:1\n")
+    parse.parse_criteo(b"1" + b"\t" * 39 + b"\n")
+    metrics.auc(labels, labels.astype(np.float64))
+    metrics.logloss(labels, labels.astype(np.float64))
+
+
+def _fmt(r, roof) -> str:
+    rate = r["rate"]
+    unit = r["unit"]
+    if unit == "MB":
+        rate_s = f"{rate:8.1f} MB/s"
+    else:
+        rate_s = f"{rate / 1e6:8.2f} M{unit}/s"
+    sp = f"{r['speedup']:7.1f}x" if r["speedup"] else "      - "
+    rf = f"{100 * r['roofline_fraction']:5.0f}%" if r["roofline_fraction"] is not None else "    -"
+    extra = ""
+    if "bytes_per_key" in r:
+        extra = f"  {r['bytes_per_key']:.1f} B/key = {r['bytes_ratio']:.2f}x payload"
+    if "random_accesses_m_s" in r:
+        extra = f"  {r['random_accesses_m_s']:.0f} M random accesses/s"
+    ref_t = f"{r['ref_time_s'] * 1e3:9.1f}" if r["ref_time_s"] else "        -"
+    return f"{r['kernel']:<34} {r['time_s'] * 1e3:9.2f} {rate_s}  {ref_t} {sp} {rf}  {r['ref']}{extra}"
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hpcps_kernels", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("warmup", help="compile every kernel once into the numba cache")
+    b = sub.add_parser("bench", help="time every kernel beside its reference and this machine's rooflines")
+    b.add_argument("--kernel", choices=sorted(BENCHES), action="append", help="only these (repeatable)")
+    b.add_argument("--rows", type=int, default=200_000, help="rows of the Criteo-shaped batch (39 nnz each)")
+    b.add_argument("--repeat", type=int, default=5, help="timed runs per figure (median reported)")
+    b.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
+    args = ap.parse_args(argv)
+    if args.cmd == "warmup":
+        t = time.perf_counter()
+        warmup()
+        print(f"hpcps_kernels: kernels compiled/loaded in {time.perf_counter() - t:.1f} s")
+        return 0
+    roof = rooflines(args.repeat)
+    if args.json:
+        print(json.dumps({"roofline": roof}))
+    else:
+        print(f"rooflines (1 core): sequential read {roof['seq_read_gb_s']:.1f} GB/s, "
+              f"random access {roof['random_access_m_s']:.0f} M/s (512 MiB table)")
+        print(f"{'kernel':<34} {'ms':>9} {'throughput':>13}  {'ref ms':>9} {'speedup':>8} {'roof':>5}  reference")
+    for name in args.kernel or list(BENCHES):
+        for r in BENCHES[name](args.rows, args.repeat, roof):
+            print(json.dumps(r) if args.json else _fmt(r, roof), flush=True)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,127 @@
+"""Feature hashing: XXH64 (xxHash, 64-bit) of a token's bytes, seeded by its field.
+
+A feature key is ``xxh64(token_bytes, seed=field)``: the token's raw bytes (no terminator, no
+encoding step) hashed with the field's index as the 64-bit seed, so the same token in two fields
+gives two unrelated keys. XXH64 is the published algorithm of the xxHash project (Yann Collet);
+the tests check known-answer vectors against the reference C implementation (PyPI ``xxhash``).
+Keys use the whole uint64 space; reducing them to a smaller space (``key & (2**bits - 1)``)
+is left to the caller.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+P1 = np.uint64(0x9E3779B185EBCA87)
+P2 = np.uint64(0xC2B2AE3D27D4EB4F)
+P3 = np.uint64(0x165667B19E3779F9)
+P4 = np.uint64(0x85EBCA77C2B2AE63)
+P5 = np.uint64(0x27D4EB2F165667C5)
+
+
+@njit(inline="always")
+def _rotl(x, r):
+    return (x << np.uint64(r)) | (x >> np.uint64(64 - r))
+
+
+@njit(inline="always")
+def _read64(buf, i):
+    v = np.uint64(0)
+    for k in range(8):
+        v |= np.uint64(buf[i + k]) << np.uint64(8 * k)
+    return v
+
+
+@njit(inline="always")
+def _read32(buf, i):
+    v = np.uint64(0)
+    for k in range(4):
+        v |= np.uint64(buf[i + k]) << np.uint64(8 * k)
+    return v
+
+
+@njit(inline="always")
+def _round(acc, lane):
+    acc = acc + lane * P2
+    acc = _rotl(acc, 31)
+    return acc * P1
+
+
+@njit(inline="always")
+def _merge(acc, val):
+    val = _round(np.uint64(0), val)
+    acc ^= val
+    return acc * P1 + P4
+
+
+@njit(cache=True)
+def xxh64(buf, start, end, seed):
+    """XXH64 of ``buf[start:end]`` (a uint8 array) with a uint64 ``seed``."""
+    seed = np.uint64(seed)
+    n = end - start
+    i = start
+    if n >= 32:
+        v1 = seed + P1 + P2
+        v2 = seed + P2
+        v3 = seed
+        v4 = seed - P1
+        limit = end - 32
+        while i <= limit:
+            v1 = _round(v1, _read64(buf, i))
+            v2 = _round(v2, _read64(buf, i + 8))
+            v3 = _round(v3, _read64(buf, i + 16))
+            v4 = _round(v4, _read64(buf, i + 24))
+            i += 32
+        h = _rotl(v1, 1) + _rotl(v2, 7) + _rotl(v3, 12) + _rotl(v4, 18)
+        h = _merge(h, v1)
+        h = _merge(h, v2)
+        h = _merge(h, v3)
+        h = _merge(h, v4)
+    else:
+        h = seed + P5
+    h += np.uint64(n)
+    while i + 8 <= end:
+        k1 = _round(np.uint64(0), _read64(buf, i))
+        h ^= k1
+        h = _rotl(h, 27) * P1 + P4
+        i += 8
+    if i + 4 <= end:
+        h ^= _read32(buf, i) * P1
+        h = _rotl(h, 23) * P2 + P3
+        i += 4
+    while i < end:
+        h ^= np.uint64(buf[i]) * P5
+        h = _rotl(h, 11) * P1
+        i += 1
+    h ^= h >> np.uint64(33)
+    h *= P2
+    h ^= h >> np.uint64(29)
+    h *= P3
+    h ^= h >> np.uint64(32)
+    return h
+
+
+@njit(cache=True)
+def hash_tokens(buf, starts, ends, fields):
+    """Keys of many tokens: ``xxh64(buf[starts[i]:ends[i]], seed=fields[i])`` for each i."""
+    out = np.empty(starts.shape[0], dtype=np.uint64)
+    for i in range(starts.shape[0]):
+        out[i] = xxh64(buf, starts[i], ends[i], fields[i])
+    return out
+
+
+def feature_key(field: int, token: bytes | str) -> int:
+    """The key of one (field, token) pair, as a Python int (convenience, not for hot loops)."""
+    if isinstance(token, str):
+        token = token.encode()
+    buf = np.frombuffer(token, dtype=np.uint8)
+    return int(xxh64(buf, 0, buf.shape[0], np.uint64(field)))
+
+
+@njit(inline="always")
+def mix64(x):
+    """A bijective 64-bit finaliser (splitmix64's): spreads sequential keys over all bits."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))

@@ -1,0 +1,183 @@
+"""Batch key handling and sparse aggregation.
+
+* :func:`unique_keys`: a CSR batch's ``indices`` (uint64 keys) → sorted unique keys and, for every
+  nonzero, its position in them, so a worker pulls each key once per batch and kernels address
+  the pulled weights by position. Reference: ``np.unique(indices, return_inverse=True)``.
+* :func:`segment_reduce`: several (keys, values) lists concatenated → unique sorted keys with the
+  values of equal keys summed (row-wise for dim > 1). Used to merge gradients inside a worker
+  group and on servers. Reference: ``np.unique`` + ``np.add.at``.
+
+Both dedup with a scratch open-addressing table over the nonzeros (one pass, O(nnz)) and sort only
+the unique keys (:func:`radix_argsort`), instead of sorting every nonzero.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from .hashing import mix64
+
+
+@njit(cache=True)
+def _dedup(keys):
+    """First-seen order dedup: returns (unique keys unsorted, id of each key in them)."""
+    n = keys.shape[0]
+    cap = 16
+    while cap < 2 * n:
+        cap *= 2
+    mask = np.uint64(cap - 1)
+    table = np.full(cap, -1, dtype=np.int64)
+    uniq = np.empty(n, dtype=np.uint64)
+    ids = np.empty(n, dtype=np.int64)
+    u = 0
+    for i in range(n):
+        k = keys[i]
+        j = mix64(k) & mask
+        while True:
+            t = table[j]
+            if t == -1:
+                table[j] = u
+                uniq[u] = k
+                ids[i] = u
+                u += 1
+                break
+            if uniq[t] == k:
+                ids[i] = t
+                break
+            j = (j + np.uint64(1)) & mask
+    return uniq[:u], ids
+
+
+@njit(cache=True)
+def radix_argsort(keys):
+    """Stable LSD radix sort of uint64 keys: returns (sorted keys, order) with
+    ``sorted == keys[order]``. Bytes on which all keys agree are skipped (keys of a 2**24 space
+    take 3 passes), which is what makes it faster than a comparison sort here."""
+    n = keys.shape[0]
+    hist = np.zeros((8, 256), dtype=np.int64)
+    for i in range(n):
+        k = keys[i]
+        for b in range(8):
+            hist[b, (k >> np.uint64(8 * b)) & np.uint64(255)] += 1
+    cur_k = keys.copy()
+    cur_o = np.arange(n)
+    tmp_k = np.empty(n, dtype=np.uint64)
+    tmp_o = np.empty(n, dtype=np.int64)
+    offs = np.empty(256, dtype=np.int64)
+    for b in range(8):
+        if hist[b].max() == n:
+            continue
+        total = 0
+        for d in range(256):
+            offs[d] = total
+            total += hist[b, d]
+        shift = np.uint64(8 * b)
+        for i in range(n):
+            d = (cur_k[i] >> shift) & np.uint64(255)
+            p = offs[d]
+            offs[d] = p + 1
+            tmp_k[p] = cur_k[i]
+            tmp_o[p] = cur_o[i]
+        cur_k, tmp_k = tmp_k, cur_k
+        cur_o, tmp_o = tmp_o, cur_o
+    return cur_k, cur_o
+
+
+@njit(cache=True)
+def unique_keys(keys):
+    """Sorted unique keys and ``pos`` with ``uniq[pos[i]] == keys[i]`` (pos as int32 if small)."""
+    uniq, ids = _dedup(keys)
+    sorted_uniq, order = radix_argsort(uniq)
+    rank = np.empty(order.shape[0], dtype=np.int64)
+    for r in range(order.shape[0]):
+        rank[order[r]] = r
+    pos = np.empty(keys.shape[0], dtype=np.int64)
+    for i in range(keys.shape[0]):
+        pos[i] = rank[ids[i]]
+    return sorted_uniq, pos
+
+
+@njit(cache=True)
+def segment_reduce(keys, values):
+    """Sum ``values`` (shape ``(n, dim)``) of equal ``keys``; returns (sorted unique keys, sums)."""
+    uniq, ids = _dedup(keys)
+    dim = values.shape[1]
+    acc = np.zeros((uniq.shape[0], dim), dtype=values.dtype)
+    for i in range(keys.shape[0]):
+        t = ids[i]
+        for d in range(dim):
+            acc[t, d] += values[i, d]
+    sorted_uniq, order = radix_argsort(uniq)
+    out = np.empty_like(acc)
+    for r in range(order.shape[0]):
+        out[r, :] = acc[order[r], :]
+    return sorted_uniq, out
+
+
+@njit(cache=True)
+def is_sorted_unique(keys):
+    for i in range(1, keys.shape[0]):
+        if keys[i] <= keys[i - 1]:
+            return False
+    return True
+
+
+@njit(cache=True)
+def _merge2(ka, va, kb, vb):
+    """Merge two sorted unique key lists, summing the values of keys in both."""
+    n, m = ka.shape[0], kb.shape[0]
+    dim = va.shape[1]
+    keys = np.empty(n + m, dtype=np.uint64)
+    vals = np.empty((n + m, dim), dtype=va.dtype)
+    i = j = o = 0
+    while i < n and j < m:
+        a, b = ka[i], kb[j]
+        if a < b:
+            keys[o] = a
+            vals[o, :] = va[i, :]
+            i += 1
+        elif b < a:
+            keys[o] = b
+            vals[o, :] = vb[j, :]
+            j += 1
+        else:
+            keys[o] = a
+            for d in range(dim):
+                vals[o, d] = va[i, d] + vb[j, d]
+            i += 1
+            j += 1
+        o += 1
+    while i < n:
+        keys[o] = ka[i]
+        vals[o, :] = va[i, :]
+        i += 1
+        o += 1
+    while j < m:
+        keys[o] = kb[j]
+        vals[o, :] = vb[j, :]
+        j += 1
+        o += 1
+    return keys[:o], vals[:o]
+
+
+def merge_sorted(parts):
+    """Segment reduce of lists that are each sorted and unique (what workers push).
+
+    Args:
+        parts: a sequence of ``(keys, values)`` with ``keys`` sorted unique uint64 and
+            ``values`` of shape ``(len(keys), dim)``.
+
+    Returns:
+        ``(keys, sums)`` like :func:`segment_reduce` over their concatenation, by pairwise
+        merges (log2(len(parts)) sequential passes, no hashing, no sort).
+    """
+    parts = [(np.asarray(k, dtype=np.uint64), np.asarray(v)) for k, v in parts]
+    if not parts:
+        raise ValueError("merge_sorted needs at least one list")
+    while len(parts) > 1:
+        nxt = [_merge2(*parts[i], *parts[i + 1]) for i in range(0, len(parts) - 1, 2)]
+        if len(parts) % 2:
+            nxt.append(parts[-1])
+        parts = nxt
+    return parts[0]

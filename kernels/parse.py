@@ -1,0 +1,348 @@
+"""Text parsing into CSR: libsvm/svmlight, and Criteo-format TSV hashed into uint64 keys.
+
+Both parsers read a uint8 array of whole lines (a chunk of a file) and fill preallocated arrays.
+A malformed line stops the parse with an error code and the line's number; with ``skip_bad`` it is
+skipped and counted instead. The Python wrappers (:func:`parse_libsvm`, :func:`parse_criteo`)
+allocate, call the kernel and raise :class:`ParseError` naming the source and line.
+
+libsvm: ``label idx:val idx:val ... [# comment]``; indices are decimal integers taken as uint64
+keys (not hashed); an optional ``qid:N`` is ignored; blank lines and ``#`` lines are skipped but
+counted in the line numbers. Values and labels must be finite decimal numbers.
+
+Criteo TSV: 40 tab-separated columns: label (0/1), 13 integer features, 26 categorical tokens;
+empty columns are missing values (no feature). Keys (see :mod:`hpcps_kernels.hashing`):
+
+* integer column ``i`` (0..12) with value ``v``: bucket ``b = v`` if ``v <= 2`` else
+  ``floor(log(v)**2)`` (the log-squared bucketing of the Criteo competition's winners); key =
+  ``xxh64(int64 b as 8 little-endian bytes, seed=i)``;
+* categorical column ``j`` (0..25) with token ``t``: key = ``xxh64(t's bytes, seed=13 + j)``;
+
+then ``key & mask``. Every value is 1.0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+from .hashing import xxh64
+
+OK = 0
+BAD_LABEL = 1
+BAD_INDEX = 2
+MISSING_COLON = 3
+BAD_VALUE = 4
+NOT_FINITE = 5
+BAD_COLUMNS = 6
+MESSAGES = {
+    BAD_LABEL: "bad label",
+    BAD_INDEX: "bad feature index (expected a non-negative integer below 2**64)",
+    MISSING_COLON: "expected index:value",
+    BAD_VALUE: "bad number",
+    NOT_FINITE: "value is NaN or infinite",
+    BAD_COLUMNS: "expected 40 tab-separated columns (label, 13 integers, 26 categories)",
+}
+
+SPACE, TAB, NL, CR, HASH, COLON = 32, 9, 10, 13, 35, 58
+
+
+class ParseError(ValueError):
+    """A malformed line; ``source`` and ``line`` (1-based) say where."""
+
+    def __init__(self, source: str, line: int, reason: str, text: str = ""):
+        self.source, self.line, self.reason = source, line, reason
+        msg = f"{source}:{line}: {reason}"
+        if text:
+            msg += f": {text[:120]!r}"
+        super().__init__(msg)
+
+
+@njit(inline="always")
+def _is_digit(c):
+    return 48 <= c <= 57
+
+
+@njit(cache=True)
+def _parse_float(buf, i, end):
+    """Parse a decimal float at ``buf[i:end]``; returns (value, next index, status)."""
+    neg = False
+    if i < end and (buf[i] == 45 or buf[i] == 43):  # - +
+        neg = buf[i] == 45
+        i += 1
+    mant = 0
+    digits = 0
+    exp10 = 0
+    start = i
+    while i < end and _is_digit(buf[i]):
+        if digits < 18:
+            mant = mant * 10 + (buf[i] - 48)
+            digits += 1 if (mant > 0) else 0
+        else:
+            exp10 += 1
+        i += 1
+    if i < end and buf[i] == 46:  # .
+        i += 1
+        while i < end and _is_digit(buf[i]):
+            if digits < 18:
+                mant = mant * 10 + (buf[i] - 48)
+                digits += 1 if (mant > 0) else 0
+                exp10 -= 1
+            i += 1
+    if i == start or (i == start + 1 and buf[start] == 46):
+        return 0.0, i, BAD_VALUE
+    if i < end and (buf[i] == 101 or buf[i] == 69):  # e E
+        i += 1
+        eneg = False
+        if i < end and (buf[i] == 45 or buf[i] == 43):
+            eneg = buf[i] == 45
+            i += 1
+        if i >= end or not _is_digit(buf[i]):
+            return 0.0, i, BAD_VALUE
+        e = 0
+        while i < end and _is_digit(buf[i]):
+            if e < 100000:
+                e = e * 10 + (buf[i] - 48)
+            i += 1
+        exp10 += -e if eneg else e
+    if mant == 0:
+        v = 0.0
+    elif exp10 >= 0:
+        v = mant * (10.0 ** exp10) if exp10 < 400 else math.inf
+    else:
+        v = mant / (10.0 ** (-exp10)) if exp10 > -400 else 0.0
+    if neg:
+        v = -v
+    if not math.isfinite(v) or abs(v) > 3.4028234663852886e38:  # also inf once stored as float32
+        return v, i, NOT_FINITE
+    return v, i, OK
+
+
+@njit(cache=True)
+def _line_end(buf, i, n):
+    while i < n and buf[i] != NL:
+        i += 1
+    return i
+
+
+@njit(cache=True)
+def libsvm_kernel(buf, labels, indptr, indices, values, skip_bad):
+    """Parse libsvm lines. Returns (rows, nnz, status, bad line index (0-based), lines skipped)."""
+    n = buf.shape[0]
+    i = 0
+    line = 0
+    rows = 0
+    nnz = 0
+    skipped = 0
+    indptr[0] = 0
+    while i < n:
+        end = _line_end(buf, i, n)
+        stop = end
+        if stop > i and buf[stop - 1] == CR:
+            stop -= 1
+        # comment
+        for c in range(i, stop):
+            if buf[c] == HASH:
+                stop = c
+                break
+        j = i
+        while j < stop and (buf[j] == SPACE or buf[j] == TAB):
+            j += 1
+        status = OK
+        if j < stop:
+            lab, j, st = _parse_float(buf, j, stop)
+            if st != OK or (j < stop and buf[j] != SPACE and buf[j] != TAB):
+                status = BAD_LABEL if st != NOT_FINITE else NOT_FINITE
+            row_nnz = nnz
+            while status == OK:
+                while j < stop and (buf[j] == SPACE or buf[j] == TAB):
+                    j += 1
+                if j >= stop:
+                    break
+                # qid:N is skipped
+                if stop - j > 4 and buf[j] == 113 and buf[j + 1] == 105 and buf[j + 2] == 100 and buf[j + 3] == COLON:
+                    j += 4
+                    while j < stop and buf[j] != SPACE and buf[j] != TAB:
+                        j += 1
+                    continue
+                if not _is_digit(buf[j]):
+                    status = BAD_INDEX
+                    break
+                key = np.uint64(0)
+                nd = 0
+                overflow = False
+                while j < stop and _is_digit(buf[j]):
+                    d = np.uint64(buf[j] - 48)
+                    if key > np.uint64(1844674407370955161) or (key == np.uint64(1844674407370955161) and d > np.uint64(5)):
+                        overflow = True
+                    key = key * np.uint64(10) + d
+                    nd += 1
+                    j += 1
+                if overflow:
+                    status = BAD_INDEX
+                    break
+                if j >= stop or buf[j] != COLON:
+                    status = MISSING_COLON
+                    break
+                j += 1
+                v, j, st = _parse_float(buf, j, stop)
+                if st != OK:
+                    status = st
+                    break
+                if j < stop and buf[j] != SPACE and buf[j] != TAB:
+                    status = BAD_VALUE
+                    break
+                indices[row_nnz] = key
+                values[row_nnz] = v
+                row_nnz += 1
+            if status == OK:
+                labels[rows] = lab
+                nnz = row_nnz
+                rows += 1
+                indptr[rows] = nnz
+            elif skip_bad:
+                skipped += 1
+            else:
+                return rows, nnz, status, line, skipped
+        i = end + 1
+        line += 1
+    return rows, nnz, OK, -1, skipped
+
+
+@njit(cache=True)
+def _int_bucket(v):
+    if v <= 2:
+        return v
+    lv = math.log(v)
+    return np.int64(math.floor(lv * lv))
+
+
+@njit(cache=True)
+def criteo_kernel(buf, labels, indptr, indices, skip_bad, mask):
+    """Parse Criteo TSV lines into hashed keys. Returns like :func:`libsvm_kernel`."""
+    n = buf.shape[0]
+    i = 0
+    line = 0
+    rows = 0
+    nnz = 0
+    skipped = 0
+    indptr[0] = 0
+    scratch = np.empty(8, dtype=np.uint8)
+    while i < n:
+        end = _line_end(buf, i, n)
+        stop = end
+        if stop > i and buf[stop - 1] == CR:
+            stop -= 1
+        if stop == i:  # blank line
+            i = end + 1
+            line += 1
+            continue
+        status = OK
+        row_nnz = nnz
+        col = 0
+        j = i
+        lab = 0.0
+        while True:
+            a = j
+            while j < stop and buf[j] != TAB:
+                j += 1
+            b = j  # column is buf[a:b]
+            if col == 0:
+                if b - a == 1 and (buf[a] == 48 or buf[a] == 49):
+                    lab = float(buf[a] - 48)
+                else:
+                    status = BAD_LABEL
+                    break
+            elif col <= 13:
+                if b > a:
+                    neg = buf[a] == 45
+                    k = a + 1 if neg else a
+                    if k >= b:
+                        status = BAD_VALUE
+                        break
+                    v = 0
+                    while k < b and _is_digit(buf[k]):
+                        if v < 10**17:
+                            v = v * 10 + (buf[k] - 48)
+                        k += 1
+                    if k != b:
+                        status = BAD_VALUE
+                        break
+                    bucket = _int_bucket(-v if neg else v)
+                    u = np.uint64(bucket)
+                    for t in range(8):
+                        scratch[t] = np.uint8((u >> np.uint64(8 * t)) & np.uint64(255))
+                    indices[row_nnz] = xxh64(scratch, 0, 8, np.uint64(col - 1)) & mask
+                    row_nnz += 1
+            elif col <= 39:
+                if b > a:
+                    indices[row_nnz] = xxh64(buf, a, b, np.uint64(col - 1)) & mask
+                    row_nnz += 1
+            else:
+                status = BAD_COLUMNS
+                break
+            col += 1
+            if j >= stop:
+                break
+            j += 1  # skip the tab
+        if status == OK and col != 40:
+            status = BAD_COLUMNS
+        if status == OK:
+            labels[rows] = lab
+            nnz = row_nnz
+            rows += 1
+            indptr[rows] = nnz
+        elif skip_bad:
+            skipped += 1
+        else:
+            return rows, nnz, status, line, skipped
+        i = end + 1
+        line += 1
+    return rows, nnz, OK, -1, skipped
+
+
+def _as_bytes(data) -> np.ndarray:
+    if isinstance(data, np.ndarray):
+        return data.view(np.uint8).reshape(-1)
+    return np.frombuffer(data, dtype=np.uint8)
+
+
+def _line_text(buf: np.ndarray, line: int) -> str:
+    lines = bytes(buf).split(b"\n")
+    return lines[line].decode(errors="replace") if line < len(lines) else ""
+
+
+def parse_libsvm(data, *, source: str = "<bytes>", first_line: int = 1, skip_bad: bool = False):
+    """Parse libsvm text. Returns ``(labels f32, indptr i64, indices u64, values f32, skipped)``.
+
+    ``first_line`` is the number of the chunk's first line in its file (for error messages).
+    """
+    buf = _as_bytes(data)
+    max_rows = int(np.count_nonzero(buf == NL)) + 1
+    max_nnz = int(np.count_nonzero(buf == COLON))
+    labels = np.empty(max_rows, dtype=np.float32)
+    indptr = np.empty(max_rows + 1, dtype=np.int64)
+    indices = np.empty(max_nnz, dtype=np.uint64)
+    values = np.empty(max_nnz, dtype=np.float32)
+    rows, nnz, status, bad, skipped = libsvm_kernel(buf, labels, indptr, indices, values, skip_bad)
+    if status != OK:
+        raise ParseError(source, first_line + bad, MESSAGES[status], _line_text(buf, bad))
+    return labels[:rows].copy(), indptr[: rows + 1].copy(), indices[:nnz].copy(), values[:nnz].copy(), int(skipped)
+
+
+def parse_criteo(data, *, source: str = "<bytes>", first_line: int = 1, skip_bad: bool = False,
+                 bits: int = 64):
+    """Parse Criteo TSV. Returns ``(labels f32, indptr i64, indices u64, values f32, skipped)``;
+    keys are reduced to ``bits`` bits."""
+    buf = _as_bytes(data)
+    max_rows = int(np.count_nonzero(buf == NL)) + 1
+    labels = np.empty(max_rows, dtype=np.float32)
+    indptr = np.empty(max_rows + 1, dtype=np.int64)
+    indices = np.empty(max_rows * 39, dtype=np.uint64)
+    mask = np.uint64(2**bits - 1) if bits < 64 else np.uint64(2**64 - 1)
+    rows, nnz, status, bad, skipped = criteo_kernel(buf, labels, indptr, indices, skip_bad, mask)
+    if status != OK:
+        raise ParseError(source, first_line + bad, MESSAGES[status], _line_text(buf, bad))
+    return (labels[:rows].copy(), indptr[: rows + 1].copy(), indices[:nnz].copy(),
+            np.ones(nnz, dtype=np.float32), int(skipped))

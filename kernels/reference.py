@@ -1,0 +1,215 @@
+"""NumPy/SciPy reference implementations of every kernel, for the tests and the profiler.
+
+Written for clarity, vectorised where NumPy allows, so that the profiler's speed-up compares
+against what a competent NumPy user would write.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import scipy.sparse as sp
+from scipy.special import expit
+from scipy.stats import rankdata
+
+from .hashing import xxh64
+
+
+def unique_keys(keys):
+    uniq, inv = np.unique(keys, return_inverse=True)
+    return uniq, inv.reshape(-1)
+
+
+def segment_reduce(keys, values):
+    uniq, inv = np.unique(keys, return_inverse=True)
+    out = np.zeros((uniq.shape[0], values.shape[1]), dtype=values.dtype)
+    np.add.at(out, inv.reshape(-1), values)
+    return uniq, out
+
+
+def csr(indptr, pos, vals, ncols):
+    """The batch as a canonical scipy CSR matrix (duplicates summed)."""
+    m = sp.csr_matrix((vals.astype(np.float64), pos, indptr), shape=(len(indptr) - 1, ncols))
+    m.sum_duplicates()
+    return m
+
+
+def _loss(m, y, loss):
+    if loss == 0:
+        return float(np.sum(np.logaddexp(0.0, m) - y * m)), expit(m) - y
+    d = m - y
+    return float(0.5 * np.sum(d * d)), d
+
+
+def lr_forward_backward(indptr, pos, vals, labels, w, scale, l2, loss=0):
+    X = csr(indptr, pos, vals, len(w))
+    m = X @ w.astype(np.float64)
+    total, g = _loss(m, labels.astype(np.float64), loss)
+    grad = X.T @ (g * scale) + l2 * w
+    return total, grad.astype(np.float32)
+
+
+def fm_forward_backward(indptr, pos, vals, labels, w, V, scale, l2, loss=0):
+    X = csr(indptr, pos, vals, len(w))
+    X2 = X.multiply(X).tocsr()
+    V64 = V.astype(np.float64)
+    s = X @ V64
+    m = X @ w.astype(np.float64) + 0.5 * (np.sum(s * s, axis=1) - (X2 @ (V64 * V64)).sum(axis=1))
+    total, g = _loss(m, labels.astype(np.float64), loss)
+    g = g * scale
+    gw = X.T @ g + l2 * w
+    gV = X.T @ (g[:, None] * s) - V64 * (X2.T @ g)[:, None] + l2 * V64
+    return total, gw.astype(np.float32), gV.astype(np.float32), m
+
+
+def sgd(rows, slots, grads, lr, l2):
+    dim = grads.shape[1]
+    for i, s in enumerate(slots):
+        w = rows[s, :dim].astype(np.float64)
+        rows[s, :dim] = w - lr * (grads[i] + l2 * w)
+
+
+def adagrad(rows, slots, grads, lr, eps, l2):
+    dim = grads.shape[1]
+    for i, s in enumerate(slots):
+        w = rows[s, :dim].astype(np.float64)
+        g = grads[i] + l2 * w
+        rows[s, dim:2 * dim] = rows[s, dim:2 * dim] + g * g
+        rows[s, :dim] = w - lr * g / (np.sqrt(rows[s, dim:2 * dim].astype(np.float64)) + eps)
+
+
+def ftrl(rows, slots, grads, alpha, beta, l1, l2):
+    """McMahan et al. 2013, Algorithm 1, line by line for each listed coordinate (w | z | n)."""
+    dim = grads.shape[1]
+    for i, s in enumerate(slots):
+        for d in range(dim):
+            g = float(grads[i, d])
+            w, z, n = float(rows[s, d]), float(rows[s, dim + d]), float(rows[s, 2 * dim + d])
+            sigma = (math.sqrt(n + g * g) - math.sqrt(n)) / alpha
+            z = z + g - sigma * w
+            n = n + g * g
+            rows[s, dim + d] = z
+            rows[s, 2 * dim + d] = n
+            z, n = float(rows[s, dim + d]), float(rows[s, 2 * dim + d])
+            if abs(z) <= l1:
+                rows[s, d] = 0.0
+            else:
+                rows[s, d] = -(z - np.sign(z) * l1) / ((beta + math.sqrt(n)) / alpha + l2)
+
+
+def adam(rows, slots, grads, lr, beta1, beta2, eps, l2):
+    """Kingma & Ba 2015, Algorithm 1, per row with its own step count t = number of its updates.
+
+    ``t`` is recovered from the stored power ``beta1**t`` only to index the published formula."""
+    dim = grads.shape[1]
+    for i, s in enumerate(slots):
+        t = round(math.log(float(rows[s, 3 * dim])) / math.log(beta1)) + 1
+        rows[s, 3 * dim], rows[s, 3 * dim + 1] = beta1 ** t, beta2 ** t
+        w = rows[s, :dim].astype(np.float64)
+        g = grads[i] + l2 * w
+        rows[s, dim:2 * dim] = beta1 * rows[s, dim:2 * dim] + (1 - beta1) * g
+        rows[s, 2 * dim:3 * dim] = beta2 * rows[s, 2 * dim:3 * dim] + (1 - beta2) * g * g
+        mhat = rows[s, dim:2 * dim].astype(np.float64) / (1 - beta1 ** t)
+        vhat = rows[s, 2 * dim:3 * dim].astype(np.float64) / (1 - beta2 ** t)
+        rows[s, :dim] = w - lr * mhat / (np.sqrt(vhat) + eps)
+
+
+def auc(labels, scores):
+    pos = labels > 0.5
+    n1, n0 = int(pos.sum()), int((~pos).sum())
+    if n1 == 0 or n0 == 0:
+        return float("nan")
+    ranks = rankdata(scores)
+    return float((ranks[pos].sum() - n1 * (n1 + 1) / 2) / (n1 * n0))
+
+
+def logloss(labels, margins):
+    m = np.asarray(margins, dtype=np.float64)
+    return float(np.mean(np.logaddexp(0.0, m) - labels * m))
+
+
+def parse_libsvm(text: bytes):
+    labels, indptr, indices, values = [], [0], [], []
+    for raw in text.split(b"\n"):
+        line = raw.split(b"#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        labels.append(float(parts[0]))
+        for tok in parts[1:]:
+            k, v = tok.split(b":")
+            if k == b"qid":
+                continue
+            indices.append(int(k))
+            values.append(float(v))
+        indptr.append(len(indices))
+    return (np.array(labels, dtype=np.float32), np.array(indptr, dtype=np.int64),
+            np.array(indices, dtype=np.uint64), np.array(values, dtype=np.float32))
+
+
+def criteo_key(col: int, field: bytes) -> int:
+    """The key of one non-empty Criteo column (1..39), as documented in :mod:`.parse`."""
+    if col <= 13:
+        v = int(field)
+        b = v if v <= 2 else int(math.floor(math.log(v) ** 2))
+        data = np.frombuffer(int(b).to_bytes(8, "little", signed=True), dtype=np.uint8)
+        return int(xxh64(data, 0, 8, np.uint64(col - 1)))
+    data = np.frombuffer(field, dtype=np.uint8)
+    return int(xxh64(data, 0, len(field), np.uint64(col - 1)))
+
+
+def parse_criteo(text: bytes, bits: int = 64):
+    mask = (1 << bits) - 1
+    labels, indptr, indices = [], [0], []
+    for line in text.split(b"\n"):
+        if not line:
+            continue
+        cols = line.rstrip(b"\r").split(b"\t")
+        labels.append(float(cols[0]))
+        for c in range(1, 40):
+            if cols[c]:
+                indices.append(criteo_key(c, cols[c]) & mask)
+        indptr.append(len(indices))
+    return (np.array(labels, dtype=np.float32), np.array(indptr, dtype=np.int64),
+            np.array(indices, dtype=np.uint64))
+
+
+# Vectorised forms of the update rules for rows listed once (what the profiler compares against;
+# the loops above are the line-by-line transcriptions the tests use). A NumPy user would keep
+# parameters and each state in separate arrays, so these take separate arrays.
+
+def sgd_vectorized(w_, slots, grads, lr, l2):
+    w = w_[slots].astype(np.float64)
+    w_[slots] = w - lr * (grads + l2 * w)
+
+
+def adagrad_vectorized(w_, acc, slots, grads, lr, eps, l2):
+    w = w_[slots].astype(np.float64)
+    g = grads + l2 * w
+    a = acc[slots] + g * g
+    acc[slots] = a
+    w_[slots] = w - lr * g / (np.sqrt(a) + eps)
+
+
+def ftrl_vectorized(w_, z, n, slots, grads, alpha, beta, l1, l2):
+    g = grads.astype(np.float64)
+    w = w_[slots].astype(np.float64)
+    n_old = n[slots].astype(np.float64)
+    n_new = n_old + g * g
+    zz = z[slots] + g - (np.sqrt(n_new) - np.sqrt(n_old)) / alpha * w
+    z[slots] = zz
+    n[slots] = n_new
+    w_[slots] = np.where(np.abs(zz) <= l1, 0.0,
+                         -(zz - np.sign(zz) * l1) / ((beta + np.sqrt(n_new)) / alpha + l2))
+
+
+def adam_vectorized(w_, m, v, t, slots, grads, lr, beta1, beta2, eps, l2):
+    t[slots] += 1
+    step = t[slots].astype(np.float64)[:, None]
+    w = w_[slots].astype(np.float64)
+    g = grads + l2 * w
+    mm = beta1 * m[slots] + (1 - beta1) * g
+    vv = beta2 * v[slots] + (1 - beta2) * g * g
+    m[slots], v[slots] = mm, vv
+    w_[slots] = w - lr * (mm / (1 - beta1 ** step)) / (np.sqrt(vv / (1 - beta2 ** step)) + eps)

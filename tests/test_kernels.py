@@ -1,0 +1,413 @@
+"""Every kernel against its NumPy/SciPy reference, over many shapes, plus invariants."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hpcps_kernels import hashing, hashtable, keys, metrics, models, optim, parse
+from hpcps_kernels import reference as ref
+
+U64_MAX = np.iinfo(np.uint64).max
+SETTINGS = settings(max_examples=60, deadline=None)
+
+
+def key_arrays():
+    """uint64 key arrays: empty, tiny, with duplicates, near both ends of the uint64 range."""
+    edge = st.sampled_from([0, 1, 2, U64_MAX, U64_MAX - 1, 2**63, 2**63 - 1])
+    key = st.one_of(edge, st.integers(0, 50), st.integers(0, U64_MAX))
+    return st.lists(key, max_size=300).map(lambda xs: np.array(xs, dtype=np.uint64))
+
+
+def random_batch(rng, rows, per_row, space, dup_rows=True):
+    counts = rng.integers(0, per_row + 1, rows)
+    indptr = np.zeros(rows + 1, dtype=np.int64)
+    indptr[1:] = np.cumsum(counts)
+    idx = rng.integers(0, space, indptr[-1], dtype=np.uint64)
+    if dup_rows and indptr[-1] > 2:
+        idx[1] = idx[0]  # a key repeated inside a row (when row 0 has two nonzeros) or across rows
+    vals = rng.normal(size=indptr[-1]).astype(np.float32)
+    labels = (rng.random(rows) < 0.4).astype(np.float32)
+    return indptr, idx, vals, labels
+
+
+# -- 1. batch keys and 4. segment reduce ---------------------------------------------------------
+
+@SETTINGS
+@given(key_arrays())
+def test_unique_keys_matches_numpy(k):
+    uniq, pos = keys.unique_keys(k)
+    ruq, rpos = ref.unique_keys(k)
+    np.testing.assert_array_equal(uniq, ruq)
+    np.testing.assert_array_equal(pos, rpos)
+    assert keys.is_sorted_unique(uniq)
+    np.testing.assert_array_equal(uniq[pos], k)
+
+
+@SETTINGS
+@given(key_arrays(), st.sampled_from([1, 3, 16]))
+def test_segment_reduce_matches_numpy_and_loses_no_mass(k, dim):
+    rng = np.random.default_rng(len(k))
+    v = rng.integers(-5, 6, size=(len(k), dim)).astype(np.float32)  # integers: sums are exact
+    uk, uv = keys.segment_reduce(k, v)
+    rk, rv = ref.segment_reduce(k, v)
+    np.testing.assert_array_equal(uk, rk)
+    np.testing.assert_array_equal(uv, rv)
+    assert keys.is_sorted_unique(uk)
+    np.testing.assert_array_equal(uv.sum(axis=0), v.sum(axis=0))
+
+
+@SETTINGS
+@given(st.lists(key_arrays(), min_size=1, max_size=7), st.sampled_from([1, 4]))
+def test_merge_sorted_equals_segment_reduce_of_the_concatenation(lists, dim):
+    parts = []
+    for i, k in enumerate(lists):
+        u = np.unique(k)
+        parts.append((u, np.full((u.size, dim), i + 1, dtype=np.float32)))
+    mk, mv = keys.merge_sorted(parts)
+    rk, rv = ref.segment_reduce(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
+    np.testing.assert_array_equal(mk, rk)
+    np.testing.assert_array_equal(mv, rv)
+
+
+def test_segment_reduce_of_float_values_is_bitwise_like_add_at():
+    rng = np.random.default_rng(1)
+    k = rng.integers(0, 1000, 50_000).astype(np.uint64)
+    v = rng.normal(size=(50_000, 4)).astype(np.float32)
+    uk, uv = keys.segment_reduce(k, v)
+    rk, rv = ref.segment_reduce(k, v)
+    np.testing.assert_array_equal(uv, rv)
+
+
+# -- 2. logistic regression, 3. factorization machine -------------------------------------------
+
+@pytest.mark.parametrize("rows,per_row,space", [(0, 5, 10), (1, 1, 10), (1, 39, 5), (257, 39, 2**24),
+                                                (64, 10, 2**64 - 1), (100, 3, 7)])
+@pytest.mark.parametrize("loss", [models.LOGISTIC, models.SQUARED])
+@pytest.mark.parametrize("l2", [0.0, 0.1])
+def test_lr_matches_scipy(rows, per_row, space, loss, l2):
+    rng = np.random.default_rng(rows * 31 + per_row)
+    indptr, idx, vals, labels = random_batch(rng, rows, per_row, space)
+    uniq, pos = keys.unique_keys(idx)
+    w = rng.normal(size=len(uniq)).astype(np.float32)
+    grad = np.empty_like(w)
+    scale = 1.0 / max(rows, 1)
+    total = models.lr_forward_backward(indptr, pos, vals, labels, w, grad, scale, l2, loss)
+    rtotal, rgrad = ref.lr_forward_backward(indptr, pos, vals, labels, w, scale, l2, loss)
+    assert total == pytest.approx(rtotal, rel=1e-9, abs=1e-9)
+    np.testing.assert_allclose(grad, rgrad, rtol=2e-5, atol=1e-6)
+    margins = np.empty(rows)
+    models.lr_predict(indptr, pos, vals, w, margins)
+    X = ref.csr(indptr, pos, vals, len(w))
+    np.testing.assert_allclose(margins, X @ w.astype(np.float64), rtol=1e-9, atol=1e-9)
+
+
+def test_lr_duplicate_key_in_a_row_acts_as_the_sum_of_its_values():
+    indptr = np.array([0, 3], dtype=np.int64)
+    idx = np.array([5, 9, 5], dtype=np.uint64)
+    uniq, pos = keys.unique_keys(idx)
+    vals = np.array([1.0, 2.0, 3.0], dtype=np.float32)
+    w = np.array([0.5, -0.25], dtype=np.float32)  # keys 5, 9
+    grad = np.empty_like(w)
+    total = models.lr_forward_backward(indptr, pos, vals, np.ones(1, np.float32), w, grad, 1.0, 0.0, 0)
+    m = 0.5 * 4 - 0.25 * 2  # key 5 with value 1 + 3
+    p = 1 / (1 + math.exp(-m))
+    assert total == pytest.approx(math.log1p(math.exp(-m)))
+    np.testing.assert_allclose(grad, [(p - 1) * 4, (p - 1) * 2], rtol=1e-6)
+
+
+@pytest.mark.parametrize("rows,per_row,space", [(0, 4, 10), (1, 1, 10), (1, 39, 4), (200, 39, 2**24),
+                                                (50, 8, 2**64 - 1)])
+@pytest.mark.parametrize("k", [1, 4, 16])
+@pytest.mark.parametrize("loss", [models.LOGISTIC, models.SQUARED])
+def test_fm_matches_scipy(rows, per_row, space, k, loss):
+    rng = np.random.default_rng(rows + 7 * k)
+    indptr, idx, vals, labels = random_batch(rng, rows, per_row, space)
+    uniq, pos = keys.unique_keys(idx)
+    w = rng.normal(size=len(uniq)).astype(np.float32)
+    V = (0.3 * rng.normal(size=(len(uniq), k))).astype(np.float32)
+    gw, gV, margins = np.empty_like(w), np.empty_like(V), np.empty(rows)
+    scale, l2 = 1.0 / max(rows, 1), 0.05
+    total = models.fm_forward_backward(indptr, pos, vals, labels, w, V, gw, gV, scale, l2, loss, margins)
+    rtotal, rgw, rgV, rm = ref.fm_forward_backward(indptr, pos, vals, labels, w, V, scale, l2, loss)
+    assert total == pytest.approx(rtotal, rel=1e-9, abs=1e-9)
+    np.testing.assert_allclose(margins, rm, rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(gw, rgw, rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(gV, rgV, rtol=2e-5, atol=1e-6)
+
+
+def test_fm_gradient_matches_finite_differences():
+    rng = np.random.default_rng(3)
+    indptr, idx, vals, labels = random_batch(rng, 5, 6, 12)
+    uniq, pos = keys.unique_keys(idx)
+    w = rng.normal(size=len(uniq))
+    V = 0.5 * rng.normal(size=(len(uniq), 3))
+    gw, gV, none = np.empty_like(w), np.empty_like(V), np.empty(0)
+
+    def f(w_, V_):
+        return models.fm_forward_backward(indptr, pos, vals, labels, w_, V_, np.empty_like(w_),
+                                          np.empty_like(V_), 1.0, 0.0, 0, none)
+
+    models.fm_forward_backward(indptr, pos, vals, labels, w, V, gw, gV, 1.0, 0.0, 0, none)
+    h = 1e-6
+    for u in range(len(uniq)):
+        e = np.zeros_like(w); e[u] = h
+        assert gw[u] == pytest.approx((f(w + e, V) - f(w - e, V)) / (2 * h), rel=1e-5, abs=1e-7)
+        for c in range(3):
+            E = np.zeros_like(V); E[u, c] = h
+            assert gV[u, c] == pytest.approx((f(w, V + E) - f(w, V - E)) / (2 * h), rel=1e-5, abs=1e-7)
+
+
+# -- 5. optimizers against line-by-line transcriptions -------------------------------------------
+
+def _opt_case(name, dim, seed):
+    rng = np.random.default_rng(seed)
+    n_rows, n_upd = 20, 60
+    slots = rng.integers(0, n_rows, n_upd)  # repeated slots: applied in order
+    grads = rng.normal(size=(n_upd, dim)).astype(np.float32)
+    rows = np.zeros((n_rows, optim.width(name, dim)), dtype=np.float32)
+    rows[:, :dim] = rng.normal(size=(n_rows, dim))
+    rows[:, dim:] = optim.state_init(name, dim, adagrad_init=0.1)
+    return slots, grads, rows
+
+
+CASES = {
+    "sgd": ((0.1, 0.01), optim.sgd, ref.sgd),
+    "adagrad": ((0.05, 1e-8, 0.001), optim.adagrad, ref.adagrad),
+    "ftrl": ((0.1, 1.0, 0.5, 0.3), optim.ftrl, ref.ftrl),
+    "adam": ((0.01, 0.9, 0.999, 1e-8, 0.01), optim.adam, ref.adam),
+}
+
+
+@pytest.mark.parametrize("dim", [1, 16])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_update_rule_against_its_transcription(name, dim):
+    args, kernel, reference = CASES[name]
+    slots, grads, rows = _opt_case(name, dim, dim)
+    expect = rows.copy()
+    kernel(rows, slots, grads, *args)
+    reference(expect, slots, grads, *args)
+    np.testing.assert_allclose(rows, expect, rtol=2e-5, atol=1e-6)
+    untouched = np.setdiff1d(np.arange(rows.shape[0]), slots)
+    fresh = _opt_case(name, dim, dim)[2]
+    np.testing.assert_array_equal(rows[untouched], fresh[untouched])  # lazy: only listed rows move
+
+
+def test_sgd_lr1_integer_gradients_are_exact_sums():
+    p = np.zeros((3, 2), dtype=np.float32)
+    slots = np.array([0, 2, 0, 0], dtype=np.int64)
+    g = np.array([[1, 2], [3, 4], [5, 6], [-7, 8]], dtype=np.float32)
+    optim.sgd(p, slots, g, 1.0, 0.0)
+    np.testing.assert_array_equal(p, [[1, -16], [0, 0], [-3, -4]])
+
+
+@pytest.mark.parametrize("l1", [0.0, 5.0])
+def test_ftrl_l1_gives_exact_zeros(l1):
+    slots, grads, rows = _opt_case("ftrl", 4, 9)
+    rows[:] = 0
+    optim.ftrl(rows, slots, grads, 0.1, 1.0, l1, 0.0)
+    w, z = rows[:, :4], rows[:, 4:8]
+    assert np.all((w == 0) == (np.abs(z) <= l1))
+
+
+def test_adam_counts_steps_per_row():
+    slots, grads, rows = _opt_case("adam", 2, 5)
+    optim.adam(rows, slots, grads, 0.01, 0.9, 0.999, 1e-8, 0.0)
+    steps = np.bincount(slots, minlength=rows.shape[0])
+    np.testing.assert_allclose(rows[:, 6], 0.9 ** steps, rtol=1e-6)
+    np.testing.assert_allclose(rows[:, 7], 0.999 ** steps, rtol=1e-6)
+
+
+def test_width_rejects_unknown_optimizer():
+    with pytest.raises(ValueError, match="unknown optimizer 'adamw'"):
+        optim.width("adamw", 1)
+
+
+# -- 6. hash table -------------------------------------------------------------------------------
+
+@SETTINGS
+@given(key_arrays(), key_arrays())
+def test_key_index_against_a_dict(a, b):
+    idx = hashtable.KeyIndex(capacity=1)
+    model: dict[int, int] = {}
+    for batch in (a, b, a):
+        slots = idx.lookup_or_insert(batch)
+        for k, s in zip(batch.tolist(), slots.tolist()):
+            assert model.setdefault(k, len(model)) == s
+    assert idx.size == len(model)
+    np.testing.assert_array_equal(idx.keys[: idx.size], np.array(list(model), dtype=np.uint64))
+    probe = np.concatenate([a, b, np.array([12345678901, 3], dtype=np.uint64)])
+    expect = [model.get(k, -1) for k in probe.tolist()]
+    np.testing.assert_array_equal(idx.lookup(probe), expect)
+
+
+def test_key_index_growth_rebuild_and_bytes_per_key():
+    rng = np.random.default_rng(5)
+    keys_ = np.unique(rng.integers(0, 2**64, 200_000, dtype=np.uint64))
+    rng.shuffle(keys_)
+    idx = hashtable.KeyIndex()
+    for lo in range(0, len(keys_), 7_000):
+        idx.lookup_or_insert(keys_[lo:lo + 7_000])
+    assert idx.size == len(keys_)
+    np.testing.assert_array_equal(idx.lookup(keys_), np.arange(len(keys_)))
+    assert idx.size <= hashtable.MAX_LOAD * idx.index.shape[0]
+    # index: 4 bytes / load; keys: 8 bytes and at most 1.5x growth slack
+    assert idx.nbytes() / idx.size <= 4 / (hashtable.MAX_LOAD / 2) + 8 * 1.5 + 1
+    rebuilt = hashtable.KeyIndex.from_keys(idx.keys[: idx.size])
+    np.testing.assert_array_equal(rebuilt.lookup(keys_), np.arange(len(keys_)))
+
+
+def test_sequential_keys_spread_over_the_index():
+    idx = hashtable.KeyIndex.from_keys(np.arange(100_000, dtype=np.uint64))
+    occupied = (idx.index != hashtable.EMPTY).reshape(64, -1).sum(axis=1)
+    assert occupied.max() < 1.2 * occupied.mean()
+
+
+# -- 7. hashing ----------------------------------------------------------------------------------
+
+def test_xxh64_known_answers_from_the_specification():
+    def h(data: bytes, seed: int = 0) -> int:
+        buf = np.frombuffer(data, dtype=np.uint8)
+        return int(hashing.xxh64(buf, 0, len(buf), np.uint64(seed)))
+
+    assert h(b"") == 0xEF46DB3751D8E999
+    assert h(b"abc") == 0x44BC2CF5AD770999
+
+
+@SETTINGS
+@given(st.binary(max_size=200), st.integers(0, U64_MAX))
+def test_xxh64_matches_the_reference_c_implementation(data, seed):
+    xxhash = pytest.importorskip("xxhash")
+    buf = np.frombuffer(data, dtype=np.uint8)
+    assert int(hashing.xxh64(buf, 0, len(buf), np.uint64(seed))) == xxhash.xxh64_intdigest(data, seed=seed)
+
+
+def test_feature_key_depends_on_field_and_token():
+    assert hashing.feature_key(3, "abc") == hashing.feature_key(3, b"abc")
+    assert hashing.feature_key(3, "abc") != hashing.feature_key(4, "abc")
+    assert hashing.feature_key(3, "abc") != hashing.feature_key(3, "abd")
+
+
+# -- 8. parsing ----------------------------------------------------------------------------------
+
+def libsvm_lines():
+    num = st.one_of(st.integers(-1000, 1000).map(str),
+                    st.floats(-1e6, 1e6, allow_nan=False, allow_infinity=False, width=32).map(repr))
+    feat = st.tuples(st.integers(0, U64_MAX), num).map(lambda t: f"{t[0]}:{t[1]}")
+    line = st.tuples(st.sampled_from(["1", "0", "-1", "+1", "0.5"]), st.lists(feat, max_size=8))
+    return st.lists(line.map(lambda t: " ".join([t[0], *t[1]])), max_size=20)
+
+
+@SETTINGS
+@given(libsvm_lines(), st.sampled_from(["\n", "\r\n"]))
+def test_libsvm_matches_python_parser(lines, eol):
+    text = (eol.join(lines) + (eol if lines else "")).encode()
+    labels, indptr, indices, values, skipped = parse.parse_libsvm(text)
+    rl, rp, ri, rv = ref.parse_libsvm(text.replace(b"\r", b""))
+    np.testing.assert_array_equal(labels, rl)
+    np.testing.assert_array_equal(indptr, rp)
+    np.testing.assert_array_equal(indices, ri)
+    np.testing.assert_allclose(values, rv, rtol=2e-7)
+    assert skipped == 0
+
+
+@pytest.mark.parametrize("bad,reason", [
+    (b"1 3:x", "bad number"), (b"x 3:1", "bad label"), (b"1 3", "expected index:value"),
+    (b"1 -3:1", "bad feature index"), (b"1 18446744073709551616:1", "bad feature index"),
+    (b"1 3:nan", "bad number"), (b"1 3:1e999", "value is NaN or infinite"), (b"1 3:1e39", "value is NaN or infinite"),
+    (b"inf 3:1", "bad label"),
+])
+def test_libsvm_bad_line_names_file_and_line(bad, reason):
+    text = b"1 1:1\n# comment\n0 2:2\n" + bad + b"\n1 4:4\n"
+    with pytest.raises(parse.ParseError, match=rf"^data\.svm:4: {reason}") as e:
+        parse.parse_libsvm(text, source="data.svm")
+    assert e.value.line == 4
+    labels, indptr, _, _, skipped = parse.parse_libsvm(text, skip_bad=True)
+    assert skipped == 1 and list(labels) == [1, 0, 1]
+    with pytest.raises(parse.ParseError, match=r"^big\.svm:1004:"):
+        parse.parse_libsvm(text, source="big.svm", first_line=1001)
+
+
+def criteo_line(rng, label=None):
+    ints = [str(int(x)) if rng.random() > 0.2 else "" for x in rng.integers(-3, 10**6, 13)]
+    cats = [f"{int(x):08x}" if rng.random() > 0.2 else "" for x in rng.integers(0, 2**32, 26)]
+    lab = str(int(rng.random() < 0.3)) if label is None else label
+    return "\t".join([lab, *ints, *cats])
+
+
+@pytest.mark.parametrize("bits", [24, 40, 64])
+def test_criteo_matches_python_parser(bits):
+    rng = np.random.default_rng(bits)
+    text = ("\n".join(criteo_line(rng) for _ in range(300)) + "\n").encode()
+    labels, indptr, indices, values, skipped = parse.parse_criteo(text, bits=bits)
+    rl, rp, ri = ref.parse_criteo(text, bits=bits)
+    np.testing.assert_array_equal(labels, rl)
+    np.testing.assert_array_equal(indptr, rp)
+    np.testing.assert_array_equal(indices, ri)
+    assert np.all(values == 1) and skipped == 0
+    assert indices.max() < 2**bits if bits < 64 else True
+
+
+@pytest.mark.parametrize("bad", ["2\t" + "\t" * 38, "1\t" + "\t" * 37, "1\t" + "\t" * 39, "1\tx" + "\t" * 38])
+def test_criteo_bad_line_names_line(bad):
+    rng = np.random.default_rng(0)
+    text = "\n".join([criteo_line(rng), criteo_line(rng), bad, criteo_line(rng)]).encode()
+    with pytest.raises(parse.ParseError, match=r"^day_0\.tsv:3: "):
+        parse.parse_criteo(text, source="day_0.tsv")
+    assert parse.parse_criteo(text, skip_bad=True)[4] == 1
+
+
+# -- 9. metrics ----------------------------------------------------------------------------------
+
+@SETTINGS
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 20)), min_size=1, max_size=300))
+def test_auc_exact_with_ties(pairs):
+    labels = np.array([p[0] for p in pairs], dtype=np.float32)
+    scores = np.array([p[1] for p in pairs], dtype=np.float64) / 4  # many ties
+    got, want = metrics.auc(labels, scores), ref.auc(labels, scores)
+    if math.isnan(want):
+        assert math.isnan(got)
+    else:
+        assert got == pytest.approx(want, abs=1e-12)
+        # brute force over all pairs
+        pos, neg = scores[labels > 0.5], scores[labels <= 0.5]
+        brute = ((pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()) / (len(pos) * len(neg))
+        assert got == pytest.approx(brute, abs=1e-12)
+
+
+def test_logloss_is_stable_for_large_margins():
+    y = np.array([1, 0, 1, 0], dtype=np.float32)
+    m = np.array([800.0, -800.0, -800.0, 800.0])
+    assert metrics.logloss(y, m) == pytest.approx(ref.logloss(y, m)) == pytest.approx(400.0)
+
+
+def test_auc_orders_negative_scores_and_signed_zeros():
+    y = np.array([0, 1, 0, 1, 1, 0], dtype=np.float32)
+    s = np.array([-3.5, -0.0, 0.0, 1e-300, -1e300, -2.0])
+    assert metrics.auc(y, s) == pytest.approx(ref.auc(y, s))
+    with pytest.raises(ValueError, match="NaN"):
+        metrics.auc(y, np.array([0, 1, np.nan, 0, 0, 1.0]))
+
+
+def test_kernels_are_not_compiled_at_import():
+    import subprocess
+    import sys
+    code = ("import hpcps_kernels, hpcps_kernels.keys as k, hpcps_kernels.models as m, hpcps_kernels.parse as p;"
+            "import hpcps_kernels.optim as o, hpcps_kernels.metrics as x, hpcps_kernels.hashtable as h;"
+            "fs=[k.unique_keys, k.segment_reduce, m.lr_forward_backward, m.fm_forward_backward, p.libsvm_kernel,"
+            " o.ftrl, x._auc, h.lookup_or_insert];"
+            "print(sum(len(f.signatures) for f in fs))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "0"
+
+
+@SETTINGS
+@given(key_arrays())
+def test_radix_argsort_is_a_stable_sort(k):
+    sk, order = keys.radix_argsort(k)
+    np.testing.assert_array_equal(order, np.argsort(k, kind="stable"))
+    np.testing.assert_array_equal(sk, np.sort(k))
