@@ -231,3 +231,89 @@ def irecv(comm: MPI.Comm, out: np.ndarray, source: int, tag: int, what: str = "r
     if not out.flags.c_contiguous:
         raise ValueError("irecv needs a C-contiguous output array")
     return [Pending(comm.Irecv(c, source=source, tag=tag), what, source, (out, c)) for c in _chunks(out)]
+
+
+def tag_upper_bound(comm: MPI.Comm) -> int:
+    """The largest usable tag (``MPI_TAG_UB``; at least 32767 by the standard)."""
+    ub = comm.Get_attr(MPI.TAG_UB)
+    return int(ub) if ub else 32767
+
+
+class Poller:
+    """The back-off of a polling loop: call :meth:`idle` after a poll that found nothing (it
+    sleeps as :func:`wait` does and returns the seconds slept) and :meth:`reset` after work."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.start = time.perf_counter()
+        self.sleep = POLL_MIN_SLEEP_S
+
+    def idle(self) -> float:
+        if time.perf_counter() - self.start < POLL_SPIN_S:
+            return 0.0
+        t = time.perf_counter()
+        time.sleep(self.sleep)
+        self.sleep = min(self.sleep * 2.0, POLL_MAX_SLEEP_S)
+        return time.perf_counter() - t
+
+
+def probe_request(comm: MPI.Comm, tag: int) -> tuple[int, np.ndarray] | None:
+    """Receive one whole pending message of ``tag`` from any rank, if there is one.
+
+    Returns ``(source, bytes)`` or ``None`` without waiting. Uses a matched probe, so the message
+    found is the one received even with several threads.
+    """
+    status = MPI.Status()
+    msg = comm.Improbe(source=MPI.ANY_SOURCE, tag=tag, status=status)
+    if msg is None:
+        return None
+    buf = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
+    msg.Recv(buf)
+    return status.Get_source(), buf
+
+
+def bcast(comm: MPI.Comm, array: np.ndarray, root: int = 0, timeout: float | None = None,
+          what: str = "broadcast") -> None:
+    """Broadcast a contiguous NumPy array in place while sleeping between polls."""
+    for c in _chunks(array):
+        wait(Pending(comm.Ibcast(c, root=root), what, root, (array, c)), timeout)
+
+
+def allgather_int(comm: MPI.Comm, value: int, timeout: float | None = None, what: str = "allgather") -> np.ndarray:
+    """Every rank's ``value`` (int64 array of comm size)."""
+    send = np.array([value], dtype=np.int64)
+    out = np.empty(comm.Get_size(), dtype=np.int64)
+    wait(Pending(comm.Iallgather(send, out), what, buffers=(send, out)), timeout)
+    return out
+
+
+def gatherv(comm: MPI.Comm, array: np.ndarray, counts: np.ndarray, root: int = 0,
+            timeout: float | None = None, what: str = "gather") -> np.ndarray | None:
+    """Gather variable-length 1-D arrays (``counts`` elements from each rank) on ``root``."""
+    array = np.ascontiguousarray(array)
+    if comm.Get_rank() == root:
+        out = np.empty(int(counts.sum()), dtype=array.dtype)
+        displ = np.zeros_like(counts)
+        displ[1:] = np.cumsum(counts)[:-1]
+        req = comm.Igatherv(array, [out, counts, displ, _mpi_type(array.dtype)], root=root)
+        wait(Pending(req, what, buffers=(array, out, counts, displ)), timeout)
+        return out
+    wait(Pending(comm.Igatherv(array, None, root=root), what, root, (array,)), timeout)
+    return None
+
+
+def _mpi_type(dtype: np.dtype):
+    return MPI._typedict[np.dtype(dtype).char]
+
+
+def split(comm: MPI.Comm, color: int, key: int) -> MPI.Comm:
+    """``comm.Split`` (collective); ``color < 0`` gives no communicator (``MPI.COMM_NULL``)."""
+    return comm.Split(MPI.UNDEFINED if color < 0 else color, key)
+
+
+def dup(comm: MPI.Comm | None = None) -> MPI.Comm:
+    """A private duplicate of ``comm`` (default: COMM_WORLD): the library's own traffic never
+    matches the user's messages."""
+    return (comm or MPI.COMM_WORLD).Dup()

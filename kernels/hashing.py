@@ -125,3 +125,26 @@ def mix64(x):
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return x ^ (x >> np.uint64(31))
+
+
+SHARD_SALT = np.uint64(0x5BD1E9955BD1E995)
+
+
+@njit(cache=True)
+def shard_of(keys, num_shards):
+    """Virtual shard of every key (int64)."""
+    out = np.empty(keys.shape[0], dtype=np.int64)
+    n = np.uint64(num_shards)
+    for i in range(keys.shape[0]):
+        out[i] = np.int64(mix64(keys[i] ^ SHARD_SALT) % n)
+    return out
+
+
+@njit(cache=True)
+def server_of(keys, num_shards, shard_server):
+    """Server of every key (int64), through its shard."""
+    out = np.empty(keys.shape[0], dtype=np.int64)
+    n = np.uint64(num_shards)
+    for i in range(keys.shape[0]):
+        out[i] = shard_server[np.int64(mix64(keys[i] ^ SHARD_SALT) % n)]
+    return out

@@ -181,3 +181,23 @@ def merge_sorted(parts):
             nxt.append(parts[-1])
         parts = nxt
     return parts[0]
+
+
+@njit(cache=True)
+def group_by(ids, n_groups):
+    """Stable counting sort of ``ids`` in ``[0, n_groups)``: (order, offsets).
+
+    ``order[offsets[g]:offsets[g + 1]]`` are the positions with id ``g``, in their original order.
+    """
+    counts = np.zeros(n_groups + 1, dtype=np.int64)
+    for i in range(ids.shape[0]):
+        counts[ids[i] + 1] += 1
+    for g in range(n_groups):
+        counts[g + 1] += counts[g]
+    offsets = counts.copy()
+    order = np.empty(ids.shape[0], dtype=np.int64)
+    for i in range(ids.shape[0]):
+        g = ids[i]
+        order[counts[g]] = i
+        counts[g] += 1
+    return order, offsets

@@ -1,0 +1,194 @@
+"""``hpcps.init``: split the world into servers and worker groups, declare tables, serve, finish.
+
+    ctx = hpcps.init(servers=1, worker_groups=None, staleness=0)
+    w = ctx.sparse_table("w", dim=1, optimizer="ftrl", params={"alpha": 0.1})
+    if ctx.is_server:
+        ctx.serve()                     # returns when every worker has called finalize()
+    else:
+        vals = w.pull(keys); w.push(keys, grads); ctx.clock()
+    ctx.finalize()
+
+Everything here is collective over the world (init, table declarations, finalize) or over a
+worker group (aggregated pushes, dense tables). Nothing happens at import.
+"""
+
+from __future__ import annotations
+
+
+import numpy as np
+
+from hpcps import transport
+from hpcps.client import DenseTable, SparseTable
+from hpcps.layout import Layout
+from hpcps.placement import DEFAULT_SHARDS, Placement
+from hpcps.server import Server
+from hpcps.tables import TableSpec
+from hpcps_kernels import keys as kkeys
+
+
+class ConfigMismatch(RuntimeError):
+    """Ranks disagree on something that must be identical everywhere."""
+
+
+class Context:
+    """One rank's view of the parameter server."""
+
+    def __init__(self, comm, layout: Layout, staleness: int, num_shards: int,
+                 stall_warn_s: float, stall_timeout_s: float):
+        self.comm = comm
+        self.layout = layout
+        self.rank = comm.Get_rank()
+        self.is_server = layout.is_server(self.rank)
+        self.is_worker = not self.is_server
+        self.worker_index = layout.worker_index(self.rank) if self.is_worker else -1
+        self.group = layout.group_of(self.rank)
+        self.staleness = staleness
+        self.placement = Placement(layout.servers, num_shards)
+        self.stall_warn_s = stall_warn_s
+        self.stall_timeout_s = stall_timeout_s
+        self.tag_ub = transport.tag_upper_bound(comm)
+        self.specs: list[TableSpec] = []
+        self.tables: dict[str, SparseTable | DenseTable] = {}
+        self.clock_value = 0
+        self._req_id = 0
+        self._ts = 0
+        self._clock_sends: list[transport.Pending] = []
+        self.stats = {"wait_s": 0.0, "max_staleness": 0}
+        self.server_stats: dict | None = None
+        self._finalized = False
+        # Worker groups: one communicator per group (servers get none).
+        self.group_comm = transport.split(comm, self.group, self.rank)
+        self._check_same("layout", hash((layout.servers, layout.worker_groups, staleness, num_shards)) & 0x7FFFFFFF)
+
+    # -- declarations ------------------------------------------------------------------------
+
+    def _check_same(self, what: str, value: int) -> None:
+        """Collective: raise on every rank if ranks passed different values."""
+        v = np.array([value, -value], dtype=np.int64)
+        r = transport.allreduce(self.comm, v, "max", timeout=self.stall_timeout_s, what=f"check of {what}")
+        if r[0] != value or r[1] != -value:
+            raise ConfigMismatch(f"{transport.rank_prefix(self.comm)}: ranks disagree on {what} "
+                                 f"(declare tables and settings identically on every rank)")
+
+    def sparse_table(self, name: str, dim: int = 1, optimizer: str = "sgd", params: dict | None = None,
+                     init: str = "zeros", init_scale: float = 0.01, seed: int = 0) -> SparseTable:
+        """Declare a sparse table (collective; identical on every rank)."""
+        if name in self.tables:
+            raise ValueError(f"table {name!r} is already declared")
+        spec = TableSpec(name, dim, optimizer, dict(params or {}), init, init_scale, seed)
+        self._check_same(f"table {name!r}", spec.fingerprint())
+        self.specs.append(spec)
+        table = SparseTable(self, len(self.specs) - 1, spec)
+        self.tables[name] = table
+        return table
+
+    def dense_table(self, name: str, size: int, optimizer: str = "sgd", params: dict | None = None,
+                    init: str = "zeros", init_scale: float = 0.01, seed: int = 0) -> DenseTable:
+        """Declare a dense table of ``size`` floats (collective; identical on every rank)."""
+        sparse = self.sparse_table(name, DenseTable.CHUNK, optimizer, params, init, init_scale, seed)
+        table = DenseTable(self, sparse, size)
+        self.tables[name] = table
+        return table
+
+    # -- server ------------------------------------------------------------------------------
+
+    def serve(self) -> dict:
+        """Server ranks: answer requests until every worker has finalized; returns statistics."""
+        if not self.is_server:
+            raise RuntimeError("serve() is for server ranks (ctx.is_server)")
+        server = Server(self.comm, self.rank, self.layout.workers, self.layout.servers, self.specs,
+                        self.placement, self.staleness, self.stall_warn_s)
+        self.server = server
+        self.server_stats = server.serve()
+        return self.server_stats
+
+    # -- worker ------------------------------------------------------------------------------
+
+    def _next_request_id(self) -> int:
+        self._req_id += 1
+        return self._req_id
+
+    def _next_timestamp(self) -> int:
+        self._ts += 1
+        return self._ts
+
+    def _notify_servers(self, op: int) -> None:
+        from hpcps import protocol
+
+        self._clock_sends = [p for p in self._clock_sends if not p.request.Test()]
+        for server in range(self.layout.servers):
+            msg = protocol.pack_request(op, 0, 0, self.clock_value, self.worker_index)
+            self._clock_sends += transport.isend(self.comm, msg, server, protocol.TAG_REQUEST,
+                                                 f"{protocol.OP_NAMES[op]} message to server")
+
+    def clock(self) -> int:
+        """End this worker's iteration: tell every server; returns the new clock."""
+        from hpcps import protocol
+
+        self.clock_value += 1
+        self._notify_servers(protocol.CLOCK)
+        return self.clock_value
+
+    def _gather_to_leader(self, keys: np.ndarray, grads: np.ndarray, dim: int):
+        """Group collective: merge every member's (sorted unique) keys and gradients on the
+        group's rank 0. Returns (keys, sums) there, None elsewhere."""
+        g = self.group_comm
+        t = self.stall_timeout_s
+        counts = transport.allgather_int(g, keys.shape[0], t, "gather of push sizes")
+        all_keys = transport.gatherv(g, keys, counts, 0, t, "gather of pushed keys")
+        all_grads = transport.gatherv(g, grads.reshape(-1), counts * dim, 0, t, "gather of pushed gradients")
+        if g.Get_rank() != 0:
+            return None
+        all_grads = all_grads.reshape(-1, dim)
+        bounds = np.concatenate([[0], np.cumsum(counts)])
+        parts = [(all_keys[bounds[i]:bounds[i + 1]], all_grads[bounds[i]:bounds[i + 1]]) for i in range(len(counts))]
+        return kkeys.merge_sorted(parts)
+
+    # -- end ---------------------------------------------------------------------------------
+
+    def finalize(self, timeout: float | None = None) -> None:
+        """Collective end: workers finish their requests and tell the servers they are done;
+        every rank then meets in a (sleeping) barrier and the communicators are freed."""
+        if self._finalized:
+            return
+        from hpcps import protocol
+
+        timeout = self.stall_timeout_s if timeout is None else timeout
+        if self.is_worker:
+            for table in self.tables.values():
+                if isinstance(table, SparseTable):
+                    table.wait_all(timeout)
+            self._notify_servers(protocol.DONE)
+            transport.wait(self._clock_sends, timeout)
+        elif self.server_stats is None:
+            self.serve()
+        transport.barrier(self.comm, timeout, "finalize barrier")
+        if self.group_comm != transport.MPI.COMM_NULL:
+            self.group_comm.Free()
+        self.comm.Free()
+        self._finalized = True
+
+
+def init(servers: int = 1, worker_groups: int | None = None, staleness: int = 0,
+         num_shards: int = DEFAULT_SHARDS, stall_warn_s: float = 30.0, stall_timeout_s: float = 300.0,
+         comm=None) -> Context:
+    """Split the world (collective) into ``servers`` server ranks and ``worker_groups`` groups.
+
+    Args:
+        servers: number of server ranks (the first ranks of the world).
+        worker_groups: number of worker groups; default one per worker.
+        staleness: 0 = BSP, s > 0 = SSP with staleness s, negative = ASP.
+        num_shards: virtual shards (fixed for a model's life: part of its checkpoints).
+        stall_warn_s: report a request not answered after this many seconds.
+        stall_timeout_s: abort the job when a request is not answered after this many seconds.
+        comm: the world to split (default MPI.COMM_WORLD); the library works on a duplicate.
+
+    Raises:
+        hpcps.layout.LayoutError: the world is too small for the layout, before any communication.
+    """
+    base = comm if comm is not None else transport.world()
+    layout = Layout.plan(base.Get_size(), servers, worker_groups)
+    transport.install_abort_handler()
+    return Context(transport.dup(base), layout, staleness, num_shards, stall_warn_s, stall_timeout_s)
+
+

@@ -1,0 +1,62 @@
+"""Which rank does what: servers and worker groups. Pure, so errors come before any communication.
+
+World ranks ``0 .. S-1`` are the servers (server index = rank); the remaining ``W = size - S`` ranks
+are workers (worker index = rank - S), cut into ``G`` worker groups of consecutive ranks whose
+sizes differ by at most one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class LayoutError(ValueError):
+    """The world cannot hold the requested servers and worker groups."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    world_size: int
+    servers: int
+    worker_groups: int
+
+    @classmethod
+    def plan(cls, world_size: int, servers: int, worker_groups: int | None = None) -> "Layout":
+        """Check and build a layout; ``worker_groups=None`` makes one group per worker."""
+        if servers < 1:
+            raise LayoutError(f"servers must be at least 1 (got {servers})")
+        workers = world_size - servers
+        if workers < 1:
+            raise LayoutError(
+                f"a world of {world_size} rank(s) is too small for {servers} server(s) and at least one "
+                f"worker: run with mpiexec -n {servers + 1} or more, or use fewer servers")
+        groups = workers if worker_groups is None else worker_groups
+        if groups < 1 or groups > workers:
+            raise LayoutError(
+                f"worker_groups must be between 1 and the number of workers ({workers} = {world_size} ranks "
+                f"- {servers} servers), got {worker_groups}")
+        return cls(world_size, servers, groups)
+
+    @property
+    def workers(self) -> int:
+        return self.world_size - self.servers
+
+    def is_server(self, rank: int) -> bool:
+        return rank < self.servers
+
+    def worker_index(self, rank: int) -> int:
+        return rank - self.servers
+
+    def group_of(self, rank: int) -> int:
+        """The worker group of a worker rank (-1 for a server)."""
+        if self.is_server(rank):
+            return -1
+        return self.worker_index(rank) * self.worker_groups // self.workers
+
+    def group_ranks(self, group: int) -> list[int]:
+        return [r for r in range(self.servers, self.world_size) if self.group_of(r) == group]
+
+    def describe(self) -> str:
+        sizes = [len(self.group_ranks(g)) for g in range(self.worker_groups)]
+        return (f"{self.servers} server(s) (ranks 0-{self.servers - 1}), {self.workers} worker(s) in "
+                f"{self.worker_groups} group(s) of {sizes}")

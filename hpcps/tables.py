@@ -1,0 +1,58 @@
+"""Table declarations (pure): what a table is, identical on every rank."""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import asdict, dataclass, field
+
+from hpcps_kernels import init as kinit
+from hpcps_kernels import optim
+
+OPTIMIZER_PARAMS = {
+    "sgd": {"lr": 0.01, "l2": 0.0},
+    "adagrad": {"lr": 0.01, "eps": 1e-8, "l2": 0.0, "initial_accumulator": 0.0},
+    "ftrl": {"alpha": 0.05, "beta": 1.0, "l1": 0.0, "l2": 0.0},
+    "adam": {"lr": 0.001, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "l2": 0.0},
+}
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """A sparse table: uint64 key → float32 vector of ``dim``, updated by ``optimizer``.
+
+    ``init`` is ``zeros``, ``uniform`` (in [-init_scale, init_scale)) or ``normal`` (std
+    init_scale), deterministic per key and ``seed``. ``params`` are the optimizer's
+    hyper-parameters (see ``OPTIMIZER_PARAMS`` for names and defaults).
+    """
+
+    name: str
+    dim: int = 1
+    optimizer: str = "sgd"
+    params: dict = field(default_factory=dict)
+    init: str = "zeros"
+    init_scale: float = 0.01
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.optimizer not in OPTIMIZER_PARAMS:
+            raise ValueError(f"table {self.name!r}: unknown optimizer {self.optimizer!r}; "
+                             f"expected one of {sorted(OPTIMIZER_PARAMS)}")
+        unknown = set(self.params) - set(OPTIMIZER_PARAMS[self.optimizer])
+        if unknown:
+            raise ValueError(f"table {self.name!r}: unknown {self.optimizer} parameter(s) {sorted(unknown)}; "
+                             f"expected {sorted(OPTIMIZER_PARAMS[self.optimizer])}")
+        if self.init not in kinit.KINDS:
+            raise ValueError(f"table {self.name!r}: unknown init {self.init!r}; expected one of {sorted(kinit.KINDS)}")
+        if self.dim < 1:
+            raise ValueError(f"table {self.name!r}: dim must be at least 1")
+        merged = dict(OPTIMIZER_PARAMS[self.optimizer])
+        merged.update(self.params)
+        object.__setattr__(self, "params", merged)
+
+    @property
+    def width(self) -> int:
+        return optim.width(self.optimizer, self.dim)
+
+    def fingerprint(self) -> int:
+        """A 31-bit checksum of the declaration, compared across ranks."""
+        return zlib.crc32(repr(sorted(asdict(self).items())).encode()) & 0x7FFFFFFF

@@ -1,0 +1,59 @@
+"""Key placement and rank layout: pure functions, no MPI."""
+
+import numpy as np
+import pytest
+
+from hpcps.layout import Layout, LayoutError
+from hpcps.placement import Placement
+
+
+@pytest.mark.parametrize("servers", [1, 2, 3, 5, 8])
+def test_sequential_and_random_keys_spread_evenly(servers):
+    p = Placement(servers)
+    for keys in (np.arange(200_000, dtype=np.uint64),
+                 np.random.default_rng(0).integers(0, 2**64, 200_000, dtype=np.uint64)):
+        counts = np.bincount(p.server_of(keys), minlength=servers)
+        assert counts.min() > 0
+        assert counts.max() <= 1.3 * counts.mean(), counts
+
+
+def test_adding_a_server_moves_few_whole_shards():
+    for s in (2, 3, 4, 7):
+        a, b = Placement(s), Placement(s + 1)
+        moved = a.shard_server != b.shard_server
+        # only shards taken over by the new server move; about num_shards / (s + 1) of them
+        assert np.all(b.shard_server[moved] == s)
+        assert moved.sum() <= 1.5 * a.num_shards / (s + 1)
+
+
+def test_slice_keeps_sorted_keys_sorted_and_covers_every_key():
+    p = Placement(3)
+    keys = np.unique(np.random.default_rng(1).integers(0, 2**64, 5000, dtype=np.uint64))
+    order, offsets = p.slice(keys)
+    assert sorted(order.tolist()) == list(range(len(keys)))
+    servers = p.server_of(keys)
+    for s in range(3):
+        part = order[offsets[s]:offsets[s + 1]]
+        assert np.all(servers[part] == s)
+        assert np.all(np.diff(keys[part].astype(np.float64)) >= 0)
+
+
+def test_placement_is_the_same_in_every_process():
+    assert Placement(4).shard_server.tolist() == Placement(4).shard_server.tolist()
+    assert Placement(4).server_of(np.array([0, 2**64 - 1], dtype=np.uint64)).tolist() == \
+        Placement(4).server_of(np.array([0, 2**64 - 1], dtype=np.uint64)).tolist()
+
+
+def test_layout_splits_workers_into_contiguous_groups():
+    lay = Layout.plan(7, servers=2, worker_groups=2)
+    assert [lay.group_of(r) for r in range(7)] == [-1, -1, 0, 0, 0, 1, 1]
+    assert lay.group_ranks(1) == [5, 6]
+    assert Layout.plan(4, servers=1).worker_groups == 3
+
+
+@pytest.mark.parametrize("size,servers,groups,match", [
+    (1, 1, None, "too small"), (2, 2, None, "too small"), (3, 1, 3, "between 1 and"), (3, 0, None, "at least 1"),
+])
+def test_a_world_too_small_is_an_error_naming_what_to_do(size, servers, groups, match):
+    with pytest.raises(LayoutError, match=match):
+        Layout.plan(size, servers, groups)
