@@ -134,10 +134,13 @@ class SparseTable:
         self.last_min_clock = min_clock
         if min_clock is not None:
             ctx.stats["max_staleness"] = max(ctx.stats["max_staleness"], req.clock - min_clock)
+        values = [reply[protocol.REPLY_BYTES:].view(np.float32).reshape(-1, self.dim) for _, reply in req.parts]
+        if len(req.parts) == 1 and req.expand is None:
+            return values[0]  # one server answered for every key, in order
         out = np.empty((req.n_unique, self.dim), dtype=np.float32)
-        for chunk, reply in req.parts:
-            out[chunk] = reply[protocol.REPLY_BYTES:].view(np.float32).reshape(-1, self.dim)
-        return out if req.expand is None else out[req.expand]
+        for (chunk, _), v in zip(req.parts, values):
+            kkeys.scatter_rows(out, chunk, v)
+        return out if req.expand is None else kkeys.gather_rows(out, req.expand)
 
     def wait_all(self, timeout: float | None = None) -> None:
         for ts in list(self._requests):

@@ -221,6 +221,8 @@ class Server:
         poll = transport.Poller()
         warned: set = set()
         last_check = time.monotonic()
+        last_request = (time.perf_counter(), time.process_time())
+        self.stats.update(idle_gap_wall_s=0.0, idle_gap_cpu_s=0.0)
         while not self.done.all() or self.deferred or self.buffered:
             got = transport.probe_request(self.comm, protocol.TAG_REQUEST)
             if got is None:
@@ -232,11 +234,17 @@ class Server:
                     last_check = now
                 self.stats["idle_s"] += poll.idle()
                 continue
-            poll.reset()
             t = time.perf_counter()
+            cpu = time.process_time()
+            if t - last_request[0] > 0.5:  # a quiet spell: what did waiting cost?
+                self.stats["idle_gap_wall_s"] += t - last_request[0]
+                self.stats["idle_gap_cpu_s"] += cpu - last_request[1]
             source, buf = got
             self.handle(source, buf)
             self.stats["busy_s"] += time.perf_counter() - t
+            # keep polling without sleep while the replies just queued should be in transfer
+            poll.reset(sum(p.nbytes for p in self.sending))
+            last_request = (time.perf_counter(), time.process_time())
         transport.wait(self.sending, timeout=300)
         self.sending = []
         self.stats["keys"] = [t.size for t in self.tables]

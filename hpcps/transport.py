@@ -29,10 +29,15 @@ import numpy as np
 from mpi4py import MPI
 
 # Back-off of the polling wait: first POLL_SPIN_S of pure polling (latency of a fast answer stays
-# that of MPI), then sleeps that double from POLL_MIN_SLEEP_S up to POLL_MAX_SLEEP_S.
+# that of MPI), then sleeps that double from POLL_MIN_SLEEP_S up to POLL_MAX_SLEEP_S. A wait for
+# large messages polls without sleeping for as long as their transfer should take at
+# SPIN_BYTES_PER_S: MPICH moves a large message only while both sides call into MPI, so sleeping
+# during a transfer stretches it.
 POLL_SPIN_S = 50e-6
+SPIN_BYTES_PER_S = 2e9
 POLL_MIN_SLEEP_S = 20e-6
 POLL_MAX_SLEEP_S = 1e-3
+POLL_MAX_ADAPTIVE_SPIN_S = 1e-3
 
 # Largest element count sent in one MPI message: counts are C ints, and MPICH has trouble with
 # messages over 2 GiB. 2**31 - 1 bytes, rounded down to a multiple of 8.
@@ -108,10 +113,16 @@ class Pending:
     what: str
     peer: int = -1
     buffers: tuple = ()
+    nbytes: int = 0
 
 
-def _sleep_backoff(start: float, sleep: float) -> float:
-    if time.perf_counter() - start < POLL_SPIN_S:
+def spin_budget(nbytes: int) -> float:
+    """Seconds a wait polls without sleeping for messages of ``nbytes`` in all."""
+    return POLL_SPIN_S + nbytes / SPIN_BYTES_PER_S
+
+
+def _sleep_backoff(start: float, sleep: float, spin: float = POLL_SPIN_S) -> float:
+    if time.perf_counter() - start < spin:
         return sleep
     time.sleep(sleep)
     return min(sleep * 2.0, POLL_MAX_SLEEP_S)
@@ -139,6 +150,7 @@ def wait(
     if isinstance(pending, Pending):
         pending = [pending]
     todo = [p for p in pending if p.request != MPI.REQUEST_NULL]
+    spin = spin_budget(sum(p.nbytes for p in todo))
     start = time.perf_counter()
     sleep = POLL_MIN_SLEEP_S
     warned = False
@@ -155,7 +167,7 @@ def wait(
             raise StallError(
                 f"{rank_prefix()}: no answer after {timeout:g} s: {describe(todo)}"
             )
-        sleep = _sleep_backoff(start, sleep)
+        sleep = _sleep_backoff(start, sleep, spin)
 
 
 def describe(todo: Sequence[Pending]) -> str:
@@ -223,14 +235,14 @@ def isend(comm: MPI.Comm, array: np.ndarray, dest: int, tag: int, what: str = "s
     The receiver must post :func:`irecv` with an array of the same size in bytes.
     """
     array = np.ascontiguousarray(array)
-    return [Pending(comm.Isend(c, dest=dest, tag=tag), what, dest, (array, c)) for c in _chunks(array)]
+    return [Pending(comm.Isend(c, dest=dest, tag=tag), what, dest, (array, c), c.nbytes) for c in _chunks(array)]
 
 
 def irecv(comm: MPI.Comm, out: np.ndarray, source: int, tag: int, what: str = "receive") -> list[Pending]:
     """Start receiving into the contiguous array ``out`` (see :func:`isend`)."""
     if not out.flags.c_contiguous:
         raise ValueError("irecv needs a C-contiguous output array")
-    return [Pending(comm.Irecv(c, source=source, tag=tag), what, source, (out, c)) for c in _chunks(out)]
+    return [Pending(comm.Irecv(c, source=source, tag=tag), what, source, (out, c), c.nbytes) for c in _chunks(out)]
 
 
 def tag_upper_bound(comm: MPI.Comm) -> int:
@@ -240,18 +252,31 @@ def tag_upper_bound(comm: MPI.Comm) -> int:
 
 
 class Poller:
-    """The back-off of a polling loop: call :meth:`idle` after a poll that found nothing (it
-    sleeps as :func:`wait` does and returns the seconds slept) and :meth:`reset` after work."""
+    """The back-off of a serving loop: call :meth:`idle` after a poll that found nothing (it
+    sleeps as :func:`wait` does and returns the seconds slept) and :meth:`reset` after work.
+
+    The pure-polling window adapts to the traffic: twice the recent gap between pieces of work
+    (an exponential average), clamped to [POLL_SPIN_S, POLL_MAX_ADAPTIVE_SPIN_S]. While requests
+    come every few hundred microseconds the loop catches them without sleeping (a sleep would add
+    up to its length to each request's latency); once they stop it falls back to sleeping.
+    """
 
     def __init__(self):
+        self.gap = POLL_SPIN_S
+        self.last = time.perf_counter()
         self.reset()
 
-    def reset(self) -> None:
-        self.start = time.perf_counter()
+    def reset(self, nbytes: int = 0) -> None:
+        """Work was done: spin again, longer while ``nbytes`` are still being transferred."""
+        now = time.perf_counter()
+        self.gap = 0.8 * self.gap + 0.2 * (now - self.last)
+        self.last = now
+        self.start = now
         self.sleep = POLL_MIN_SLEEP_S
+        self.spin = spin_budget(nbytes) + min(max(2.0 * self.gap, POLL_SPIN_S), POLL_MAX_ADAPTIVE_SPIN_S)
 
     def idle(self) -> float:
-        if time.perf_counter() - self.start < POLL_SPIN_S:
+        if time.perf_counter() - self.start < self.spin:
             return 0.0
         t = time.perf_counter()
         time.sleep(self.sleep)

@@ -201,3 +201,19 @@ def group_by(ids, n_groups):
         order[counts[g]] = i
         counts[g] += 1
     return order, offsets
+
+
+@njit(cache=True)
+def scatter_rows(out, rows, values):
+    """``out[rows[i]] = values[i]`` (2-D), faster than NumPy's fancy assignment."""
+    for i in range(rows.shape[0]):
+        out[rows[i], :] = values[i, :]
+
+
+@njit(cache=True)
+def gather_rows(src, rows):
+    """``src[rows]`` (2-D) into a new array."""
+    out = np.empty((rows.shape[0], src.shape[1]), dtype=src.dtype)
+    for i in range(rows.shape[0]):
+        out[i, :] = src[rows[i], :]
+    return out

@@ -1,0 +1,125 @@
+"""``hpcps bench ps``: push and pull throughput per server beside raw MPI bandwidth, and the cost
+of the sleeping waits. Run with 1 server and 1 worker: ``mpiexec -n 2 hpcps bench ps``.
+
+All figures come from one run: medians over repetitions; ratios against the raw MPI ping-pong
+bandwidth at the same message size, measured between the same two ranks just before.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from hpcps import bench_mpi, protocol, transport
+from hpcps.context import init
+
+SIZES = [1_000, 10_000, 100_000, 1_000_000]
+
+
+def _median_time(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def _waiting_cost(comm, rank: int, server: int, worker: int) -> dict | None:
+    """Worker CPU while waiting 1 s for a message: blocking MPI Recv vs transport.wait."""
+    out = {}
+    buf = np.zeros(1)
+    for mode in ("blocking Recv", "hpcps wait"):
+        if rank == server:
+            time.sleep(1.0)
+            comm.Send(buf, dest=worker, tag=99)
+        elif rank == worker:
+            t, c = time.perf_counter(), time.process_time()
+            if mode == "blocking Recv":
+                comm.Recv(buf, source=server, tag=99)
+            else:
+                transport.wait(transport.Pending(comm.Irecv(buf, source=server, tag=99), "x"), 30)
+            out[mode] = (time.process_time() - c) / (time.perf_counter() - t)
+        transport.barrier(comm, 30)
+    # latency: 8-byte ping-pong with blocking calls vs with the polling wait
+    if rank in (server, worker):
+        peer = worker if rank == server else server
+        times = bench_mpi.pingpong(comm, 8, 200, peer)
+        out["rtt_wait_us"] = float(np.median(times)) * 1e6
+        times = []
+        for _ in range(201):
+            t = time.perf_counter()
+            if rank == server:
+                comm.Send(buf, dest=peer, tag=5)
+                comm.Recv(buf, source=peer, tag=6)
+            else:
+                comm.Recv(buf, source=peer, tag=5)
+                comm.Send(buf, dest=peer, tag=6)
+            times.append(time.perf_counter() - t)
+        out["rtt_blocking_us"] = float(np.median(times[1:])) * 1e6
+    return out if rank == worker else None
+
+
+def run(sizes=SIZES, reps: int = 5, dim: int = 1, optimizer: str = "ftrl") -> list[dict] | None:
+    """Collective over the world; returns the result rows on the first worker, None elsewhere."""
+    world = transport.dup()
+    if world.Get_size() < 2:
+        raise SystemExit("hpcps bench ps needs at least 2 ranks: mpiexec -n 2 hpcps bench ps")
+    rank = world.Get_rank()
+    server, worker = 0, 1
+    # 1. raw MPI bandwidth at each message size, and the cost of waiting, before the PS starts
+    raw = {}
+    for n in sizes:
+        nbytes = protocol.request_bytes(protocol.PUSH, n, dim)
+        if rank in (server, worker):
+            raw[n] = nbytes / (float(np.median(bench_mpi.pingpong(world, nbytes, reps, worker if rank == server else server))) / 2)
+        transport.barrier(world, 60)
+    waiting = _waiting_cost(world, rank, server, worker)
+    world.Free()
+
+    # 2. the parameter server: 1 server, the first worker drives, others idle
+    ctx = init(servers=1, staleness=-1, stall_timeout_s=600)
+    table = ctx.sparse_table("bench", dim=dim, optimizer=optimizer)
+    rows = None
+    if ctx.is_server:
+        stats = ctx.serve()
+        # idle spells (the worker sleeps 2 s below) tell what an idle server costs
+        idle = stats["idle_gap_cpu_s"] / max(stats["idle_gap_wall_s"], 1e-9)
+        print(f"idle server CPU (over {stats['idle_gap_wall_s']:.1f} s without requests): {idle:.1%}", flush=True)
+    elif ctx.worker_index == 0:
+        rows = []
+        rng = np.random.default_rng(0)
+        for n in sizes:
+            keys = np.unique(rng.integers(0, 2**64, n, dtype=np.uint64))
+            grads = rng.normal(size=(keys.size, dim)).astype(np.float32)
+            table.wait(table.push(keys, grads))  # create the keys
+            t_push = _median_time(lambda: table.wait(table.push(keys, grads)), reps)
+            t_pull = _median_time(lambda: table.pull(keys), reps)
+            push_bytes = protocol.request_bytes(protocol.PUSH, keys.size, dim) + protocol.REPLY_BYTES
+            pull_bytes = protocol.request_bytes(protocol.PULL, keys.size, dim) + protocol.reply_bytes(protocol.PULL, keys.size, dim)
+            for op, t, b in (("push+apply", t_push, push_bytes), ("pull", t_pull, pull_bytes)):
+                gbs = b / t / 1e9
+                rows.append({"op": op, "keys": int(keys.size), "time_s": t, "keys_per_s": keys.size / t,
+                             "gb_per_s": gbs, "raw_mpi_gb_per_s": raw[n] / 1e9, "ratio": gbs / (raw[n] / 1e9)})
+        time.sleep(2.0)  # let the server idle
+        rows.append({"op": "waiting", **waiting})
+    ctx.finalize()
+    return rows
+
+
+def format_rows(rows: list[dict], optimizer: str) -> str:
+    out = [f"{'op':<11} {'keys':>9} {'ms':>9} {'Mkeys/s':>9} {'GB/s':>7} {'raw MPI GB/s':>13} {'ratio':>6}"]
+    for r in rows:
+        if r["op"] == "waiting":
+            continue
+        out.append(f"{r['op']:<11} {r['keys']:>9} {r['time_s'] * 1e3:>9.2f} {r['keys_per_s'] / 1e6:>9.2f} "
+                   f"{r['gb_per_s']:>7.3f} {r['raw_mpi_gb_per_s']:>13.3f} {r['ratio']:>6.0%}")
+    w = [r for r in rows if r["op"] == "waiting"]
+    if w:
+        w = w[0]
+        out.append(f"(optimizer {optimizer}; push+apply = push round trip with the update applied on the server)")
+        out.append(f"waiting 1 s for a message, worker CPU: blocking MPI Recv {w['blocking Recv']:.0%}, "
+                   f"hpcps wait {w['hpcps wait']:.0%}")
+        out.append(f"8-byte round trip: blocking {w['rtt_blocking_us']:.1f} us, hpcps wait {w['rtt_wait_us']:.1f} us")
+    return "\n".join(out)
