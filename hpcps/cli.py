@@ -1,17 +1,145 @@
-"""The ``hpcps`` command line."""
+"""The ``hpcps`` command line.
+
+    mpiexec -n 4 hpcps train [CONFIG.toml] [--set section.key=value ...]
+    hpcps eval --model MODEL.h5 --data FILE
+    hpcps predict --model MODEL.h5 --data FILE --out SCORES
+    hpcps gen-data OUT_DIR [--rows N] [--test-rows N] [--interactions] [--ratings]
+    mpiexec -n 2 hpcps bench {mpi,ps}
+
+``train`` is collective: every rank parses its own command line and the ranks check they were
+given the same one; the first rank reads the configuration file and broadcasts it. A bad key or
+value is reported on every rank, naming the key, and the job exits with status 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import sys
+
+
+def _fail(message: str, rank: int | None = None) -> int:
+    prefix = f"hpcps: rank {rank}: " if rank is not None else "hpcps: "
+    sys.stderr.write(f"{prefix}error: {message}\n")
+    sys.stderr.flush()
+    return 2
+
+
+def _cmd_train(args) -> int:
+    from hpcps import config, transport
+    from hpcps.train import loop
+
+    if args.help_config:
+        print(config.describe())
+        return 0
+    world = transport.world()
+    rank = world.Get_rank()
+    transport.install_abort_handler()
+    # 1. every rank was given the same command line?
+    digest = int(hashlib.sha256(json.dumps([args.config, args.set, args.skip_bad_lines]).encode()).hexdigest()[:12], 16)
+    if not transport.agree(world, digest, 120, "agreement on the command line"):
+        return _fail("ranks were started with different hpcps train arguments", rank)
+    # 2. the first rank reads and validates the configuration; everyone gets it or its error
+    raw, error = None, None
+    if rank == 0:
+        try:
+            overrides = list(args.set)
+            if args.skip_bad_lines:
+                overrides.append("data.skip_bad_lines=true")
+            raw = config.load_raw(args.config, overrides)
+            config.from_dict(raw)
+        except config.ConfigError as e:
+            error = str(e)
+    raw, error = world.bcast((raw, error), root=0)  # small control data
+    if error:
+        return _fail(error, rank)
+    cfg = config.from_dict(raw)
+    if not transport.agree(world, int(cfg.fingerprint(), 16) & 0x7FFFFFFFFFFF, 120, "agreement on the configuration"):
+        return _fail("ranks disagree on the configuration", rank)
+    try:
+        summary = loop.run(cfg, world)
+    except loop.TrainError as e:
+        return _fail(str(e), rank)
+    if summary is not None and args.summary_json:
+        with open(args.summary_json, "w") as f:
+            json.dump(summary, f, indent=1)
+    return 0
+
+
+def _load_for_serving(args):
+    from hpcps.train import data as tdata
+    from hpcps.train.model_file import ServingModel
+
+    model = ServingModel(args.model)
+    cfg = model.config.get("data", {})
+    ds = tdata.load_part(args.data, 0, 1, args.format or cfg.get("format", "auto"),
+                         args.hash_bits or cfg.get("hash_bits", 24), args.skip_bad_lines)
+    return model, ds
+
+
+def _margins(model, ds, batch=100_000):
+    import numpy as np
+
+    from hpcps.train.models import margins_from_params
+    from hpcps_kernels import keys as kkeys
+
+    out = []
+    for lo in range(0, ds.rows, batch):
+        b = ds.batch(lo, lo + batch)
+        uniq, pos = kkeys.unique_keys(b.indices)
+        out.append(margins_from_params(model.kind, b, pos, model.pull(uniq), model.loss))
+    return np.concatenate(out) if out else np.zeros(0)
+
+
+def _cmd_eval(args) -> int:
+    import numpy as np
+
+    from hpcps_kernels import metrics
+
+    model, ds = _load_for_serving(args)
+    m = _margins(model, ds)
+    y = ds.labels.astype(np.float64)
+    if model.loss == "logistic":
+        res = {"rows": int(ds.rows), "logloss": metrics.logloss(y, m), "auc": metrics.auc(y, m)}
+    else:
+        res = {"rows": int(ds.rows), "rmse": float(np.sqrt(np.mean((m - y) ** 2)))}
+    print(json.dumps(res))
+    return 0
+
+
+def _cmd_predict(args) -> int:
+    import numpy as np
+
+    from hpcps.train.loop import write_scores
+
+    model, ds = _load_for_serving(args)
+    m = _margins(model, ds)
+    write_scores(args.out, 1.0 / (1.0 + np.exp(-m)) if model.loss == "logistic" else m)
+    print(f"hpcps predict: {ds.rows} scores written to {args.out}")
+    return 0
+
+
+def _cmd_gen_data(args) -> int:
+    from hpcps.train import synth
+
+    if args.ratings:
+        out = synth.ratings(args.out_dir, args.rows, args.test_rows, seed=args.seed)
+        print(json.dumps(out, indent=1))
+        return 0
+    info = synth.generate(args.out_dir, args.rows, args.test_rows, args.fields, args.interactions, args.seed,
+                          args.hash_bits, formats=tuple(args.formats.split(",")))
+    print(f"hpcps gen-data: {info.rows} train + {info.test_rows} test rows in {args.out_dir}; best achievable "
+          f"test logloss {info.best_test_logloss:.5f}, AUC {info.best_test_auc:.5f}")
+    return 0
 
 
 def _cmd_bench_mpi(args) -> int:
     from hpcps import bench_mpi, transport
 
     transport.install_abort_handler()
-    comm = transport.world().Dup()
+    comm = transport.dup()
     rows = bench_mpi.run(comm)
     if comm.Get_rank() == 0:
         if args.json:
@@ -21,6 +149,7 @@ def _cmd_bench_mpi(args) -> int:
             print(f"{'bytes':>10} {'one-way':>12} {'GB/s':>8}")
             for r in rows:
                 print(f"{r['bytes']:>10} {r['one_way_s'] * 1e6:>10.1f}us {r['gb_per_s']:>8.3f}")
+    comm.Free()
     return 0
 
 
@@ -38,9 +167,47 @@ def _cmd_bench_ps(args) -> int:
     return 0
 
 
+def _serving_args(p):
+    p.add_argument("--model", required=True, help="model file written by train (train.model_out)")
+    p.add_argument("--data", required=True, help="libsvm or Criteo TSV file")
+    p.add_argument("--format", default="", help="libsvm | criteo (default: as in training, else detected)")
+    p.add_argument("--hash-bits", type=int, default=0, help="Criteo key bits (default: as in training)")
+    p.add_argument("--skip-bad-lines", action="store_true")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hpcps", description="MPI parameter server for huge sparse models")
     sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train a model (under mpiexec); see --help-config")
+    t.add_argument("config", nargs="?", help="TOML configuration file")
+    t.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a configuration key (repeatable)")
+    t.add_argument("--skip-bad-lines", action="store_true", help="count and skip malformed lines")
+    t.add_argument("--summary-json", default="", help="write the final summary here (first worker)")
+    t.add_argument("--help-config", action="store_true", help="list every configuration key and exit")
+    t.set_defaults(func=_cmd_train)
+
+    e = sub.add_parser("eval", help="logloss and AUC (or RMSE) of a model file on a data file")
+    _serving_args(e)
+    e.set_defaults(func=_cmd_eval)
+    pr = sub.add_parser("predict", help="one score per row of a data file, in input order")
+    _serving_args(pr)
+    pr.add_argument("--out", required=True, help="output file: one score per line")
+    pr.set_defaults(func=_cmd_predict)
+
+    g = sub.add_parser("gen-data", help="write a synthetic CTR data set with known best metrics")
+    g.add_argument("out_dir")
+    g.add_argument("--rows", type=int, default=200_000)
+    g.add_argument("--test-rows", type=int, default=50_000)
+    g.add_argument("--fields", type=int, default=39)
+    g.add_argument("--interactions", action="store_true", help="pairwise field interactions (FM data)")
+    g.add_argument("--ratings", action="store_true", help="explicit ratings (squared loss) instead")
+    g.add_argument("--seed", type=int, default=1)
+    g.add_argument("--hash-bits", type=int, default=24)
+    g.add_argument("--formats", default="libsvm,criteo", help="comma-separated: libsvm, criteo, vw")
+    g.set_defaults(func=_cmd_gen_data)
+
     bench = sub.add_parser("bench", help="benchmarks (run under mpiexec)")
     bsub = bench.add_subparsers(dest="what", required=True)
     b = bsub.add_parser("mpi", help="raw MPI point-to-point bandwidth between ranks 0 and 1")
@@ -53,14 +220,17 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--optimizer", default="ftrl", choices=["sgd", "adagrad", "ftrl", "adam"])
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=_cmd_bench_ps)
-    d = sub.add_parser("demo", help="the main job of `make demo`")
-    d.set_defaults(func=_cmd_bench_mpi, json=False)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (FileNotFoundError, ValueError) as e:
+        if args.command in ("eval", "predict", "gen-data"):
+            return _fail(str(e))
+        raise
 
 
 if __name__ == "__main__":

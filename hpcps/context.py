@@ -58,15 +58,16 @@ class Context:
         self._finalized = False
         # Worker groups: one communicator per group (servers get none).
         self.group_comm = transport.split(comm, self.group, self.rank)
+        # All workers together (evaluation, data checks), and all servers together (export).
+        self.workers_comm = transport.split(comm, 0 if self.is_worker else -1, self.rank)
+        self.servers_comm = transport.split(comm, 0 if self.is_server else -1, self.rank)
         self._check_same("layout", hash((layout.servers, layout.worker_groups, staleness, num_shards)) & 0x7FFFFFFF)
 
     # -- declarations ------------------------------------------------------------------------
 
     def _check_same(self, what: str, value: int) -> None:
         """Collective: raise on every rank if ranks passed different values."""
-        v = np.array([value, -value], dtype=np.int64)
-        r = transport.allreduce(self.comm, v, "max", timeout=self.stall_timeout_s, what=f"check of {what}")
-        if r[0] != value or r[1] != -value:
+        if not transport.agree(self.comm, value, self.stall_timeout_s, f"check of {what}"):
             raise ConfigMismatch(f"{transport.rank_prefix(self.comm)}: ranks disagree on {what} "
                                  f"(declare tables and settings identically on every rank)")
 
@@ -163,8 +164,9 @@ class Context:
         elif self.server_stats is None:
             self.serve()
         transport.barrier(self.comm, timeout, "finalize barrier")
-        if self.group_comm != transport.MPI.COMM_NULL:
-            self.group_comm.Free()
+        for c in (self.group_comm, self.workers_comm, self.servers_comm):
+            if c != transport.MPI.COMM_NULL:
+                c.Free()
         self.comm.Free()
         self._finalized = True
 

@@ -342,3 +342,23 @@ def dup(comm: MPI.Comm | None = None) -> MPI.Comm:
     """A private duplicate of ``comm`` (default: COMM_WORLD): the library's own traffic never
     matches the user's messages."""
     return (comm or MPI.COMM_WORLD).Dup()
+
+
+def agree(comm: MPI.Comm, value: int, timeout: float | None = None, what: str = "agreement") -> bool:
+    """Collective: True on every rank if every rank passed the same integer ``value``."""
+    v = np.array([value, -value], dtype=np.int64)
+    r = allreduce(comm, v, "max", timeout=timeout, what=what)
+    return bool(r[0] == value and r[1] == -value)
+
+
+def all_ok(comm: MPI.Comm, error: str | None, timeout: float | None = None, what: str = "check") -> list[str]:
+    """Collective: every rank's error message (empty list when no rank had one).
+
+    Lets ranks fail together with the same clear message instead of one rank raising while the
+    others wait for it.
+    """
+    bad = allreduce(comm, np.array([0 if error is None else 1], dtype=np.int64), "sum", timeout, what)
+    if bad[0] == 0:
+        return []
+    # every rank is here, so this small pickled allgather cannot hang
+    return [f"rank {r}: {e}" for r, e in enumerate(comm.allgather(error)) if e is not None]

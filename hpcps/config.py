@@ -1,0 +1,253 @@
+"""Configuration: one validated, frozen object from TOML plus ``--set section.key=value`` overrides.
+
+The keys form a closed set (like ``mpi4py.rc``): an unknown section or key is an error naming it,
+and so is a value of the wrong type. Pure: no MPI (the CLI reads the file on one rank and
+broadcasts the resulting dictionary).
+
+Sections and keys, with defaults, are the dataclasses below; ``hpcps train --help-config`` prints
+them, and the README has the table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+try:  # Python >= 3.11
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+from hpcps.tables import OPTIMIZER_PARAMS
+
+
+class ConfigError(ValueError):
+    """A bad configuration; the message names the key."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    servers: int = 1                 # server ranks (the first ranks of the world)
+    worker_groups: int = 0           # worker groups; 0 = one per worker
+    staleness: int = 0               # 0 = BSP, s > 0 = SSP, -1 = ASP
+    num_shards: int = 1024           # virtual shards (fixed for a model's life)
+    stall_warn_s: float = 30.0       # report a request unanswered this long
+    stall_timeout_s: float = 300.0   # abort the job when a request is unanswered this long
+
+
+@dataclass(frozen=True)
+class Data:
+    train: str = ""                  # training file (libsvm or Criteo TSV); "" = generate (see [synth])
+    test: str = ""                   # held-out file for evaluation
+    format: str = "auto"             # libsvm | criteo | auto (criteo for .tsv/.txt with tabs)
+    hash_bits: int = 24              # Criteo keys are reduced to this many bits
+    skip_bad_lines: bool = False     # count and skip malformed lines instead of stopping
+    cache_dir: str = ""              # binary cache of parsed data ("" = none)
+    predict: str = ""                # after training, score this file ...
+    predict_out: str = ""            # ... into this file, one score per row in input order
+
+
+@dataclass(frozen=True)
+class Synth:
+    rows: int = 200_000              # training rows generated when data.train is ""
+    test_rows: int = 50_000
+    fields: int = 39
+    interactions: bool = False       # add pairwise field interactions (FM data)
+    seed: int = 1
+    dir: str = ""                    # where to write the generated files ("" = a temporary dir)
+
+
+@dataclass(frozen=True)
+class Model:
+    type: str = "lr"                 # lr | fm
+    loss: str = "logistic"           # logistic | squared
+    factors: int = 8                 # fm: factors per key
+    init_scale: float = 0.01         # fm: std of the initial weights and factors (lr: zeros)
+    seed: int = 0                    # seed of the initializer
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    name: str = "ftrl"               # sgd | adagrad | ftrl | adam
+    params: dict = field(default_factory=dict)  # the optimizer's own keys: [optimizer] lr = ...
+
+
+@dataclass(frozen=True)
+class Train:
+    epochs: int = 1
+    batch_size: int = 1000           # rows per worker per step
+    aggregate: bool = True           # merge a worker group's pushes before sending
+    eval_every: int = 0              # steps between evaluations (0 = at the end of each epoch)
+    metrics: str = ""                # JSON-lines metrics file ("" = none)
+    progress: bool = True            # progress bar on the first worker
+    model_out: str = ""              # write the trained model (HDF5) here
+
+
+@dataclass(frozen=True)
+class Config:
+    cluster: Cluster = field(default_factory=Cluster)
+    data: Data = field(default_factory=Data)
+    synth: Synth = field(default_factory=Synth)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    train: Train = field(default_factory=Train)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        opt = d.pop("optimizer")
+        d["optimizer"] = {"name": opt["name"], **opt["params"]}
+        return d
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+_SECTION_CLASSES = {"cluster": Cluster, "data": Data, "synth": Synth, "model": Model, "train": Train}
+
+
+def _coerce(where: str, value: Any, default: Any):
+    """``value`` converted to the type of ``default``, or a ConfigError naming ``where``."""
+    kind = type(default)
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+    elif kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+    elif kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif kind is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"{where}: expected {kind.__name__}, got {value!r}")
+
+
+CHOICES = {
+    ("data", "format"): ("auto", "libsvm", "criteo"),
+    ("model", "type"): ("lr", "fm"),
+    ("model", "loss"): ("logistic", "squared"),
+}
+
+
+def from_dict(raw: dict) -> Config:
+    """Build and validate a Config from a nested dictionary (as parsed from TOML)."""
+    sections = {}
+    for name, values in raw.items():
+        if name not in SECTIONS:
+            raise ConfigError(f"unknown config section [{name}]; expected one of {sorted(SECTIONS)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"[{name}] must be a table of keys")
+        if name == "optimizer":
+            continue
+        cls = _SECTION_CLASSES[name]
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        kw = {}
+        for key, value in values.items():
+            if key not in defaults:
+                raise ConfigError(f"unknown config key {name}.{key}; [{name}] has {sorted(defaults)}")
+            kw[key] = _coerce(f"{name}.{key}", value, defaults[key])
+            if (name, key) in CHOICES and kw[key] not in CHOICES[(name, key)]:
+                raise ConfigError(f"{name}.{key} = {kw[key]!r}: expected one of {list(CHOICES[(name, key)])}")
+        sections[name] = cls(**kw)
+    opt = dict(raw.get("optimizer", {}))
+    name = opt.pop("name", Optimizer.name)
+    if name not in OPTIMIZER_PARAMS:
+        raise ConfigError(f"optimizer.name = {name!r}: expected one of {sorted(OPTIMIZER_PARAMS)}")
+    params = {}
+    for key, value in opt.items():
+        if key not in OPTIMIZER_PARAMS[name]:
+            raise ConfigError(f"unknown config key optimizer.{key} for optimizer {name!r}; "
+                              f"it takes {sorted(OPTIMIZER_PARAMS[name])}")
+        params[key] = _coerce(f"optimizer.{key}", value, float(OPTIMIZER_PARAMS[name][key]))
+    sections["optimizer"] = Optimizer(name, params)
+    cfg = Config(**sections)
+    _check(cfg)
+    return cfg
+
+
+def _check(cfg: Config) -> None:
+    positive = [("cluster.servers", cfg.cluster.servers), ("train.epochs", cfg.train.epochs),
+                ("train.batch_size", cfg.train.batch_size), ("model.factors", cfg.model.factors),
+                ("cluster.num_shards", cfg.cluster.num_shards), ("synth.rows", cfg.synth.rows),
+                ("synth.test_rows", cfg.synth.test_rows)]
+    for key, v in positive:
+        if v < 1:
+            raise ConfigError(f"{key} must be at least 1 (got {v})")
+    if not 1 <= cfg.data.hash_bits <= 64:
+        raise ConfigError(f"data.hash_bits must be between 1 and 64 (got {cfg.data.hash_bits})")
+    if cfg.cluster.worker_groups < 0:
+        raise ConfigError("cluster.worker_groups must be 0 (one per worker) or more")
+    if bool(cfg.data.predict) != bool(cfg.data.predict_out):
+        raise ConfigError("data.predict and data.predict_out go together")
+    if cfg.synth.fields < 2 or cfg.synth.fields > 39:
+        raise ConfigError(f"synth.fields must be between 2 and 39 (got {cfg.synth.fields})")
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """``["train.epochs=3", "optimizer.alpha=0.1"]`` → nested dict (values parsed as TOML)."""
+    out: dict = {}
+    for item in items:
+        if "=" not in item or "." not in item.split("=", 1)[0]:
+            raise ConfigError(f"--set {item!r}: expected section.key=value")
+        key, value = item.split("=", 1)
+        section, name = key.strip().split(".", 1)
+        try:
+            parsed = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            parsed = value  # a bare string
+        out.setdefault(section, {})[name] = parsed
+    return out
+
+
+def merge(base: dict, override: dict) -> dict:
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    for section, values in override.items():
+        if isinstance(values, dict) and isinstance(out.get(section), dict):
+            out[section].update(values)
+        else:
+            out[section] = values
+    return out
+
+
+def load_raw(path: str | None, overrides: list[str]) -> dict:
+    """The nested dictionary of a TOML file (optional) with overrides applied (not validated)."""
+    raw: dict = {}
+    if path:
+        try:
+            with open(path, "rb") as f:
+                raw = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} not found") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: {e}") from None
+    return merge(raw, parse_overrides(overrides))
+
+
+def describe() -> str:
+    """Every section and key with its default, for --help-config."""
+    lines = []
+    for name, cls in _SECTION_CLASSES.items():
+        lines.append(f"[{name}]")
+        for f in dataclasses.fields(cls):
+            lines.append(f"  {f.name} = {f.default!r}")
+    lines.append("[optimizer]\n  name = 'ftrl'")
+    for opt, params in OPTIMIZER_PARAMS.items():
+        lines.append(f"  ({opt}: " + ", ".join(f"{k} = {v}" for k, v in params.items()) + ")")
+    return "\n".join(lines)

@@ -1,0 +1,74 @@
+"""Progress on the first worker: a bar (on a terminal) or periodic lines (in a log), JSON-lines
+metrics, and the final summary table."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+class Progress:
+    def __init__(self, enabled: bool, total_steps: int, workers: int, metrics_path: str = "",
+                 stream=None, interval: float = 0.5):
+        self.enabled = enabled
+        self.total = total_steps
+        self.workers = workers
+        self.stream = stream or sys.stdout
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.interval = interval if self.tty else 10.0
+        self.metrics = open(metrics_path, "a") if (enabled and metrics_path) else None
+        self.start = time.perf_counter()
+        self.last_print = 0.0
+        self.examples = 0
+        self.loss_sum = 0.0
+        self.loss_rows = 0
+        self.running = None
+
+    def step(self, epoch: int, step: int, rows: int, loss_sum: float, wait_s: float, staleness: int) -> None:
+        self.examples += rows
+        self.loss_sum += loss_sum
+        self.loss_rows += rows
+        if rows:
+            batch = loss_sum / rows
+            self.running = batch if self.running is None else 0.98 * self.running + 0.02 * batch
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        elapsed = now - self.start
+        rate = self.examples * self.workers / max(elapsed, 1e-9)
+        if self.metrics:
+            self.metrics.write(json.dumps({"kind": "step", "epoch": epoch, "step": step, "rows": rows,
+                                           "loss": loss_sum / rows if rows else None, "examples_per_s": rate,
+                                           "wait_s": wait_s, "max_staleness": staleness, "time_s": elapsed}) + "\n")
+        if now - self.last_print >= self.interval or step == self.total:
+            self.last_print = now
+            done = step / max(self.total, 1)
+            bar = "#" * int(30 * done) + "." * (30 - int(30 * done))
+            running = f"{self.running:.4f}" if self.running is not None else "-"
+            line = (f"epoch {epoch} [{bar}] {step}/{self.total} {rate:,.0f} ex/s  loss {running}  "
+                    f"wait {wait_s:.1f}s ({100 * wait_s / max(elapsed, 1e-9):.0f}%)")
+            self.stream.write(("\r" + line) if self.tty else (line + "\n"))
+            self.stream.flush()
+
+    def epoch_end(self, epoch: int, record: dict) -> None:
+        if not self.enabled:
+            return
+        if self.tty:
+            self.stream.write("\n")
+        parts = [f"{k} {v:.5f}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()]
+        self.stream.write(f"epoch {epoch} done: " + ", ".join(parts) + "\n")
+        self.stream.flush()
+        if self.metrics:
+            self.metrics.write(json.dumps({"kind": "epoch", "epoch": epoch, **record}) + "\n")
+            self.metrics.flush()
+
+    def close(self) -> None:
+        if self.metrics:
+            self.metrics.close()
+
+
+def summary_table(rows: list[tuple[str, str]]) -> str:
+    width = max(len(k) for k, _ in rows)
+    line = "-" * (width + 3 + max(len(v) for _, v in rows))
+    return "\n".join([line] + [f"{k:<{width}}   {v}" for k, v in rows] + [line])

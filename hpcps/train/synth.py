@@ -1,0 +1,157 @@
+"""Synthetic click-through data with known true weights, written as libsvm, Criteo TSV and VW text.
+
+Rows have ``fields`` (≤ 39) fields: the first ``min(13, fields // 3)`` integer-valued, the rest
+categorical, like Criteo. Each field's tokens are Zipf-distributed over a vocabulary whose size
+ranges from 10 to 10**6 across fields, and each field is missing with its own probability. Every
+feature (its Criteo key, so bucketed integers share a weight) has a true weight drawn from a
+normal distribution by a hash of its key; the label is Bernoulli(sigmoid(bias + sum of weights
+[+ pairwise interactions of a few field pairs])). Because the generator knows every row's true
+probability, the best achievable test logloss and AUC are known and reported with the data.
+
+The libsvm file holds each present feature as ``key:1`` with the key exactly as the Criteo parser
+computes it, so the libsvm and Criteo files of one data set parse into the same batch.
+
+``ratings`` makes explicit-feedback data for the squared loss: user and item ids (Zipf), rating =
+3.5 + user bias + item bias + <user factors, item factors> + noise, clipped to [1, 5].
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from hpcps_kernels import init as kinit
+from hpcps_kernels import metrics, textgen
+
+WEIGHT_STD = 0.35
+BIAS = -1.3
+INTERACTION_DIM = 4
+INTERACTION_STD = 0.45
+
+
+@dataclass
+class SynthInfo:
+    rows: int
+    test_rows: int
+    fields: int
+    interactions: bool
+    hash_bits: int
+    seed: int
+    best_test_logloss: float
+    best_test_auc: float
+    positive_rate: float
+    files: dict
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(asdict(self), f, indent=1)
+
+
+def _layout(fields: int):
+    n_int = min(13, fields // 3)
+    n_cat = fields - n_int
+    cols = list(range(n_int)) + [13 + j for j in range(n_cat)]  # Criteo columns used
+    vocab = np.geomspace(10, 1_000_000, fields).astype(np.int64)
+    rng = np.random.default_rng(12345)
+    vocab = vocab[rng.permutation(fields)]
+    missing = rng.uniform(0.0, 0.2, fields)
+    return n_int, n_cat, cols, vocab, missing
+
+
+def _rows(n: int, fields: int, seed: int, hash_bits: int, interactions: bool):
+    """(labels, true probabilities, ints, cats, present (n, 39), keys (n, 39))."""
+    n_int, n_cat, cols, vocab, missing = _layout(fields)
+    rng = np.random.default_rng(seed)
+    tokens = (rng.zipf(1.25, size=(n, fields)) - 1) % vocab[None, :]
+    present = np.zeros((n, 39), dtype=np.bool_)
+    present[:, cols] = rng.random((n, fields)) >= missing[None, :]
+    ints = np.zeros((n, 13), dtype=np.int64)
+    ints[:, :n_int] = tokens[:, :n_int]
+    cats = np.zeros((n, 26), dtype=np.int64)
+    cats[:, :n_cat] = tokens[:, n_int:]
+    mask = np.uint64(2**hash_bits - 1) if hash_bits < 64 else np.uint64(2**64 - 1)
+    keys = textgen.criteo_keys(ints, cats, present, mask)
+    flat = keys.reshape(-1)
+    w = np.empty((flat.size, 1), dtype=np.float32)
+    kinit.init_values(flat, 1, kinit.NORMAL, WEIGHT_STD, 7, w)
+    margin = BIAS + (w.reshape(n, 39) * present).sum(axis=1, dtype=np.float64)
+    if interactions:
+        v = np.empty((flat.size, INTERACTION_DIM), dtype=np.float32)
+        kinit.init_values(flat, INTERACTION_DIM, kinit.NORMAL, INTERACTION_STD, 11, v)
+        v = v.reshape(n, 39, INTERACTION_DIM) * present[:, :, None]
+        for a, b in zip(cols[0::2][:6], cols[1::2][:6]):  # six field pairs interact
+            margin += np.einsum("rk,rk->r", v[:, a], v[:, b])
+    p = 1.0 / (1.0 + np.exp(-margin))
+    labels = (rng.random(n) < p).astype(np.float32)
+    return labels, p, ints, cats, present, keys
+
+
+def _write(path: str, writer, size_hint: int) -> None:
+    buf = np.empty(size_hint, dtype=np.uint8)
+    n = writer(buf)
+    with open(path, "wb") as f:
+        f.write(buf[:n].tobytes())
+
+
+def _write_all(prefix: str, labels, ints, cats, present, keys, formats) -> dict:
+    n = labels.shape[0]
+    files = {}
+    if "libsvm" in formats:
+        files["libsvm"] = prefix + ".svm"
+        _write(files["libsvm"], lambda b: textgen.write_libsvm(labels, keys, present, 0, b), n * 39 * 24 + n * 4)
+    if "criteo" in formats:
+        files["criteo"] = prefix + ".tsv"
+        _write(files["criteo"], lambda b: textgen.write_criteo(labels, ints, cats, present, b), n * (40 + 13 * 20 + 26 * 8))
+    if "vw" in formats:
+        files["vw"] = prefix + ".vw"
+        _write(files["vw"], lambda b: textgen.write_vw(labels, keys, present, b), n * 39 * 23 + n * 8)
+    return files
+
+
+def generate(out_dir: str, rows: int, test_rows: int, fields: int = 39, interactions: bool = False,
+             seed: int = 1, hash_bits: int = 24, formats=("libsvm", "criteo")) -> SynthInfo:
+    """Write ``train.*`` and ``test.*`` in ``formats`` and ``info.json``; returns the info."""
+    os.makedirs(out_dir, exist_ok=True)
+    files = {}
+    for name, n, s in (("train", rows, seed), ("test", test_rows, seed + 1_000_003)):
+        labels, p, ints, cats, present, keys = _rows(n, fields, s, hash_bits, interactions)
+        for fmt, path in _write_all(os.path.join(out_dir, name), labels, ints, cats, present, keys, formats).items():
+            files[f"{name}_{fmt}"] = path
+        if name == "test":
+            margins = np.log(p) - np.log1p(-p)
+            best_ll = metrics.logloss(labels, margins)
+            best_auc = metrics.auc(labels, p)
+            pos_rate = float(labels.mean())
+    info = SynthInfo(rows, test_rows, fields, interactions, hash_bits, seed, best_ll, best_auc, pos_rate, files)
+    info.save(os.path.join(out_dir, "info.json"))
+    return info
+
+
+def ratings(out_dir: str, rows: int, test_rows: int, users: int = 5000, items: int = 2000,
+            factors: int = 4, seed: int = 1) -> dict:
+    """Explicit ratings as libsvm (``rating user:1 item:1``); returns the files and the best RMSE."""
+    os.makedirs(out_dir, exist_ok=True)
+    out = {}
+    for name, n, s in (("train", rows, seed), ("test", test_rows, seed + 7)):
+        rng = np.random.default_rng(s)
+        u = (rng.zipf(1.2, n) - 1) % users
+        i = (rng.zipf(1.2, n) - 1) % items
+        keys = np.stack([u.astype(np.uint64) * np.uint64(2) + np.uint64(1),          # odd keys: users
+                         i.astype(np.uint64) * np.uint64(2) + np.uint64(2)], axis=1)  # even keys: items
+        bias = np.empty((2 * n, 1), dtype=np.float32)
+        kinit.init_values(keys.reshape(-1), 1, kinit.NORMAL, 0.4, 3, bias)
+        fac = np.empty((2 * n, factors), dtype=np.float32)
+        kinit.init_values(keys.reshape(-1), factors, kinit.NORMAL, 0.6, 5, fac)
+        fac = fac.reshape(n, 2, factors)
+        truth = 3.5 + bias.reshape(n, 2).sum(axis=1) + np.einsum("rk,rk->r", fac[:, 0], fac[:, 1])
+        y = np.clip(truth + rng.normal(0, 0.5, n), 1, 5).astype(np.float32)
+        path = os.path.join(out_dir, f"{name}.svm")
+        present = np.ones((n, 2), dtype=np.bool_)
+        _write(path, lambda b: textgen.write_libsvm(y, keys, present, 3, b), n * 64)
+        out[name] = path
+        if name == "test":
+            out["best_rmse"] = float(np.sqrt(np.mean((np.clip(truth, 1, 5) - y) ** 2)))
+    return out
