@@ -5,7 +5,7 @@ categorical, like Criteo. Each field's tokens are Zipf-distributed over a vocabu
 ranges from 10 to 10**6 across fields, and each field is missing with its own probability. Every
 feature (its Criteo key, so bucketed integers share a weight) has a true weight drawn from a
 normal distribution by a hash of its key; the label is Bernoulli(sigmoid(bias + sum of weights
-[+ pairwise interactions of a few field pairs])). Because the generator knows every row's true
+[+ pairwise interactions of six pairs of the fields with the smallest vocabularies])). Because the generator knows every row's true
 probability, the best achievable test logloss and AUC are known and reported with the data.
 
 The libsvm file holds each present feature as ``key:1`` with the key exactly as the Criteo parser
@@ -82,7 +82,10 @@ def _rows(n: int, fields: int, seed: int, hash_bits: int, interactions: bool):
         v = np.empty((flat.size, INTERACTION_DIM), dtype=np.float32)
         kinit.init_values(flat, INTERACTION_DIM, kinit.NORMAL, INTERACTION_STD, 11, v)
         v = v.reshape(n, 39, INTERACTION_DIM) * present[:, :, None]
-        for a, b in zip(cols[0::2][:6], cols[1::2][:6]):  # six field pairs interact
+        # six pairs of the fields with the smallest vocabularies interact (as user segment x ad
+        # category would): pairs of rare tokens could not be learned from any amount of data
+        small = [cols[f] for f in np.argsort(vocab, kind="stable")[:12]]
+        for a, b in zip(small[0::2], small[1::2]):
             margin += np.einsum("rk,rk->r", v[:, a], v[:, b])
     p = 1.0 / (1.0 + np.exp(-margin))
     labels = (rng.random(n) < p).astype(np.float32)

@@ -1,0 +1,98 @@
+"""Data readers: byte ranges, errors naming file and line, the cache, the generator."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hpcps.train import data, synth
+from hpcps_kernels import parse
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=0, max_size=60), st.integers(1, 9))
+def test_byte_ranges_cover_every_line_exactly_once(tmp_path_factory, lengths, parts):
+    path = tmp_path_factory.mktemp("br") / "f.txt"
+    lines = [b"x" * n for n in lengths]
+    path.write_bytes(b"".join(l + b"\n" for l in lines))
+    got = []
+    prev_end = 0
+    for i in range(parts):
+        start, end = data.byte_range(str(path), i, parts)
+        assert start == prev_end and start <= end
+        prev_end = end
+        chunk = path.read_bytes()[start:end]
+        assert chunk == b"" or chunk.endswith(b"\n")
+        got += chunk.split(b"\n")[:-1]
+    assert prev_end == path.stat().st_size
+    assert got == lines
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    d = tmp_path_factory.mktemp("syn")
+    return synth.generate(str(d), 3000, 500, fields=10, seed=3, formats=("libsvm", "criteo", "vw"))
+
+
+def test_libsvm_and_criteo_files_parse_to_the_same_rows(dataset):
+    a = data.load_part(dataset.files["train_libsvm"], 0, 1)
+    b = data.load_part(dataset.files["train_criteo"], 0, 1)
+    for x, y in zip((a.labels, a.indptr, a.indices, a.values), (b.labels, b.indptr, b.indices, b.values)):
+        np.testing.assert_array_equal(x, y)
+    assert np.all(a.indices[a.indptr[1:] - 1] == data.BIAS_KEY)  # every row ends with the bias
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 7])
+def test_parts_concatenate_to_the_whole_file(dataset, parts):
+    whole = data.load_part(dataset.files["train_criteo"], 0, 1)
+    pieces = [data.load_part(dataset.files["train_criteo"], i, parts) for i in range(parts)]
+    np.testing.assert_array_equal(np.concatenate([p.labels for p in pieces]), whole.labels)
+    np.testing.assert_array_equal(np.concatenate([p.indices for p in pieces]), whole.indices)
+
+
+def test_error_names_the_line_number_in_the_file(dataset, tmp_path):
+    lines = open(dataset.files["train_libsvm"], "rb").read().split(b"\n")
+    lines[2500] = b"1 17:nan"
+    path = tmp_path / "bad.svm"
+    path.write_bytes(b"\n".join(lines))
+    for parts in (1, 3):
+        errors = []
+        for i in range(parts):
+            try:
+                data.load_part(str(path), i, parts)
+            except data.DataError as e:
+                errors.append(str(e))
+        assert errors == [f"{path}:2501: bad number: '1 17:nan'"]
+    skipped = sum(data.load_part(str(path), i, 3, skip_bad=True).skipped for i in range(3))
+    assert skipped == 1
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(data.DataError, match="not found"):
+        data.load_part(str(tmp_path / "none.svm"), 0, 1)
+
+
+def test_cache_returns_the_same_rows_without_parsing(dataset, tmp_path):
+    a = data.load_part(dataset.files["train_criteo"], 1, 2, cache_dir=str(tmp_path))
+    b = data.load_part(dataset.files["train_criteo"], 1, 2, cache_dir=str(tmp_path))
+    assert isinstance(b.indices, np.memmap)
+    np.testing.assert_array_equal(a.indices, b.indices)
+    np.testing.assert_array_equal(a.labels, b.labels)
+
+
+def test_vw_file_holds_the_same_features(dataset):
+    first = open(dataset.files["train_vw"]).readline().split()
+    a = data.load_part(dataset.files["train_libsvm"], 0, 1)
+    keys = [int(t[1:]) for t in first[2:]]
+    assert keys == a.indices[a.indptr[0]:a.indptr[1] - 1].tolist()
+    assert (first[0] == "1") == (a.labels[0] == 1)
+
+
+def test_generator_best_metrics_are_those_of_the_true_model(dataset):
+    assert 0.5 < dataset.best_test_auc < 1 and 0 < dataset.best_test_logloss < 0.69
+
+
+def test_ratings_are_in_range(tmp_path):
+    out = synth.ratings(str(tmp_path), 500, 100)
+    labels = parse.parse_libsvm(open(out["train"], "rb").read())[0]
+    assert labels.min() >= 1 and labels.max() <= 5 and 0 < out["best_rmse"] < 1

@@ -1,0 +1,211 @@
+"""Training end to end: against scikit-learn, FM against LR, BSP against single-process, bad input.
+
+MPI tests call the training loop in-process under mpiexec; CLI tests launch ``hpcps train`` jobs
+of different sizes in subprocesses (with timeouts) and compare what they write.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from hpcps import config
+from hpcps.train import data as tdata
+from hpcps.train import synth
+from hpcps.train.model_file import ServingModel
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from run import mpiexec  # noqa: E402
+
+HPCPS = [sys.executable, "-m", "hpcps.cli"]
+
+
+def hpcps_job(n: int, args: list[str], timeout: float = 240, check: bool = True):
+    start = time.monotonic()
+    proc = subprocess.run([*mpiexec(), "-n", str(n), *HPCPS, *args], capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    out = proc.stdout + proc.stderr
+    if check and proc.returncode != 0:
+        raise AssertionError(f"hpcps {' '.join(args)} exited {proc.returncode}:\n{out[-3000:]}")
+    return proc.returncode, out, time.monotonic() - start
+
+
+def sets(**kv) -> list[str]:
+    out = []
+    for k, v in kv.items():
+        out += ["--set", f"{k.replace('__', '.')}={json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v}"]
+    return out
+
+
+# -- against scikit-learn ------------------------------------------------------------------------
+
+def small_problem(n=400, d=10, seed=0):
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(n, d))
+    w = rng.normal(size=d)
+    y = (rng.random(n) < 1 / (1 + np.exp(-(X @ w + 0.3)))).astype(int)
+    return X, y
+
+
+@pytest.mark.mpi(min_size=2)
+def test_lr_matches_scikit_learn_on_the_same_l2_objective(mpi_tmp_path):
+    from mpi4py import MPI
+
+    from hpcps.train import loop
+
+    sklearn = pytest.importorskip("sklearn.linear_model")
+    X, y = small_problem()
+    n, d = X.shape
+    path = mpi_tmp_path / "small.svm"
+    if MPI.COMM_WORLD.rank == 0:
+        with open(path, "w") as f:
+            for row, label in zip(X, y):
+                f.write(f"{label} " + " ".join(f"{j}:{v:.9g}" for j, v in enumerate(row)) + "\n")
+    MPI.COMM_WORLD.Barrier()
+    lam = 0.05
+    cfg = config.from_dict({
+        "cluster": {"servers": 1}, "data": {"train": str(path), "hash_bits": 64},
+        "optimizer": {"name": "sgd", "lr": 2.0, "l2": lam},
+        "train": {"epochs": 400, "batch_size": n, "progress": False, "model_out": str(mpi_tmp_path / "m.h5")}})
+    loop.run(cfg, MPI.COMM_WORLD)
+    model = ServingModel(str(mpi_tmp_path / "m.h5"))
+    keys = np.array(list(range(d)) + [int(tdata.BIAS_KEY)], dtype=np.uint64)
+    ours = model.pull(keys)[:, 0].astype(np.float64)
+    # same objective: mean logloss + lam/2 ||w||^2 (bias included)  <=>  C = 1 / (n lam)
+    Xb = np.hstack([X, np.ones((n, 1))])
+    ref = sklearn.LogisticRegression(C=1 / (n * lam), fit_intercept=False, tol=1e-10, max_iter=10_000).fit(Xb, y)
+
+    def objective(w):
+        m = Xb @ w
+        return np.mean(np.logaddexp(0, m) - y * m) + lam / 2 * w @ w
+
+    np.testing.assert_allclose(ours, ref.coef_[0], atol=2e-4)
+    assert objective(ours) == pytest.approx(objective(ref.coef_[0]), rel=1e-6)
+
+
+# -- CLI jobs ------------------------------------------------------------------------------------
+
+def test_fm_beats_lr_on_ratings_with_a_user_item_interaction(tmp_path):
+    """Ratings = biases + <user factors, item factors> + noise: LR can only learn the biases."""
+    d = synth.ratings(str(tmp_path / "r"), 100_000, 10_000, seed=3)
+    common = sets(data__train=d["train"], data__test=d["test"], model__loss="squared", train__epochs=5,
+                  train__progress=False, optimizer__name="adagrad", optimizer__lr=0.1, model__factors=4,
+                  model__init_scale=0.1)
+    rmse = {}
+    for model in ("lr", "fm"):
+        out = tmp_path / f"{model}.json"
+        hpcps_job(3, ["train", *common, *sets(model__type=model), "--summary-json", str(out)])
+        rmse[model] = json.loads(out.read_text())["test_rmse"]
+    assert rmse["fm"] < rmse["lr"] - 0.05, rmse
+    assert rmse["fm"] > d["best_rmse"] - 0.01, rmse  # and no better than the noise allows
+
+
+def interleave_for_one_worker(path: str, workers: int, batch: int, out: str) -> None:
+    """The file a single worker must read to see, step by step, the union of what ``workers``
+    workers of one group see: their step-k batches one after the other."""
+    raw = open(path, "rb").read()
+    parts = []
+    for i in range(workers):
+        start, end = tdata.byte_range(path, i, workers)
+        parts.append(raw[start:end].split(b"\n")[:-1])
+    steps = max(-(-len(p) // batch) for p in parts)
+    with open(out, "wb") as f:
+        for k in range(steps):
+            for p in parts:
+                for line in p[k * batch:(k + 1) * batch]:
+                    f.write(line + b"\n")
+
+
+@pytest.mark.parametrize("optimizer", ["ftrl", "adagrad"])
+def test_bsp_group_of_two_equals_single_process_on_the_same_data_order(tmp_path, optimizer):
+    d = synth.generate(str(tmp_path / "d"), 6000, 500, fields=10, seed=9, formats=("libsvm",))
+    batch = 250
+    single = str(tmp_path / "single.svm")
+    interleave_for_one_worker(d.files["train_libsvm"], 2, batch, single)
+    params = {"ftrl": dict(optimizer__alpha=0.3), "adagrad": dict(optimizer__lr=0.1)}[optimizer]
+    common = sets(train__epochs=2, train__progress=False, optimizer__name=optimizer, cluster__staleness=0, **params)
+    hpcps_job(3, ["train", *common, *sets(data__train=d.files["train_libsvm"], cluster__worker_groups=1,
+                                          train__batch_size=batch, train__model_out=str(tmp_path / "multi.h5"))])
+    hpcps_job(2, ["train", *common, *sets(data__train=single, train__batch_size=2 * batch,
+                                          train__model_out=str(tmp_path / "single.h5"))])
+    a, b = ServingModel(str(tmp_path / "multi.h5")), ServingModel(str(tmp_path / "single.h5"))
+    np.testing.assert_array_equal(a.keys, b.keys)
+    # equal up to the order of the float32 additions inside a step's gradient (one sum of 500 rows
+    # against two sums of 250 added together): |differences| stay below 5e-5 for weights up to ~0.3
+    np.testing.assert_allclose(a.values, b.values, rtol=1e-4, atol=5e-5)
+    assert np.abs(a.values).max() > 0.01
+
+
+def test_predict_writes_one_score_per_row_in_input_order(tmp_path):
+    d = synth.generate(str(tmp_path / "d"), 4000, 1001, fields=8, seed=2, formats=("libsvm", "criteo"))
+    scores = tmp_path / "scores.txt"
+    hpcps_job(4, ["train", *sets(data__train=d.files["train_criteo"], train__progress=False,
+                                 train__model_out=str(tmp_path / "m.h5"), data__predict=d.files["test_criteo"],
+                                 data__predict_out=str(scores))])
+    distributed = np.loadtxt(scores)
+    assert distributed.shape == (1001,)
+    # the same model served without MPI, on the same file: identical scores, row by row
+    served = tmp_path / "served.txt"
+    subprocess.run([*HPCPS, "predict", "--model", str(tmp_path / "m.h5"), "--data", d.files["test_criteo"],
+                    "--out", str(served)], check=True, capture_output=True, timeout=120)
+    np.testing.assert_allclose(distributed, np.loadtxt(served), atol=2e-6)
+    out = subprocess.run([*HPCPS, "eval", "--model", str(tmp_path / "m.h5"), "--data", d.files["test_libsvm"]],
+                         check=True, capture_output=True, text=True, timeout=120).stdout
+    assert 0.5 < json.loads(out)["auc"] < 1
+
+
+# -- bad input -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("small")
+    return synth.generate(str(d), 3000, 300, fields=6, seed=4, formats=("libsvm",))
+
+
+def _with_bad_line(small_data, tmp_path, bad: bytes, at: int = 2000) -> str:
+    lines = open(small_data.files["train_libsvm"], "rb").read().split(b"\n")
+    lines[at - 1] = bad
+    path = tmp_path / "bad.svm"
+    path.write_bytes(b"\n".join(lines))
+    return str(path)
+
+
+@pytest.mark.parametrize("bad,reason", [(b"1 4:zz", "bad number"), (b"0 4:1e999", "NaN or infinite"),
+                                        (b"1 4", "expected index:value")])
+def test_malformed_line_stops_every_rank_naming_file_and_line(small_data, tmp_path, bad, reason):
+    path = _with_bad_line(small_data, tmp_path, bad)
+    rc, out, elapsed = hpcps_job(3, ["train", *sets(data__train=path, train__progress=False)], check=False)
+    assert rc != 0 and elapsed < 60
+    for rank in range(3):
+        assert f"hpcps: rank {rank}: error: cannot load data" in out, out[-2000:]
+    assert f"{path}:2000: " in out and reason in out
+
+
+def test_skip_bad_lines_counts_them(small_data, tmp_path):
+    path = _with_bad_line(small_data, tmp_path, b"1 4:zz")
+    summary = tmp_path / "s.json"
+    hpcps_job(3, ["train", "--skip-bad-lines", *sets(data__train=path, train__progress=False),
+                  "--summary-json", str(summary)])
+    s = json.loads(summary.read_text())
+    assert s["bad_lines_skipped"] == 1 and s["examples"] == 2999
+
+
+def test_missing_file_and_empty_byte_range_are_errors_on_every_rank(small_data, tmp_path):
+    rc, out, _ = hpcps_job(3, ["train", *sets(data__train=str(tmp_path / "nope.svm"))], check=False)
+    assert rc != 0 and out.count("nope.svm not found") >= 3
+    one = tmp_path / "one.svm"
+    one.write_text("1 3:1\n")
+    rc, out, _ = hpcps_job(3, ["train", *sets(data__train=str(one))], check=False)
+    assert rc != 0 and "byte range holds no rows" in out and out.count("error: cannot load data") == 3
+
+
+def test_bad_config_key_is_named_on_every_rank():
+    rc, out, _ = hpcps_job(2, ["train", "--set", "train.epochz=2"], check=False)
+    assert rc == 2 and out.count("unknown config key train.epochz") == 2
