@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
-	$(VENV)/bin/mpiexec -n $(NP) $(VENV)/bin/hpcps demo
+	$(VENV)/bin/mpiexec -n $(NP) $(VENV)/bin/hpcps train $(ARGS)
 
 test: $(VENV)/.installed
 	$(PY) tests/run.py $(ARGS)

@@ -52,8 +52,8 @@ class Data:
 
 @dataclass(frozen=True)
 class Synth:
-    rows: int = 200_000              # training rows generated when data.train is ""
-    test_rows: int = 50_000
+    rows: int = 1_000_000            # training rows generated when data.train is ""
+    test_rows: int = 100_000
     fields: int = 39
     interactions: bool = False       # add pairwise field interactions (FM data)
     seed: int = 1
@@ -77,8 +77,9 @@ class Optimizer:
 
 @dataclass(frozen=True)
 class Train:
-    epochs: int = 1
+    epochs: int = 2
     batch_size: int = 1000           # rows per worker per step
+    gradient: str = "sum"            # sum | mean of the rows' gradients per key in a step
     aggregate: bool = True           # merge a worker group's pushes before sending
     eval_every: int = 0              # steps between evaluations (0 = at the end of each epoch)
     metrics: str = ""                # JSON-lines metrics file ("" = none)
@@ -143,6 +144,7 @@ CHOICES = {
     ("data", "format"): ("auto", "libsvm", "criteo"),
     ("model", "type"): ("lr", "fm"),
     ("model", "loss"): ("logistic", "squared"),
+    ("train", "gradient"): ("sum", "mean"),
 }
 
 

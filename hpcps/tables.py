@@ -11,7 +11,7 @@ from hpcps_kernels import optim
 OPTIMIZER_PARAMS = {
     "sgd": {"lr": 0.01, "l2": 0.0},
     "adagrad": {"lr": 0.01, "eps": 1e-8, "l2": 0.0, "initial_accumulator": 0.1},
-    "ftrl": {"alpha": 0.5, "beta": 1.0, "l1": 0.0, "l2": 0.0},
+    "ftrl": {"alpha": 0.1, "beta": 1.0, "l1": 0.0, "l2": 0.0},
     "adam": {"lr": 0.001, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "l2": 0.0},
 }
 

@@ -68,6 +68,7 @@ def abort(message: str, code: int = 1, comm: MPI.Comm | None = None) -> None:
     sys.stderr.write(f"hpcps: {rank_prefix(comm)}: aborting the MPI job\n")
     sys.stderr.flush()
     sys.stdout.flush()
+    time.sleep(0.3)  # let the launcher forward this output before the job is torn down
     comm.Abort(code)
 
 

@@ -110,6 +110,7 @@ def pytest_runtest_makereport(item, call):
             f"{rep.longreprtext}\n"
         )
         sys.stderr.flush()
+        time.sleep(0.3)  # let the launcher forward this output before the job is torn down
         MPI.COMM_WORLD.Abort(1)
     if recv[0] == 0:
         return

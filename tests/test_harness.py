@@ -70,9 +70,9 @@ def test_failed_assertion_in_mpi_test_ends_pytest_job(tmp_path):
     proc, elapsed, out = launch(
         tmp_path, 2, ["-m", "pytest", "-p", "mpi_harness", "--with-mpi", "-q", "test_fails.py"],
         {"HPCPS_TEST_FAIL_GRACE": "3"})
-    assert proc.returncode != 0
-    assert elapsed < LIMIT_S
-    assert "rank 1/2" in out and "rank one's assertion fails on purpose" in out
+    assert proc.returncode != 0, out
+    assert elapsed < LIMIT_S, out
+    assert "rank 1/2" in out and "rank one's assertion fails on purpose" in out, out
 
 
 def test_deadlocked_mpi_test_is_ended_by_the_timeout(tmp_path):

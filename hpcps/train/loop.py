@@ -4,7 +4,7 @@ Run on every rank (collective). Servers serve; workers each read their own byte 
 training file and step through it in batches of ``train.batch_size`` rows for ``train.epochs``.
 All workers take the same number of steps per epoch (the largest of their batch counts; a worker
 out of rows takes empty steps), so worker groups and clocks stay in step. The gradient of a step
-is the mean over the worker group's rows (``1 / (batch_size * group size)``).
+is the sum over the worker group's rows (``train.gradient = "sum"``) or their mean.
 
 Evaluation (logloss and AUC, or RMSE for the squared loss) runs on the held-out file's parts on
 every worker; the margins are gathered on the first worker, which computes the exact metrics.
@@ -147,7 +147,10 @@ def run(cfg, comm=None) -> dict | None:
                                     ctx.stall_timeout_s, "agreement on steps per epoch")[0])
     skipped = int(transport.allreduce(wcomm, np.array([train.skipped + (test.skipped if test else 0)]), "sum",
                                       ctx.stall_timeout_s)[0])
-    scale = 1.0 / (tr.batch_size * ctx.group_comm.Get_size())
+    # "sum": each row's gradient counts in full (per-coordinate optimizers like FTRL and AdaGrad
+    # set their own step sizes, and a mean would shrink rare keys' gradients by the batch size);
+    # "mean": the gradient of the mean loss over the group's rows (the objective of plain SGD).
+    scale = 1.0 if tr.gradient == "sum" else 1.0 / (tr.batch_size * ctx.group_comm.Get_size())
     progress = Progress(first and tr.progress, steps, ctx.layout.workers, tr.metrics)
     if first:
         print(f"hpcps train: {ctx.layout.describe()}; {cfg.model.type} with {cfg.optimizer.name}, "
