@@ -47,5 +47,5 @@ def test_missing_and_malformed_files(tmp_path):
 
 def test_fingerprint_changes_with_any_value():
     a = config.from_dict({})
-    b = config.from_dict({"train": {"epochs": 2}})
+    b = config.from_dict({"train": {"epochs": 5}})
     assert a.fingerprint() != b.fingerprint() and a.fingerprint() == config.from_dict({}).fingerprint()
