@@ -167,6 +167,18 @@ def _cmd_bench_ps(args) -> int:
     return 0
 
 
+def _cmd_bench_vw(args) -> int:
+    from hpcps import bench_vw
+
+    results = bench_vw.run(args.dir, args.rows, args.test_rows, [int(x) for x in args.ranks.split(",")],
+                           [int(x) for x in args.epochs.split(",")], args.alpha, args.vw_alpha, args.hash_bits)
+    print(bench_vw.format_results(results, args.rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
 def _serving_args(p):
     p.add_argument("--model", required=True, help="model file written by train (train.model_out)")
     p.add_argument("--data", required=True, help="libsvm or Criteo TSV file")
@@ -220,6 +232,17 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--optimizer", default="ftrl", choices=["sgd", "adagrad", "ftrl", "adam"])
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=_cmd_bench_ps)
+    b = bsub.add_parser("vw", help="hpcps vs Vowpal Wabbit on the same synthetic rows (runs its own mpiexec jobs)")
+    b.add_argument("--dir", default="/tmp/hpcps-bench-vw", help="where the data and results go")
+    b.add_argument("--rows", type=int, default=1_000_000)
+    b.add_argument("--test-rows", type=int, default=100_000)
+    b.add_argument("--ranks", default="2,3,4", help="hpcps world sizes (1 server + the rest workers)")
+    b.add_argument("--epochs", default="1,3")
+    b.add_argument("--alpha", type=float, default=0.1, help="hpcps FTRL alpha")
+    b.add_argument("--vw-alpha", type=float, default=0.05, help="VW --ftrl_alpha (0.05 was VW's best of 0.005/0.05/0.5 here)")
+    b.add_argument("--hash-bits", type=int, default=24)
+    b.add_argument("--json", default="", help="also write the results here")
+    b.set_defaults(func=_cmd_bench_vw)
     return p
 
 

@@ -96,3 +96,9 @@ def test_ratings_are_in_range(tmp_path):
     out = synth.ratings(str(tmp_path), 500, 100)
     labels = parse.parse_libsvm(open(out["train"], "rb").read())[0]
     assert labels.min() >= 1 and labels.max() <= 5 and 0 < out["best_rmse"] < 1
+
+
+def test_bias_key_is_the_documented_hash():
+    from hpcps_kernels.hashing import feature_key
+
+    assert int(data.BIAS_KEY) == feature_key(0xB1A5, "bias")

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from hpcps_kernels import parse
-from hpcps_kernels.hashing import feature_key
 
-BIAS_KEY = np.uint64(feature_key(0xB1A5, "bias"))
+# feature_key(0xB1A5, "bias"), written out so that importing this module compiles nothing
+BIAS_KEY = np.uint64(871999724124195170)
 BLOCK = 64 << 20
 
 

@@ -1,0 +1,46 @@
+"""The benchmarks run and print what they promise (small sizes; speed is not asserted here)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from run import mpiexec  # noqa: E402
+
+
+def test_kernel_profiler_reports_speedups_and_rooflines():
+    out = subprocess.run([sys.executable, "-m", "hpcps_kernels", "bench", "--rows", "4000", "--repeat", "1", "--json",
+                          "--kernel", "lr", "--kernel", "unique", "--kernel", "parse", "--kernel", "metrics"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert rows[0]["roofline"]["seq_read_gb_s"] > 0 and rows[0]["roofline"]["random_access_m_s"] > 0
+    names = [r["kernel"] for r in rows[1:]]
+    assert any(n.startswith("lr_grad") for n in names) and "parse libsvm" in names and "auc" in names
+    for r in rows[1:]:
+        assert r["time_s"] > 0 and (r["speedup"] is None or r["speedup"] > 0)
+
+
+def test_ps_benchmark_reports_throughput_beside_raw_mpi():
+    proc = subprocess.run([*mpiexec(), "-n", "2", sys.executable, "-m", "hpcps.cli", "bench", "ps", "--sizes",
+                           "1000,20000", "--repeat", "2", "--json"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    ops = {(r["op"], r.get("keys")) for r in rows}
+    assert {("push+apply", 1000), ("pull", 20000), ("waiting", None)} <= ops
+    waiting = [r for r in rows if r["op"] == "waiting"][0]
+    assert waiting["hpcps wait"] < 0.5 < waiting["blocking Recv"]  # the polling wait does not burn a core
+    assert "idle server CPU" in proc.stdout
+
+
+def test_vw_benchmark_runs_both_systems(tmp_path):
+    pytest.importorskip("vowpalwabbit")
+    proc = subprocess.run([sys.executable, "-m", "hpcps.cli", "bench", "vw", "--dir", str(tmp_path), "--rows", "20000",
+                           "--test-rows", "2000", "--ranks", "2", "--epochs", "1"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    table = proc.stdout.splitlines()
+    assert any(line.startswith("hpcps ") for line in table) and any(line.startswith("vw ") for line in table)
