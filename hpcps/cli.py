@@ -38,7 +38,7 @@ def _cmd_train(args) -> int:
     rank = world.Get_rank()
     transport.install_abort_handler()
     # 1. every rank was given the same command line?
-    digest = int(hashlib.sha256(json.dumps([args.config, args.set, args.skip_bad_lines]).encode()).hexdigest()[:12], 16)
+    digest = int(hashlib.sha256(json.dumps([args.config, args.set, args.skip_bad_lines, args.resume]).encode()).hexdigest()[:12], 16)
     if not transport.agree(world, digest, 120, "agreement on the command line"):
         return _fail("ranks were started with different hpcps train arguments", rank)
     # 2. the first rank reads and validates the configuration; everyone gets it or its error
@@ -48,6 +48,8 @@ def _cmd_train(args) -> int:
             overrides = list(args.set)
             if args.skip_bad_lines:
                 overrides.append("data.skip_bad_lines=true")
+            if args.resume:
+                overrides.append(f"checkpoint.resume={json.dumps(args.resume)}")
             raw = config.load_raw(args.config, overrides)
             config.from_dict(raw)
         except config.ConfigError as e:
@@ -59,13 +61,13 @@ def _cmd_train(args) -> int:
     if not transport.agree(world, int(cfg.fingerprint(), 16) & 0x7FFFFFFFFFFF, 120, "agreement on the configuration"):
         return _fail("ranks disagree on the configuration", rank)
     try:
-        summary = loop.run(cfg, world)
+        result = loop.run(cfg, world)
     except loop.TrainError as e:
         return _fail(str(e), rank)
-    if summary is not None and args.summary_json:
+    if result.summary is not None and args.summary_json:
         with open(args.summary_json, "w") as f:
-            json.dump(summary, f, indent=1)
-    return 0
+            json.dump(result.summary, f, indent=1)
+    return loop.EXIT_PREEMPTED if result.preempted else 0
 
 
 def _load_for_serving(args):
@@ -179,6 +181,63 @@ def _cmd_bench_vw(args) -> int:
     return 0
 
 
+def _cmd_inspect(args) -> int:
+    from hpcps import checkpoint
+
+    paths = [args.ckpt]
+    if os.path.isdir(args.ckpt) and not os.path.exists(os.path.join(args.ckpt, checkpoint.MANIFEST)):
+        paths = checkpoint.complete_checkpoints(args.ckpt) or paths  # a checkpoint.dir: list them all
+    bad = 0
+    for path in paths:
+        s = checkpoint.inspect(path)
+        m = s.manifest
+        print(f"{path}: {'OK' if s.ok else 'DAMAGED: ' + s.problem}")
+        if m:
+            pos = m.get("position", {})
+            lay = m.get("layout", {})
+            print(f"  step {pos.get('global_step')} (next: epoch {pos.get('epoch')}, step {pos.get('step')}), "
+                  f"clock {m.get('clock')}, reason {m.get('reason')!r}")
+            print(f"  written by {lay.get('servers')} server(s), {lay.get('workers')} worker(s); "
+                  f"{lay.get('num_shards')} virtual shards; {s.bytes / 1e6:.1f} MB in {len(m.get('files', []))} file(s)")
+            for t in m.get("tables", []):
+                print(f"  table {t['name']!r}: dim {t['dim']}, {t['optimizer']}, {s.keys.get(t['name'], '?')} keys")
+        bad += not s.ok
+    return 1 if bad else 0
+
+
+def _cmd_export(args) -> int:
+    import numpy as np
+
+    from hpcps import checkpoint
+    from hpcps.train import model_file
+
+    m = checkpoint.verify(args.ckpt)
+    tables = [t["name"] for t in m["tables"]]
+    name = args.table or tables[0]
+    if name not in tables:
+        return _fail(f"no table {name!r} in {args.ckpt}; it has {tables}")
+    spec = next(t for t in m["tables"] if t["name"] == name)
+    keys, rows = checkpoint.read_shards(args.ckpt, m, name, np.ones(m["layout"]["num_shards"], dtype=bool))
+    cfg = m.get("config", {})
+    model_cfg = cfg.get("model", {})
+    init = ("normal", model_cfg.get("init_scale", 0.01)) if model_cfg.get("type") == "fm" else ("zeros", 0.01)
+    model_file.write(args.out, keys, rows[:, : spec["dim"]],
+                     {"model": model_cfg.get("type", "lr"), "loss": model_cfg.get("loss", "logistic"),
+                      "dim": spec["dim"], "init": init[0], "init_scale": init[1], "seed": model_cfg.get("seed", 0),
+                      "config": json.dumps(cfg)})
+    print(f"hpcps export: {keys.shape[0]} keys of table {name!r} from {args.ckpt} -> {args.out}")
+    return 0
+
+
+def _cmd_bench_checkpoint(args) -> int:
+    from hpcps import bench_checkpoint
+
+    os.makedirs(args.dir, exist_ok=True)
+    rows = [bench_checkpoint.measure(int(n), args.dir) for n in args.keys.split(",")]
+    print("\n".join(json.dumps(r) for r in rows) if args.json else bench_checkpoint.format_rows(rows))
+    return 0
+
+
 def _serving_args(p):
     p.add_argument("--model", required=True, help="model file written by train (train.model_out)")
     p.add_argument("--data", required=True, help="libsvm or Criteo TSV file")
@@ -197,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a configuration key (repeatable)")
     t.add_argument("--skip-bad-lines", action="store_true", help="count and skip malformed lines")
     t.add_argument("--summary-json", default="", help="write the final summary here (first worker)")
+    t.add_argument("--resume", default="", metavar="auto|CKPT",
+                   help="resume from the newest good checkpoint in checkpoint.dir (auto) or from CKPT")
     t.add_argument("--help-config", action="store_true", help="list every configuration key and exit")
     t.set_defaults(func=_cmd_train)
 
@@ -207,6 +268,15 @@ def build_parser() -> argparse.ArgumentParser:
     _serving_args(pr)
     pr.add_argument("--out", required=True, help="output file: one score per line")
     pr.set_defaults(func=_cmd_predict)
+
+    i = sub.add_parser("inspect", help="what a checkpoint (or every checkpoint in a directory) holds, and its integrity")
+    i.add_argument("ckpt")
+    i.set_defaults(func=_cmd_inspect)
+    x = sub.add_parser("export", help="a checkpoint's table as a single-file model for hpcps predict/eval")
+    x.add_argument("ckpt")
+    x.add_argument("--out", required=True)
+    x.add_argument("--table", default="", help="table to export (default: the first)")
+    x.set_defaults(func=_cmd_export)
 
     g = sub.add_parser("gen-data", help="write a synthetic CTR data set with known best metrics")
     g.add_argument("out_dir")
@@ -243,6 +313,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--hash-bits", type=int, default=24)
     b.add_argument("--json", default="", help="also write the results here")
     b.set_defaults(func=_cmd_bench_vw)
+    b = bsub.add_parser("checkpoint", help="checkpoint write/read throughput and resume time beside a plain file copy")
+    b.add_argument("--keys", default="10000000,100000000", help="table sizes, comma-separated")
+    b.add_argument("--dir", default="/tmp/hpcps-bench-checkpoint", help="a directory on the disk to measure")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=_cmd_bench_checkpoint)
     return p
 
 
@@ -250,8 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (FileNotFoundError, ValueError) as e:
-        if args.command in ("eval", "predict", "gen-data"):
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        if args.command in ("eval", "predict", "gen-data", "export", "inspect"):
             return _fail(str(e))
         raise
 

@@ -88,6 +88,17 @@ class Train:
 
 
 @dataclass(frozen=True)
+class Checkpoint:
+    dir: str = ""                    # where checkpoints go ("" = none)
+    every_steps: int = 0             # checkpoint every N steps (0 = off)
+    every_s: float = 0.0             # checkpoint every T seconds (0 = off)
+    keep: int = 3                    # complete checkpoints kept
+    on_signal: str = "exit"          # after a SIGUSR1/SIGTERM checkpoint: exit (status 75) | continue
+    final: bool = True               # checkpoint at the end of training
+    resume: str = ""                 # "" = start fresh | auto = newest good checkpoint in dir | a path
+
+
+@dataclass(frozen=True)
 class Config:
     cluster: Cluster = field(default_factory=Cluster)
     data: Data = field(default_factory=Data)
@@ -95,6 +106,7 @@ class Config:
     model: Model = field(default_factory=Model)
     optimizer: Optimizer = field(default_factory=Optimizer)
     train: Train = field(default_factory=Train)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -105,9 +117,18 @@ class Config:
     def fingerprint(self) -> str:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
 
+    def model_fingerprint(self) -> str:
+        """What a checkpoint must match to be resumed: model, optimizer and key space (not the
+        data paths, epochs or layout, which may change between runs)."""
+        d = self.to_dict()
+        keep = {"model": d["model"], "optimizer": d["optimizer"], "hash_bits": d["data"]["hash_bits"],
+                "num_shards": d["cluster"]["num_shards"], "gradient": d["train"]["gradient"]}
+        return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
-_SECTION_CLASSES = {"cluster": Cluster, "data": Data, "synth": Synth, "model": Model, "train": Train}
+_SECTION_CLASSES = {"cluster": Cluster, "data": Data, "synth": Synth, "model": Model, "train": Train,
+                    "checkpoint": Checkpoint}
 
 
 def _coerce(where: str, value: Any, default: Any):
@@ -145,6 +166,7 @@ CHOICES = {
     ("model", "type"): ("lr", "fm"),
     ("model", "loss"): ("logistic", "squared"),
     ("train", "gradient"): ("sum", "mean"),
+    ("checkpoint", "on_signal"): ("exit", "continue"),
 }
 
 
@@ -198,6 +220,10 @@ def _check(cfg: Config) -> None:
         raise ConfigError("cluster.worker_groups must be 0 (one per worker) or more")
     if bool(cfg.data.predict) != bool(cfg.data.predict_out):
         raise ConfigError("data.predict and data.predict_out go together")
+    if cfg.checkpoint.resume and not cfg.checkpoint.dir and cfg.checkpoint.resume == "auto":
+        raise ConfigError("checkpoint.resume = 'auto' needs checkpoint.dir")
+    if cfg.checkpoint.keep < 1:
+        raise ConfigError("checkpoint.keep must be at least 1")
     if cfg.synth.fields < 2 or cfg.synth.fields > 39:
         raise ConfigError(f"synth.fields must be between 2 and 39 (got {cfg.synth.fields})")
 

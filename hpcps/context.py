@@ -14,10 +14,12 @@ worker group (aggregated pushes, dense tables). Nothing happens at import.
 
 from __future__ import annotations
 
+import os
+
 
 import numpy as np
 
-from hpcps import transport
+from hpcps import checkpoint, protocol, signals, transport
 from hpcps.client import DenseTable, SparseTable
 from hpcps.layout import Layout
 from hpcps.placement import DEFAULT_SHARDS, Placement
@@ -55,6 +57,7 @@ class Context:
         self._clock_sends: list[transport.Pending] = []
         self.stats = {"wait_s": 0.0, "max_staleness": 0}
         self.server_stats: dict | None = None
+        self.server_stop = False   # a server reported a stop signal
         self._finalized = False
         # Worker groups: one communicator per group (servers get none).
         self.group_comm = transport.split(comm, self.group, self.rank)
@@ -93,13 +96,19 @@ class Context:
 
     # -- server ------------------------------------------------------------------------------
 
-    def serve(self) -> dict:
-        """Server ranks: answer requests until every worker has finalized; returns statistics."""
+    def serve(self, restore: tuple[str, dict] | None = None) -> dict:
+        """Server ranks: answer requests until every worker has finalized; returns statistics.
+
+        Args:
+            restore: (checkpoint directory, its manifest): load this server's shards first.
+        """
         if not self.is_server:
             raise RuntimeError("serve() is for server ranks (ctx.is_server)")
         server = Server(self.comm, self.rank, self.layout.workers, self.layout.servers, self.specs,
                         self.placement, self.staleness, self.stall_warn_s)
         self.server = server
+        if restore is not None:
+            server.restore(*restore)
         self.server_stats = server.serve()
         return self.server_stats
 
@@ -114,18 +123,49 @@ class Context:
         return self._ts
 
     def _notify_servers(self, op: int) -> None:
-        from hpcps import protocol
-
         self._clock_sends = [p for p in self._clock_sends if not p.request.Test()]
         for server in range(self.layout.servers):
             msg = protocol.pack_request(op, 0, 0, self.clock_value, self.worker_index)
             self._clock_sends += transport.isend(self.comm, msg, server, protocol.TAG_REQUEST,
                                                  f"{protocol.OP_NAMES[op]} message to server")
 
+    @property
+    def stop_requested(self) -> bool:
+        """This rank got SIGUSR1/SIGTERM, or a server reported one."""
+        return bool(signals.requested()) or self.server_stop
+
+    def save_checkpoint(self, root: str, step: int, manifest: dict, keep: int) -> str:
+        """First worker only: ask every server to write its shards into ``root/ckpt-<step>.tmp``
+        (each waits until every worker has reached this clock), then write the manifest with the
+        files' checksums and rename the directory. Returns the checkpoint's path."""
+        tmp = checkpoint.step_dir(root, step) + ".tmp"
+        os.makedirs(tmp, exist_ok=True)
+        words = protocol.encode_path(tmp)
+        pending, replies = [], []
+        for server in range(self.layout.servers):
+            req_id = self._next_request_id()
+            reply = np.empty(protocol.reply_bytes(protocol.CHECKPOINT, 0, 0), dtype=np.uint8)
+            pending += transport.irecv(self.comm, reply, server, protocol.reply_tag(req_id, self.tag_ub),
+                                       f"checkpoint reply (request {req_id}) from server")
+            msg = protocol.pack_request(protocol.CHECKPOINT, 0, req_id, self.clock_value, self.worker_index, words)
+            pending += transport.isend(self.comm, msg, server, protocol.TAG_REQUEST, "checkpoint request to server")
+            replies.append(reply)
+        transport.wait(pending, self.stall_timeout_s, warn_after=self.stall_warn_s)
+        files = []
+        for server, reply in enumerate(replies):
+            size = int(reply[protocol.REPLY_BYTES:protocol.REPLY_BYTES + 8].view(np.int64)[0])
+            digest = reply[protocol.REPLY_BYTES + 8:].tobytes().decode().rstrip("\0")
+            files.append({"name": os.path.basename(checkpoint.server_file(tmp, server)), "bytes": size, "xxh64": digest})
+        full = {"format": checkpoint.FORMAT, "version": checkpoint.VERSION, "clock": self.clock_value,
+                "layout": {"servers": self.layout.servers, "workers": self.layout.workers,
+                           "worker_groups": self.layout.worker_groups, "num_shards": self.placement.num_shards},
+                "tables": [{"name": s.name, "dim": s.dim, "optimizer": s.optimizer, "width": s.width,
+                            "fingerprint": s.fingerprint()} for s in self.specs],
+                "files": files, **manifest}
+        return checkpoint.commit(tmp, full, keep)
+
     def clock(self) -> int:
         """End this worker's iteration: tell every server; returns the new clock."""
-        from hpcps import protocol
-
         self.clock_value += 1
         self._notify_servers(protocol.CLOCK)
         return self.clock_value
@@ -147,20 +187,27 @@ class Context:
 
     # -- end ---------------------------------------------------------------------------------
 
+    def finish_serving(self, timeout: float | None = None) -> None:
+        """Workers: finish their requests and tell the servers they are done (servers' serve()
+        then returns). Called by finalize(); call it earlier to do collective work after it."""
+        if not self.is_worker or getattr(self, "_done_sent", False):
+            return
+        timeout = self.stall_timeout_s if timeout is None else timeout
+        for table in self.tables.values():
+            if isinstance(table, SparseTable):
+                table.wait_all(timeout)
+        self._notify_servers(protocol.DONE)
+        transport.wait(self._clock_sends, timeout)
+        self._done_sent = True
+
     def finalize(self, timeout: float | None = None) -> None:
         """Collective end: workers finish their requests and tell the servers they are done;
         every rank then meets in a (sleeping) barrier and the communicators are freed."""
         if self._finalized:
             return
-        from hpcps import protocol
-
         timeout = self.stall_timeout_s if timeout is None else timeout
         if self.is_worker:
-            for table in self.tables.values():
-                if isinstance(table, SparseTable):
-                    table.wait_all(timeout)
-            self._notify_servers(protocol.DONE)
-            transport.wait(self._clock_sends, timeout)
+            self.finish_serving(timeout)
         elif self.server_stats is None:
             self.serve()
         transport.barrier(self.comm, timeout, "finalize barrier")

@@ -10,15 +10,17 @@ pickling. Requests are split by the client so that no message exceeds 2 GiB.
 Request header: ``[op, table, req_id, n, clock, worker, 0, 0]``.
 Reply header:   ``[req_id, status, min_clock, server]`` — ``min_clock`` is the smallest clock of
 all workers that the server knew when it answered (the staleness a pull observed is
-``clock - min_clock``).
+``clock - min_clock``); ``status`` bits: ``ERROR``, ``STOP`` (the server got a stop signal).
+A checkpoint request carries the directory's path in its key area; its reply carries the size
+and checksum of the file the server wrote.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-PULL, PUSH, CLOCK, DONE = 1, 2, 3, 4
-OP_NAMES = {PULL: "pull", PUSH: "push", CLOCK: "clock", DONE: "done"}
+PULL, PUSH, CLOCK, DONE, CHECKPOINT = 1, 2, 3, 4, 5
+OP_NAMES = {PULL: "pull", PUSH: "push", CLOCK: "clock", DONE: "done", CHECKPOINT: "checkpoint"}
 HEADER_WORDS = 8
 REPLY_WORDS = 4
 HEADER_BYTES = 8 * HEADER_WORDS
@@ -26,7 +28,9 @@ REPLY_BYTES = 8 * REPLY_WORDS
 TAG_REQUEST = 1
 TAG_REPLY_BASE = 16
 OK = 0
-ERROR = 1
+ERROR = 1        # status bit: the request failed
+STOP = 2         # status bit: this server received a stop signal (SIGUSR1/SIGTERM)
+CHECKPOINT_REPLY = 8 + 64   # file size (int64) + the file's checksum in hex (zero-padded)
 
 
 def reply_tag(req_id: int, tag_ub: int) -> int:
@@ -39,7 +43,20 @@ def request_bytes(op: int, n: int, dim: int) -> int:
 
 
 def reply_bytes(op: int, n: int, dim: int) -> int:
+    if op == CHECKPOINT:
+        return REPLY_BYTES + CHECKPOINT_REPLY
     return REPLY_BYTES + (4 * n * dim if op == PULL else 0)
+
+
+def encode_path(path: str) -> np.ndarray:
+    """A path as uint64 words (sent in a request's key area)."""
+    raw = path.encode()
+    raw += b"\0" * (-len(raw) % 8)
+    return np.frombuffer(raw, dtype=np.uint64).copy()
+
+
+def decode_path(words: np.ndarray) -> str:
+    return words.tobytes().rstrip(b"\0").decode()
 
 
 def pack_request(op: int, table: int, req_id: int, clock: int, worker: int,

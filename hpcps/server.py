@@ -31,7 +31,7 @@ import time
 
 import numpy as np
 
-from hpcps import protocol, transport
+from hpcps import checkpoint, protocol, signals, transport
 from hpcps.placement import Placement
 from hpcps.tables import TableSpec
 from hpcps_kernels import init as kinit
@@ -84,6 +84,12 @@ class ServerTable:
         self.pushes += 1
         self.keys_pushed += keys.shape[0]
 
+    def load(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        """Replace the contents with ``keys`` and their rows (restoring a checkpoint)."""
+        self.index = KeyIndex.from_keys(np.ascontiguousarray(keys, dtype=np.uint64))
+        self.rows = np.zeros((self.index.key_capacity, self.spec.width), dtype=np.float32)
+        self.rows[: keys.shape[0]] = rows
+
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         """(keys, rows) of everything stored, in slot order (views)."""
         n = self.index.size
@@ -123,14 +129,39 @@ class Server:
         live = self.clocks[~self.done]
         return int(live.min()) if live.size else int(self.clocks.max(initial=0))
 
-    def _ready(self, clock: int) -> bool:
+    def _ready(self, op: int, clock: int) -> bool:
+        """A pull waits for clock - staleness; a checkpoint for every worker to reach its clock."""
+        if op == protocol.CHECKPOINT:
+            return clock <= self.min_clock()
         return self.staleness < 0 or clock - self.staleness <= self.min_clock()
+
+    def restore(self, ckpt: str, manifest: dict) -> None:
+        """Load this server's shards of every table (under the current placement) and the clock."""
+        for table in self.tables:
+            keys, rows = checkpoint.read_for_server(ckpt, manifest, table.spec.name, self.index,
+                                                    self.placement.shard_server)
+            table.load(keys, rows)
+        self.clocks[:] = manifest["clock"]
+
+    def _write_checkpoint(self, source: int, buf: np.ndarray) -> None:
+        h, words, _ = protocol.unpack_request(buf, self.dims)
+        path = checkpoint.server_file(protocol.decode_path(words), self.index)
+        parts = [(table.spec.name, *table.items()) for table in self.tables]
+        size, digest = checkpoint.write_server_file(path, self.index, self.placement.num_servers,
+                                                    self.placement.num_shards, parts)
+        reply = self._reply(source, int(h[2]), protocol.CHECKPOINT_REPLY)
+        reply[protocol.REPLY_BYTES:protocol.REPLY_BYTES + 8].view(np.int64)[0] = size
+        text = digest.encode()[:protocol.CHECKPOINT_REPLY - 8]
+        reply[protocol.REPLY_BYTES + 8:] = 0
+        reply[protocol.REPLY_BYTES + 8:protocol.REPLY_BYTES + 8 + len(text)] = np.frombuffer(text, dtype=np.uint8)
+        self._send(reply, source, int(h[2]), "checkpoint reply")
 
     # -- requests ----------------------------------------------------------------------------
 
     def _reply(self, source: int, req_id: int, payload_bytes: int) -> np.ndarray:
         buf = np.empty(protocol.REPLY_BYTES + payload_bytes, dtype=np.uint8)
-        buf[:protocol.REPLY_BYTES].view(np.int64)[:] = (req_id, protocol.OK, self.min_clock(), self.index)
+        status = protocol.STOP if signals.requested() else protocol.OK
+        buf[:protocol.REPLY_BYTES].view(np.int64)[:] = (req_id, status, self.min_clock(), self.index)
         return buf
 
     def _send(self, buf: np.ndarray, dest: int, req_id: int, what: str) -> None:
@@ -150,10 +181,10 @@ class Server:
         op = int(h[0])
         worker = source - self.worker_rank0
         self.stats["requests"] += 1
-        if op == protocol.PULL:
+        if op in (protocol.PULL, protocol.CHECKPOINT):
             clock = int(h[4])
-            if self._ready(clock):
-                self._serve_pull(source, buf)
+            if self._ready(op, clock):
+                self._serve_deferrable(op, source, buf)
             else:
                 self.deferred.append((source, buf, time.monotonic()))
                 self.stats["deferred"] += 1
@@ -193,23 +224,30 @@ class Server:
             return
         keep = []
         for source, buf, since in self.deferred:
-            clock = int(buf[:protocol.HEADER_BYTES].view(np.int64)[4])
-            if self._ready(clock):
-                self._serve_pull(source, buf)
+            h = buf[:protocol.HEADER_BYTES].view(np.int64)
+            if self._ready(int(h[0]), int(h[4])):
+                self._serve_deferrable(int(h[0]), source, buf)
             else:
                 keep.append((source, buf, since))
         self.deferred = keep
+
+    def _serve_deferrable(self, op: int, source: int, buf: np.ndarray) -> None:
+        if op == protocol.PULL:
+            self._serve_pull(source, buf)
+        else:
+            self._write_checkpoint(source, buf)
 
     def _check_stalled_pulls(self, warned: set) -> None:
         now = time.monotonic()
         for source, buf, since in self.deferred:
             if now - since > self.stall_warn_s and id(buf) not in warned:
                 warned.add(id(buf))
-                clock = int(buf[:protocol.HEADER_BYTES].view(np.int64)[4])
-                need = clock - self.staleness
+                h = buf[:protocol.HEADER_BYTES].view(np.int64)
+                clock = int(h[4])
+                need = clock if int(h[0]) == protocol.CHECKPOINT else clock - self.staleness
                 behind = [int(w) + self.worker_rank0 for w in np.flatnonzero((self.clocks < need) & ~self.done)]
                 sys.stderr.write(
-                    f"hpcps: server {self.index} (rank {self.comm.Get_rank()}): pull from rank {source} at clock "
+                    f"hpcps: server {self.index} (rank {self.comm.Get_rank()}): {protocol.OP_NAMES[int(h[0])]} from rank {source} at clock "
                     f"{clock} waits {now - since:.0f} s for rank(s) {behind} to reach clock {need} "
                     f"(staleness {self.staleness})\n")
                 sys.stderr.flush()

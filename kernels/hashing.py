@@ -148,3 +148,52 @@ def server_of(keys, num_shards, shard_server):
     for i in range(keys.shape[0]):
         out[i] = shard_server[np.int64(mix64(keys[i] ^ SHARD_SALT) % n)]
     return out
+
+
+@njit(cache=True)
+def xxh64_words(words, tail, seed):
+    """XXH64 of the bytes ``words`` (uint64, little-endian) followed by ``tail`` (uint8, fewer than
+    8 bytes): the same value as :func:`xxh64` of those bytes, reading 8 bytes at a time (about 4x
+    faster for checksumming files through a memory map)."""
+    seed = np.uint64(seed)
+    nw = words.shape[0]
+    n = nw * 8 + tail.shape[0]
+    w = 0
+    if n >= 32:
+        v1 = seed + P1 + P2
+        v2 = seed + P2
+        v3 = seed
+        v4 = seed - P1
+        while (w + 4) * 8 <= n:
+            v1 = _round(v1, words[w])
+            v2 = _round(v2, words[w + 1])
+            v3 = _round(v3, words[w + 2])
+            v4 = _round(v4, words[w + 3])
+            w += 4
+        h = _rotl(v1, 1) + _rotl(v2, 7) + _rotl(v3, 12) + _rotl(v4, 18)
+        h = _merge(h, v1)
+        h = _merge(h, v2)
+        h = _merge(h, v3)
+        h = _merge(h, v4)
+    else:
+        h = seed + P5
+    h += np.uint64(n)
+    while w < nw:
+        h ^= _round(np.uint64(0), words[w])
+        h = _rotl(h, 27) * P1 + P4
+        w += 1
+    i = 0
+    if tail.shape[0] >= 4:
+        h ^= _read32(tail, 0) * P1
+        h = _rotl(h, 23) * P2 + P3
+        i = 4
+    while i < tail.shape[0]:
+        h ^= np.uint64(tail[i]) * P5
+        h = _rotl(h, 11) * P1
+        i += 1
+    h ^= h >> np.uint64(33)
+    h *= P2
+    h ^= h >> np.uint64(29)
+    h *= P3
+    h ^= h >> np.uint64(32)
+    return h

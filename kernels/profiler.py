@@ -341,6 +341,7 @@ def warmup() -> None:
     ki.lookup_or_insert(np.arange(100, dtype=np.uint64))
     hashtable.KeyIndex.from_keys(np.arange(10, dtype=np.uint64))
     hashing.feature_key(1, b"x")
+    hashing.xxh64_words(np.zeros(5, np.uint64), np.zeros(3, np.uint8), np.uint64(0))
     parse.parse_libsvm(b"1 1:1\n")
     parse.parse_criteo(b"1" + b"\t" * 39 + b"\n")
     metrics.auc(labels, labels.astype(np.float64))

@@ -286,6 +286,16 @@ def test_xxh64_matches_the_reference_c_implementation(data, seed):
     assert int(hashing.xxh64(buf, 0, len(buf), np.uint64(seed))) == xxhash.xxh64_intdigest(data, seed=seed)
 
 
+@SETTINGS
+@given(st.binary(max_size=300), st.integers(0, U64_MAX))
+def test_xxh64_over_words_equals_xxh64_over_bytes(data, seed):
+    buf = np.frombuffer(data, dtype=np.uint8)
+    whole = len(data) // 8 * 8
+    words = np.frombuffer(data[:whole], dtype=np.uint64)
+    tail = np.frombuffer(data[whole:], dtype=np.uint8)
+    assert int(hashing.xxh64_words(words, tail, np.uint64(seed))) == int(hashing.xxh64(buf, 0, len(buf), np.uint64(seed)))
+
+
 def test_feature_key_depends_on_field_and_token():
     assert hashing.feature_key(3, "abc") == hashing.feature_key(3, b"abc")
     assert hashing.feature_key(3, "abc") != hashing.feature_key(4, "abc")

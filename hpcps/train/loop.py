@@ -20,7 +20,9 @@ import time
 
 import numpy as np
 
-from hpcps import transport
+from dataclasses import dataclass
+
+from hpcps import checkpoint, signals, transport
 from hpcps.context import init
 from hpcps.train import data as tdata
 from hpcps.train import model_file, synth
@@ -29,8 +31,43 @@ from hpcps.train.progress import Progress, summary_table
 from hpcps_kernels import metrics
 
 
+EXIT_PREEMPTED = 75  # the job stopped on SIGUSR1/SIGTERM after writing a checkpoint (EX_TEMPFAIL)
+
+
 class TrainError(RuntimeError):
     """A failure every rank agreed on (bad data, missing file): each rank raises the same message."""
+
+
+@dataclass
+class Result:
+    summary: dict | None      # on the first worker
+    preempted: bool           # on every rank: stopped by a signal after checkpointing
+    resumed_from: str = ""
+
+
+def resolve_resume(cfg, comm) -> tuple[str, dict] | None:
+    """Collective: the checkpoint to resume from (verified on the first rank), or None."""
+    ck = cfg.checkpoint
+    if not ck.resume:
+        return None
+    found, error = None, None
+    if comm.Get_rank() == 0:
+        if ck.resume == "auto":
+            found = checkpoint.newest_good(ck.dir, report=lambda m: print(m, flush=True))
+            if found is None:
+                print(f"hpcps: no checkpoint to resume in {ck.dir}: starting from scratch", flush=True)
+        else:
+            try:
+                found = (ck.resume, checkpoint.verify(ck.resume))
+            except checkpoint.CheckpointError as e:
+                error = str(e)
+        if found and found[1].get("model_fingerprint") != cfg.model_fingerprint():
+            error = (f"{found[0]} was written for another model, optimizer or key space "
+                     f"(model fingerprint {found[1].get('model_fingerprint')} != {cfg.model_fingerprint()})")
+    found, error = comm.bcast((found, error), root=0)  # small control data
+    if error:
+        raise TrainError(f"cannot resume: {error}")
+    return found
 
 
 def resolve_data(cfg, comm) -> tuple[dict, dict | None]:
@@ -122,6 +159,12 @@ def run(cfg, comm=None) -> dict | None:
     """Train as configured (collective over ``comm``, default the world). Returns the summary on the
     first worker, None elsewhere."""
     world = comm or transport.world()
+    ck = cfg.checkpoint
+    restore = resolve_resume(cfg, world)
+    if ck.dir:
+        signals.install()
+        if world.Get_rank() == 0:
+            os.makedirs(ck.dir, exist_ok=True)
     paths, synth_info = resolve_data(cfg, world)
     cl = cfg.cluster
     ctx = init(servers=cl.servers, worker_groups=cl.worker_groups or None, staleness=cl.staleness,
@@ -132,13 +175,14 @@ def run(cfg, comm=None) -> dict | None:
     test = _load(ctx, cfg, paths["test"], "test")
     to_predict = _load(ctx, cfg, cfg.data.predict, "prediction")
     if ctx.is_server:
-        ctx.serve()
-        if cfg.train.model_out:
+        ctx.serve(restore)
+        preempted = _agree_preempted(ctx, False)
+        if cfg.train.model_out and not preempted:
             model_file.export_from_servers(ctx, model.table.name, cfg.train.model_out,
                                            {"model": cfg.model.type, "loss": cfg.model.loss,
                                             "config": json.dumps(cfg.to_dict())})
         ctx.finalize()
-        return None
+        return Result(None, preempted, restore[0] if restore else "")
 
     tr = cfg.train
     wcomm = ctx.workers_comm
@@ -156,21 +200,65 @@ def run(cfg, comm=None) -> dict | None:
         print(f"hpcps train: {ctx.layout.describe()}; {cfg.model.type} with {cfg.optimizer.name}, "
               f"staleness {cl.staleness}; {train.rows} rows on this worker, {steps} steps/epoch"
               + (f"; {skipped} bad lines skipped" if skipped else ""), flush=True)
+    start_epoch, start_step, global_step = 1, 1, 0
+    if restore is not None:
+        pos = restore[1]["position"]
+        start_epoch, start_step, global_step = pos["epoch"], pos["step"], pos["global_step"]
+        ctx.clock_value = restore[1]["clock"]
+        if first:
+            same = restore[1]["layout"]["workers"] == ctx.layout.workers
+            print(f"hpcps train: resuming from {restore[0]} at epoch {start_epoch}, step {start_step}"
+                  + ("" if same else f" (written with {restore[1]['layout']['workers']} workers: each worker "
+                     f"continues at the same step of its own part, so the rows seen differ slightly)"), flush=True)
+
+    def save(epoch_next: int, step_next: int, reason: str) -> None:
+        model.finish()  # every worker: its pushes acknowledged
+        if first:
+            path = ctx.save_checkpoint(ck.dir, global_step, {
+                "model_fingerprint": cfg.model_fingerprint(), "config": cfg.to_dict(), "reason": reason,
+                "position": {"epoch": epoch_next, "step": step_next, "global_step": global_step},
+                "data": {"train": paths["train"], "workers": ctx.layout.workers, "batch_size": tr.batch_size,
+                         "random_state": "none: the loop draws no random numbers"}}, ck.keep)
+            print(f"hpcps train: checkpoint {path} ({reason})", flush=True)
+        transport.barrier(wcomm, ctx.stall_timeout_s, "checkpoint barrier")
+
     t0 = time.perf_counter()
+    last_save = time.monotonic()
     history = []
     examples = 0
-    for epoch in range(1, tr.epochs + 1):
+    preempted = False
+    saved_at = -1
+    for epoch in range(start_epoch, tr.epochs + 1):
         loss_sum, rows = 0.0, 0
-        for step in range(1, steps + 1):
+        for step in range(start_step if epoch == start_epoch else 1, steps + 1):
             batch = train.batch((step - 1) * tr.batch_size, step * tr.batch_size)
             loss = model.step(batch, scale)
             ctx.clock()
+            global_step += 1
             loss_sum += loss
             rows += batch.rows
             progress.step(epoch, step, batch.rows, loss, ctx.stats["wait_s"], ctx.stats["max_staleness"])
+            if ck.dir:
+                # 2 = a stop signal somewhere, 1 = a periodic checkpoint is due; all workers agree
+                want = 2 if ctx.stop_requested else int(
+                    bool(ck.every_steps and global_step % ck.every_steps == 0)
+                    or bool(first and ck.every_s and time.monotonic() - last_save >= ck.every_s))
+                want = int(transport.allreduce(wcomm, np.array([want]), "max", ctx.stall_timeout_s,
+                                               "agreement on checkpointing")[0])
+                if want:
+                    save(epoch, step + 1, "signal" if want == 2 else "periodic")
+                    saved_at, last_save = global_step, time.monotonic()
+                    if want == 2:
+                        if ck.on_signal == "exit":
+                            preempted = True
+                            break
+                        signals.clear()
+                        ctx.server_stop = False
             if tr.eval_every and test is not None and step % tr.eval_every == 0 and step != steps:
                 progress.epoch_end(epoch, {"step": step, **evaluate(ctx, model, test, tr.batch_size, cfg.model.loss)})
         model.finish()
+        if preempted:
+            break
         examples += int(transport.allreduce(wcomm, np.array([rows]), "sum", ctx.stall_timeout_s)[0])
         total_loss = float(transport.allreduce(wcomm, np.array([loss_sum]), "sum", ctx.stall_timeout_s)[0])
         record = {"train_loss": total_loss / max(examples / epoch, 1), "time_s": time.perf_counter() - t0}
@@ -179,16 +267,27 @@ def run(cfg, comm=None) -> dict | None:
         history.append(record)
         progress.epoch_end(epoch, record)
     elapsed = time.perf_counter() - t0
+    if ck.dir and ck.final and not preempted and saved_at != global_step:
+        save(tr.epochs + 1, 1, "end of training")
     predicted = 0
-    if to_predict is not None:
+    if to_predict is not None and not preempted:
         predicted = predict(ctx, model, to_predict, tr.batch_size, cfg.model.loss, cfg.data.predict_out)
     progress.close()
     wait = float(transport.allreduce(wcomm, np.array([ctx.stats["wait_s"]]), "max", ctx.stall_timeout_s)[0])
+    resumed = restore[0] if restore else ""
+    if preempted:  # stopped by a signal after checkpointing
+        _agree_preempted_worker(ctx, True)
+        ctx.finalize()
+        if first:
+            print(f"hpcps train: stopped by a signal after a checkpoint; rerun with --resume auto "
+                  f"(exit status {EXIT_PREEMPTED})", flush=True)
+        return Result(None, True, resumed)
+    _agree_preempted_worker(ctx, False)
     ctx.finalize()
     if not first:
-        return None
+        return Result(None, False, resumed)
     summary = {"examples": examples, "time_s": elapsed, "examples_per_s": examples / elapsed,
-               "workers": ctx.layout.workers, "servers": ctx.layout.servers, **history[-1],
+               "workers": ctx.layout.workers, "servers": ctx.layout.servers, **(history[-1] if history else {}),
                "max_wait_s": wait, "max_staleness": ctx.stats["max_staleness"], "bad_lines_skipped": skipped}
     if synth_info:
         summary["best_test_logloss"] = synth_info["best_test_logloss"]
@@ -206,4 +305,20 @@ def run(cfg, comm=None) -> dict | None:
         rows.append(("best achievable logloss", f"{synth_info['best_test_logloss']:.5f}"))
         rows.append(("best achievable AUC", f"{synth_info['best_test_auc']:.5f}"))
     print(summary_table(rows), flush=True)
-    return summary
+    return Result(summary, False, resumed)
+
+
+def _agree_preempted(ctx, mine: bool) -> bool:
+    """Collective over the world (servers after serving, workers before finalizing)."""
+    flag = transport.allreduce(ctx.comm, np.array([int(mine)]), "max", ctx.stall_timeout_s,
+                               "agreement on the end of training")
+    return bool(flag[0])
+
+
+def _agree_preempted_worker(ctx, mine: bool) -> None:
+    # workers send DONE first so that the servers leave their loop and join the agreement
+    for table in ctx.tables.values():
+        if hasattr(table, "wait_all"):
+            table.wait_all(ctx.stall_timeout_s)
+    ctx.finish_serving()
+    _agree_preempted(ctx, mine)

@@ -1,0 +1,228 @@
+"""HDF5 checkpoints: the on-disk format, atomic commit, integrity, re-sharding. No MPI here.
+
+A checkpoint is a directory ``<dir>/ckpt-<step, 10 digits>/`` holding:
+
+* ``server-<s>.h5``, one per server, written by that server alone (no rank gathers the model):
+  for every table, group ``tables/<name>`` with datasets ``keys`` (uint64) and ``rows`` (float32,
+  ``n x width``: parameters then optimizer state, see :mod:`hpcps_kernels.optim`), straight from
+  the server's arrays (slot order: no reordering at checkpoint time). A key's virtual shard is a
+  function of the key (:mod:`hpcps.placement`), so files need no shard index. Attributes:
+  ``format``, ``version``, ``server``, ``servers``, ``num_shards``.
+* ``manifest.json``, written last: format version, config fingerprint, step, epoch, clock,
+  layout (servers, workers, worker groups, shards), table declarations, the workers' data
+  position, and for every server file its size and XXH64 checksum (of the whole file; a
+  non-cryptographic hash that detects truncation and damage at memory speed).
+
+It is first written as ``ckpt-<step>.tmp`` and renamed when the manifest is in place, so a
+checkpoint directory without ``.tmp`` is complete. Reading verifies every checksum; a checkpoint
+that fails is reported and the previous one is used. The newest ``keep`` complete checkpoints
+are kept. Restoring with the same layout, each server reads its own file; onto another number
+of servers, each server reads every file and keeps the keys of the shards the new placement gives
+it (whole shards move; keys never change shard).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+import shutil
+from dataclasses import dataclass
+
+import h5py
+import numpy as np
+
+from hpcps_kernels.hashing import shard_of, xxh64, xxh64_words
+
+FORMAT = "hpcps-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+_NAME = re.compile(r"^ckpt-(\d{10})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or damaged; the message says which and why."""
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"ckpt-{step:010d}")
+
+
+def server_file(ckpt: str, server: int) -> str:
+    return os.path.join(ckpt, f"server-{server}.h5")
+
+
+def checksum(path: str) -> str:
+    """XXH64 of the whole file (hex), through a memory map."""
+    size = os.path.getsize(path)
+    if size == 0:
+        return f"{int(xxh64(np.zeros(0, np.uint8), 0, 0, np.uint64(0))):016x}"
+    populate = getattr(mmap, "MAP_POPULATE", 0)  # fault the mapping in at once, not page by page
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ) as mm:
+        whole = size // 8 * 8
+        words = np.frombuffer(mm, dtype=np.uint64, count=whole // 8)
+        tail = np.frombuffer(mm, dtype=np.uint8, offset=whole)
+        try:
+            return f"{int(xxh64_words(words, tail, np.uint64(0))):016x}"
+        finally:
+            del words, tail
+
+
+def write_server_file(path: str, server: int, servers: int, num_shards: int,
+                      tables: list[tuple[str, np.ndarray, np.ndarray]]) -> tuple[int, str]:
+    """Write one server's tables: (name, keys, rows), as they are. Returns (bytes, checksum)."""
+    with h5py.File(path, "w") as f:
+        f.attrs.update(format=FORMAT, version=VERSION, server=server, servers=servers, num_shards=num_shards)
+        for name, keys, rows in tables:
+            g = f.create_group(f"tables/{name}")
+            g.create_dataset("keys", data=np.ascontiguousarray(keys))
+            g.create_dataset("rows", data=np.ascontiguousarray(rows))
+    return os.path.getsize(path), checksum(path)
+
+
+def commit(tmp_dir: str, manifest: dict, keep: int) -> str:
+    """Write the manifest into ``tmp_dir`` (``.../ckpt-N.tmp``), rename it to ``ckpt-N`` and prune
+    older checkpoints beyond ``keep``. Returns the final path."""
+    final = tmp_dir[:-4] if tmp_dir.endswith(".tmp") else tmp_dir
+    path = os.path.join(tmp_dir, MANIFEST)
+    with open(path + ".part", "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".part", path)
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.replace(tmp_dir, final)
+    prune(os.path.dirname(final), keep)
+    return final
+
+
+def complete_checkpoints(root: str) -> list[str]:
+    """Complete checkpoint directories under ``root``, oldest first."""
+    if not root or not os.path.isdir(root):
+        return []
+    found = sorted(n for n in os.listdir(root) if _NAME.match(n))
+    return [os.path.join(root, n) for n in found]
+
+
+def prune(root: str, keep: int) -> None:
+    done = complete_checkpoints(root)
+    for old in done[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    for n in os.listdir(root):  # leftovers of interrupted writes, older than the newest complete one
+        if n.endswith(".tmp") and done and n[:-4] < os.path.basename(done[-1]):
+            shutil.rmtree(os.path.join(root, n), ignore_errors=True)
+
+
+def read_manifest(ckpt: str) -> dict:
+    path = os.path.join(ckpt, MANIFEST)
+    if not os.path.exists(path):
+        raise CheckpointError(f"{ckpt}: no {MANIFEST} (incomplete checkpoint)")
+    try:
+        with open(path) as f:
+            m = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{ckpt}: unreadable manifest: {e}") from None
+    if m.get("format") != FORMAT or m.get("version") != VERSION:
+        raise CheckpointError(f"{ckpt}: not a {FORMAT} version {VERSION} checkpoint")
+    return m
+
+
+def verify(ckpt: str) -> dict:
+    """The manifest, after checking every server file's size and SHA-256."""
+    m = read_manifest(ckpt)
+    for entry in m["files"]:
+        path = os.path.join(ckpt, entry["name"])
+        if not os.path.exists(path):
+            raise CheckpointError(f"{ckpt}: {entry['name']} is missing")
+        size = os.path.getsize(path)
+        if size != entry["bytes"]:
+            raise CheckpointError(f"{ckpt}: {entry['name']} has {size} bytes, the manifest says {entry['bytes']} (truncated?)")
+        if checksum(path) != entry["xxh64"]:
+            raise CheckpointError(f"{ckpt}: {entry['name']} fails its XXH64 checksum (damaged)")
+    return m
+
+
+def newest_good(root: str, report=print) -> tuple[str, dict] | None:
+    """The newest checkpoint under ``root`` that verifies; damaged ones are reported and skipped."""
+    for ckpt in reversed(complete_checkpoints(root)):
+        try:
+            return ckpt, verify(ckpt)
+        except CheckpointError as e:
+            report(f"hpcps: checkpoint skipped: {e}")
+    return None
+
+
+def _read(path: str, table: str) -> tuple[np.ndarray, np.ndarray]:
+    with h5py.File(path, "r") as f:
+        g = f[f"tables/{table}"]
+        keys = np.empty(g["keys"].shape, dtype=np.uint64)
+        rows = np.empty(g["rows"].shape, dtype=np.float32)
+        if keys.size:
+            g["keys"].read_direct(keys)
+            g["rows"].read_direct(rows)
+    return keys, rows
+
+
+def read_shards(ckpt: str, manifest: dict, table: str, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(keys, rows) of ``table`` in the virtual shards ``wanted`` (bool mask over shards), from
+    every server file of the checkpoint (whatever server count wrote it)."""
+    keys, rows = [], []
+    for entry in manifest["files"]:
+        k, r = _read(os.path.join(ckpt, entry["name"]), table)
+        if not wanted.all():
+            keep = wanted[shard_of(k, wanted.shape[0])]
+            k, r = k[keep], r[keep]
+        keys.append(k)
+        rows.append(r)
+    width = next(t["width"] for t in manifest["tables"] if t["name"] == table)
+    if not keys:
+        return np.zeros(0, dtype=np.uint64), np.zeros((0, width), dtype=np.float32)
+    return (keys[0], rows[0]) if len(keys) == 1 else (np.concatenate(keys), np.concatenate(rows))
+
+
+def read_for_server(ckpt: str, manifest: dict, table: str, server: int, shard_server: np.ndarray):
+    """(keys, rows) a server owns under the placement ``shard_server``: its own file when the
+    checkpoint was written with the same layout, else the matching shards of every file."""
+    layout = manifest["layout"]
+    if layout["servers"] == shard_server.max() + 1 and layout["num_shards"] == shard_server.shape[0]:
+        return _read(server_file(ckpt, server), table)
+    return read_shards(ckpt, manifest, table, shard_server == server)
+
+
+@dataclass
+class Summary:
+    path: str
+    manifest: dict
+    ok: bool
+    problem: str
+    keys: dict
+    bytes: int
+
+
+def inspect(ckpt: str) -> Summary:
+    """What a checkpoint holds and whether it is intact."""
+    try:
+        m = verify(ckpt)
+        ok, problem = True, ""
+    except CheckpointError as e:
+        ok, problem = False, str(e)
+        try:
+            m = read_manifest(ckpt)
+        except CheckpointError:
+            return Summary(ckpt, {}, False, problem, {}, 0)
+    keys: dict = {}
+    total = 0
+    for entry in m.get("files", []):
+        path = os.path.join(ckpt, entry["name"])
+        total += entry["bytes"]
+        if not os.path.exists(path):
+            continue
+        try:
+            with h5py.File(path, "r") as f:
+                for name in f["tables"]:
+                    keys[name] = keys.get(name, 0) + f[f"tables/{name}/keys"].shape[0]
+        except Exception:  # a damaged file may fail in any way inside HDF5; the checksum said so
+            pass
+    return Summary(ckpt, m, ok, problem, keys, total)
