@@ -36,6 +36,12 @@ def _cmd_train(args) -> int:
         return 0
     world = transport.world()
     rank = world.Get_rank()
+    step_tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS") or 1)
+    if world.Get_size() == 1 and step_tasks > 1:
+        return _fail(f"this MPI world has 1 rank but Slurm started {step_tasks} tasks in this step: srun "
+                     f"without an MPI plugin starts separate programs. Use `srun --mpi=pmi2 hpcps train ...` "
+                     f"or `mpiexec -n $SLURM_NTASKS hpcps train ...` (see slurm/README.md)",
+                     int(os.environ.get("SLURM_PROCID", 0)))
     transport.install_abort_handler()
     # 1. every rank was given the same command line?
     digest = int(hashlib.sha256(json.dumps([args.config, args.set, args.skip_bad_lines, args.resume]).encode()).hexdigest()[:12], 16)
