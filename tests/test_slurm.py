@@ -72,35 +72,65 @@ def test_srun_without_the_mpi_plugin_is_detected(slurm, tmp_path):
     assert out.count("this MPI world has 1 rank but Slurm started 3 tasks") == 3, out[-3000:]
 
 
-def test_usr1_checkpoints_requeues_and_resumes_exactly(slurm, tmp_path):
-    info = synth.generate(str(tmp_path / "data"), 60_000, 5_000, fields=10, seed=8, formats=("libsvm",))
-    common = (f"--set data.train=\"{info.files['train_libsvm']}\" --set data.test=\"{info.files['test_libsvm']}\" "
-              "--set train.batch_size=50 --set train.epochs=2 --set cluster.staleness=0")
-    # the reference: the same job, uninterrupted, launched directly
-    ref = tmp_path / "ref.h5"
-    cmd = [*mpiexec(), "-n", "3", sys.executable, "-m", "hpcps.cli", "train", *common.replace('"', "").split(),
-           "--set", f'train.model_out="{ref}"', "--set", "train.progress=false"]
-    subprocess.run([c if not c.startswith("data.") else c.split("=")[0] + '="' + c.split("=", 1)[1] + '"' for c in cmd],
-                   check=True, capture_output=True, timeout=300)
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """Data, the common arguments, and the model of the same job run uninterrupted (directly)."""
+    tmp = tmp_path_factory.mktemp("slurmjob")
+    info = synth.generate(str(tmp / "data"), 60_000, 5_000, fields=10, seed=8, formats=("libsvm",))
+    sets = {"data.train": json.dumps(info.files["train_libsvm"]), "data.test": json.dumps(info.files["test_libsvm"]),
+            "train.batch_size": "50", "train.epochs": "2", "cluster.staleness": "0"}
+    common = " ".join(f"--set {k}={v}" for k, v in sets.items())
+    ref = tmp / "ref.h5"
+    cmd = [*mpiexec(), "-n", "3", sys.executable, "-m", "hpcps.cli", "train", "--set", f'train.model_out="{ref}"',
+           "--set", "train.progress=false"]
+    for k, v in sets.items():
+        cmd += ["--set", f"{k}={v}"]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    return common, ServingModel(str(ref))
+
+
+def run_interrupted(slurm, tmp_path, job, interrupt):
+    """Submit the job, wait for its first checkpoint, ``interrupt(job_id)``, wait for the end."""
+    common, _ = job
     ckpt = tmp_path / "ck"
     env = {"HPCPS_ARGS": common + f" --set train.model_out=\"{tmp_path}/model.h5\"", "HPCPS_CKPT_DIR": str(ckpt),
            "HPCPS_CKPT_EVERY": "200"}
-    rc, job, err = sbatch(slurm, tmp_path, ["--ntasks=3", "--output=out.txt"], env, wait=False)
-    assert rc == 0 and job, err
+    rc, jid, err = sbatch(slurm, tmp_path, ["--ntasks=3", "--output=out.txt"], env, wait=False)
+    assert rc == 0 and jid, err
     deadline = time.monotonic() + 240
     while not (ckpt.exists() and any(p.name.startswith("ckpt-") and not p.name.endswith(".tmp") for p in ckpt.iterdir())):
-        assert time.monotonic() < deadline, job_state(slurm, job)[1]
+        assert time.monotonic() < deadline, job_state(slurm, jid)[1]
         time.sleep(0.2)
-    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm, check=True)
+    interrupt(jid)
     while True:
-        state, text = job_state(slurm, job)
+        state, text = job_state(slurm, jid)
         if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
             break
-        assert time.monotonic() < deadline + 240, text
+        assert time.monotonic() < deadline + 300, text
         time.sleep(1)
-    out = (tmp_path / "out.txt").read_text()
-    assert state == "COMPLETED", out[-4000:]
-    assert "requeueing job" in out and "restart 1" in out and "resuming from" in out, out[-4000:]
-    a, b = ServingModel(str(tmp_path / "model.h5")), ServingModel(str(ref))
+    return state, (tmp_path / "out.txt").read_text()
+
+
+def assert_same_as_reference(tmp_path, job):
+    a, b = ServingModel(str(tmp_path / "model.h5")), job[1]
     np.testing.assert_array_equal(a.keys, b.keys)
     np.testing.assert_array_equal(a.values, b.values)
+
+
+def test_usr1_checkpoints_requeues_and_resumes_exactly(slurm, tmp_path, job):
+    state, out = run_interrupted(slurm, tmp_path, job, lambda jid: subprocess.run(
+        ["scancel", "--signal=USR1", "--batch", jid], env=slurm, check=True))
+    assert state == "COMPLETED", out[-4000:]
+    assert "requeueing job" in out and "restart 1" in out and "resuming from" in out, out[-4000:]
+    assert_same_as_reference(tmp_path, job)
+
+
+def test_preemption_by_a_high_priority_job_checkpoints_and_resumes_exactly(slurm, tmp_path, job):
+    def preempt(jid):  # every CPU of the node, in the partition that preempts "low"
+        subprocess.run(["sbatch", "-p", "high", "--ntasks=8", "--output=/dev/null", "--wrap", "sleep 2"],
+                       env=slurm, check=True, capture_output=True, cwd=tmp_path)
+
+    state, out = run_interrupted(slurm, tmp_path, job, preempt)
+    assert state == "COMPLETED", out[-4000:]
+    assert "SIGUSR1: asking the trainer to checkpoint" in out and "resuming from" in out, out[-4000:]
+    assert_same_as_reference(tmp_path, job)

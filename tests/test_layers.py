@@ -1,0 +1,60 @@
+"""The layers are visible in the files and nothing lower imports anything higher:
+kernels (pure) <- pure rules <- transport (the only MPI module) <- server/client <- training <- CLI."""
+
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+LEVEL = {  # module -> layer
+    **{f"hpcps_kernels.{m[:-3]}": 0 for m in os.listdir(os.path.join(ROOT, "kernels")) if m.endswith(".py")},
+    **{f"hpcps.{m}": 1 for m in ("layout", "placement", "protocol", "tables", "config", "signals", "checkpoint")},
+    "hpcps.transport": 2,
+    **{f"hpcps.{m}": 3 for m in ("server", "client", "context", "bench_mpi")},
+    **{f"hpcps.train.{m[:-3]}": 4 for m in os.listdir(os.path.join(ROOT, "hpcps", "train")) if m.endswith(".py")},
+    **{f"hpcps.{m}": 5 for m in ("cli", "bench_ps", "bench_vw", "bench_checkpoint")},
+}
+
+
+def imports_of(path: str, package: str) -> set[str]:
+    tree = ast.parse(open(path).read())
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            out.add(base)
+            out |= {f"{base}.{a.name}" for a in node.names}
+    return out
+
+
+def modules():
+    for folder, package in (("kernels", "hpcps_kernels"), ("hpcps", "hpcps"), ("hpcps/train", "hpcps.train")):
+        for name in os.listdir(os.path.join(ROOT, folder)):
+            if name.endswith(".py") and name not in ("__init__.py", "__main__.py"):
+                yield f"{package}.{name[:-3]}", os.path.join(ROOT, folder, name), package
+
+
+def test_every_module_has_a_layer():
+    assert {m for m, _, _ in modules()} <= set(LEVEL)
+
+
+def test_no_module_imports_a_higher_layer():
+    bad = []
+    for mod, path, package in modules():
+        for imp in imports_of(path, package):
+            if imp in LEVEL and LEVEL[imp] > LEVEL[mod]:
+                bad.append(f"{mod} (layer {LEVEL[mod]}) imports {imp} (layer {LEVEL[imp]})")
+    assert not bad, "\n".join(bad)
+
+
+def test_only_transport_imports_mpi4py_and_kernels_import_no_hpcps():
+    for mod, path, package in modules():
+        imps = imports_of(path, package)
+        if mod != "hpcps.transport":
+            assert not any(i == "mpi4py" or i.startswith("mpi4py.") for i in imps), mod
+        if mod.startswith("hpcps_kernels."):
+            assert not any(i == "hpcps" or i.startswith("hpcps.") for i in imps), mod
