@@ -211,16 +211,6 @@ def allreduce(
     return out
 
 
-def env_rank() -> int:
-    """The world rank, read from MPI (``SLURM_PROCID`` is 0 on every rank under ``mpiexec``)."""
-    return MPI.COMM_WORLD.Get_rank()
-
-
-def is_mpi_launched() -> bool:
-    """True when started by an MPI launcher with more than one rank."""
-    return MPI.COMM_WORLD.Get_size() > 1 or "PMI_RANK" in os.environ
-
-
 def _chunks(array: np.ndarray):
     flat = array.reshape(-1).view(np.uint8) if array.size else array.reshape(-1)
     if flat.nbytes <= MAX_MESSAGE_BYTES:

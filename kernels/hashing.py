@@ -55,6 +55,24 @@ def _merge(acc, val):
     return acc * P1 + P4
 
 
+@njit(inline="always")
+def _converge(v1, v2, v3, v4):
+    h = _rotl(v1, 1) + _rotl(v2, 7) + _rotl(v3, 12) + _rotl(v4, 18)
+    h = _merge(h, v1)
+    h = _merge(h, v2)
+    h = _merge(h, v3)
+    return _merge(h, v4)
+
+
+@njit(inline="always")
+def _avalanche(h):
+    h ^= h >> np.uint64(33)
+    h *= P2
+    h ^= h >> np.uint64(29)
+    h *= P3
+    return h ^ (h >> np.uint64(32))
+
+
 @njit(cache=True)
 def xxh64(buf, start, end, seed):
     """XXH64 of ``buf[start:end]`` (a uint8 array) with a uint64 ``seed``."""
@@ -73,11 +91,7 @@ def xxh64(buf, start, end, seed):
             v3 = _round(v3, _read64(buf, i + 16))
             v4 = _round(v4, _read64(buf, i + 24))
             i += 32
-        h = _rotl(v1, 1) + _rotl(v2, 7) + _rotl(v3, 12) + _rotl(v4, 18)
-        h = _merge(h, v1)
-        h = _merge(h, v2)
-        h = _merge(h, v3)
-        h = _merge(h, v4)
+        h = _converge(v1, v2, v3, v4)
     else:
         h = seed + P5
     h += np.uint64(n)
@@ -94,12 +108,7 @@ def xxh64(buf, start, end, seed):
         h ^= np.uint64(buf[i]) * P5
         h = _rotl(h, 11) * P1
         i += 1
-    h ^= h >> np.uint64(33)
-    h *= P2
-    h ^= h >> np.uint64(29)
-    h *= P3
-    h ^= h >> np.uint64(32)
-    return h
+    return _avalanche(h)
 
 
 @njit(cache=True)
@@ -170,11 +179,7 @@ def xxh64_words(words, tail, seed):
             v3 = _round(v3, words[w + 2])
             v4 = _round(v4, words[w + 3])
             w += 4
-        h = _rotl(v1, 1) + _rotl(v2, 7) + _rotl(v3, 12) + _rotl(v4, 18)
-        h = _merge(h, v1)
-        h = _merge(h, v2)
-        h = _merge(h, v3)
-        h = _merge(h, v4)
+        h = _converge(v1, v2, v3, v4)
     else:
         h = seed + P5
     h += np.uint64(n)
@@ -191,9 +196,4 @@ def xxh64_words(words, tail, seed):
         h ^= np.uint64(tail[i]) * P5
         h = _rotl(h, 11) * P1
         i += 1
-    h ^= h >> np.uint64(33)
-    h *= P2
-    h ^= h >> np.uint64(29)
-    h *= P3
-    h ^= h >> np.uint64(32)
-    return h
+    return _avalanche(h)
