@@ -20,6 +20,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
+	$(PY) -m hpcps_kernels warmup
 	$(VENV)/bin/mpiexec -n $(NP) $(VENV)/bin/hpcps train $(ARGS)
 
 test: $(VENV)/.installed
