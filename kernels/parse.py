@@ -302,6 +302,16 @@ def criteo_kernel(buf, labels, indptr, indices, skip_bad, mask):
     return rows, nnz, OK, -1, skipped
 
 
+@njit(cache=True)
+def count_byte(buf, value):
+    """How many times ``value`` occurs in ``buf`` (no temporary array)."""
+    n = 0
+    for i in range(buf.shape[0]):
+        if buf[i] == value:
+            n += 1
+    return n
+
+
 def _as_bytes(data) -> np.ndarray:
     if isinstance(data, np.ndarray):
         return data.view(np.uint8).reshape(-1)
@@ -319,8 +329,8 @@ def parse_libsvm(data, *, source: str = "<bytes>", first_line: int = 1, skip_bad
     ``first_line`` is the number of the chunk's first line in its file (for error messages).
     """
     buf = _as_bytes(data)
-    max_rows = int(np.count_nonzero(buf == NL)) + 1
-    max_nnz = int(np.count_nonzero(buf == COLON))
+    max_rows = int(count_byte(buf, NL)) + 1
+    max_nnz = int(count_byte(buf, COLON))
     labels = np.empty(max_rows, dtype=np.float32)
     indptr = np.empty(max_rows + 1, dtype=np.int64)
     indices = np.empty(max_nnz, dtype=np.uint64)
@@ -336,7 +346,7 @@ def parse_criteo(data, *, source: str = "<bytes>", first_line: int = 1, skip_bad
     """Parse Criteo TSV. Returns ``(labels f32, indptr i64, indices u64, values f32, skipped)``;
     keys are reduced to ``bits`` bits."""
     buf = _as_bytes(data)
-    max_rows = int(np.count_nonzero(buf == NL)) + 1
+    max_rows = int(count_byte(buf, NL)) + 1
     labels = np.empty(max_rows, dtype=np.float32)
     indptr = np.empty(max_rows + 1, dtype=np.int64)
     indices = np.empty(max_rows * 39, dtype=np.uint64)
@@ -346,3 +356,24 @@ def parse_criteo(data, *, source: str = "<bytes>", first_line: int = 1, skip_bad
         raise ParseError(source, first_line + bad, MESSAGES[status], _line_text(buf, bad))
     return (labels[:rows].copy(), indptr[: rows + 1].copy(), indices[:nnz].copy(),
             np.ones(nnz, dtype=np.float32), int(skipped))
+
+
+@njit(cache=True)
+def append_feature(indptr, indices, values, key, value):
+    """A copy of a CSR batch with ``key: value`` appended to every row."""
+    rows = indptr.shape[0] - 1
+    new_indptr = np.empty(rows + 1, dtype=np.int64)
+    new_indices = np.empty(indices.shape[0] + rows, dtype=np.uint64)
+    new_values = np.empty(indices.shape[0] + rows, dtype=np.float32)
+    new_indptr[0] = 0
+    o = 0
+    for r in range(rows):
+        for j in range(indptr[r], indptr[r + 1]):
+            new_indices[o] = indices[j]
+            new_values[o] = values[j]
+            o += 1
+        new_indices[o] = key
+        new_values[o] = value
+        o += 1
+        new_indptr[r + 1] = o
+    return new_indptr, new_indices, new_values

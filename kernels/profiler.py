@@ -343,6 +343,8 @@ def warmup() -> None:
     hashing.feature_key(1, b"x")
     hashing.xxh64_words(np.zeros(5, np.uint64), np.zeros(3, np.uint8), np.uint64(0))
     parse.parse_libsvm(b"1 1:1\n")
+    parse.count_byte(np.zeros(3, np.uint8), 10)
+    parse.append_feature(indptr, idx, vals, np.uint64(1), np.float32(1.0))
     parse.parse_criteo(b"1" + b"\t" * 39 + b"\n")
     metrics.auc(labels, labels.astype(np.float64))
     metrics.logloss(labels, labels.astype(np.float64))

@@ -102,3 +102,19 @@ def test_bias_key_is_the_documented_hash():
     from hpcps_kernels.hashing import feature_key
 
     assert int(data.BIAS_KEY) == feature_key(0xB1A5, "bias")
+
+
+def test_parsing_in_small_blocks_gives_the_same_rows_and_line_numbers(dataset, tmp_path, monkeypatch):
+    whole = data.load_part(dataset.files["train_criteo"], 0, 1)
+    monkeypatch.setattr(data, "BLOCK", 777)  # many blocks, lines cut at every block edge
+    for parts in (1, 3):
+        pieces = [data.load_part(dataset.files["train_criteo"], i, parts) for i in range(parts)]
+        np.testing.assert_array_equal(np.concatenate([p.indices for p in pieces]), whole.indices)
+        np.testing.assert_array_equal(np.concatenate([p.labels for p in pieces]), whole.labels)
+    lines = open(dataset.files["train_libsvm"], "rb").read().split(b"\n")
+    lines[1234] = b"0 5:"
+    path = tmp_path / "bad.svm"
+    path.write_bytes(b"\n".join(lines))
+    with pytest.raises(data.DataError, match=rf"^{path}:1235: bad number"):
+        for i in range(3):
+            data.load_part(str(path), i, 3)

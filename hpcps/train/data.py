@@ -23,7 +23,7 @@ from hpcps_kernels import parse
 
 # feature_key(0xB1A5, "bias"), written out so that importing this module compiles nothing
 BIAS_KEY = np.uint64(871999724124195170)
-BLOCK = 64 << 20
+BLOCK = 1 << 30  # a worker's part is parsed in blocks of at most this many bytes (one, usually)
 
 
 class DataError(ValueError):
@@ -97,61 +97,58 @@ class Dataset:
 
 
 def _with_bias(labels, indptr, indices, values):
-    rows = labels.shape[0]
-    counts = np.diff(indptr) + 1
-    new_indptr = np.zeros(rows + 1, dtype=np.int64)
-    np.cumsum(counts, out=new_indptr[1:])
-    new_indices = np.empty(new_indptr[-1], dtype=np.uint64)
-    new_values = np.empty(new_indptr[-1], dtype=np.float32)
-    mask = np.ones(new_indptr[-1], dtype=bool)
-    mask[new_indptr[1:] - 1] = False  # the last slot of every row is the bias
-    new_indices[mask] = indices
-    new_values[mask] = values
-    new_indices[~mask] = BIAS_KEY
-    new_values[~mask] = 1.0
-    return new_indptr, new_indices, new_values
+    return parse.append_feature(indptr, indices, values, BIAS_KEY, np.float32(1.0))
 
 
 def _parse_part(path: str, start: int, end: int, fmt: str, hash_bits: int, skip_bad: bool):
+    """Parse ``path[start:end]`` block by block: each block is read into one reusable buffer after
+    the previous block's unfinished line, and parsed in place (no copies of the text)."""
     pieces = []
     skipped = 0
-    lines_before = None
+    buf = bytearray(min(BLOCK, end - start) + (1 << 20))
+    view = memoryview(buf)
+    carry = 0          # bytes of an unfinished line at the front of buf
+    block_start = start  # file offset of buf[0]
     with open(path, "rb") as f:
         f.seek(start)
         pos = start
-        carry = b""
-        first_line = None  # line number of the block's first line, computed only on error
-        lines_done = 0
         while pos < end or carry:
-            data = f.read(min(BLOCK, end - pos)) if pos < end else b""
-            pos += len(data)
-            block = carry + data
-            if pos < end:
-                cut = block.rfind(b"\n") + 1
-                block, carry = block[:cut], block[cut:]
-            else:
-                carry = b""
-            if not block:
+            want = min(BLOCK, end - pos)
+            if len(buf) < carry + want:  # a line longer than the spare room: grow
+                del view
+                buf = buf + bytearray(carry + want - len(buf))
+                view = memoryview(buf)
+            got = f.readinto(view[carry:carry + want]) if want > 0 else 0
+            pos += got
+            n = carry + got
+            cut = n if pos >= end else buf.rfind(b"\n", 0, n) + 1
+            if cut == 0:  # no line end yet: read more
+                carry = n
                 continue
+            block = np.frombuffer(view[:cut], dtype=np.uint8)
             try:
                 if fmt == "criteo":
                     out = parse.parse_criteo(block, source=path, first_line=1, skip_bad=skip_bad, bits=hash_bits)
                 else:
                     out = parse.parse_libsvm(block, source=path, first_line=1, skip_bad=skip_bad)
             except parse.ParseError as e:
-                if lines_before is None:
-                    lines_before = _count_lines_before(path, start)
-                first_line = lines_before + lines_done + 1
-                raise DataError(f"{path}:{first_line + e.line - 1}: {e.reason}"
-                                + (f": {str(e).split(': ', 2)[-1]}" if ": " in str(e) else "")) from None
-            lines_done += block.count(b"\n")
+                line = _count_lines_before(path, block_start) + e.line
+                text = str(e).split(": ", 2)[-1] if str(e).count(": ") >= 2 else ""
+                raise DataError(f"{path}:{line}: {e.reason}" + (f": {text}" if text else "")) from None
+            finally:
+                del block
             labels, indptr, indices, values, sk = out
             skipped += sk
             if fmt == "libsvm" and hash_bits < 64 and indices.size:
                 indices &= np.uint64(2**hash_bits - 1)
             pieces.append((labels, indptr, indices, values))
+            carry = n - cut
+            buf[:carry] = buf[cut:n]
+            block_start += cut
     if not pieces:
         return (np.zeros(0, np.float32), np.zeros(1, np.int64), np.zeros(0, np.uint64), np.zeros(0, np.float32)), skipped
+    if len(pieces) == 1:
+        return pieces[0], skipped
     labels = np.concatenate([p[0] for p in pieces])
     offsets = np.cumsum([0] + [p[1][-1] for p in pieces[:-1]])
     indptr = np.concatenate([[0]] + [p[1][1:] + o for p, o in zip(pieces, offsets)]).astype(np.int64)
