@@ -53,10 +53,12 @@ def job_state(env, job):
     return m.group(1) if m else "UNKNOWN", out
 
 
-def test_train_job_gets_the_mpi_world_it_asked_for(slurm, tmp_path):
+@pytest.mark.parametrize("launch", ["mpiexec", "srun"])
+def test_train_job_gets_the_mpi_world_it_asked_for(slurm, tmp_path, launch):
     args = "--set synth.rows=20000 --set synth.test_rows=2000 --set train.epochs=1 " \
            f"--summary-json {tmp_path}/summary.json"
-    rc, job, err = sbatch(slurm, tmp_path, ["--ntasks=4", "--output=out.txt"], {"HPCPS_ARGS": args})
+    rc, job, err = sbatch(slurm, tmp_path, ["--ntasks=4", "--output=out.txt"],
+                          {"HPCPS_ARGS": args, "HPCPS_LAUNCH": launch})
     out = (tmp_path / "out.txt").read_text()
     assert rc == 0, err + out[-3000:]
     assert "1 server(s) (ranks 0-0), 3 worker(s)" in out  # the MPI world has the 4 tasks asked for
