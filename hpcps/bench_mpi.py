@@ -24,11 +24,11 @@ def pingpong(comm, nbytes: int, reps: int, peer: int, timeout: float = 60.0) -> 
     for _ in range(reps + 1):  # one warm-up round
         t = time.perf_counter()
         if first:
-            transport.wait(transport.isend(comm, buf, peer, 1, "ping"), timeout)
-            transport.wait(transport.irecv(comm, out, peer, 2, "pong"), timeout)
+            transport.wait(transport.start_send(comm, buf, peer, 1, "ping"), timeout)
+            transport.wait(transport.start_recv(comm, out, peer, 2, "pong"), timeout)
         else:
-            transport.wait(transport.irecv(comm, out, peer, 1, "ping"), timeout)
-            transport.wait(transport.isend(comm, buf, peer, 2, "pong"), timeout)
+            transport.wait(transport.start_recv(comm, out, peer, 1, "ping"), timeout)
+            transport.wait(transport.start_send(comm, buf, peer, 2, "pong"), timeout)
         times.append(time.perf_counter() - t)
     return times[1:]
 

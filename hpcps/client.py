@@ -69,10 +69,10 @@ class SparseTable:
                 tag = protocol.reply_tag(req_id, ctx.tag_ub)
                 what = f"{protocol.OP_NAMES[op]} reply of table {self.name!r} (request {req_id}) from server"
                 reply = np.empty(protocol.reply_bytes(op, chunk.shape[0], self.dim), dtype=np.uint8)
-                req.pending += transport.irecv(ctx.comm, reply, server, tag, what)
+                req.pending += transport.start_recv(ctx.comm, reply, server, tag, what)
                 msg = protocol.pack_request(op, self.id, req_id, ctx.clock_value, ctx.worker_index,
                                             keys[chunk], None if grads is None else grads[chunk], self.dim)
-                req.pending += transport.isend(ctx.comm, msg, server, protocol.TAG_REQUEST,
+                req.pending += transport.start_send(ctx.comm, msg, server, protocol.TAG_REQUEST,
                                                f"{protocol.OP_NAMES[op]} request to server")
                 req.parts.append((chunk, reply))
         ts = ctx._next_timestamp()

@@ -126,7 +126,7 @@ class Context:
         self._clock_sends = [p for p in self._clock_sends if not p.request.Test()]
         for server in range(self.layout.servers):
             msg = protocol.pack_request(op, 0, 0, self.clock_value, self.worker_index)
-            self._clock_sends += transport.isend(self.comm, msg, server, protocol.TAG_REQUEST,
+            self._clock_sends += transport.start_send(self.comm, msg, server, protocol.TAG_REQUEST,
                                                  f"{protocol.OP_NAMES[op]} message to server")
 
     @property
@@ -145,10 +145,10 @@ class Context:
         for server in range(self.layout.servers):
             req_id = self._next_request_id()
             reply = np.empty(protocol.reply_bytes(protocol.CHECKPOINT, 0, 0), dtype=np.uint8)
-            pending += transport.irecv(self.comm, reply, server, protocol.reply_tag(req_id, self.tag_ub),
+            pending += transport.start_recv(self.comm, reply, server, protocol.reply_tag(req_id, self.tag_ub),
                                        f"checkpoint reply (request {req_id}) from server")
             msg = protocol.pack_request(protocol.CHECKPOINT, 0, req_id, self.clock_value, self.worker_index, words)
-            pending += transport.isend(self.comm, msg, server, protocol.TAG_REQUEST, "checkpoint request to server")
+            pending += transport.start_send(self.comm, msg, server, protocol.TAG_REQUEST, "checkpoint request to server")
             replies.append(reply)
         transport.wait(pending, self.stall_timeout_s, warn_after=self.stall_warn_s)
         files = []

@@ -165,7 +165,7 @@ class Server:
         return buf
 
     def _send(self, buf: np.ndarray, dest: int, req_id: int, what: str) -> None:
-        self.sending.extend(transport.isend(self.comm, buf, dest, protocol.reply_tag(req_id, self.tag_ub), what))
+        self.sending.extend(transport.start_send(self.comm, buf, dest, protocol.reply_tag(req_id, self.tag_ub), what))
 
     def _serve_pull(self, source: int, buf: np.ndarray) -> None:
         h, keys, _ = protocol.unpack_request(buf, self.dims)

@@ -220,19 +220,19 @@ def _chunks(array: np.ndarray):
         yield flat[lo:lo + MAX_MESSAGE_BYTES]
 
 
-def isend(comm: MPI.Comm, array: np.ndarray, dest: int, tag: int, what: str = "send") -> list[Pending]:
+def start_send(comm: MPI.Comm, array: np.ndarray, dest: int, tag: int, what: str = "send") -> list[Pending]:
     """Start sending a contiguous NumPy array; payloads over 2 GiB go as several messages.
 
-    The receiver must post :func:`irecv` with an array of the same size in bytes.
+    The receiver must post :func:`start_recv` with an array of the same size in bytes.
     """
     array = np.ascontiguousarray(array)
     return [Pending(comm.Isend(c, dest=dest, tag=tag), what, dest, (array, c), c.nbytes) for c in _chunks(array)]
 
 
-def irecv(comm: MPI.Comm, out: np.ndarray, source: int, tag: int, what: str = "receive") -> list[Pending]:
-    """Start receiving into the contiguous array ``out`` (see :func:`isend`)."""
+def start_recv(comm: MPI.Comm, out: np.ndarray, source: int, tag: int, what: str = "receive") -> list[Pending]:
+    """Start receiving into the contiguous array ``out`` (see :func:`start_send`)."""
     if not out.flags.c_contiguous:
-        raise ValueError("irecv needs a C-contiguous output array")
+        raise ValueError("start_recv needs a C-contiguous output array")
     return [Pending(comm.Irecv(c, source=source, tag=tag), what, source, (out, c), c.nbytes) for c in _chunks(out)]
 
 
