@@ -29,15 +29,17 @@ def slurm(tmp_path_factory):
     state = tmp_path_factory.mktemp("slurm")
     env = dict(os.environ, HPCPS_SLURM_DIR=str(state))
     script = os.path.join(ROOT, "slurm", "local-cluster.sh")
-    proc = subprocess.run([script, "start"], env=env, capture_output=True, text=True, timeout=300)
-    if proc.returncode == 3:
-        pytest.skip(proc.stderr.strip())
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    env["SLURM_CONF"] = str(state / "slurm.conf")
-    env["HPCPS_VENV"] = os.path.dirname(os.path.dirname(sys.executable))
-    env.setdefault("NUMBA_CACHE_DIR", os.path.join(ROOT, ".numba_cache"))
-    yield env
-    subprocess.run([script, "stop"], env=env, capture_output=True, timeout=120)
+    try:
+        proc = subprocess.run([script, "start"], env=env, capture_output=True, text=True, timeout=300)
+        if proc.returncode == 3:
+            pytest.skip(proc.stderr.strip())
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        env["SLURM_CONF"] = str(state / "slurm.conf")
+        env["HPCPS_VENV"] = os.path.dirname(os.path.dirname(sys.executable))
+        env.setdefault("NUMBA_CACHE_DIR", os.path.join(ROOT, ".numba_cache"))
+        yield env
+    finally:  # whatever started, even if the start failed half-way, is stopped
+        subprocess.run([script, "stop"], env=env, capture_output=True, timeout=120)
 
 
 def sbatch(env, cwd, args, extra_env, wait=True, timeout=300):
