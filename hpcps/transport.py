@@ -15,7 +15,6 @@ imports mpi4py itself. Rules kept here:
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time

@@ -105,6 +105,7 @@ def lookup_or_insert(index, keys, size, queries, out, start, limit):
     for i in range(start, min(start + 2 * AHEAD, n)):
         prefetch(index, hashes[i] & mask)
     for i in range(start, n):
+        # the same prefetch as in lookup(), written out: as an inline helper it halved the speed
         if i + 2 * AHEAD < n:
             prefetch(index, hashes[i + 2 * AHEAD] & mask)
         if i + AHEAD < n:

@@ -209,7 +209,6 @@ def bench_optim(rows, repeat, roof):
         tr = median_time(rfn, repeat)
         out.append(_row(f"{name}/10M rows", slots.size, "keys", t, tr, "vectorised NumPy, separate arrays",
                         slots.size / t / 1e6 / roof["random_access_m_s"]))
-        del table
     return out
 
 

@@ -96,7 +96,7 @@ class Dataset:
             raise DataError(f"{self.source}: a label is NaN or infinite")
 
 
-def _with_bias(labels, indptr, indices, values):
+def _with_bias(indptr, indices, values):
     return parse.append_feature(indptr, indices, values, BIAS_KEY, np.float32(1.0))
 
 
@@ -174,7 +174,7 @@ def load_part(path: str, part: int, parts: int, fmt: str = "auto", hash_bits: in
             skipped = int(open(os.path.join(cache, "done")).read() or 0)
             return Dataset(*arrays, skipped=skipped, source=path)
     (labels, indptr, indices, values), skipped = _parse_part(path, start, end, fmt, hash_bits, skip_bad)
-    indptr, indices, values = _with_bias(labels, indptr, indices, values)
+    indptr, indices, values = _with_bias(indptr, indices, values)
     ds = Dataset(labels, indptr, indices, values, skipped, path)
     ds.check_finite()
     if cache:

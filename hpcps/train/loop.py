@@ -316,9 +316,7 @@ def _agree_preempted(ctx, mine: bool) -> bool:
 
 
 def _agree_preempted_worker(ctx, mine: bool) -> None:
-    # workers send DONE first so that the servers leave their loop and join the agreement
-    for table in ctx.tables.values():
-        if hasattr(table, "wait_all"):
-            table.wait_all(ctx.stall_timeout_s)
+    # workers send DONE first (after their requests complete) so that the servers leave their
+    # loop and join the agreement
     ctx.finish_serving()
     _agree_preempted(ctx, mine)

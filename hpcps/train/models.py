@@ -21,8 +21,6 @@ LOSSES = {"logistic": kmodels.LOGISTIC, "squared": kmodels.SQUARED}
 class Model:
     """Common part: the table, the loss, a step and margins."""
 
-    table_name = ""
-
     def __init__(self, ctx, cfg):
         self.cfg = cfg
         self.loss = LOSSES[cfg.model.loss]
@@ -65,8 +63,6 @@ class Model:
 
 
 class LinearModel(Model):
-    table_name = "w"
-
     def _declare(self, ctx, cfg):
         return ctx.sparse_table("w", dim=1, optimizer=cfg.optimizer.name, params=cfg.optimizer.params,
                                 init="zeros", seed=cfg.model.seed)
@@ -80,8 +76,6 @@ class LinearModel(Model):
 
 
 class FactorizationMachine(Model):
-    table_name = "fm"
-
     def _declare(self, ctx, cfg):
         return ctx.sparse_table("fm", dim=1 + cfg.model.factors, optimizer=cfg.optimizer.name,
                                 params=cfg.optimizer.params, init="normal", init_scale=cfg.model.init_scale,
