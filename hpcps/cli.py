@@ -29,6 +29,7 @@ def _fail(message: str, rank: int | None = None) -> int:
 
 def _cmd_train(args) -> int:
     from hpcps import config, transport
+    from hpcps.layout import Layout, LayoutError
     from hpcps.train import loop
 
     if args.help_config:
@@ -66,6 +67,11 @@ def _cmd_train(args) -> int:
     cfg = config.from_dict(raw)
     if not transport.agree(world, int(cfg.fingerprint(), 16) & 0x7FFFFFFFFFFF, 120, "agreement on the configuration"):
         return _fail("ranks disagree on the configuration", rank)
+    # 3. the layout fits the world: checked on every rank before any data is generated or read
+    try:
+        Layout.plan(world.Get_size(), cfg.cluster.servers, cfg.cluster.worker_groups or None, cfg.cluster.num_shards)
+    except LayoutError as e:
+        return _fail(str(e), rank)
     try:
         result = loop.run(cfg, world)
     except loop.TrainError as e:
@@ -83,7 +89,8 @@ def _load_for_serving(args):
     model = ServingModel(args.model)
     cfg = model.config.get("data", {})
     ds = tdata.load_part(args.data, 0, 1, args.format or cfg.get("format", "auto"),
-                         args.hash_bits or cfg.get("hash_bits", 24), args.skip_bad_lines)
+                         args.hash_bits or cfg.get("hash_bits", 24), args.skip_bad_lines,
+                         binary=model.loss == "logistic")
     return model, ds
 
 
@@ -190,6 +197,8 @@ def _cmd_bench_vw(args) -> int:
 def _cmd_inspect(args) -> int:
     from hpcps import checkpoint
 
+    if not os.path.exists(args.ckpt):
+        return _fail(f"{args.ckpt}: no such checkpoint or checkpoint directory")
     paths = [args.ckpt]
     if os.path.isdir(args.ckpt) and not os.path.exists(os.path.join(args.ckpt, checkpoint.MANIFEST)):
         paths = checkpoint.complete_checkpoints(args.ckpt) or paths  # a checkpoint.dir: list them all
@@ -331,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (FileNotFoundError, ValueError, RuntimeError) as e:
+    except (OSError, ValueError, RuntimeError) as e:
         if args.command in ("eval", "predict", "gen-data", "export", "inspect"):
             return _fail(str(e))
         raise

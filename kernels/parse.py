@@ -7,7 +7,9 @@ allocate, call the kernel and raise :class:`ParseError` naming the source and li
 
 libsvm: ``label idx:val idx:val ... [# comment]``; indices are decimal integers taken as uint64
 keys (not hashed); an optional ``qid:N`` is ignored; blank lines and ``#`` lines are skipped but
-counted in the line numbers. Values and labels must be finite decimal numbers.
+counted in the line numbers. Values and labels must be finite decimal numbers. With ``binary``
+(the logistic loss) a label must be 0 or 1, or -1 or +1 (svmlight's convention, mapped to 0 and 1
+as liblinear and Vowpal Wabbit do); any other label, or a file that mixes 0 and -1, is an error.
 
 Criteo TSV: 40 tab-separated columns: label (0/1), 13 integer features, 26 categorical tokens;
 empty columns are missing values (no feature). Keys (see :mod:`hpcps_kernels.hashing`):
@@ -36,6 +38,8 @@ MISSING_COLON = 3
 BAD_VALUE = 4
 NOT_FINITE = 5
 BAD_COLUMNS = 6
+NOT_BINARY = 7
+MIXED_LABELS = 8
 MESSAGES = {
     BAD_LABEL: "bad label",
     BAD_INDEX: "bad feature index (expected a non-negative integer below 2**64)",
@@ -43,6 +47,8 @@ MESSAGES = {
     BAD_VALUE: "bad number",
     NOT_FINITE: "value is NaN or infinite",
     BAD_COLUMNS: "expected 40 tab-separated columns (label, 13 integers, 26 categories)",
+    NOT_BINARY: "label must be 0 or 1 (or -1 or +1) for the logistic loss",
+    MIXED_LABELS: "labels mix 0 and -1: a file is either 0/1 or -1/+1 for the logistic loss",
 }
 
 SPACE, TAB, NL, CR, HASH, COLON = 32, 9, 10, 13, 35, 58
@@ -127,8 +133,12 @@ def _line_end(buf, i, n):
 
 
 @njit(cache=True)
-def libsvm_kernel(buf, labels, indptr, indices, values, skip_bad):
-    """Parse libsvm lines. Returns (rows, nnz, status, bad line index (0-based), lines skipped)."""
+def libsvm_kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen):
+    """Parse libsvm lines. Returns (rows, nnz, status, bad line index (0-based), lines skipped).
+
+    ``binary``: labels must be in {0, 1} or {-1, +1}; -1 is stored as 0. ``seen`` (int64[2]) says
+    whether a label 0 / -1 was met, here or in an earlier chunk of the same file (updated).
+    """
     n = buf.shape[0]
     i = 0
     line = 0
@@ -150,10 +160,21 @@ def libsvm_kernel(buf, labels, indptr, indices, values, skip_bad):
         while j < stop and (buf[j] == SPACE or buf[j] == TAB):
             j += 1
         status = OK
+        which = -1  # binary labels: 0 for a label 0, 1 for a label -1
         if j < stop:
             lab, j, st = _parse_float(buf, j, stop)
             if st != OK or (j < stop and buf[j] != SPACE and buf[j] != TAB):
                 status = BAD_LABEL if st != NOT_FINITE else NOT_FINITE
+            elif binary:
+                if lab == -1.0:
+                    status = MIXED_LABELS if seen[0] else OK
+                    which = 1
+                    lab = 0.0
+                elif lab == 0.0:
+                    status = MIXED_LABELS if seen[1] else OK
+                    which = 0
+                elif lab != 1.0:
+                    status = NOT_BINARY
             row_nnz = nnz
             while status == OK:
                 while j < stop and (buf[j] == SPACE or buf[j] == TAB):
@@ -201,6 +222,8 @@ def libsvm_kernel(buf, labels, indptr, indices, values, skip_bad):
                 nnz = row_nnz
                 rows += 1
                 indptr[rows] = nnz
+                if which >= 0:
+                    seen[which] = 1
             elif skip_bad:
                 skipped += 1
             else:
@@ -323,10 +346,13 @@ def _line_text(buf: np.ndarray, line: int) -> str:
     return lines[line].decode(errors="replace") if line < len(lines) else ""
 
 
-def parse_libsvm(data, *, source: str = "<bytes>", first_line: int = 1, skip_bad: bool = False):
+def parse_libsvm(data, *, source: str = "<bytes>", first_line: int = 1, skip_bad: bool = False,
+                 binary: bool = False, seen: np.ndarray | None = None):
     """Parse libsvm text. Returns ``(labels f32, indptr i64, indices u64, values f32, skipped)``.
 
     ``first_line`` is the number of the chunk's first line in its file (for error messages).
+    ``binary``: labels for the logistic loss, {0, 1} or {-1, +1} (stored as 0/1); ``seen`` carries
+    which of 0 and -1 earlier chunks of the same file had (int64[2], updated in place).
     """
     buf = _as_bytes(data)
     max_rows = int(count_byte(buf, NL)) + 1
@@ -335,7 +361,9 @@ def parse_libsvm(data, *, source: str = "<bytes>", first_line: int = 1, skip_bad
     indptr = np.empty(max_rows + 1, dtype=np.int64)
     indices = np.empty(max_nnz, dtype=np.uint64)
     values = np.empty(max_nnz, dtype=np.float32)
-    rows, nnz, status, bad, skipped = libsvm_kernel(buf, labels, indptr, indices, values, skip_bad)
+    if seen is None:
+        seen = np.zeros(2, dtype=np.int64)
+    rows, nnz, status, bad, skipped = libsvm_kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen)
     if status != OK:
         raise ParseError(source, first_line + bad, MESSAGES[status], _line_text(buf, bad))
     return labels[:rows].copy(), indptr[: rows + 1].copy(), indices[:nnz].copy(), values[:nnz].copy(), int(skipped)

@@ -59,6 +59,21 @@ def byte_range(path: str, part: int, parts: int) -> tuple[int, int]:
     return line_start(size * part // parts), line_start(size * (part + 1) // parts)
 
 
+def fingerprint(path: str, span: int = 1 << 20) -> dict:
+    """What identifies a data file's contents cheaply: its size and the XXH64 of its first and
+    last ``span`` bytes (recorded in checkpoints, compared when resuming)."""
+    from hpcps_kernels.hashing import xxh64
+
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(span)
+        f.seek(max(0, size - span))
+        tail = f.read(span)
+    raw = np.frombuffer(head + tail, dtype=np.uint8)
+    return {"path": os.path.abspath(path), "bytes": size,
+            "head_tail_xxh64": f"{int(xxh64(raw, 0, raw.shape[0], np.uint64(0))):016x}"}
+
+
 def _count_lines_before(path: str, offset: int) -> int:
     n = 0
     with open(path, "rb") as f:
@@ -100,13 +115,14 @@ def _with_bias(indptr, indices, values):
     return parse.append_feature(indptr, indices, values, BIAS_KEY, np.float32(1.0))
 
 
-def _parse_part(path: str, start: int, end: int, fmt: str, hash_bits: int, skip_bad: bool):
+def _parse_part(path: str, start: int, end: int, fmt: str, hash_bits: int, skip_bad: bool, binary: bool):
     """Parse ``path[start:end]`` block by block: each block is read into one reusable buffer after
     the previous block's unfinished line, and parsed in place (no copies of the text)."""
     pieces = []
     skipped = 0
     buf = bytearray(min(BLOCK, end - start) + (1 << 20))
     view = memoryview(buf)
+    seen = np.zeros(2, dtype=np.int64)  # binary labels: a 0 / a -1 met in an earlier block
     carry = 0          # bytes of an unfinished line at the front of buf
     block_start = start  # file offset of buf[0]
     with open(path, "rb") as f:
@@ -130,7 +146,8 @@ def _parse_part(path: str, start: int, end: int, fmt: str, hash_bits: int, skip_
                 if fmt == "criteo":
                     out = parse.parse_criteo(block, source=path, first_line=1, skip_bad=skip_bad, bits=hash_bits)
                 else:
-                    out = parse.parse_libsvm(block, source=path, first_line=1, skip_bad=skip_bad)
+                    out = parse.parse_libsvm(block, source=path, first_line=1, skip_bad=skip_bad,
+                                             binary=binary, seen=seen)
             except parse.ParseError as e:
                 line = _count_lines_before(path, block_start) + e.line
                 text = str(e).split(": ", 2)[-1] if str(e).count(": ") >= 2 else ""
@@ -158,8 +175,12 @@ def _parse_part(path: str, start: int, end: int, fmt: str, hash_bits: int, skip_
 
 
 def load_part(path: str, part: int, parts: int, fmt: str = "auto", hash_bits: int = 24,
-              skip_bad: bool = False, cache_dir: str = "") -> Dataset:
-    """Parse this worker's part of ``path`` (with the bias feature), through the cache if set."""
+              skip_bad: bool = False, cache_dir: str = "", binary: bool = False) -> Dataset:
+    """Parse this worker's part of ``path`` (with the bias feature), through the cache if set.
+
+    ``binary``: the labels are for the logistic loss; libsvm labels -1/+1 become 0/1, and any
+    label other than 0, 1, -1, +1 is an error naming the line (Criteo labels are 0/1 anyway).
+    """
     if not os.path.isfile(path):
         raise DataError(f"data file {path} not found")
     fmt = detect_format(path, fmt)
@@ -167,13 +188,13 @@ def load_part(path: str, part: int, parts: int, fmt: str = "auto", hash_bits: in
     cache = None
     if cache_dir:
         st = os.stat(path)
-        tag = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{part}/{parts}|{fmt}|{hash_bits}|{skip_bad}"
+        tag = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{part}/{parts}|{fmt}|{hash_bits}|{skip_bad}|{binary}"
         cache = os.path.join(cache_dir, hashlib.sha256(tag.encode()).hexdigest()[:20])
         if os.path.exists(os.path.join(cache, "done")):
             arrays = [np.load(os.path.join(cache, f"{n}.npy"), mmap_mode="r") for n in ("labels", "indptr", "indices", "values")]
             skipped = int(open(os.path.join(cache, "done")).read() or 0)
             return Dataset(*arrays, skipped=skipped, source=path)
-    (labels, indptr, indices, values), skipped = _parse_part(path, start, end, fmt, hash_bits, skip_bad)
+    (labels, indptr, indices, values), skipped = _parse_part(path, start, end, fmt, hash_bits, skip_bad, binary)
     indptr, indices, values = _with_bias(indptr, indices, values)
     ds = Dataset(labels, indptr, indices, values, skipped, path)
     ds.check_finite()

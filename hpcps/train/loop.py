@@ -22,7 +22,7 @@ import numpy as np
 
 from dataclasses import dataclass
 
-from hpcps import checkpoint, signals, transport
+from hpcps import checkpoint, config, signals, transport
 from hpcps.context import init
 from hpcps.train import data as tdata
 from hpcps.train import model_file, synth
@@ -89,6 +89,32 @@ def resolve_data(cfg, comm) -> tuple[dict, dict | None]:
     return {"train": info["train"], "test": info["test"]}, info
 
 
+def data_position_meaning(cfg, train_path: str, workers: int) -> dict:
+    """What a checkpoint's data position refers to: the training file, the batch size and the
+    number of workers (each reads its own byte range)."""
+    return {"train": tdata.fingerprint(train_path), "batch_size": cfg.train.batch_size, "workers": workers}
+
+
+def check_same_data(manifest: dict, now: dict) -> str | None:
+    """Why resuming ``manifest`` over the data described by ``now`` would continue at its step
+    over other rows (None if it would not)."""
+    then = manifest.get("data", {})
+    if not isinstance(then.get("train"), dict):
+        return None  # written before checkpoints recorded their data (version 1)
+    problems = []
+    a, b = then["train"], now["train"]
+    if (a.get("bytes"), a.get("head_tail_xxh64")) != (b["bytes"], b["head_tail_xxh64"]):
+        problems.append(f"the training file differs ({a.get('path')}, {a.get('bytes')} bytes, then; "
+                        f"{b['path']}, {b['bytes']} bytes, now)")
+    for key, what in (("batch_size", "train.batch_size"), ("workers", "the number of workers")):
+        if then.get(key) != now[key]:
+            problems.append(f"{what} was {then.get(key)}, now {now[key]}")
+    if not problems:
+        return None
+    return ("the checkpoint's data position would point at other rows: " + "; ".join(problems)
+            + ". Set checkpoint.allow_other_data = true to resume anyway")
+
+
 def _load(ctx, cfg, path: str, what: str) -> tdata.Dataset | None:
     """Collective over the world: workers load their part of ``path``; any error is raised on
     every rank with every failing rank's message."""
@@ -96,7 +122,8 @@ def _load(ctx, cfg, path: str, what: str) -> tdata.Dataset | None:
     if ctx.is_worker and path:
         try:
             ds = tdata.load_part(path, ctx.worker_index, ctx.layout.workers, cfg.data.format,
-                                 cfg.data.hash_bits, cfg.data.skip_bad_lines, cfg.data.cache_dir)
+                                 cfg.data.hash_bits, cfg.data.skip_bad_lines, cfg.data.cache_dir,
+                                 binary=cfg.model.loss == "logistic")
             if ds.rows == 0:
                 error = (f"{what} file {path}: this worker's byte range holds no rows "
                          f"({ctx.layout.workers} workers for a file of {os.path.getsize(path)} bytes); "
@@ -160,6 +187,10 @@ def run(cfg, comm=None) -> dict | None:
     first worker, None elsewhere."""
     world = comm or transport.world()
     ck = cfg.checkpoint
+    problem = config.check_paths(cfg) if world.Get_rank() == 0 else None
+    errors = transport.all_ok(world, problem, cfg.cluster.stall_timeout_s, "check of the output paths")
+    if errors:
+        raise TrainError(errors[0].split(": ", 1)[1])
     restore = resolve_resume(cfg, world)
     if ck.dir:
         signals.install()
@@ -167,6 +198,15 @@ def run(cfg, comm=None) -> dict | None:
             os.makedirs(ck.dir, exist_ok=True)
     paths, synth_info = resolve_data(cfg, world)
     cl = cfg.cluster
+    workers = world.Get_size() - cl.servers
+    problem = None
+    if world.Get_rank() == 0 and os.path.isfile(paths["train"]):
+        meaning = data_position_meaning(cfg, paths["train"], workers)
+        if restore is not None and not ck.allow_other_data:
+            problem = check_same_data(restore[1], meaning)
+    errors = transport.all_ok(world, problem, cl.stall_timeout_s, "check of the resumed data position")
+    if errors:
+        raise TrainError(f"cannot resume {restore[0]}: " + errors[0].split(": ", 1)[1])
     ctx = init(servers=cl.servers, worker_groups=cl.worker_groups or None, staleness=cl.staleness,
                num_shards=cl.num_shards, stall_warn_s=cl.stall_warn_s, stall_timeout_s=cl.stall_timeout_s,
                comm=world)
@@ -195,7 +235,7 @@ def run(cfg, comm=None) -> dict | None:
     # set their own step sizes, and a mean would shrink rare keys' gradients by the batch size);
     # "mean": the gradient of the mean loss over the group's rows (the objective of plain SGD).
     scale = 1.0 if tr.gradient == "sum" else 1.0 / (tr.batch_size * ctx.group_comm.Get_size())
-    progress = Progress(first and tr.progress, steps, ctx.layout.workers, tr.metrics)
+    progress = Progress(first and tr.progress, steps, ctx.layout.workers, tr.metrics if first else "")
     if first:
         print(f"hpcps train: {ctx.layout.describe()}; {cfg.model.type} with {cfg.optimizer.name}, "
               f"staleness {cl.staleness}; {train.rows} rows on this worker, {steps} steps/epoch"
@@ -211,14 +251,15 @@ def run(cfg, comm=None) -> dict | None:
                   + ("" if same else f" (written with {restore[1]['layout']['workers']} workers: each worker "
                      f"continues at the same step of its own part, so the rows seen differ slightly)"), flush=True)
 
+    data_meaning = data_position_meaning(cfg, paths["train"], ctx.layout.workers) if (first and ck.dir) else None
+
     def save(epoch_next: int, step_next: int, reason: str) -> None:
         model.finish()  # every worker: its pushes acknowledged
         if first:
             path = ctx.save_checkpoint(ck.dir, global_step, {
                 "model_fingerprint": cfg.model_fingerprint(), "config": cfg.to_dict(), "reason": reason,
                 "position": {"epoch": epoch_next, "step": step_next, "global_step": global_step},
-                "data": {"train": paths["train"], "workers": ctx.layout.workers, "batch_size": tr.batch_size,
-                         "random_state": "none: the loop draws no random numbers"}}, ck.keep)
+                "data": {**data_meaning, "random_state": "none: the loop draws no random numbers"}}, ck.keep)
             print(f"hpcps train: checkpoint {path} ({reason})", flush=True)
         transport.barrier(wcomm, ctx.stall_timeout_s, "checkpoint barrier")
 

@@ -39,6 +39,11 @@ def write(path: str, keys: np.ndarray, values: np.ndarray, attrs: dict) -> None:
             f.attrs[k] = v
         f.create_dataset("keys", data=sk)
         f.create_dataset("values", data=kkeys.gather_rows(np.ascontiguousarray(values), order))
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     os.replace(tmp, path)
 
 
@@ -65,12 +70,23 @@ class ServingModel:
     def __init__(self, path: str):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"model file {path} not found")
-        with h5py.File(path, "r") as f:
+        try:
+            f = h5py.File(path, "r")
+        except OSError:
+            raise ValueError(f"{path} is not an hpcps model file (not an HDF5 file); write one with "
+                             f"train.model_out or hpcps export") from None
+        with f:
             if f.attrs.get("format") != FORMAT:
-                raise ValueError(f"{path} is not an hpcps model file (format {f.attrs.get('format')!r})")
-            self.attrs = {k: (v.item() if hasattr(v, "item") else v) for k, v in f.attrs.items()}
-            self.keys = f["keys"][:]
-            self.values = f["values"][:]
+                raise ValueError(f"{path} is not an hpcps model file (format {f.attrs.get('format')!r}, "
+                                 f"expected {FORMAT!r})")
+            try:
+                self.attrs = {k: (v.item() if hasattr(v, "item") else v) for k, v in f.attrs.items()}
+                self.keys = f["keys"][:]
+                self.values = f["values"][:]
+            except (KeyError, OSError) as e:
+                raise ValueError(f"{path}: damaged hpcps model file ({e})") from None
+        if self.values.ndim != 2 or self.values.shape[0] != self.keys.shape[0]:
+            raise ValueError(f"{path}: damaged hpcps model file (keys and values differ in length)")
         self.kind = self.attrs["model"]
         self.loss = self.attrs.get("loss", "logistic")
         self.dim = int(self.attrs["dim"])
