@@ -13,6 +13,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+import os
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +24,7 @@ try:  # Python >= 3.11
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from hpcps.tables import OPTIMIZER_PARAMS
+from hpcps.tables import OPTIMIZER_PARAMS, param_range_error
 
 
 class ConfigError(ValueError):
@@ -96,6 +99,7 @@ class Checkpoint:
     on_signal: str = "exit"          # after a SIGUSR1/SIGTERM checkpoint: exit (status 75) | continue
     final: bool = True               # checkpoint at the end of training
     resume: str = ""                 # "" = start fresh | auto = newest good checkpoint in dir | a path
+    allow_other_data: bool = False   # resume even if the training file, batch size or workers changed
 
 
 @dataclass(frozen=True)
@@ -200,32 +204,100 @@ def from_dict(raw: dict) -> Config:
             raise ConfigError(f"unknown config key optimizer.{key} for optimizer {name!r}; "
                               f"it takes {sorted(OPTIMIZER_PARAMS[name])}")
         params[key] = _coerce(f"optimizer.{key}", value, float(OPTIMIZER_PARAMS[name][key]))
+        why = param_range_error(key, params[key])
+        if why:
+            raise ConfigError(f"optimizer.{key} {why}")
     sections["optimizer"] = Optimizer(name, params)
     cfg = Config(**sections)
     _check(cfg)
     return cfg
 
 
+INF = float("inf")
+# The allowed range of every numeric key: (low, high, low_open). High is inclusive.
+RANGES = {
+    ("cluster", "servers"): (1, INF, False),
+    ("cluster", "worker_groups"): (0, INF, False),
+    ("cluster", "staleness"): (-1, INF, False),
+    ("cluster", "num_shards"): (1, 1 << 24, False),
+    ("cluster", "stall_warn_s"): (0, INF, True),
+    ("cluster", "stall_timeout_s"): (0, INF, True),
+    ("data", "hash_bits"): (1, 64, False),
+    ("synth", "rows"): (1, INF, False),
+    ("synth", "test_rows"): (1, INF, False),
+    ("synth", "fields"): (2, 39, False),
+    ("synth", "seed"): (0, INF, False),
+    ("model", "factors"): (1, 4096, False),
+    ("model", "init_scale"): (0, INF, False),
+    ("model", "seed"): (0, INF, False),
+    ("train", "epochs"): (1, INF, False),
+    ("train", "batch_size"): (1, INF, False),
+    ("train", "eval_every"): (0, INF, False),
+    ("checkpoint", "every_steps"): (0, INF, False),
+    ("checkpoint", "every_s"): (0, INF, False),
+    ("checkpoint", "keep"): (1, INF, False),
+}
+
+
+def _describe_range(lo, hi, lo_open) -> str:
+    if hi == INF:
+        return f"{'greater than' if lo_open else 'at least'} {lo:g}"
+    return f"between {lo:g} and {hi:g}"
+
+
 def _check(cfg: Config) -> None:
-    positive = [("cluster.servers", cfg.cluster.servers), ("train.epochs", cfg.train.epochs),
-                ("train.batch_size", cfg.train.batch_size), ("model.factors", cfg.model.factors),
-                ("cluster.num_shards", cfg.cluster.num_shards), ("synth.rows", cfg.synth.rows),
-                ("synth.test_rows", cfg.synth.test_rows)]
-    for key, v in positive:
-        if v < 1:
-            raise ConfigError(f"{key} must be at least 1 (got {v})")
-    if not 1 <= cfg.data.hash_bits <= 64:
-        raise ConfigError(f"data.hash_bits must be between 1 and 64 (got {cfg.data.hash_bits})")
-    if cfg.cluster.worker_groups < 0:
-        raise ConfigError("cluster.worker_groups must be 0 (one per worker) or more")
+    for (section, key), (lo, hi, lo_open) in RANGES.items():
+        v = getattr(getattr(cfg, section), key)
+        if isinstance(v, float) and not math.isfinite(v) and not (v == INF and hi == INF and key.endswith("_s")):
+            raise ConfigError(f"{section}.{key} must be a finite number (got {v})")
+        if (v <= lo if lo_open else v < lo) or v > hi:
+            raise ConfigError(f"{section}.{key} must be {_describe_range(lo, hi, lo_open)} (got {v})")
+    if cfg.cluster.stall_warn_s > cfg.cluster.stall_timeout_s:
+        raise ConfigError(f"cluster.stall_warn_s ({cfg.cluster.stall_warn_s:g}) must not exceed "
+                          f"cluster.stall_timeout_s ({cfg.cluster.stall_timeout_s:g})")
+    if cfg.model.type == "fm" and cfg.model.init_scale <= 0:
+        raise ConfigError("model.init_scale must be greater than 0 for an fm (factors that all start at 0 "
+                          "never move)")
     if bool(cfg.data.predict) != bool(cfg.data.predict_out):
         raise ConfigError("data.predict and data.predict_out go together")
     if cfg.checkpoint.resume and not cfg.checkpoint.dir and cfg.checkpoint.resume == "auto":
         raise ConfigError("checkpoint.resume = 'auto' needs checkpoint.dir")
-    if cfg.checkpoint.keep < 1:
-        raise ConfigError("checkpoint.keep must be at least 1")
-    if cfg.synth.fields < 2 or cfg.synth.fields > 39:
-        raise ConfigError(f"synth.fields must be between 2 and 39 (got {cfg.synth.fields})")
+
+
+def _writable_dir(directory: str) -> str | None:
+    """Why files cannot be created in ``directory`` (made if missing), or None."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".hpcps-write-check-", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
+def check_paths(cfg: Config) -> str | None:
+    """Why an output of ``cfg`` could not be written (the first problem, naming the key), or None.
+
+    Run before training, so that an unwritable ``train.model_out`` is not found at its end.
+    Creates ``checkpoint.dir`` (and ``synth.dir``) if missing.
+    """
+    dirs = [("checkpoint.dir", cfg.checkpoint.dir), ("synth.dir", cfg.synth.dir if not cfg.data.train else "")]
+    files = [("train.model_out", cfg.train.model_out), ("train.metrics", cfg.train.metrics),
+             ("data.predict_out", cfg.data.predict_out)]
+    for key, d in dirs:
+        if d:
+            why = _writable_dir(d)
+            if why:
+                return f"{key} = {d!r} is not writable: {why}"
+    for key, path in files:
+        if path:
+            if os.path.isdir(path):
+                return f"{key} = {path!r} is a directory, not a file"
+            why = _writable_dir(os.path.dirname(os.path.abspath(path)))
+            if why:
+                return f"{key} = {path!r}: cannot write in {os.path.dirname(os.path.abspath(path))}: {why}"
+    return None
 
 
 def parse_overrides(items: list[str]) -> dict:

@@ -236,7 +236,7 @@ def init(servers: int = 1, worker_groups: int | None = None, staleness: int = 0,
         hpcps.layout.LayoutError: the world is too small for the layout, before any communication.
     """
     base = comm if comm is not None else transport.world()
-    layout = Layout.plan(base.Get_size(), servers, worker_groups)
+    layout = Layout.plan(base.Get_size(), servers, worker_groups, num_shards)
     transport.install_abort_handler()
     return Context(transport.dup(base), layout, staleness, num_shards, stall_warn_s, stall_timeout_s)
 

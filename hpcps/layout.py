@@ -21,8 +21,12 @@ class Layout:
     worker_groups: int
 
     @classmethod
-    def plan(cls, world_size: int, servers: int, worker_groups: int | None = None) -> "Layout":
-        """Check and build a layout; ``worker_groups=None`` makes one group per worker."""
+    def plan(cls, world_size: int, servers: int, worker_groups: int | None = None,
+             num_shards: int | None = None) -> "Layout":
+        """Check and build a layout; ``worker_groups=None`` makes one group per worker.
+
+        ``num_shards``, when given, must be at least ``servers`` (every server owns a shard).
+        """
         if servers < 1:
             raise LayoutError(f"servers must be at least 1 (got {servers})")
         workers = world_size - servers
@@ -30,6 +34,9 @@ class Layout:
             raise LayoutError(
                 f"a world of {world_size} rank(s) is too small for {servers} server(s) and at least one "
                 f"worker: run with mpiexec -n {servers + 1} or more, or use fewer servers")
+        if num_shards is not None and num_shards < servers:
+            raise LayoutError(f"{num_shards} virtual shard(s) cannot be spread over {servers} servers: "
+                              f"set cluster.num_shards to at least {servers} (default 1024)")
         groups = workers if worker_groups is None else worker_groups
         if groups < 1 or groups > workers:
             raise LayoutError(

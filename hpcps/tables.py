@@ -15,6 +15,27 @@ OPTIMIZER_PARAMS = {
     "adam": {"lr": 0.001, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "l2": 0.0},
 }
 
+# The allowed range of each hyper-parameter: (low, high, low_open, high_open). A name not listed
+# here is ">= 0". Learning rates and FTRL's alpha must be positive (alpha = 0 divides by zero).
+_POSITIVE = (0.0, float("inf"), True, False)
+_UNIT = (0.0, 1.0, False, True)  # [0, 1)
+PARAM_RANGES = {
+    "lr": _POSITIVE, "alpha": _POSITIVE, "eps": _POSITIVE, "beta1": _UNIT, "beta2": _UNIT,
+}
+
+
+def param_range_error(name: str, value: float) -> str | None:
+    """Why ``value`` is not allowed for the optimizer hyper-parameter ``name`` (None if it is)."""
+    lo, hi, lo_open, hi_open = PARAM_RANGES.get(name, (0.0, float("inf"), False, False))
+    if value != value or value in (float("inf"), float("-inf")):
+        return f"must be a finite number (got {value})"
+    if (value <= lo if lo_open else value < lo) or (value >= hi if hi_open else value > hi):
+        if hi == float("inf"):
+            return f"must be {'greater than' if lo_open else 'at least'} {lo:g} (got {value:g})"
+        left, right = "(" if lo_open else "[", ")" if hi_open else "]"
+        return f"must be in {left}{lo:g}, {hi:g}{right} (got {value:g})"
+    return None
+
 
 @dataclass(frozen=True)
 class TableSpec:
@@ -47,6 +68,10 @@ class TableSpec:
             raise ValueError(f"table {self.name!r}: dim must be at least 1")
         merged = dict(OPTIMIZER_PARAMS[self.optimizer])
         merged.update(self.params)
+        for key, value in merged.items():
+            why = param_range_error(key, float(value))
+            if why:
+                raise ValueError(f"table {self.name!r}: {self.optimizer} parameter {key} {why}")
         object.__setattr__(self, "params", merged)
 
     @property

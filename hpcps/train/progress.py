@@ -17,7 +17,7 @@ class Progress:
         self.stream = stream or sys.stdout
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.interval = interval if self.tty else 10.0
-        self.metrics = open(metrics_path, "a") if (enabled and metrics_path) else None
+        self.metrics = open(metrics_path, "a") if metrics_path else None
         self.start = time.perf_counter()
         self.last_print = 0.0
         self.examples = 0
@@ -32,7 +32,7 @@ class Progress:
         if rows:
             batch = loss_sum / rows
             self.running = batch if self.running is None else 0.98 * self.running + 0.02 * batch
-        if not self.enabled:
+        if not (self.enabled or self.metrics):
             return
         now = time.perf_counter()
         elapsed = now - self.start
@@ -41,7 +41,7 @@ class Progress:
             self.metrics.write(json.dumps({"kind": "step", "epoch": epoch, "step": step, "rows": rows,
                                            "loss": loss_sum / rows if rows else None, "examples_per_s": rate,
                                            "wait_s": wait_s, "max_staleness": staleness, "time_s": elapsed}) + "\n")
-        if now - self.last_print >= self.interval or step == self.total:
+        if self.enabled and (now - self.last_print >= self.interval or step == self.total):
             self.last_print = now
             done = step / max(self.total, 1)
             bar = "#" * int(30 * done) + "." * (30 - int(30 * done))
@@ -52,13 +52,12 @@ class Progress:
             self.stream.flush()
 
     def epoch_end(self, epoch: int, record: dict) -> None:
-        if not self.enabled:
-            return
-        if self.tty:
-            self.stream.write("\n")
-        parts = [f"{k} {v:.5f}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()]
-        self.stream.write(f"epoch {epoch} done: " + ", ".join(parts) + "\n")
-        self.stream.flush()
+        if self.enabled:
+            if self.tty:
+                self.stream.write("\n")
+            parts = [f"{k} {v:.5f}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()]
+            self.stream.write(f"epoch {epoch} done: " + ", ".join(parts) + "\n")
+            self.stream.flush()
         if self.metrics:
             self.metrics.write(json.dumps({"kind": "epoch", "epoch": epoch, **record}) + "\n")
             self.metrics.flush()
