@@ -51,7 +51,7 @@ def measure(n: int, directory: str, shards: int = 1024, repeat: int = 3) -> dict
     ok = checkpoint.checksum(path) == digest
     t_verify = time.perf_counter() - t
     t = time.perf_counter()
-    k, r = checkpoint.read_for_server(ckpt, manifest, "w", 0, Placement(1, shards).shard_server)
+    k, r = checkpoint.read_for_server(ckpt, manifest, "w", 0, Placement(1, shards).shard_server, 1)
     t_read = time.perf_counter() - t
     t = time.perf_counter()
     KeyIndex.from_keys(k)

@@ -14,7 +14,11 @@ A checkpoint is a directory ``<dir>/ckpt-<step, 10 digits>/`` holding:
   non-cryptographic hash that detects truncation and damage at memory speed).
 
 It is first written as ``ckpt-<step>.tmp`` and renamed when the manifest is in place, so a
-checkpoint directory without ``.tmp`` is complete. Reading verifies every checksum; a checkpoint
+checkpoint directory without ``.tmp`` is complete. Durability: every server file is fsync'ed by
+its writer, the manifest is fsync'ed, and so are the checkpoint directory before the rename and
+its parent after it, so a committed checkpoint survives a power loss or node crash, not only a
+process crash. The manifest carries its own XXH64 (``manifest_xxh64``, over its canonical JSON),
+so a damaged manifest is detected too. Reading verifies every checksum; a checkpoint
 that fails is reported and the previous one is used. The newest ``keep`` complete checkpoints
 are kept. Restoring with the same layout, each server reads its own file; onto another number
 of servers, each server reads every file and keeps the keys of the shards the new placement gives
@@ -36,7 +40,8 @@ import numpy as np
 from hpcps_kernels.hashing import shard_of, xxh64, xxh64_words
 
 FORMAT = "hpcps-checkpoint"
-VERSION = 1
+VERSION = 2            # 2: the manifest carries its own checksum (version 1 is still read)
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 _NAME = re.compile(r"^ckpt-(\d{10})$")
 
@@ -69,16 +74,34 @@ def checksum(path: str) -> str:
             del words, tail
 
 
+def fsync_path(path: str) -> None:
+    """Flush a file's (or a directory's entries') data to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_server_file(path: str, server: int, servers: int, num_shards: int,
                       tables: list[tuple[str, np.ndarray, np.ndarray]]) -> tuple[int, str]:
-    """Write one server's tables: (name, keys, rows), as they are. Returns (bytes, checksum)."""
+    """Write one server's tables: (name, keys, rows), as they are, and fsync the file.
+    Returns (bytes, checksum)."""
     with h5py.File(path, "w") as f:
         f.attrs.update(format=FORMAT, version=VERSION, server=server, servers=servers, num_shards=num_shards)
         for name, keys, rows in tables:
             g = f.create_group(f"tables/{name}")
             g.create_dataset("keys", data=np.ascontiguousarray(keys))
             g.create_dataset("rows", data=np.ascontiguousarray(rows))
+    fsync_path(path)
     return os.path.getsize(path), checksum(path)
+
+
+def manifest_digest(manifest: dict) -> str:
+    """XXH64 (hex) of the manifest's canonical JSON, without its own ``manifest_xxh64`` field."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_xxh64"}
+    raw = np.frombuffer(json.dumps(body, sort_keys=True, separators=(",", ":")).encode(), dtype=np.uint8)
+    return f"{int(xxh64(raw, 0, raw.shape[0], np.uint64(0))):016x}"
 
 
 def commit(tmp_dir: str, manifest: dict, keep: int) -> str:
@@ -86,14 +109,17 @@ def commit(tmp_dir: str, manifest: dict, keep: int) -> str:
     older checkpoints beyond ``keep``. Returns the final path."""
     final = tmp_dir[:-4] if tmp_dir.endswith(".tmp") else tmp_dir
     path = os.path.join(tmp_dir, MANIFEST)
+    manifest = {**manifest, "manifest_xxh64": manifest_digest(manifest)}
     with open(path + ".part", "w") as f:
         json.dump(manifest, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".part", path)
+    fsync_path(tmp_dir)  # the server files' and the manifest's directory entries
     if os.path.exists(final):
         shutil.rmtree(final)
     os.replace(tmp_dir, final)
+    fsync_path(os.path.dirname(os.path.abspath(final)))  # the rename itself
     prune(os.path.dirname(final), keep)
     return final
 
@@ -124,13 +150,15 @@ def read_manifest(ckpt: str) -> dict:
             m = json.load(f)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{ckpt}: unreadable manifest: {e}") from None
-    if m.get("format") != FORMAT or m.get("version") != VERSION:
-        raise CheckpointError(f"{ckpt}: not a {FORMAT} version {VERSION} checkpoint")
+    if not isinstance(m, dict) or m.get("format") != FORMAT or m.get("version") not in READABLE_VERSIONS:
+        raise CheckpointError(f"{ckpt}: not a {FORMAT} checkpoint of version {' or '.join(map(str, READABLE_VERSIONS))}")
+    if m["version"] >= 2 and m.get("manifest_xxh64") != manifest_digest(m):
+        raise CheckpointError(f"{ckpt}: {MANIFEST} fails its XXH64 checksum (damaged)")
     return m
 
 
 def verify(ckpt: str) -> dict:
-    """The manifest, after checking every server file's size and SHA-256."""
+    """The manifest, after checking its own checksum and every server file's size and XXH64."""
     m = read_manifest(ckpt)
     for entry in m["files"]:
         path = os.path.join(ckpt, entry["name"])
@@ -182,11 +210,13 @@ def read_shards(ckpt: str, manifest: dict, table: str, wanted: np.ndarray) -> tu
     return (keys[0], rows[0]) if len(keys) == 1 else (np.concatenate(keys), np.concatenate(rows))
 
 
-def read_for_server(ckpt: str, manifest: dict, table: str, server: int, shard_server: np.ndarray):
-    """(keys, rows) a server owns under the placement ``shard_server``: its own file when the
-    checkpoint was written with the same layout, else the matching shards of every file."""
+def read_for_server(ckpt: str, manifest: dict, table: str, server: int, shard_server: np.ndarray,
+                    num_servers: int):
+    """(keys, rows) a server owns under the placement ``shard_server`` of ``num_servers`` servers:
+    its own file when the checkpoint was written with the same layout, else the matching shards of
+    every file (a server that owns no shard gets none)."""
     layout = manifest["layout"]
-    if layout["servers"] == shard_server.max() + 1 and layout["num_shards"] == shard_server.shape[0]:
+    if layout["servers"] == num_servers and layout["num_shards"] == shard_server.shape[0]:
         return _read(server_file(ckpt, server), table)
     return read_shards(ckpt, manifest, table, shard_server == server)
 

@@ -139,7 +139,7 @@ class Server:
         """Load this server's shards of every table (under the current placement) and the clock."""
         for table in self.tables:
             keys, rows = checkpoint.read_for_server(ckpt, manifest, table.spec.name, self.index,
-                                                    self.placement.shard_server)
+                                                    self.placement.shard_server, self.placement.num_servers)
             table.load(keys, rows)
         self.clocks[:] = manifest["clock"]
 

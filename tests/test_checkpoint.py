@@ -87,7 +87,7 @@ def test_shards_restore_onto_any_number_of_servers(tmp_path, servers):
     place = Placement(servers, 64)
     got_keys, got_rows = [], []
     for s in range(servers):
-        k, r = checkpoint.read_for_server(ckpt, m, "w", s, place.shard_server)
+        k, r = checkpoint.read_for_server(ckpt, m, "w", s, place.shard_server, place.num_servers)
         assert np.all(place.server_of(k) == s)
         got_keys.append(k)
         got_rows.append(r)
