@@ -33,13 +33,13 @@ def _waiting_cost(comm, rank: int, server: int, worker: int) -> dict | None:
     for mode in ("blocking Recv", "hpcps wait"):
         if rank == server:
             time.sleep(1.0)
-            comm.Send(buf, dest=worker, tag=99)
+            transport.send_blocking(comm, buf, worker, 99, 30)
         elif rank == worker:
             t, c = time.perf_counter(), time.process_time()
             if mode == "blocking Recv":
-                comm.Recv(buf, source=server, tag=99)
+                transport.blocking_recv_reference(comm, buf, server, 99)
             else:
-                transport.wait(transport.Pending(comm.Irecv(buf, source=server, tag=99), "x"), 30)
+                transport.recv_blocking(comm, buf, server, 99, 30)
             out[mode] = (time.process_time() - c) / (time.perf_counter() - t)
         transport.barrier(comm, 30)
     # latency: 8-byte ping-pong with blocking calls vs with the polling wait
@@ -47,17 +47,8 @@ def _waiting_cost(comm, rank: int, server: int, worker: int) -> dict | None:
         peer = worker if rank == server else server
         times = bench_mpi.pingpong(comm, 8, 200, peer)
         out["rtt_wait_us"] = float(np.median(times)) * 1e6
-        times = []
-        for _ in range(201):
-            t = time.perf_counter()
-            if rank == server:
-                comm.Send(buf, dest=peer, tag=5)
-                comm.Recv(buf, source=peer, tag=6)
-            else:
-                comm.Recv(buf, source=peer, tag=5)
-                comm.Send(buf, dest=peer, tag=6)
-            times.append(time.perf_counter() - t)
-        out["rtt_blocking_us"] = float(np.median(times[1:])) * 1e6
+        times = transport.blocking_pingpong_reference(comm, peer, rank == server, buf, 200)
+        out["rtt_blocking_us"] = float(np.median(times)) * 1e6
     return out if rank == worker else None
 
 
@@ -76,7 +67,7 @@ def run(sizes=SIZES, reps: int = 5, dim: int = 1, optimizer: str = "ftrl") -> li
             raw[n] = nbytes / (float(np.median(bench_mpi.pingpong(world, nbytes, reps, worker if rank == server else server))) / 2)
         transport.barrier(world, 60)
     waiting = _waiting_cost(world, rank, server, worker)
-    world.Free()
+    transport.free(world)
 
     # 2. the parameter server: 1 server, the first worker drives, others idle
     ctx = init(servers=1, staleness=-1, stall_timeout_s=600)

@@ -61,7 +61,7 @@ def _cmd_train(args) -> int:
             config.from_dict(raw)
         except config.ConfigError as e:
             error = str(e)
-    raw, error = world.bcast((raw, error), root=0)  # small control data
+    raw, error = transport.bcast_object(world, (raw, error), 0, 120, "broadcast of the configuration")
     if error:
         return _fail(error, rank)
     cfg = config.from_dict(raw)
@@ -164,7 +164,7 @@ def _cmd_bench_mpi(args) -> int:
             print(f"{'bytes':>10} {'one-way':>12} {'GB/s':>8}")
             for r in rows:
                 print(f"{r['bytes']:>10} {r['one_way_s'] * 1e6:>10.1f}us {r['gb_per_s']:>8.3f}")
-    comm.Free()
+    transport.free(comm)
     return 0
 
 

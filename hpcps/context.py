@@ -59,6 +59,7 @@ class Context:
         self.server_stats: dict | None = None
         self.server_stop = False   # a server reported a stop signal
         self._finalized = False
+        self._done_sent = False    # this worker told the servers it is done
         # Worker groups: one communicator per group (servers get none).
         self.group_comm = transport.split(comm, self.group, self.rank)
         # All workers together (evaluation, data checks), and all servers together (export).
@@ -123,7 +124,7 @@ class Context:
         return self._ts
 
     def _notify_servers(self, op: int) -> None:
-        self._clock_sends = [p for p in self._clock_sends if not p.request.Test()]
+        self._clock_sends = transport.completed(self._clock_sends)
         for server in range(self.layout.servers):
             msg = protocol.pack_request(op, 0, 0, self.clock_value, self.worker_index)
             self._clock_sends += transport.start_send(self.comm, msg, server, protocol.TAG_REQUEST,
@@ -190,7 +191,7 @@ class Context:
     def finish_serving(self, timeout: float | None = None) -> None:
         """Workers: finish their requests and tell the servers they are done (servers' serve()
         then returns). Called by finalize(); call it earlier to do collective work after it."""
-        if not self.is_worker or getattr(self, "_done_sent", False):
+        if not self.is_worker or self._done_sent:
             return
         timeout = self.stall_timeout_s if timeout is None else timeout
         for table in self.tables.values():
@@ -211,10 +212,8 @@ class Context:
         elif self.server_stats is None:
             self.serve()
         transport.barrier(self.comm, timeout, "finalize barrier")
-        for c in (self.group_comm, self.workers_comm, self.servers_comm):
-            if c != transport.MPI.COMM_NULL:
-                c.Free()
-        self.comm.Free()
+        for c in (self.group_comm, self.workers_comm, self.servers_comm, self.comm):
+            transport.free(c)
         self._finalized = True
 
 
@@ -238,6 +237,7 @@ def init(servers: int = 1, worker_groups: int | None = None, staleness: int = 0,
     base = comm if comm is not None else transport.world()
     layout = Layout.plan(base.Get_size(), servers, worker_groups, num_shards)
     transport.install_abort_handler()
+    transport.set_stall_warning(stall_warn_s)
     return Context(transport.dup(base), layout, staleness, num_shards, stall_warn_s, stall_timeout_s)
 
 

@@ -48,8 +48,6 @@ class ServerTable:
         self.rows = np.zeros((self.index.key_capacity, spec.width), dtype=np.float32)
         self.kind = kinit.KINDS[spec.init]
         self.state = optim.state_init(spec.optimizer, spec.dim, spec.params.get("initial_accumulator", 0.0))
-        self.pushes = 0
-        self.keys_pushed = 0
 
     @property
     def size(self) -> int:
@@ -81,8 +79,6 @@ class ServerTable:
             optim.ftrl(self.rows, slots, grads, p["alpha"], p["beta"], p["l1"], p["l2"])
         else:
             optim.adam(self.rows, slots, grads, p["lr"], p["beta1"], p["beta2"], p["eps"], p["l2"])
-        self.pushes += 1
-        self.keys_pushed += keys.shape[0]
 
     def load(self, keys: np.ndarray, rows: np.ndarray) -> None:
         """Replace the contents with ``keys`` and their rows (restoring a checkpoint)."""
@@ -265,7 +261,7 @@ class Server:
             got = transport.probe_request(self.comm, protocol.TAG_REQUEST)
             if got is None:
                 if self.sending:
-                    self.sending = [p for p in self.sending if not p.request.Test()]
+                    self.sending = transport.completed(self.sending)
                 now = time.monotonic()
                 if now - last_check > 1.0:
                     self._check_stalled_pulls(warned)

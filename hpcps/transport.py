@@ -11,10 +11,17 @@ imports mpi4py itself. Rules kept here:
   never answered.
 * An unhandled exception on any rank aborts the whole job, printing the rank and the error
   (:func:`install_abort_handler`), so that no rank waits forever for a dead peer.
+* Every wait of the library goes through here, collectives included: each takes a timeout, and
+  after the stall warning time (:func:`set_stall_warning`, ``cluster.stall_warn_s``) it warns once,
+  naming what it waits for and the ranks it waits on: the peer of a point-to-point message; for a
+  collective, the world ranks of the communicator (MPI cannot tell which of them have arrived).
+  Small control objects are broadcast pickled (:func:`bcast_object`), with the same sleeping wait.
+  Nothing above this module calls a communicator's methods (``tests/test_layers.py`` checks).
 """
 
 from __future__ import annotations
 
+import pickle
 import sys
 import threading
 import time
@@ -48,7 +55,46 @@ class StallError(RuntimeError):
 
 
 _abort_installed = False
+_stall_warn_s: float | None = 30.0  # default warn_after of the collectives (set_stall_warning)
 
+
+def set_stall_warning(seconds: float | None) -> None:
+    """Seconds after which a collective or a wait without its own ``warn_after`` warns once
+    (``None``: never). :func:`hpcps.init` sets it from ``stall_warn_s``."""
+    global _stall_warn_s
+    _stall_warn_s = seconds
+
+
+def world_ranks(comm: MPI.Comm) -> list[int]:
+    """The world ranks of ``comm``'s members, in ``comm``'s rank order."""
+    n = comm.Get_size()
+    if comm == MPI.COMM_WORLD or n == MPI.COMM_WORLD.Get_size():
+        return list(range(n))
+    group, wgroup = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        return [int(r) for r in MPI.Group.Translate_ranks(group, list(range(n)), wgroup)]
+    finally:
+        group.Free()
+        wgroup.Free()
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(map(str, ranks))
+
+
+def _collective(comm: MPI.Comm, request: MPI.Request, what: str, buffers: tuple, timeout: float | None,
+                warn_after: float | None = None) -> None:
+    """Wait for a nonblocking collective; the warning and the timeout name its members."""
+    def where() -> str:  # only computed when a warning or the timeout needs it
+        me = comm.Get_rank()
+        others = [r for i, r in enumerate(world_ranks(comm)) if i != me]
+        return (f" (a collective over {comm.Get_size()} ranks: waiting on world rank(s) {_ranks_text(others)}; "
+                f"at least one of them has not arrived)") if others else ""
+
+    wait(Pending(request, what, -1, buffers), timeout,
+         warn_after=_stall_warn_s if warn_after is None else warn_after, suffix=where)
 
 def world() -> MPI.Comm:
     """MPI.COMM_WORLD (the library itself works on duplicates of it)."""
@@ -134,6 +180,7 @@ def wait(
     *,
     warn_after: float | None = None,
     on_warn: Callable[[str], None] | None = None,
+    suffix: str | Callable[[], str] = "",
 ) -> None:
     """Wait for requests to complete without spinning a core.
 
@@ -143,6 +190,7 @@ def wait(
             requests (and peers) still outstanding.
         warn_after: seconds after which ``on_warn`` (default: print to stderr) is called once with
             the same description, while the wait goes on.
+        suffix: added to the description (who a collective waits on).
 
     Raises:
         StallError: when ``timeout`` passes first.
@@ -161,11 +209,11 @@ def wait(
         elapsed = time.perf_counter() - start
         if warn_after is not None and not warned and elapsed > warn_after:
             warned = True
-            msg = f"still waiting after {elapsed:.1f} s for {describe(todo)}"
+            msg = f"still waiting after {elapsed:.1f} s for {describe(todo)}{suffix() if callable(suffix) else suffix}"
             (on_warn or _warn)(msg)
         if timeout is not None and elapsed > timeout:
             raise StallError(
-                f"{rank_prefix()}: no answer after {timeout:g} s: {describe(todo)}"
+                f"{rank_prefix()}: no answer after {timeout:g} s: {describe(todo)}{suffix() if callable(suffix) else suffix}"
             )
         sleep = _sleep_backoff(start, sleep, spin)
 
@@ -184,9 +232,14 @@ def _warn(msg: str) -> None:
     sys.stderr.flush()
 
 
+def completed(pending: Sequence[Pending]) -> list[Pending]:
+    """The requests of ``pending`` not complete yet (tests each once; never waits)."""
+    return [p for p in pending if not p.request.Test()]
+
+
 def barrier(comm: MPI.Comm, timeout: float | None = None, what: str = "barrier") -> None:
     """A barrier that sleeps while it waits (see :func:`wait`)."""
-    wait(Pending(comm.Ibarrier(), what), timeout)
+    _collective(comm, comm.Ibarrier(), what, (), timeout)
 
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
@@ -203,10 +256,10 @@ def allreduce(
         flat_in, flat_out = send.reshape(-1), out.reshape(-1)
         step = MAX_MESSAGE_BYTES // send.itemsize
         for lo in range(0, flat_in.size, step):
-            wait(Pending(comm.Iallreduce(flat_in[lo:lo + step], flat_out[lo:lo + step], _OPS[op]),
-                         what, buffers=(flat_in, flat_out)), timeout)
+            _collective(comm, comm.Iallreduce(flat_in[lo:lo + step], flat_out[lo:lo + step], _OPS[op]),
+                        what, (flat_in, flat_out), timeout)
         return out
-    wait(Pending(comm.Iallreduce(send, out, _OPS[op]), what, buffers=(send, out)), timeout)
+    _collective(comm, comm.Iallreduce(send, out, _OPS[op]), what, (send, out), timeout)
     return out
 
 
@@ -293,14 +346,30 @@ def bcast(comm: MPI.Comm, array: np.ndarray, root: int = 0, timeout: float | Non
           what: str = "broadcast") -> None:
     """Broadcast a contiguous NumPy array in place while sleeping between polls."""
     for c in _chunks(array):
-        wait(Pending(comm.Ibcast(c, root=root), what, root, (array, c)), timeout)
+        _collective(comm, comm.Ibcast(c, root=root), what, (array, c), timeout)
+
+
+def bcast_object(comm: MPI.Comm, obj=None, root: int = 0, timeout: float | None = None,
+                 what: str = "broadcast") -> object:
+    """Broadcast a small picklable control object from ``root`` (returned on every rank), with
+    the sleeping wait and the timeout of :func:`bcast`. Never for hot-path data."""
+    size = np.zeros(1, dtype=np.int64)
+    payload = None
+    if comm.Get_rank() == root:
+        payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8).copy()
+        size[0] = payload.size
+    bcast(comm, size, root, timeout, what + " (size)")
+    if comm.Get_rank() != root:
+        payload = np.empty(int(size[0]), dtype=np.uint8)
+    bcast(comm, payload, root, timeout, what)
+    return obj if comm.Get_rank() == root else pickle.loads(payload.tobytes())
 
 
 def allgather_int(comm: MPI.Comm, value: int, timeout: float | None = None, what: str = "allgather") -> np.ndarray:
     """Every rank's ``value`` (int64 array of comm size)."""
     send = np.array([value], dtype=np.int64)
     out = np.empty(comm.Get_size(), dtype=np.int64)
-    wait(Pending(comm.Iallgather(send, out), what, buffers=(send, out)), timeout)
+    _collective(comm, comm.Iallgather(send, out), what, (send, out), timeout)
     return out
 
 
@@ -313,9 +382,9 @@ def gatherv(comm: MPI.Comm, array: np.ndarray, counts: np.ndarray, root: int = 0
         displ = np.zeros_like(counts)
         displ[1:] = np.cumsum(counts)[:-1]
         req = comm.Igatherv(array, [out, counts, displ, _mpi_type(array.dtype)], root=root)
-        wait(Pending(req, what, buffers=(array, out, counts, displ)), timeout)
+        _collective(comm, req, what, (array, out, counts, displ), timeout)
         return out
-    wait(Pending(comm.Igatherv(array, None, root=root), what, root, (array,)), timeout)
+    _collective(comm, comm.Igatherv(array, None, root=root), what, (array,), timeout)
     return None
 
 
@@ -334,6 +403,45 @@ def dup(comm: MPI.Comm | None = None) -> MPI.Comm:
     return (comm or MPI.COMM_WORLD).Dup()
 
 
+def free(comm: MPI.Comm) -> None:
+    """Free a communicator made by :func:`split` or :func:`dup` (``COMM_NULL`` is ignored)."""
+    if comm != MPI.COMM_NULL:
+        comm.Free()
+
+
+def blocking_pingpong_reference(comm: MPI.Comm, peer: int, first: bool, buf: np.ndarray, reps: int) -> list[float]:
+    """Round-trip times of ``reps`` ping-pongs with MPI's *blocking* Send/Recv: the reference the
+    PS benchmark compares the sleeping wait against (spins a core; benchmarks only)."""
+    times = []
+    for _ in range(reps + 1):
+        t = time.perf_counter()
+        if first:
+            comm.Send(buf, dest=peer, tag=5)
+            comm.Recv(buf, source=peer, tag=6)
+        else:
+            comm.Recv(buf, source=peer, tag=5)
+            comm.Send(buf, dest=peer, tag=6)
+        times.append(time.perf_counter() - t)
+    return times[1:]
+
+
+def blocking_recv_reference(comm: MPI.Comm, buf: np.ndarray, source: int, tag: int) -> None:
+    """MPI's blocking Recv (spins a core while it waits): a benchmark reference only."""
+    comm.Recv(buf, source=source, tag=tag)
+
+
+def send_blocking(comm: MPI.Comm, buf: np.ndarray, dest: int, tag: int, timeout: float | None = None,
+                  what: str = "send") -> None:
+    """Send a small array and wait (sleeping) until it is sent."""
+    wait(start_send(comm, buf, dest, tag, what), timeout)
+
+
+def recv_blocking(comm: MPI.Comm, buf: np.ndarray, source: int, tag: int, timeout: float | None = None,
+                  what: str = "receive") -> None:
+    """Receive into ``buf`` and wait (sleeping) until it has arrived."""
+    wait(start_recv(comm, buf, source, tag, what), timeout)
+
+
 def agree(comm: MPI.Comm, value: int, timeout: float | None = None, what: str = "agreement") -> bool:
     """Collective: True on every rank if every rank passed the same integer ``value``."""
     v = np.array([value, -value], dtype=np.int64)
@@ -350,5 +458,10 @@ def all_ok(comm: MPI.Comm, error: str | None, timeout: float | None = None, what
     bad = allreduce(comm, np.array([0 if error is None else 1], dtype=np.int64), "sum", timeout, what)
     if bad[0] == 0:
         return []
-    # every rank is here, so this small pickled allgather cannot hang
-    return [f"rank {r}: {e}" for r, e in enumerate(comm.allgather(error)) if e is not None]
+    # every rank is here, so each rank's message is broadcast in turn from the failing ranks
+    flags = allgather_int(comm, 0 if error is None else 1, timeout, what)
+    out = []
+    for r in np.flatnonzero(flags):
+        message = bcast_object(comm, error, int(r), timeout, what)
+        out.append(f"rank {r}: {message}")
+    return out

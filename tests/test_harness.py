@@ -155,3 +155,45 @@ def test_wait_timeout_names_the_peer_that_never_answered():
         comm.Recv(np.zeros(1), source=0, tag=8)
         comm.Send(np.full(1, 42.0), dest=0, tag=7)
     comm.Free()
+
+
+def test_a_stalled_collective_warns_naming_the_ranks_and_times_out(tmp_path):
+    """Collectives go through the transport: a warning names the world ranks the collective waits
+    on, the timeout says the same, and waiting does not spin a core."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import sys, time
+        import numpy as np
+        from mpi4py import MPI
+        from hpcps import transport
+        transport.install_abort_handler()
+        transport.set_stall_warning(0.5)
+        comm = transport.dup()
+        sub = transport.split(comm, 0 if comm.Get_rank() != 1 else -1, comm.Get_rank())  # world ranks 0 and 2
+        if comm.Get_rank() == 0:
+            cpu = time.process_time()
+            try:
+                transport.allreduce(sub, np.ones(1), timeout=2.0, what="allreduce of the test")
+            except transport.StallError as e:
+                print("STALL:", e, flush=True)
+            print(f"CPU {time.process_time() - cpu:.3f}", flush=True)
+            obj = transport.bcast_object(comm, {"a": [1, 2]}, 0, 30, "broadcast of the test")
+        else:
+            if comm.Get_rank() == 2:
+                time.sleep(4)   # joins the sub-communicator's allreduce late
+                transport.allreduce(sub, np.ones(1), timeout=30)
+            obj = transport.bcast_object(comm, None, 0, 30, "broadcast of the test")
+        assert obj == {"a": [1, 2]}, obj
+        errors = transport.all_ok(comm, "bad rank" if comm.Get_rank() == 2 else None, 30)
+        assert errors == ["rank 2: bad rank"], errors
+        print("DONE", comm.Get_rank(), flush=True)
+    """))
+    proc, elapsed, out = launch(tmp_path, 3, [str(script)])
+    assert proc.returncode == 0, out
+    warning = next((ln for ln in out.splitlines() if "rank 0/3: warning: still waiting" in ln), "")
+    assert warning.startswith("hpcps: rank 0/3: warning: still waiting after 0.") and \
+        "for allreduce of the test (a collective over 2 ranks: waiting on world rank(s) 2;" in warning, out
+    assert "STALL:" in out and "no answer after 2 s: allreduce of the test" in out, out
+    cpu = float(out.split("CPU ")[1].split()[0])
+    assert cpu < 0.5, out  # 2 s of waiting, a small fraction of a core
+    assert out.count("DONE") == 3

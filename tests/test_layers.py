@@ -58,3 +58,30 @@ def test_only_transport_imports_mpi4py_and_kernels_import_no_hpcps():
             assert not any(i == "mpi4py" or i.startswith("mpi4py.") for i in imps), mod
         if mod.startswith("hpcps_kernels."):
             assert not any(i == "hpcps" or i.startswith("hpcps.") for i in imps), mod
+
+
+# Methods of mpi4py communicators and requests that communicate or wait. Outside the transport
+# module none may be called: every wait goes through hpcps.transport, with a timeout, a stall
+# warning and no spinning (Get_rank and Get_size ask nothing of other ranks and are allowed).
+_CAPITALISED = ("Send", "Recv", "Isend", "Irecv", "Sendrecv", "Bcast", "Gather", "Gatherv", "Scatter",
+                "Allgather", "Allreduce", "Reduce", "Barrier", "Alltoall", "Probe", "Iprobe", "Mprobe", "Improbe",
+                "Test", "Wait", "Waitall", "Testall", "Waitany", "Split", "Dup", "Free", "Abort", "Ibarrier",
+                "Iallreduce", "Ibcast", "Igatherv", "Iallgather", "Start")
+# mpi4py's pickling methods (lower case); "split", "free" and the like are left out, as str.split is no MPI
+_PICKLING = ("send", "recv", "isend", "irecv", "sendrecv", "bcast", "gather", "scatter", "allgather", "allreduce",
+             "barrier", "alltoall", "probe", "iprobe", "mprobe", "improbe")
+MPI_CALLS = set(_CAPITALISED) | set(_PICKLING)
+
+
+def test_no_communicator_method_is_called_outside_the_transport():
+    bad = []
+    for mod, path, _ in modules():
+        if mod == "hpcps.transport" or mod.startswith("hpcps_kernels."):
+            continue
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MPI_CALLS:
+                owner = ast.unparse(node.func.value)
+                if owner == "transport":
+                    continue
+                bad.append(f"{mod}:{node.lineno}: {owner}.{node.func.attr}(...)")
+    assert not bad, "communicator calls outside hpcps/transport.py:\n" + "\n".join(bad)

@@ -64,7 +64,8 @@ def resolve_resume(cfg, comm) -> tuple[str, dict] | None:
         if found and found[1].get("model_fingerprint") != cfg.model_fingerprint():
             error = (f"{found[0]} was written for another model, optimizer or key space "
                      f"(model fingerprint {found[1].get('model_fingerprint')} != {cfg.model_fingerprint()})")
-    found, error = comm.bcast((found, error), root=0)  # small control data
+    found, error = transport.bcast_object(comm, (found, error), 0, cfg.cluster.stall_timeout_s,
+                                          "broadcast of the checkpoint to resume")
     if error:
         raise TrainError(f"cannot resume: {error}")
     return found
@@ -84,8 +85,7 @@ def resolve_data(cfg, comm) -> tuple[dict, dict | None]:
         info = {"train": s.files["train_libsvm"], "test": s.files["test_libsvm"],
                 "best_test_logloss": float(s.best_test_logloss), "best_test_auc": float(s.best_test_auc),
                 "dir": out}
-    transport.barrier(comm, timeout=cfg.cluster.stall_timeout_s, what="synthetic data generation")
-    info = comm.bcast(info, root=0)  # small control data
+    info = transport.bcast_object(comm, info, 0, cfg.cluster.stall_timeout_s, "broadcast of the synthetic data's paths")
     return {"train": info["train"], "test": info["test"]}, info
 
 
