@@ -126,8 +126,6 @@ class SparseTable:
         min_clock = None
         for _, reply in req.parts:
             h = reply[:protocol.REPLY_BYTES].view(np.int64)
-            if h[1] & protocol.ERROR:
-                raise RuntimeError(f"server {h[3]} rejected a {protocol.OP_NAMES[req.op]} of table {self.name!r}")
             if h[1] & protocol.STOP:
                 ctx.server_stop = True
             min_clock = int(h[2]) if min_clock is None else min(min_clock, int(h[2]))

@@ -45,8 +45,8 @@ class Cluster:
 class Data:
     train: str = ""                  # training file (libsvm or Criteo TSV); "" = generate (see [synth])
     test: str = ""                   # held-out file for evaluation
-    format: str = "auto"             # libsvm | criteo | auto (criteo for .tsv/.txt with tabs)
-    hash_bits: int = 24              # Criteo keys are reduced to this many bits
+    format: str = "auto"             # libsvm | criteo | auto (criteo if the first line has a tab)
+    hash_bits: int = 24              # keys are masked to this many bits (Criteo hashes; libsvm indices)
     skip_bad_lines: bool = False     # count and skip malformed lines instead of stopping
     cache_dir: str = ""              # binary cache of parsed data ("" = none)
     predict: str = ""                # after training, score this file ...

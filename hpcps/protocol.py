@@ -10,7 +10,9 @@ pickling. Requests are split by the client so that no message exceeds 2 GiB.
 Request header: ``[op, table, req_id, n, clock, worker, 0, 0]``.
 Reply header:   ``[req_id, status, min_clock, server]`` — ``min_clock`` is the smallest clock of
 all workers that the server knew when it answered (the staleness a pull observed is
-``clock - min_clock``); ``status`` bits: ``ERROR``, ``STOP`` (the server got a stop signal).
+``clock - min_clock``); ``status`` bit ``STOP``: the server got a stop signal. There is no error
+status: a server that fails aborts the whole job (``hpcps.transport.install_abort_handler``), so no
+worker waits for an answer that will not come.
 A checkpoint request carries the directory's path in its key area; its reply carries the size
 and checksum of the file the server wrote.
 """
@@ -28,7 +30,6 @@ REPLY_BYTES = 8 * REPLY_WORDS
 TAG_REQUEST = 1
 TAG_REPLY_BASE = 16
 OK = 0
-ERROR = 1        # status bit: the request failed
 STOP = 2         # status bit: this server received a stop signal (SIGUSR1/SIGTERM)
 CHECKPOINT_REPLY = 8 + 64   # file size (int64) + the file's checksum in hex (zero-padded)
 
