@@ -21,7 +21,7 @@ import time
 import numpy as np
 from numba import njit
 
-from . import hashing, hashtable, keys, metrics, models, optim, parse
+from . import hashing, hashtable, init, keys, metrics, models, optim, parse, textgen
 from . import reference as ref
 
 ROOF_BYTES = 512 << 20
@@ -340,13 +340,47 @@ def warmup() -> None:
     ki.lookup_or_insert(np.arange(100, dtype=np.uint64))
     hashtable.KeyIndex.from_keys(np.arange(10, dtype=np.uint64))
     hashing.feature_key(1, b"x")
-    hashing.xxh64_words(np.zeros(5, np.uint64), np.zeros(3, np.uint8), np.uint64(0))
-    parse.parse_libsvm(b"1 1:1\n")
+    # parsing, as the data loader calls it: on writable buffers (a bytearray's view)
+    text = np.frombuffer(bytearray(b"1 1:1\n"), dtype=np.uint8)
+    parse.parse_libsvm(text)
+    parse.parse_libsvm(text, binary=True)
     parse.count_byte(np.zeros(3, np.uint8), 10)
     parse.append_feature(indptr, idx, vals, np.uint64(1), np.float32(1.0))
-    parse.parse_criteo(b"1" + b"\t" * 39 + b"\n")
-    metrics.auc(labels, labels.astype(np.float64))
-    metrics.logloss(labels, labels.astype(np.float64))
+    parse.parse_criteo(np.frombuffer(bytearray(b"1" + b"\t" * 39 + b"\n"), dtype=np.uint8), bits=24)
+    hashing.xxh64(np.zeros(40, np.uint8), 0, 40, np.uint64(0))
+    hashing.xxh64_words(np.zeros(5, np.uint64), np.zeros(3, np.uint8), np.uint64(0))
+    hashing.xxh64_words(np.frombuffer(bytes(40), np.uint64), np.frombuffer(bytes(3), np.uint8), np.uint64(0))  # mmap
+    # metrics, as evaluation calls them (float64 labels and margins)
+    y = labels.astype(np.float64)
+    metrics.auc(labels, y)
+    metrics.auc(y, y)
+    metrics.logloss(labels, y)
+    metrics.logloss(y, y)
+    # the server: placement, row initialisation, pulls; the client's row scatter/gather
+    k8 = np.arange(8, dtype=np.uint64)
+    sl8 = np.arange(8, dtype=np.int64)
+    table = np.zeros(64, dtype=np.int64)
+    hashing.shard_of(k8, 64)
+    keys.group_by(hashing.server_of(k8, 64, table), 1)
+    for kind in range(3):
+        init.init_values(k8, 1, kind, 0.01, 0, np.empty((8, 1), np.float32))
+        init.pull_rows(np.zeros((8, 3), np.float32), sl8, k8, 1, kind, 0.01, 0, np.empty((8, 1), np.float32))
+        init.create_rows(np.zeros((8, 3), np.float32), sl8, k8, 0, 1, kind, 0.01, 0, np.zeros(2, np.float32))
+    keys.gather_rows(np.zeros((8, 2), np.float32), sl8)
+    keys.scatter_rows(np.zeros((8, 2), np.float32), sl8, np.zeros((8, 2), np.float32))
+    keys.radix_argsort(k8.copy())
+    # the synthetic data generator
+    ints = np.zeros((2, 13), np.int64)
+    cats = np.zeros((2, 26), np.int64)
+    present = np.ones((2, 39), np.bool_)
+    kk = textgen.criteo_keys(ints, cats, present, np.uint64(2**24 - 1))
+    out = np.empty(4096, np.uint8)
+    textgen.write_libsvm(labels[:2].copy(), kk, present, 0, out)
+    textgen.write_vw(labels[:2].copy(), kk, present, out)
+    textgen.write_criteo(labels[:2].copy(), ints, cats, present, out)
+    # the profiler's own hashing benchmark
+    tokens = np.frombuffer(bytearray(b"abcdef"), dtype=np.uint8)
+    hashing.hash_tokens(tokens, np.array([0, 3], np.int64), np.array([3, 6], np.int64), np.array([0, 1], np.uint64))
 
 
 def _fmt(r, roof) -> str:

@@ -1,0 +1,82 @@
+"""``python -m hpcps_kernels warmup`` is complete: after it, a job's usual work compiles nothing.
+
+Run in a fresh process: warm up, list every kernel's compiled signatures, do what a training job,
+the data generator, evaluation and the server do on small inputs, and list them again.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent("""
+    import importlib, json, pkgutil, sys, tempfile
+    import numpy as np
+    import hpcps_kernels
+    from numba.core.registry import CPUDispatcher
+    from hpcps_kernels import profiler
+
+    def signatures():
+        out = {}
+        for m in pkgutil.iter_modules(hpcps_kernels.__path__):
+            if m.name in ("profiler", "reference", "__main__"):
+                continue
+            mod = importlib.import_module(f"hpcps_kernels.{m.name}")
+            for name, obj in vars(mod).items():
+                if isinstance(obj, CPUDispatcher) and obj.__module__ == mod.__name__ \\
+                        and obj.targetoptions.get("inline") != "always":
+                    out[f"{m.name}.{name}"] = sorted(map(str, obj.signatures))
+        return out
+
+    profiler.warmup()
+    before = signatures()
+    missing = sorted(k for k, v in before.items() if not v)
+
+    from hpcps.checkpoint import checksum
+    from hpcps.placement import Placement
+    from hpcps.server import ServerTable
+    from hpcps.tables import OPTIMIZER_PARAMS, TableSpec
+    from hpcps.train import data, model_file, synth
+    from hpcps.train.models import margins_from_params
+    from hpcps_kernels import keys as kkeys, metrics
+
+    d = tempfile.mkdtemp()
+    info = synth.generate(d, 300, 100, 39, True, 1, 24, formats=("libsvm", "criteo", "vw"))
+    synth.ratings(d + "/r", 200, 50)
+    parts = [data.load_part(info.files["train_libsvm"], 0, 2, binary=True),
+             data.load_part(info.files["train_libsvm"], 1, 2),
+             data.load_part(info.files["train_criteo"], 0, 1, hash_bits=20, binary=True)]
+    place = Placement(3, 64)
+    for ds in parts:
+        b = ds.batch(0, 64)
+        uniq, pos = kkeys.unique_keys(b.indices)
+        place.server_of(uniq); place.shard_of(uniq); place.slice(uniq)
+        for opt in OPTIMIZER_PARAMS:
+            for init, dim in (("zeros", 1), ("normal", 3)):
+                t = ServerTable(TableSpec("w", dim, opt, {}, init, 0.01, 0))
+                out = np.empty((uniq.size, dim), np.float32)
+                t.pull(uniq, out)
+                t.push(uniq, np.ones((uniq.size, dim), np.float32))
+                t.pull(uniq, out)
+                k, r = t.items()
+                t.load(k.copy(), r.copy())
+        kind = "lr"
+        m = margins_from_params(kind, b, pos, np.zeros((uniq.size, 1), np.float32), "logistic")
+        metrics.logloss(b.labels.astype(np.float64), m); metrics.auc(b.labels.astype(np.float64), m)
+        model_file.write(d + "/m.h5", uniq, np.ones((uniq.size, 1), np.float32),
+                         {"model": "lr", "loss": "logistic", "dim": 1, "init": "zeros", "init_scale": 0.01, "seed": 0})
+        model_file.ServingModel(d + "/m.h5").pull(uniq)
+        checksum(d + "/m.h5")
+    after = signatures()
+    added = {k: sorted(set(v) - set(before.get(k, []))) for k, v in after.items() if set(v) - set(before.get(k, []))}
+    print(json.dumps({"never_compiled": missing, "compiled_after_warmup": added}))
+""")
+
+
+def test_warmup_compiles_every_kernel_a_job_uses(tmp_path):
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == {"never_compiled": [], "compiled_after_warmup": {}}, result
