@@ -5,15 +5,16 @@ Layout, chosen for bytes per key and for few cache misses:
 * ``keys``: uint64, dense by slot — ``keys[s]`` is the key stored at slot ``s``. Slots are handed
   out in insertion order 0, 1, 2, ..., so a table's values and optimizer state live in arrays
   indexed by slot too and never move when the index grows.
-* ``index``: uint32 entries, capacity a power of two, ``EMPTY`` = 0xFFFFFFFF; linear probing from
+* ``index``: uint32 entries, capacity a power of two, empty = all bits set; linear probing from
   ``mix64(key)`` (a bijection, so small sequential keys spread). An entry packs the slot (27 bits)
   and a 5-bit tag from the key's hash, so a probe reads ``keys[slot]`` only when the tags agree
   (1 time in 32 for another key). The index costs ``4 / load`` bytes per key (5.3 to 10.7 at the
   load factors kept here) on top of the 8-byte key that the payload holds anyway.
+* Past ``NARROW_MAX_KEYS`` = 2**27 - 1 (134 M) keys the index is rebuilt once with uint64 entries
+  (a 48-bit slot and a 16-bit tag), so an index holds as many keys as memory allows (up to
+  ``MAX_KEYS`` = 2**48 - 1); only such huge indexes pay 8 bytes per entry.
 
-Any uint64 is a valid key (2**64 - 1 too). At most ``MAX_KEYS`` = 2**27 - 1 (134 M) keys per index:
-servers keep one index per virtual shard, so a table holds that many keys per shard. No deletion:
-eviction rebuilds a shard.
+Any uint64 is a valid key (2**64 - 1 too). No deletion: eviction rebuilds an index.
 
 Probes prefetch the index entry of the query ``2 * AHEAD`` ahead and the key of the one ``AHEAD``
 ahead, so the cache misses of successive queries overlap instead of queueing (1.5x here).
@@ -29,45 +30,56 @@ from numba import njit
 from ._prefetch import prefetch
 from .hashing import mix64
 
-EMPTY = np.uint32(0xFFFFFFFF)
-TAG_BITS = 5
-TAG_MASK = np.uint32((1 << TAG_BITS) - 1)
-MAX_KEYS = 2**27 - 1
+EMPTY = np.uint32(0xFFFFFFFF)            # an empty narrow entry
+TAG_BITS = 5                             # narrow entries: uint32 = 27-bit slot | 5-bit tag
+NARROW_MAX_KEYS = 2**27 - 1
+WIDE_EMPTY = np.uint64(2**64 - 1)        # an empty wide entry
+WIDE_TAG_BITS = 16                       # wide entries: uint64 = 48-bit slot | 16-bit tag
+MAX_KEYS = 2**48 - 1
 MAX_LOAD = 0.75
 AHEAD = 16  # prefetch distance, in queries
 
-
-@njit(inline="always")
-def _tag(h):
-    return np.uint32(h >> np.uint64(64 - TAG_BITS))
+# The kernels below serve both entry widths: numba compiles them once per index dtype; the tag
+# width comes as an argument (``tag_bits``) and the empty value is all bits set in either.
 
 
 @njit(inline="always")
-def _entry(slot, tag):
-    return np.uint32((np.uint32(slot) << np.uint32(TAG_BITS)) | tag)
+def _tag(h, tag_bits):
+    return h >> np.uint64(64 - tag_bits)
 
 
 @njit(inline="always")
-def _slot(e):
-    return np.int64(e >> np.uint32(TAG_BITS))
+def _entry(slot, tag, tag_bits):
+    return (np.uint64(slot) << np.uint64(tag_bits)) | tag
 
 
 @njit(inline="always")
-def _probe(index, keys, k, tag, j, mask):
+def _slot(e, tag_bits):
+    return np.int64(np.uint64(e) >> np.uint64(tag_bits))
+
+
+@njit(inline="always")
+def _is_empty(e):
+    return ~e == 0
+
+
+@njit(inline="always")
+def _probe(index, keys, k, tag, j, mask, tag_bits):
     """Linear probe for ``k`` from position ``j``: (slot or -1, position where the probe ended)."""
+    tag_mask = (np.uint64(1) << np.uint64(tag_bits)) - np.uint64(1)
     while True:
         e = index[j]
-        if e == EMPTY:
+        if _is_empty(e):
             return np.int64(-1), j
-        if (e & TAG_MASK) == tag:
-            s = _slot(e)
+        if (np.uint64(e) & tag_mask) == tag:
+            s = _slot(e, tag_bits)
             if keys[s] == k:
                 return s, j
         j = (j + np.uint64(1)) & mask
 
 
 @njit(cache=True)
-def lookup(index, keys, queries, out):
+def lookup(index, keys, queries, out, tag_bits):
     """``out[i]`` = the slot of ``queries[i]``, or -1 if absent."""
     mask = np.uint64(index.shape[0] - 1)
     n = queries.shape[0]
@@ -82,14 +94,14 @@ def lookup(index, keys, queries, out):
             prefetch(index, hashes[i + 2 * AHEAD] & mask)
         if i + AHEAD < n:
             e = index[hashes[i + AHEAD] & mask]
-            if e != EMPTY:
-                prefetch(keys, _slot(e))
+            if not _is_empty(e):
+                prefetch(keys, _slot(e, tag_bits))
         h = hashes[i]
-        out[i] = _probe(index, keys, queries[i], _tag(h), h & mask, mask)[0]
+        out[i] = _probe(index, keys, queries[i], _tag(h, tag_bits), h & mask, mask, tag_bits)[0]
 
 
 @njit(cache=True)
-def lookup_or_insert(index, keys, size, queries, out, start, limit):
+def lookup_or_insert(index, keys, size, queries, out, start, limit, tag_bits):
     """Slots of ``queries[start:]``, inserting absent keys at slots ``size, size+1, ...``.
 
     Stops before an insertion would make ``size`` exceed ``limit`` (the caller's room: the key
@@ -110,18 +122,18 @@ def lookup_or_insert(index, keys, size, queries, out, start, limit):
             prefetch(index, hashes[i + 2 * AHEAD] & mask)
         if i + AHEAD < n:
             e = index[hashes[i + AHEAD] & mask]
-            if e != EMPTY:
-                prefetch(keys, _slot(e))
+            if not _is_empty(e):
+                prefetch(keys, _slot(e, tag_bits))
         k = queries[i]
         h = hashes[i]
-        tag = _tag(h)
-        s, j = _probe(index, keys, k, tag, h & mask, mask)
+        tag = _tag(h, tag_bits)
+        s, j = _probe(index, keys, k, tag, h & mask, mask, tag_bits)
         if s >= 0:
             out[i] = s
             continue
         if size >= limit:
             return size, i
-        index[j] = _entry(size, tag)
+        index[j] = _entry(size, tag, tag_bits)
         keys[size] = k
         out[i] = size
         size += 1
@@ -129,15 +141,15 @@ def lookup_or_insert(index, keys, size, queries, out, start, limit):
 
 
 @njit(cache=True)
-def build_index(keys, size, index):
+def build_index(keys, size, index, tag_bits):
     """Fill the empty ``index`` with slots 0..size-1 of ``keys`` (growth, or loading a shard)."""
     mask = np.uint64(index.shape[0] - 1)
     for s in range(size):
         h = mix64(keys[s])
         j = h & mask
-        while index[j] != EMPTY:
+        while not _is_empty(index[j]):
             j = (j + np.uint64(1)) & mask
-        index[j] = _entry(s, _tag(h))
+        index[j] = _entry(s, _tag(h, tag_bits), tag_bits)
 
 
 def index_capacity(n: int) -> int:
@@ -148,35 +160,48 @@ def index_capacity(n: int) -> int:
     return cap
 
 
+def entry_format(n: int) -> tuple[type, int]:
+    """(entry dtype, tag bits) of an index that must address ``n`` keys."""
+    if n > MAX_KEYS:
+        raise OverflowError(f"a KeyIndex holds at most {MAX_KEYS} keys, asked for {n}")
+    return (np.uint32, TAG_BITS) if n <= NARROW_MAX_KEYS else (np.uint64, WIDE_TAG_BITS)
+
+
 class KeyIndex:
     """A growable uint64 → slot index. ``keys[:size]`` are the keys in slot order."""
 
     def __init__(self, capacity: int = 16):
         capacity = max(int(capacity), 1)
-        self.index = np.full(index_capacity(capacity), EMPTY, dtype=np.uint32)
+        dtype, self.tag_bits = entry_format(capacity)
+        self.index = np.full(index_capacity(capacity), np.iinfo(dtype).max, dtype=dtype)
         self.keys = np.zeros(capacity, dtype=np.uint64)
         self.size = 0
 
     @classmethod
     def from_keys(cls, keys: np.ndarray) -> "KeyIndex":
         """An index whose slot ``s`` holds ``keys[s]`` (keys must be unique)."""
-        if len(keys) > MAX_KEYS:
-            raise OverflowError(f"a KeyIndex holds at most {MAX_KEYS} keys, got {len(keys)}")
+        entry_format(len(keys))
         self = cls(max(len(keys), 1))
         self.keys[: len(keys)] = keys
         self.size = len(keys)
-        build_index(self.keys, self.size, self.index)
+        build_index(self.keys, self.size, self.index, self.tag_bits)
         return self
+
+    @property
+    def wide(self) -> bool:
+        return self.index.dtype == np.uint64
 
     def reserve(self, n: int) -> bool:
         """Make room for ``n`` keys in all; returns True if the key array was reallocated (a
         table holding values by slot then grows its own arrays to ``key_capacity``)."""
-        if n > MAX_KEYS:
-            raise OverflowError(f"a KeyIndex holds at most {MAX_KEYS} keys, asked for {n}")
+        dtype, tag_bits = entry_format(n)
+        if dtype is np.uint32 and self.wide:
+            dtype, tag_bits = np.uint64, WIDE_TAG_BITS  # never narrows again
         cap = index_capacity(n)
-        if cap > self.index.shape[0]:
-            self.index = np.full(cap, EMPTY, dtype=np.uint32)
-            build_index(self.keys, self.size, self.index)
+        if cap > self.index.shape[0] or dtype != self.index.dtype:
+            self.index = np.full(max(cap, self.index.shape[0]), np.iinfo(dtype).max, dtype=dtype)
+            self.tag_bits = tag_bits
+            build_index(self.keys, self.size, self.index, self.tag_bits)
         if n > self.keys.shape[0]:
             keys = np.zeros(min(max(n, int(self.keys.shape[0] * 1.5)), MAX_KEYS), dtype=np.uint64)
             keys[: self.size] = self.keys[: self.size]
@@ -186,7 +211,7 @@ class KeyIndex:
 
     def lookup(self, queries: np.ndarray) -> np.ndarray:
         out = np.empty(queries.shape[0], dtype=np.int64)
-        lookup(self.index, self.keys, queries, out)
+        lookup(self.index, self.keys, queries, out, self.tag_bits)
         return out
 
     def lookup_or_insert(self, queries: np.ndarray) -> np.ndarray:
@@ -194,8 +219,10 @@ class KeyIndex:
         out = np.empty(queries.shape[0], dtype=np.int64)
         done = 0
         while True:
-            limit = min(self.keys.shape[0], int(MAX_LOAD * self.index.shape[0]))
-            size, done = lookup_or_insert(self.index, self.keys, self.size, queries, out, done, limit)
+            limit = min(self.keys.shape[0], int(MAX_LOAD * self.index.shape[0]),
+                        NARROW_MAX_KEYS if not self.wide else MAX_KEYS)
+            size, done = lookup_or_insert(self.index, self.keys, self.size, queries, out, done, limit,
+                                          self.tag_bits)
             self.size = int(size)
             if done == queries.shape[0]:
                 return out

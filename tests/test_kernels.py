@@ -416,3 +416,37 @@ def test_nothing_is_compiled_at_import():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     n, compiled = map(int, out.stdout.split())
     assert n > 30 and compiled == 0
+
+
+# -- capacity: an index is not capped at 2**27 keys --------------------------------------------------
+
+def test_entry_format_widens_past_the_narrow_limit_without_allocating():
+    assert hashtable.entry_format(hashtable.NARROW_MAX_KEYS) == (np.uint32, hashtable.TAG_BITS)
+    assert hashtable.entry_format(hashtable.NARROW_MAX_KEYS + 1) == (np.uint64, hashtable.WIDE_TAG_BITS)
+    assert hashtable.entry_format(10**12)[0] is np.uint64  # a trillion keys: memory is the limit
+    with pytest.raises(OverflowError):
+        hashtable.entry_format(hashtable.MAX_KEYS + 1)
+    with pytest.raises(OverflowError):  # refused before anything is allocated
+        hashtable.KeyIndex().reserve(2**60)
+
+
+@pytest.mark.parametrize("how", ["insert", "from_keys"])
+def test_index_widens_its_entries_and_keeps_every_key(monkeypatch, how):
+    """The narrow limit lowered to 1000 keys: the same code path as at 2**27, on small arrays."""
+    monkeypatch.setattr(hashtable, "NARROW_MAX_KEYS", 1000)
+    keys = np.random.default_rng(3).integers(0, 2**64 - 1, 5000, dtype=np.uint64, endpoint=True)
+    keys = np.unique(keys)
+    rng = np.random.default_rng(4)
+    if how == "insert":
+        idx = hashtable.KeyIndex()
+        slots = np.concatenate([idx.lookup_or_insert(part) for part in np.array_split(keys, 7)])
+        np.testing.assert_array_equal(slots, np.arange(keys.size))  # slots in insertion order
+    else:
+        idx = hashtable.KeyIndex.from_keys(keys)
+    assert idx.wide and idx.index.dtype == np.uint64 and idx.size == keys.size
+    probe = np.concatenate([keys, rng.integers(0, 2**64 - 1, 3000, dtype=np.uint64, endpoint=True)])
+    expect = {int(k): s for s, k in enumerate(keys)}
+    got = idx.lookup(probe)
+    np.testing.assert_array_equal(got, [expect.get(int(k), -1) for k in probe])
+    again = idx.lookup_or_insert(keys[::-1].copy())  # nothing new
+    np.testing.assert_array_equal(again, np.arange(keys.size)[::-1])
