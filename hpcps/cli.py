@@ -4,6 +4,7 @@
     hpcps eval --model MODEL.h5 --data FILE
     hpcps predict --model MODEL.h5 --data FILE --out SCORES
     hpcps gen-data OUT_DIR [--rows N] [--test-rows N] [--interactions] [--ratings]
+    hpcps supervise [--max-restarts N] -- mpiexec -n 4 hpcps train [CONFIG.toml] ...
     mpiexec -n 2 hpcps bench {mpi,ps}
 
 ``train`` is collective: every rank parses its own command line and the ranks check they were
@@ -253,6 +254,16 @@ def _cmd_bench_checkpoint(args) -> int:
     return 0
 
 
+def _cmd_supervise(args) -> int:
+    from hpcps import supervise
+
+    command = args.command_line[1:] if args.command_line[:1] == ["--"] else args.command_line
+    if not command:
+        return _fail("hpcps supervise needs the job's command after --, e.g. "
+                     "hpcps supervise -- mpiexec -n 4 hpcps train run.toml")
+    return supervise.run(command, args.max_restarts, args.backoff, args.backoff_max, args.log)
+
+
 def _serving_args(p):
     p.add_argument("--model", required=True, help="model file written by train (train.model_out)")
     p.add_argument("--data", required=True, help="libsvm or Criteo TSV file")
@@ -275,6 +286,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="resume from the newest good checkpoint in checkpoint.dir (auto) or from CKPT")
     t.add_argument("--help-config", action="store_true", help="list every configuration key and exit")
     t.set_defaults(func=_cmd_train)
+
+    s = sub.add_parser("supervise", help="run a training job, restarting it with --resume auto after a crash")
+    s.add_argument("--max-restarts", type=int, default=3, help="restarts before giving up (default 3)")
+    s.add_argument("--backoff", type=float, default=5.0, help="seconds before the first restart; doubles each time")
+    s.add_argument("--backoff-max", type=float, default=300.0, help="longest wait between attempts")
+    s.add_argument("--log", default="", help="also append each restart to this file")
+    s.add_argument("command_line", nargs=argparse.REMAINDER, help="-- the job's command (mpiexec ... hpcps train ...)")
+    s.set_defaults(func=_cmd_supervise)
 
     e = sub.add_parser("eval", help="logloss and AUC (or RMSE) of a model file on a data file")
     _serving_args(e)

@@ -27,7 +27,7 @@ from hpcps.context import init
 from hpcps.train import data as tdata
 from hpcps.train import model_file, synth
 from hpcps.train.models import make_model
-from hpcps.train.progress import Progress, summary_table
+from hpcps.train.progress import STATUS_ENV, Progress, summary_table, write_status
 from hpcps_kernels import metrics
 
 
@@ -263,6 +263,9 @@ def run(cfg, comm=None) -> dict | None:
             print(f"hpcps train: checkpoint {path} ({reason})", flush=True)
         transport.barrier(wcomm, ctx.stall_timeout_s, "checkpoint barrier")
 
+    status_path = os.environ.get(STATUS_ENV, "") if first else ""
+    last_status = 0.0
+
     t0 = time.perf_counter()
     last_save = time.monotonic()
     history = []
@@ -279,6 +282,10 @@ def run(cfg, comm=None) -> dict | None:
             loss_sum += loss
             rows += batch.rows
             progress.step(epoch, step, batch.rows, loss, ctx.stats["wait_s"], ctx.stats["max_staleness"])
+            if status_path and time.monotonic() - last_status > 0.2:  # for `hpcps supervise`
+                write_status(status_path, global_step=global_step, epoch=epoch, step=step,
+                             checkpoint_dir=os.path.abspath(ck.dir) if ck.dir else "")
+                last_status = time.monotonic()
             if ck.dir:
                 # 2 = a stop signal somewhere, 1 = a periodic checkpoint is due; all workers agree
                 want = 2 if ctx.stop_requested else int(

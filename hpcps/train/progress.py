@@ -4,8 +4,27 @@ metrics, and the final summary table."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
+
+STATUS_ENV = "HPCPS_STATUS_FILE"  # set by `hpcps supervise`: where the first worker reports its step
+
+
+def write_status(path: str, **fields) -> None:
+    """Atomically replace a job's status file (JSON: the fields and the time)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({**fields, "time": time.time()}, f)
+    os.replace(tmp, path)
+
+
+def read_status(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
 
 
 class Progress:

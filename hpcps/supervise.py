@@ -1,0 +1,128 @@
+"""``hpcps supervise``: rerun a training job after a crash, from its newest good checkpoint.
+
+    hpcps supervise [--max-restarts 3] [--backoff 5] -- mpiexec -n 4 hpcps train run.toml
+
+Like torchrun's ``--max-restarts`` and XDL's failover: when any rank dies (a crash, ``kill -9``, a
+lost node), MPI ends the whole job; the supervisor then starts it again with ``--resume auto``, so
+every server and worker rolls back together to the newest checkpoint that verifies, data position
+included. Each restart is logged with the exit status, the checkpoint used and the work lost (the
+steps trained since that checkpoint, from the status file the first worker keeps, see
+:func:`hpcps.train.progress.write_status`). Back-off between attempts doubles from ``--backoff`` up to ``--backoff-max``.
+
+Not restarted: success (0), a usage or configuration error (2: it would fail the same way again),
+and a stop after a signal's checkpoint (75: the job was asked to stop; under Slurm the batch script
+requeues it). SIGUSR1 and SIGTERM sent to the supervisor are passed on to the job (``mpiexec``
+forwards them to every rank), and after one the supervisor does not restart.
+
+No MPI here: the supervisor is a plain process around the launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from hpcps import checkpoint
+from hpcps.train.progress import STATUS_ENV, read_status, write_status
+
+NO_RESTART = {0: "finished", 2: "usage or configuration error", 75: "stopped by a signal after a checkpoint"}
+
+
+def _log(message: str, log_file: str = "") -> None:
+    line = f"hpcps supervise: {message}"
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+    if log_file:
+        with open(log_file, "a") as f:
+            f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
+
+
+def _with_resume(command: list[str]) -> list[str]:
+    """The command with ``--resume auto`` (unless it already says how to resume)."""
+    if any(a == "--resume" or a.startswith("--resume=") for a in command):
+        return list(command)
+    return [*command, "--resume", "auto"]
+
+
+def lost_work(status: dict) -> tuple[str, str]:
+    """(checkpoint to be resumed, a sentence on the work lost) from the job's last status."""
+    step = status.get("global_step")
+    ckdir = status.get("checkpoint_dir", "")
+    found = checkpoint.newest_good(ckdir, report=lambda m: None) if ckdir else None
+    if found is None:
+        return "", (f"no checkpoint yet: all {step} step(s) lost" if step is not None
+                    else "no status from the job: the work lost is unknown")
+    ckpt, manifest = found
+    at = manifest.get("position", {}).get("global_step", 0)
+    if step is None:
+        return ckpt, f"resuming at step {at}"
+    return ckpt, f"resuming at step {at}; {max(step - at, 0)} step(s) of work lost (the job had reached step {step})"
+
+
+def run(command: list[str], max_restarts: int = 3, backoff: float = 5.0, backoff_max: float = 300.0,
+        log_file: str = "") -> int:
+    """Run ``command`` until it succeeds, stops for a reason not worth a restart, or has been
+    restarted ``max_restarts`` times. Returns the last exit status."""
+    if not command:
+        raise ValueError("hpcps supervise needs a command after --, e.g. -- mpiexec -n 4 hpcps train run.toml")
+    status_path = os.environ.get(STATUS_ENV, "")  # a file the caller watches too, else a temporary one
+    own_status = not status_path
+    if own_status:
+        fd, status_path = tempfile.mkstemp(prefix="hpcps-status-", suffix=".json")
+        os.close(fd)
+    received: list[int] = []
+    child: list[subprocess.Popen] = []
+
+    def forward(signum, frame):
+        received.append(signum)
+        if child and child[0].poll() is None:
+            child[0].send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGUSR1, signal.SIGTERM)}
+    try:
+        attempt = 0
+        while True:
+            cmd = command if attempt == 0 else _with_resume(command)
+            write_status(status_path)
+            started = time.monotonic()
+            proc = subprocess.Popen(cmd, env=dict(os.environ, **{STATUS_ENV: status_path}))
+            child[:] = [proc]
+            rc = proc.wait()
+            child.clear()
+            if rc in NO_RESTART:
+                _log(f"job {NO_RESTART[rc]} (exit status {rc})" + (f" after {attempt} restart(s)" if attempt else ""),
+                     log_file)
+                return rc
+            if received:
+                _log(f"job ended with exit status {rc} after signal {signal.Signals(received[-1]).name}: "
+                     f"not restarting", log_file)
+                return rc
+            status = read_status(status_path)
+            ckpt, lost = lost_work(status)
+            if attempt >= max_restarts:
+                _log(f"job failed with exit status {rc} after {time.monotonic() - started:.0f} s; "
+                     f"{max_restarts} restart(s) used up, giving up ({lost})", log_file)
+                return rc
+            delay = min(backoff * 2**attempt, backoff_max)
+            attempt += 1
+            _log(f"job failed with exit status {rc} after {time.monotonic() - started:.0f} s; restart "
+                 f"{attempt}/{max_restarts} in {delay:g} s with --resume auto"
+                 + (f" from {ckpt}" if ckpt else "") + f": {lost}", log_file)
+            end = time.monotonic() + delay
+            while time.monotonic() < end and not received:
+                time.sleep(min(0.1, max(end - time.monotonic(), 0)))
+            if received:
+                _log(f"signal {signal.Signals(received[-1]).name} during the back-off: not restarting", log_file)
+                return rc
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        if own_status:
+            try:
+                os.unlink(status_path)
+            except OSError:
+                pass

@@ -1,0 +1,84 @@
+"""Chaos: a supervised run whose ranks are killed (kill -9) at random steps finishes by itself, and
+under BSP its final model equals an uninterrupted run's bit for bit.
+
+The schedule is seeded: three kills, each of a random rank (server or worker) at a random step of
+its own attempt. Checkpoints every 50 steps; ``hpcps supervise`` restarts the job with
+``--resume auto`` each time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from hpcps.train import synth
+from hpcps.train.model_file import ServingModel
+from hpcps.train.progress import read_status
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from run import mpiexec  # noqa: E402
+from test_checkpoint import rank_pids  # noqa: E402
+
+HPCPS = [sys.executable, "-m", "hpcps.cli"]
+SEED = 20261122
+RANKS = 3
+
+
+def train_args(data, ckpt_dir, model_out):
+    sets = {"data.train": json.dumps(data[0]), "data.test": json.dumps(data[1]), "train.batch_size": 50,
+            "train.epochs": 2, "train.progress": "false", "cluster.servers": 1, "cluster.staleness": 0,
+            "checkpoint.dir": json.dumps(str(ckpt_dir)), "checkpoint.every_steps": 50,
+            "train.model_out": json.dumps(str(model_out))}
+    return ["train"] + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+
+
+def test_supervised_run_survives_three_random_kill_9s_bit_identical(tmp_path):
+    info = synth.generate(str(tmp_path / "data"), 30_000, 3_000, fields=10, seed=11, formats=("libsvm",))
+    data = info.files["train_libsvm"], info.files["test_libsvm"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    ref = subprocess.run([*mpiexec(), "-n", str(RANKS), *HPCPS, *train_args(data, tmp_path / "ref-ck", tmp_path / "ref.h5")],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-2000:]
+
+    # 2 workers x 15,000 rows / 50 = 300 steps an epoch, 600 in all: one kill in each third
+    rng = np.random.default_rng(SEED)
+    schedule = [(int(rng.integers(lo, lo + 120)), int(rng.integers(0, RANKS))) for lo in (80, 260, 440)]
+    ck = tmp_path / "ck"
+    status = tmp_path / "status.json"
+    cmd = [*HPCPS, "supervise", "--max-restarts", "5", "--backoff", "0.5", "--",
+           *mpiexec(), "-n", str(RANKS), *HPCPS, *train_args(data, ck, tmp_path / "model.h5")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(env, HPCPS_STATUS_FILE=str(status)))
+    killed_pids: set[int] = set()
+    try:
+        for step, rank in schedule:
+            deadline = time.monotonic() + 240
+            while True:
+                assert proc.poll() is None, f"the run ended before the kill at step {step}:\n{proc.stdout.read()}"
+                assert time.monotonic() < deadline, f"step {step} never reached: {read_status(str(status))}"
+                pids = rank_pids(str(ck))
+                s = read_status(str(status))
+                if len(pids) == RANKS and not set(pids.values()) & killed_pids and s.get("global_step", -1) >= step:
+                    break
+                time.sleep(0.02)
+            os.kill(pids[rank], signal.SIGKILL)
+            killed_pids |= set(pids.values())
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    restarts = [ln for ln in out.splitlines() if "hpcps supervise: job failed" in ln]
+    assert len(restarts) == 3, out[-4000:]
+    assert all("restart" in ln and "--resume auto" in ln and "step(s) of work lost" in ln for ln in restarts), restarts
+    assert "job finished (exit status 0) after 3 restart(s)" in out
+    a, b = ServingModel(str(tmp_path / "model.h5")), ServingModel(str(tmp_path / "ref.h5"))
+    np.testing.assert_array_equal(a.keys, b.keys)
+    np.testing.assert_array_equal(a.values, b.values)  # bit for bit
