@@ -15,6 +15,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any
@@ -153,7 +154,10 @@ def _coerce(where: str, value: Any, default: Any):
                 pass
     elif kind is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:
+                raise ConfigError(f"{where}: {value} is too large for a float") from None
         if isinstance(value, str):
             try:
                 return float(value)
@@ -174,12 +178,17 @@ CHOICES = {
 }
 
 
+def _name(x) -> str:
+    """A key or section name as it can be shown on one line (quoted if it is odd)."""
+    return x if isinstance(x, str) and re.fullmatch(r"[A-Za-z0-9_.-]+", x) else repr(x)
+
+
 def from_dict(raw: dict) -> Config:
     """Build and validate a Config from a nested dictionary (as parsed from TOML)."""
     sections = {}
     for name, values in raw.items():
         if name not in SECTIONS:
-            raise ConfigError(f"unknown config section [{name}]; expected one of {sorted(SECTIONS)}")
+            raise ConfigError(f"unknown config section [{_name(name)}]; expected one of {sorted(SECTIONS)}")
         if not isinstance(values, dict):
             raise ConfigError(f"[{name}] must be a table of keys")
         if name == "optimizer":
@@ -189,19 +198,19 @@ def from_dict(raw: dict) -> Config:
         kw = {}
         for key, value in values.items():
             if key not in defaults:
-                raise ConfigError(f"unknown config key {name}.{key}; [{name}] has {sorted(defaults)}")
+                raise ConfigError(f"unknown config key {name}.{_name(key)}; [{name}] has {sorted(defaults)}")
             kw[key] = _coerce(f"{name}.{key}", value, defaults[key])
             if (name, key) in CHOICES and kw[key] not in CHOICES[(name, key)]:
                 raise ConfigError(f"{name}.{key} = {kw[key]!r}: expected one of {list(CHOICES[(name, key)])}")
         sections[name] = cls(**kw)
     opt = dict(raw.get("optimizer", {}))
     name = opt.pop("name", Optimizer.name)
-    if name not in OPTIMIZER_PARAMS:
+    if not isinstance(name, str) or name not in OPTIMIZER_PARAMS:
         raise ConfigError(f"optimizer.name = {name!r}: expected one of {sorted(OPTIMIZER_PARAMS)}")
     params = {}
     for key, value in opt.items():
         if key not in OPTIMIZER_PARAMS[name]:
-            raise ConfigError(f"unknown config key optimizer.{key} for optimizer {name!r}; "
+            raise ConfigError(f"unknown config key optimizer.{_name(key)} for optimizer {name!r}; "
                               f"it takes {sorted(OPTIMIZER_PARAMS[name])}")
         params[key] = _coerce(f"optimizer.{key}", value, float(OPTIMIZER_PARAMS[name][key]))
         why = param_range_error(key, params[key])
@@ -337,6 +346,10 @@ def load_raw(path: str | None, overrides: list[str]) -> dict:
             raise ConfigError(f"config file {path} not found") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); TOML files are UTF-8") from None
+        except OSError as e:
+            raise ConfigError(f"config file {path}: {e.strerror or e}") from None
     return merge(raw, parse_overrides(overrides))
 
 
