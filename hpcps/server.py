@@ -143,8 +143,14 @@ class Server:
         h, words, _ = protocol.unpack_request(buf, self.dims)
         path = checkpoint.server_file(protocol.decode_path(words), self.index)
         parts = [(table.spec.name, *table.items()) for table in self.tables]
-        size, digest = checkpoint.write_server_file(path, self.index, self.placement.num_servers,
-                                                    self.placement.num_shards, parts)
+        try:
+            size, digest = checkpoint.write_server_file(path, self.index, self.placement.num_servers,
+                                                        self.placement.num_shards, parts)
+        except OSError as e:
+            why = "No space left on device" if e.errno == 28 else (e.strerror or str(e)).splitlines()[0]
+            raise checkpoint.CheckpointError(
+                f"server {self.index} cannot write its checkpoint file {path}: {why}; the checkpoints "
+                f"committed before it are intact") from None
         reply = self._reply(source, int(h[2]), protocol.CHECKPOINT_REPLY)
         reply[protocol.REPLY_BYTES:protocol.REPLY_BYTES + 8].view(np.int64)[0] = size
         text = digest.encode()[:protocol.CHECKPOINT_REPLY - 8]

@@ -136,13 +136,15 @@ def install_abort_handler() -> None:
             previous(exc_type, exc, tb)
             return
         text = "".join(traceback.format_exception(exc_type, exc, tb))
-        abort(f"unhandled exception:\n{text}")
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        abort(f"error: {exc_type.__name__}: {first}\n{text}")
 
     def thread_hook(args):
         if args.exc_type is SystemExit:
             return
         text = "".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback))
-        abort(f"unhandled exception in thread {args.thread.name if args.thread else '?'}:\n{text}")
+        first = str(args.exc_value).splitlines()[0] if str(args.exc_value) else ""
+        abort(f"error in thread {args.thread.name if args.thread else '?'}: {args.exc_type.__name__}: {first}\n{text}")
 
     sys.excepthook = hook
     threading.excepthook = thread_hook
