@@ -58,9 +58,9 @@ def lost_work(status: dict) -> tuple[str, str]:
                     else "no status from the job: the work lost is unknown")
     ckpt, manifest = found
     at = manifest.get("position", {}).get("global_step", 0)
-    if step is None:
-        return ckpt, f"resuming at step {at}"
-    return ckpt, f"resuming at step {at}; {max(step - at, 0)} step(s) of work lost (the job had reached step {step})"
+    if step is None or step <= at:  # the status is written every 0.2 s: it may lag the checkpoint
+        return ckpt, f"resuming at step {at}; at most 0.2 s of work lost"
+    return ckpt, f"resuming at step {at}; {step - at} step(s) of work lost (the job had reached step {step})"
 
 
 def run(command: list[str], max_restarts: int = 3, backoff: float = 5.0, backoff_max: float = 300.0,

@@ -76,8 +76,10 @@ def test_supervised_run_survives_three_random_kill_9s_bit_identical(tmp_path):
             proc.kill()
     assert proc.returncode == 0, out[-4000:]
     restarts = [ln for ln in out.splitlines() if "hpcps supervise: job failed" in ln]
+    if os.environ.get("SHOW"):
+        print("\n".join(restarts))
     assert len(restarts) == 3, out[-4000:]
-    assert all("restart" in ln and "--resume auto" in ln and "step(s) of work lost" in ln for ln in restarts), restarts
+    assert all("restart" in ln and "--resume auto" in ln and "work lost" in ln for ln in restarts), restarts
     assert "job finished (exit status 0) after 3 restart(s)" in out
     a, b = ServingModel(str(tmp_path / "model.h5")), ServingModel(str(tmp_path / "ref.h5"))
     np.testing.assert_array_equal(a.keys, b.keys)
