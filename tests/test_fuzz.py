@@ -143,18 +143,24 @@ def libsvm_text(draw):
     return text + (b"\n" if draw(st.booleans()) else b"")
 
 
-def _check_libsvm(text: bytes, binary: bool, skip_bad: bool):
-    lines = text.split(b"\n")
-    seen = [False, False]
+def _expected(text: bytes, read_line, skip_bad: bool):
+    """(rows the strict reader accepts, 1-based numbers of the lines it rejects), up to the first
+    rejected line unless ``skip_bad``."""
     expect, bad = [], []
-    for n, raw in enumerate(lines, 1):
-        r = libsvm_line(raw, binary, seen)
+    for n, raw in enumerate(text.split(b"\n"), 1):
+        r = read_line(raw)
         if r == "bad":
             bad.append(n)
         elif r is not None:
             expect.append(r)
         if bad and not skip_bad:
             break
+    return expect, bad
+
+
+def _check_libsvm(text: bytes, binary: bool, skip_bad: bool):
+    seen = [False, False]
+    expect, bad = _expected(text, lambda raw: libsvm_line(raw, binary, seen), skip_bad)
     try:
         labels, indptr, indices, values, skipped = parse.parse_libsvm(text, source="f.svm", skip_bad=skip_bad,
                                                                       binary=binary)
@@ -208,15 +214,7 @@ def criteo_text(draw):
 
 
 def _check_criteo(text: bytes, skip_bad: bool):
-    expect, bad = [], []
-    for n, raw in enumerate(text.split(b"\n"), 1):
-        r = criteo_line(raw)
-        if r == "bad":
-            bad.append(n)
-        elif r is not None:
-            expect.append(r)
-        if bad and not skip_bad:
-            break
+    expect, bad = _expected(text, criteo_line, skip_bad)
     try:
         labels, indptr, indices, _, skipped = parse.parse_criteo(text, source="day.tsv", skip_bad=skip_bad)
     except parse.ParseError as e:
