@@ -21,7 +21,7 @@ import time
 import numpy as np
 from numba import njit
 
-from . import hashing, hashtable, init, keys, metrics, models, optim, parse, textgen
+from . import directindex, hashing, hashtable, init, keys, metrics, models, optim, parse, textgen
 from . import reference as ref
 
 ROOF_BYTES = 512 << 20
@@ -339,6 +339,9 @@ def warmup() -> None:
     ki.lookup(ki.keys[:0].copy())
     ki.lookup_or_insert(np.arange(100, dtype=np.uint64))
     hashtable.KeyIndex.from_keys(np.arange(10, dtype=np.uint64))
+    di = directindex.DirectKeyIndex.from_keys(np.array([1, 2**40], dtype=np.uint64), 4)
+    di.lookup(np.array([1, 3, 2**40], dtype=np.uint64))
+    di.lookup_or_insert(np.array([5, 2**41], dtype=np.uint64))
     hashing.feature_key(1, b"x")
     # parsing, as the data loader calls it: on writable buffers (a bytearray's view)
     text = np.frombuffer(bytearray(b"1 1:1\n"), dtype=np.uint8)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpcps_kernels import hashing, hashtable, keys, metrics, models, optim, parse
+from hpcps_kernels import directindex, hashing, hashtable, keys, metrics, models, optim, parse
 from hpcps_kernels import reference as ref
 
 U64_MAX = np.iinfo(np.uint64).max
@@ -450,3 +450,32 @@ def test_index_widens_its_entries_and_keeps_every_key(monkeypatch, how):
     np.testing.assert_array_equal(got, [expect.get(int(k), -1) for k in probe])
     again = idx.lookup_or_insert(keys[::-1].copy())  # nothing new
     np.testing.assert_array_equal(again, np.arange(keys.size)[::-1])
+
+
+# -- the direct index of bounded key spaces -----------------------------------------------------------
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.one_of(st.integers(0, 2**12 - 1), st.integers(2**12, 2**64 - 1)), max_size=300),
+                min_size=1, max_size=6))
+def test_direct_index_gives_the_slots_a_hash_index_gives(batches):
+    """Slots come in insertion order in both, so the same requests give the same slots."""
+    d, h = directindex.DirectKeyIndex(12), hashtable.KeyIndex()
+    for b in batches:
+        q = np.array(b, dtype=np.uint64)
+        np.testing.assert_array_equal(d.lookup(q), h.lookup(q))
+        np.testing.assert_array_equal(d.lookup_or_insert(q), h.lookup_or_insert(q))
+    assert d.size == h.size
+    np.testing.assert_array_equal(d.keys[:d.size], h.keys[:h.size])
+    again = directindex.DirectKeyIndex.from_keys(d.keys[:d.size].copy(), 12)
+    allq = np.array(sum(batches, []) + [2**12 - 1, 2**64 - 1], dtype=np.uint64)
+    np.testing.assert_array_equal(again.lookup(allq), h.lookup(allq))
+
+
+def test_direct_index_overflow_grows_past_its_load():
+    d = directindex.DirectKeyIndex(8)
+    big = np.arange(2**40, 2**40 + 5000, dtype=np.uint64)   # all above 2**8: all overflow
+    small = np.arange(256, dtype=np.uint64)
+    slots = d.lookup_or_insert(np.concatenate([small, big]))
+    np.testing.assert_array_equal(slots, np.arange(256 + 5000))
+    assert d.n_over == 5000 and d.index.shape[0] >= 5000 / hashtable.MAX_LOAD
+    np.testing.assert_array_equal(d.lookup(big[::-1].copy()), np.arange(256, 256 + 5000)[::-1])

@@ -52,8 +52,8 @@ SCRIPT = textwrap.dedent("""
         uniq, pos = kkeys.unique_keys(b.indices)
         place.server_of(uniq); place.shard_of(uniq); place.slice(uniq)
         for opt in OPTIMIZER_PARAMS:
-            for init, dim in (("zeros", 1), ("normal", 3)):
-                t = ServerTable(TableSpec("w", dim, opt, {}, init, 0.01, 0))
+            for init, dim, bits in (("zeros", 1, 64), ("normal", 3, 64), ("zeros", 1, 20)):
+                t = ServerTable(TableSpec("w", dim, opt, {}, init, 0.01, 0, bits))
                 out = np.empty((uniq.size, dim), np.float32)
                 t.pull(uniq, out)
                 t.push(uniq, np.ones((uniq.size, dim), np.float32))
