@@ -57,7 +57,9 @@ class SparseTable:
 
     # -- requests ----------------------------------------------------------------------------
 
-    def _send(self, op: int, keys: np.ndarray, grads: np.ndarray | None) -> _Request:
+    def _send(self, op: int, keys: np.ndarray, grads: np.ndarray | None) -> int:
+        """Send a pull (``grads`` None) or a push of sorted unique ``keys``, sliced by server and
+        split so that no message passes 2 GiB; returns its timestamp."""
         ctx = self.ctx
         req = _Request(op, self, n_unique=keys.shape[0], clock=ctx.clock_value, started=time.monotonic())
         order, offsets = ctx.placement.slice(keys)
@@ -65,19 +67,61 @@ class SparseTable:
             sel = order[offsets[server]:offsets[server + 1]]
             for lo in range(0, sel.shape[0], self.max_keys):
                 chunk = sel[lo:lo + self.max_keys]
-                req_id = ctx._next_request_id()
-                tag = protocol.reply_tag(req_id, ctx.tag_ub)
-                what = f"{protocol.OP_NAMES[op]} reply of table {self.name!r} (request {req_id}) from server"
-                reply = np.empty(protocol.reply_bytes(op, chunk.shape[0], self.dim), dtype=np.uint8)
-                req.pending += transport.start_recv(ctx.comm, reply, server, tag, what)
-                msg = protocol.pack_request(op, self.id, req_id, ctx.clock_value, ctx.worker_index,
-                                            keys[chunk], None if grads is None else grads[chunk], self.dim)
-                req.pending += transport.start_send(ctx.comm, msg, server, protocol.TAG_REQUEST,
-                                               f"{protocol.OP_NAMES[op]} request to server")
-                req.parts.append((chunk, reply))
-        ts = ctx._next_timestamp()
+                if op == protocol.PULL:
+                    self._message(req, server, chunk, None, None, keys[chunk])
+                else:
+                    self._message(req, server, None, keys[chunk], grads[chunk], None)
+        return self._register(req)
+
+    def _message(self, req: _Request, server: int, pulled: np.ndarray | None, push_keys, grads, pull_keys) -> None:
+        """Post the reply's receive, then send one request to ``server``. ``pulled``: the
+        positions of ``pull_keys`` among the request's unique pull keys."""
+        ctx = self.ctx
+        req_id = ctx.next_request_id()
+        n_pull = 0 if pull_keys is None else pull_keys.shape[0]
+        what = f"{protocol.OP_NAMES[req.op]} reply of table {self.name!r} (request {req_id}) from server"
+        reply = np.empty(protocol.reply_bytes(req.op, n_pull, self.dim), dtype=np.uint8)
+        req.pending += transport.start_recv(ctx.comm, reply, server, protocol.reply_tag(req_id, ctx.tag_ub), what)
+        msg = protocol.pack_request(req.op, self.id, req_id, req.clock, ctx.worker_index, push_keys, grads,
+                                    pull_keys, self.dim)
+        req.pending += transport.start_send(ctx.comm, msg, server, protocol.TAG_REQUEST,
+                                            f"{protocol.OP_NAMES[req.op]} request to server")
+        req.parts.append((pulled, reply))
+
+    def _register(self, req: _Request) -> int:
+        ts = self.ctx.next_timestamp()
         self._requests[ts] = req
         return ts
+
+    def ipushpull(self, push_keys, grads, pull_keys, aggregate: bool = False) -> int:
+        """Push a step's gradients, end the step (the clock), and start pulling the next step's
+        keys, in one message to each server (ps-lite's ZPushPull). Returns a timestamp for
+        :meth:`wait`, which returns the pulled rows.
+
+        Equivalent to ``push(push_keys, grads, aggregate); ctx.clock(); ipull(pull_keys)``, with
+        one round trip instead of three messages and a reply per server. Under BSP the pull is
+        answered once every worker has passed the clock, so it sees every push of the step.
+        """
+        ctx = self.ctx
+        push_keys, grads = self._prepare_push(push_keys, grads, aggregate)
+        pull_keys = np.ascontiguousarray(pull_keys, dtype=np.uint64).reshape(-1)
+        expand = None
+        if not kkeys.is_sorted_unique(pull_keys):
+            pull_keys, expand = kkeys.unique_keys(pull_keys)
+        if max(push_keys.shape[0], pull_keys.shape[0]) > self.max_keys:  # too big for one message
+            self.wait(self._send(protocol.PUSH, push_keys, grads))
+            ctx.clock()
+            return self.ipull(pull_keys[expand] if expand is not None else pull_keys)
+        req = _Request(protocol.PUSHPULL, self, n_unique=pull_keys.shape[0], clock=ctx.clock_value,
+                       started=time.monotonic(), expand=expand)
+        push_order, push_offsets = ctx.placement.slice(push_keys)
+        pull_order, pull_offsets = ctx.placement.slice(pull_keys)
+        for server in range(ctx.layout.servers):  # every server: each needs the clock
+            sp = push_order[push_offsets[server]:push_offsets[server + 1]]
+            sl = pull_order[pull_offsets[server]:pull_offsets[server + 1]]
+            self._message(req, server, sl, push_keys[sp], grads[sp], pull_keys[sl])
+        ctx.advance_clock()
+        return self._register(req)
 
     def ipull(self, keys) -> int:
         """Start pulling the rows of ``keys``; returns a timestamp for :meth:`wait`."""
@@ -102,18 +146,25 @@ class SparseTable:
             aggregate: collective over the worker group: the members' pushes are merged on the
                 group's first rank (sum per key) and sent once.
         """
+        keys, grads = self._prepare_push(keys, grads, aggregate)
+        if keys is None:  # a group member whose gradients the leader sends
+            return self._register(_Request(protocol.PUSH, self))
+        return self._send(protocol.PUSH, keys, grads)
+
+    def _prepare_push(self, keys, grads, aggregate: bool):
+        """Sorted unique keys with summed gradients, merged over the group when ``aggregate``
+        (group collective). A member that is not the group's leader gets empty arrays from
+        push-pull and (None, None) from push: the leader sends for the group."""
         keys = np.ascontiguousarray(keys, dtype=np.uint64).reshape(-1)
         grads = np.ascontiguousarray(grads, dtype=np.float32).reshape(keys.shape[0], self.dim)
         if not kkeys.is_sorted_unique(keys):
             keys, grads = kkeys.segment_reduce(keys, grads)
         if aggregate and self.ctx.group_comm.Get_size() > 1:
-            merged = self.ctx._gather_to_leader(keys, grads, self.dim)
-            if merged is None:  # not the leader: nothing to send
-                ts = self.ctx._next_timestamp()
-                self._requests[ts] = _Request(protocol.PUSH, self)
-                return ts
+            merged = self.ctx.gather_to_leader(keys, grads, self.dim)
+            if merged is None:
+                return np.zeros(0, np.uint64), np.zeros((0, self.dim), np.float32)
             keys, grads = merged
-        return self._send(protocol.PUSH, keys, grads)
+        return keys, grads
 
     def wait(self, ts: int, timeout: float | None = None):
         """Wait for request ``ts``; returns the pulled rows for a pull, None for a push."""
@@ -125,21 +176,23 @@ class SparseTable:
         ctx.stats["wait_s"] += time.perf_counter() - t
         min_clock = None
         for _, reply in req.parts:
-            h = reply[:protocol.REPLY_BYTES].view(np.int64)
-            if h[1] & protocol.STOP:
+            h = protocol.reply_header(reply)
+            if h["status"] & protocol.STOP:
                 ctx.server_stop = True
-            min_clock = int(h[2]) if min_clock is None else min(min_clock, int(h[2]))
-        if req.op != protocol.PULL:
+            min_clock = int(h["min_clock"]) if min_clock is None else min(min_clock, int(h["min_clock"]))
+        if req.op == protocol.PUSH:
             return None
+        pull_clock = req.clock + 1 if req.op == protocol.PUSHPULL else req.clock
         self.last_min_clock = min_clock
         if min_clock is not None:
-            ctx.stats["max_staleness"] = max(ctx.stats["max_staleness"], req.clock - min_clock)
-        values = [reply[protocol.REPLY_BYTES:].view(np.float32).reshape(-1, self.dim) for _, reply in req.parts]
-        if len(req.parts) == 1 and req.expand is None:
+            ctx.stats["max_staleness"] = max(ctx.stats["max_staleness"], pull_clock - min_clock)
+        values = [protocol.pulled_values(reply, self.dim) for _, reply in req.parts]
+        if len(req.parts) == 1 and req.expand is None and values[0].shape[0] == req.n_unique:
             return values[0]  # one server answered for every key, in order
         out = np.empty((req.n_unique, self.dim), dtype=np.float32)
         for (chunk, _), v in zip(req.parts, values):
-            kkeys.scatter_rows(out, chunk, v)
+            if v.shape[0]:
+                kkeys.scatter_rows(out, chunk, v)
         return out if req.expand is None else kkeys.gather_rows(out, req.expand)
 
     def wait_all(self, timeout: float | None = None) -> None:
@@ -173,7 +226,7 @@ class DenseTable:
         if self.ctx.group_comm.Get_rank() == 0:
             padded = np.zeros(self.chunks * self.CHUNK, dtype=np.float32)
             padded[: self.size] = total
-            self.sparse.wait(self.sparse._send(protocol.PUSH, self.keys, padded.reshape(self.chunks, self.CHUNK)))
+            self.sparse.wait(self.sparse.push(self.keys, padded.reshape(self.chunks, self.CHUNK)))
 
     def pull(self) -> np.ndarray:
         out = np.empty(self.size, dtype=np.float32)

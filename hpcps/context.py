@@ -76,11 +76,13 @@ class Context:
                                  f"(declare tables and settings identically on every rank)")
 
     def sparse_table(self, name: str, dim: int = 1, optimizer: str = "sgd", params: dict | None = None,
-                     init: str = "zeros", init_scale: float = 0.01, seed: int = 0) -> SparseTable:
-        """Declare a sparse table (collective; identical on every rank)."""
+                     init: str = "zeros", init_scale: float = 0.01, seed: int = 0, key_bits: int = 64) -> SparseTable:
+        """Declare a sparse table (collective; identical on every rank). ``key_bits``: keys are
+        (mostly) below ``2**key_bits`` (hashed features): up to 26 bits servers address rows
+        directly by key."""
         if name in self.tables:
             raise ValueError(f"table {name!r} is already declared")
-        spec = TableSpec(name, dim, optimizer, dict(params or {}), init, init_scale, seed)
+        spec = TableSpec(name, dim, optimizer, dict(params or {}), init, init_scale, seed, key_bits)
         self._check_same(f"table {name!r}", spec.fingerprint())
         self.specs.append(spec)
         table = SparseTable(self, len(self.specs) - 1, spec)
@@ -90,7 +92,9 @@ class Context:
     def dense_table(self, name: str, size: int, optimizer: str = "sgd", params: dict | None = None,
                     init: str = "zeros", init_scale: float = 0.01, seed: int = 0) -> DenseTable:
         """Declare a dense table of ``size`` floats (collective; identical on every rank)."""
-        sparse = self.sparse_table(name, DenseTable.CHUNK, optimizer, params, init, init_scale, seed)
+        chunks = -(-size // DenseTable.CHUNK)
+        sparse = self.sparse_table(name, DenseTable.CHUNK, optimizer, params, init, init_scale, seed,
+                                   key_bits=max(1, (chunks - 1).bit_length()))  # chunk keys 0..chunks-1
         table = DenseTable(self, sparse, size)
         self.tables[name] = table
         return table
@@ -115,11 +119,13 @@ class Context:
 
     # -- worker ------------------------------------------------------------------------------
 
-    def _next_request_id(self) -> int:
+    def next_request_id(self) -> int:
+        """A new request id of this worker (its reply's tag is made from it)."""
         self._req_id += 1
         return self._req_id
 
-    def _next_timestamp(self) -> int:
+    def next_timestamp(self) -> int:
+        """A new timestamp for a table's request (what push/ipull return)."""
         self._ts += 1
         return self._ts
 
@@ -144,18 +150,18 @@ class Context:
         words = protocol.encode_path(tmp)
         pending, replies = [], []
         for server in range(self.layout.servers):
-            req_id = self._next_request_id()
+            req_id = self.next_request_id()
             reply = np.empty(protocol.reply_bytes(protocol.CHECKPOINT, 0, 0), dtype=np.uint8)
             pending += transport.start_recv(self.comm, reply, server, protocol.reply_tag(req_id, self.tag_ub),
                                        f"checkpoint reply (request {req_id}) from server")
-            msg = protocol.pack_request(protocol.CHECKPOINT, 0, req_id, self.clock_value, self.worker_index, words)
+            msg = protocol.pack_request(protocol.CHECKPOINT, 0, req_id, self.clock_value, self.worker_index,
+                                        pull_keys=words)
             pending += transport.start_send(self.comm, msg, server, protocol.TAG_REQUEST, "checkpoint request to server")
             replies.append(reply)
         transport.wait(pending, self.stall_timeout_s, warn_after=self.stall_warn_s)
         files = []
         for server, reply in enumerate(replies):
-            size = int(reply[protocol.REPLY_BYTES:protocol.REPLY_BYTES + 8].view(np.int64)[0])
-            digest = reply[protocol.REPLY_BYTES + 8:].tobytes().decode().rstrip("\0")
+            size, digest = protocol.unpack_checkpoint_result(reply)
             files.append({"name": os.path.basename(checkpoint.server_file(tmp, server)), "bytes": size, "xxh64": digest})
         full = {"format": checkpoint.FORMAT, "version": checkpoint.VERSION, "clock": self.clock_value,
                 "layout": {"servers": self.layout.servers, "workers": self.layout.workers,
@@ -171,7 +177,12 @@ class Context:
         self._notify_servers(protocol.CLOCK)
         return self.clock_value
 
-    def _gather_to_leader(self, keys: np.ndarray, grads: np.ndarray, dim: int):
+    def advance_clock(self) -> int:
+        """End this worker's iteration when a push-pull has told every server already."""
+        self.clock_value += 1
+        return self.clock_value
+
+    def gather_to_leader(self, keys: np.ndarray, grads: np.ndarray, dim: int):
         """Group collective: merge every member's (sorted unique) keys and gradients on the
         group's rank 0. Returns (keys, sums) there, None elsewhere."""
         g = self.group_comm

@@ -1,37 +1,72 @@
-"""Wire format of parameter-server messages (pure: NumPy buffers, no MPI).
+"""Wire format of parameter-server messages (pure: NumPy buffers, no MPI), defined in one place.
 
-Every request is one message of bytes: a header of ``HEADER_WORDS`` int64 followed by the keys
-(uint64) and, for a push, the gradients (float32, ``n x dim``). Every reply is one message: a
-header of ``REPLY_WORDS`` int64 followed, for a pull, by the values (float32, ``n x dim``). One
-message per request keeps matching trivial (a server receives whole requests with ``ANY_SOURCE``;
-a worker pre-posts the receive of each reply under a tag unique to that request) and needs no
-pickling. Requests are split by the client so that no message exceeds 2 GiB.
+Every request is one message of bytes: a header (:data:`REQUEST`, a NumPy structured dtype) and
+then, in order, the pushed keys (uint64, ``n_push``), their gradients (float32, ``n_push x dim``)
+and the pulled keys (uint64, ``n_pull``). Every reply is one message: a header (:data:`REPLY`)
+followed by the pulled values (float32, ``n_pull x dim``) or, for a checkpoint, by
+:data:`CHECKPOINT_RESULT`. One message per request keeps matching trivial (a server receives whole
+requests with ``ANY_SOURCE``; a worker pre-posts the receive of each reply under a tag unique to
+that request) and needs no pickling. Requests are split by the client so that no message exceeds
+2 GiB.
 
-Request header: ``[op, table, req_id, n, clock, worker, 0, 0]``.
-Reply header:   ``[req_id, status, min_clock, server]`` — ``min_clock`` is the smallest clock of
-all workers that the server knew when it answered (the staleness a pull observed is
-``clock - min_clock``); ``status`` bit ``STOP``: the server got a stop signal. There is no error
-status: a server that fails aborts the whole job (``hpcps.transport.install_abort_handler``), so no
-worker waits for an answer that will not come.
-A checkpoint request carries the directory's path in its key area; its reply carries the size
-and checksum of the file the server wrote.
+Operations:
+
+* ``PULL`` (keys at ``clock``), ``PUSH`` (gradients computed at ``clock``), ``CLOCK`` (the worker
+  has reached ``clock``), ``DONE``;
+* ``PUSHPULL`` (ps-lite's ZPushPull, one round trip per step): the gradients of step ``clock``,
+  then the worker's clock advances to ``clock + 1``, then a pull of the next step's keys at that
+  clock. Exactly PUSH(clock), CLOCK(clock + 1), PULL(clock + 1) in one message; its reply is also
+  the push's acknowledgement. Sent to every server (each gets the clock), with empty parts where a
+  server owns none of the keys.
+* ``CHECKPOINT``: the directory's path, UTF-8, in the pull-key area (``n_pull`` words); its reply
+  carries the size and checksum of the file the server wrote.
+
+``min_clock`` in a reply is the smallest clock of all workers that the server knew when it answered
+(the staleness a pull observed is ``clock - min_clock``). ``status`` bit ``STOP``: the server got a
+stop signal. There is no error status: a server that fails aborts the whole job
+(``hpcps.transport.install_abort_handler``), so no worker waits for an answer that will not come.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-PULL, PUSH, CLOCK, DONE, CHECKPOINT = 1, 2, 3, 4, 5
-OP_NAMES = {PULL: "pull", PUSH: "push", CLOCK: "clock", DONE: "done", CHECKPOINT: "checkpoint"}
-HEADER_WORDS = 8
-REPLY_WORDS = 4
-HEADER_BYTES = 8 * HEADER_WORDS
-REPLY_BYTES = 8 * REPLY_WORDS
+PULL, PUSH, CLOCK, DONE, CHECKPOINT, PUSHPULL = 1, 2, 3, 4, 5, 6
+OP_NAMES = {PULL: "pull", PUSH: "push", CLOCK: "clock", DONE: "done", CHECKPOINT: "checkpoint",
+            PUSHPULL: "push-pull"}
+
+REQUEST = np.dtype([("op", "<i8"), ("table", "<i8"), ("req_id", "<i8"), ("n_push", "<i8"),
+                    ("n_pull", "<i8"), ("clock", "<i8"), ("worker", "<i8"), ("reserved", "<i8")])
+REPLY = np.dtype([("req_id", "<i8"), ("status", "<i8"), ("min_clock", "<i8"), ("server", "<i8")])
+CHECKPOINT_RESULT = np.dtype([("file_bytes", "<i8"), ("xxh64", "S64")])
+HEADER_BYTES = REQUEST.itemsize
+REPLY_BYTES = REPLY.itemsize
+
 TAG_REQUEST = 1
 TAG_REPLY_BASE = 16
 OK = 0
 STOP = 2         # status bit: this server received a stop signal (SIGUSR1/SIGTERM)
-CHECKPOINT_REPLY = 8 + 64   # file size (int64) + the file's checksum in hex (zero-padded)
+
+
+@dataclass
+class Request:
+    """A request as received: header fields, and views of its arrays into the message."""
+
+    op: int
+    table: int
+    req_id: int
+    clock: int
+    worker: int
+    push_keys: np.ndarray
+    grads: np.ndarray | None
+    pull_keys: np.ndarray
+
+    @property
+    def pull_clock(self) -> int:
+        """The clock the pull part is read at (a push-pull pulls after its clock advance)."""
+        return self.clock + 1 if self.op == PUSHPULL else self.clock
 
 
 def reply_tag(req_id: int, tag_ub: int) -> int:
@@ -39,18 +74,77 @@ def reply_tag(req_id: int, tag_ub: int) -> int:
     return TAG_REPLY_BASE + req_id % (tag_ub - TAG_REPLY_BASE)
 
 
-def request_bytes(op: int, n: int, dim: int) -> int:
-    return HEADER_BYTES + 8 * n + (4 * n * dim if op == PUSH else 0)
+def request_bytes(n_push: int, n_pull: int, dim: int) -> int:
+    return HEADER_BYTES + (8 + 4 * dim) * n_push + 8 * n_pull
 
 
-def reply_bytes(op: int, n: int, dim: int) -> int:
+def reply_bytes(op: int, n_pull: int, dim: int) -> int:
     if op == CHECKPOINT:
-        return REPLY_BYTES + CHECKPOINT_REPLY
-    return REPLY_BYTES + (4 * n * dim if op == PULL else 0)
+        return REPLY_BYTES + CHECKPOINT_RESULT.itemsize
+    return REPLY_BYTES + 4 * n_pull * dim
+
+
+def pack_request(op: int, table: int, req_id: int, clock: int, worker: int, push_keys: np.ndarray | None = None,
+                 grads: np.ndarray | None = None, pull_keys: np.ndarray | None = None, dim: int = 0) -> np.ndarray:
+    n_push = 0 if push_keys is None else push_keys.shape[0]
+    n_pull = 0 if pull_keys is None else pull_keys.shape[0]
+    buf = np.empty(request_bytes(n_push, n_pull, dim), dtype=np.uint8)
+    buf[:HEADER_BYTES].view(REQUEST)[0] = (op, table, req_id, n_push, n_pull, clock, worker, 0)
+    at = HEADER_BYTES
+    if n_push:
+        buf[at:at + 8 * n_push].view(np.uint64)[:] = push_keys
+        at += 8 * n_push
+        buf[at:at + 4 * n_push * dim].view(np.float32)[:] = grads.reshape(-1)
+        at += 4 * n_push * dim
+    if n_pull:
+        buf[at:at + 8 * n_pull].view(np.uint64)[:] = pull_keys
+    return buf
+
+
+def header(buf: np.ndarray):
+    """The request header of a message (a structured scalar: ``h["op"]``, ``h["clock"]``, ...)."""
+    return buf[:HEADER_BYTES].view(REQUEST)[0]
+
+
+def unpack_request(buf: np.ndarray, dims: list[int]) -> Request:
+    h = header(buf)
+    op, table, n_push, n_pull = int(h["op"]), int(h["table"]), int(h["n_push"]), int(h["n_pull"])
+    dim = dims[table] if n_push else 0
+    at = HEADER_BYTES
+    push_keys = buf[at:at + 8 * n_push].view(np.uint64)
+    at += 8 * n_push
+    grads = buf[at:at + 4 * n_push * dim].view(np.float32).reshape(n_push, dim) if n_push else None
+    at += 4 * n_push * dim
+    pull_keys = buf[at:at + 8 * n_pull].view(np.uint64)
+    return Request(op, table, int(h["req_id"]), int(h["clock"]), int(h["worker"]), push_keys, grads, pull_keys)
+
+
+def pack_reply(req_id: int, status: int, min_clock: int, server: int, payload_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """A reply message and a view of its payload (to be filled)."""
+    buf = np.empty(REPLY_BYTES + payload_bytes, dtype=np.uint8)
+    buf[:REPLY_BYTES].view(REPLY)[0] = (req_id, status, min_clock, server)
+    return buf, buf[REPLY_BYTES:]
+
+
+def reply_header(buf: np.ndarray):
+    return buf[:REPLY_BYTES].view(REPLY)[0]
+
+
+def pulled_values(buf: np.ndarray, dim: int) -> np.ndarray:
+    return buf[REPLY_BYTES:].view(np.float32).reshape(-1, dim)
+
+
+def pack_checkpoint_result(payload: np.ndarray, file_bytes: int, digest: str) -> None:
+    payload.view(CHECKPOINT_RESULT)[0] = (file_bytes, digest.encode())
+
+
+def unpack_checkpoint_result(buf: np.ndarray) -> tuple[int, str]:
+    r = buf[REPLY_BYTES:].view(CHECKPOINT_RESULT)[0]
+    return int(r["file_bytes"]), r["xxh64"].decode()
 
 
 def encode_path(path: str) -> np.ndarray:
-    """A path as uint64 words (sent in a request's key area)."""
+    """A path as uint64 words (sent in a request's pull-key area)."""
     raw = path.encode()
     raw += b"\0" * (-len(raw) % 8)
     return np.frombuffer(raw, dtype=np.uint64).copy()
@@ -58,30 +152,6 @@ def encode_path(path: str) -> np.ndarray:
 
 def decode_path(words: np.ndarray) -> str:
     return words.tobytes().rstrip(b"\0").decode()
-
-
-def pack_request(op: int, table: int, req_id: int, clock: int, worker: int,
-                 keys: np.ndarray | None = None, grads: np.ndarray | None = None, dim: int = 0) -> np.ndarray:
-    n = 0 if keys is None else keys.shape[0]
-    buf = np.empty(request_bytes(op, n, dim), dtype=np.uint8)
-    buf[:HEADER_BYTES].view(np.int64)[:] = (op, table, req_id, n, clock, worker, 0, 0)
-    if n:
-        buf[HEADER_BYTES:HEADER_BYTES + 8 * n].view(np.uint64)[:] = keys
-        if op == PUSH:
-            buf[HEADER_BYTES + 8 * n:].view(np.float32)[:] = grads.reshape(-1)
-    return buf
-
-
-def unpack_request(buf: np.ndarray, dims: list[int]):
-    """(header int64[8], keys uint64 view, grads float32 (n, dim) view or None)."""
-    h = buf[:HEADER_BYTES].view(np.int64)
-    op, table, n = int(h[0]), int(h[1]), int(h[3])
-    keys = buf[HEADER_BYTES:HEADER_BYTES + 8 * n].view(np.uint64)
-    grads = None
-    if op == PUSH:
-        dim = dims[table]
-        grads = buf[HEADER_BYTES + 8 * n:HEADER_BYTES + 8 * n + 4 * n * dim].view(np.float32).reshape(n, dim)
-    return h, keys, grads
 
 
 def max_keys_per_message(dim: int, max_bytes: int) -> int:

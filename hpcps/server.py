@@ -1,8 +1,11 @@
 """The server side: table shards, optimizers, worker clocks and the serving loop.
 
 A server rank owns, for every declared table, the keys of the virtual shards placed on it
-(:mod:`hpcps.placement`). Each table shard is a :class:`~hpcps_kernels.hashtable.KeyIndex` (key →
-slot) plus a float32 array of slot rows ``[parameters | optimizer state]``.
+(:mod:`hpcps.placement`). Each table shard is a key → slot index plus a float32 array of slot rows
+``[parameters | optimizer state]``. The index is a
+:class:`~hpcps_kernels.directindex.DirectKeyIndex` (one array lookup per key) when the table's
+keys are bounded (``key_bits`` <= 26: hashed features), else a
+:class:`~hpcps_kernels.hashtable.KeyIndex` (any uint64 keys).
 
 Semantics a worker can rely on:
 
@@ -36,6 +39,7 @@ from hpcps.placement import Placement
 from hpcps.tables import TableSpec
 from hpcps_kernels import init as kinit
 from hpcps_kernels import optim
+from hpcps_kernels.directindex import DirectKeyIndex
 from hpcps_kernels.hashtable import KeyIndex
 
 
@@ -44,10 +48,16 @@ class ServerTable:
 
     def __init__(self, spec: TableSpec):
         self.spec = spec
-        self.index = KeyIndex()
+        self.index = self._new_index(np.zeros(0, dtype=np.uint64))
         self.rows = np.zeros((self.index.key_capacity, spec.width), dtype=np.float32)
         self.kind = kinit.KINDS[spec.init]
         self.state = optim.state_init(spec.optimizer, spec.dim, spec.params.get("initial_accumulator", 0.0))
+
+    def _new_index(self, keys: np.ndarray):
+        """Direct addressing for a bounded key space, else a hash index."""
+        if self.spec.direct:
+            return DirectKeyIndex.from_keys(keys, self.spec.key_bits)
+        return KeyIndex.from_keys(keys)
 
     @property
     def size(self) -> int:
@@ -82,7 +92,7 @@ class ServerTable:
 
     def load(self, keys: np.ndarray, rows: np.ndarray) -> None:
         """Replace the contents with ``keys`` and their rows (restoring a checkpoint)."""
-        self.index = KeyIndex.from_keys(np.ascontiguousarray(keys, dtype=np.uint64))
+        self.index = self._new_index(np.ascontiguousarray(keys, dtype=np.uint64))
         self.rows = np.zeros((self.index.key_capacity, self.spec.width), dtype=np.float32)
         self.rows[: keys.shape[0]] = rows
 
@@ -112,8 +122,9 @@ class Server:
         self.stall_warn_s = stall_warn_s
         self.clocks = np.zeros(num_workers, dtype=np.int64)
         self.done = np.zeros(num_workers, dtype=bool)
-        self.deferred: list[tuple[int, np.ndarray, float]] = []  # (source, request buffer, since)
-        self.buffered: list[tuple[int, int, int, np.ndarray]] = []  # BSP: (clock, worker, seq, request)
+        self.deferred: list[tuple[int, protocol.Request, float]] = []  # (source, request, since)
+        # BSP: (clock, worker, seq, request) of pushes waiting for every worker to pass their clock
+        self.buffered: list[tuple[int, int, int, protocol.Request]] = []
         self.seq = 0
         self.sending: list[transport.Pending] = []
         self.tag_ub = transport.tag_upper_bound(comm)
@@ -125,11 +136,11 @@ class Server:
         live = self.clocks[~self.done]
         return int(live.min()) if live.size else int(self.clocks.max(initial=0))
 
-    def _ready(self, op: int, clock: int) -> bool:
-        """A pull waits for clock - staleness; a checkpoint for every worker to reach its clock."""
-        if op == protocol.CHECKPOINT:
-            return clock <= self.min_clock()
-        return self.staleness < 0 or clock - self.staleness <= self.min_clock()
+    def _ready(self, r: protocol.Request) -> bool:
+        """A pull waits for its clock - staleness; a checkpoint for every worker to reach its clock."""
+        if r.op == protocol.CHECKPOINT:
+            return r.clock <= self.min_clock()
+        return self.staleness < 0 or r.pull_clock - self.staleness <= self.min_clock()
 
     def restore(self, ckpt: str, manifest: dict) -> None:
         """Load this server's shards of every table (under the current placement) and the clock."""
@@ -139,9 +150,8 @@ class Server:
             table.load(keys, rows)
         self.clocks[:] = manifest["clock"]
 
-    def _write_checkpoint(self, source: int, buf: np.ndarray) -> None:
-        h, words, _ = protocol.unpack_request(buf, self.dims)
-        path = checkpoint.server_file(protocol.decode_path(words), self.index)
+    def _write_checkpoint(self, source: int, r: protocol.Request) -> None:
+        path = checkpoint.server_file(protocol.decode_path(r.pull_keys), self.index)
         parts = [(table.spec.name, *table.items()) for table in self.tables]
         try:
             size, digest = checkpoint.write_server_file(path, self.index, self.placement.num_servers,
@@ -151,62 +161,70 @@ class Server:
             raise checkpoint.CheckpointError(
                 f"server {self.index} cannot write its checkpoint file {path}: {why}; the checkpoints "
                 f"committed before it are intact") from None
-        reply = self._reply(source, int(h[2]), protocol.CHECKPOINT_REPLY)
-        reply[protocol.REPLY_BYTES:protocol.REPLY_BYTES + 8].view(np.int64)[0] = size
-        text = digest.encode()[:protocol.CHECKPOINT_REPLY - 8]
-        reply[protocol.REPLY_BYTES + 8:] = 0
-        reply[protocol.REPLY_BYTES + 8:protocol.REPLY_BYTES + 8 + len(text)] = np.frombuffer(text, dtype=np.uint8)
-        self._send(reply, source, int(h[2]), "checkpoint reply")
+        reply, payload = self._reply(r.req_id, protocol.CHECKPOINT_RESULT.itemsize)
+        protocol.pack_checkpoint_result(payload, size, digest)
+        self._send(reply, source, r.req_id, "checkpoint reply")
 
     # -- requests ----------------------------------------------------------------------------
 
-    def _reply(self, source: int, req_id: int, payload_bytes: int) -> np.ndarray:
-        buf = np.empty(protocol.REPLY_BYTES + payload_bytes, dtype=np.uint8)
+    def _reply(self, req_id: int, payload_bytes: int) -> tuple[np.ndarray, np.ndarray]:
         status = protocol.STOP if signals.requested() else protocol.OK
-        buf[:protocol.REPLY_BYTES].view(np.int64)[:] = (req_id, status, self.min_clock(), self.index)
-        return buf
+        return protocol.pack_reply(req_id, status, self.min_clock(), self.index, payload_bytes)
 
     def _send(self, buf: np.ndarray, dest: int, req_id: int, what: str) -> None:
         self.sending.extend(transport.start_send(self.comm, buf, dest, protocol.reply_tag(req_id, self.tag_ub), what))
 
-    def _serve_pull(self, source: int, buf: np.ndarray) -> None:
-        h, keys, _ = protocol.unpack_request(buf, self.dims)
-        table, req_id, n = int(h[1]), int(h[2]), int(h[3])
-        dim = self.dims[table]
-        reply = self._reply(source, req_id, 4 * n * dim)
-        out = reply[protocol.REPLY_BYTES:].view(np.float32).reshape(n, dim)
-        self.tables[table].pull(keys, out)
-        self._send(reply, source, req_id, "pull reply")
+    def _serve_pull(self, source: int, r: protocol.Request) -> None:
+        """Answer a pull, or a push-pull (whose reply is also its push's acknowledgement)."""
+        n, dim = r.pull_keys.shape[0], self.dims[r.table]
+        reply, payload = self._reply(r.req_id, 4 * n * dim)
+        if n:
+            self.tables[r.table].pull(r.pull_keys, payload.view(np.float32).reshape(n, dim))
+        self._send(reply, source, r.req_id, f"{protocol.OP_NAMES[r.op]} reply")
+
+    def _push(self, worker: int, r: protocol.Request) -> None:
+        """Apply a push now (SSP/ASP), or keep it for its turn (BSP, see the module docstring)."""
+        if r.push_keys.shape[0] == 0:
+            return
+        if self.staleness == 0:
+            self.seq += 1
+            self.buffered.append((r.clock, worker, self.seq, r))
+        else:
+            self.tables[r.table].push(r.push_keys, r.grads)
+
+    def _advance(self, worker: int, clock: int) -> None:
+        self.clocks[worker] = max(self.clocks[worker], clock)
+        self._apply_buffered()
+        self._release_deferred()
 
     def handle(self, source: int, buf: np.ndarray) -> None:
-        h, keys, grads = protocol.unpack_request(buf, self.dims)
-        op = int(h[0])
+        r = protocol.unpack_request(buf, self.dims)
         worker = source - self.worker_rank0
         self.stats["requests"] += 1
-        if op in (protocol.PULL, protocol.CHECKPOINT):
-            clock = int(h[4])
-            if self._ready(op, clock):
-                self._serve_deferrable(op, source, buf)
-            else:
-                self.deferred.append((source, buf, time.monotonic()))
-                self.stats["deferred"] += 1
-        elif op == protocol.PUSH:
-            if self.staleness == 0:
-                self.seq += 1
-                self.buffered.append((int(h[4]), worker, self.seq, buf))
-            else:
-                self.tables[int(h[1])].push(keys, grads)
-            self._send(self._reply(source, int(h[2]), 0), source, int(h[2]), "push ack")
-        elif op == protocol.CLOCK:
-            self.clocks[worker] = max(self.clocks[worker], int(h[4]))
-            self._apply_buffered()
-            self._release_deferred()
-        elif op == protocol.DONE:
+        if r.op == protocol.PUSHPULL:  # push at clock c, clock c + 1, pull at clock c + 1
+            self._push(worker, r)
+            self._advance(worker, r.clock + 1)
+            self._serve_or_defer(source, r)
+        elif r.op in (protocol.PULL, protocol.CHECKPOINT):
+            self._serve_or_defer(source, r)
+        elif r.op == protocol.PUSH:
+            self._push(worker, r)
+            self._send(self._reply(r.req_id, 0)[0], source, r.req_id, "push ack")
+        elif r.op == protocol.CLOCK:
+            self._advance(worker, r.clock)
+        elif r.op == protocol.DONE:
             self.done[worker] = True
             self._apply_buffered()
             self._release_deferred()
         else:
-            raise RuntimeError(f"server {self.index}: unknown request op {op} from rank {source}")
+            raise RuntimeError(f"server {self.index}: unknown request op {r.op} from rank {source}")
+
+    def _serve_or_defer(self, source: int, r: protocol.Request) -> None:
+        if self._ready(r) or (r.op == protocol.PUSHPULL and r.pull_keys.shape[0] == 0):  # a bare push + clock
+            self._serve_deferrable(source, r)
+        else:
+            self.deferred.append((source, r, time.monotonic()))
+            self.stats["deferred"] += 1
 
     def _apply_buffered(self) -> None:
         """BSP: apply, in (clock, worker, seq) order, the pushes of clocks every worker has passed."""
@@ -217,41 +235,37 @@ class Server:
         if not ready:
             return
         self.buffered = [b for b in self.buffered if b[0] >= limit]
-        for _, _, _, buf in ready:
-            h, keys, grads = protocol.unpack_request(buf, self.dims)
-            self.tables[int(h[1])].push(keys, grads)
+        for _, _, _, r in ready:
+            self.tables[r.table].push(r.push_keys, r.grads)
 
     def _release_deferred(self) -> None:
         if not self.deferred:
             return
         keep = []
-        for source, buf, since in self.deferred:
-            h = buf[:protocol.HEADER_BYTES].view(np.int64)
-            if self._ready(int(h[0]), int(h[4])):
-                self._serve_deferrable(int(h[0]), source, buf)
+        for source, r, since in self.deferred:
+            if self._ready(r):
+                self._serve_deferrable(source, r)
             else:
-                keep.append((source, buf, since))
+                keep.append((source, r, since))
         self.deferred = keep
 
-    def _serve_deferrable(self, op: int, source: int, buf: np.ndarray) -> None:
-        if op == protocol.PULL:
-            self._serve_pull(source, buf)
+    def _serve_deferrable(self, source: int, r: protocol.Request) -> None:
+        if r.op == protocol.CHECKPOINT:
+            self._write_checkpoint(source, r)
         else:
-            self._write_checkpoint(source, buf)
+            self._serve_pull(source, r)
 
     def _check_stalled_pulls(self, warned: set) -> None:
         now = time.monotonic()
-        for source, buf, since in self.deferred:
-            if now - since > self.stall_warn_s and id(buf) not in warned:
-                warned.add(id(buf))
-                h = buf[:protocol.HEADER_BYTES].view(np.int64)
-                clock = int(h[4])
-                need = clock if int(h[0]) == protocol.CHECKPOINT else clock - self.staleness
+        for source, r, since in self.deferred:
+            if now - since > self.stall_warn_s and id(r) not in warned:
+                warned.add(id(r))
+                need = r.clock if r.op == protocol.CHECKPOINT else r.pull_clock - self.staleness
                 behind = [int(w) + self.worker_rank0 for w in np.flatnonzero((self.clocks < need) & ~self.done)]
                 sys.stderr.write(
-                    f"hpcps: server {self.index} (rank {self.comm.Get_rank()}): {protocol.OP_NAMES[int(h[0])]} from rank {source} at clock "
-                    f"{clock} waits {now - since:.0f} s for rank(s) {behind} to reach clock {need} "
-                    f"(staleness {self.staleness})\n")
+                    f"hpcps: server {self.index} (rank {self.comm.Get_rank()}): {protocol.OP_NAMES[r.op]} from rank "
+                    f"{source} at clock {r.pull_clock} waits {now - since:.0f} s for rank(s) {behind} to reach clock "
+                    f"{need} (staleness {self.staleness})\n")
                 sys.stderr.flush()
 
     # -- loop --------------------------------------------------------------------------------

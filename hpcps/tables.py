@@ -37,13 +37,18 @@ def param_range_error(name: str, value: float) -> str | None:
     return None
 
 
+DIRECT_MAX_BITS = 26  # direct addressing costs 4 * 2**key_bits bytes per server: 256 MiB at 26 bits
+
+
 @dataclass(frozen=True)
 class TableSpec:
     """A sparse table: uint64 key → float32 vector of ``dim``, updated by ``optimizer``.
 
     ``init`` is ``zeros``, ``uniform`` (in [-init_scale, init_scale)) or ``normal`` (std
     init_scale), deterministic per key and ``seed``. ``params`` are the optimizer's
-    hyper-parameters (see ``OPTIMIZER_PARAMS`` for names and defaults).
+    hyper-parameters (see ``OPTIMIZER_PARAMS`` for names and defaults). ``key_bits``: the keys are
+    (mostly) below ``2**key_bits``, as hashed features are; up to ``DIRECT_MAX_BITS`` the servers
+    address rows directly by key instead of through a hash table (any key still works).
     """
 
     name: str
@@ -53,6 +58,7 @@ class TableSpec:
     init: str = "zeros"
     init_scale: float = 0.01
     seed: int = 0
+    key_bits: int = 64
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZER_PARAMS:
@@ -66,6 +72,8 @@ class TableSpec:
             raise ValueError(f"table {self.name!r}: unknown init {self.init!r}; expected one of {sorted(kinit.KINDS)}")
         if self.dim < 1:
             raise ValueError(f"table {self.name!r}: dim must be at least 1")
+        if not 1 <= self.key_bits <= 64:
+            raise ValueError(f"table {self.name!r}: key_bits must be between 1 and 64")
         merged = dict(OPTIMIZER_PARAMS[self.optimizer])
         merged.update(self.params)
         for key, value in merged.items():
@@ -73,6 +81,11 @@ class TableSpec:
             if why:
                 raise ValueError(f"table {self.name!r}: {self.optimizer} parameter {key} {why}")
         object.__setattr__(self, "params", merged)
+
+    @property
+    def direct(self) -> bool:
+        """Rows addressed directly by key (a bounded key space) rather than through a hash table."""
+        return self.key_bits <= DIRECT_MAX_BITS
 
     @property
     def width(self) -> int:

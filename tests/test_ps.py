@@ -233,3 +233,30 @@ def test_table_declarations_are_validated():
         TableSpec("w", optimizer="ftrl", params={"lr": 0.1})
     with pytest.raises(ValueError, match="unknown init 'gauss'"):
         TableSpec("w", init="gauss")
+
+
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.mpi(min_size=LAYOUTS[name][0]))
+                                    for name in LAYOUTS])
+@pytest.mark.parametrize("aggregate", [False, True])
+def test_push_pull_pulls_exactly_what_push_clock_pull_would(layout, aggregate):
+    """BSP: the pull of a push-pull at iteration it sees the pushes of every worker up to it,
+    exactly; empty pushes and pulls, keys owned by one server only, and duplicates included."""
+    servers, groups = layout_for(layout)
+    ctx = hpcps.init(servers=servers, worker_groups=groups, staleness=0, stall_timeout_s=60)
+    dim, iters = 2, 10
+    w = ctx.sparse_table("w", dim=dim, optimizer="sgd", params={"lr": 1.0}, key_bits=6)  # direct + overflow keys
+    if ctx.is_server:
+        ctx.serve()
+    else:
+        me, workers = ctx.worker_index, ctx.layout.workers
+        keys, grads = push_plan(me, 0, dim)
+        w.pull(keys)
+        for it in range(iters):
+            nxt = push_plan(me, it + 1, dim)[0]
+            got = w.wait(w.ipushpull(keys, -grads, nxt, aggregate=aggregate))
+            assert ctx.clock_value == it + 1
+            seen = expected_sums(workers, it + 1, dim)  # every worker's pushes of iterations 0..it
+            np.testing.assert_array_equal(got, np.array([seen.get(k, np.zeros(dim)) for k in nxt.tolist()],
+                                                        dtype=np.float32).reshape(-1, dim))
+            keys, grads = nxt, push_plan(me, it + 1, dim)[1]
+    ctx.finalize()

@@ -272,12 +272,24 @@ def run(cfg, comm=None) -> dict | None:
     examples = 0
     preempted = False
     saved_at = -1
+    # The steps left, in order, and their batches: a step is given the next two batches, which
+    # the model pulls and prepares ahead (see Model.step); each batch object is made once.
+    last_index = tr.epochs * steps
+    made: dict[int, object] = {}
+
+    def batch_at(i: int):
+        if i not in made:
+            step_i = i % steps + 1
+            made[i] = train.batch((step_i - 1) * tr.batch_size, step_i * tr.batch_size)
+        return made[i]
+
     for epoch in range(start_epoch, tr.epochs + 1):
         loss_sum, rows = 0.0, 0
         for step in range(start_step if epoch == start_epoch else 1, steps + 1):
-            batch = train.batch((step - 1) * tr.batch_size, step * tr.batch_size)
-            loss = model.step(batch, scale)
-            ctx.clock()
+            i = (epoch - 1) * steps + step - 1
+            batch = batch_at(i)
+            made.pop(i - 1, None)
+            loss = model.step(batch, scale, [batch_at(j) for j in range(i + 1, min(i + 3, last_index))])
             global_step += 1
             loss_sum += loss
             rows += batch.rows

@@ -12,10 +12,23 @@ from __future__ import annotations
 
 import numpy as np
 
+from dataclasses import dataclass
+
 from hpcps_kernels import keys as kkeys
 from hpcps_kernels import models as kmodels
 
 LOSSES = {"logistic": kmodels.LOGISTIC, "squared": kmodels.SQUARED}
+
+
+@dataclass
+class _Prepared:
+    """A batch whose unique keys are known, and whose rows may be on their way (``ts``) or here."""
+
+    batch: object
+    uniq: np.ndarray
+    pos: np.ndarray
+    ts: int | None = None
+    params: np.ndarray | None = None
 
 
 class Model:
@@ -26,7 +39,9 @@ class Model:
         self.loss = LOSSES[cfg.model.loss]
         self.aggregate = cfg.train.aggregate
         self.table = self._declare(ctx, cfg)
-        self._pending = None
+        self.ctx = ctx
+        self._pending = None                 # a push in flight (the last step's, without push-pull)
+        self._ahead: list[_Prepared] = []    # the next batches, prepared (see step)
 
     def _declare(self, ctx, cfg):
         raise NotImplementedError
@@ -37,21 +52,51 @@ class Model:
     def _margins(self, batch, pos, params, out) -> None:
         raise NotImplementedError
 
-    def step(self, batch, scale: float) -> float:
-        """Pull the batch's unique keys, compute, push the gradients; returns the summed loss."""
+    def _prepare(self, batch) -> _Prepared:
+        for p in self._ahead:
+            if p.batch is batch:
+                return p
+        return _Prepared(batch, *kkeys.unique_keys(batch.indices))
+
+    def step(self, batch, scale: float, upcoming=()) -> float:
+        """One iteration: pull the batch's rows, compute, push the gradients, end the clock.
+        Returns the summed loss.
+
+        ``upcoming``: the batches this worker trains on next (the same objects will be passed to
+        the next steps). With them the step pipelines (the seeds' pipelining, one level down): the
+        push of this step, the clock and the pull of the next batch's rows go in one push-pull
+        round trip, and the keys of the batch after it are deduplicated while the servers work.
+        Under BSP the numbers are those of the unpipelined step, bit for bit.
+        """
         if self._pending is not None:
             self.table.wait(self._pending)  # at most one push in flight
-        uniq, pos = kkeys.unique_keys(batch.indices)
-        params = self.table.pull(uniq)
-        grads = np.empty_like(params)
-        loss = self._forward_backward(batch, pos, params, grads, scale) if batch.rows else 0.0
-        self._pending = self.table.push(uniq, grads, aggregate=self.aggregate)
+            self._pending = None
+        cur = self._prepare(batch)
+        if cur.params is None:
+            cur.params = self.table.wait(cur.ts) if cur.ts is not None else self.table.pull(cur.uniq)
+        self._ahead = [p for p in self._ahead if p is not cur]
+        grads = np.empty_like(cur.params)
+        loss = self._forward_backward(batch, cur.pos, cur.params, grads, scale) if batch.rows else 0.0
+        if upcoming:
+            nxt = self._prepare(upcoming[0])
+            nxt.ts = self.table.ipushpull(cur.uniq, grads, nxt.uniq, aggregate=self.aggregate)
+            self._ahead = [nxt]
+            if len(upcoming) > 1:  # overlaps the servers' work on the push-pull just sent
+                self._ahead.append(self._prepare(upcoming[1]))
+        else:
+            self._pending = self.table.push(cur.uniq, grads, aggregate=self.aggregate)
+            self.ctx.clock()
         return loss
 
     def finish(self) -> None:
+        """Wait for every request in flight (pulled rows ahead are kept for their step)."""
         if self._pending is not None:
             self.table.wait(self._pending)
             self._pending = None
+        for p in self._ahead:
+            if p.ts is not None:
+                p.params = self.table.wait(p.ts)
+                p.ts = None
 
     def margins(self, batch) -> np.ndarray:
         uniq, pos = kkeys.unique_keys(batch.indices)
@@ -65,7 +110,7 @@ class Model:
 class LinearModel(Model):
     def _declare(self, ctx, cfg):
         return ctx.sparse_table("w", dim=1, optimizer=cfg.optimizer.name, params=cfg.optimizer.params,
-                                init="zeros", seed=cfg.model.seed)
+                                init="zeros", seed=cfg.model.seed, key_bits=cfg.data.hash_bits)
 
     def _forward_backward(self, batch, pos, params, grads, scale):
         return kmodels.lr_forward_backward(batch.indptr, pos, batch.values, batch.labels, params[:, 0],
@@ -79,7 +124,7 @@ class FactorizationMachine(Model):
     def _declare(self, ctx, cfg):
         return ctx.sparse_table("fm", dim=1 + cfg.model.factors, optimizer=cfg.optimizer.name,
                                 params=cfg.optimizer.params, init="normal", init_scale=cfg.model.init_scale,
-                                seed=cfg.model.seed)
+                                seed=cfg.model.seed, key_bits=cfg.data.hash_bits)
 
     def _forward_backward(self, batch, pos, params, grads, scale):
         return kmodels.fm_forward_backward(batch.indptr, pos, batch.values, batch.labels, params[:, 0],
