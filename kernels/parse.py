@@ -1,6 +1,7 @@
 """Text parsing into CSR: libsvm/svmlight, and Criteo-format TSV hashed into uint64 keys.
 
 Both parsers read a uint8 array of whole lines (a chunk of a file) and fill preallocated arrays.
+The kernels release the GIL, so a reader thread parses while the training thread runs.
 A malformed line stops the parse with an error code and the line's number; with ``skip_bad`` it is
 skipped and counted instead. The Python wrappers (:func:`parse_libsvm`, :func:`parse_criteo`)
 allocate, call the kernel and raise :class:`ParseError` naming the source and line.
@@ -132,12 +133,13 @@ def _line_end(buf, i, n):
     return i
 
 
-@njit(cache=True)
-def libsvm_kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen):
+@njit(cache=True, nogil=True)
+def libsvm_kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen, with_bias, bias):
     """Parse libsvm lines. Returns (rows, nnz, status, bad line index (0-based), lines skipped).
 
     ``binary``: labels must be in {0, 1} or {-1, +1}; -1 is stored as 0. ``seen`` (int64[2]) says
     whether a label 0 / -1 was met, here or in an earlier chunk of the same file (updated).
+    ``with_bias``: every row ends with the feature ``bias: 1``.
     """
     n = buf.shape[0]
     i = 0
@@ -218,6 +220,10 @@ def libsvm_kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen):
                 values[row_nnz] = v
                 row_nnz += 1
             if status == OK:
+                if with_bias:
+                    indices[row_nnz] = bias
+                    values[row_nnz] = 1.0
+                    row_nnz += 1
                 labels[rows] = lab
                 nnz = row_nnz
                 rows += 1
@@ -241,8 +247,8 @@ def _int_bucket(v):
     return np.int64(math.floor(lv * lv))
 
 
-@njit(cache=True)
-def criteo_kernel(buf, labels, indptr, indices, skip_bad, mask):
+@njit(cache=True, nogil=True)
+def criteo_kernel(buf, labels, indptr, indices, skip_bad, mask, with_bias, bias):
     """Parse Criteo TSV lines into hashed keys. Returns like :func:`libsvm_kernel`."""
     n = buf.shape[0]
     i = 0
@@ -312,6 +318,9 @@ def criteo_kernel(buf, labels, indptr, indices, skip_bad, mask):
         if status == OK and col != 40:
             status = BAD_COLUMNS
         if status == OK:
+            if with_bias:
+                indices[row_nnz] = bias
+                row_nnz += 1
             labels[rows] = lab
             nnz = row_nnz
             rows += 1
@@ -325,7 +334,7 @@ def criteo_kernel(buf, labels, indptr, indices, skip_bad, mask):
     return rows, nnz, OK, -1, skipped
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def count_byte(buf, value):
     """How many times ``value`` occurs in ``buf`` (no temporary array)."""
     n = 0
@@ -347,43 +356,46 @@ def _line_text(buf: np.ndarray, line: int) -> str:
 
 
 def parse_libsvm(data, *, source: str = "<bytes>", first_line: int = 1, skip_bad: bool = False,
-                 binary: bool = False, seen: np.ndarray | None = None):
-    """Parse libsvm text. Returns ``(labels f32, indptr i64, indices u64, values f32, skipped)``.
+                 binary: bool = False, seen: np.ndarray | None = None, bias: int | None = None):
+    """Parse libsvm text. Returns ``(labels f32, indptr i64, indices u64, values f32, skipped)``
+    (views of arrays sized for the worst case: no copy).
 
     ``first_line`` is the number of the chunk's first line in its file (for error messages).
     ``binary``: labels for the logistic loss, {0, 1} or {-1, +1} (stored as 0/1); ``seen`` carries
     which of 0 and -1 earlier chunks of the same file had (int64[2], updated in place).
+    ``bias``: a key appended to every row with value 1.
     """
     buf = _as_bytes(data)
     max_rows = int(count_byte(buf, NL)) + 1
-    max_nnz = int(count_byte(buf, COLON))
+    max_nnz = int(count_byte(buf, COLON)) + (max_rows if bias is not None else 0)
     labels = np.empty(max_rows, dtype=np.float32)
     indptr = np.empty(max_rows + 1, dtype=np.int64)
     indices = np.empty(max_nnz, dtype=np.uint64)
     values = np.empty(max_nnz, dtype=np.float32)
     if seen is None:
         seen = np.zeros(2, dtype=np.int64)
-    rows, nnz, status, bad, skipped = libsvm_kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen)
+    rows, nnz, status, bad, skipped = libsvm_kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen,
+                                                    bias is not None, np.uint64(bias or 0))
     if status != OK:
         raise ParseError(source, first_line + bad, MESSAGES[status], _line_text(buf, bad))
-    return labels[:rows].copy(), indptr[: rows + 1].copy(), indices[:nnz].copy(), values[:nnz].copy(), int(skipped)
+    return labels[:rows], indptr[: rows + 1], indices[:nnz], values[:nnz], int(skipped)
 
 
 def parse_criteo(data, *, source: str = "<bytes>", first_line: int = 1, skip_bad: bool = False,
-                 bits: int = 64):
-    """Parse Criteo TSV. Returns ``(labels f32, indptr i64, indices u64, values f32, skipped)``;
-    keys are reduced to ``bits`` bits."""
+                 bits: int = 64, bias: int | None = None):
+    """Parse Criteo TSV. Returns ``(labels f32, indptr i64, indices u64, values f32, skipped)``
+    (views, no copy); keys are reduced to ``bits`` bits; ``bias``: a key appended to every row."""
     buf = _as_bytes(data)
     max_rows = int(count_byte(buf, NL)) + 1
     labels = np.empty(max_rows, dtype=np.float32)
     indptr = np.empty(max_rows + 1, dtype=np.int64)
-    indices = np.empty(max_rows * 39, dtype=np.uint64)
+    indices = np.empty(max_rows * (40 if bias is not None else 39), dtype=np.uint64)
     mask = np.uint64(2**bits - 1) if bits < 64 else np.uint64(2**64 - 1)
-    rows, nnz, status, bad, skipped = criteo_kernel(buf, labels, indptr, indices, skip_bad, mask)
+    rows, nnz, status, bad, skipped = criteo_kernel(buf, labels, indptr, indices, skip_bad, mask,
+                                                    bias is not None, np.uint64(bias or 0))
     if status != OK:
         raise ParseError(source, first_line + bad, MESSAGES[status], _line_text(buf, bad))
-    return (labels[:rows].copy(), indptr[: rows + 1].copy(), indices[:nnz].copy(),
-            np.ones(nnz, dtype=np.float32), int(skipped))
+    return labels[:rows], indptr[: rows + 1], indices[:nnz], np.ones(nnz, dtype=np.float32), int(skipped)
 
 
 @njit(cache=True)
