@@ -49,7 +49,9 @@ class Data:
     format: str = "auto"             # libsvm | criteo | auto (criteo if the first line has a tab)
     hash_bits: int = 24              # keys are masked to this many bits (Criteo hashes; libsvm indices)
     skip_bad_lines: bool = False     # count and skip malformed lines instead of stopping
-    cache_dir: str = ""              # binary cache of parsed data ("" = none)
+    cache_dir: str = ""              # binary cache of parsed data ("" = none; then the part is loaded whole)
+    memory_mb: float = 0.0           # 0: keep the parsed training part in memory; > 0: hold at most this
+                                     # much parsed data, reading the file again each epoch
     predict: str = ""                # after training, score this file ...
     predict_out: str = ""            # ... into this file, one score per row in input order
 
@@ -232,6 +234,7 @@ RANGES = {
     ("cluster", "stall_warn_s"): (0, INF, True),
     ("cluster", "stall_timeout_s"): (0, INF, True),
     ("data", "hash_bits"): (1, 64, False),
+    ("data", "memory_mb"): (0, INF, False),
     ("synth", "rows"): (1, INF, False),
     ("synth", "test_rows"): (1, INF, False),
     ("synth", "fields"): (2, 39, False),

@@ -118,3 +118,39 @@ def test_parsing_in_small_blocks_gives_the_same_rows_and_line_numbers(dataset, t
     with pytest.raises(data.DataError, match=rf"^{path}:1235: bad number"):
         for i in range(3):
             data.load_part(str(path), i, 3)
+
+
+# -- streaming: batches while the next block parses in the background ---------------------------------
+
+@pytest.mark.parametrize("block_bytes,memory_mb", [(1 << 12, 0), (1 << 14, 1.0), (1 << 30, 0)])
+@pytest.mark.parametrize("fmt", ["libsvm", "criteo"])
+def test_stream_batches_equal_the_loaded_part(dataset, fmt, block_bytes, memory_mb):
+    path = dataset.files[f"train_{fmt}"]
+    whole = data.load_part(path, 1, 3, binary=True)
+    stream = data.PartStream(path, 1, 3, binary=True, memory_mb=memory_mb, block_bytes=block_bytes).open()
+    assert stream.rows_bound == whole.rows
+    bs = 97
+    steps = -(-whole.rows // bs)
+    for epoch in range(2):  # kept blocks (memory_mb 0) or read again (a budget)
+        for skip in (0, 5) if epoch == 0 else (0,):
+            it = stream.batches(bs, skip=skip)
+            for i in range(skip, steps + 2):
+                b = next(it)
+                ref = whole.batch(i * bs, (i + 1) * bs)
+                np.testing.assert_array_equal(b.labels, ref.labels)
+                np.testing.assert_array_equal(b.indptr, ref.indptr)
+                np.testing.assert_array_equal(b.indices, ref.indices)
+                np.testing.assert_array_equal(b.values, ref.values)
+            it.close()
+    assert (stream.kept is not None) == (memory_mb == 0)
+
+
+def test_a_bad_line_in_a_later_block_stops_the_stream_naming_it(dataset, tmp_path):
+    lines = open(dataset.files["train_libsvm"], "rb").read().splitlines(keepends=True)
+    lines[1500] = b"1 4:zz\n"
+    path = tmp_path / "bad.svm"
+    path.write_bytes(b"".join(lines))
+    stream = data.PartStream(str(path), 0, 1, block_bytes=1 << 14).open()  # the first block is fine
+    with pytest.raises(data.DataError, match=rf"{path}:1501: bad number"):
+        for _ in stream.batches(100):
+            pass

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import queue
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -111,16 +113,13 @@ class Dataset:
             raise DataError(f"{self.source}: a label is NaN or infinite")
 
 
-def _with_bias(indptr, indices, values):
-    return parse.append_feature(indptr, indices, values, BIAS_KEY, np.float32(1.0))
-
-
-def _parse_part(path: str, start: int, end: int, fmt: str, hash_bits: int, skip_bad: bool, binary: bool):
+def _parse_blocks(path: str, start: int, end: int, fmt: str, hash_bits: int, skip_bad: bool, binary: bool,
+                  block_bytes: int = 0):
     """Parse ``path[start:end]`` block by block: each block is read into one reusable buffer after
-    the previous block's unfinished line, and parsed in place (no copies of the text)."""
-    pieces = []
-    skipped = 0
-    buf = bytearray(min(BLOCK, end - start) + (1 << 20))
+    the previous block's unfinished line, and parsed in place (no copies of the text). Yields
+    ``(labels, indptr, indices, values, skipped)`` per block (new arrays: the buffer is reused)."""
+    block_bytes = block_bytes or BLOCK
+    buf = bytearray(min(block_bytes, end - start) + (1 << 16))
     view = memoryview(buf)
     seen = np.zeros(2, dtype=np.int64)  # binary labels: a 0 / a -1 met in an earlier block
     carry = 0          # bytes of an unfinished line at the front of buf
@@ -129,7 +128,7 @@ def _parse_part(path: str, start: int, end: int, fmt: str, hash_bits: int, skip_
         f.seek(start)
         pos = start
         while pos < end or carry:
-            want = min(BLOCK, end - pos)
+            want = min(block_bytes, end - pos)
             if len(buf) < carry + want:  # a line longer than the spare room: grow
                 del view
                 buf = buf + bytearray(carry + want - len(buf))
@@ -144,10 +143,11 @@ def _parse_part(path: str, start: int, end: int, fmt: str, hash_bits: int, skip_
             block = np.frombuffer(view[:cut], dtype=np.uint8)
             try:
                 if fmt == "criteo":
-                    out = parse.parse_criteo(block, source=path, first_line=1, skip_bad=skip_bad, bits=hash_bits)
+                    out = parse.parse_criteo(block, source=path, first_line=1, skip_bad=skip_bad, bits=hash_bits,
+                                             bias=int(BIAS_KEY))
                 else:
                     out = parse.parse_libsvm(block, source=path, first_line=1, skip_bad=skip_bad,
-                                             binary=binary, seen=seen)
+                                             binary=binary, seen=seen, bias=int(BIAS_KEY))
             except parse.ParseError as e:
                 line = _count_lines_before(path, block_start) + e.line
                 text = str(e).split(": ", 2)[-1] if str(e).count(": ") >= 2 else ""
@@ -155,23 +155,34 @@ def _parse_part(path: str, start: int, end: int, fmt: str, hash_bits: int, skip_
             finally:
                 del block
             labels, indptr, indices, values, sk = out
-            skipped += sk
             if fmt == "libsvm" and hash_bits < 64 and indices.size:
+                bias_at = indptr[1:] - 1  # the bias keys (each row's last) stay as they are
                 indices &= np.uint64(2**hash_bits - 1)
-            pieces.append((labels, indptr, indices, values))
+                indices[bias_at] = BIAS_KEY
             carry = n - cut
             buf[:carry] = buf[cut:n]
             block_start += cut
+            yield labels, indptr, indices, values, sk
+
+
+def _concat(pieces: list) -> tuple:
+    """One CSR part from consecutive (labels, indptr, indices, values) pieces."""
     if not pieces:
-        return (np.zeros(0, np.float32), np.zeros(1, np.int64), np.zeros(0, np.uint64), np.zeros(0, np.float32)), skipped
+        return np.zeros(0, np.float32), np.zeros(1, np.int64), np.zeros(0, np.uint64), np.zeros(0, np.float32)
     if len(pieces) == 1:
-        return pieces[0], skipped
+        return tuple(pieces[0][:4])
     labels = np.concatenate([p[0] for p in pieces])
-    offsets = np.cumsum([0] + [p[1][-1] for p in pieces[:-1]])
-    indptr = np.concatenate([[0]] + [p[1][1:] + o for p, o in zip(pieces, offsets)]).astype(np.int64)
+    offsets = np.cumsum([0] + [p[1][-1] - p[1][0] for p in pieces[:-1]])
+    indptr = np.concatenate([[0]] + [p[1][1:] - p[1][0] + o for p, o in zip(pieces, offsets)]).astype(np.int64)
     indices = np.concatenate([p[2] for p in pieces])
     values = np.concatenate([p[3] for p in pieces])
-    return (labels, indptr, indices, values), skipped
+    return labels, indptr, indices, values
+
+
+def _parse_part(path: str, start: int, end: int, fmt: str, hash_bits: int, skip_bad: bool, binary: bool):
+    """The whole of ``path[start:end]``, parsed: ((labels, indptr, indices, values), skipped)."""
+    pieces = list(_parse_blocks(path, start, end, fmt, hash_bits, skip_bad, binary))
+    return _concat(pieces), sum(p[4] for p in pieces)
 
 
 def load_part(path: str, part: int, parts: int, fmt: str = "auto", hash_bits: int = 24,
@@ -195,7 +206,6 @@ def load_part(path: str, part: int, parts: int, fmt: str = "auto", hash_bits: in
             skipped = int(open(os.path.join(cache, "done")).read() or 0)
             return Dataset(*arrays, skipped=skipped, source=path)
     (labels, indptr, indices, values), skipped = _parse_part(path, start, end, fmt, hash_bits, skip_bad, binary)
-    indptr, indices, values = _with_bias(indptr, indices, values)
     ds = Dataset(labels, indptr, indices, values, skipped, path)
     ds.check_finite()
     if cache:
@@ -210,3 +220,172 @@ def load_part(path: str, part: int, parts: int, fmt: str = "auto", hash_bits: in
         except OSError:  # another process won the race: use theirs
             pass
     return ds
+
+
+def rows_bound(path: str, start: int, end: int) -> int:
+    """At most how many rows ``path[start:end]`` holds (its lines; blank, comment and skipped
+    lines make it an upper bound)."""
+    n, last = 0, b"\n"
+    with open(path, "rb") as f:
+        f.seek(start)
+        left = end - start
+        while left > 0:
+            chunk = f.read(min(4 << 20, left))  # small reads: this must not hold the part
+            if not chunk:
+                break
+            n += chunk.count(b"\n")
+            last = chunk[-1:]
+            left -= len(chunk)
+    return n + (1 if end > start and last != b"\n" else 0)
+
+
+class PartStream:
+    """A worker's part of a training file, read as consecutive batches while it trains.
+
+    Blocks of the part are parsed in a background thread (the parse kernels release the GIL)
+    while the current block trains, so parsing overlaps training instead of preceding it. The
+    first block is parsed at :meth:`open`, where its errors are reported like any loading error;
+    a bad line further on stops the job from the reader, naming the file and line.
+
+    ``memory_mb`` = 0 keeps every parsed block for the next epochs (the part must fit in memory,
+    as parsed arrays). ``memory_mb`` > 0 never holds more parsed rows than that: blocks of about a
+    tenth of the budget, one parsed ahead; each epoch reads and parses the part again.
+    """
+
+    def __init__(self, path: str, part: int, parts: int, fmt: str = "auto", hash_bits: int = 24,
+                 skip_bad: bool = False, binary: bool = False, memory_mb: float = 0.0, block_bytes: int = 0):
+        if not os.path.isfile(path):
+            raise DataError(f"data file {path} not found")
+        self.path, self.fmt = path, detect_format(path, fmt)
+        self.hash_bits, self.skip_bad, self.binary = hash_bits, skip_bad, binary
+        self.start, self.end = byte_range(path, part, parts)
+        self.rows_bound = rows_bound(path, self.start, self.end)
+        self.keep = memory_mb <= 0
+        # a parsed byte of text takes up to about 3 bytes in arrays (Criteo: 40 keys of 8 bytes, values
+        # of 4, per line of ~250 characters) plus the text buffer: ten blocks fit the budget
+        self.block_bytes = block_bytes or (32 << 20 if self.keep else max(1 << 16, int(memory_mb * (1 << 20)) // 10))
+        self.kept: list[Dataset] | None = None
+        self.skipped = 0          # lines skipped so far (all of them after a whole pass)
+        self._first: Dataset | None = None
+        self._blocks = None
+        self._reader: threading.Thread | None = None
+
+    def _dataset(self, out) -> Dataset:
+        labels, indptr, indices, values, sk = out
+        ds = Dataset(labels, indptr, indices, values, sk, self.path)
+        ds.check_finite()
+        return ds
+
+    def _generator(self):
+        return _parse_blocks(self.path, self.start, self.end, self.fmt, self.hash_bits, self.skip_bad,
+                             self.binary, self.block_bytes)
+
+    def open(self) -> "PartStream":
+        """Parse the first block now (raises DataError for a bad line in it)."""
+        self._blocks = self._generator()
+        try:
+            self._first = self._dataset(next(self._blocks))
+        except StopIteration:
+            self._first = None
+        return self
+
+    def _epoch_blocks(self):
+        """The parsed blocks of one pass, the next one parsed in a background thread. The reader
+        keeps the blocks for later passes itself (``memory_mb`` = 0), so a pass whose last rows
+        the training did not ask for is complete all the same."""
+        if self._reader is not None:
+            self._reader.join()  # the previous pass's reader: done once all its rows were taken
+        if self.kept is not None:
+            yield from self.kept
+            return
+        first, blocks = self._first, self._blocks if self._blocks is not None else self._generator()
+        self._first, self._blocks = None, None
+        ahead: queue.Queue = queue.Queue(maxsize=1)
+
+        def read():
+            keep = [] if self.keep else None
+            skipped = first.skipped if first is not None else 0
+            try:
+                for out in blocks:
+                    ds = self._dataset(out)
+                    skipped += ds.skipped
+                    if keep is not None:
+                        keep.append(ds)
+                    ahead.put(("block", ds))
+                self.skipped = skipped
+                if keep is not None:
+                    self.kept = ([first] if first is not None else []) + keep
+                ahead.put(("end", None))
+            except BaseException as e:  # handed to the training thread, which raises it
+                ahead.put(("error", e))
+
+        self._reader = threading.Thread(target=read, name=f"reader of {os.path.basename(self.path)}", daemon=True)
+        self._reader.start()
+        if first is not None:
+            yield first
+        while True:
+            kind, item = ahead.get()
+            if kind == "end":
+                return
+            if kind == "error":
+                raise item
+            yield item
+
+    def batches(self, batch_size: int, skip: int = 0):
+        """One pass over the part as batches of ``batch_size`` consecutive rows (the last may be
+        shorter; then empty batches for ever), after skipping the first ``skip`` batches."""
+        pending: list[Dataset] = []   # the rows not yet batched, in order
+        have = 0
+        to_skip = skip * batch_size
+        for block in self._epoch_blocks():
+            if to_skip:
+                cut = min(to_skip, block.rows)
+                to_skip -= cut
+                block = block.batch(cut, block.rows)
+            pending.append(block)
+            have += block.rows
+            while have >= batch_size:
+                b, pending, have = _take(pending, batch_size, have)
+                yield b
+        if have:
+            b, pending, have = _take(pending, have, have)
+            yield b
+        empty = Dataset(np.zeros(0, np.float32), np.zeros(1, np.int64), np.zeros(0, np.uint64), np.zeros(0, np.float32))
+        while True:
+            yield empty
+
+
+def _take(pending: list, n: int, have: int):
+    """The first ``n`` rows of the blocks in ``pending`` as one batch (a view when they lie in one
+    block, a copy when they straddle two), and what is left."""
+    first = pending[0]
+    if first.rows >= n:
+        rest = [first.batch(n, first.rows)] if first.rows > n else []
+        return first.batch(0, n), rest + pending[1:], have - n
+    pieces, got, i = [], 0, 0
+    while got < n:
+        p = pending[i]
+        take = min(p.rows, n - got)
+        b = p.batch(0, take)
+        pieces.append((b.labels, b.indptr, b.indices, b.values))
+        got += take
+        i += 1
+    last = pending[i - 1]
+    used = take
+    rest = ([last.batch(used, last.rows)] if used < last.rows else []) + pending[i:]
+    return Dataset(*_concat(pieces)), rest, have - n
+
+
+class LoadedPart:
+    """A part loaded whole (:func:`load_part`) behind the interface of :class:`PartStream`."""
+
+    def __init__(self, ds: Dataset):
+        self.ds = ds
+        self.rows_bound = ds.rows
+        self.skipped = ds.skipped
+
+    def batches(self, batch_size: int, skip: int = 0):
+        lo = skip * batch_size
+        while True:
+            yield self.ds.batch(lo, lo + batch_size)
+            lo += batch_size

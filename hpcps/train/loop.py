@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import tempfile
 import time
 
@@ -115,16 +116,25 @@ def check_same_data(manifest: dict, now: dict) -> str | None:
             + ". Set checkpoint.allow_other_data = true to resume anyway")
 
 
-def _load(ctx, cfg, path: str, what: str) -> tdata.Dataset | None:
-    """Collective over the world: workers load their part of ``path``; any error is raised on
-    every rank with every failing rank's message."""
+def _load(ctx, cfg, path: str, what: str, stream: bool = False):
+    """Collective over the world: workers load their part of ``path`` (or open it as a
+    :class:`~hpcps.train.data.PartStream`, parsing its first block); any error is raised on every
+    rank with every failing rank's message."""
     ds, error = None, None
     if ctx.is_worker and path:
         try:
-            ds = tdata.load_part(path, ctx.worker_index, ctx.layout.workers, cfg.data.format,
-                                 cfg.data.hash_bits, cfg.data.skip_bad_lines, cfg.data.cache_dir,
-                                 binary=cfg.model.loss == "logistic")
-            if ds.rows == 0:
+            d = cfg.data
+            if stream and not d.cache_dir:
+                ds = tdata.PartStream(path, ctx.worker_index, ctx.layout.workers, d.format, d.hash_bits,
+                                      d.skip_bad_lines, cfg.model.loss == "logistic", d.memory_mb).open()
+                rows = ds.rows_bound
+            else:
+                ds = tdata.load_part(path, ctx.worker_index, ctx.layout.workers, d.format, d.hash_bits,
+                                     d.skip_bad_lines, d.cache_dir, binary=cfg.model.loss == "logistic")
+                rows = ds.rows
+                if stream:
+                    ds = tdata.LoadedPart(ds)
+            if rows == 0:
                 error = (f"{what} file {path}: this worker's byte range holds no rows "
                          f"({ctx.layout.workers} workers for a file of {os.path.getsize(path)} bytes); "
                          f"use fewer workers or more data")
@@ -211,12 +221,12 @@ def run(cfg, comm=None) -> dict | None:
                num_shards=cl.num_shards, stall_warn_s=cl.stall_warn_s, stall_timeout_s=cl.stall_timeout_s,
                comm=world)
     model = make_model(ctx, cfg)
-    train = _load(ctx, cfg, paths["train"], "training")
+    train = _load(ctx, cfg, paths["train"], "training", stream=True)
     test = _load(ctx, cfg, paths["test"], "test")
     to_predict = _load(ctx, cfg, cfg.data.predict, "prediction")
     if ctx.is_server:
         ctx.serve(restore)
-        preempted = _agree_preempted(ctx, False)
+        preempted = _agree_preempted(ctx, False)[0]
         if cfg.train.model_out and not preempted:
             model_file.export_from_servers(ctx, model.table.name, cfg.train.model_out,
                                            {"model": cfg.model.type, "loss": cfg.model.loss,
@@ -227,10 +237,10 @@ def run(cfg, comm=None) -> dict | None:
     tr = cfg.train
     wcomm = ctx.workers_comm
     first = wcomm.Get_rank() == 0
-    steps = int(transport.allreduce(wcomm, np.array([math.ceil(train.rows / tr.batch_size)]), "max",
+    # every worker takes the same number of steps: enough for the largest part (its lines: blank,
+    # comment or skipped lines only add empty steps at the end)
+    steps = int(transport.allreduce(wcomm, np.array([math.ceil(train.rows_bound / tr.batch_size)]), "max",
                                     ctx.stall_timeout_s, "agreement on steps per epoch")[0])
-    skipped = int(transport.allreduce(wcomm, np.array([train.skipped + (test.skipped if test else 0)]), "sum",
-                                      ctx.stall_timeout_s)[0])
     # "sum": each row's gradient counts in full (per-coordinate optimizers like FTRL and AdaGrad
     # set their own step sizes, and a mean would shrink rare keys' gradients by the batch size);
     # "mean": the gradient of the mean loss over the group's rows (the objective of plain SGD).
@@ -238,8 +248,7 @@ def run(cfg, comm=None) -> dict | None:
     progress = Progress(first and tr.progress, steps, ctx.layout.workers, tr.metrics if first else "")
     if first:
         print(f"hpcps train: {ctx.layout.describe()}; {cfg.model.type} with {cfg.optimizer.name}, "
-              f"staleness {cl.staleness}; {train.rows} rows on this worker, {steps} steps/epoch"
-              + (f"; {skipped} bad lines skipped" if skipped else ""), flush=True)
+              f"staleness {cl.staleness}; {train.rows_bound} rows on this worker, {steps} steps/epoch", flush=True)
     start_epoch, start_step, global_step = 1, 1, 0
     if restore is not None:
         pos = restore[1]["position"]
@@ -273,14 +282,22 @@ def run(cfg, comm=None) -> dict | None:
     preempted = False
     saved_at = -1
     # The steps left, in order, and their batches: a step is given the next two batches, which
-    # the model pulls and prepares ahead (see Model.step); each batch object is made once.
+    # the model pulls and prepares ahead (see Model.step); each batch object is made once, in
+    # order, from one pass over the worker's part per epoch.
     last_index = tr.epochs * steps
     made: dict[int, object] = {}
+    feed = {"epoch": None, "batches": None}
 
     def batch_at(i: int):
         if i not in made:
-            step_i = i % steps + 1
-            made[i] = train.batch((step_i - 1) * tr.batch_size, step_i * tr.batch_size)
+            epoch_i = i // steps + 1
+            if feed["epoch"] != epoch_i:
+                skip = start_step - 1 if epoch_i == start_epoch else 0
+                feed.update(epoch=epoch_i, batches=train.batches(tr.batch_size, skip))
+            try:
+                made[i] = next(feed["batches"])
+            except tdata.DataError as e:  # a bad line past the first block: this rank stops the job
+                transport.abort(f"error: {e}", code=2)
         return made[i]
 
     for epoch in range(start_epoch, tr.epochs + 1):
@@ -329,6 +346,10 @@ def run(cfg, comm=None) -> dict | None:
     elapsed = time.perf_counter() - t0
     if ck.dir and ck.final and not preempted and saved_at != global_step:
         save(tr.epochs + 1, 1, "end of training")
+    skipped = int(transport.allreduce(wcomm, np.array([train.skipped + (test.skipped if test else 0)]), "sum",
+                                      ctx.stall_timeout_s, "sum of skipped lines")[0])
+    if skipped and first:
+        print(f"hpcps train: {skipped} bad lines skipped", flush=True)
     predicted = 0
     if to_predict is not None and not preempted:
         predicted = predict(ctx, model, to_predict, tr.batch_size, cfg.model.loss, cfg.data.predict_out)
@@ -342,13 +363,14 @@ def run(cfg, comm=None) -> dict | None:
             print(f"hpcps train: stopped by a signal after a checkpoint; rerun with --resume auto "
                   f"(exit status {EXIT_PREEMPTED})", flush=True)
         return Result(None, True, resumed)
-    _agree_preempted_worker(ctx, False)
+    _, worker_rss, server_rss = _agree_preempted_worker(ctx, False)
     ctx.finalize()
     if not first:
         return Result(None, False, resumed)
     summary = {"examples": examples, "time_s": elapsed, "examples_per_s": examples / elapsed,
                "workers": ctx.layout.workers, "servers": ctx.layout.servers, **(history[-1] if history else {}),
-               "max_wait_s": wait, "max_staleness": ctx.stats["max_staleness"], "bad_lines_skipped": skipped}
+               "max_wait_s": wait, "max_staleness": ctx.stats["max_staleness"], "bad_lines_skipped": skipped,
+               "peak_rss_mb_worker": worker_rss, "peak_rss_mb_server": server_rss}
     if synth_info:
         summary["best_test_logloss"] = synth_info["best_test_logloss"]
         summary["best_test_auc"] = synth_info["best_test_auc"]
@@ -368,15 +390,23 @@ def run(cfg, comm=None) -> dict | None:
     return Result(summary, False, resumed)
 
 
-def _agree_preempted(ctx, mine: bool) -> bool:
-    """Collective over the world (servers after serving, workers before finalizing)."""
-    flag = transport.allreduce(ctx.comm, np.array([int(mine)]), "max", ctx.stall_timeout_s,
+def _peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _agree_preempted(ctx, mine: bool) -> tuple[bool, float, float]:
+    """Collective over the world (servers after serving, workers before finalizing): whether any
+    rank stopped on a signal, and the largest peak memory of a worker and of a server (MiB)."""
+    rss = _peak_rss_mb()
+    flag = transport.allreduce(ctx.comm, np.array([float(mine), rss if ctx.is_worker else 0.0,
+                                                   rss if ctx.is_server else 0.0]), "max", ctx.stall_timeout_s,
                                "agreement on the end of training")
-    return bool(flag[0])
+    return bool(flag[0]), float(flag[1]), float(flag[2])
 
 
-def _agree_preempted_worker(ctx, mine: bool) -> None:
+def _agree_preempted_worker(ctx, mine: bool) -> tuple[bool, float, float]:
     # workers send DONE first (after their requests complete) so that the servers leave their
     # loop and join the agreement
     ctx.finish_serving()
-    _agree_preempted(ctx, mine)
+    return _agree_preempted(ctx, mine)
