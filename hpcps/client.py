@@ -93,7 +93,7 @@ class SparseTable:
         self._requests[ts] = req
         return ts
 
-    def ipushpull(self, push_keys, grads, pull_keys, aggregate: bool = False) -> int:
+    def ipushpull(self, push_keys, grads, pull_keys, aggregate: bool = False, unique: bool = False) -> int:
         """Push a step's gradients, end the step (the clock), and start pulling the next step's
         keys, in one message to each server (ps-lite's ZPushPull). Returns a timestamp for
         :meth:`wait`, which returns the pulled rows.
@@ -101,12 +101,13 @@ class SparseTable:
         Equivalent to ``push(push_keys, grads, aggregate); ctx.clock(); ipull(pull_keys)``, with
         one round trip instead of three messages and a reply per server. Under BSP the pull is
         answered once every worker has passed the clock, so it sees every push of the step.
+        ``unique``: both key arrays are already distinct (in any order): no dedup.
         """
         ctx = self.ctx
-        push_keys, grads = self._prepare_push(push_keys, grads, aggregate)
+        push_keys, grads = self._prepare_push(push_keys, grads, aggregate, unique)
         pull_keys = np.ascontiguousarray(pull_keys, dtype=np.uint64).reshape(-1)
         expand = None
-        if not kkeys.is_sorted_unique(pull_keys):
+        if not unique and not kkeys.is_sorted_unique(pull_keys):
             pull_keys, expand = kkeys.unique_keys(pull_keys)
         if max(push_keys.shape[0], pull_keys.shape[0]) > self.max_keys:  # too big for one message
             self.wait(self._send(protocol.PUSH, push_keys, grads))
@@ -114,30 +115,34 @@ class SparseTable:
             return self.ipull(pull_keys[expand] if expand is not None else pull_keys)
         req = _Request(protocol.PUSHPULL, self, n_unique=pull_keys.shape[0], clock=ctx.clock_value,
                        started=time.monotonic(), expand=expand)
-        push_order, push_offsets = ctx.placement.slice(push_keys)
-        pull_order, pull_offsets = ctx.placement.slice(pull_keys)
-        for server in range(ctx.layout.servers):  # every server: each needs the clock
-            sp = push_order[push_offsets[server]:push_offsets[server + 1]]
-            sl = pull_order[pull_offsets[server]:pull_offsets[server + 1]]
-            self._message(req, server, sl, push_keys[sp], grads[sp], pull_keys[sl])
+        if ctx.layout.servers == 1:  # nothing to slice: no hashing of keys, no copies
+            self._message(req, 0, np.arange(pull_keys.shape[0]), push_keys, grads, pull_keys)
+        else:
+            push_order, push_offsets = ctx.placement.slice(push_keys)
+            pull_order, pull_offsets = ctx.placement.slice(pull_keys)
+            for server in range(ctx.layout.servers):  # every server: each needs the clock
+                sp = push_order[push_offsets[server]:push_offsets[server + 1]]
+                sl = pull_order[pull_offsets[server]:pull_offsets[server + 1]]
+                self._message(req, server, sl, push_keys[sp], grads[sp], pull_keys[sl])
         ctx.advance_clock()
         return self._register(req)
 
-    def ipull(self, keys) -> int:
-        """Start pulling the rows of ``keys``; returns a timestamp for :meth:`wait`."""
+    def ipull(self, keys, unique: bool = False) -> int:
+        """Start pulling the rows of ``keys``; returns a timestamp for :meth:`wait`.
+        ``unique``: the keys are distinct already (any order): no dedup."""
         keys = np.ascontiguousarray(keys, dtype=np.uint64).reshape(-1)
         expand = None
-        if not kkeys.is_sorted_unique(keys):
+        if not unique and not kkeys.is_sorted_unique(keys):
             keys, expand = kkeys.unique_keys(keys)
         ts = self._send(protocol.PULL, keys, None)
         self._requests[ts].expand = expand
         return ts
 
-    def pull(self, keys, timeout: float | None = None) -> np.ndarray:
+    def pull(self, keys, timeout: float | None = None, unique: bool = False) -> np.ndarray:
         """The rows (float32, ``(len(keys), dim)``) of ``keys``, waiting for them."""
-        return self.wait(self.ipull(keys), timeout)
+        return self.wait(self.ipull(keys, unique), timeout)
 
-    def push(self, keys, grads, aggregate: bool = False) -> int:
+    def push(self, keys, grads, aggregate: bool = False, unique: bool = False) -> int:
         """Send gradients; returns a timestamp for :meth:`wait`.
 
         Args:
@@ -145,21 +150,21 @@ class SparseTable:
             grads: float32, ``(len(keys), dim)`` or flat.
             aggregate: collective over the worker group: the members' pushes are merged on the
                 group's first rank (sum per key) and sent once.
+            unique: the keys are distinct already (any order): no summing of duplicates.
         """
-        keys, grads = self._prepare_push(keys, grads, aggregate)
-        if keys is None:  # a group member whose gradients the leader sends
-            return self._register(_Request(protocol.PUSH, self))
+        keys, grads = self._prepare_push(keys, grads, aggregate, unique)
         return self._send(protocol.PUSH, keys, grads)
 
-    def _prepare_push(self, keys, grads, aggregate: bool):
-        """Sorted unique keys with summed gradients, merged over the group when ``aggregate``
-        (group collective). A member that is not the group's leader gets empty arrays from
-        push-pull and (None, None) from push: the leader sends for the group."""
+    def _prepare_push(self, keys, grads, aggregate: bool, unique: bool = False):
+        """Unique keys with summed gradients (sorted when a group merges them), merged over the
+        group when ``aggregate`` (group collective). A member that is not the group's leader gets
+        empty arrays: the leader sends for the group."""
         keys = np.ascontiguousarray(keys, dtype=np.uint64).reshape(-1)
         grads = np.ascontiguousarray(grads, dtype=np.float32).reshape(keys.shape[0], self.dim)
-        if not kkeys.is_sorted_unique(keys):
+        merge = aggregate and self.ctx.group_comm.Get_size() > 1
+        if (merge or not unique) and not kkeys.is_sorted_unique(keys):
             keys, grads = kkeys.segment_reduce(keys, grads)
-        if aggregate and self.ctx.group_comm.Get_size() > 1:
+        if merge:
             merged = self.ctx.gather_to_leader(keys, grads, self.dim)
             if merged is None:
                 return np.zeros(0, np.uint64), np.zeros((0, self.dim), np.float32)
@@ -172,7 +177,7 @@ class SparseTable:
         ctx = self.ctx
         t = time.perf_counter()
         transport.wait(req.pending, ctx.stall_timeout_s if timeout is None else timeout,
-                       warn_after=ctx.stall_warn_s)
+                       warn_after=ctx.stall_warn_s, max_sleep=transport.POLL_SHORT_MAX_SLEEP_S)
         ctx.stats["wait_s"] += time.perf_counter() - t
         min_clock = None
         for _, reply in req.parts:

@@ -122,6 +122,7 @@ class Server:
         self.stall_warn_s = stall_warn_s
         self.clocks = np.zeros(num_workers, dtype=np.int64)
         self.done = np.zeros(num_workers, dtype=bool)
+        self.n_done = 0           # workers that sent DONE (the loop's test, without a NumPy reduction)
         self.deferred: list[tuple[int, protocol.Request, float]] = []  # (source, request, since)
         # BSP: (clock, worker, seq, request) of pushes waiting for every worker to pass their clock
         self.buffered: list[tuple[int, int, int, protocol.Request]] = []
@@ -213,7 +214,9 @@ class Server:
         elif r.op == protocol.CLOCK:
             self._advance(worker, r.clock)
         elif r.op == protocol.DONE:
-            self.done[worker] = True
+            if not self.done[worker]:
+                self.done[worker] = True
+                self.n_done += 1
             self._apply_buffered()
             self._release_deferred()
         else:
@@ -230,7 +233,7 @@ class Server:
         """BSP: apply, in (clock, worker, seq) order, the pushes of clocks every worker has passed."""
         if not self.buffered:
             return
-        limit = self.min_clock() if not self.done.all() else np.iinfo(np.int64).max
+        limit = self.min_clock() if self.n_done < self.num_workers else np.iinfo(np.int64).max
         ready = sorted((b for b in self.buffered if b[0] < limit), key=lambda b: b[:3])
         if not ready:
             return
@@ -277,7 +280,7 @@ class Server:
         last_check = time.monotonic()
         last_request = (time.perf_counter(), time.process_time())
         self.stats.update(idle_gap_wall_s=0.0, idle_gap_cpu_s=0.0)
-        while not self.done.all() or self.deferred or self.buffered:
+        while self.n_done < self.num_workers or self.deferred or self.buffered:
             got = transport.probe_request(self.comm, protocol.TAG_REQUEST)
             if got is None:
                 if self.sending:

@@ -43,6 +43,7 @@ POLL_SPIN_S = 50e-6
 SPIN_BYTES_PER_S = 2e9
 POLL_MIN_SLEEP_S = 20e-6
 POLL_MAX_SLEEP_S = 1e-3
+POLL_SHORT_MAX_SLEEP_S = 2e-4  # waits for replies in the training loop (sub-millisecond answers)
 POLL_MAX_ADAPTIVE_SPIN_S = 1e-3
 
 # Largest element count sent in one MPI message: counts are C ints, and MPICH has trouble with
@@ -169,11 +170,12 @@ def spin_budget(nbytes: int) -> float:
     return POLL_SPIN_S + nbytes / SPIN_BYTES_PER_S
 
 
-def _sleep_backoff(start: float, sleep: float, spin: float = POLL_SPIN_S) -> float:
+def _sleep_backoff(start: float, sleep: float, spin: float = POLL_SPIN_S,
+                   max_sleep: float = POLL_MAX_SLEEP_S) -> float:
     if time.perf_counter() - start < spin:
         return sleep
     time.sleep(sleep)
-    return min(sleep * 2.0, POLL_MAX_SLEEP_S)
+    return min(sleep * 2.0, max_sleep)
 
 
 def wait(
@@ -183,6 +185,7 @@ def wait(
     warn_after: float | None = None,
     on_warn: Callable[[str], None] | None = None,
     suffix: str | Callable[[], str] = "",
+    max_sleep: float = POLL_MAX_SLEEP_S,
 ) -> None:
     """Wait for requests to complete without spinning a core.
 
@@ -193,6 +196,8 @@ def wait(
         warn_after: seconds after which ``on_warn`` (default: print to stderr) is called once with
             the same description, while the wait goes on.
         suffix: added to the description (who a collective waits on).
+        max_sleep: the longest sleep between polls: a wait expected to be short (a reply in the
+            training loop) uses less than the default, so it does not oversleep the answer.
 
     Raises:
         StallError: when ``timeout`` passes first.
@@ -217,7 +222,7 @@ def wait(
             raise StallError(
                 f"{rank_prefix()}: no answer after {timeout:g} s: {describe(todo)}{suffix() if callable(suffix) else suffix}"
             )
-        sleep = _sleep_backoff(start, sleep, spin)
+        sleep = _sleep_backoff(start, sleep, spin, max_sleep)
 
 
 def describe(todo: Sequence[Pending]) -> str:

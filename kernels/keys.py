@@ -99,6 +99,15 @@ def unique_keys(keys):
 
 
 @njit(cache=True)
+def dedup_keys(keys):
+    """Unique keys in first-seen order and ``pos`` with ``uniq[pos[i]] == keys[i]``: what a batch
+    needs when nothing asks for sorted keys (no radix sort: about twice as fast as
+    :func:`unique_keys` on Criteo-shaped batches, whose 64-bit bias key defeats the byte skip)."""
+    uniq, ids = _dedup(keys)
+    return uniq.copy(), ids
+
+
+@njit(cache=True)
 def segment_reduce(keys, values):
     """Sum ``values`` (shape ``(n, dim)``) of equal ``keys``; returns (sorted unique keys, sums)."""
     uniq, ids = _dedup(keys)

@@ -120,6 +120,8 @@ def bench_unique(rows, repeat, roof):
         t = median_time(lambda: keys.unique_keys(idx), repeat)
         tr = median_time(lambda: np.unique(idx, return_inverse=True), repeat)
         out.append(_row(f"unique_keys/2^{bits}", idx.size, "keys", t, tr, "np.unique(return_inverse)"))
+        t = median_time(lambda: keys.dedup_keys(idx), repeat)
+        out.append(_row(f"dedup_keys/2^{bits}", idx.size, "keys", t, tr, "np.unique(return_inverse)"))
     return out
 
 
@@ -321,6 +323,7 @@ def warmup() -> None:
     """Compile (or load from the cache) every kernel once, on tiny inputs."""
     indptr, idx, vals, labels = criteo_batch(4, 24)
     uniq, pos = keys.unique_keys(idx)
+    keys.dedup_keys(idx)
     w = np.zeros(len(uniq), dtype=np.float32)
     V = np.zeros((len(uniq), 2), dtype=np.float32)
     models.lr_forward_backward(indptr, pos, vals, labels, w, np.empty_like(w), 1.0, 0.0, 0)

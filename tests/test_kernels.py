@@ -479,3 +479,18 @@ def test_direct_index_overflow_grows_past_its_load():
     np.testing.assert_array_equal(slots, np.arange(256 + 5000))
     assert d.n_over == 5000 and d.index.shape[0] >= 5000 / hashtable.MAX_LOAD
     np.testing.assert_array_equal(d.lookup(big[::-1].copy()), np.arange(256, 256 + 5000)[::-1])
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, 30), st.integers(0, 2**64 - 1)), max_size=400))
+def test_dedup_keys_is_unique_keys_up_to_order(xs):
+    k = np.array(xs, dtype=np.uint64)
+    uniq, pos = keys.dedup_keys(k)
+    np.testing.assert_array_equal(uniq[pos], k)                      # every key maps back
+    assert len(set(uniq.tolist())) == uniq.size                       # distinct
+    np.testing.assert_array_equal(np.sort(uniq), keys.unique_keys(k)[0])
+    if k.size:  # first-seen order
+        first = {}
+        for i, x in enumerate(xs):
+            first.setdefault(x, i)
+        assert uniq.tolist() == sorted(first, key=first.get)

@@ -82,7 +82,8 @@ def job(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("slurmjob")
     info = synth.generate(str(tmp / "data"), 60_000, 5_000, fields=10, seed=8, formats=("libsvm",))
     sets = {"data.train": json.dumps(info.files["train_libsvm"]), "data.test": json.dumps(info.files["test_libsvm"]),
-            "train.batch_size": "50", "train.epochs": "2", "cluster.staleness": "0"}
+            # 6,000 small steps: several seconds, so a preemption is scheduled before the job ends
+            "train.batch_size": "10", "train.epochs": "2", "cluster.staleness": "0"}
     common = " ".join(f"--set {k}={v}" for k, v in sets.items())
     ref = tmp / "ref.h5"
     cmd = [*mpiexec(), "-n", "3", sys.executable, "-m", "hpcps.cli", "train", "--set", f'train.model_out="{ref}"',

@@ -40,6 +40,8 @@ class Model:
         self.aggregate = cfg.train.aggregate
         self.table = self._declare(ctx, cfg)
         self.ctx = ctx
+        # a batch's keys need sorting only where a worker group merges its pushes
+        self._sorted = ctx.is_worker and self.aggregate and ctx.group_comm.Get_size() > 1
         self._pending = None                 # a push in flight (the last step's, without push-pull)
         self._ahead: list[_Prepared] = []    # the next batches, prepared (see step)
 
@@ -56,7 +58,7 @@ class Model:
         for p in self._ahead:
             if p.batch is batch:
                 return p
-        return _Prepared(batch, *kkeys.unique_keys(batch.indices))
+        return _Prepared(batch, *(kkeys.unique_keys if self._sorted else kkeys.dedup_keys)(batch.indices))
 
     def step(self, batch, scale: float, upcoming=()) -> float:
         """One iteration: pull the batch's rows, compute, push the gradients, end the clock.
@@ -73,18 +75,18 @@ class Model:
             self._pending = None
         cur = self._prepare(batch)
         if cur.params is None:
-            cur.params = self.table.wait(cur.ts) if cur.ts is not None else self.table.pull(cur.uniq)
+            cur.params = self.table.wait(cur.ts) if cur.ts is not None else self.table.pull(cur.uniq, unique=True)
         self._ahead = [p for p in self._ahead if p is not cur]
         grads = np.empty_like(cur.params)
         loss = self._forward_backward(batch, cur.pos, cur.params, grads, scale) if batch.rows else 0.0
         if upcoming:
             nxt = self._prepare(upcoming[0])
-            nxt.ts = self.table.ipushpull(cur.uniq, grads, nxt.uniq, aggregate=self.aggregate)
+            nxt.ts = self.table.ipushpull(cur.uniq, grads, nxt.uniq, aggregate=self.aggregate, unique=True)
             self._ahead = [nxt]
             if len(upcoming) > 1:  # overlaps the servers' work on the push-pull just sent
                 self._ahead.append(self._prepare(upcoming[1]))
         else:
-            self._pending = self.table.push(cur.uniq, grads, aggregate=self.aggregate)
+            self._pending = self.table.push(cur.uniq, grads, aggregate=self.aggregate, unique=True)
             self.ctx.clock()
         return loss
 
