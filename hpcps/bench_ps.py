@@ -13,6 +13,7 @@ import numpy as np
 
 from hpcps import bench_mpi, protocol, transport
 from hpcps.context import init
+from hpcps_kernels.profiler import rooflines
 
 SIZES = [1_000, 10_000, 100_000, 1_000_000]
 
@@ -52,7 +53,7 @@ def _waiting_cost(comm, rank: int, server: int, worker: int) -> dict | None:
     return out if rank == worker else None
 
 
-def run(sizes=SIZES, reps: int = 5, dim: int = 1, optimizer: str = "ftrl") -> list[dict] | None:
+def run(sizes=SIZES, reps: int = 5, dim: int = 1, optimizer: str = "ftrl", key_bits: int = 64) -> list[dict] | None:
     """Collective over the world; returns the result rows on the first worker, None elsewhere."""
     world = transport.dup()
     if world.Get_size() < 2:
@@ -62,7 +63,7 @@ def run(sizes=SIZES, reps: int = 5, dim: int = 1, optimizer: str = "ftrl") -> li
     # 1. raw MPI bandwidth at each message size, and the cost of waiting, before the PS starts
     raw = {}
     for n in sizes:
-        nbytes = protocol.request_bytes(protocol.PUSH, n, dim)
+        nbytes = protocol.request_bytes(n, 0, dim)
         if rank in (server, worker):
             raw[n] = nbytes / (float(np.median(bench_mpi.pingpong(world, nbytes, reps, worker if rank == server else server))) / 2)
         transport.barrier(world, 60)
@@ -71,7 +72,7 @@ def run(sizes=SIZES, reps: int = 5, dim: int = 1, optimizer: str = "ftrl") -> li
 
     # 2. the parameter server: 1 server, the first worker drives, others idle
     ctx = init(servers=1, staleness=-1, stall_timeout_s=600)
-    table = ctx.sparse_table("bench", dim=dim, optimizer=optimizer)
+    table = ctx.sparse_table("bench", dim=dim, optimizer=optimizer, key_bits=key_bits)
     rows = None
     if ctx.is_server:
         stats = ctx.serve()
@@ -81,18 +82,23 @@ def run(sizes=SIZES, reps: int = 5, dim: int = 1, optimizer: str = "ftrl") -> li
     elif ctx.worker_index == 0:
         rows = []
         rng = np.random.default_rng(0)
+        roof = rooflines(3)["random_access_m_s"] * 1e6  # random accesses/s of one core, this run
         for n in sizes:
-            keys = np.unique(rng.integers(0, 2**64, n, dtype=np.uint64))
+            if key_bits < 40:  # distinct keys of a bounded (hashed) key space
+                keys = np.sort(rng.choice(2**key_bits, size=min(n, 2**key_bits), replace=False)).astype(np.uint64)
+            else:
+                keys = np.unique(rng.integers(0, 2**min(key_bits, 63), n, dtype=np.uint64))
             grads = rng.normal(size=(keys.size, dim)).astype(np.float32)
             table.wait(table.push(keys, grads))  # create the keys
             t_push = _median_time(lambda: table.wait(table.push(keys, grads)), reps)
             t_pull = _median_time(lambda: table.pull(keys), reps)
-            push_bytes = protocol.request_bytes(protocol.PUSH, keys.size, dim) + protocol.REPLY_BYTES
-            pull_bytes = protocol.request_bytes(protocol.PULL, keys.size, dim) + protocol.reply_bytes(protocol.PULL, keys.size, dim)
+            push_bytes = protocol.request_bytes(keys.size, 0, dim) + protocol.REPLY_BYTES
+            pull_bytes = protocol.request_bytes(0, keys.size, dim) + protocol.reply_bytes(protocol.PULL, keys.size, dim)
             for op, t, b in (("push+apply", t_push, push_bytes), ("pull", t_pull, pull_bytes)):
                 gbs = b / t / 1e9
                 rows.append({"op": op, "keys": int(keys.size), "time_s": t, "keys_per_s": keys.size / t,
-                             "gb_per_s": gbs, "raw_mpi_gb_per_s": raw[n] / 1e9, "ratio": gbs / (raw[n] / 1e9)})
+                             "gb_per_s": gbs, "raw_mpi_gb_per_s": raw[n] / 1e9, "ratio": gbs / (raw[n] / 1e9),
+                             "roofline_keys_per_s": roof, "roofline_ratio": keys.size / t / roof})
         time.sleep(2.0)  # let the server idle
         rows.append({"op": "waiting", **waiting})
     ctx.finalize()
@@ -100,16 +106,19 @@ def run(sizes=SIZES, reps: int = 5, dim: int = 1, optimizer: str = "ftrl") -> li
 
 
 def format_rows(rows: list[dict], optimizer: str) -> str:
-    out = [f"{'op':<11} {'keys':>9} {'ms':>9} {'Mkeys/s':>9} {'GB/s':>7} {'raw MPI GB/s':>13} {'ratio':>6}"]
+    out = [f"{'op':<11} {'keys':>9} {'ms':>9} {'Mkeys/s':>9} {'vs roofline':>11} {'GB/s':>7} {'raw MPI GB/s':>13} "
+           f"{'ratio':>6}"]
     for r in rows:
         if r["op"] == "waiting":
             continue
         out.append(f"{r['op']:<11} {r['keys']:>9} {r['time_s'] * 1e3:>9.2f} {r['keys_per_s'] / 1e6:>9.2f} "
-                   f"{r['gb_per_s']:>7.3f} {r['raw_mpi_gb_per_s']:>13.3f} {r['ratio']:>6.0%}")
+                   f"{r['roofline_ratio']:>11.0%} {r['gb_per_s']:>7.3f} {r['raw_mpi_gb_per_s']:>13.3f} {r['ratio']:>6.0%}")
     w = [r for r in rows if r["op"] == "waiting"]
     if w:
         w = w[0]
-        out.append(f"(optimizer {optimizer}; push+apply = push round trip with the update applied on the server)")
+        out.append(f"(optimizer {optimizer}; push+apply = push round trip with the update applied on the server; "
+                   f"roofline = one core's random accesses/s, {rows[0]['roofline_keys_per_s'] / 1e6:.0f} M/s here; "
+                   f"ratio = bytes/s against raw MPI ping-pong at the same size)")
         out.append(f"waiting 1 s for a message, worker CPU: blocking MPI Recv {w['blocking Recv']:.0%}, "
                    f"hpcps wait {w['hpcps wait']:.0%}")
         out.append(f"8-byte round trip: blocking {w['rtt_blocking_us']:.1f} us, hpcps wait {w['rtt_wait_us']:.1f} us")

@@ -5,7 +5,8 @@ hpcps reads) and VW text (the same features, what VW reads), then times, as whol
 input to a trained model and a test evaluation:
 
 * ``mpiexec -n R hpcps train`` with FTRL for each R in ``--ranks`` (a job is 1 server + R-1
-  workers, so R = 2 is the smallest: one worker) and each epoch count in ``--epochs``;
+  workers, so R = 2 is the smallest: one worker) and each epoch count in ``--epochs``; the summary
+  gives its training loop's rate, the share of the loop the workers waited, and peak memory;
 * ``python -m vowpalwabbit --ftrl`` on one core, 1 pass, and 3 passes over its cache file.
 
 Examples/s = rows x epochs / wall time of the job (startup, parsing and evaluation included; the
@@ -34,12 +35,38 @@ def _mpiexec() -> str:
 
 
 def _timed(cmd: list[str], timeout: float) -> tuple[float, str]:
+    """Run ``cmd``; returns (wall seconds, output)."""
     t = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise RuntimeError(f"{' '.join(cmd)} ran past {timeout:g} s") from None
     wall = time.perf_counter() - t
     if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{(proc.stdout + proc.stderr)[-2000:]}")
-    return wall, proc.stdout + proc.stderr
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out[-2000:]}")
+    return wall, out
+
+
+def _timed_rss(cmd: list[str], timeout: float) -> tuple[float, float]:
+    """Run ``cmd`` (one process); returns (wall seconds, its peak resident memory in MiB)."""
+    t = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + timeout
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"{' '.join(cmd)} ran past {timeout:g} s")
+        time.sleep(0.01)
+    wall = time.perf_counter() - t
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr.read().decode(errors='replace')[-2000:]}")
+    return wall, usage.ru_maxrss / 1024.0
 
 
 def run_hpcps(files: dict, ranks: int, epochs: int, alpha: float, hash_bits: int, out_dir: str) -> dict:
@@ -53,6 +80,8 @@ def run_hpcps(files: dict, ranks: int, epochs: int, alpha: float, hash_bits: int
     s = json.load(open(summary))
     return {"system": "hpcps", "ranks": ranks, "workers": ranks - 1, "epochs": epochs, "wall_s": wall,
             "examples_per_s": s["examples"] / wall, "loop_examples_per_s": s["examples_per_s"],
+            "loop_wait_fraction": s["max_wait_s"] / s["time_s"] if s["time_s"] else None,
+            "peak_rss_mb": max(s.get("peak_rss_mb_worker", 0), s.get("peak_rss_mb_server", 0)),
             "test_logloss": s["test_logloss"], "test_auc": s["test_auc"]}
 
 
@@ -66,15 +95,16 @@ def run_vw(files: dict, rows: int, passes: int, alpha: float, hash_bits: int, ou
         if os.path.exists(cache):
             os.remove(cache)
         cmd += ["--passes", str(passes), "--cache_file", cache, "--holdout_off"]
-    wall_train, _ = _timed(cmd, 1800)
+    wall_train, rss = _timed_rss(cmd, 1800)
     preds = os.path.join(out_dir, f"vw-{passes}.pred")
-    wall_test, _ = _timed([*vw, "-t", "-i", model, "-d", files["test_vw"], "-p", preds, "--link", "logistic",
-                           "--quiet"], 600)
+    wall_test, _ = _timed_rss([*vw, "-t", "-i", model, "-d", files["test_vw"], "-p", preds, "--link", "logistic",
+                               "--quiet"], 600)
     p = np.clip(np.loadtxt(preds), 1e-15, 1 - 1e-15)
     with open(files["test_vw"], "rb") as f:
         y = np.array([1.0 if line.startswith(b"1 ") else 0.0 for line in f])
     return {"system": "vw", "ranks": 1, "workers": 1, "epochs": passes, "wall_s": wall_train + wall_test,
             "examples_per_s": rows * passes / (wall_train + wall_test), "loop_examples_per_s": None,
+            "loop_wait_fraction": None, "peak_rss_mb": rss,
             "test_logloss": metrics.logloss(y, np.log(p) - np.log1p(-p)), "test_auc": metrics.auc(y, p)}
 
 
@@ -97,15 +127,18 @@ def run(out_dir: str, rows: int, test_rows: int, ranks: list[int], epochs: list[
 
 
 def format_results(results: list[dict], rows: int) -> str:
-    out = [f"{rows:,} training rows, 39 fields, FTRL; examples/s = rows x epochs / job wall time",
-           f"{'system':<7} {'ranks':>5} {'epochs':>6} {'wall s':>7} {'ex/s':>10} {'loop ex/s':>10} "
-           f"{'logloss':>8} {'AUC':>7} {'ex/s vs VW':>10} {'dlogloss':>9}"]
+    out = [f"{rows:,} training rows, 39 fields, FTRL; examples/s = rows x epochs / job wall time; "
+           f"RSS = the largest process's peak",
+           f"{'system':<7} {'ranks':>5} {'epochs':>6} {'wall s':>7} {'ex/s':>10} {'loop ex/s':>10} {'wait':>5} "
+           f"{'RSS MB':>7} {'logloss':>8} {'AUC':>7} {'ex/s vs VW':>10} {'dlogloss':>9}"]
     vw = {r["epochs"]: r for r in results if r["system"] == "vw"}
     for r in results:
         ref = vw.get(r["epochs"])
         ratio = f"{r['examples_per_s'] / ref['examples_per_s']:.2f}x" if ref and r["system"] != "vw" else ""
         dll = f"{r['test_logloss'] - ref['test_logloss']:+.4f}" if ref and r["system"] != "vw" else ""
         loop = f"{r['loop_examples_per_s']:,.0f}" if r["loop_examples_per_s"] else "-"
+        wait = f"{100 * r['loop_wait_fraction']:.0f}%" if r.get("loop_wait_fraction") is not None else "-"
         out.append(f"{r['system']:<7} {r['ranks']:>5} {r['epochs']:>6} {r['wall_s']:>7.1f} {r['examples_per_s']:>10,.0f} "
-                   f"{loop:>10} {r['test_logloss']:>8.4f} {r['test_auc']:>7.4f} {ratio:>10} {dll:>9}")
+                   f"{loop:>10} {wait:>5} {r.get('peak_rss_mb', 0):>7.0f} {r['test_logloss']:>8.4f} {r['test_auc']:>7.4f} "
+                   f"{ratio:>10} {dll:>9}")
     return "\n".join(out)

@@ -173,7 +173,7 @@ def _cmd_bench_ps(args) -> int:
     from hpcps import bench_ps
 
     sizes = [int(x) for x in args.sizes.split(",")]
-    rows = bench_ps.run(sizes, args.repeat, args.dim, args.optimizer)
+    rows = bench_ps.run(sizes, args.repeat, args.dim, args.optimizer, args.key_bits)
     if rows is not None:
         if args.json:
             for r in rows:
@@ -334,13 +334,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeat", type=int, default=5)
     b.add_argument("--dim", type=int, default=1)
     b.add_argument("--optimizer", default="ftrl", choices=["sgd", "adagrad", "ftrl", "adam"])
+    b.add_argument("--key-bits", type=int, default=64,
+                   help="keys below 2**BITS; up to 26 the server addresses them directly (hashed features)")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=_cmd_bench_ps)
     b = bsub.add_parser("vw", help="hpcps vs Vowpal Wabbit on the same synthetic rows (runs its own mpiexec jobs)")
     b.add_argument("--dir", default="/tmp/hpcps-bench-vw", help="where the data and results go")
-    b.add_argument("--rows", type=int, default=1_000_000)
+    b.add_argument("--rows", type=int, default=1_500_000)
     b.add_argument("--test-rows", type=int, default=100_000)
-    b.add_argument("--ranks", default="2,3,4", help="hpcps world sizes (1 server + the rest workers)")
+    b.add_argument("--ranks", default="2,3", help="hpcps world sizes (1 server + the rest workers)")
     b.add_argument("--epochs", default="1,3")
     b.add_argument("--alpha", type=float, default=0.1, help="hpcps FTRL alpha")
     b.add_argument("--vw-alpha", type=float, default=0.05, help="VW --ftrl_alpha (0.05 was VW's best of 0.005/0.05/0.5 here)")

@@ -26,11 +26,13 @@ def test_kernel_profiler_reports_speedups_and_rooflines():
 
 def test_ps_benchmark_reports_throughput_beside_raw_mpi():
     proc = subprocess.run([*mpiexec(), "-n", "2", sys.executable, "-m", "hpcps.cli", "bench", "ps", "--sizes",
-                           "1000,20000", "--repeat", "2", "--json"], capture_output=True, text=True, timeout=300)
+                           "1000,20000", "--repeat", "2", "--json", "--key-bits", "24"],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     ops = {(r["op"], r.get("keys")) for r in rows}
     assert {("push+apply", 1000), ("pull", 20000), ("waiting", None)} <= ops
+    assert all(0 < r["roofline_ratio"] and 0 < r["ratio"] for r in rows if r["op"] != "waiting")
     waiting = [r for r in rows if r["op"] == "waiting"][0]
     assert waiting["hpcps wait"] < 0.5 < waiting["blocking Recv"]  # the polling wait does not burn a core
     assert "idle server CPU" in proc.stdout
@@ -44,3 +46,5 @@ def test_vw_benchmark_runs_both_systems(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     table = proc.stdout.splitlines()
     assert any(line.startswith("hpcps ") for line in table) and any(line.startswith("vw ") for line in table)
+    header = next(line for line in table if line.startswith("system"))
+    assert "wait" in header and "RSS MB" in header
