@@ -49,24 +49,38 @@ def _timed(cmd: list[str], timeout: float) -> tuple[float, str]:
     return wall, out
 
 
+def _vm_hwm_mb(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        return None
+    return None
+
+
 def _timed_rss(cmd: list[str], timeout: float) -> tuple[float, float]:
-    """Run ``cmd`` (one process); returns (wall seconds, its peak resident memory in MiB)."""
+    """Run ``cmd`` (one process); returns (wall seconds, its peak resident memory in MiB, read as
+    VmHWM while it runs: rusage's maxrss would count what this process held when it forked)."""
     t = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + timeout
+    peak = 0.0
     while True:
-        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        pid, status = os.waitpid(proc.pid, os.WNOHANG)
         if pid:
             break
+        peak = max(peak, _vm_hwm_mb(proc.pid) or 0.0)  # zombie-free while running; monotonic
         if time.monotonic() > deadline:
             proc.kill()
             raise RuntimeError(f"{' '.join(cmd)} ran past {timeout:g} s")
-        time.sleep(0.01)
+        time.sleep(0.005)
     wall = time.perf_counter() - t
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr.read().decode(errors='replace')[-2000:]}")
-    return wall, usage.ru_maxrss / 1024.0
+    return wall, peak
 
 
 def run_hpcps(files: dict, ranks: int, epochs: int, alpha: float, hash_bits: int, out_dir: str) -> dict:

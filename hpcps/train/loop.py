@@ -391,7 +391,15 @@ def run(cfg, comm=None) -> dict | None:
 
 
 def _peak_rss_mb() -> float:
-    """This process's peak resident memory so far, in MiB."""
+    """This process's peak resident memory so far, in MiB: VmHWM of its memory image (getrusage's
+    maxrss would include what a parent held when it forked this process, as it survives exec)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
