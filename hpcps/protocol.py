@@ -106,9 +106,13 @@ def header(buf: np.ndarray):
     return buf[:HEADER_BYTES].view(REQUEST)[0]
 
 
+assert all(REQUEST.fields[n][0] == np.dtype("<i8") for n in REQUEST.names)  # read as one int64 array below
+
+
 def unpack_request(buf: np.ndarray, dims: list[int]) -> Request:
-    h = header(buf)
-    op, table, n_push, n_pull = int(h["op"]), int(h["table"]), int(h["n_push"]), int(h["n_pull"])
+    # the fields in REQUEST's order, in one call (reading a structured scalar field by field costs
+    # about 30 us a request on the server's critical path)
+    op, table, req_id, n_push, n_pull, clock, worker, _ = buf[:HEADER_BYTES].view(np.int64).tolist()
     dim = dims[table] if n_push else 0
     at = HEADER_BYTES
     push_keys = buf[at:at + 8 * n_push].view(np.uint64)
@@ -116,7 +120,7 @@ def unpack_request(buf: np.ndarray, dims: list[int]) -> Request:
     grads = buf[at:at + 4 * n_push * dim].view(np.float32).reshape(n_push, dim) if n_push else None
     at += 4 * n_push * dim
     pull_keys = buf[at:at + 8 * n_pull].view(np.uint64)
-    return Request(op, table, int(h["req_id"]), int(h["clock"]), int(h["worker"]), push_keys, grads, pull_keys)
+    return Request(op, table, req_id, clock, worker, push_keys, grads, pull_keys)
 
 
 def pack_reply(req_id: int, status: int, min_clock: int, server: int, payload_bytes: int) -> tuple[np.ndarray, np.ndarray]:

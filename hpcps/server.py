@@ -134,8 +134,9 @@ class Server:
     # -- consistency -------------------------------------------------------------------------
 
     def min_clock(self) -> int:
-        live = self.clocks[~self.done]
-        return int(live.min()) if live.size else int(self.clocks.max(initial=0))
+        """The smallest clock of the workers not done (plain Python: a few workers, called per request)."""
+        live = [c for c, d in zip(self.clocks.tolist(), self.done.tolist()) if not d]
+        return min(live) if live else max(self.clocks.tolist(), default=0)
 
     def _ready(self, r: protocol.Request) -> bool:
         """A pull waits for its clock - staleness; a checkpoint for every worker to reach its clock."""
