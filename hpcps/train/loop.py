@@ -210,10 +210,8 @@ def run(cfg, comm=None) -> dict | None:
     cl = cfg.cluster
     workers = world.Get_size() - cl.servers
     problem = None
-    if world.Get_rank() == 0 and os.path.isfile(paths["train"]):
-        meaning = data_position_meaning(cfg, paths["train"], workers)
-        if restore is not None and not ck.allow_other_data:
-            problem = check_same_data(restore[1], meaning)
+    if world.Get_rank() == 0 and restore is not None and not ck.allow_other_data and os.path.isfile(paths["train"]):
+        problem = check_same_data(restore[1], data_position_meaning(cfg, paths["train"], workers))
     errors = transport.all_ok(world, problem, cl.stall_timeout_s, "check of the resumed data position")
     if errors:
         raise TrainError(f"cannot resume {restore[0]}: " + errors[0].split(": ", 1)[1])
