@@ -74,6 +74,12 @@ def checksum(path: str) -> str:
             del words, tail
 
 
+def write_failure(path: str, e: OSError, who: str) -> CheckpointError:
+    """The one-line error of a checkpoint write that failed (a full disk, say)."""
+    why = "No space left on device" if e.errno == 28 else (e.strerror or str(e)).splitlines()[0]
+    return CheckpointError(f"{who} cannot write {path}: {why}; the checkpoints committed before it are intact")
+
+
 def fsync_path(path: str) -> None:
     """Flush a file's (or a directory's entries') data to the disk."""
     fd = os.open(path, os.O_RDONLY)

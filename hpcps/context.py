@@ -146,7 +146,10 @@ class Context:
         (each waits until every worker has reached this clock), then write the manifest with the
         files' checksums and rename the directory. Returns the checkpoint's path."""
         tmp = checkpoint.step_dir(root, step) + ".tmp"
-        os.makedirs(tmp, exist_ok=True)
+        try:
+            os.makedirs(tmp, exist_ok=True)
+        except OSError as e:
+            raise checkpoint.write_failure(tmp, e, "the first worker") from None
         words = protocol.encode_path(tmp)
         pending, replies = [], []
         for server in range(self.layout.servers):
@@ -169,7 +172,10 @@ class Context:
                 "tables": [{"name": s.name, "dim": s.dim, "optimizer": s.optimizer, "width": s.width,
                             "fingerprint": s.fingerprint()} for s in self.specs],
                 "files": files, **manifest}
-        return checkpoint.commit(tmp, full, keep)
+        try:
+            return checkpoint.commit(tmp, full, keep)
+        except OSError as e:
+            raise checkpoint.write_failure(os.path.join(tmp, checkpoint.MANIFEST), e, "the first worker") from None
 
     def clock(self) -> int:
         """End this worker's iteration: tell every server; returns the new clock."""

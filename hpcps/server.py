@@ -159,10 +159,7 @@ class Server:
             size, digest = checkpoint.write_server_file(path, self.index, self.placement.num_servers,
                                                         self.placement.num_shards, parts)
         except OSError as e:
-            why = "No space left on device" if e.errno == 28 else (e.strerror or str(e)).splitlines()[0]
-            raise checkpoint.CheckpointError(
-                f"server {self.index} cannot write its checkpoint file {path}: {why}; the checkpoints "
-                f"committed before it are intact") from None
+            raise checkpoint.write_failure(path, e, f"server {self.index}") from None
         reply, payload = self._reply(r.req_id, protocol.CHECKPOINT_RESULT.itemsize)
         protocol.pack_checkpoint_result(payload, size, digest)
         self._send(reply, source, r.req_id, "checkpoint reply")
