@@ -33,7 +33,7 @@ RANKS = 3
 
 def train_args(data, ckpt_dir, model_out):
     sets = {"data.train": json.dumps(data[0]), "data.test": json.dumps(data[1]), "train.batch_size": 10,
-            "train.epochs": 2, "train.progress": "false", "cluster.servers": 1, "cluster.staleness": 0,
+            "train.epochs": 3, "train.progress": "false", "cluster.servers": 1, "cluster.staleness": 0,
             "checkpoint.dir": json.dumps(str(ckpt_dir)), "checkpoint.every_steps": 200,
             "train.model_out": json.dumps(str(model_out))}
     return ["train"] + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
@@ -47,10 +47,10 @@ def test_supervised_run_survives_three_random_kill_9s_bit_identical(tmp_path):
                          capture_output=True, text=True, timeout=300, env=env)
     assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-2000:]
 
-    # 2 workers x 15,000 rows / 10 = 1,500 steps an epoch, 3,000 in all (a few seconds): one kill
-    # in each of three windows that end well before the run does
+    # 2 workers x 15,000 rows / 10 = 1,500 steps an epoch, 4,500 in all (a few seconds): one kill
+    # in each of three windows, the last ending 1,800 steps before the run does
     rng = np.random.default_rng(SEED)
-    schedule = [(int(rng.integers(lo, lo + 300)), int(rng.integers(0, RANKS))) for lo in (400, 1150, 1900)]
+    schedule = [(int(rng.integers(lo, lo + 300)), int(rng.integers(0, RANKS))) for lo in (400, 1400, 2400)]
     ck = tmp_path / "ck"
     status = tmp_path / "status.json"
     cmd = [*HPCPS, "supervise", "--max-restarts", "5", "--backoff", "0.5", "--",
