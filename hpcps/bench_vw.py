@@ -26,6 +26,7 @@ import time
 import numpy as np
 
 from hpcps.train import synth
+from hpcps.train.progress import vm_hwm_mb
 from hpcps_kernels import metrics
 
 
@@ -49,17 +50,6 @@ def _timed(cmd: list[str], timeout: float) -> tuple[float, str]:
     return wall, out
 
 
-def _vm_hwm_mb(pid: int) -> float | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024.0
-    except OSError:
-        return None
-    return None
-
-
 def _timed_rss(cmd: list[str], timeout: float) -> tuple[float, float]:
     """Run ``cmd`` (one process); returns (wall seconds, its peak resident memory in MiB, read as
     VmHWM while it runs: rusage's maxrss would count what this process held when it forked)."""
@@ -71,7 +61,7 @@ def _timed_rss(cmd: list[str], timeout: float) -> tuple[float, float]:
         pid, status = os.waitpid(proc.pid, os.WNOHANG)
         if pid:
             break
-        peak = max(peak, _vm_hwm_mb(proc.pid) or 0.0)  # zombie-free while running; monotonic
+        peak = max(peak, vm_hwm_mb(proc.pid) or 0.0)  # zombie-free while running; monotonic
         if time.monotonic() > deadline:
             proc.kill()
             raise RuntimeError(f"{' '.join(cmd)} ran past {timeout:g} s")

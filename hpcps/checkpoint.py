@@ -76,7 +76,7 @@ def checksum(path: str) -> str:
 
 def write_failure(path: str, e: OSError, who: str) -> CheckpointError:
     """The one-line error of a checkpoint write that failed (a full disk, say)."""
-    why = "No space left on device" if e.errno == 28 else (e.strerror or str(e)).splitlines()[0]
+    why = os.strerror(e.errno) if e.errno else str(e).splitlines()[0]  # h5py's own text is long
     return CheckpointError(f"{who} cannot write {path}: {why}; the checkpoints committed before it are intact")
 
 

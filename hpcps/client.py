@@ -187,10 +187,10 @@ class SparseTable:
             min_clock = int(h["min_clock"]) if min_clock is None else min(min_clock, int(h["min_clock"]))
         if req.op == protocol.PUSH:
             return None
-        pull_clock = req.clock + 1 if req.op == protocol.PUSHPULL else req.clock
         self.last_min_clock = min_clock
         if min_clock is not None:
-            ctx.stats["max_staleness"] = max(ctx.stats["max_staleness"], pull_clock - min_clock)
+            ctx.stats["max_staleness"] = max(ctx.stats["max_staleness"],
+                                             protocol.pull_clock(req.op, req.clock) - min_clock)
         values = [protocol.pulled_values(reply, self.dim) for _, reply in req.parts]
         if len(req.parts) == 1 and req.expand is None and values[0].shape[0] == req.n_unique:
             return values[0]  # one server answered for every key, in order

@@ -65,8 +65,12 @@ class Request:
 
     @property
     def pull_clock(self) -> int:
-        """The clock the pull part is read at (a push-pull pulls after its clock advance)."""
-        return self.clock + 1 if self.op == PUSHPULL else self.clock
+        return pull_clock(self.op, self.clock)
+
+
+def pull_clock(op: int, clock: int) -> int:
+    """The clock a request's pull part is read at (a push-pull pulls after its clock advance)."""
+    return clock + 1 if op == PUSHPULL else clock
 
 
 def reply_tag(req_id: int, tag_ub: int) -> int:

@@ -85,8 +85,7 @@ def _ranks_text(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks))
 
 
-def _collective(comm: MPI.Comm, request: MPI.Request, what: str, buffers: tuple, timeout: float | None,
-                warn_after: float | None = None) -> None:
+def _collective(comm: MPI.Comm, request: MPI.Request, what: str, buffers: tuple, timeout: float | None) -> None:
     """Wait for a nonblocking collective; the warning and the timeout name its members."""
     def where() -> str:  # only computed when a warning or the timeout needs it
         me = comm.Get_rank()
@@ -94,8 +93,7 @@ def _collective(comm: MPI.Comm, request: MPI.Request, what: str, buffers: tuple,
         return (f" (a collective over {comm.Get_size()} ranks: waiting on world rank(s) {_ranks_text(others)}; "
                 f"at least one of them has not arrived)") if others else ""
 
-    wait(Pending(request, what, -1, buffers), timeout,
-         warn_after=_stall_warn_s if warn_after is None else warn_after, suffix=where)
+    wait(Pending(request, what, -1, buffers), timeout, warn_after=_stall_warn_s, suffix=where)
 
 def world() -> MPI.Comm:
     """MPI.COMM_WORLD (the library itself works on duplicates of it)."""
@@ -462,11 +460,8 @@ def all_ok(comm: MPI.Comm, error: str | None, timeout: float | None = None, what
     Lets ranks fail together with the same clear message instead of one rank raising while the
     others wait for it.
     """
-    bad = allreduce(comm, np.array([0 if error is None else 1], dtype=np.int64), "sum", timeout, what)
-    if bad[0] == 0:
-        return []
-    # every rank is here, so each rank's message is broadcast in turn from the failing ranks
     flags = allgather_int(comm, 0 if error is None else 1, timeout, what)
+    # every rank is here, so each failing rank's message is broadcast in turn
     out = []
     for r in np.flatnonzero(flags):
         message = bcast_object(comm, error, int(r), timeout, what)

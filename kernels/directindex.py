@@ -20,7 +20,7 @@ from numba import njit
 
 from ._prefetch import prefetch
 from .hashing import mix64
-from .hashtable import MAX_LOAD, _entry, _probe, _tag, entry_format, index_capacity
+from .hashtable import MAX_LOAD, _entry, _probe, _tag, build_index, entry_format, index_capacity
 
 AHEAD = 16  # prefetch distance, in queries
 MAX_DIRECT_BITS = 31  # int32 slots
@@ -102,20 +102,6 @@ def build_direct(direct, keys, size):
     return over
 
 
-@njit(cache=True)
-def _build_overflow(keys, size, index, tag_bits, nd):
-    mask = np.uint64(index.shape[0] - 1)
-    for s in range(size):
-        k = keys[s]
-        if k < nd:
-            continue
-        h = mix64(k)
-        j = h & mask
-        while ~index[j] != 0:
-            j = (j + np.uint64(1)) & mask
-        index[j] = _entry(s, _tag(h, tag_bits), tag_bits)
-
-
 class DirectKeyIndex:
     """Key → slot for keys mostly below ``2**bits``: a direct array, plus an overflow hash index."""
 
@@ -148,7 +134,7 @@ class DirectKeyIndex:
         if rebuild or cap > self.index.shape[0] or dtype != self.index.dtype:
             self.index = np.full(cap, np.iinfo(dtype).max, dtype=dtype)
             self.tag_bits = tag_bits
-            _build_overflow(self.keys, self.size, self.index, self.tag_bits, np.uint64(self.direct.shape[0]))
+            build_index(self.keys, self.size, self.index, self.tag_bits, np.uint64(self.direct.shape[0]))
 
     def reserve(self, n: int) -> bool:
         """Room for ``n`` keys in all; True if the key array was reallocated."""

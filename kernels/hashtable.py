@@ -141,10 +141,13 @@ def lookup_or_insert(index, keys, size, queries, out, start, limit, tag_bits):
 
 
 @njit(cache=True)
-def build_index(keys, size, index, tag_bits):
-    """Fill the empty ``index`` with slots 0..size-1 of ``keys`` (growth, or loading a shard)."""
+def build_index(keys, size, index, tag_bits, skip_below):
+    """Fill the empty ``index`` with slots 0..size-1 of ``keys`` (growth, or loading a shard),
+    leaving out keys below ``skip_below`` (those a direct index addresses itself; 0 for none)."""
     mask = np.uint64(index.shape[0] - 1)
     for s in range(size):
+        if keys[s] < skip_below:
+            continue
         h = mix64(keys[s])
         j = h & mask
         while not _is_empty(index[j]):
@@ -184,7 +187,7 @@ class KeyIndex:
         self = cls(max(len(keys), 1))
         self.keys[: len(keys)] = keys
         self.size = len(keys)
-        build_index(self.keys, self.size, self.index, self.tag_bits)
+        build_index(self.keys, self.size, self.index, self.tag_bits, np.uint64(0))
         return self
 
     @property
@@ -201,7 +204,7 @@ class KeyIndex:
         if cap > self.index.shape[0] or dtype != self.index.dtype:
             self.index = np.full(max(cap, self.index.shape[0]), np.iinfo(dtype).max, dtype=dtype)
             self.tag_bits = tag_bits
-            build_index(self.keys, self.size, self.index, self.tag_bits)
+            build_index(self.keys, self.size, self.index, self.tag_bits, np.uint64(0))
         if n > self.keys.shape[0]:
             keys = np.zeros(min(max(n, int(self.keys.shape[0] * 1.5)), MAX_KEYS), dtype=np.uint64)
             keys[: self.size] = self.keys[: self.size]

@@ -134,12 +134,13 @@ def _line_end(buf, i, n):
 
 
 @njit(cache=True, nogil=True)
-def libsvm_kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen, with_bias, bias):
+def libsvm_kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen, with_bias, bias, mask):
     """Parse libsvm lines. Returns (rows, nnz, status, bad line index (0-based), lines skipped).
 
     ``binary``: labels must be in {0, 1} or {-1, +1}; -1 is stored as 0. ``seen`` (int64[2]) says
     whether a label 0 / -1 was met, here or in an earlier chunk of the same file (updated).
-    ``with_bias``: every row ends with the feature ``bias: 1``.
+    ``with_bias``: every row ends with the feature ``bias: 1`` (not masked). Feature indices are
+    masked with ``mask``.
     """
     n = buf.shape[0]
     i = 0
@@ -216,7 +217,7 @@ def libsvm_kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen, 
                 if j < stop and buf[j] != SPACE and buf[j] != TAB:
                     status = BAD_VALUE
                     break
-                indices[row_nnz] = key
+                indices[row_nnz] = key & mask
                 values[row_nnz] = v
                 row_nnz += 1
             if status == OK:
@@ -355,15 +356,20 @@ def _line_text(buf: np.ndarray, line: int) -> str:
     return lines[line].decode(errors="replace") if line < len(lines) else ""
 
 
+def _mask(bits: int) -> np.uint64:
+    return np.uint64(2**bits - 1) if bits < 64 else np.uint64(2**64 - 1)
+
+
 def parse_libsvm(data, *, source: str = "<bytes>", first_line: int = 1, skip_bad: bool = False,
-                 binary: bool = False, seen: np.ndarray | None = None, bias: int | None = None):
+                 binary: bool = False, seen: np.ndarray | None = None, bias: int | None = None, bits: int = 64):
     """Parse libsvm text. Returns ``(labels f32, indptr i64, indices u64, values f32, skipped)``
     (views of arrays sized for the worst case: no copy).
 
     ``first_line`` is the number of the chunk's first line in its file (for error messages).
     ``binary``: labels for the logistic loss, {0, 1} or {-1, +1} (stored as 0/1); ``seen`` carries
     which of 0 and -1 earlier chunks of the same file had (int64[2], updated in place).
-    ``bias``: a key appended to every row with value 1.
+    ``bias``: a key appended to every row with value 1. Indices are reduced to ``bits`` bits (the
+    bias key is not).
     """
     buf = _as_bytes(data)
     max_rows = int(count_byte(buf, NL)) + 1
@@ -375,7 +381,7 @@ def parse_libsvm(data, *, source: str = "<bytes>", first_line: int = 1, skip_bad
     if seen is None:
         seen = np.zeros(2, dtype=np.int64)
     rows, nnz, status, bad, skipped = libsvm_kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen,
-                                                    bias is not None, np.uint64(bias or 0))
+                                                    bias is not None, np.uint64(bias or 0), _mask(bits))
     if status != OK:
         raise ParseError(source, first_line + bad, MESSAGES[status], _line_text(buf, bad))
     return labels[:rows], indptr[: rows + 1], indices[:nnz], values[:nnz], int(skipped)
@@ -390,8 +396,7 @@ def parse_criteo(data, *, source: str = "<bytes>", first_line: int = 1, skip_bad
     labels = np.empty(max_rows, dtype=np.float32)
     indptr = np.empty(max_rows + 1, dtype=np.int64)
     indices = np.empty(max_rows * (40 if bias is not None else 39), dtype=np.uint64)
-    mask = np.uint64(2**bits - 1) if bits < 64 else np.uint64(2**64 - 1)
-    rows, nnz, status, bad, skipped = criteo_kernel(buf, labels, indptr, indices, skip_bad, mask,
+    rows, nnz, status, bad, skipped = criteo_kernel(buf, labels, indptr, indices, skip_bad, _mask(bits),
                                                     bias is not None, np.uint64(bias or 0))
     if status != OK:
         raise ParseError(source, first_line + bad, MESSAGES[status], _line_text(buf, bad))

@@ -76,17 +76,21 @@ def fingerprint(path: str, span: int = 1 << 20) -> dict:
             "head_tail_xxh64": f"{int(xxh64(raw, 0, raw.shape[0], np.uint64(0))):016x}"}
 
 
-def _count_lines_before(path: str, offset: int) -> int:
-    n = 0
+def _count_newlines(path: str, start: int, end: int) -> tuple[int, bytes]:
+    """(newlines in ``path[start:end]``, its last byte), read in small pieces: this must not hold
+    the part in memory."""
+    n, last = 0, b""
     with open(path, "rb") as f:
-        left = offset
+        f.seek(start)
+        left = end - start
         while left > 0:
-            chunk = f.read(min(BLOCK, left))
+            chunk = f.read(min(4 << 20, left))
             if not chunk:
                 break
             n += chunk.count(b"\n")
+            last = chunk[-1:]
             left -= len(chunk)
-    return n
+    return n, last
 
 
 @dataclass
@@ -147,22 +151,17 @@ def _parse_blocks(path: str, start: int, end: int, fmt: str, hash_bits: int, ski
                                              bias=int(BIAS_KEY))
                 else:
                     out = parse.parse_libsvm(block, source=path, first_line=1, skip_bad=skip_bad,
-                                             binary=binary, seen=seen, bias=int(BIAS_KEY))
+                                             binary=binary, seen=seen, bias=int(BIAS_KEY), bits=hash_bits)
             except parse.ParseError as e:
-                line = _count_lines_before(path, block_start) + e.line
+                line = _count_newlines(path, 0, block_start)[0] + e.line
                 text = str(e).split(": ", 2)[-1] if str(e).count(": ") >= 2 else ""
                 raise DataError(f"{path}:{line}: {e.reason}" + (f": {text}" if text else "")) from None
             finally:
                 del block
-            labels, indptr, indices, values, sk = out
-            if fmt == "libsvm" and hash_bits < 64 and indices.size:
-                bias_at = indptr[1:] - 1  # the bias keys (each row's last) stay as they are
-                indices &= np.uint64(2**hash_bits - 1)
-                indices[bias_at] = BIAS_KEY
             carry = n - cut
             buf[:carry] = buf[cut:n]
             block_start += cut
-            yield labels, indptr, indices, values, sk
+            yield out
 
 
 def _concat(pieces: list) -> tuple:
@@ -225,18 +224,8 @@ def load_part(path: str, part: int, parts: int, fmt: str = "auto", hash_bits: in
 def rows_bound(path: str, start: int, end: int) -> int:
     """At most how many rows ``path[start:end]`` holds (its lines; blank, comment and skipped
     lines make it an upper bound)."""
-    n, last = 0, b"\n"
-    with open(path, "rb") as f:
-        f.seek(start)
-        left = end - start
-        while left > 0:
-            chunk = f.read(min(4 << 20, left))  # small reads: this must not hold the part
-            if not chunk:
-                break
-            n += chunk.count(b"\n")
-            last = chunk[-1:]
-            left -= len(chunk)
-    return n + (1 if end > start and last != b"\n" else 0)
+    n, last = _count_newlines(path, start, end)
+    return n + (1 if last not in (b"", b"\n") else 0)
 
 
 class PartStream:
@@ -350,7 +339,7 @@ class PartStream:
         if have:
             b, pending, have = _take(pending, have, have)
             yield b
-        empty = Dataset(np.zeros(0, np.float32), np.zeros(1, np.int64), np.zeros(0, np.uint64), np.zeros(0, np.float32))
+        empty = Dataset(*_concat([]))
         while True:
             yield empty
 

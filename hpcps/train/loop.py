@@ -28,7 +28,7 @@ from hpcps.context import init
 from hpcps.train import data as tdata
 from hpcps.train import model_file, synth
 from hpcps.train.models import make_model
-from hpcps.train.progress import STATUS_ENV, Progress, summary_table, write_status
+from hpcps.train.progress import STATUS_ENV, Progress, summary_table, vm_hwm_mb, write_status
 from hpcps_kernels import metrics
 
 
@@ -389,16 +389,9 @@ def run(cfg, comm=None) -> dict | None:
 
 
 def _peak_rss_mb() -> float:
-    """This process's peak resident memory so far, in MiB: VmHWM of its memory image (getrusage's
-    maxrss would include what a parent held when it forked this process, as it survives exec)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    """This process's peak resident memory so far, in MiB (getrusage where /proc is missing)."""
+    peak = vm_hwm_mb()
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def _agree_preempted(ctx, mine: bool) -> tuple[bool, float, float]:

@@ -20,6 +20,7 @@ import h5py
 import numpy as np
 
 from hpcps import transport
+from hpcps.checkpoint import fsync_path
 from hpcps_kernels import init as kinit
 from hpcps_kernels import keys as kkeys
 from hpcps_kernels.hashtable import KeyIndex
@@ -39,11 +40,7 @@ def write(path: str, keys: np.ndarray, values: np.ndarray, attrs: dict) -> None:
             f.attrs[k] = v
         f.create_dataset("keys", data=sk)
         f.create_dataset("values", data=kkeys.gather_rows(np.ascontiguousarray(values), order))
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(tmp)
     os.replace(tmp, path)
 
 

@@ -19,6 +19,20 @@ def write_status(path: str, **fields) -> None:
     os.replace(tmp, path)
 
 
+def vm_hwm_mb(pid: int | str = "self") -> float | None:
+    """Peak resident memory (VmHWM) of a process's current memory image, in MiB; None if it cannot
+    be read. Unlike getrusage's maxrss, it does not count what a parent held when it forked the
+    process (maxrss survives exec)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        return None
+    return None
+
+
 def read_status(path: str) -> dict:
     try:
         with open(path) as f:
