@@ -26,7 +26,8 @@ def _rotl(x, r):
 
 
 @njit(inline="always")
-def _read64(buf, i):
+def read64(buf, i):
+    """The 8 bytes ``buf[i:i + 8]`` as a little-endian uint64."""
     v = np.uint64(0)
     for k in range(8):
         v |= np.uint64(buf[i + k]) << np.uint64(8 * k)
@@ -86,17 +87,17 @@ def xxh64(buf, start, end, seed):
         v4 = seed - P1
         limit = end - 32
         while i <= limit:
-            v1 = _round(v1, _read64(buf, i))
-            v2 = _round(v2, _read64(buf, i + 8))
-            v3 = _round(v3, _read64(buf, i + 16))
-            v4 = _round(v4, _read64(buf, i + 24))
+            v1 = _round(v1, read64(buf, i))
+            v2 = _round(v2, read64(buf, i + 8))
+            v3 = _round(v3, read64(buf, i + 16))
+            v4 = _round(v4, read64(buf, i + 24))
             i += 32
         h = _converge(v1, v2, v3, v4)
     else:
         h = seed + P5
     h += np.uint64(n)
     while i + 8 <= end:
-        k1 = _round(np.uint64(0), _read64(buf, i))
+        k1 = _round(np.uint64(0), read64(buf, i))
         h ^= k1
         h = _rotl(h, 27) * P1 + P4
         i += 8
@@ -108,6 +109,16 @@ def xxh64(buf, start, end, seed):
         h ^= np.uint64(buf[i]) * P5
         h = _rotl(h, 11) * P1
         i += 1
+    return _avalanche(h)
+
+
+@njit(inline="always")
+def xxh64_u64(v, seed):
+    """XXH64 of the 8 little-endian bytes of the uint64 ``v``: the value :func:`xxh64` gives for
+    those bytes, without writing them anywhere."""
+    h = np.uint64(seed) + P5 + np.uint64(8)
+    h ^= _round(np.uint64(0), v)
+    h = _rotl(h, 27) * P1 + P4
     return _avalanche(h)
 
 

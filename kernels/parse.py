@@ -30,7 +30,7 @@ import math
 import numpy as np
 from numba import njit
 
-from .hashing import xxh64
+from .hashing import read64, xxh64, xxh64_u64
 
 OK = 0
 BAD_LABEL = 1
@@ -248,24 +248,36 @@ def _int_bucket(v):
     return np.int64(math.floor(lv * lv))
 
 
+def _bucket_table(n: int) -> np.ndarray:
+    out = np.empty(n, dtype=np.int64)
+    for v in range(n):
+        out[v] = v if v <= 2 else int(math.floor(math.log(v) ** 2))
+    return out
+
+
+# the bucket of every small integer (Criteo's counts are mostly small): a load instead of a log
+_BUCKETS = _bucket_table(4096)
+
+
 @njit(cache=True, nogil=True)
 def criteo_kernel(buf, labels, indptr, indices, skip_bad, mask, with_bias, bias):
-    """Parse Criteo TSV lines into hashed keys. Returns like :func:`libsvm_kernel`."""
+    """Parse Criteo TSV lines into hashed keys. Returns like :func:`libsvm_kernel`.
+
+    One pass over the bytes: a column ends at a tab or at the line's end (a CR before the newline
+    is not part of the line), so the line is not searched for its end first."""
     n = buf.shape[0]
+    buckets = _BUCKETS
+    nb = buckets.shape[0]
     i = 0
     line = 0
     rows = 0
     nnz = 0
     skipped = 0
     indptr[0] = 0
-    scratch = np.empty(8, dtype=np.uint8)
     while i < n:
-        end = _line_end(buf, i, n)
-        stop = end
-        if stop > i and buf[stop - 1] == CR:
-            stop -= 1
-        if stop == i:  # blank line
-            i = end + 1
+        c0 = buf[i]
+        if c0 == NL or (c0 == CR and (i + 1 == n or buf[i + 1] == NL)):  # blank line
+            i += 1 if c0 == NL else 2
             line += 1
             continue
         status = OK
@@ -273,11 +285,20 @@ def criteo_kernel(buf, labels, indptr, indices, skip_bad, mask, with_bias, bias)
         col = 0
         j = i
         lab = 0.0
+        eol = False
         while True:
             a = j
-            while j < stop and buf[j] != TAB:
+            c = np.uint8(0)
+            while j < n:
+                c = buf[j]
+                if c == TAB or c == NL:
+                    break
                 j += 1
-            b = j  # column is buf[a:b]
+            b = j
+            if j >= n or c == NL:  # the line's last column (without a CR before the newline)
+                eol = True
+                if b > a and buf[b - 1] == CR:
+                    b -= 1
             if col == 0:
                 if b - a == 1 and (buf[a] == 48 or buf[a] == 49):
                     lab = float(buf[a] - 48)
@@ -299,25 +320,31 @@ def criteo_kernel(buf, labels, indptr, indices, skip_bad, mask, with_bias, bias)
                     if k != b:
                         status = BAD_VALUE
                         break
-                    bucket = _int_bucket(-v if neg else v)
-                    u = np.uint64(bucket)
-                    for t in range(8):
-                        scratch[t] = np.uint8((u >> np.uint64(8 * t)) & np.uint64(255))
-                    indices[row_nnz] = xxh64(scratch, 0, 8, np.uint64(col - 1)) & mask
+                    if neg:
+                        bucket = -v
+                    elif v < nb:
+                        bucket = buckets[v]
+                    else:
+                        bucket = _int_bucket(v)
+                    indices[row_nnz] = xxh64_u64(np.uint64(bucket), np.uint64(col - 1)) & mask
                     row_nnz += 1
             elif col <= 39:
-                if b > a:
+                if b - a == 8:  # Criteo's categories: 8 hex digits, hashed as one 64-bit word
+                    indices[row_nnz] = xxh64_u64(read64(buf, a), np.uint64(col - 1)) & mask
+                    row_nnz += 1
+                elif b > a:
                     indices[row_nnz] = xxh64(buf, a, b, np.uint64(col - 1)) & mask
                     row_nnz += 1
             else:
                 status = BAD_COLUMNS
                 break
             col += 1
-            if j >= stop:
+            if eol:
                 break
             j += 1  # skip the tab
         if status == OK and col != 40:
             status = BAD_COLUMNS
+        end = j if eol else _line_end(buf, j, n)  # after an error: the rest of the line
         if status == OK:
             if with_bias:
                 indices[row_nnz] = bias
@@ -343,6 +370,20 @@ def count_byte(buf, value):
         if buf[i] == value:
             n += 1
     return n
+
+
+_ONES = np.ones(0, dtype=np.float32)
+
+
+def ones(n: int) -> np.ndarray:
+    """``n`` float32 ones: a view of one shared array (the values of a format whose every value is
+    1, which would otherwise take 4 bytes per key of memory and bandwidth). Never written: the
+    views are not flagged read-only only because numba would compile every kernel again for
+    read-only arrays."""
+    global _ONES
+    if _ONES.shape[0] < n:
+        _ONES = np.ones(max(n, 2 * _ONES.shape[0]), dtype=np.float32)
+    return _ONES[:n]
 
 
 def _as_bytes(data) -> np.ndarray:
@@ -400,7 +441,7 @@ def parse_criteo(data, *, source: str = "<bytes>", first_line: int = 1, skip_bad
                                                     bias is not None, np.uint64(bias or 0))
     if status != OK:
         raise ParseError(source, first_line + bad, MESSAGES[status], _line_text(buf, bad))
-    return labels[:rows], indptr[: rows + 1], indices[:nnz], np.ones(nnz, dtype=np.float32), int(skipped)
+    return labels[:rows], indptr[: rows + 1], indices[:nnz], ones(nnz), int(skipped)
 
 
 @njit(cache=True)

@@ -362,6 +362,38 @@ def test_criteo_matches_python_parser(bits):
     assert indices.max() < 2**bits if bits < 64 else True
 
 
+def test_criteo_crlf_blank_lines_and_tokens_of_any_length_match_python_parser():
+    # the kernel reads a line in one pass (a column ends at a tab or the line's end), hashes
+    # 8-byte tokens as one word, and looks small integers' buckets up in a table
+    rng = np.random.default_rng(7)
+    lines = []
+    for i in range(400):
+        cols = criteo_line(rng).split("\t")
+        for c in range(14, 40):
+            if cols[c] and rng.random() < 0.3:
+                cols[c] = "x" * int(rng.integers(1, 40))
+        for c in range(1, 14):
+            if cols[c] and rng.random() < 0.1:
+                cols[c] = str(int(rng.integers(4000, 5000)))  # around the table's end
+        lines.append("\t".join(cols) + ("\r" if i % 3 == 0 else ""))
+        if i % 50 == 0:
+            lines.append("")
+    text = ("\n".join(lines)).encode()  # no newline after the last line
+    labels, indptr, indices, _, skipped = parse.parse_criteo(text, bits=64)
+    rl, rp, ri = ref.parse_criteo(text, bits=64)
+    np.testing.assert_array_equal(labels, rl)
+    np.testing.assert_array_equal(indptr, rp)
+    np.testing.assert_array_equal(indices, ri)
+    assert skipped == 0 and labels.shape[0] == 400
+
+
+def test_xxh64_of_a_word_equals_xxh64_of_its_bytes():
+    rng = np.random.default_rng(3)
+    for v, seed in zip(rng.integers(0, 2**63, 50, dtype=np.uint64), rng.integers(0, 2**63, 50, dtype=np.uint64)):
+        buf = np.frombuffer(int(v).to_bytes(8, "little"), dtype=np.uint8)
+        assert hashing.xxh64_u64(v, seed) == hashing.xxh64(buf, 0, 8, seed)
+
+
 @pytest.mark.parametrize("bad", ["2\t" + "\t" * 38, "1\t" + "\t" * 37, "1\t" + "\t" * 39, "1\tx" + "\t" * 38])
 def test_criteo_bad_line_names_line(bad):
     rng = np.random.default_rng(0)
