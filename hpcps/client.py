@@ -176,9 +176,11 @@ class SparseTable:
         req = self._requests.pop(ts)
         ctx = self.ctx
         t = time.perf_counter()
+        busy = ctx.stats["background_s"]
         transport.wait(req.pending, ctx.stall_timeout_s if timeout is None else timeout,
-                       warn_after=ctx.stall_warn_s, max_sleep=transport.POLL_SHORT_MAX_SLEEP_S)
-        ctx.stats["wait_s"] += time.perf_counter() - t
+                       warn_after=ctx.stall_warn_s, max_sleep=transport.POLL_SHORT_MAX_SLEEP_S,
+                       background=ctx.run_background if ctx.background is not None else None)
+        ctx.stats["wait_s"] += time.perf_counter() - t - (ctx.stats["background_s"] - busy)
         min_clock = None
         for _, reply in req.parts:
             h = protocol.reply_header(reply)

@@ -15,7 +15,8 @@ worker group (aggregated pushes, dense tables). Nothing happens at import.
 from __future__ import annotations
 
 import os
-
+import time
+from typing import Callable
 
 import numpy as np
 
@@ -55,9 +56,14 @@ class Context:
         self._req_id = 0
         self._ts = 0
         self._clock_sends: list[transport.Pending] = []
-        self.stats = {"wait_s": 0.0, "max_staleness": 0}
+        # wait_s: time waiting for the servers; background_s: time of background work done
+        # during those waits (not counted as waiting)
+        self.stats = {"wait_s": 0.0, "max_staleness": 0, "background_s": 0.0}
         self.server_stats: dict | None = None
         self.server_stop = False   # a server reported a stop signal
+        # work a worker does while it waits for the servers instead of sleeping (the training loop
+        # parses its next rows): returns whether it did any (see transport.wait)
+        self.background: Callable[[], bool] | None = None
         self._finalized = False
         self._done_sent = False    # this worker told the servers it is done
         # Worker groups: one communicator per group (servers get none).
@@ -66,6 +72,13 @@ class Context:
         self.workers_comm = transport.split(comm, 0 if self.is_worker else -1, self.rank)
         self.servers_comm = transport.split(comm, 0 if self.is_server else -1, self.rank)
         self._check_same("layout", hash((layout.servers, layout.worker_groups, staleness, num_shards)) & 0x7FFFFFFF)
+
+    def run_background(self) -> bool:
+        """One piece of :attr:`background` work, timed in ``stats["background_s"]``."""
+        t = time.perf_counter()
+        did = self.background()
+        self.stats["background_s"] += time.perf_counter() - t
+        return did
 
     # -- declarations ------------------------------------------------------------------------
 

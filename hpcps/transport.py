@@ -7,8 +7,8 @@ imports mpi4py itself. Rules kept here:
   never pickled objects; a payload over 2 GiB is split into chunks.
 * No wait spins: MPICH's blocking calls busy-poll a core, which on an oversubscribed node slows the
   ranks that do compute. :func:`wait` polls nonblocking requests and sleeps between polls with an
-  exponential back-off (see ``POLL_*`` below), and takes a timeout after which it says which peer
-  never answered.
+  exponential back-off (see ``POLL_*`` below), or does the caller's background work instead of
+  sleeping, and takes a timeout after which it says which peer never answered.
 * An unhandled exception on any rank aborts the whole job, printing the rank and the error
   (:func:`install_abort_handler`), so that no rank waits forever for a dead peer.
 * Every wait of the library goes through here, collectives included: each takes a timeout, and
@@ -184,6 +184,7 @@ def wait(
     on_warn: Callable[[str], None] | None = None,
     suffix: str | Callable[[], str] = "",
     max_sleep: float = POLL_MAX_SLEEP_S,
+    background: Callable[[], bool] | None = None,
 ) -> None:
     """Wait for requests to complete without spinning a core.
 
@@ -196,6 +197,9 @@ def wait(
         suffix: added to the description (who a collective waits on).
         max_sleep: the longest sleep between polls: a wait expected to be short (a reply in the
             training loop) uses less than the default, so it does not oversleep the answer.
+        background: called between polls instead of sleeping: it does one short piece of other
+            work (parsing the next rows) and returns whether there was any; once it returns False
+            the wait sleeps as usual.
 
     Raises:
         StallError: when ``timeout`` passes first.
@@ -220,6 +224,10 @@ def wait(
             raise StallError(
                 f"{rank_prefix()}: no answer after {timeout:g} s: {describe(todo)}{suffix() if callable(suffix) else suffix}"
             )
+        if background is not None:
+            if background():
+                continue
+            background = None
         sleep = _sleep_backoff(start, sleep, spin, max_sleep)
 
 

@@ -145,6 +145,40 @@ def test_stream_batches_equal_the_loaded_part(dataset, fmt, block_bytes, memory_
     assert (stream.kept is not None) == (memory_mb == 0)
 
 
+def test_pumps_parse_ahead_within_half_the_budget_and_batches_are_unchanged(dataset):
+    path = dataset.files["train_criteo"]
+    whole = data.load_part(path, 0, 1, binary=True)
+    stream = data.PartStream(path, 0, 1, binary=True, memory_mb=0.25, block_bytes=1 << 13).open()
+    it = stream.batches(50)
+    got = [next(it)]
+    assert stream.pump() is True  # a pass is under way: there is more to parse
+    while stream.pump():
+        pass
+    block = max(b.nbytes for b in stream._pass.ahead)
+    assert stream.ahead_limit <= stream._pass.ahead_bytes <= stream.ahead_limit + block
+    got += [next(it) for _ in range(-(-whole.rows // 50) - 1)]
+    rows = np.concatenate([b.labels for b in got])
+    np.testing.assert_array_equal(rows, whole.labels)
+    np.testing.assert_array_equal(np.concatenate([b.indices for b in got]), whole.indices)
+
+
+def test_a_bad_line_met_by_a_pump_is_raised_when_the_training_reaches_it(dataset, tmp_path):
+    lines = open(dataset.files["train_libsvm"], "rb").read().splitlines(keepends=True)
+    lines[1500] = b"1 4:zz\n"
+    path = tmp_path / "bad.svm"
+    path.write_bytes(b"".join(lines))
+    stream = data.PartStream(str(path), 0, 1, block_bytes=1 << 14).open()
+    it = stream.batches(100)
+    first = next(it)
+    while stream.pump():  # never raises: the error waits for the rows before it to be trained
+        pass
+    rows = first.rows
+    with pytest.raises(data.DataError, match=rf"{path}:1501: bad number"):
+        while True:
+            rows += next(it).rows
+    assert 1000 < rows <= 1500  # the rows before the bad line's slice were all trained
+
+
 def test_a_bad_line_in_a_later_block_stops_the_stream_naming_it(dataset, tmp_path):
     lines = open(dataset.files["train_libsvm"], "rb").read().splitlines(keepends=True)
     lines[1500] = b"1 4:zz\n"

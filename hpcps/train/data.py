@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-import queue
-import threading
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -111,6 +110,10 @@ class Dataset:
         lo, hi = min(lo, self.rows), min(hi, self.rows)
         a, b = self.indptr[lo], self.indptr[hi]
         return Dataset(self.labels[lo:hi], self.indptr[lo:hi + 1] - a, self.indices[a:b], self.values[a:b])
+
+    @property
+    def nbytes(self) -> int:
+        return self.labels.nbytes + self.indptr.nbytes + self.indices.nbytes + self.values.nbytes
 
     def check_finite(self) -> None:
         if not np.isfinite(self.labels).all():
@@ -228,18 +231,41 @@ def rows_bound(path: str, start: int, end: int) -> int:
     return n + (1 if last not in (b"", b"\n") else 0)
 
 
+class _Pass:
+    """The state of one pass over a part: its block generator, the blocks parsed ahead of the
+    training, and (``memory_mb`` = 0) every block parsed so far, kept for the next passes."""
+
+    def __init__(self, blocks, first: "Dataset | None", keep: bool):
+        self.blocks = blocks
+        self.ahead: deque = deque([first] if first is not None else [])
+        self.ahead_bytes = first.nbytes if first is not None else 0
+        self.keep = ([first] if first is not None else []) if keep else None
+        self.skipped = first.skipped if first is not None else 0
+        self.done = False
+        self.error: DataError | None = None
+
+
 class PartStream:
     """A worker's part of a training file, read as consecutive batches while it trains.
 
-    Blocks of the part are parsed in a background thread (the parse kernels release the GIL)
-    while the current block trains, so parsing overlaps training instead of preceding it. The
-    first block is parsed at :meth:`open`, where its errors are reported like any loading error;
-    a bad line further on stops the job from the reader, naming the file and line.
+    The part is parsed in slices of ``block_bytes`` on the training thread itself: :meth:`pump`
+    parses the next slice ahead of the training, and the training loop calls it while a step waits
+    for the servers (:attr:`hpcps.context.Context.background`), so parsing fills time the worker
+    would otherwise sleep. There is no second thread: a parsing thread competes with the training
+    thread for the GIL and, on a busy node, for a core, and each wake-up of a step's wait was
+    late by a scheduler time slice (milliseconds, against answers due in microseconds). When the
+    training needs rows no pump has parsed yet, it parses them there and then.
 
-    ``memory_mb`` = 0 keeps every parsed block for the next epochs (the part must fit in memory,
-    as parsed arrays). ``memory_mb`` > 0 never holds more parsed rows than that: blocks of about a
-    tenth of the budget, one parsed ahead; each epoch reads and parses the part again.
+    The first slice is parsed at :meth:`open`, where its errors are reported like any loading
+    error; a bad line further on raises :class:`DataError` (file and line) from :meth:`batches`.
+
+    ``memory_mb`` = 0 keeps every parsed slice for the next epochs (the part must fit in memory,
+    as parsed arrays), and pumps may parse the whole part ahead. ``memory_mb`` > 0 never holds more
+    parsed rows than that: pumps stop at half the budget ahead; each epoch reads and parses the
+    part again.
     """
+
+    PUMP_BYTES = 1 << 19  # text parsed per pump: ~2,000 Criteo rows, about a millisecond
 
     def __init__(self, path: str, part: int, parts: int, fmt: str = "auto", hash_bits: int = 24,
                  skip_bad: bool = False, binary: bool = False, memory_mb: float = 0.0, block_bytes: int = 0):
@@ -250,14 +276,17 @@ class PartStream:
         self.start, self.end = byte_range(path, part, parts)
         self.rows_bound = rows_bound(path, self.start, self.end)
         self.keep = memory_mb <= 0
+        budget = memory_mb * (1 << 20)
         # a parsed byte of text takes up to about 3 bytes in arrays (Criteo: 40 keys of 8 bytes, values
-        # of 4, per line of ~250 characters) plus the text buffer: ten blocks fit the budget
-        self.block_bytes = block_bytes or (32 << 20 if self.keep else max(1 << 16, int(memory_mb * (1 << 20)) // 10))
+        # of 4, per line of ~250 characters): slices of a tenth of the budget, at most half of it ahead
+        self.block_bytes = block_bytes or (self.PUMP_BYTES if self.keep else
+                                           max(1 << 16, min(self.PUMP_BYTES, int(budget) // 10)))
+        self.ahead_limit = float("inf") if self.keep else budget / 2
         self.kept: list[Dataset] | None = None
         self.skipped = 0          # lines skipped so far (all of them after a whole pass)
         self._first: Dataset | None = None
         self._blocks = None
-        self._reader: threading.Thread | None = None
+        self._pass: _Pass | None = None
 
     def _dataset(self, out) -> Dataset:
         labels, indptr, indices, values, sk = out
@@ -270,7 +299,7 @@ class PartStream:
                              self.binary, self.block_bytes)
 
     def open(self) -> "PartStream":
-        """Parse the first block now (raises DataError for a bad line in it)."""
+        """Parse the first slice now (raises DataError for a bad line in it)."""
         self._blocks = self._generator()
         try:
             self._first = self._dataset(next(self._blocks))
@@ -278,47 +307,55 @@ class PartStream:
             self._first = None
         return self
 
+    def pump(self, force: bool = False) -> bool:
+        """Parse one more slice of the current pass, if there is one and (unless ``force``) the
+        rows parsed ahead are within the budget. Returns whether it parsed anything. Never
+        raises: a bad line is raised by :meth:`batches` when the training reaches it."""
+        p = self._pass
+        if p is None or p.done or (not force and p.ahead_bytes >= self.ahead_limit):
+            return False
+        try:
+            ds = self._dataset(next(p.blocks))
+        except StopIteration:
+            p.done = True
+            self.skipped = p.skipped
+            if p.keep is not None:
+                self.kept = p.keep
+            return False
+        except DataError as e:
+            p.done, p.error = True, e
+            return False
+        p.ahead.append(ds)
+        p.ahead_bytes += ds.nbytes
+        p.skipped += ds.skipped
+        if p.keep is not None:
+            p.keep.append(ds)
+        return True
+
     def _epoch_blocks(self):
-        """The parsed blocks of one pass, the next one parsed in a background thread. The reader
-        keeps the blocks for later passes itself (``memory_mb`` = 0), so a pass whose last rows
-        the training did not ask for is complete all the same."""
-        if self._reader is not None:
-            self._reader.join()  # the previous pass's reader: done once all its rows were taken
+        """The parsed slices of one pass, in order."""
+        if self._pass is not None and self.keep:
+            while self.pump(force=True):  # finish the pass the training left (its last rows unasked)
+                pass
+            if self._pass.error is not None:
+                raise self._pass.error
         if self.kept is not None:
             yield from self.kept
             return
-        first, blocks = self._first, self._blocks if self._blocks is not None else self._generator()
+        blocks = self._blocks if self._blocks is not None else self._generator()
+        self._pass = p = _Pass(blocks, self._first, self.keep)
         self._first, self._blocks = None, None
-        ahead: queue.Queue = queue.Queue(maxsize=1)
-
-        def read():
-            keep = [] if self.keep else None
-            skipped = first.skipped if first is not None else 0
-            try:
-                for out in blocks:
-                    ds = self._dataset(out)
-                    skipped += ds.skipped
-                    if keep is not None:
-                        keep.append(ds)
-                    ahead.put(("block", ds))
-                self.skipped = skipped
-                if keep is not None:
-                    self.kept = ([first] if first is not None else []) + keep
-                ahead.put(("end", None))
-            except BaseException as e:  # handed to the training thread, which raises it
-                ahead.put(("error", e))
-
-        self._reader = threading.Thread(target=read, name=f"reader of {os.path.basename(self.path)}", daemon=True)
-        self._reader.start()
-        if first is not None:
-            yield first
         while True:
-            kind, item = ahead.get()
-            if kind == "end":
+            if p.ahead:
+                ds = p.ahead.popleft()
+                p.ahead_bytes -= ds.nbytes
+                yield ds
+            elif p.error is not None:
+                raise p.error
+            elif p.done:
                 return
-            if kind == "error":
-                raise item
-            yield item
+            else:
+                self.pump(force=True)
 
     def batches(self, batch_size: int, skip: int = 0):
         """One pass over the part as batches of ``batch_size`` consecutive rows (the last may be

@@ -234,6 +234,8 @@ def run(cfg, comm=None) -> dict | None:
 
     tr = cfg.train
     wcomm = ctx.workers_comm
+    if isinstance(train, tdata.PartStream):
+        ctx.background = train.pump  # parse ahead while steps wait for the servers
     first = wcomm.Get_rank() == 0
     # every worker takes the same number of steps: enough for the largest part (its lines: blank,
     # comment or skipped lines only add empty steps at the end)
