@@ -16,3 +16,30 @@ def init(*args, **kwargs):
     from hpcps.context import init as _init
 
     return _init(*args, **kwargs)
+
+
+def register_optimizer(name: str, params: dict, kernel, args=None, state_width=None, init_state=None,
+                       ranges=None, replace: bool = False):
+    """Register a server-side update rule under ``name`` (on every rank, identically, before
+    declaring tables that use it). See :class:`hpcps_kernels.optim.Optimizer`:
+
+        @numba.njit
+        def signsgd(rows, slots, grads, lr):
+            for i in range(slots.shape[0]):
+                for d in range(grads.shape[1]):
+                    rows[slots[i], d] -= lr * np.sign(grads[i, d])
+
+        hpcps.register_optimizer("signsgd", {"lr": 0.01}, signsgd)
+        w = ctx.sparse_table("w", optimizer="signsgd", params={"lr": 0.1})
+
+    ``args``: the hyper-parameters passed to ``kernel`` after (rows, slots, grads), in order
+    (default: all of ``params``, in their order). ``state_width(dim)``: state columns per row
+    (default none); ``init_state(dim, params)``: a new row's state (default zeros); ``ranges``:
+    name → (low, high, low_open, high_open) (default: >= 0). Tables compare the definition's
+    fingerprint across ranks, so a rank that registered something else is an error.
+    """
+    from hpcps_kernels import optim
+
+    opt = optim.Optimizer(name, dict(params), kernel, tuple(args if args is not None else params),
+                          state_width or (lambda dim: 0), init_state, dict(ranges or {}))
+    return optim.register(opt, replace=replace)

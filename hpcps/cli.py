@@ -333,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--sizes", default="1000,10000,100000,1000000", help="batch sizes in keys, comma-separated")
     b.add_argument("--repeat", type=int, default=5)
     b.add_argument("--dim", type=int, default=1)
-    b.add_argument("--optimizer", default="ftrl", choices=["sgd", "adagrad", "ftrl", "adam"])
+    b.add_argument("--optimizer", default="ftrl", help="a registered optimizer (sgd, adagrad, ftrl, adam, or your own)")
     b.add_argument("--key-bits", type=int, default=64,
                    help="keys below 2**BITS; up to 26 the server addresses them directly (hashed features)")
     b.add_argument("--json", action="store_true")

@@ -25,7 +25,7 @@ try:  # Python >= 3.11
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from hpcps.tables import OPTIMIZER_PARAMS, param_range_error
+from hpcps_kernels import optim
 
 
 class ConfigError(ValueError):
@@ -207,15 +207,16 @@ def from_dict(raw: dict) -> Config:
         sections[name] = cls(**kw)
     opt = dict(raw.get("optimizer", {}))
     name = opt.pop("name", Optimizer.name)
-    if not isinstance(name, str) or name not in OPTIMIZER_PARAMS:
-        raise ConfigError(f"optimizer.name = {name!r}: expected one of {sorted(OPTIMIZER_PARAMS)}")
+    if not isinstance(name, str) or name not in optim.REGISTRY:
+        raise ConfigError(f"optimizer.name = {name!r}: expected one of {sorted(optim.REGISTRY)}")
+    rule = optim.get(name)
     params = {}
     for key, value in opt.items():
-        if key not in OPTIMIZER_PARAMS[name]:
+        if key not in rule.params:
             raise ConfigError(f"unknown config key optimizer.{_name(key)} for optimizer {name!r}; "
-                              f"it takes {sorted(OPTIMIZER_PARAMS[name])}")
-        params[key] = _coerce(f"optimizer.{key}", value, float(OPTIMIZER_PARAMS[name][key]))
-        why = param_range_error(key, params[key])
+                              f"it takes {sorted(rule.params)}")
+        params[key] = _coerce(f"optimizer.{key}", value, float(rule.params[key]))
+        why = rule.range_error(key, params[key])
         if why:
             raise ConfigError(f"optimizer.{key} {why}")
     sections["optimizer"] = Optimizer(name, params)
@@ -364,6 +365,6 @@ def describe() -> str:
         for f in dataclasses.fields(cls):
             lines.append(f"  {f.name} = {f.default!r}")
     lines.append("[optimizer]\n  name = 'ftrl'")
-    for opt, params in OPTIMIZER_PARAMS.items():
-        lines.append(f"  ({opt}: " + ", ".join(f"{k} = {v}" for k, v in params.items()) + ")")
+    for opt, rule in optim.REGISTRY.items():
+        lines.append(f"  ({opt}: " + ", ".join(f"{k} = {v}" for k, v in rule.params.items()) + ")")
     return "\n".join(lines)

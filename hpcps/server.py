@@ -38,7 +38,6 @@ from hpcps import checkpoint, protocol, signals, transport
 from hpcps.placement import Placement
 from hpcps.tables import TableSpec
 from hpcps_kernels import init as kinit
-from hpcps_kernels import optim
 from hpcps_kernels.directindex import DirectKeyIndex
 from hpcps_kernels.hashtable import KeyIndex
 
@@ -51,7 +50,8 @@ class ServerTable:
         self.index = self._new_index(np.zeros(0, dtype=np.uint64))
         self.rows = np.zeros((self.index.key_capacity, spec.width), dtype=np.float32)
         self.kind = kinit.KINDS[spec.init]
-        self.state = optim.state_init(spec.optimizer, spec.dim, spec.params.get("initial_accumulator", 0.0))
+        self.opt = spec.opt
+        self.state = self.opt.new_state(spec.dim, spec.params)
 
     def _new_index(self, keys: np.ndarray):
         """Direct addressing for a bounded key space, else a hash index."""
@@ -80,15 +80,7 @@ class ServerTable:
             self.rows = rows
         if self.index.size > first_new:
             kinit.create_rows(self.rows, slots, keys, first_new, s.dim, self.kind, s.init_scale, s.seed, self.state)
-        p = s.params
-        if s.optimizer == "sgd":
-            optim.sgd(self.rows, slots, grads, p["lr"], p["l2"])
-        elif s.optimizer == "adagrad":
-            optim.adagrad(self.rows, slots, grads, p["lr"], p["eps"], p["l2"])
-        elif s.optimizer == "ftrl":
-            optim.ftrl(self.rows, slots, grads, p["alpha"], p["beta"], p["l1"], p["l2"])
-        else:
-            optim.adam(self.rows, slots, grads, p["lr"], p["beta1"], p["beta2"], p["eps"], p["l2"])
+        self.opt.apply(self.rows, slots, grads, s.params)
 
     def load(self, keys: np.ndarray, rows: np.ndarray) -> None:
         """Replace the contents with ``keys`` and their rows (restoring a checkpoint)."""

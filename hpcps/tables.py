@@ -8,35 +8,6 @@ from dataclasses import asdict, dataclass, field
 from hpcps_kernels import init as kinit
 from hpcps_kernels import optim
 
-OPTIMIZER_PARAMS = {
-    "sgd": {"lr": 0.01, "l2": 0.0},
-    "adagrad": {"lr": 0.01, "eps": 1e-8, "l2": 0.0, "initial_accumulator": 0.1},
-    "ftrl": {"alpha": 0.1, "beta": 1.0, "l1": 0.0, "l2": 0.0},
-    "adam": {"lr": 0.001, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "l2": 0.0},
-}
-
-# The allowed range of each hyper-parameter: (low, high, low_open, high_open). A name not listed
-# here is ">= 0". Learning rates and FTRL's alpha must be positive (alpha = 0 divides by zero).
-_POSITIVE = (0.0, float("inf"), True, False)
-_UNIT = (0.0, 1.0, False, True)  # [0, 1)
-PARAM_RANGES = {
-    "lr": _POSITIVE, "alpha": _POSITIVE, "eps": _POSITIVE, "beta1": _UNIT, "beta2": _UNIT,
-}
-
-
-def param_range_error(name: str, value: float) -> str | None:
-    """Why ``value`` is not allowed for the optimizer hyper-parameter ``name`` (None if it is)."""
-    lo, hi, lo_open, hi_open = PARAM_RANGES.get(name, (0.0, float("inf"), False, False))
-    if value != value or value in (float("inf"), float("-inf")):
-        return f"must be a finite number (got {value})"
-    if (value <= lo if lo_open else value < lo) or (value >= hi if hi_open else value > hi):
-        if hi == float("inf"):
-            return f"must be {'greater than' if lo_open else 'at least'} {lo:g} (got {value:g})"
-        left, right = "(" if lo_open else "[", ")" if hi_open else "]"
-        return f"must be in {left}{lo:g}, {hi:g}{right} (got {value:g})"
-    return None
-
-
 DIRECT_MAX_BITS = 26  # direct addressing costs 4 * 2**key_bits bytes per server: 256 MiB at 26 bits
 
 
@@ -46,7 +17,8 @@ class TableSpec:
 
     ``init`` is ``zeros``, ``uniform`` (in [-init_scale, init_scale)) or ``normal`` (std
     init_scale), deterministic per key and ``seed``. ``params`` are the optimizer's
-    hyper-parameters (see ``OPTIMIZER_PARAMS`` for names and defaults). ``key_bits``: the keys are
+    hyper-parameters (see the optimizer registry, :mod:`hpcps_kernels.optim`, for names, defaults
+    and ranges; user code can register its own update rule there). ``key_bits``: the keys are
     (mostly) below ``2**key_bits``, as hashed features are; up to ``DIRECT_MAX_BITS`` the servers
     address rows directly by key instead of through a hash table (any key still works).
     """
@@ -61,23 +33,24 @@ class TableSpec:
     key_bits: int = 64
 
     def __post_init__(self):
-        if self.optimizer not in OPTIMIZER_PARAMS:
-            raise ValueError(f"table {self.name!r}: unknown optimizer {self.optimizer!r}; "
-                             f"expected one of {sorted(OPTIMIZER_PARAMS)}")
-        unknown = set(self.params) - set(OPTIMIZER_PARAMS[self.optimizer])
+        try:
+            opt = optim.get(self.optimizer)
+        except ValueError as e:
+            raise ValueError(f"table {self.name!r}: {e}") from None
+        unknown = set(self.params) - set(opt.params)
         if unknown:
             raise ValueError(f"table {self.name!r}: unknown {self.optimizer} parameter(s) {sorted(unknown)}; "
-                             f"expected {sorted(OPTIMIZER_PARAMS[self.optimizer])}")
+                             f"expected {sorted(opt.params)}")
         if self.init not in kinit.KINDS:
             raise ValueError(f"table {self.name!r}: unknown init {self.init!r}; expected one of {sorted(kinit.KINDS)}")
         if self.dim < 1:
             raise ValueError(f"table {self.name!r}: dim must be at least 1")
         if not 1 <= self.key_bits <= 64:
             raise ValueError(f"table {self.name!r}: key_bits must be between 1 and 64")
-        merged = dict(OPTIMIZER_PARAMS[self.optimizer])
+        merged = dict(opt.params)
         merged.update(self.params)
         for key, value in merged.items():
-            why = param_range_error(key, float(value))
+            why = opt.range_error(key, float(value))
             if why:
                 raise ValueError(f"table {self.name!r}: {self.optimizer} parameter {key} {why}")
         object.__setattr__(self, "params", merged)
@@ -88,9 +61,15 @@ class TableSpec:
         return self.key_bits <= DIRECT_MAX_BITS
 
     @property
+    def opt(self) -> optim.Optimizer:
+        return optim.get(self.optimizer)
+
+    @property
     def width(self) -> int:
-        return optim.width(self.optimizer, self.dim)
+        return self.opt.width(self.dim)
 
     def fingerprint(self) -> int:
-        """A 31-bit checksum of the declaration, compared across ranks."""
-        return zlib.crc32(repr(sorted(asdict(self).items())).encode()) & 0x7FFFFFFF
+        """A 31-bit checksum of the declaration and of its optimizer's definition, compared across
+        ranks (a rank that registered another update rule under the same name differs)."""
+        facts = (sorted(asdict(self).items()), self.opt.fingerprint())
+        return zlib.crc32(repr(facts).encode()) & 0x7FFFFFFF

@@ -18,33 +18,39 @@ returns). Layouts:
 Every rule takes ``slots`` (int64) and ``grads`` (float32, ``(n, dim)``); ``grads[i]`` updates
 ``rows[slots[i]]``. A slot listed twice is updated twice, in order (merge duplicates first with
 :func:`hpcps_kernels.keys.segment_reduce`). Arithmetic is float64, stored as float32.
+
+**The registry.** Everything about an optimizer is one :class:`Optimizer` in :data:`REGISTRY`: its
+hyper-parameters with defaults and allowed ranges, its state width, how a new row's state starts,
+and its kernel with the order of its arguments. Tables, the configuration, the servers, the CLI and
+the profiler all read it from there. :func:`register` adds one from user code (an update rule is
+one kind of server function); every rank must register the same definition, which
+:meth:`Optimizer.fingerprint` (part of a table's fingerprint) checks.
 """
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import math
+from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 from numba import njit
 
-STATE = {"sgd": 0, "adagrad": 1, "ftrl": 2, "adam": 3}  # state columns per value dimension
-
-
 def width(name: str, dim: int) -> int:
     """Row length of a table of value dimension ``dim`` under optimizer ``name``."""
-    if name not in STATE:
-        raise ValueError(f"unknown optimizer {name!r}; expected one of {sorted(STATE)}")
-    return dim + STATE[name] * dim if name != "adam" else 3 * dim + 2
+    return get(name).width(dim)
 
 
-def state_init(name: str, dim: int, adagrad_init: float = 0.0) -> np.ndarray:
-    """Initial values of a new row's state columns (``rows[s, dim:]``)."""
-    state = np.zeros(width(name, dim) - dim, dtype=np.float32)
-    if name == "adagrad":
-        state[:] = adagrad_init
-    elif name == "adam":
-        state[2 * dim:] = 1.0  # beta1**0, beta2**0
-    return state
+def state_init(name: str, dim: int, adagrad_init: float | None = None) -> np.ndarray:
+    """Initial values of a new row's state columns (``rows[s, dim:]``), with the optimizer's
+    default hyper-parameters (``adagrad_init``: AdaGrad's initial accumulator instead)."""
+    opt = get(name)
+    params = dict(opt.params)
+    if adagrad_init is not None and "initial_accumulator" in params:
+        params["initial_accumulator"] = adagrad_init
+    return opt.new_state(dim, params)
 
 
 @njit(cache=True)
@@ -109,3 +115,117 @@ def adam(rows, slots, grads, lr, beta1, beta2, eps, l2):
             rows[s, dim + d] = m
             rows[s, 2 * dim + d] = v
             rows[s, d] = w - lr * (m / c1) / (math.sqrt(v / c2) + eps)
+
+
+# -- the registry --------------------------------------------------------------------------------
+
+POSITIVE = (0.0, float("inf"), True, False)   # (low, high, low open, high open)
+NON_NEGATIVE = (0.0, float("inf"), False, False)
+UNIT = (0.0, 1.0, False, True)  # [0, 1)
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    """A server-side update rule.
+
+    ``kernel(rows, slots, grads, *[params[a] for a in args])`` updates ``rows[slots[i]]`` with
+    ``grads[i]`` in place (a numba function, or any callable taking NumPy arrays); a row is
+    ``[w (dim) | state (state_width(dim))]``. ``params``: hyper-parameter name → default;
+    ``ranges``: name → (low, high, low open, high open), a name not listed is ">= 0".
+    ``init_state(dim, params)``: a new row's state columns (None: zeros).
+    """
+
+    name: str
+    params: dict
+    kernel: Callable
+    args: tuple
+    state_width: Callable[[int], int] = lambda dim: 0
+    init_state: Callable[[int, dict], np.ndarray] | None = None
+    ranges: dict = field(default_factory=dict)
+
+    def width(self, dim: int) -> int:
+        return dim + self.state_width(dim)
+
+    def new_state(self, dim: int, params: dict) -> np.ndarray:
+        """A new row's state columns (float32, ``state_width(dim)``)."""
+        n = self.state_width(dim)
+        if self.init_state is None:
+            return np.zeros(n, dtype=np.float32)
+        state = np.asarray(self.init_state(dim, params), dtype=np.float32).reshape(-1)
+        if state.shape[0] != n:
+            raise ValueError(f"optimizer {self.name!r}: init_state gave {state.shape[0]} values, state width is {n}")
+        return state
+
+    def apply(self, rows, slots, grads, params: dict) -> None:
+        self.kernel(rows, slots, grads, *[params[a] for a in self.args])
+
+    def range_error(self, key: str, value: float) -> str | None:
+        """Why ``value`` is not allowed for hyper-parameter ``key`` (None if it is)."""
+        lo, hi, lo_open, hi_open = self.ranges.get(key, NON_NEGATIVE)
+        if value != value or value in (float("inf"), float("-inf")):
+            return f"must be a finite number (got {value})"
+        if (value <= lo if lo_open else value < lo) or (value >= hi if hi_open else value > hi):
+            if hi == float("inf"):
+                return f"must be {'greater than' if lo_open else 'at least'} {lo:g} (got {value:g})"
+            left, right = "(" if lo_open else "[", ")" if hi_open else "]"
+            return f"must be in {left}{lo:g}, {hi:g}{right} (got {value:g})"
+        return None
+
+    def fingerprint(self) -> str:
+        """What must be identical on every rank: name, parameters, ranges, state widths, the
+        initial state and the kernel's source."""
+        fn = getattr(self.kernel, "py_func", self.kernel)
+        try:
+            source = inspect.getsource(fn)
+        except (OSError, TypeError):
+            source = getattr(fn, "__qualname__", repr(fn))
+        facts = (self.name, sorted(self.params.items()), self.args, sorted(self.ranges.items()),
+                 [self.state_width(d) for d in (1, 2, 8)],
+                 [self.new_state(d, self.params).tolist() for d in (1, 2)], source)
+        return hashlib.sha256(repr(facts).encode()).hexdigest()[:16]
+
+
+REGISTRY: dict[str, Optimizer] = {}
+
+
+def register(opt: Optimizer, replace: bool = False) -> Optimizer:
+    """Add an update rule to the registry (on every rank, identically). Raises ValueError if the
+    name is taken (unless ``replace``) or a default is out of its own range."""
+    if opt.name in REGISTRY and not replace:
+        raise ValueError(f"optimizer {opt.name!r} is already registered")
+    missing = [a for a in opt.args if a not in opt.params]
+    if missing:
+        raise ValueError(f"optimizer {opt.name!r}: kernel arguments {missing} are not among its params")
+    for key, value in opt.params.items():
+        why = opt.range_error(key, float(value))
+        if why:
+            raise ValueError(f"optimizer {opt.name!r}: default {key} {why}")
+    REGISTRY[opt.name] = opt
+    return opt
+
+
+def get(name: str) -> Optimizer:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown optimizer {name!r}; expected one of {sorted(REGISTRY)}") from None
+
+
+def _adagrad_state(dim: int, params: dict) -> np.ndarray:
+    return np.full(dim, params["initial_accumulator"], dtype=np.float32)
+
+
+def _adam_state(dim: int, params: dict) -> np.ndarray:
+    state = np.zeros(2 * dim + 2, dtype=np.float32)
+    state[2 * dim:] = 1.0  # beta1**0, beta2**0
+    return state
+
+
+register(Optimizer("sgd", {"lr": 0.01, "l2": 0.0}, sgd, ("lr", "l2"), ranges={"lr": POSITIVE}))
+register(Optimizer("adagrad", {"lr": 0.01, "eps": 1e-8, "l2": 0.0, "initial_accumulator": 0.1}, adagrad,
+                   ("lr", "eps", "l2"), lambda dim: dim, _adagrad_state, {"lr": POSITIVE, "eps": POSITIVE}))
+register(Optimizer("ftrl", {"alpha": 0.1, "beta": 1.0, "l1": 0.0, "l2": 0.0}, ftrl, ("alpha", "beta", "l1", "l2"),
+                   lambda dim: 2 * dim, ranges={"alpha": POSITIVE}))
+register(Optimizer("adam", {"lr": 0.001, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "l2": 0.0}, adam,
+                   ("lr", "beta1", "beta2", "eps", "l2"), lambda dim: 2 * dim + 2, _adam_state,
+                   {"lr": POSITIVE, "eps": POSITIVE, "beta1": UNIT, "beta2": UNIT}))

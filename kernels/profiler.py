@@ -194,20 +194,21 @@ def bench_optim(rows, repeat, roof):
     w = np.zeros((n_rows, 1), dtype=np.float32)
     s1, s2 = np.zeros_like(w), np.zeros_like(w)
     t_ = np.zeros(n_rows, dtype=np.float32)
-    cases = [
-        ("sgd", (0.1, 0.0), optim.sgd, lambda: ref.sgd_vectorized(w, slots, g, 0.1, 0.0)),
-        ("adagrad", (0.1, 1e-8, 0.0), optim.adagrad,
-         lambda: ref.adagrad_vectorized(w, s1, slots, g, 0.1, 1e-8, 0.0)),
-        ("ftrl", (0.1, 1.0, 1.0, 1.0), optim.ftrl,
+    cases = [  # the registered rules (:data:`optim.REGISTRY`) with hyper-parameters, and a NumPy reference
+        ("sgd", {"lr": 0.1, "l2": 0.0}, lambda: ref.sgd_vectorized(w, slots, g, 0.1, 0.0)),
+        ("adagrad", {"lr": 0.1, "eps": 1e-8, "l2": 0.0}, lambda: ref.adagrad_vectorized(w, s1, slots, g, 0.1, 1e-8, 0.0)),
+        ("ftrl", {"alpha": 0.1, "beta": 1.0, "l1": 1.0, "l2": 1.0},
          lambda: ref.ftrl_vectorized(w, s1, s2, slots, g, 0.1, 1.0, 1.0, 1.0)),
-        ("adam", (0.01, 0.9, 0.999, 1e-8, 0.0), optim.adam,
+        ("adam", {"lr": 0.01, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "l2": 0.0},
          lambda: ref.adam_vectorized(w, s1, s2, t_, slots, g, 0.01, 0.9, 0.999, 1e-8, 0.0)),
     ]
     out = []
-    for name, args, kernel, rfn in cases:
-        table = np.zeros((n_rows, optim.width(name, 1)), dtype=np.float32)
-        table[:, 1:] = optim.state_init(name, 1)
-        t = median_time(lambda: kernel(table, slots, g, *args), repeat)
+    for name, params, rfn in cases:
+        rule = optim.get(name)
+        params = {**rule.params, **params}
+        table = np.zeros((n_rows, rule.width(1)), dtype=np.float32)
+        table[:, 1:] = rule.new_state(1, params)
+        t = median_time(lambda: rule.apply(table, slots, g, params), repeat)
         tr = median_time(rfn, repeat)
         out.append(_row(f"{name}/10M rows", slots.size, "keys", t, tr, "vectorised NumPy, separate arrays",
                         slots.size / t / 1e6 / roof["random_access_m_s"]))
@@ -334,10 +335,8 @@ def warmup() -> None:
     keys.is_sorted_unique(uniq)
     sl = np.array([0, 2], dtype=np.int64)
     g = np.ones((2, 1), dtype=np.float32)
-    optim.sgd(np.zeros((3, 1), np.float32), sl, g, 0.1, 0.0)
-    optim.adagrad(np.zeros((3, 2), np.float32), sl, g, 0.1, 1e-8, 0.0)
-    optim.ftrl(np.zeros((3, 3), np.float32), sl, g, 0.1, 1.0, 0.0, 0.0)
-    optim.adam(np.ones((3, 5), np.float32), sl, g, 0.1, 0.9, 0.999, 1e-8, 0.0)
+    for rule in optim.REGISTRY.values():  # every registered update rule
+        rule.apply(np.ones((3, rule.width(1)), np.float32), sl, g, rule.params)
     ki = hashtable.KeyIndex()
     ki.lookup(ki.keys[:0].copy())
     ki.lookup_or_insert(np.arange(100, dtype=np.uint64))

@@ -227,6 +227,26 @@ def test_width_rejects_unknown_optimizer():
         optim.width("adamw", 1)
 
 
+def test_the_registry_defines_each_optimizer_in_one_place_and_checks_registrations():
+    assert sorted(optim.REGISTRY) == ["adagrad", "adam", "ftrl", "sgd"]
+    assert [optim.width(n, 4) for n in ("sgd", "adagrad", "ftrl", "adam")] == [4, 8, 12, 14]
+    assert optim.get("ftrl").range_error("alpha", 0.0) == "must be greater than 0 (got 0)"
+    assert optim.get("adam").range_error("beta1", 1.0) == "must be in [0, 1) (got 1)"
+    rule = optim.Optimizer("t_half", {"lr": 0.5}, optim.sgd, ("lr", "l2"))
+    with pytest.raises(ValueError, match=r"kernel arguments \['l2'\] are not among its params"):
+        optim.register(rule)
+    with pytest.raises(ValueError, match="default lr must be greater than 0"):
+        optim.register(optim.Optimizer("t_bad", {"lr": 0.0, "l2": 0.0}, optim.sgd, ("lr", "l2"),
+                                       ranges={"lr": optim.POSITIVE}))
+    with pytest.raises(ValueError, match="'sgd' is already registered"):
+        optim.register(optim.Optimizer("sgd", {"lr": 0.5, "l2": 0.0}, optim.sgd, ("lr", "l2")))
+    a = optim.Optimizer("t_fp", {"lr": 0.5, "l2": 0.0}, optim.sgd, ("lr", "l2"))
+    b = optim.Optimizer("t_fp", {"lr": 0.25, "l2": 0.0}, optim.sgd, ("lr", "l2"))
+    c = optim.Optimizer("t_fp", {"lr": 0.5, "l2": 0.0}, optim.adagrad, ("lr", "l2"))
+    assert a.fingerprint() == optim.Optimizer("t_fp", {"lr": 0.5, "l2": 0.0}, optim.sgd, ("lr", "l2")).fingerprint()
+    assert len({a.fingerprint(), b.fingerprint(), c.fingerprint()}) == 3
+
+
 # -- 6. hash table -------------------------------------------------------------------------------
 
 @SETTINGS

@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 
+import numba
 import numpy as np
 import pytest
 
@@ -118,6 +119,46 @@ def test_never_pushed_keys_return_the_initializer_and_create_nothing():
         np.testing.assert_array_equal(got, expect)
         assert abs(float(expect.std()) - 0.5) < 0.1
         assert t.pull(np.zeros(0, dtype=np.uint64)).shape == (0, 4)
+    ctx.finalize()
+
+
+@numba.njit
+def _signsgd(rows, slots, grads, lr):
+    for i in range(slots.shape[0]):
+        for d in range(grads.shape[1]):
+            g = grads[i, d]
+            rows[slots[i], d] -= lr * (1.0 if g > 0 else (-1.0 if g < 0 else 0.0))
+            rows[slots[i], grads.shape[1] + d] += 1.0  # a state column: how many updates
+
+
+@pytest.mark.mpi(min_size=3)
+def test_a_registered_update_rule_runs_on_the_servers_and_must_be_the_same_on_every_rank():
+    from hpcps.context import ConfigMismatch
+    from mpi4py import MPI
+
+    if world_size() != 3:
+        pytest.skip("needs 3 ranks")
+    hpcps.register_optimizer("test_signsgd", {"lr": 0.5}, _signsgd, state_width=lambda dim: dim, replace=True)
+    # a rank that registered another definition under the same name: an error on every rank
+    hpcps.register_optimizer("test_other", {"lr": 0.1 * (MPI.COMM_WORLD.Get_rank() + 1)}, _signsgd, replace=True)
+    ctx = hpcps.init(servers=1, stall_timeout_s=60)
+    with pytest.raises(ConfigMismatch, match="ranks disagree on table 'm'"):
+        ctx.sparse_table("m", optimizer="test_other")
+    t = ctx.sparse_table("s", dim=2, optimizer="test_signsgd", params={"lr": 0.25})
+    keys = np.arange(10, dtype=np.uint64)
+    if ctx.is_server:
+        ctx.serve()
+        k, rows = ctx.server.tables[0].items()
+        order = np.argsort(k)
+        np.testing.assert_array_equal(rows[order, 2:], np.full((10, 2), 6.0))  # 3 pushes x 2 workers
+    else:
+        for _ in range(3):
+            grads = np.where((keys % 2 == 0)[:, None], 3.0, -2.0) * np.array([1.0, -1.0]) * (ctx.worker_index + 1)
+            t.wait(t.push(keys, grads.astype(np.float32)))
+            ctx.clock()
+        got = t.pull(keys)
+        sign = np.where((keys % 2 == 0)[:, None], 1.0, -1.0) * np.array([1.0, -1.0])
+        np.testing.assert_array_equal(got, -0.25 * 6 * sign)  # each update moves by exactly lr
     ctx.finalize()
 
 

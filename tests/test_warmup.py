@@ -35,7 +35,8 @@ SCRIPT = textwrap.dedent("""
     from hpcps.checkpoint import checksum
     from hpcps.placement import Placement
     from hpcps.server import ServerTable
-    from hpcps.tables import OPTIMIZER_PARAMS, TableSpec
+    from hpcps.tables import TableSpec
+    from hpcps_kernels.optim import REGISTRY as OPTIMIZER_PARAMS
     from hpcps.train import data, model_file, synth
     from hpcps.train.models import margins_from_params
     from hpcps_kernels import keys as kkeys, metrics
