@@ -25,6 +25,7 @@ try:  # Python >= 3.11
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
+from hpcps.tables import Features
 from hpcps_kernels import optim
 
 
@@ -114,6 +115,7 @@ class Config:
     optimizer: Optimizer = field(default_factory=Optimizer)
     train: Train = field(default_factory=Train)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    features: Features = field(default_factory=Features)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -129,13 +131,14 @@ class Config:
         data paths, epochs or layout, which may change between runs)."""
         d = self.to_dict()
         keep = {"model": d["model"], "optimizer": d["optimizer"], "hash_bits": d["data"]["hash_bits"],
+                **({"features": d["features"]} if self.features != Features() else {}),
                 "num_shards": d["cluster"]["num_shards"], "gradient": d["train"]["gradient"]}
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
 _SECTION_CLASSES = {"cluster": Cluster, "data": Data, "synth": Synth, "model": Model, "train": Train,
-                    "checkpoint": Checkpoint}
+                    "checkpoint": Checkpoint, "features": Features}
 
 
 def _coerce(where: str, value: Any, default: Any):
@@ -204,7 +207,10 @@ def from_dict(raw: dict) -> Config:
             kw[key] = _coerce(f"{name}.{key}", value, defaults[key])
             if (name, key) in CHOICES and kw[key] not in CHOICES[(name, key)]:
                 raise ConfigError(f"{name}.{key} = {kw[key]!r}: expected one of {list(CHOICES[(name, key)])}")
-        sections[name] = cls(**kw)
+        try:
+            sections[name] = cls(**kw)
+        except ValueError as e:  # a section that checks its own values (features)
+            raise ConfigError(str(e)) from None
     opt = dict(raw.get("optimizer", {}))
     name = opt.pop("name", Optimizer.name)
     if not isinstance(name, str) or name not in optim.REGISTRY:

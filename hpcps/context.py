@@ -25,7 +25,7 @@ from hpcps.client import DenseTable, SparseTable
 from hpcps.layout import Layout
 from hpcps.placement import DEFAULT_SHARDS, Placement
 from hpcps.server import Server
-from hpcps.tables import TableSpec
+from hpcps.tables import Features, TableSpec
 from hpcps_kernels import keys as kkeys
 
 
@@ -89,13 +89,15 @@ class Context:
                                  f"(declare tables and settings identically on every rank)")
 
     def sparse_table(self, name: str, dim: int = 1, optimizer: str = "sgd", params: dict | None = None,
-                     init: str = "zeros", init_scale: float = 0.01, seed: int = 0, key_bits: int = 64) -> SparseTable:
+                     init: str = "zeros", init_scale: float = 0.01, seed: int = 0, key_bits: int = 64,
+                     features: Features | None = None) -> SparseTable:
         """Declare a sparse table (collective; identical on every rank). ``key_bits``: keys are
         (mostly) below ``2**key_bits`` (hashed features): up to 26 bits servers address rows
-        directly by key."""
+        directly by key. ``features``: admission and eviction of keys (:class:`hpcps.tables.Features`)."""
         if name in self.tables:
             raise ValueError(f"table {name!r} is already declared")
-        spec = TableSpec(name, dim, optimizer, dict(params or {}), init, init_scale, seed, key_bits)
+        spec = TableSpec(name, dim, optimizer, dict(params or {}), init, init_scale, seed, key_bits,
+                         features or Features())
         self._check_same(f"table {name!r}", spec.fingerprint())
         self.specs.append(spec)
         table = SparseTable(self, len(self.specs) - 1, spec)

@@ -37,6 +37,7 @@ import numpy as np
 from hpcps import checkpoint, protocol, signals, transport
 from hpcps.placement import Placement
 from hpcps.tables import TableSpec
+from hpcps_kernels import admission as kadmit
 from hpcps_kernels import init as kinit
 from hpcps_kernels.directindex import DirectKeyIndex
 from hpcps_kernels.hashtable import KeyIndex
@@ -52,6 +53,17 @@ class ServerTable:
         self.kind = kinit.KINDS[spec.init]
         self.opt = spec.opt
         self.state = self.opt.new_state(spec.dim, spec.params)
+        f = self.features = spec.features
+        # admission: push counts of keys without a row (one exact counter per key when keys are
+        # addressed directly, else counters shared by hash; see hpcps_kernels.admission)
+        self.exact_below = np.uint64(1 << spec.key_bits if spec.direct else 0)
+        self.counts = (np.zeros(1 << (spec.key_bits if spec.direct else f.count_bits), dtype=np.uint8)
+                       if f.admission else None)
+        self.threshold = np.uint64(min(int(f.admit_probability * 2.0**64), 2**64 - 1))
+        # eviction: the clock of each row's last update
+        self.last = np.zeros(self.rows.shape[0], dtype=np.int64) if f.eviction else None
+        self.admitted = 0   # keys given a row
+        self.evicted = 0    # rows evicted
 
     def _new_index(self, keys: np.ndarray):
         """Direct addressing for a bounded key space, else a hash index."""
@@ -69,24 +81,87 @@ class ServerTable:
         s = self.spec
         kinit.pull_rows(self.rows, slots, keys, s.dim, self.kind, s.init_scale, s.seed, out)
 
-    def push(self, keys: np.ndarray, grads: np.ndarray) -> None:
-        """Apply one update per key (keys unique within a push)."""
+    def _admit(self, keys: np.ndarray, grads: np.ndarray, clock: int):
+        """The keys of a push that have or get a row (with their gradients); the others count."""
+        absent = self.index.lookup(keys) < 0
+        if not absent.any():
+            return keys, grads
+        new = keys[absent]
+        admit = np.ones(new.shape[0], dtype=np.bool_)
+        f = self.features
+        if f.admit_count > 1:
+            counts = np.empty(new.shape[0], dtype=np.uint8)
+            kadmit.bump_counts(self.counts, new, self.exact_below, counts)
+            admit &= counts >= f.admit_count
+        if f.admit_probability < 1.0:
+            draw = np.empty(new.shape[0], dtype=np.bool_)
+            kadmit.admit_draw(new, clock, self.threshold, draw)
+            admit &= draw
+        self.admitted += int(admit.sum())
+        if admit.all():
+            return keys, grads
+        keep = ~absent
+        keep[np.flatnonzero(absent)[admit]] = True
+        return keys[keep], grads[keep]
+
+    def push(self, keys: np.ndarray, grads: np.ndarray, clock: int = 0) -> None:
+        """Apply one update per key (keys unique within a push) at ``clock``."""
         s = self.spec
+        if self.counts is not None:
+            keys, grads = self._admit(keys, grads, clock)
+            if keys.shape[0] == 0:
+                return
         first_new = self.index.size
         slots = self.index.lookup_or_insert(keys)
         if self.index.key_capacity > self.rows.shape[0]:
             rows = np.zeros((self.index.key_capacity, s.width), dtype=np.float32)
             rows[:first_new] = self.rows[:first_new]
             self.rows = rows
+            if self.last is not None:
+                last = np.zeros(self.rows.shape[0], dtype=np.int64)
+                last[:first_new] = self.last[:first_new]
+                self.last = last
         if self.index.size > first_new:
             kinit.create_rows(self.rows, slots, keys, first_new, s.dim, self.kind, s.init_scale, s.seed, self.state)
+            if self.counts is None:
+                self.admitted += self.index.size - first_new
         self.opt.apply(self.rows, slots, grads, s.params)
+        if self.last is not None:
+            self.last[slots] = clock
 
-    def load(self, keys: np.ndarray, rows: np.ndarray) -> None:
-        """Replace the contents with ``keys`` and their rows (restoring a checkpoint)."""
+    def evict(self, clock: int) -> int:
+        """Drop the rows not updated in the last ``evict_after_steps`` clocks and those whose
+        parameters' L2 norm is below ``evict_l2_below``; returns how many."""
+        f = self.features
+        n = self.index.size
+        if not f.eviction or n == 0:
+            return 0
+        keys, rows = self.items()
+        drop = np.zeros(n, dtype=np.bool_)
+        if f.evict_after_steps:
+            drop |= clock - self.last[:n] >= f.evict_after_steps
+        if f.evict_l2_below:
+            w = rows[:, :self.spec.dim].astype(np.float64)
+            drop |= np.sqrt((w * w).sum(axis=1)) < f.evict_l2_below
+        gone = int(drop.sum())
+        if gone:
+            keep = ~drop
+            if self.counts is not None:
+                kadmit.clear_counts(self.counts, np.ascontiguousarray(keys[drop]), self.exact_below)
+            last = self.last[:n][keep].copy()
+            self.load(keys[keep].copy(), rows[keep].copy())
+            self.last[: last.shape[0]] = last
+            self.evicted += gone
+        return gone
+
+    def load(self, keys: np.ndarray, rows: np.ndarray, clock: int = 0) -> None:
+        """Replace the contents with ``keys`` and their rows (restoring a checkpoint: every row
+        counts as updated at ``clock``)."""
         self.index = self._new_index(np.ascontiguousarray(keys, dtype=np.uint64))
         self.rows = np.zeros((self.index.key_capacity, self.spec.width), dtype=np.float32)
         self.rows[: keys.shape[0]] = rows
+        if self.last is not None:
+            self.last = np.full(self.rows.shape[0], clock, dtype=np.int64)
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         """(keys, rows) of everything stored, in slot order (views)."""
@@ -94,7 +169,8 @@ class ServerTable:
         return self.index.keys[:n], self.rows[:n]
 
     def nbytes(self) -> int:
-        return self.index.nbytes() + self.rows.nbytes
+        extra = (self.counts.nbytes if self.counts is not None else 0) + (self.last.nbytes if self.last is not None else 0)
+        return self.index.nbytes() + self.rows.nbytes + extra
 
 
 class Server:
@@ -122,6 +198,8 @@ class Server:
         self.sending: list[transport.Pending] = []
         self.tag_ub = transport.tag_upper_bound(comm)
         self.stats = {"requests": 0, "idle_s": 0.0, "busy_s": 0.0, "deferred": 0}
+        self.evicting = any(t.features.eviction for t in self.tables)
+        self.evict_round = {t.spec.name: 0 for t in self.tables}
 
     # -- consistency -------------------------------------------------------------------------
 
@@ -141,8 +219,9 @@ class Server:
         for table in self.tables:
             keys, rows = checkpoint.read_for_server(ckpt, manifest, table.spec.name, self.index,
                                                     self.placement.shard_server, self.placement.num_servers)
-            table.load(keys, rows)
+            table.load(keys, rows, manifest["clock"])
         self.clocks[:] = manifest["clock"]
+        self.evict_round = {t.spec.name: manifest["clock"] // t.features.evict_every_steps for t in self.tables}
 
     def _write_checkpoint(self, source: int, r: protocol.Request) -> None:
         path = checkpoint.server_file(protocol.decode_path(r.pull_keys), self.index)
@@ -181,12 +260,25 @@ class Server:
             self.seq += 1
             self.buffered.append((r.clock, worker, self.seq, r))
         else:
-            self.tables[r.table].push(r.push_keys, r.grads)
+            self.tables[r.table].push(r.push_keys, r.grads, r.clock)
 
     def _advance(self, worker: int, clock: int) -> None:
         self.clocks[worker] = max(self.clocks[worker], clock)
         self._apply_buffered()
+        self._evict_if_due()
         self._release_deferred()
+
+    def _evict_if_due(self) -> None:
+        """Every ``evict_every_steps`` clocks (of the slowest worker, once its pushes are applied
+        under BSP), evict by age and norm: the same point of the run whatever the message order."""
+        if not self.evicting:
+            return
+        now = self.min_clock()
+        for table in self.tables:
+            f = table.features
+            if f.eviction and now // f.evict_every_steps > self.evict_round[table.spec.name]:
+                self.evict_round[table.spec.name] = now // f.evict_every_steps
+                table.evict(now)
 
     def handle(self, source: int, buf: np.ndarray) -> None:
         r = protocol.unpack_request(buf, self.dims)
@@ -229,7 +321,7 @@ class Server:
             return
         self.buffered = [b for b in self.buffered if b[0] >= limit]
         for _, _, _, r in ready:
-            self.tables[r.table].push(r.push_keys, r.grads)
+            self.tables[r.table].push(r.push_keys, r.grads, r.clock)
 
     def _release_deferred(self) -> None:
         if not self.deferred:
@@ -295,4 +387,6 @@ class Server:
         transport.wait(self.sending, timeout=300)
         self.sending = []
         self.stats["keys"] = [t.size for t in self.tables]
+        self.stats["admitted"] = [t.admitted for t in self.tables]
+        self.stats["evicted"] = [t.evicted for t in self.tables]
         return self.stats

@@ -8,6 +8,43 @@ from dataclasses import asdict, dataclass, field
 from hpcps_kernels import init as kinit
 from hpcps_kernels import optim
 
+@dataclass(frozen=True)
+class Features:
+    """Admission and eviction of a table's keys on the servers (the ``[features]`` section).
+
+    A key becomes a row only at its ``admit_count``-th push (1: at once), and then only if a
+    deterministic draw per key and clock passes ``admit_probability``. Until then pulls return the
+    initializer and pushes only count. Every ``evict_every_steps`` clocks the servers evict rows
+    not updated in the last ``evict_after_steps`` clocks (0: never) and rows whose parameters'
+    L2 norm is below ``evict_l2_below`` (0: never).
+    """
+
+    admit_count: int = 1
+    admit_probability: float = 1.0
+    evict_after_steps: int = 0
+    evict_l2_below: float = 0.0
+    evict_every_steps: int = 100
+    count_bits: int = 22  # counters shared by hash for keys not directly addressed (4 MiB)
+
+    def __post_init__(self):
+        for name, ok, what in (("admit_count", 1 <= self.admit_count <= 255, "in [1, 255]"),
+                               ("admit_probability", 0.0 < self.admit_probability <= 1.0, "in (0, 1]"),
+                               ("evict_after_steps", self.evict_after_steps >= 0, "at least 0"),
+                               ("evict_l2_below", self.evict_l2_below >= 0.0, "at least 0"),
+                               ("evict_every_steps", self.evict_every_steps >= 1, "at least 1"),
+                               ("count_bits", 10 <= self.count_bits <= 32, "in [10, 32]")):
+            if not ok:
+                raise ValueError(f"features.{name} must be {what} (got {getattr(self, name)})")
+
+    @property
+    def admission(self) -> bool:
+        return self.admit_count > 1 or self.admit_probability < 1.0
+
+    @property
+    def eviction(self) -> bool:
+        return self.evict_after_steps > 0 or self.evict_l2_below > 0.0
+
+
 DIRECT_MAX_BITS = 26  # direct addressing costs 4 * 2**key_bits bytes per server: 256 MiB at 26 bits
 
 
@@ -31,6 +68,7 @@ class TableSpec:
     init_scale: float = 0.01
     seed: int = 0
     key_bits: int = 64
+    features: Features = Features()
 
     def __post_init__(self):
         try:

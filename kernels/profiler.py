@@ -21,7 +21,7 @@ import time
 import numpy as np
 from numba import njit
 
-from . import directindex, hashing, hashtable, init, keys, metrics, models, optim, parse, textgen
+from . import admission, directindex, hashing, hashtable, init, keys, metrics, models, optim, parse, textgen
 from . import reference as ref
 
 ROOF_BYTES = 512 << 20
@@ -337,6 +337,10 @@ def warmup() -> None:
     g = np.ones((2, 1), dtype=np.float32)
     for rule in optim.REGISTRY.values():  # every registered update rule
         rule.apply(np.ones((3, rule.width(1)), np.float32), sl, g, rule.params)
+    few = np.array([1, 2**40], dtype=np.uint64)
+    admission.bump_counts(np.zeros(16, np.uint8), few, np.uint64(16), np.empty(2, np.uint8))
+    admission.clear_counts(np.zeros(16, np.uint8), few, np.uint64(16))
+    admission.admit_draw(few, 3, np.uint64(2**63), np.empty(2, np.bool_))
     ki = hashtable.KeyIndex()
     ki.lookup(ki.keys[:0].copy())
     ki.lookup_or_insert(np.arange(100, dtype=np.uint64))

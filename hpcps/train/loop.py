@@ -363,14 +363,14 @@ def run(cfg, comm=None) -> dict | None:
             print(f"hpcps train: stopped by a signal after a checkpoint; rerun with --resume auto "
                   f"(exit status {EXIT_PREEMPTED})", flush=True)
         return Result(None, True, resumed)
-    _, worker_rss, server_rss = _agree_preempted_worker(ctx, False)
+    _, worker_rss, server_rss, key_counts = _agree_preempted_worker(ctx, False)
     ctx.finalize()
     if not first:
         return Result(None, False, resumed)
     summary = {"examples": examples, "time_s": elapsed, "examples_per_s": examples / elapsed,
                "workers": ctx.layout.workers, "servers": ctx.layout.servers, **(history[-1] if history else {}),
                "max_wait_s": wait, "max_staleness": ctx.stats["max_staleness"], "bad_lines_skipped": skipped,
-               "peak_rss_mb_worker": worker_rss, "peak_rss_mb_server": server_rss}
+               "peak_rss_mb_worker": worker_rss, "peak_rss_mb_server": server_rss, **key_counts}
     if synth_info:
         summary["best_test_logloss"] = synth_info["best_test_logloss"]
         summary["best_test_auc"] = synth_info["best_test_auc"]
@@ -379,7 +379,10 @@ def run(cfg, comm=None) -> dict | None:
     rows = [("examples", f"{examples:,}"), ("time", f"{elapsed:.1f} s"),
             ("examples/s", f"{examples / elapsed:,.0f}"),
             ("layout", f"{ctx.layout.servers} server(s), {ctx.layout.workers} worker(s)"),
-            ("waiting (max over workers)", f"{wait:.1f} s")]
+            ("waiting (max over workers)", f"{wait:.1f} s"),
+            ("keys on the servers", f"{key_counts['table_keys']:,}"
+             + (f" ({key_counts['admitted_keys']:,} admitted, {key_counts['evicted_keys']:,} evicted)"
+                if cfg.features.admission or cfg.features.eviction else ""))]
     for k in ("train_loss", "test_logloss", "test_auc", "test_rmse"):
         if k in summary:
             rows.append((k.replace("_", " "), f"{summary[k]:.5f}"))
@@ -396,17 +399,22 @@ def _peak_rss_mb() -> float:
     return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def _agree_preempted(ctx, mine: bool) -> tuple[bool, float, float]:
+def _agree_preempted(ctx, mine: bool) -> tuple[bool, float, float, dict]:
     """Collective over the world (servers after serving, workers before finalizing): whether any
-    rank stopped on a signal, and the largest peak memory of a worker and of a server (MiB)."""
+    rank stopped on a signal, the largest peak memory of a worker and of a server (MiB), and the
+    servers' key counts summed (rows held, keys admitted, rows evicted)."""
     rss = _peak_rss_mb()
     flag = transport.allreduce(ctx.comm, np.array([float(mine), rss if ctx.is_worker else 0.0,
                                                    rss if ctx.is_server else 0.0]), "max", ctx.stall_timeout_s,
                                "agreement on the end of training")
-    return bool(flag[0]), float(flag[1]), float(flag[2])
+    st = ctx.server_stats if ctx.is_server and ctx.server_stats else {}
+    counts = np.array([sum(st.get(k, [])) for k in ("keys", "admitted", "evicted")], dtype=np.int64)
+    counts = transport.allreduce(ctx.comm, counts, "sum", ctx.stall_timeout_s, "sum of the servers' key counts")
+    keys = {"table_keys": int(counts[0]), "admitted_keys": int(counts[1]), "evicted_keys": int(counts[2])}
+    return bool(flag[0]), float(flag[1]), float(flag[2]), keys
 
 
-def _agree_preempted_worker(ctx, mine: bool) -> tuple[bool, float, float]:
+def _agree_preempted_worker(ctx, mine: bool) -> tuple[bool, float, float, dict]:
     # workers send DONE first (after their requests complete) so that the servers leave their
     # loop and join the agreement
     ctx.finish_serving()

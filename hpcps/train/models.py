@@ -112,7 +112,8 @@ class Model:
 class LinearModel(Model):
     def _declare(self, ctx, cfg):
         return ctx.sparse_table("w", dim=1, optimizer=cfg.optimizer.name, params=cfg.optimizer.params,
-                                init="zeros", seed=cfg.model.seed, key_bits=cfg.data.hash_bits)
+                                init="zeros", seed=cfg.model.seed, key_bits=cfg.data.hash_bits,
+                                features=cfg.features)
 
     def _forward_backward(self, batch, pos, params, grads, scale):
         return kmodels.lr_forward_backward(batch.indptr, pos, batch.values, batch.labels, params[:, 0],
@@ -126,7 +127,7 @@ class FactorizationMachine(Model):
     def _declare(self, ctx, cfg):
         return ctx.sparse_table("fm", dim=1 + cfg.model.factors, optimizer=cfg.optimizer.name,
                                 params=cfg.optimizer.params, init="normal", init_scale=cfg.model.init_scale,
-                                seed=cfg.model.seed, key_bits=cfg.data.hash_bits)
+                                seed=cfg.model.seed, key_bits=cfg.data.hash_bits, features=cfg.features)
 
     def _forward_backward(self, batch, pos, params, grads, scale):
         return kmodels.fm_forward_backward(batch.indptr, pos, batch.values, batch.labels, params[:, 0],

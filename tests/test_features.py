@@ -1,0 +1,109 @@
+"""Feature admission and eviction on a server's table shard (issue 13), and the counts a job
+reports. The shard is driven directly (no MPI) with pushes at given clocks; the job test runs
+under mpiexec."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hpcps.server import ServerTable
+from hpcps.tables import Features, TableSpec
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from run import mpiexec  # noqa: E402
+
+
+def shard(key_bits=20, **features):
+    return ServerTable(TableSpec("w", optimizer="sgd", params={"lr": 1.0}, key_bits=key_bits,
+                                 features=Features(**features)))
+
+
+def push(t, keys, clock, g=1.0):
+    keys = np.asarray(keys, dtype=np.uint64)
+    t.push(keys, np.full((keys.shape[0], 1), g, dtype=np.float32), clock)
+
+
+def pull(t, keys):
+    out = np.empty((len(keys), 1), dtype=np.float32)
+    t.pull(np.asarray(keys, dtype=np.uint64), out)
+    return out[:, 0]
+
+
+@pytest.mark.parametrize("key_bits", [20, 64])  # exact counters per key; counters shared by hash
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_admission_is_exact_a_key_pushed_n_minus_1_times_has_no_row(key_bits, n):
+    t = shard(key_bits, admit_count=n)
+    keys = [7, 2**19 + 3, 12345]
+    for clock in range(n - 1):
+        push(t, keys, clock)
+        assert t.size == 0
+        np.testing.assert_array_equal(pull(t, keys), 0.0)  # the initializer: pushes only count
+    push(t, keys[:2], n - 1)
+    assert t.size == 2 and t.admitted == 2
+    np.testing.assert_array_equal(pull(t, keys), [-1.0, -1.0, 0.0])  # only the admitting push trains
+    push(t, keys, n)
+    np.testing.assert_array_equal(pull(t, keys), [-2.0, -2.0, -1.0])  # key 3 reached n too
+
+
+def test_admission_by_probability_is_deterministic_per_key_and_clock():
+    keys = np.arange(20_000, dtype=np.uint64)
+    a, b = shard(admit_probability=0.25), shard(admit_probability=0.25)
+    push(a, keys, 4)
+    push(b, keys, 4)
+    assert abs(a.size / keys.size - 0.25) < 0.02
+    np.testing.assert_array_equal(np.sort(a.items()[0]), np.sort(b.items()[0]))
+    push(a, keys, 5)  # another clock, another draw: about a quarter of the rest joins
+    assert abs(a.size / keys.size - (1 - 0.75**2)) < 0.02
+
+
+def test_eviction_by_age_and_by_norm_and_evicted_keys_must_be_admitted_again():
+    t = shard(admit_count=2, evict_after_steps=5, evict_l2_below=0.5)
+    for clock in range(10):
+        push(t, [1], clock)                   # trained every clock
+        if clock < 2:
+            push(t, [2], clock)               # admitted at clock 1, then never again
+    push(t, [3], 8)
+    push(t, [3], 9, g=0.25)                   # admitted at clock 9 with |w| = 0.25 < 0.5
+    assert sorted(t.items()[0].tolist()) == [1, 2, 3]
+    assert t.evict(10) == 2                   # key 2: 9 clocks old; key 3: small norm
+    assert t.items()[0].tolist() == [1] and t.evicted == 2
+    np.testing.assert_array_equal(pull(t, [1, 2, 3]), [-9.0, 0.0, 0.0])
+    push(t, [2], 11)
+    assert t.size == 1  # its count started over
+    push(t, [2], 12)
+    assert t.size == 2
+    np.testing.assert_array_equal(pull(t, [1, 2]), [-9.0, -1.0])
+
+
+def test_features_are_checked_and_named():
+    with pytest.raises(ValueError, match=r"features.admit_count must be in \[1, 255\] \(got 0\)"):
+        Features(admit_count=0)
+    with pytest.raises(ValueError, match=r"features.admit_probability must be in \(0, 1\]"):
+        Features(admit_probability=1.5)
+
+
+def _job(tmp_path, name, *sets):
+    out = tmp_path / f"{name}.json"
+    cmd = [*mpiexec(), "-n", "2", sys.executable, "-m", "hpcps.cli", "train", "--set", "synth.rows=6000",
+           "--set", f"synth.dir={json.dumps(str(tmp_path / 'data'))}", "--set", "train.progress=false",
+           *[x for kv in sets for x in ("--set", kv)], "--summary-json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return json.load(open(out)), proc.stdout
+
+
+def test_a_job_reports_kept_admitted_and_evicted_keys(tmp_path):
+    plain, _ = _job(tmp_path, "plain")
+    s, text = _job(tmp_path, "features", "features.admit_count=2", "features.evict_after_steps=3",
+                   "features.evict_every_steps=2")
+    assert plain["evicted_keys"] == 0 and plain["table_keys"] == plain["admitted_keys"] > 0
+    assert s["evicted_keys"] > 0 and 0 < s["table_keys"] < plain["table_keys"]  # (evicted keys may come back)
+    assert s["table_keys"] == s["admitted_keys"] - s["evicted_keys"]
+    assert f"{s['table_keys']:,} ({s['admitted_keys']:,} admitted, {s['evicted_keys']:,} evicted)" in text
