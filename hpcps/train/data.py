@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import hashlib
-import mmap
 import os
 from collections import deque
 from dataclasses import dataclass
@@ -77,16 +76,25 @@ def fingerprint(path: str, span: int = 1 << 20) -> dict:
 
 
 def _count_newlines(path: str, start: int, end: int) -> tuple[int, bytes]:
-    """(newlines in ``path[start:end]``, its last byte), through a memory map and a nogil kernel
-    (no copy of the text; the pages read stay in the page cache for the parse that follows)."""
-    if end <= start:
-        return 0, b""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        view = np.frombuffer(m, dtype=np.uint8, count=end - start, offset=start)
-        try:
-            return int(parse.count_byte(view, 10)), bytes(view[-1:])
-        finally:
-            del view
+    """(newlines in ``path[start:end]``, its last byte), read in 4 MiB pieces into one reused
+    buffer and counted by the nogil count kernel: this must not hold the part in memory (a memory
+    map of it would count in the process's resident memory)."""
+    n, last = 0, b""
+    buf = bytearray(min(4 << 20, max(end - start, 1)))
+    view = memoryview(buf)
+    with open(path, "rb") as f:
+        f.seek(start)
+        left = end - start
+        while left > 0:
+            got = f.readinto(view[:min(len(buf), left)])
+            if not got:
+                break
+            chunk = np.frombuffer(view[:got], dtype=np.uint8)
+            n += int(parse.count_byte(chunk, 10))
+            last = bytes(view[got - 1:got])
+            del chunk
+            left -= got
+    return n, last
 
 
 @dataclass
