@@ -89,16 +89,22 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
-def write_server_file(path: str, server: int, servers: int, num_shards: int,
-                      tables: list[tuple[str, np.ndarray, np.ndarray]]) -> tuple[int, str]:
-    """Write one server's tables: (name, keys, rows), as they are, and fsync the file.
+def write_server_file(path: str, server: int, servers: int, num_shards: int, tables: list[tuple]) -> tuple[int, str]:
+    """Write one server's tables: (name, keys, rows) or (name, keys, rows, state), as they are,
+    and fsync the file. ``state``: the table's admission and eviction state (see
+    :func:`read_state_for_server`), arrays written beside the rows and integers as attributes.
     Returns (bytes, checksum)."""
     with h5py.File(path, "w") as f:
         f.attrs.update(format=FORMAT, version=VERSION, server=server, servers=servers, num_shards=num_shards)
-        for name, keys, rows in tables:
+        for name, keys, rows, *state in tables:
             g = f.create_group(f"tables/{name}")
             g.create_dataset("keys", data=np.ascontiguousarray(keys))
             g.create_dataset("rows", data=np.ascontiguousarray(rows))
+            for k, v in (state[0] if state else {}).items():
+                if isinstance(v, np.ndarray):
+                    g.create_dataset(k, data=np.ascontiguousarray(v))
+                else:
+                    g.attrs[k] = v
     fsync_path(path)
     return os.path.getsize(path), checksum(path)
 
@@ -225,6 +231,42 @@ def read_for_server(ckpt: str, manifest: dict, table: str, server: int, shard_se
     if layout["servers"] == num_servers and layout["num_shards"] == shard_server.shape[0]:
         return _read(server_file(ckpt, server), table)
     return read_shards(ckpt, manifest, table, shard_server == server)
+
+
+def read_state_for_server(ckpt: str, manifest: dict, table: str, server: int, shard_server: np.ndarray,
+                          num_servers: int) -> dict:
+    """The admission and eviction state of ``table`` that a server owns, resharded like its rows
+    (:func:`read_for_server`): ``last`` (each row's last update, in the order of the rows read),
+    ``pending_keys`` / ``pending_counts`` (push counts of keys without a row, exact per key), and
+    ``count_buckets`` / ``count_values`` (counters shared by hash: every file's, summed, when the
+    layout changed). The counters ``admitted`` and ``evicted`` come back only with the same layout.
+    Empty for a checkpoint written without them."""
+    same = (manifest["layout"]["servers"] == num_servers and manifest["layout"]["num_shards"] == shard_server.shape[0])
+    paths = [server_file(ckpt, server)] if same else [os.path.join(ckpt, e["name"]) for e in manifest["files"]]
+    wanted = shard_server == server
+    parts: dict[str, list] = {}
+    attrs: dict = {}
+    for path in paths:
+        with h5py.File(path, "r") as f:
+            g = f[f"tables/{table}"]
+            if same:
+                attrs = {k: int(v) for k, v in g.attrs.items()}
+            if "last" in g:
+                last = g["last"][()]
+                if not same:
+                    last = last[wanted[shard_of(g["keys"][()], wanted.shape[0])]]
+                parts.setdefault("last", []).append(last)
+            if "pending_keys" in g:
+                pk, pc = g["pending_keys"][()], g["pending_counts"][()]
+                if not same:
+                    keep = wanted[shard_of(pk, wanted.shape[0])]
+                    pk, pc = pk[keep], pc[keep]
+                parts.setdefault("pending_keys", []).append(pk)
+                parts.setdefault("pending_counts", []).append(pc)
+            if "count_buckets" in g:
+                parts.setdefault("count_buckets", []).append(g["count_buckets"][()])
+                parts.setdefault("count_values", []).append(g["count_values"][()])
+    return {**{k: np.concatenate(v) for k, v in parts.items()}, **attrs}
 
 
 @dataclass

@@ -64,6 +64,59 @@ class ServerTable:
         self.last = np.zeros(self.rows.shape[0], dtype=np.int64) if f.eviction else None
         self.admitted = 0   # keys given a row
         self.evicted = 0    # rows evicted
+        self.max_keys = self._budget_keys() if f.server_memory_mb > 0 else 0
+
+    def _budget_keys(self) -> int:
+        """How many rows fit ``server_memory_mb``: the fixed arrays (direct index, counters)
+        first, then per key its row, key and age with the room the arrays keep to grow (x 1.5),
+        and a hash index entry's share."""
+        budget = self.features.server_memory_mb * 2**20
+        fixed = (self.counts.nbytes if self.counts is not None else 0) + (
+            self.index.direct.nbytes if self.spec.direct else 0)
+        per_key = 1.5 * (4 * self.spec.width + 8 + 8) + 24
+        n = int((budget - fixed) / per_key)
+        if n < 1024:
+            raise ValueError(f"features.server_memory_mb = {self.features.server_memory_mb:g} leaves room for "
+                             f"{max(n, 0)} keys of table {self.spec.name!r} after its fixed arrays "
+                             f"({fixed / 2**20:.1f} MiB); give it more")
+        return n
+
+    def _make_room(self, keys: np.ndarray, grads: np.ndarray, clock: int):
+        """Under a memory budget: evict the least recently updated rows (not those this push
+        updates) so that the push's new keys fit; new keys beyond the budget get no row."""
+        slots = self.index.lookup(keys)
+        absent = slots < 0
+        n_new = int(absent.sum())
+        if self.index.size + n_new <= self.max_keys:
+            return keys, grads
+        n = self.index.size
+        age = self.last[:n].copy()
+        age[slots[~absent]] = np.iinfo(np.int64).max  # this push's rows stay
+        target = max(0, min(n, n + n_new - int(0.9 * self.max_keys)))
+        drop = np.zeros(n, dtype=np.bool_)
+        drop[np.argsort(age, kind="stable")[:target]] = True
+        drop &= age != np.iinfo(np.int64).max
+        self._drop(drop)
+        room = self.max_keys - self.index.size
+        if n_new > room:  # a push larger than the budget: its last new keys get no row
+            keep = ~absent
+            keep[np.flatnonzero(absent)[:room]] = True
+            keys, grads = keys[keep], grads[keep]
+        return keys, grads
+
+    def _drop(self, drop: np.ndarray) -> int:
+        """Evict the rows where ``drop`` (over slots) is set; returns how many."""
+        gone = int(drop.sum())
+        if gone:
+            keys, rows = self.items()
+            keep = ~drop
+            if self.counts is not None:
+                kadmit.clear_counts(self.counts, np.ascontiguousarray(keys[drop]), self.exact_below)
+            last = self.last[: keys.shape[0]][keep].copy()
+            self.load(keys[keep].copy(), rows[keep].copy())
+            self.last[: last.shape[0]] = last
+            self.evicted += gone
+        return gone
 
     def _new_index(self, keys: np.ndarray):
         """Direct addressing for a bounded key space, else a hash index."""
@@ -111,6 +164,8 @@ class ServerTable:
             keys, grads = self._admit(keys, grads, clock)
             if keys.shape[0] == 0:
                 return
+        if self.max_keys:
+            keys, grads = self._make_room(keys, grads, clock)
         first_new = self.index.size
         slots = self.index.lookup_or_insert(keys)
         if self.index.key_capacity > self.rows.shape[0]:
@@ -134,25 +189,15 @@ class ServerTable:
         parameters' L2 norm is below ``evict_l2_below``; returns how many."""
         f = self.features
         n = self.index.size
-        if not f.eviction or n == 0:
+        if not (f.evict_after_steps or f.evict_l2_below) or n == 0:
             return 0
-        keys, rows = self.items()
         drop = np.zeros(n, dtype=np.bool_)
         if f.evict_after_steps:
             drop |= clock - self.last[:n] >= f.evict_after_steps
         if f.evict_l2_below:
-            w = rows[:, :self.spec.dim].astype(np.float64)
+            w = self.rows[:n, :self.spec.dim].astype(np.float64)
             drop |= np.sqrt((w * w).sum(axis=1)) < f.evict_l2_below
-        gone = int(drop.sum())
-        if gone:
-            keep = ~drop
-            if self.counts is not None:
-                kadmit.clear_counts(self.counts, np.ascontiguousarray(keys[drop]), self.exact_below)
-            last = self.last[:n][keep].copy()
-            self.load(keys[keep].copy(), rows[keep].copy())
-            self.last[: last.shape[0]] = last
-            self.evicted += gone
-        return gone
+        return self._drop(drop)
 
     def load(self, keys: np.ndarray, rows: np.ndarray, clock: int = 0) -> None:
         """Replace the contents with ``keys`` and their rows (restoring a checkpoint: every row
@@ -162,6 +207,34 @@ class ServerTable:
         self.rows[: keys.shape[0]] = rows
         if self.last is not None:
             self.last = np.full(self.rows.shape[0], clock, dtype=np.int64)
+
+    def state_arrays(self) -> dict:
+        """What a checkpoint keeps beside the rows for exact resume: each row's last update,
+        the push counts of keys without a row, and the admitted and evicted counters."""
+        out: dict = {"admitted": self.admitted, "evicted": self.evicted}
+        if self.last is not None:
+            out["last"] = self.last[: self.index.size]
+        if self.counts is not None:
+            nz = np.flatnonzero(self.counts)
+            if self.spec.direct:  # one counter per key: the positions are the keys
+                out["pending_keys"], out["pending_counts"] = nz.astype(np.uint64), self.counts[nz]
+            else:                 # counters shared by hash: positions only
+                out["count_buckets"], out["count_values"] = nz.astype(np.uint64), self.counts[nz]
+        return out
+
+    def restore_state(self, state: dict) -> None:
+        """Put back what :meth:`state_arrays` saved (after :meth:`load` of the rows)."""
+        self.admitted = int(state.get("admitted", self.index.size))
+        self.evicted = int(state.get("evicted", 0))
+        if self.last is not None and "last" in state and state["last"].shape[0] == self.index.size:
+            self.last[: self.index.size] = state["last"]
+        if self.counts is not None:
+            for k, v in (("pending_keys", "pending_counts"), ("count_buckets", "count_values")):
+                if k in state:
+                    idx = state[k].astype(np.int64) & (self.counts.shape[0] - 1)
+                    total = self.counts.astype(np.int64)
+                    np.add.at(total, idx, state[v].astype(np.int64))
+                    self.counts[:] = np.minimum(total, 255)
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         """(keys, rows) of everything stored, in slot order (views)."""
@@ -220,12 +293,14 @@ class Server:
             keys, rows = checkpoint.read_for_server(ckpt, manifest, table.spec.name, self.index,
                                                     self.placement.shard_server, self.placement.num_servers)
             table.load(keys, rows, manifest["clock"])
+            table.restore_state(checkpoint.read_state_for_server(
+                ckpt, manifest, table.spec.name, self.index, self.placement.shard_server, self.placement.num_servers))
         self.clocks[:] = manifest["clock"]
         self.evict_round = {t.spec.name: manifest["clock"] // t.features.evict_every_steps for t in self.tables}
 
     def _write_checkpoint(self, source: int, r: protocol.Request) -> None:
         path = checkpoint.server_file(protocol.decode_path(r.pull_keys), self.index)
-        parts = [(table.spec.name, *table.items()) for table in self.tables]
+        parts = [(table.spec.name, *table.items(), table.state_arrays()) for table in self.tables]
         try:
             size, digest = checkpoint.write_server_file(path, self.index, self.placement.num_servers,
                                                         self.placement.num_shards, parts)

@@ -16,7 +16,9 @@ class Features:
     deterministic draw per key and clock passes ``admit_probability``. Until then pulls return the
     initializer and pushes only count. Every ``evict_every_steps`` clocks the servers evict rows
     not updated in the last ``evict_after_steps`` clocks (0: never) and rows whose parameters'
-    L2 norm is below ``evict_l2_below`` (0: never).
+    L2 norm is below ``evict_l2_below`` (0: never). ``server_memory_mb`` (0: unbounded) caps a
+    table's memory on each server: before a push would pass it, the least recently updated rows
+    are evicted (to 90 % of the cap).
     """
 
     admit_count: int = 1
@@ -24,6 +26,7 @@ class Features:
     evict_after_steps: int = 0
     evict_l2_below: float = 0.0
     evict_every_steps: int = 100
+    server_memory_mb: float = 0.0
     count_bits: int = 22  # counters shared by hash for keys not directly addressed (4 MiB)
 
     def __post_init__(self):
@@ -32,6 +35,7 @@ class Features:
                                ("evict_after_steps", self.evict_after_steps >= 0, "at least 0"),
                                ("evict_l2_below", self.evict_l2_below >= 0.0, "at least 0"),
                                ("evict_every_steps", self.evict_every_steps >= 1, "at least 1"),
+                               ("server_memory_mb", self.server_memory_mb >= 0.0, "at least 0"),
                                ("count_bits", 10 <= self.count_bits <= 32, "in [10, 32]")):
             if not ok:
                 raise ValueError(f"features.{name} must be {what} (got {getattr(self, name)})")
@@ -42,7 +46,8 @@ class Features:
 
     @property
     def eviction(self) -> bool:
-        return self.evict_after_steps > 0 or self.evict_l2_below > 0.0
+        """Rows may be evicted (so each row's last update is tracked)."""
+        return self.evict_after_steps > 0 or self.evict_l2_below > 0.0 or self.server_memory_mb > 0.0
 
 
 DIRECT_MAX_BITS = 26  # direct addressing costs 4 * 2**key_bits bytes per server: 256 MiB at 26 bits

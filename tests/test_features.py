@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -82,6 +83,26 @@ def test_eviction_by_age_and_by_norm_and_evicted_keys_must_be_admitted_again():
     np.testing.assert_array_equal(pull(t, [1, 2]), [-9.0, -1.0])
 
 
+@pytest.mark.parametrize("key_bits", [20, 64])
+def test_a_table_under_a_memory_budget_never_exceeds_it_and_keeps_the_recent_keys(key_bits):
+    budget_mb = 8 if key_bits == 20 else 3  # the direct index alone takes 4 MiB at 20 bits
+    t = shard(key_bits, server_memory_mb=budget_mb, admit_count=1)
+    rng = np.random.default_rng(1)
+    hot = np.arange(100, dtype=np.uint64)  # pushed every clock: never the least recent
+    for clock in range(120):
+        fresh = rng.integers(1000, 2**19, 3000).astype(np.uint64)
+        push(t, np.unique(np.concatenate([hot, fresh])), clock)
+        assert t.nbytes() <= budget_mb * 2**20, (clock, t.nbytes())
+        assert t.size <= t.max_keys
+    assert t.evicted > 0 and t.size > 0.8 * t.max_keys
+    np.testing.assert_array_equal(pull(t, hot), -120.0)  # the hot keys kept every update
+
+
+def test_a_budget_too_small_for_the_fixed_arrays_is_an_error_naming_the_key():
+    with pytest.raises(ValueError, match=r"features.server_memory_mb = 2 leaves room for 0 keys of table 'w'"):
+        shard(20, server_memory_mb=2)
+
+
 def test_features_are_checked_and_named():
     with pytest.raises(ValueError, match=r"features.admit_count must be in \[1, 255\] \(got 0\)"):
         Features(admit_count=0)
@@ -107,3 +128,34 @@ def test_a_job_reports_kept_admitted_and_evicted_keys(tmp_path):
     assert s["evicted_keys"] > 0 and 0 < s["table_keys"] < plain["table_keys"]  # (evicted keys may come back)
     assert s["table_keys"] == s["admitted_keys"] - s["evicted_keys"]
     assert f"{s['table_keys']:,} ({s['admitted_keys']:,} admitted, {s['evicted_keys']:,} evicted)" in text
+
+
+def test_resume_after_admission_and_eviction_is_bit_identical(tmp_path):
+    from hpcps.checkpoint import step_dir
+    from hpcps.train.model_file import ServingModel
+
+    sets = ["synth.rows=20000", f"synth.dir={json.dumps(str(tmp_path / 'data'))}", "train.batch_size=50",
+            "features.admit_count=2", "features.evict_after_steps=40", "features.evict_every_steps=30",
+            "checkpoint.every_steps=100", "checkpoint.keep=20", "cluster.staleness=0"]
+
+    def job(name, ck, *more):
+        cmd = [*mpiexec(), "-n", "3", sys.executable, "-m", "hpcps.cli", "train", "--set", "train.progress=false",
+               *[x for kv in sets for x in ("--set", kv)], "--set", f"checkpoint.dir={json.dumps(str(ck))}",
+               "--set", f"train.model_out={json.dumps(str(tmp_path / name))}", *more,
+               "--summary-json", str(tmp_path / f"{name}.json")]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+        return json.load(open(tmp_path / f"{name}.json")), proc.stdout
+
+    whole, _ = job("whole.h5", tmp_path / "ck")
+    assert whole["evicted_keys"] > 0
+    mid = tmp_path / "ck2"
+    mid.mkdir()
+    src = step_dir(str(tmp_path / "ck"), 300)  # mid-way through the first epoch, between evictions
+    shutil.copytree(src, mid / os.path.basename(src))
+    resumed, out = job("resumed.h5", mid, "--resume", "auto")
+    assert "resuming from" in out
+    a, b = ServingModel(str(tmp_path / "whole.h5")), ServingModel(str(tmp_path / "resumed.h5"))
+    np.testing.assert_array_equal(a.keys, b.keys)
+    np.testing.assert_array_equal(a.values, b.values)
+    assert (resumed["admitted_keys"], resumed["evicted_keys"]) == (whole["admitted_keys"], whole["evicted_keys"])
