@@ -245,6 +245,14 @@ def _cmd_export(args) -> int:
     return 0
 
 
+def _cmd_bench_margins(args) -> int:
+    from hpcps import bench_margins
+
+    results = bench_margins.run(args.dir, args.rows, args.ranks, args.batch_size)
+    print(bench_margins.format_results(results, args.rows))
+    return 0
+
+
 def _cmd_bench_checkpoint(args) -> int:
     from hpcps import bench_checkpoint
 
@@ -349,6 +357,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--hash-bits", type=int, default=24)
     b.add_argument("--json", default="", help="also write the results here")
     b.set_defaults(func=_cmd_bench_vw)
+    b = bsub.add_parser("margins", help="computing on the servers (model.compute) vs pulling weights: bytes and speed")
+    b.add_argument("--dir", default="/tmp/hpcps-bench-margins")
+    b.add_argument("--rows", type=int, default=300_000)
+    b.add_argument("--ranks", type=int, default=2)
+    b.add_argument("--batch-size", type=int, default=1000)
+    b.set_defaults(func=_cmd_bench_margins)
     b = bsub.add_parser("checkpoint", help="checkpoint write/read throughput and resume time beside a plain file copy")
     b.add_argument("--keys", default="10000000,100000000", help="table sizes, comma-separated")
     b.add_argument("--dir", default="/tmp/hpcps-bench-checkpoint", help="a directory on the disk to measure")

@@ -76,14 +76,21 @@ class SparseTable:
     def _message(self, req: _Request, server: int, pulled: np.ndarray | None, push_keys, grads, pull_keys) -> None:
         """Post the reply's receive, then send one request to ``server``. ``pulled``: the
         positions of ``pull_keys`` among the request's unique pull keys."""
+        n_pull = 0 if pull_keys is None else pull_keys.shape[0]
+        self._post(req, server, pulled, protocol.reply_bytes(req.op, n_pull, self.dim),
+                   lambda req_id: protocol.pack_request(req.op, self.id, req_id, req.clock, self.ctx.worker_index,
+                                                        push_keys, grads, pull_keys, self.dim))
+
+    def _post(self, req: _Request, server: int, pulled, reply_bytes: int, pack) -> None:
+        """Post the receive of a reply of ``reply_bytes``, then send ``pack(req_id)`` to ``server``."""
         ctx = self.ctx
         req_id = ctx.next_request_id()
-        n_pull = 0 if pull_keys is None else pull_keys.shape[0]
         what = f"{protocol.OP_NAMES[req.op]} reply of table {self.name!r} (request {req_id}) from server"
-        reply = np.empty(protocol.reply_bytes(req.op, n_pull, self.dim), dtype=np.uint8)
+        reply = np.empty(reply_bytes, dtype=np.uint8)
         req.pending += transport.start_recv(ctx.comm, reply, server, protocol.reply_tag(req_id, ctx.tag_ub), what)
-        msg = protocol.pack_request(req.op, self.id, req_id, req.clock, ctx.worker_index, push_keys, grads,
-                                    pull_keys, self.dim)
+        msg = pack(req_id)
+        ctx.stats["bytes_sent"] += msg.nbytes
+        ctx.stats["bytes_received"] += reply_bytes
         req.pending += transport.start_send(ctx.comm, msg, server, protocol.TAG_REQUEST,
                                             f"{protocol.OP_NAMES[req.op]} request to server")
         req.parts.append((pulled, reply))
@@ -124,6 +131,43 @@ class SparseTable:
                 sp = push_order[push_offsets[server]:push_offsets[server + 1]]
                 sl = pull_order[pull_offsets[server]:pull_offsets[server + 1]]
                 self._message(req, server, sl, push_keys[sp], grads[sp], pull_keys[sl])
+        ctx.advance_clock()
+        return self._register(req)
+
+    def imargins(self, keys, values, row_ids, n_rows: int) -> int:
+        """Computation on the servers (dim-1 tables): send a batch's nonzeros (keys in any order,
+        duplicates allowed, their values and row numbers) to the servers that own them; ``wait``
+        returns each row's margin, the sum of weight x value over its nonzeros (float64,
+        ``n_rows``). Follow it with :meth:`iresiduals`. Weights never leave the servers."""
+        if self.dim != 1:
+            raise ValueError(f"table {self.name!r}: margins on the servers need dim 1, not {self.dim}")
+        ctx = self.ctx
+        keys = np.ascontiguousarray(keys, dtype=np.uint64).reshape(-1)
+        values = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
+        row_ids = np.ascontiguousarray(row_ids, dtype=np.int32).reshape(-1)
+        req = _Request(protocol.MARGINS, self, n_unique=n_rows, clock=ctx.clock_value, started=time.monotonic())
+        if ctx.layout.servers == 1:
+            parts = [(keys, values, row_ids)]
+        else:  # every server, each with its nonzeros in their order (it may own none)
+            order, offsets = ctx.placement.slice(keys)
+            parts = [(keys[sel], values[sel], row_ids[sel])
+                     for sel in (order[offsets[s]:offsets[s + 1]] for s in range(ctx.layout.servers))]
+        for server, (k, v, r) in enumerate(parts):
+            self._post(req, server, None, protocol.reply_bytes(protocol.MARGINS, n_rows, 1),
+                       lambda req_id, k=k, v=v, r=r: protocol.pack_margins(self.id, req_id, req.clock,
+                                                                            ctx.worker_index, k, v, r, n_rows))
+        return self._register(req)
+
+    def iresiduals(self, residuals) -> int:
+        """After :meth:`imargins`: each row's d loss / d margin (scaled as the gradient should
+        be); the servers push the resulting per-key gradients at this clock, and the worker's
+        step ends (the clock advances, as with :meth:`ipushpull`). ``wait`` returns None."""
+        ctx = self.ctx
+        residuals = np.ascontiguousarray(residuals, dtype=np.float64).reshape(-1)
+        req = _Request(protocol.RESIDUALS, self, clock=ctx.clock_value, started=time.monotonic())
+        for server in range(ctx.layout.servers):
+            self._post(req, server, None, protocol.reply_bytes(protocol.RESIDUALS, 0, 1),
+                       lambda req_id: protocol.pack_residuals(self.id, req_id, req.clock, ctx.worker_index, residuals))
         ctx.advance_clock()
         return self._register(req)
 
@@ -187,12 +231,17 @@ class SparseTable:
             if h["status"] & protocol.STOP:
                 ctx.server_stop = True
             min_clock = int(h["min_clock"]) if min_clock is None else min(min_clock, int(h["min_clock"]))
-        if req.op == protocol.PUSH:
+        if req.op in (protocol.PUSH, protocol.RESIDUALS):
             return None
         self.last_min_clock = min_clock
         if min_clock is not None:
             ctx.stats["max_staleness"] = max(ctx.stats["max_staleness"],
                                              protocol.pull_clock(req.op, req.clock) - min_clock)
+        if req.op == protocol.MARGINS:  # the servers' partial sums
+            out = np.zeros(req.n_unique, dtype=np.float64)
+            for _, reply in req.parts:
+                out += reply[protocol.REPLY_BYTES:].view(np.float64)
+            return out
         values = [protocol.pulled_values(reply, self.dim) for _, reply in req.parts]
         if len(req.parts) == 1 and req.expand is None and values[0].shape[0] == req.n_unique:
             return values[0]  # one server answered for every key, in order

@@ -74,6 +74,7 @@ class Model:
     factors: int = 8                 # fm: factors per key
     init_scale: float = 0.01         # fm: std of the initial weights and factors (lr: zeros)
     seed: int = 0                    # seed of the initializer
+    compute: str = "workers"         # lr: "servers" computes margins and gradients on the servers
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,7 @@ CHOICES = {
     ("data", "format"): ("auto", "libsvm", "criteo"),
     ("model", "type"): ("lr", "fm"),
     ("model", "loss"): ("logistic", "squared"),
+    ("model", "compute"): ("workers", "servers"),
     ("train", "gradient"): ("sum", "mean"),
     ("checkpoint", "on_signal"): ("exit", "continue"),
 }
@@ -274,6 +276,11 @@ def _check(cfg: Config) -> None:
     if cfg.cluster.stall_warn_s > cfg.cluster.stall_timeout_s:
         raise ConfigError(f"cluster.stall_warn_s ({cfg.cluster.stall_warn_s:g}) must not exceed "
                           f"cluster.stall_timeout_s ({cfg.cluster.stall_timeout_s:g})")
+    if cfg.model.compute == "servers" and cfg.model.type != "lr":
+        raise ConfigError(f"model.compute = 'servers' supports model.type = 'lr' only (got {cfg.model.type!r})")
+    if cfg.model.compute == "servers" and cfg.cluster.worker_groups:
+        raise ConfigError("model.compute = 'servers' needs one worker per group (cluster.worker_groups = 0): "
+                          "each worker's rows go to the servers, there is no group merge")
     if cfg.model.type == "fm" and cfg.model.init_scale <= 0:
         raise ConfigError("model.init_scale must be greater than 0 for an fm (factors that all start at 0 "
                           "never move)")

@@ -58,7 +58,7 @@ class Context:
         self._clock_sends: list[transport.Pending] = []
         # wait_s: time waiting for the servers; background_s: time of background work done
         # during those waits (not counted as waiting)
-        self.stats = {"wait_s": 0.0, "max_staleness": 0, "background_s": 0.0}
+        self.stats = {"wait_s": 0.0, "max_staleness": 0, "background_s": 0.0, "bytes_sent": 0, "bytes_received": 0}
         self.server_stats: dict | None = None
         self.server_stop = False   # a server reported a stop signal
         # work a worker does while it waits for the servers instead of sleeping (the training loop

@@ -20,6 +20,15 @@ Operations:
   server owns none of the keys.
 * ``CHECKPOINT``: the directory's path, UTF-8, in the pull-key area (``n_pull`` words); its reply
   carries the size and checksum of the file the server wrote.
+* ``MARGINS`` (computation on the servers, dim-1 tables): a batch's nonzeros that this server
+  owns, ``n_push`` of them, as keys (uint64), values (float32) and row numbers (int32), for a batch
+  of ``n_pull`` rows, read at ``clock`` like a pull. The reply holds each row's partial margin
+  (float64, ``n_pull``): the sum of weight x value over the server's nonzeros of the row. The
+  server keeps the nonzeros for the ``RESIDUALS`` that follows.
+* ``RESIDUALS``: d loss / d margin of each row (float64, ``n_pull``) for the worker's last
+  ``MARGINS``; the server turns them into per-key gradients of its nonzeros and pushes them at
+  ``clock``, then the worker's clock advances to ``clock + 1`` (like a push-pull without a pull).
+  Its reply is the acknowledgement. Weights never leave the servers.
 
 ``min_clock`` in a reply is the smallest clock of all workers that the server knew when it answered
 (the staleness a pull observed is ``clock - min_clock``). ``status`` bit ``STOP``: the server got a
@@ -33,9 +42,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-PULL, PUSH, CLOCK, DONE, CHECKPOINT, PUSHPULL = 1, 2, 3, 4, 5, 6
+PULL, PUSH, CLOCK, DONE, CHECKPOINT, PUSHPULL, MARGINS, RESIDUALS = 1, 2, 3, 4, 5, 6, 7, 8
 OP_NAMES = {PULL: "pull", PUSH: "push", CLOCK: "clock", DONE: "done", CHECKPOINT: "checkpoint",
-            PUSHPULL: "push-pull"}
+            PUSHPULL: "push-pull", MARGINS: "margins", RESIDUALS: "residuals"}
 
 REQUEST = np.dtype([("op", "<i8"), ("table", "<i8"), ("req_id", "<i8"), ("n_push", "<i8"),
                     ("n_pull", "<i8"), ("clock", "<i8"), ("worker", "<i8"), ("reserved", "<i8")])
@@ -43,6 +52,8 @@ REPLY = np.dtype([("req_id", "<i8"), ("status", "<i8"), ("min_clock", "<i8"), ("
 CHECKPOINT_RESULT = np.dtype([("file_bytes", "<i8"), ("xxh64", "S64")])
 HEADER_BYTES = REQUEST.itemsize
 REPLY_BYTES = REPLY.itemsize
+
+_NO_KEYS = np.zeros(0, dtype=np.uint64)
 
 TAG_REQUEST = 1
 TAG_REPLY_BASE = 16
@@ -62,6 +73,9 @@ class Request:
     push_keys: np.ndarray
     grads: np.ndarray | None
     pull_keys: np.ndarray
+    row_ids: np.ndarray | None = None     # MARGINS: each nonzero's row
+    n_rows: int = 0                       # MARGINS, RESIDUALS: the batch's rows
+    residuals: np.ndarray | None = None   # RESIDUALS: d loss / d margin per row
 
     @property
     def pull_clock(self) -> int:
@@ -71,6 +85,28 @@ class Request:
 def pull_clock(op: int, clock: int) -> int:
     """The clock a request's pull part is read at (a push-pull pulls after its clock advance)."""
     return clock + 1 if op == PUSHPULL else clock
+
+
+def pack_margins(table: int, req_id: int, clock: int, worker: int, keys: np.ndarray, values: np.ndarray,
+                 row_ids: np.ndarray, n_rows: int) -> np.ndarray:
+    """A ``MARGINS`` request: keys, values and row numbers of ``keys.shape[0]`` nonzeros."""
+    n = keys.shape[0]
+    buf = np.empty(HEADER_BYTES + 16 * n, dtype=np.uint8)
+    buf[:HEADER_BYTES].view(REQUEST)[0] = (MARGINS, table, req_id, n, n_rows, clock, worker, 0)
+    at = HEADER_BYTES
+    buf[at:at + 8 * n].view(np.uint64)[:] = keys
+    buf[at + 8 * n:at + 12 * n].view(np.float32)[:] = values
+    buf[at + 12 * n:at + 16 * n].view(np.int32)[:] = row_ids
+    return buf
+
+
+def pack_residuals(table: int, req_id: int, clock: int, worker: int, residuals: np.ndarray) -> np.ndarray:
+    """A ``RESIDUALS`` request: d loss / d margin of each row (float64)."""
+    n = residuals.shape[0]
+    buf = np.empty(HEADER_BYTES + 8 * n, dtype=np.uint8)
+    buf[:HEADER_BYTES].view(REQUEST)[0] = (RESIDUALS, table, req_id, 0, n, clock, worker, 0)
+    buf[HEADER_BYTES:].view(np.float64)[:] = residuals
+    return buf
 
 
 def reply_tag(req_id: int, tag_ub: int) -> int:
@@ -85,6 +121,10 @@ def request_bytes(n_push: int, n_pull: int, dim: int) -> int:
 def reply_bytes(op: int, n_pull: int, dim: int) -> int:
     if op == CHECKPOINT:
         return REPLY_BYTES + CHECKPOINT_RESULT.itemsize
+    if op == MARGINS:
+        return REPLY_BYTES + 8 * n_pull
+    if op == RESIDUALS:
+        return REPLY_BYTES
     return REPLY_BYTES + 4 * n_pull * dim
 
 
@@ -117,8 +157,16 @@ def unpack_request(buf: np.ndarray, dims: list[int]) -> Request:
     # the fields in REQUEST's order, in one call (reading a structured scalar field by field costs
     # about 30 us a request on the server's critical path)
     op, table, req_id, n_push, n_pull, clock, worker, _ = buf[:HEADER_BYTES].view(np.int64).tolist()
-    dim = dims[table] if n_push else 0
     at = HEADER_BYTES
+    if op == MARGINS:
+        n = n_push
+        return Request(op, table, req_id, clock, worker, buf[at:at + 8 * n].view(np.uint64),
+                       buf[at + 8 * n:at + 12 * n].view(np.float32).reshape(n, 1), _NO_KEYS,
+                       row_ids=buf[at + 12 * n:at + 16 * n].view(np.int32), n_rows=n_pull)
+    if op == RESIDUALS:
+        return Request(op, table, req_id, clock, worker, _NO_KEYS, None, _NO_KEYS, n_rows=n_pull,
+                       residuals=buf[at:at + 8 * n_pull].view(np.float64))
+    dim = dims[table] if n_push else 0
     push_keys = buf[at:at + 8 * n_push].view(np.uint64)
     at += 8 * n_push
     grads = buf[at:at + 4 * n_push * dim].view(np.float32).reshape(n_push, dim) if n_push else None

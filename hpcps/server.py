@@ -39,6 +39,8 @@ from hpcps.placement import Placement
 from hpcps.tables import TableSpec
 from hpcps_kernels import admission as kadmit
 from hpcps_kernels import init as kinit
+from hpcps_kernels import keys as kkeys
+from hpcps_kernels import models as kmodels
 from hpcps_kernels.directindex import DirectKeyIndex
 from hpcps_kernels.hashtable import KeyIndex
 
@@ -133,6 +135,22 @@ class ServerTable:
         slots = self.index.lookup(keys)
         s = self.spec
         kinit.pull_rows(self.rows, slots, keys, s.dim, self.kind, s.init_scale, s.seed, out)
+
+    def partial_margins(self, keys: np.ndarray, values: np.ndarray, row_ids: np.ndarray, n_rows: int,
+                        out: np.ndarray) -> None:
+        """Each row's partial margin over the given nonzeros (dim-1 tables) into ``out``."""
+        uniq, pos = kkeys.dedup_keys(keys)
+        w = np.empty((uniq.shape[0], 1), dtype=np.float32)
+        self.pull(uniq, w)
+        kmodels.lr_partial_margins(pos, values, row_ids, w[:, 0], out)
+
+    @staticmethod
+    def residual_grads(keys: np.ndarray, values: np.ndarray, row_ids: np.ndarray, residuals: np.ndarray):
+        """(unique keys, their gradients) from each row's d loss / d margin."""
+        uniq, pos = kkeys.dedup_keys(keys)
+        grads = np.empty((uniq.shape[0], 1), dtype=np.float32)
+        kmodels.lr_residual_grads(pos, values, row_ids, residuals, grads[:, 0])
+        return uniq, grads
 
     def _admit(self, keys: np.ndarray, grads: np.ndarray, clock: int):
         """The keys of a push that have or get a row (with their gradients); the others count."""
@@ -272,6 +290,7 @@ class Server:
         self.tag_ub = transport.tag_upper_bound(comm)
         self.stats = {"requests": 0, "idle_s": 0.0, "busy_s": 0.0, "deferred": 0}
         self.evicting = any(t.features.eviction for t in self.tables)
+        self.fragments: dict = {}  # (worker, table) -> the nonzeros of its last MARGINS
         self.evict_round = {t.spec.name: 0 for t in self.tables}
 
     # -- consistency -------------------------------------------------------------------------
@@ -368,6 +387,15 @@ class Server:
         elif r.op == protocol.PUSH:
             self._push(worker, r)
             self._send(self._reply(r.req_id, 0)[0], source, r.req_id, "push ack")
+        elif r.op == protocol.MARGINS:
+            self._serve_or_defer(source, r)
+        elif r.op == protocol.RESIDUALS:  # push at clock c, then clock c + 1
+            keys, values, row_ids = self.fragments.pop((worker, r.table))
+            uniq, grads = ServerTable.residual_grads(keys, values, row_ids, r.residuals)
+            self._push(worker, protocol.Request(protocol.PUSH, r.table, r.req_id, r.clock, r.worker, uniq, grads,
+                                                r.pull_keys))
+            self._advance(worker, r.clock + 1)
+            self._send(self._reply(r.req_id, 0)[0], source, r.req_id, "residuals ack")
         elif r.op == protocol.CLOCK:
             self._advance(worker, r.clock)
         elif r.op == protocol.DONE:
@@ -412,8 +440,19 @@ class Server:
     def _serve_deferrable(self, source: int, r: protocol.Request) -> None:
         if r.op == protocol.CHECKPOINT:
             self._write_checkpoint(source, r)
+        elif r.op == protocol.MARGINS:
+            self._serve_margins(source, r)
         else:
             self._serve_pull(source, r)
+
+    def _serve_margins(self, source: int, r: protocol.Request) -> None:
+        """Partial margins of a batch's rows over this server's nonzeros; the nonzeros are kept
+        for the worker's RESIDUALS."""
+        reply, payload = self._reply(r.req_id, 8 * r.n_rows)
+        values = r.grads[:, 0]
+        self.tables[r.table].partial_margins(r.push_keys, values, r.row_ids, r.n_rows, payload.view(np.float64))
+        self.fragments[(source - self.worker_rank0, r.table)] = (r.push_keys, values, r.row_ids)
+        self._send(reply, source, r.req_id, "margins reply")
 
     def _check_stalled_pulls(self, warned: set) -> None:
         now = time.monotonic()

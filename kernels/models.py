@@ -167,3 +167,34 @@ def fm_forward_backward(indptr, pos, vals, labels, w, V, gw, gV, scale, l2, loss
             for f in range(k):
                 gV[u, f] += l2 * V[u, f]
     return total
+
+
+@njit(cache=True)
+def lr_partial_margins(pos, vals, row_ids, w, out):
+    """Computation on the servers: ``out[row]`` (float64, zeroed here) = the sum of
+    ``w[pos[j]] * vals[j]`` over the nonzeros ``j`` of that row given here (a server's share of a
+    batch), in order: with one server, exactly the margins :func:`lr_forward_backward` sums."""
+    out[:] = 0.0
+    for j in range(pos.shape[0]):
+        out[row_ids[j]] += np.float64(w[pos[j]]) * vals[j]
+
+
+@njit(cache=True)
+def lr_residual_grads(pos, vals, row_ids, residuals, grad):
+    """The per-key gradients of a server's nonzeros from each row's d loss / d margin
+    (``residuals``, already scaled): ``grad[pos[j]] += residuals[row_ids[j]] * vals[j]`` in order,
+    as :func:`lr_forward_backward` accumulates them (so the same float32 sums)."""
+    grad[:] = 0.0
+    for j in range(pos.shape[0]):
+        grad[pos[j]] += residuals[row_ids[j]] * vals[j]
+
+
+@njit(cache=True)
+def lr_residuals(margins, labels, scale, loss, out):
+    """Each row's d loss / d margin times ``scale`` into ``out``; returns the summed loss."""
+    total = 0.0
+    for r in range(margins.shape[0]):
+        lo, g = _loss_and_dmargin(margins[r], labels[r], loss)
+        total += lo
+        out[r] = g * scale
+    return total

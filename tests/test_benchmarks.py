@@ -48,3 +48,17 @@ def test_vw_benchmark_runs_both_systems(tmp_path):
     assert any(line.startswith("hpcps ") for line in table) and any(line.startswith("vw ") for line in table)
     header = next(line for line in table if line.startswith("system"))
     assert "wait" in header and "RSS MB" in header
+
+
+def test_margins_benchmark_compares_bytes_and_speed_of_both_paths(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "hpcps.cli", "bench", "margins", "--dir", str(tmp_path),
+                           "--rows", "6000"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert {(r["data"], r["compute"]) for r in rows} == {(d, c) for d in ("zipf", "rare") for c in ("workers", "servers")}
+    by = {(r["data"], r["compute"]): r["bytes_per_example"] for r in rows}
+    # what the message sizes imply: Zipf batches repeat keys (the pull path sends less); uniform keys
+    # over 2^26 hardly repeat (the margins path sends less)
+    assert by[("zipf", "servers")] > by[("zipf", "workers")]
+    assert by[("rare", "servers")] < by[("rare", "workers")]
+    assert "vs workers" in proc.stdout

@@ -355,6 +355,8 @@ def run(cfg, comm=None) -> dict | None:
         predicted = predict(ctx, model, to_predict, tr.batch_size, cfg.model.loss, cfg.data.predict_out)
     progress.close()
     wait = float(transport.allreduce(wcomm, np.array([ctx.stats["wait_s"]]), "max", ctx.stall_timeout_s)[0])
+    traffic = transport.allreduce(wcomm, np.array([ctx.stats["bytes_sent"], ctx.stats["bytes_received"]], dtype=np.int64),
+                                  "sum", ctx.stall_timeout_s, "sum of the bytes sent and received")
     resumed = restore[0] if restore else ""
     if preempted:  # stopped by a signal after checkpointing
         _agree_preempted_worker(ctx, True)
@@ -370,7 +372,8 @@ def run(cfg, comm=None) -> dict | None:
     summary = {"examples": examples, "time_s": elapsed, "examples_per_s": examples / elapsed,
                "workers": ctx.layout.workers, "servers": ctx.layout.servers, **(history[-1] if history else {}),
                "max_wait_s": wait, "max_staleness": ctx.stats["max_staleness"], "bad_lines_skipped": skipped,
-               "peak_rss_mb_worker": worker_rss, "peak_rss_mb_server": server_rss, **key_counts}
+               "peak_rss_mb_worker": worker_rss, "peak_rss_mb_server": server_rss, **key_counts,
+               "bytes_sent": int(traffic[0]), "bytes_received": int(traffic[1])}
     if synth_info:
         summary["best_test_logloss"] = synth_info["best_test_logloss"]
         summary["best_test_auc"] = synth_info["best_test_auc"]

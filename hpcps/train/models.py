@@ -110,6 +110,28 @@ class Model:
 
 
 class LinearModel(Model):
+    def step(self, batch, scale: float, upcoming=()) -> float:
+        if self.cfg.model.compute != "servers":
+            return super().step(batch, scale, upcoming)
+        return self._step_on_servers(batch, scale)
+
+    def _step_on_servers(self, batch, scale: float) -> float:
+        """``model.compute = "servers"`` (the seeds' third realm): the batch's nonzeros go to the
+        servers, which return each row's margin and, given each row's d loss / d margin, compute
+        and apply the gradients themselves. Two round trips a step and no pipelining; weights are
+        never pulled. Under BSP it computes what the pull-based step computes (bit for bit with
+        one server; with several, the margins' partial sums add in another order)."""
+        if self._pending is not None:
+            self.table.wait(self._pending)
+            self._pending = None
+        rows = batch.rows
+        row_ids = np.repeat(np.arange(rows, dtype=np.int32), np.diff(batch.indptr))
+        margins = self.table.wait(self.table.imargins(batch.indices, batch.values, row_ids, rows))
+        residuals = np.empty(rows, dtype=np.float64)
+        loss = kmodels.lr_residuals(margins, batch.labels, scale, self.loss, residuals) if rows else 0.0
+        self._pending = self.table.iresiduals(residuals)  # ends the step (the clock)
+        return loss
+
     def _declare(self, ctx, cfg):
         return ctx.sparse_table("w", dim=1, optimizer=cfg.optimizer.name, params=cfg.optimizer.params,
                                 init="zeros", seed=cfg.model.seed, key_bits=cfg.data.hash_bits,
