@@ -43,3 +43,21 @@ def register_optimizer(name: str, params: dict, kernel, args=None, state_width=N
     opt = optim.Optimizer(name, dict(params), kernel, tuple(args if args is not None else params),
                           state_width or (lambda dim: 0), init_state, dict(ranges or {}))
     return optim.register(opt, replace=replace)
+
+
+def register_server_function(name: str, fn, out_width: int, in_width: int = 0, per_key: bool = True,
+                             replace: bool = False):
+    """Register a request kind of your own, run on the servers (see
+    :class:`hpcps.tables.ServerFunction`); every rank registers it, then declares it with
+    ``ctx.server_function(name)`` and calls it with ``table.call(handle, keys, args)``::
+
+        def sq_norm(shard, keys, args):             # a reduction over a key set
+            rows = np.empty((len(keys), shard.spec.dim), np.float32)
+            shard.pull(keys, rows)
+            return np.array([(rows.astype(np.float64) ** 2).sum()])
+
+        hpcps.register_server_function("sq_norm", sq_norm, out_width=1, per_key=False)
+    """
+    from hpcps.tables import register_server_function as _register
+
+    return _register(name, fn, out_width, in_width, per_key, replace)

@@ -37,6 +37,7 @@ class _Request:
     expand: np.ndarray | None = None                # pull: unique position of each requested key
     clock: int = 0
     started: float = 0.0
+    function: object = None                         # CALL: the ServerFunction
 
 
 class SparseTable:
@@ -171,6 +172,34 @@ class SparseTable:
         ctx.advance_clock()
         return self._register(req)
 
+    def icall(self, function: int, keys, args=None) -> int:
+        """Run a declared server function (``ctx.server_function(name)``) over ``keys`` (any
+        order, duplicates allowed) with ``args`` (float32, a row of ``in_width`` per key). ``wait``
+        returns a row of ``out_width`` per key in request order, or for a reduction the sum over
+        the servers of their ``out_width`` values."""
+        ctx = self.ctx
+        f = ctx.functions[function]
+        keys = np.ascontiguousarray(keys, dtype=np.uint64).reshape(-1)
+        args = np.zeros((keys.shape[0], 0), np.float32) if args is None else \
+            np.ascontiguousarray(args, dtype=np.float32).reshape(keys.shape[0], f.in_width)
+        req = _Request(protocol.CALL, self, n_unique=keys.shape[0], clock=ctx.clock_value, started=time.monotonic())
+        req.function = f
+        if ctx.layout.servers == 1:
+            slices = [np.arange(keys.shape[0])]
+        else:
+            order, offsets = ctx.placement.slice(keys)
+            slices = [order[offsets[s]:offsets[s + 1]] for s in range(ctx.layout.servers)]
+        for server, sel in enumerate(slices):
+            out = 4 * f.out_width * (sel.shape[0] if f.per_key else 1)
+            self._post(req, server, sel, protocol.REPLY_BYTES + out,
+                       lambda req_id, sel=sel: protocol.pack_call(self.id, req_id, req.clock, ctx.worker_index,
+                                                                  function, keys[sel], args[sel]))
+        return self._register(req)
+
+    def call(self, function: int, keys, args=None, timeout: float | None = None) -> np.ndarray:
+        """:meth:`icall`, waiting for the result."""
+        return self.wait(self.icall(function, keys, args), timeout)
+
     def ipull(self, keys, unique: bool = False) -> int:
         """Start pulling the rows of ``keys``; returns a timestamp for :meth:`wait`.
         ``unique``: the keys are distinct already (any order): no dedup."""
@@ -237,6 +266,15 @@ class SparseTable:
         if min_clock is not None:
             ctx.stats["max_staleness"] = max(ctx.stats["max_staleness"],
                                              protocol.pull_clock(req.op, req.clock) - min_clock)
+        if req.op == protocol.CALL:
+            f = req.function
+            parts = [(sel, reply[protocol.REPLY_BYTES:].view(np.float32)) for sel, reply in req.parts]
+            if not f.per_key:  # a reduction: summed over the servers
+                return np.sum([p for _, p in parts], axis=0, dtype=np.float32)
+            out = np.empty((req.n_unique, f.out_width), dtype=np.float32)
+            for sel, p in parts:
+                out[sel] = p.reshape(-1, f.out_width)
+            return out
         if req.op == protocol.MARGINS:  # the servers' partial sums
             out = np.zeros(req.n_unique, dtype=np.float64)
             for _, reply in req.parts:

@@ -25,7 +25,7 @@ from hpcps.client import DenseTable, SparseTable
 from hpcps.layout import Layout
 from hpcps.placement import DEFAULT_SHARDS, Placement
 from hpcps.server import Server
-from hpcps.tables import Features, TableSpec
+from hpcps.tables import SERVER_FUNCTIONS, Features, ServerFunction, TableSpec
 from hpcps_kernels import keys as kkeys
 
 
@@ -51,6 +51,7 @@ class Context:
         self.stall_timeout_s = stall_timeout_s
         self.tag_ub = transport.tag_upper_bound(comm)
         self.specs: list[TableSpec] = []
+        self.functions: list[ServerFunction] = []  # declared server functions, in order
         self.tables: dict[str, SparseTable | DenseTable] = {}
         self.clock_value = 0
         self._req_id = 0
@@ -104,6 +105,17 @@ class Context:
         self.tables[name] = table
         return table
 
+    def server_function(self, name: str) -> int:
+        """Declare a registered server function (collective; :func:`hpcps.register_server_function`
+        on every rank first, with the same definition: checked). Returns its handle for
+        :meth:`hpcps.client.SparseTable.call`."""
+        if name not in SERVER_FUNCTIONS:
+            raise ValueError(f"server function {name!r} is not registered; registered: {sorted(SERVER_FUNCTIONS)}")
+        f = SERVER_FUNCTIONS[name]
+        self._check_same(f"server function {name!r}", f.fingerprint())
+        self.functions.append(f)
+        return len(self.functions) - 1
+
     def dense_table(self, name: str, size: int, optimizer: str = "sgd", params: dict | None = None,
                     init: str = "zeros", init_scale: float = 0.01, seed: int = 0) -> DenseTable:
         """Declare a dense table of ``size`` floats (collective; identical on every rank)."""
@@ -125,7 +137,7 @@ class Context:
         if not self.is_server:
             raise RuntimeError("serve() is for server ranks (ctx.is_server)")
         server = Server(self.comm, self.rank, self.layout.workers, self.layout.servers, self.specs,
-                        self.placement, self.staleness, self.stall_warn_s)
+                        self.placement, self.staleness, self.stall_warn_s, self.functions)
         self.server = server
         if restore is not None:
             server.restore(*restore)

@@ -29,6 +29,9 @@ Operations:
   ``MARGINS``; the server turns them into per-key gradients of its nonzeros and pushes them at
   ``clock``, then the worker's clock advances to ``clock + 1`` (like a push-pull without a pull).
   Its reply is the acknowledgement. Weights never leave the servers.
+* ``CALL``: a registered server function (``reserved`` = its number, in declaration order) over
+  ``n_push`` keys (uint64) with ``n_pull`` float32 arguments each; read at ``clock`` like a pull.
+  The reply holds its float32 results: a row per key, or one reduction.
 
 ``min_clock`` in a reply is the smallest clock of all workers that the server knew when it answered
 (the staleness a pull observed is ``clock - min_clock``). ``status`` bit ``STOP``: the server got a
@@ -42,9 +45,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-PULL, PUSH, CLOCK, DONE, CHECKPOINT, PUSHPULL, MARGINS, RESIDUALS = 1, 2, 3, 4, 5, 6, 7, 8
+PULL, PUSH, CLOCK, DONE, CHECKPOINT, PUSHPULL, MARGINS, RESIDUALS, CALL = 1, 2, 3, 4, 5, 6, 7, 8, 9
 OP_NAMES = {PULL: "pull", PUSH: "push", CLOCK: "clock", DONE: "done", CHECKPOINT: "checkpoint",
-            PUSHPULL: "push-pull", MARGINS: "margins", RESIDUALS: "residuals"}
+            PUSHPULL: "push-pull", MARGINS: "margins", RESIDUALS: "residuals", CALL: "call"}
 
 REQUEST = np.dtype([("op", "<i8"), ("table", "<i8"), ("req_id", "<i8"), ("n_push", "<i8"),
                     ("n_pull", "<i8"), ("clock", "<i8"), ("worker", "<i8"), ("reserved", "<i8")])
@@ -76,6 +79,7 @@ class Request:
     row_ids: np.ndarray | None = None     # MARGINS: each nonzero's row
     n_rows: int = 0                       # MARGINS, RESIDUALS: the batch's rows
     residuals: np.ndarray | None = None   # RESIDUALS: d loss / d margin per row
+    function: int = 0                     # CALL: the server function's number
 
     @property
     def pull_clock(self) -> int:
@@ -97,6 +101,17 @@ def pack_margins(table: int, req_id: int, clock: int, worker: int, keys: np.ndar
     buf[at:at + 8 * n].view(np.uint64)[:] = keys
     buf[at + 8 * n:at + 12 * n].view(np.float32)[:] = values
     buf[at + 12 * n:at + 16 * n].view(np.int32)[:] = row_ids
+    return buf
+
+
+def pack_call(table: int, req_id: int, clock: int, worker: int, function: int, keys: np.ndarray,
+              args: np.ndarray) -> np.ndarray:
+    """A ``CALL`` request: keys and their float32 argument rows (``(n, width)``, width may be 0)."""
+    n, width = keys.shape[0], args.shape[1]
+    buf = np.empty(HEADER_BYTES + 8 * n + 4 * n * width, dtype=np.uint8)
+    buf[:HEADER_BYTES].view(REQUEST)[0] = (CALL, table, req_id, n, width, clock, worker, function)
+    buf[HEADER_BYTES:HEADER_BYTES + 8 * n].view(np.uint64)[:] = keys
+    buf[HEADER_BYTES + 8 * n:].view(np.float32)[:] = args.reshape(-1)
     return buf
 
 
@@ -156,8 +171,13 @@ assert all(REQUEST.fields[n][0] == np.dtype("<i8") for n in REQUEST.names)  # re
 def unpack_request(buf: np.ndarray, dims: list[int]) -> Request:
     # the fields in REQUEST's order, in one call (reading a structured scalar field by field costs
     # about 30 us a request on the server's critical path)
-    op, table, req_id, n_push, n_pull, clock, worker, _ = buf[:HEADER_BYTES].view(np.int64).tolist()
+    op, table, req_id, n_push, n_pull, clock, worker, reserved = buf[:HEADER_BYTES].view(np.int64).tolist()
     at = HEADER_BYTES
+    if op == CALL:
+        n = n_push
+        return Request(op, table, req_id, clock, worker, buf[at:at + 8 * n].view(np.uint64),
+                       buf[at + 8 * n:at + 8 * n + 4 * n * n_pull].view(np.float32).reshape(n, n_pull), _NO_KEYS,
+                       function=reserved)
     if op == MARGINS:
         n = n_push
         return Request(op, table, req_id, clock, worker, buf[at:at + 8 * n].view(np.uint64),

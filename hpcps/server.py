@@ -269,8 +269,9 @@ class Server:
 
     def __init__(self, comm, server_index: int, num_workers: int, worker_rank0: int,
                  specs: list[TableSpec], placement: Placement, staleness: int,
-                 stall_warn_s: float = 30.0):
+                 stall_warn_s: float = 30.0, functions: list | None = None):
         self.comm = comm
+        self.functions = list(functions or [])  # declared ServerFunctions, by number
         self.index = server_index
         self.num_workers = num_workers
         self.worker_rank0 = worker_rank0
@@ -387,7 +388,7 @@ class Server:
         elif r.op == protocol.PUSH:
             self._push(worker, r)
             self._send(self._reply(r.req_id, 0)[0], source, r.req_id, "push ack")
-        elif r.op == protocol.MARGINS:
+        elif r.op in (protocol.MARGINS, protocol.CALL):
             self._serve_or_defer(source, r)
         elif r.op == protocol.RESIDUALS:  # push at clock c, then clock c + 1
             keys, values, row_ids = self.fragments.pop((worker, r.table))
@@ -442,8 +443,23 @@ class Server:
             self._write_checkpoint(source, r)
         elif r.op == protocol.MARGINS:
             self._serve_margins(source, r)
+        elif r.op == protocol.CALL:
+            self._serve_call(source, r)
         else:
             self._serve_pull(source, r)
+
+    def _serve_call(self, source: int, r: protocol.Request) -> None:
+        """Run a declared server function over the keys this server owns."""
+        f = self.functions[r.function]
+        n = r.push_keys.shape[0]
+        out = np.asarray(f.fn(self.tables[r.table], r.push_keys, r.grads), dtype=np.float32)
+        want = (n, f.out_width) if f.per_key else (f.out_width,)
+        if out.size != int(np.prod(want)):
+            raise RuntimeError(f"server {self.index}: server function {f.name!r} returned shape {out.shape} "
+                               f"for {n} keys; it declares {want}")
+        reply, payload = self._reply(r.req_id, 4 * out.size)
+        payload.view(np.float32)[:] = out.reshape(-1)
+        self._send(reply, source, r.req_id, f"call reply ({f.name})")
 
     def _serve_margins(self, source: int, r: protocol.Request) -> None:
         """Partial margins of a batch's rows over this server's nonzeros; the nonzeros are kept

@@ -50,6 +50,49 @@ class Features:
         return self.evict_after_steps > 0 or self.evict_l2_below > 0.0 or self.server_memory_mb > 0.0
 
 
+@dataclass(frozen=True)
+class ServerFunction:
+    """A request kind of your own, run on the servers over a table's keys (Angel's psFunc).
+
+    ``fn(shard, keys, args)`` runs on each server with its :class:`hpcps.server.ServerTable`
+    ``shard``, the requested keys it owns (uint64) and their argument rows (float32,
+    ``(n, in_width)``). It returns float32: ``(n, out_width)`` rows, one per key (``per_key``; the
+    worker gets them back in request order), or ``out_width`` values that the worker sums over
+    the servers (a reduction). A call is read at the worker's clock like a pull (under BSP it sees
+    every push of earlier steps). Register it on every rank; :meth:`Context.server_function`
+    checks that the definition is the same everywhere.
+    """
+
+    name: str
+    fn: object
+    out_width: int
+    in_width: int = 0
+    per_key: bool = True
+
+    def fingerprint(self) -> int:
+        import inspect
+
+        try:
+            source = inspect.getsource(self.fn)
+        except (OSError, TypeError):
+            source = getattr(self.fn, "__qualname__", repr(self.fn))
+        return zlib.crc32(repr((self.name, self.out_width, self.in_width, self.per_key, source)).encode()) & 0x7FFFFFFF
+
+
+SERVER_FUNCTIONS: dict[str, ServerFunction] = {}
+
+
+def register_server_function(name: str, fn, out_width: int, in_width: int = 0, per_key: bool = True,
+                             replace: bool = False) -> ServerFunction:
+    """Add a request kind (see :class:`ServerFunction`); on every rank, before declaring it."""
+    if name in SERVER_FUNCTIONS and not replace:
+        raise ValueError(f"server function {name!r} is already registered")
+    if out_width < 1 or in_width < 0:
+        raise ValueError(f"server function {name!r}: out_width must be >= 1 and in_width >= 0")
+    f = SERVER_FUNCTIONS[name] = ServerFunction(name, fn, int(out_width), int(in_width), bool(per_key))
+    return f
+
+
 DIRECT_MAX_BITS = 26  # direct addressing costs 4 * 2**key_bits bytes per server: 256 MiB at 26 bits
 
 

@@ -162,6 +162,57 @@ def test_a_registered_update_rule_runs_on_the_servers_and_must_be_the_same_on_ev
     ctx.finalize()
 
 
+def _sq_norm(shard, keys, args):
+    """A reduction over a key set: the sum of squares of the keys' rows (initializer if absent)."""
+    rows = np.empty((keys.shape[0], shard.spec.dim), dtype=np.float32)
+    shard.pull(keys, rows)
+    return np.array([(rows.astype(np.float64) ** 2).sum()])
+
+
+def _scaled_and_count(shard, keys, args):
+    """Per key: the row times the key's argument, and how many keys this server was asked."""
+    rows = np.empty((keys.shape[0], shard.spec.dim), dtype=np.float32)
+    shard.pull(keys, rows)
+    return np.concatenate([rows * args[:, :1], np.full((keys.shape[0], 1), keys.shape[0], np.float32)], axis=1)
+
+
+@pytest.mark.mpi(min_size=4)
+def test_registered_server_functions_run_where_the_keys_live():
+    from hpcps.context import ConfigMismatch
+    from mpi4py import MPI
+
+    if world_size() != 4:
+        pytest.skip("needs 4 ranks")
+    hpcps.register_server_function("sq_norm", _sq_norm, out_width=1, per_key=False, replace=True)
+    hpcps.register_server_function("scaled", _scaled_and_count, out_width=3, in_width=1, replace=True)
+    hpcps.register_server_function("odd", _sq_norm, out_width=1 + MPI.COMM_WORLD.Get_rank() % 2, replace=True)
+    ctx = hpcps.init(servers=2, stall_timeout_s=60)
+    t = ctx.sparse_table("e", dim=2, optimizer="sgd", params={"lr": 1.0}, init="normal", init_scale=0.5, seed=3)
+    sq = ctx.server_function("sq_norm")
+    scaled = ctx.server_function("scaled")
+    with pytest.raises(ConfigMismatch, match="ranks disagree on server function 'odd'"):
+        ctx.server_function("odd")
+    keys = np.arange(0, 400, 3, dtype=np.uint64)
+    if ctx.is_server:
+        ctx.serve()
+    else:
+        if ctx.worker_index == 0:
+            t.wait(t.push(keys[:50], np.ones((50, 2), np.float32)))
+        ctx.clock()
+        rows = t.pull(keys).astype(np.float64)  # BSP: the push of step 0 is visible, to both
+        assert t.call(sq, keys)[0] == pytest.approx((rows ** 2).sum(), rel=1e-6)
+        args = np.arange(keys.shape[0], dtype=np.float32)[::-1].copy()
+        got = t.call(scaled, keys[::-1], args[:, None])  # any order: results come back in it
+        np.testing.assert_allclose(got[:, :2], rows[::-1] * args[:, None], rtol=1e-6)
+        _, offsets = ctx.placement.slice(keys[::-1])
+        owner = np.repeat(np.arange(2), np.diff(offsets))  # each key's server, in sliced order
+        order, _ = ctx.placement.slice(keys[::-1])
+        per_server = np.diff(offsets)
+        assert per_server.min() > 0  # both servers own some of the keys
+        np.testing.assert_array_equal(got[order, 2], per_server[owner])  # each key ran on its server
+    ctx.finalize()
+
+
 def _slow(worker: int, it: int) -> float:
     """Artificial delays: worker 0 is a straggler, the others jitter."""
     rng = np.random.default_rng(77 * worker + it)
