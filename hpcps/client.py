@@ -50,6 +50,7 @@ class SparseTable:
         self.dim = spec.dim
         self._requests: dict[int, _Request] = {}
         self.last_min_clock = None   # smallest worker clock the servers reported for the last pull
+        self.server_counts: dict[int, tuple[int, int, int]] = {}  # server -> its latest (keys, admitted, evicted)
         self.max_keys = protocol.max_keys_per_message(self.dim, transport.MAX_MESSAGE_BYTES)
 
     @property
@@ -259,6 +260,7 @@ class SparseTable:
             h = protocol.reply_header(reply)
             if h["status"] & protocol.STOP:
                 ctx.server_stop = True
+            self.server_counts[int(h["server"])] = (int(h["table_keys"]), int(h["admitted"]), int(h["evicted"]))
             min_clock = int(h["min_clock"]) if min_clock is None else min(min_clock, int(h["min_clock"]))
         if req.op in (protocol.PUSH, protocol.RESIDUALS):
             return None
@@ -288,6 +290,12 @@ class SparseTable:
             if v.shape[0]:
                 kkeys.scatter_rows(out, chunk, v)
         return out if req.expand is None else kkeys.gather_rows(out, req.expand)
+
+    def key_counts(self) -> tuple[int, int, int]:
+        """(rows held, keys admitted, rows evicted) of this table over the servers, as their
+        latest replies to this worker said."""
+        c = list(self.server_counts.values())
+        return tuple(sum(x[i] for x in c) for i in range(3)) if c else (0, 0, 0)
 
     def wait_all(self, timeout: float | None = None) -> None:
         for ts in list(self._requests):

@@ -34,7 +34,9 @@ Operations:
   The reply holds its float32 results: a row per key, or one reduction.
 
 ``min_clock`` in a reply is the smallest clock of all workers that the server knew when it answered
-(the staleness a pull observed is ``clock - min_clock``). ``status`` bit ``STOP``: the server got a
+(the staleness a pull observed is ``clock - min_clock``). ``table_keys``, ``admitted`` and
+``evicted``: the request's table on that server (rows held, keys admitted and rows evicted so far),
+which the worker's progress line and metrics report while training. ``status`` bit ``STOP``: the server got a
 stop signal. There is no error status: a server that fails aborts the whole job
 (``hpcps.transport.install_abort_handler``), so no worker waits for an answer that will not come.
 """
@@ -51,7 +53,8 @@ OP_NAMES = {PULL: "pull", PUSH: "push", CLOCK: "clock", DONE: "done", CHECKPOINT
 
 REQUEST = np.dtype([("op", "<i8"), ("table", "<i8"), ("req_id", "<i8"), ("n_push", "<i8"),
                     ("n_pull", "<i8"), ("clock", "<i8"), ("worker", "<i8"), ("reserved", "<i8")])
-REPLY = np.dtype([("req_id", "<i8"), ("status", "<i8"), ("min_clock", "<i8"), ("server", "<i8")])
+REPLY = np.dtype([("req_id", "<i8"), ("status", "<i8"), ("min_clock", "<i8"), ("server", "<i8"),
+                  ("table_keys", "<i8"), ("admitted", "<i8"), ("evicted", "<i8")])
 CHECKPOINT_RESULT = np.dtype([("file_bytes", "<i8"), ("xxh64", "S64")])
 HEADER_BYTES = REQUEST.itemsize
 REPLY_BYTES = REPLY.itemsize
@@ -195,10 +198,12 @@ def unpack_request(buf: np.ndarray, dims: list[int]) -> Request:
     return Request(op, table, req_id, clock, worker, push_keys, grads, pull_keys)
 
 
-def pack_reply(req_id: int, status: int, min_clock: int, server: int, payload_bytes: int) -> tuple[np.ndarray, np.ndarray]:
-    """A reply message and a view of its payload (to be filled)."""
+def pack_reply(req_id: int, status: int, min_clock: int, server: int, payload_bytes: int,
+               counts: tuple[int, int, int] = (0, 0, 0)) -> tuple[np.ndarray, np.ndarray]:
+    """A reply message and a view of its payload (to be filled); ``counts``: the table's
+    (rows held, keys admitted, rows evicted) on this server."""
     buf = np.empty(REPLY_BYTES + payload_bytes, dtype=np.uint8)
-    buf[:REPLY_BYTES].view(REPLY)[0] = (req_id, status, min_clock, server)
+    buf[:REPLY_BYTES].view(REPLY)[0] = (req_id, status, min_clock, server, *counts)
     return buf, buf[REPLY_BYTES:]
 
 

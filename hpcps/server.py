@@ -332,9 +332,11 @@ class Server:
 
     # -- requests ----------------------------------------------------------------------------
 
-    def _reply(self, req_id: int, payload_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    def _reply(self, req_id: int, payload_bytes: int, table: int = -1) -> tuple[np.ndarray, np.ndarray]:
         status = protocol.STOP if signals.requested() else protocol.OK
-        return protocol.pack_reply(req_id, status, self.min_clock(), self.index, payload_bytes)
+        t = self.tables[table] if table >= 0 else None
+        counts = (t.size, t.admitted, t.evicted) if t is not None else (0, 0, 0)
+        return protocol.pack_reply(req_id, status, self.min_clock(), self.index, payload_bytes, counts)
 
     def _send(self, buf: np.ndarray, dest: int, req_id: int, what: str) -> None:
         self.sending.extend(transport.start_send(self.comm, buf, dest, protocol.reply_tag(req_id, self.tag_ub), what))
@@ -342,7 +344,7 @@ class Server:
     def _serve_pull(self, source: int, r: protocol.Request) -> None:
         """Answer a pull, or a push-pull (whose reply is also its push's acknowledgement)."""
         n, dim = r.pull_keys.shape[0], self.dims[r.table]
-        reply, payload = self._reply(r.req_id, 4 * n * dim)
+        reply, payload = self._reply(r.req_id, 4 * n * dim, r.table)
         if n:
             self.tables[r.table].pull(r.pull_keys, payload.view(np.float32).reshape(n, dim))
         self._send(reply, source, r.req_id, f"{protocol.OP_NAMES[r.op]} reply")
@@ -387,7 +389,7 @@ class Server:
             self._serve_or_defer(source, r)
         elif r.op == protocol.PUSH:
             self._push(worker, r)
-            self._send(self._reply(r.req_id, 0)[0], source, r.req_id, "push ack")
+            self._send(self._reply(r.req_id, 0, r.table)[0], source, r.req_id, "push ack")
         elif r.op in (protocol.MARGINS, protocol.CALL):
             self._serve_or_defer(source, r)
         elif r.op == protocol.RESIDUALS:  # push at clock c, then clock c + 1
@@ -396,7 +398,7 @@ class Server:
             self._push(worker, protocol.Request(protocol.PUSH, r.table, r.req_id, r.clock, r.worker, uniq, grads,
                                                 r.pull_keys))
             self._advance(worker, r.clock + 1)
-            self._send(self._reply(r.req_id, 0)[0], source, r.req_id, "residuals ack")
+            self._send(self._reply(r.req_id, 0, r.table)[0], source, r.req_id, "residuals ack")
         elif r.op == protocol.CLOCK:
             self._advance(worker, r.clock)
         elif r.op == protocol.DONE:
@@ -457,14 +459,14 @@ class Server:
         if out.size != int(np.prod(want)):
             raise RuntimeError(f"server {self.index}: server function {f.name!r} returned shape {out.shape} "
                                f"for {n} keys; it declares {want}")
-        reply, payload = self._reply(r.req_id, 4 * out.size)
+        reply, payload = self._reply(r.req_id, 4 * out.size, r.table)
         payload.view(np.float32)[:] = out.reshape(-1)
         self._send(reply, source, r.req_id, f"call reply ({f.name})")
 
     def _serve_margins(self, source: int, r: protocol.Request) -> None:
         """Partial margins of a batch's rows over this server's nonzeros; the nonzeros are kept
         for the worker's RESIDUALS."""
-        reply, payload = self._reply(r.req_id, 8 * r.n_rows)
+        reply, payload = self._reply(r.req_id, 8 * r.n_rows, r.table)
         values = r.grads[:, 0]
         self.tables[r.table].partial_margins(r.push_keys, values, r.row_ids, r.n_rows, payload.view(np.float64))
         self.fragments[(source - self.worker_rank0, r.table)] = (r.push_keys, values, r.row_ids)

@@ -122,12 +122,17 @@ def _job(tmp_path, name, *sets):
 
 def test_a_job_reports_kept_admitted_and_evicted_keys(tmp_path):
     plain, _ = _job(tmp_path, "plain")
+    metrics = tmp_path / "m.jsonl"
     s, text = _job(tmp_path, "features", "features.admit_count=2", "features.evict_after_steps=3",
-                   "features.evict_every_steps=2")
+                   "features.evict_every_steps=2", f"train.metrics={json.dumps(str(metrics))}")
     assert plain["evicted_keys"] == 0 and plain["table_keys"] == plain["admitted_keys"] > 0
     assert s["evicted_keys"] > 0 and 0 < s["table_keys"] < plain["table_keys"]  # (evicted keys may come back)
     assert s["table_keys"] == s["admitted_keys"] - s["evicted_keys"]
     assert f"{s['table_keys']:,} ({s['admitted_keys']:,} admitted, {s['evicted_keys']:,} evicted)" in text
+    steps = [json.loads(line) for line in open(metrics) if '"kind": "step"' in line]
+    live = [(r["table_keys"], r["admitted_keys"], r["evicted_keys"]) for r in steps]
+    assert live[0][1] <= live[-1][1] <= s["admitted_keys"] and live[-1][2] > 0  # counts grow while training
+    assert all(k == a - e for k, a, e in live)
 
 
 def test_resume_after_admission_and_eviction_is_bit_identical(tmp_path):

@@ -273,6 +273,7 @@ def run(cfg, comm=None) -> dict | None:
         transport.barrier(wcomm, ctx.stall_timeout_s, "checkpoint barrier")
 
     status_path = os.environ.get(STATUS_ENV, "") if first else ""
+    counting = cfg.features.admission or cfg.features.eviction  # key counts in the progress line
     last_status = 0.0
 
     t0 = time.perf_counter()
@@ -310,7 +311,8 @@ def run(cfg, comm=None) -> dict | None:
             global_step += 1
             loss_sum += loss
             rows += batch.rows
-            progress.step(epoch, step, batch.rows, loss, ctx.stats["wait_s"], ctx.stats["max_staleness"])
+            progress.step(epoch, step, batch.rows, loss, ctx.stats["wait_s"], ctx.stats["max_staleness"],
+                          model.table.key_counts() if counting else None)
             if status_path and time.monotonic() - last_status > 0.2:  # for `hpcps supervise`
                 write_status(status_path, global_step=global_step, epoch=epoch, step=step,
                              checkpoint_dir=os.path.abspath(ck.dir) if ck.dir else "")

@@ -58,7 +58,10 @@ class Progress:
         self.loss_rows = 0
         self.running = None
 
-    def step(self, epoch: int, step: int, rows: int, loss_sum: float, wait_s: float, staleness: int) -> None:
+    def step(self, epoch: int, step: int, rows: int, loss_sum: float, wait_s: float, staleness: int,
+             keys: tuple[int, int, int] | None = None) -> None:
+        """``keys``: the model's (rows held, keys admitted, rows evicted) on the servers, when
+        admission or eviction is on."""
         self.examples += rows
         self.loss_sum += loss_sum
         self.loss_rows += rows
@@ -73,14 +76,17 @@ class Progress:
         if self.metrics:
             self.metrics.write(json.dumps({"kind": "step", "epoch": epoch, "step": step, "rows": rows,
                                            "loss": loss_sum / rows if rows else None, "examples_per_s": rate,
-                                           "wait_s": wait_s, "max_staleness": staleness, "time_s": elapsed}) + "\n")
+                                           "wait_s": wait_s, "max_staleness": staleness, "time_s": elapsed,
+                                           **({"table_keys": keys[0], "admitted_keys": keys[1],
+                                               "evicted_keys": keys[2]} if keys else {})}) + "\n")
         if self.enabled and (now - self.last_print >= self.interval or step == self.total):
             self.last_print = now
             done = step / max(self.total, 1)
             bar = "#" * int(30 * done) + "." * (30 - int(30 * done))
             running = f"{self.running:.4f}" if self.running is not None else "-"
             line = (f"epoch {epoch} [{bar}] {step}/{self.total} {rate:,.0f} ex/s  loss {running}  "
-                    f"wait {wait_s:.1f}s ({100 * wait_s / max(elapsed, 1e-9):.0f}%)")
+                    f"wait {wait_s:.1f}s ({100 * wait_s / max(elapsed, 1e-9):.0f}%)"
+                    + (f"  keys {keys[0]:,} (+{keys[1]:,} -{keys[2]:,})" if keys else ""))
             self.stream.write(("\r" + line) if self.tty else (line + "\n"))
             self.stream.flush()
 
