@@ -137,12 +137,12 @@ class SparseTable:
         return self._register(req)
 
     def imargins(self, keys, values, row_ids, n_rows: int) -> int:
-        """Computation on the servers (dim-1 tables): send a batch's nonzeros (keys in any order,
-        duplicates allowed, their values and row numbers) to the servers that own them; ``wait``
-        returns each row's margin, the sum of weight x value over its nonzeros (float64,
-        ``n_rows``). Follow it with :meth:`iresiduals`. Weights never leave the servers."""
-        if self.dim != 1:
-            raise ValueError(f"table {self.name!r}: margins on the servers need dim 1, not {self.dim}")
+        """Computation on the servers: send a batch's nonzeros (keys, their values and row
+        numbers, a row's nonzeros consecutive, duplicates allowed) to the servers that own them;
+        ``wait`` returns each row's sums over all servers (float64, ``n_rows x
+        protocol.margin_width(dim)``): the margin for a dim-1 table (LR), or an FM's ``[sum w x,
+        sum V_f x, sum (V_f x)^2]``. Follow it with :meth:`iresiduals`. Weights never leave the
+        servers."""
         ctx = self.ctx
         keys = np.ascontiguousarray(keys, dtype=np.uint64).reshape(-1)
         values = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
@@ -155,17 +155,18 @@ class SparseTable:
             parts = [(keys[sel], values[sel], row_ids[sel])
                      for sel in (order[offsets[s]:offsets[s + 1]] for s in range(ctx.layout.servers))]
         for server, (k, v, r) in enumerate(parts):
-            self._post(req, server, None, protocol.reply_bytes(protocol.MARGINS, n_rows, 1),
+            self._post(req, server, None, protocol.reply_bytes(protocol.MARGINS, n_rows, self.dim),
                        lambda req_id, k=k, v=v, r=r: protocol.pack_margins(self.id, req_id, req.clock,
                                                                             ctx.worker_index, k, v, r, n_rows))
         return self._register(req)
 
     def iresiduals(self, residuals) -> int:
-        """After :meth:`imargins`: each row's d loss / d margin (scaled as the gradient should
-        be); the servers push the resulting per-key gradients at this clock, and the worker's
-        step ends (the clock advances, as with :meth:`ipushpull`). ``wait`` returns None."""
+        """After :meth:`imargins`: per row, d loss / d margin (scaled as the gradient should be)
+        and, for an FM, the row's factor sums ``S_f`` (``n_rows x dim``, float64); the servers push
+        the resulting per-key gradients at this clock, and the worker's step ends (the clock
+        advances, as with :meth:`ipushpull`). ``wait`` returns None."""
         ctx = self.ctx
-        residuals = np.ascontiguousarray(residuals, dtype=np.float64).reshape(-1)
+        residuals = np.ascontiguousarray(residuals, dtype=np.float64).reshape(-1, self.dim)
         req = _Request(protocol.RESIDUALS, self, clock=ctx.clock_value, started=time.monotonic())
         for server in range(ctx.layout.servers):
             self._post(req, server, None, protocol.reply_bytes(protocol.RESIDUALS, 0, 1),
@@ -278,10 +279,10 @@ class SparseTable:
                 out[sel] = p.reshape(-1, f.out_width)
             return out
         if req.op == protocol.MARGINS:  # the servers' partial sums
-            out = np.zeros(req.n_unique, dtype=np.float64)
+            out = np.zeros((req.n_unique, protocol.margin_width(self.dim)), dtype=np.float64)
             for _, reply in req.parts:
-                out += reply[protocol.REPLY_BYTES:].view(np.float64)
-            return out
+                out += reply[protocol.REPLY_BYTES:].view(np.float64).reshape(out.shape)
+            return out if self.dim > 1 else out[:, 0]
         values = [protocol.pulled_values(reply, self.dim) for _, reply in req.parts]
         if len(req.parts) == 1 and req.expand is None and values[0].shape[0] == req.n_unique:
             return values[0]  # one server answered for every key, in order

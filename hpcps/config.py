@@ -74,7 +74,7 @@ class Model:
     factors: int = 8                 # fm: factors per key
     init_scale: float = 0.01         # fm: std of the initial weights and factors (lr: zeros)
     seed: int = 0                    # seed of the initializer
-    compute: str = "workers"         # lr: "servers" computes margins and gradients on the servers
+    compute: str = "workers"         # "servers": the servers compute margins and gradients
 
 
 @dataclass(frozen=True)
@@ -276,8 +276,6 @@ def _check(cfg: Config) -> None:
     if cfg.cluster.stall_warn_s > cfg.cluster.stall_timeout_s:
         raise ConfigError(f"cluster.stall_warn_s ({cfg.cluster.stall_warn_s:g}) must not exceed "
                           f"cluster.stall_timeout_s ({cfg.cluster.stall_timeout_s:g})")
-    if cfg.model.compute == "servers" and cfg.model.type != "lr":
-        raise ConfigError(f"model.compute = 'servers' supports model.type = 'lr' only (got {cfg.model.type!r})")
     if cfg.model.compute == "servers" and cfg.cluster.worker_groups:
         raise ConfigError("model.compute = 'servers' needs one worker per group (cluster.worker_groups = 0): "
                           "each worker's rows go to the servers, there is no group merge")

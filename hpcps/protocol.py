@@ -20,15 +20,17 @@ Operations:
   server owns none of the keys.
 * ``CHECKPOINT``: the directory's path, UTF-8, in the pull-key area (``n_pull`` words); its reply
   carries the size and checksum of the file the server wrote.
-* ``MARGINS`` (computation on the servers, dim-1 tables): a batch's nonzeros that this server
-  owns, ``n_push`` of them, as keys (uint64), values (float32) and row numbers (int32), for a batch
-  of ``n_pull`` rows, read at ``clock`` like a pull. The reply holds each row's partial margin
-  (float64, ``n_pull``): the sum of weight x value over the server's nonzeros of the row. The
-  server keeps the nonzeros for the ``RESIDUALS`` that follows.
-* ``RESIDUALS``: d loss / d margin of each row (float64, ``n_pull``) for the worker's last
-  ``MARGINS``; the server turns them into per-key gradients of its nonzeros and pushes them at
-  ``clock``, then the worker's clock advances to ``clock + 1`` (like a push-pull without a pull).
-  Its reply is the acknowledgement. Weights never leave the servers.
+* ``MARGINS`` (computation on the servers): a batch's nonzeros that this server owns, ``n_push``
+  of them, as keys (uint64), values (float32) and row numbers (int32), for a batch of ``n_pull``
+  rows, read at ``clock`` like a pull. The reply holds each row's partial sums (float64,
+  ``n_pull x margin_width(dim)``): for a dim-1 table (LR) the sum of weight x value over the
+  server's nonzeros of the row; for an FM table (dim 1 + k) ``[sum w x, sum V_f x (k), sum
+  (V_f x)^2]``. The server keeps the nonzeros for the ``RESIDUALS`` that follows.
+* ``RESIDUALS``: per row of the worker's last ``MARGINS``, float64 ``n_pull x dim``: d loss /
+  d margin (LR), and for an FM the row's ``sum V_f x`` over all servers after it. The server turns
+  them into per-key gradients of its nonzeros and pushes them at ``clock``, then the worker's
+  clock advances to ``clock + 1`` (like a push-pull without a pull). Its reply is the
+  acknowledgement. Weights never leave the servers.
 * ``CALL``: a registered server function (``reserved`` = its number, in declaration order) over
   ``n_push`` keys (uint64) with ``n_pull`` float32 arguments each; read at ``clock`` like a pull.
   The reply holds its float32 results: a row per key, or one reduction.
@@ -119,11 +121,11 @@ def pack_call(table: int, req_id: int, clock: int, worker: int, function: int, k
 
 
 def pack_residuals(table: int, req_id: int, clock: int, worker: int, residuals: np.ndarray) -> np.ndarray:
-    """A ``RESIDUALS`` request: d loss / d margin of each row (float64)."""
+    """A ``RESIDUALS`` request: a float64 row per batch row (``(n_rows, dim)``)."""
     n = residuals.shape[0]
-    buf = np.empty(HEADER_BYTES + 8 * n, dtype=np.uint8)
+    buf = np.empty(HEADER_BYTES + 8 * residuals.size, dtype=np.uint8)
     buf[:HEADER_BYTES].view(REQUEST)[0] = (RESIDUALS, table, req_id, 0, n, clock, worker, 0)
-    buf[HEADER_BYTES:].view(np.float64)[:] = residuals
+    buf[HEADER_BYTES:].view(np.float64)[:] = residuals.reshape(-1)
     return buf
 
 
@@ -136,11 +138,17 @@ def request_bytes(n_push: int, n_pull: int, dim: int) -> int:
     return HEADER_BYTES + (8 + 4 * dim) * n_push + 8 * n_pull
 
 
+def margin_width(dim: int) -> int:
+    """Partial sums per row a ``MARGINS`` reply carries for a table of ``dim``: 1 for LR, and
+    ``dim + 1`` for an FM (linear part, the k factor sums, the sum of squares)."""
+    return 1 if dim == 1 else dim + 1
+
+
 def reply_bytes(op: int, n_pull: int, dim: int) -> int:
     if op == CHECKPOINT:
         return REPLY_BYTES + CHECKPOINT_RESULT.itemsize
     if op == MARGINS:
-        return REPLY_BYTES + 8 * n_pull
+        return REPLY_BYTES + 8 * n_pull * margin_width(dim)
     if op == RESIDUALS:
         return REPLY_BYTES
     return REPLY_BYTES + 4 * n_pull * dim
@@ -188,7 +196,8 @@ def unpack_request(buf: np.ndarray, dims: list[int]) -> Request:
                        row_ids=buf[at + 12 * n:at + 16 * n].view(np.int32), n_rows=n_pull)
     if op == RESIDUALS:
         return Request(op, table, req_id, clock, worker, _NO_KEYS, None, _NO_KEYS, n_rows=n_pull,
-                       residuals=buf[at:at + 8 * n_pull].view(np.float64))
+                       residuals=buf[at:].view(np.float64).reshape(n_pull, -1) if n_pull else
+                       np.zeros((0, dims[table]), np.float64))
     dim = dims[table] if n_push else 0
     push_keys = buf[at:at + 8 * n_push].view(np.uint64)
     at += 8 * n_push

@@ -138,18 +138,29 @@ class ServerTable:
 
     def partial_margins(self, keys: np.ndarray, values: np.ndarray, row_ids: np.ndarray, n_rows: int,
                         out: np.ndarray) -> None:
-        """Each row's partial margin over the given nonzeros (dim-1 tables) into ``out``."""
+        """Each row's partial sums over the given nonzeros into ``out`` (``n_rows x
+        protocol.margin_width(dim)``): LR's partial margin, or an FM's linear part, factor sums and
+        sum of squares."""
+        dim = self.spec.dim
         uniq, pos = kkeys.dedup_keys(keys)
-        w = np.empty((uniq.shape[0], 1), dtype=np.float32)
-        self.pull(uniq, w)
-        kmodels.lr_partial_margins(pos, values, row_ids, w[:, 0], out)
+        params = np.empty((uniq.shape[0], dim), dtype=np.float32)
+        self.pull(uniq, params)
+        if dim == 1:
+            kmodels.lr_partial_margins(pos, values, row_ids, params[:, 0], out.reshape(-1))
+        else:
+            kmodels.fm_partial_margins(pos, values, row_ids, params[:, 0], params[:, 1:], out.reshape(n_rows, dim + 1))
 
-    @staticmethod
-    def residual_grads(keys: np.ndarray, values: np.ndarray, row_ids: np.ndarray, residuals: np.ndarray):
-        """(unique keys, their gradients) from each row's d loss / d margin."""
+    def residual_grads(self, keys: np.ndarray, values: np.ndarray, row_ids: np.ndarray, residuals: np.ndarray):
+        """(unique keys, their gradients) from each row's residuals (see ``protocol.RESIDUALS``)."""
+        dim = self.spec.dim
         uniq, pos = kkeys.dedup_keys(keys)
-        grads = np.empty((uniq.shape[0], 1), dtype=np.float32)
-        kmodels.lr_residual_grads(pos, values, row_ids, residuals, grads[:, 0])
+        grads = np.empty((uniq.shape[0], dim), dtype=np.float32)
+        if dim == 1:
+            kmodels.lr_residual_grads(pos, values, row_ids, residuals[:, 0], grads[:, 0])
+        else:
+            params = np.empty((uniq.shape[0], dim), dtype=np.float32)
+            self.pull(uniq, params)
+            kmodels.fm_residual_grads(pos, values, row_ids, params[:, 1:], residuals, grads[:, 0], grads[:, 1:])
         return uniq, grads
 
     def _admit(self, keys: np.ndarray, grads: np.ndarray, clock: int):
@@ -394,7 +405,7 @@ class Server:
             self._serve_or_defer(source, r)
         elif r.op == protocol.RESIDUALS:  # push at clock c, then clock c + 1
             keys, values, row_ids = self.fragments.pop((worker, r.table))
-            uniq, grads = ServerTable.residual_grads(keys, values, row_ids, r.residuals)
+            uniq, grads = self.tables[r.table].residual_grads(keys, values, row_ids, r.residuals)
             self._push(worker, protocol.Request(protocol.PUSH, r.table, r.req_id, r.clock, r.worker, uniq, grads,
                                                 r.pull_keys))
             self._advance(worker, r.clock + 1)
@@ -466,7 +477,7 @@ class Server:
     def _serve_margins(self, source: int, r: protocol.Request) -> None:
         """Partial margins of a batch's rows over this server's nonzeros; the nonzeros are kept
         for the worker's RESIDUALS."""
-        reply, payload = self._reply(r.req_id, 8 * r.n_rows, r.table)
+        reply, payload = self._reply(r.req_id, 8 * r.n_rows * protocol.margin_width(self.dims[r.table]), r.table)
         values = r.grads[:, 0]
         self.tables[r.table].partial_margins(r.push_keys, values, r.row_ids, r.n_rows, payload.view(np.float64))
         self.fragments[(source - self.worker_rank0, r.table)] = (r.push_keys, values, r.row_ids)

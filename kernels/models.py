@@ -198,3 +198,112 @@ def lr_residuals(margins, labels, scale, loss, out):
         total += lo
         out[r] = g * scale
     return total
+
+
+@njit(cache=True)
+def fm_partial_margins(pos, vals, row_ids, w, V, out):
+    """Computation on the servers for a factorization machine: per row of the nonzeros given
+    here (a server's share of a batch; a row's nonzeros consecutive, as they are in the batch),
+    ``out[row] = [sum w x, sum_i V_if x (k of them), sum_i sum_f (V_if x)^2]`` (float64, zeroed
+    here), with a key repeated within the row merged first, in the order
+    :func:`fm_forward_backward` sums them. The margin is ``L + 1/2 sum_f S_f^2 - 1/2 Q`` over the
+    servers' sums."""
+    k = V.shape[1]
+    out[:, :] = 0.0
+    scratch = np.full((w.shape[0], 2), -1.0, dtype=np.float64)
+    n = pos.shape[0]
+    a = 0
+    while a < n:
+        r = row_ids[a]
+        b = a
+        while b < n and row_ids[b] == r:
+            b += 1
+        row = np.float64(r)
+        dup = False
+        for j in range(a, b):
+            p = pos[j]
+            if scratch[p, 0] != row:
+                scratch[p, 0] = row
+                scratch[p, 1] = vals[j]
+            else:
+                scratch[p, 1] += vals[j]
+                dup = True
+        for j in range(a, b):
+            p = pos[j]
+            if dup:
+                if scratch[p, 0] != row:
+                    continue
+                scratch[p, 0] = -2.0 - row
+                x = scratch[p, 1]
+            else:
+                x = np.float64(vals[j])
+            out[r, 0] += np.float64(w[p]) * x
+            for f in range(k):
+                v = np.float64(V[p, f]) * x
+                out[r, 1 + f] += v
+                out[r, 1 + k] += v * v
+        a = b
+
+
+@njit(cache=True)
+def fm_residual_grads(pos, vals, row_ids, V, residuals, gw, gV):
+    """The per-key gradients of a server's nonzeros for a factorization machine, from each row's
+    ``[d loss / d margin (scaled), S_1..S_k]`` (``residuals``, the row's sums over all servers):
+    ``gw += g x``, ``gV[f] += g x (S_f - V_f x)``, a repeated key merged within its row, as
+    :func:`fm_forward_backward` accumulates them."""
+    k = V.shape[1]
+    gw[:] = 0.0
+    gV[:, :] = 0.0
+    scratch = np.full((gw.shape[0], 2), -1.0, dtype=np.float64)
+    n = pos.shape[0]
+    a = 0
+    while a < n:
+        r = row_ids[a]
+        b = a
+        while b < n and row_ids[b] == r:
+            b += 1
+        row = np.float64(r)
+        dup = False
+        for j in range(a, b):
+            p = pos[j]
+            if scratch[p, 0] != row:
+                scratch[p, 0] = row
+                scratch[p, 1] = vals[j]
+            else:
+                scratch[p, 1] += vals[j]
+                dup = True
+        g = residuals[r, 0]
+        for j in range(a, b):
+            p = pos[j]
+            if dup:
+                if scratch[p, 0] != row:
+                    continue
+                scratch[p, 0] = -2.0 - row
+                x = scratch[p, 1]
+            else:
+                x = np.float64(vals[j])
+            gx = g * x
+            gw[p] += gx
+            for f in range(k):
+                gV[p, f] += gx * (residuals[r, 1 + f] - V[p, f] * x)
+        a = b
+
+
+@njit(cache=True)
+def fm_residuals(partials, labels, scale, loss, out):
+    """From the servers' summed ``[L, S_1..S_k, Q]`` per row: each row's margin
+    ``L + 1/2 sum S_f^2 - 1/2 Q``, then ``out[row] = [d loss / d margin * scale, S_1..S_k]``;
+    returns the summed loss."""
+    k = partials.shape[1] - 2
+    total = 0.0
+    for r in range(partials.shape[0]):
+        m = partials[r, 0]
+        for f in range(k):
+            m += 0.5 * partials[r, 1 + f] * partials[r, 1 + f]
+        m -= 0.5 * partials[r, 1 + k]
+        lo, g = _loss_and_dmargin(m, labels[r], loss)
+        total += lo
+        out[r, 0] = g * scale
+        for f in range(k):
+            out[r, 1 + f] = partials[r, 1 + f]
+    return total

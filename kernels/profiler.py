@@ -333,6 +333,13 @@ def warmup() -> None:
     models.lr_partial_margins(pos, vals, row_ids, w, np.empty(indptr.shape[0] - 1))
     models.lr_residual_grads(pos, vals, row_ids, np.zeros(indptr.shape[0] - 1), np.empty_like(w))
     models.lr_residuals(np.zeros(indptr.shape[0] - 1), labels, 1.0, 0, np.empty(indptr.shape[0] - 1))
+    nrows = indptr.shape[0] - 1
+    P = np.zeros((len(uniq), 3), dtype=np.float32)  # the servers pass column views of their rows
+    models.fm_partial_margins(pos, vals, row_ids, P[:, 0], P[:, 1:], np.empty((nrows, 4)))
+    models.fm_residual_grads(pos, vals, row_ids, P[:, 1:], np.zeros((nrows, 3)), P[:, 0], P[:, 1:])
+    models.fm_partial_margins(pos, vals, row_ids, w, V, np.empty((nrows, 4)))
+    models.fm_residual_grads(pos, vals, row_ids, V, np.zeros((nrows, 3)), np.empty_like(w), np.empty_like(V))
+    models.fm_residuals(np.zeros((nrows, 4)), labels, 1.0, 0, np.empty((nrows, 3)))
     models.fm_forward_backward(indptr, pos, vals, labels, w, V, np.empty_like(w), np.empty_like(V), 1.0, 0.0, 0, np.empty(4))
     keys.segment_reduce(idx, np.ones((idx.size, 1), dtype=np.float32))
     keys.merge_sorted([(uniq, np.ones((uniq.size, 1), np.float32))] * 2)

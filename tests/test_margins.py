@@ -31,9 +31,11 @@ def _job(tmp_path, ranks, compute, *sets):
     return json.load(open(tmp_path / f"{name}.json")), ServingModel(str(tmp_path / f"{name}.h5"))
 
 
+@pytest.mark.parametrize("model", ["lr", "fm"])
 @pytest.mark.parametrize("ranks,servers", [(3, 1), (4, 2)])
-def test_margins_on_the_servers_train_the_model_the_pull_path_trains(tmp_path, ranks, servers):
-    sets = (f"cluster.servers={servers}", "cluster.staleness=0", 'optimizer.name="ftrl"')
+def test_margins_on_the_servers_train_the_model_the_pull_path_trains(tmp_path, ranks, servers, model):
+    sets = (f"cluster.servers={servers}", "cluster.staleness=0", 'optimizer.name="ftrl"', f'model.type="{model}"',
+            "model.factors=4", "model.init_scale=0.05")
     pulled, a = _job(tmp_path, ranks, "workers", *sets)
     computed, b = _job(tmp_path, ranks, "servers", *sets)
     np.testing.assert_array_equal(a.keys, b.keys)
@@ -45,8 +47,6 @@ def test_margins_on_the_servers_train_the_model_the_pull_path_trains(tmp_path, r
     assert computed["bytes_sent"] > 0 and computed["bytes_received"] > 0
 
 
-def test_margins_on_the_servers_are_for_lr_with_one_worker_per_group():
-    with pytest.raises(config.ConfigError, match="supports model.type = 'lr' only"):
-        config.from_dict({"model": {"type": "fm", "compute": "servers"}})
+def test_margins_on_the_servers_need_one_worker_per_group():
     with pytest.raises(config.ConfigError, match="needs one worker per group"):
         config.from_dict({"model": {"compute": "servers"}, "cluster": {"worker_groups": 1}})

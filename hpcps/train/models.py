@@ -70,6 +70,8 @@ class Model:
         round trip, and the keys of the batch after it are deduplicated while the servers work.
         Under BSP the numbers are those of the unpipelined step, bit for bit.
         """
+        if self.cfg.model.compute == "servers":
+            return self._step_on_servers(batch, scale)
         if self._pending is not None:
             self.table.wait(self._pending)  # at most one push in flight
             self._pending = None
@@ -89,6 +91,26 @@ class Model:
             self._pending = self.table.push(cur.uniq, grads, aggregate=self.aggregate, unique=True)
             self.ctx.clock()
         return loss
+
+    def _step_on_servers(self, batch, scale: float) -> float:
+        """``model.compute = "servers"`` (the seeds' third realm): the batch's nonzeros go to the
+        servers, which return each row's partial sums and, given each row's residual, compute and
+        apply the gradients themselves. Two round trips a step and no pipelining; weights are
+        never pulled. Under BSP it computes what the pull-based step computes (bit for bit with
+        one server; with several, partial sums add in another order)."""
+        if self._pending is not None:
+            self.table.wait(self._pending)
+            self._pending = None
+        rows = batch.rows
+        row_ids = np.repeat(np.arange(rows, dtype=np.int32), np.diff(batch.indptr))
+        partials = self.table.wait(self.table.imargins(batch.indices, batch.values, row_ids, rows))
+        residuals = np.empty((rows, self.table.dim), dtype=np.float64)
+        loss = self._residuals(partials, batch.labels, scale, residuals) if rows else 0.0
+        self._pending = self.table.iresiduals(residuals)  # ends the step (the clock)
+        return loss
+
+    def _residuals(self, partials, labels, scale, out) -> float:
+        raise NotImplementedError
 
     def finish(self) -> None:
         """Wait for every request in flight (pulled rows ahead are kept for their step)."""
@@ -110,27 +132,8 @@ class Model:
 
 
 class LinearModel(Model):
-    def step(self, batch, scale: float, upcoming=()) -> float:
-        if self.cfg.model.compute != "servers":
-            return super().step(batch, scale, upcoming)
-        return self._step_on_servers(batch, scale)
-
-    def _step_on_servers(self, batch, scale: float) -> float:
-        """``model.compute = "servers"`` (the seeds' third realm): the batch's nonzeros go to the
-        servers, which return each row's margin and, given each row's d loss / d margin, compute
-        and apply the gradients themselves. Two round trips a step and no pipelining; weights are
-        never pulled. Under BSP it computes what the pull-based step computes (bit for bit with
-        one server; with several, the margins' partial sums add in another order)."""
-        if self._pending is not None:
-            self.table.wait(self._pending)
-            self._pending = None
-        rows = batch.rows
-        row_ids = np.repeat(np.arange(rows, dtype=np.int32), np.diff(batch.indptr))
-        margins = self.table.wait(self.table.imargins(batch.indices, batch.values, row_ids, rows))
-        residuals = np.empty(rows, dtype=np.float64)
-        loss = kmodels.lr_residuals(margins, batch.labels, scale, self.loss, residuals) if rows else 0.0
-        self._pending = self.table.iresiduals(residuals)  # ends the step (the clock)
-        return loss
+    def _residuals(self, partials, labels, scale, out) -> float:
+        return kmodels.lr_residuals(partials, labels, scale, self.loss, out[:, 0])
 
     def _declare(self, ctx, cfg):
         return ctx.sparse_table("w", dim=1, optimizer=cfg.optimizer.name, params=cfg.optimizer.params,
@@ -146,6 +149,9 @@ class LinearModel(Model):
 
 
 class FactorizationMachine(Model):
+    def _residuals(self, partials, labels, scale, out) -> float:
+        return kmodels.fm_residuals(partials, labels, scale, self.loss, out)
+
     def _declare(self, ctx, cfg):
         return ctx.sparse_table("fm", dim=1 + cfg.model.factors, optimizer=cfg.optimizer.name,
                                 params=cfg.optimizer.params, init="normal", init_scale=cfg.model.init_scale,
