@@ -30,7 +30,7 @@ def _fail(message: str, rank: int | None = None) -> int:
 
 def _cmd_train(args) -> int:
     from hpcps import config, transport
-    from hpcps.layout import Layout, LayoutError
+    from hpcps.layout import LayoutError, check_world
     from hpcps.train import loop
 
     if args.help_config:
@@ -70,7 +70,7 @@ def _cmd_train(args) -> int:
         return _fail("ranks disagree on the configuration", rank)
     # 3. the layout fits the world: checked on every rank before any data is generated or read
     try:
-        Layout.plan(world.Get_size(), cfg.cluster.servers, cfg.cluster.worker_groups or None, cfg.cluster.num_shards)
+        check_world(world.Get_size(), cfg.cluster.servers, cfg.cluster.worker_groups or None, cfg.cluster.num_shards)
     except LayoutError as e:
         return _fail(str(e), rank)
     try:

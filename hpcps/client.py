@@ -87,15 +87,12 @@ class SparseTable:
         """Post the receive of a reply of ``reply_bytes``, then send ``pack(req_id)`` to ``server``."""
         ctx = self.ctx
         req_id = ctx.next_request_id()
-        what = f"{protocol.OP_NAMES[req.op]} reply of table {self.name!r} (request {req_id}) from server"
         reply = np.empty(reply_bytes, dtype=np.uint8)
-        req.pending += transport.start_recv(ctx.comm, reply, server, protocol.reply_tag(req_id, ctx.tag_ub), what)
         msg = pack(req_id)
         ctx.stats["bytes_sent"] += msg.nbytes
         ctx.stats["bytes_received"] += reply_bytes
-        req.pending += transport.start_send(ctx.comm, msg, server, protocol.TAG_REQUEST,
-                                            f"{protocol.OP_NAMES[req.op]} request to server")
         req.parts.append((pulled, reply))
+        req.pending += ctx.exchange(server, msg, reply, req_id, f"{protocol.OP_NAMES[req.op]} of table {self.name!r}")
 
     def _register(self, req: _Request) -> int:
         ts = self.ctx.next_timestamp()

@@ -22,9 +22,9 @@ import numpy as np
 
 from hpcps import checkpoint, protocol, signals, transport
 from hpcps.client import DenseTable, SparseTable
-from hpcps.layout import Layout
+from hpcps.layout import Layout, check_world
 from hpcps.placement import DEFAULT_SHARDS, Placement
-from hpcps.server import Server
+from hpcps.server import LocalServer, Server
 from hpcps.tables import SERVER_FUNCTIONS, Features, ServerFunction, TableSpec
 from hpcps_kernels import keys as kkeys
 
@@ -35,6 +35,8 @@ class ConfigMismatch(RuntimeError):
 
 class Context:
     """One rank's view of the parameter server."""
+
+    local = False  # a job of one process (LocalContext)
 
     def __init__(self, comm, layout: Layout, staleness: int, num_shards: int,
                  stall_warn_s: float, stall_timeout_s: float):
@@ -156,6 +158,13 @@ class Context:
         self._ts += 1
         return self._ts
 
+    def exchange(self, server: int, msg: np.ndarray, reply: np.ndarray, req_id: int, what: str) -> list:
+        """Post the receive of request ``req_id``'s reply into ``reply``, then send ``msg`` to
+        ``server``; returns the pending transfers (for :func:`hpcps.transport.wait`)."""
+        pending = transport.start_recv(self.comm, reply, server, protocol.reply_tag(req_id, self.tag_ub),
+                                       f"{what} reply (request {req_id}) from server")
+        return pending + transport.start_send(self.comm, msg, server, protocol.TAG_REQUEST, f"{what} request to server")
+
     def _notify_servers(self, op: int) -> None:
         self._clock_sends = transport.completed(self._clock_sends)
         for server in range(self.layout.servers):
@@ -182,11 +191,9 @@ class Context:
         for server in range(self.layout.servers):
             req_id = self.next_request_id()
             reply = np.empty(protocol.reply_bytes(protocol.CHECKPOINT, 0, 0), dtype=np.uint8)
-            pending += transport.start_recv(self.comm, reply, server, protocol.reply_tag(req_id, self.tag_ub),
-                                       f"checkpoint reply (request {req_id}) from server")
             msg = protocol.pack_request(protocol.CHECKPOINT, 0, req_id, self.clock_value, self.worker_index,
                                         pull_keys=words)
-            pending += transport.start_send(self.comm, msg, server, protocol.TAG_REQUEST, "checkpoint request to server")
+            pending += self.exchange(server, msg, reply, req_id, "checkpoint")
             replies.append(reply)
         transport.wait(pending, self.stall_timeout_s, warn_after=self.stall_warn_s)
         files = []
@@ -261,6 +268,74 @@ class Context:
         self._finalized = True
 
 
+class LocalContext(Context):
+    """A job of one process (``hpcps train`` without mpiexec): the tables live in this process,
+    served by a :class:`hpcps.server.LocalServer` that answers each request when it is sent, with
+    the same code (consistency, optimizers, admission, checkpoints) and no message. It behaves as
+    1 server + 1 worker: its checkpoints are those of that layout, and resume either way."""
+
+    local = True
+
+    def __init__(self, staleness: int, num_shards: int, stall_warn_s: float, stall_timeout_s: float):
+        comm = transport.self_comm()
+        self.comm = comm
+        self.layout = Layout.plan(2, 1, None, num_shards)
+        self.rank = 1                     # as the worker of 1 server + 1 worker
+        self.is_server, self.is_worker = False, True
+        self.worker_index, self.group = 0, 0
+        self.staleness = staleness
+        self.placement = Placement(1, num_shards)
+        self.stall_warn_s, self.stall_timeout_s = stall_warn_s, stall_timeout_s
+        self.tag_ub = transport.tag_upper_bound(comm)
+        self.specs, self.functions, self.tables = [], [], {}
+        self.clock_value, self._req_id, self._ts = 0, 0, 0
+        self._clock_sends = []
+        self.stats = {"wait_s": 0.0, "max_staleness": 0, "background_s": 0.0, "bytes_sent": 0, "bytes_received": 0}
+        self.server_stats = None
+        self.server_stop = False
+        self.background = None
+        self._finalized = False
+        self._done_sent = False
+        self.group_comm, self.workers_comm, self.servers_comm = (transport.dup(comm) for _ in range(3))
+        self.server: LocalServer | None = None
+
+    def _local_server(self) -> LocalServer:
+        if self.server is None:
+            self.server = LocalServer(self.specs, self.placement, self.staleness, self.functions)
+        if len(self.server.tables) != len(self.specs) or len(self.server.functions) != len(self.functions):
+            raise RuntimeError("declare every table and server function before the first request")
+        return self.server
+
+    def exchange(self, server: int, msg: np.ndarray, reply: np.ndarray, req_id: int, what: str) -> list:
+        srv = self._local_server()
+        srv.handle(1, msg)
+        out = srv.outbox.pop(req_id, None)
+        if out is None:
+            raise RuntimeError(f"the in-process server deferred a {what} request (one worker never waits)")
+        reply[:] = out
+        return []
+
+    def _notify_servers(self, op: int) -> None:
+        self._local_server().handle(1, protocol.pack_request(op, 0, 0, self.clock_value, self.worker_index))
+
+    def restore(self, ckpt: str, manifest: dict) -> None:
+        """Load a checkpoint into the in-process server (what server ranks do in :meth:`serve`)."""
+        self._local_server().restore(ckpt, manifest)
+
+    def finish_serving(self, timeout: float | None = None) -> None:
+        if not self._done_sent:
+            super().finish_serving(timeout)
+            self.server_stats = self._local_server().final_stats()
+
+    def finalize(self, timeout: float | None = None) -> None:
+        if self._finalized:
+            return
+        self.finish_serving(timeout)
+        for c in (self.group_comm, self.workers_comm, self.servers_comm, self.comm):
+            transport.free(c)
+        self._finalized = True
+
+
 def init(servers: int = 1, worker_groups: int | None = None, staleness: int = 0,
          num_shards: int = DEFAULT_SHARDS, stall_warn_s: float = 30.0, stall_timeout_s: float = 300.0,
          comm=None) -> Context:
@@ -275,10 +350,18 @@ def init(servers: int = 1, worker_groups: int | None = None, staleness: int = 0,
         stall_timeout_s: abort the job when a request is not answered after this many seconds.
         comm: the world to split (default MPI.COMM_WORLD); the library works on a duplicate.
 
+    A world of one process (no mpiexec) gives a :class:`LocalContext`: one server inside the
+    process, no messages.
+
     Raises:
         hpcps.layout.LayoutError: the world is too small for the layout, before any communication.
     """
     base = comm if comm is not None else transport.world()
+    check_world(base.Get_size(), servers, worker_groups, num_shards)
+    if base.Get_size() == 1:
+        transport.install_abort_handler()
+        transport.set_stall_warning(stall_warn_s)
+        return LocalContext(staleness, num_shards, stall_warn_s, stall_timeout_s)
     layout = Layout.plan(base.Get_size(), servers, worker_groups, num_shards)
     transport.install_abort_handler()
     transport.set_stall_warning(stall_warn_s)

@@ -14,6 +14,18 @@ class LayoutError(ValueError):
     """The world cannot hold the requested servers and worker groups."""
 
 
+def check_world(world_size: int, servers: int, worker_groups: int | None = None,
+                num_shards: int | None = None) -> None:
+    """Raise LayoutError if a world of ``world_size`` ranks cannot run the layout. A world of one
+    process runs 1 server and 1 worker inside it (``hpcps.context.LocalContext``)."""
+    if world_size == 1:
+        if servers != 1 or (worker_groups or 1) != 1:
+            raise LayoutError(f"one process runs 1 server and 1 worker inside it; for {servers} server(s) and "
+                              f"{worker_groups or 1} worker group(s) start more ranks with mpiexec -n N")
+        return
+    Layout.plan(world_size, servers, worker_groups, num_shards)
+
+
 @dataclass(frozen=True)
 class Layout:
     world_size: int

@@ -416,6 +416,11 @@ def dup(comm: MPI.Comm | None = None) -> MPI.Comm:
     return (comm or MPI.COMM_WORLD).Dup()
 
 
+def self_comm() -> MPI.Comm:
+    """A private duplicate of ``COMM_SELF``: the communicator of a job of one process."""
+    return MPI.COMM_SELF.Dup()
+
+
 def free(comm: MPI.Comm) -> None:
     """Free a communicator made by :func:`split` or :func:`dup` (``COMM_NULL`` is ignored)."""
     if comm != MPI.COMM_NULL:

@@ -117,7 +117,7 @@ def test_a_label_two_stops_the_job_naming_file_and_line(small, tmp_path):
 # -- 2. layout errors: one line, exit 2, before any data ------------------------------------------
 
 @pytest.mark.parametrize("n,extra,match", [
-    (1, {}, "too small for 1 server"),
+    (1, {"cluster__servers": 2}, "one process runs 1 server and 1 worker inside it"),
     (2, {"cluster__servers": 3}, "too small for 3 server"),
     (3, {"cluster__servers": 2, "cluster__num_shards": 1}, "1 virtual shard"),
     (3, {"cluster__worker_groups": 5}, "worker_groups must be between 1"),

@@ -208,7 +208,7 @@ def run(cfg, comm=None) -> dict | None:
             os.makedirs(ck.dir, exist_ok=True)
     paths, synth_info = resolve_data(cfg, world)
     cl = cfg.cluster
-    workers = world.Get_size() - cl.servers
+    workers = world.Get_size() - cl.servers if world.Get_size() > 1 else 1  # one process: one worker
     problem = None
     if world.Get_rank() == 0 and restore is not None and not ck.allow_other_data and os.path.isfile(paths["train"]):
         problem = check_same_data(restore[1], data_position_meaning(cfg, paths["train"], workers))
@@ -232,6 +232,8 @@ def run(cfg, comm=None) -> dict | None:
         ctx.finalize()
         return Result(None, preempted, restore[0] if restore else "")
 
+    if ctx.local and restore is not None:  # one process: its in-process server loads the checkpoint
+        ctx.restore(*restore)
     tr = cfg.train
     wcomm = ctx.workers_comm
     if isinstance(train, tdata.PartStream):
@@ -247,7 +249,8 @@ def run(cfg, comm=None) -> dict | None:
     scale = 1.0 if tr.gradient == "sum" else 1.0 / (tr.batch_size * ctx.group_comm.Get_size())
     progress = Progress(first and tr.progress, steps, ctx.layout.workers, tr.metrics if first else "")
     if first:
-        print(f"hpcps train: {ctx.layout.describe()}; {cfg.model.type} with {cfg.optimizer.name}, "
+        where = "one process (a server and a worker inside it, no messages)" if ctx.local else ctx.layout.describe()
+        print(f"hpcps train: {where}; {cfg.model.type} with {cfg.optimizer.name}, "
               f"staleness {cl.staleness}; {train.rows_bound} rows on this worker, {steps} steps/epoch", flush=True)
     start_epoch, start_step, global_step = 1, 1, 0
     if restore is not None:
@@ -368,6 +371,10 @@ def run(cfg, comm=None) -> dict | None:
                   f"(exit status {EXIT_PREEMPTED})", flush=True)
         return Result(None, True, resumed)
     _, worker_rss, server_rss, key_counts = _agree_preempted_worker(ctx, False)
+    if ctx.local and cfg.train.model_out:  # one process: no server rank to write the model
+        model_file.export_from_servers(ctx, model.table.name, cfg.train.model_out,
+                                       {"model": cfg.model.type, "loss": cfg.model.loss,
+                                        "config": json.dumps(cfg.to_dict())})
     ctx.finalize()
     if not first:
         return Result(None, False, resumed)
@@ -412,7 +419,7 @@ def _agree_preempted(ctx, mine: bool) -> tuple[bool, float, float, dict]:
     flag = transport.allreduce(ctx.comm, np.array([float(mine), rss if ctx.is_worker else 0.0,
                                                    rss if ctx.is_server else 0.0]), "max", ctx.stall_timeout_s,
                                "agreement on the end of training")
-    st = ctx.server_stats if ctx.is_server and ctx.server_stats else {}
+    st = ctx.server_stats or {}  # server ranks, or a one-process job's in-process server
     counts = np.array([sum(st.get(k, [])) for k in ("keys", "admitted", "evicted")], dtype=np.int64)
     counts = transport.allreduce(ctx.comm, counts, "sum", ctx.stall_timeout_s, "sum of the servers' key counts")
     keys = {"table_keys": int(counts[0]), "admitted_keys": int(counts[1]), "evicted_keys": int(counts[2])}

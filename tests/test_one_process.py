@@ -1,0 +1,96 @@
+"""``hpcps train`` without mpiexec: one process holds a server and a worker and sends no message
+(``hpcps.context.LocalContext``). It must train exactly what 1 server + 1 worker under BSP train,
+and checkpoint, resume, export, eval and predict must work as they do under mpiexec."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hpcps import checkpoint
+from hpcps.train import synth
+from hpcps.train.model_file import ServingModel
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from run import mpiexec  # noqa: E402
+
+HPCPS = [sys.executable, "-m", "hpcps.cli"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("one")
+    s = synth.generate(str(d), 20_000, 2_000, fields=10, seed=4, formats=("libsvm",))
+    return s.files["train_libsvm"], s.files["test_libsvm"]
+
+
+def train(data, tmp, name, *sets, ranks=1, extra=()):
+    args = ["train", "--set", f"data.train={json.dumps(data[0])}", "--set", f"data.test={json.dumps(data[1])}",
+            "--set", "train.progress=false", "--set", "train.batch_size=100",
+            "--set", f"train.model_out={json.dumps(str(tmp / (name + '.h5')))}",
+            *[x for kv in sets for x in ("--set", kv)], "--summary-json", str(tmp / (name + ".json")), *extra]
+    cmd = HPCPS + args if ranks == 1 else [*mpiexec(), "-n", str(ranks), *HPCPS, *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return json.load(open(tmp / (name + ".json"))), ServingModel(str(tmp / (name + ".h5"))), proc.stdout
+
+
+def same(a, b):
+    np.testing.assert_array_equal(a.keys, b.keys)
+    np.testing.assert_array_equal(a.values, b.values)
+
+
+@pytest.mark.parametrize("model", ['model.type="lr"', 'model.type="fm"'])
+def test_one_process_trains_exactly_what_one_server_and_one_worker_train(data, tmp_path, model):
+    one, m1, out = train(data, tmp_path, "one", model)
+    two, m2, _ = train(data, tmp_path, "two", model, ranks=2)
+    assert "one process (a server and a worker inside it, no messages)" in out
+    same(m1, m2)
+    assert one["test_logloss"] == two["test_logloss"] and one["table_keys"] == two["table_keys"] > 0
+
+
+def test_one_process_checkpoints_resume_and_interchange_with_mpiexec(data, tmp_path):
+    sets = ("checkpoint.every_steps=100", "checkpoint.keep=10", "features.admit_count=2",
+            "features.evict_after_steps=50", "features.evict_every_steps=25")
+    _, whole, _ = train(data, tmp_path, "whole", f"checkpoint.dir={json.dumps(str(tmp_path / 'ck'))}", *sets)
+    for ranks in (1, 2):  # the mid-way checkpoint of the one-process run, resumed either way
+        ck = tmp_path / f"ck{ranks}"
+        ck.mkdir()
+        src = checkpoint.step_dir(str(tmp_path / "ck"), 200)
+        shutil.copytree(src, ck / os.path.basename(src))
+        _, resumed, out = train(data, tmp_path, f"resumed{ranks}", f"checkpoint.dir={json.dumps(str(ck))}", *sets,
+                                ranks=ranks, extra=("--resume", "auto"))
+        assert "resuming from" in out
+        same(resumed, whole)
+
+
+def test_export_eval_and_predict_after_a_one_process_run(data, tmp_path):
+    summary, _, _ = train(data, tmp_path, "m", f"checkpoint.dir={json.dumps(str(tmp_path / 'ck'))}")
+    newest, _ = checkpoint.newest_good(str(tmp_path / "ck"))
+    exported = tmp_path / "exported.h5"
+    for cmd in (["export", newest, "--out", str(exported)],
+                ["predict", "--model", str(exported), "--data", data[1], "--out", str(tmp_path / "p.txt")]):
+        proc = subprocess.run(HPCPS + cmd, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    same(ServingModel(str(exported)), ServingModel(str(tmp_path / "m.h5")))
+    proc = subprocess.run(HPCPS + ["eval", "--model", str(exported), "--data", data[1]], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(proc.stdout)["logloss"] == pytest.approx(summary["test_logloss"], abs=1e-9)
+    assert len(open(tmp_path / "p.txt").read().split()) == 2_000
+
+
+def test_one_process_asked_for_more_servers_says_how_in_one_line(data, tmp_path):
+    proc = subprocess.run(HPCPS + ["train", "--set", "cluster.servers=2", "--set", "synth.rows=100"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert len(lines) == 1 and "one process runs 1 server and 1 worker inside it" in lines[0] \
+        and "mpiexec -n N" in lines[0], lines
