@@ -275,7 +275,7 @@ def _cmd_supervise(args) -> int:
 def _serving_args(p):
     p.add_argument("--model", required=True, help="model file written by train (train.model_out)")
     p.add_argument("--data", required=True, help="libsvm or Criteo TSV file")
-    p.add_argument("--format", default="", help="libsvm | criteo (default: as in training, else detected)")
+    p.add_argument("--format", default="", help="libsvm | criteo | vw (default: as in training, else detected)")
     p.add_argument("--hash-bits", type=int, default=0, help="Criteo key bits (default: as in training)")
     p.add_argument("--skip-bad-lines", action="store_true")
 

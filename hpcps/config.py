@@ -47,7 +47,7 @@ class Cluster:
 class Data:
     train: str = ""                  # training file (libsvm or Criteo TSV); "" = generate (see [synth])
     test: str = ""                   # held-out file for evaluation
-    format: str = "auto"             # libsvm | criteo | auto (criteo if the first line has a tab)
+    format: str = "auto"             # libsvm | criteo | vw | auto (vw: a "|" in the first line or .vw; criteo: a tab)
     hash_bits: int = 24              # keys are masked to this many bits (Criteo hashes; libsvm indices)
     skip_bad_lines: bool = False     # count and skip malformed lines instead of stopping
     cache_dir: str = ""              # binary cache of parsed data ("" = none; then the part is loaded whole)
@@ -176,7 +176,7 @@ def _coerce(where: str, value: Any, default: Any):
 
 
 CHOICES = {
-    ("data", "format"): ("auto", "libsvm", "criteo"),
+    ("data", "format"): ("auto", "libsvm", "criteo", "vw"),
     ("model", "type"): ("lr", "fm"),
     ("model", "loss"): ("logistic", "squared"),
     ("model", "compute"): ("workers", "servers"),

@@ -41,6 +41,8 @@ NOT_FINITE = 5
 BAD_COLUMNS = 6
 NOT_BINARY = 7
 MIXED_LABELS = 8
+BAD_WEIGHT = 9
+NO_BAR = 10
 MESSAGES = {
     BAD_LABEL: "bad label",
     BAD_INDEX: "bad feature index (expected a non-negative integer below 2**64)",
@@ -50,9 +52,11 @@ MESSAGES = {
     BAD_COLUMNS: "expected 40 tab-separated columns (label, 13 integers, 26 categories)",
     NOT_BINARY: "label must be 0 or 1 (or -1 or +1) for the logistic loss",
     MIXED_LABELS: "labels mix 0 and -1: a file is either 0/1 or -1/+1 for the logistic loss",
+    BAD_WEIGHT: "an importance weight other than 1 (not supported) or a stray token before '|'",
+    NO_BAR: "expected 'label [weight] [\'tag]|namespace features' (no '|')",
 }
 
-SPACE, TAB, NL, CR, HASH, COLON = 32, 9, 10, 13, 35, 58
+SPACE, TAB, NL, CR, HASH, COLON, BAR, QUOTE = 32, 9, 10, 13, 35, 58, 124, 39
 
 
 class ParseError(ValueError):
@@ -235,6 +239,129 @@ def libsvm_kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen, 
                 skipped += 1
             else:
                 return rows, nnz, status, line, skipped
+        i = end + 1
+        line += 1
+    return rows, nnz, OK, -1, skipped
+
+
+@njit(inline="always")
+def _vw_sep(c):
+    return c == SPACE or c == TAB or c == BAR
+
+
+@njit(cache=True, nogil=True)
+def vw_kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen, with_bias, bias, mask):
+    """Parse Vowpal Wabbit text lines: ``label [weight] ['tag]|ns[:scale] f[:v] ... |ns2 ...``.
+    Returns like :func:`libsvm_kernel`.
+
+    A feature's key is ``xxh64(name, seed=xxh64(namespace))`` masked with ``mask`` (the namespace's
+    whole name, empty for ``| f``); its value is ``v`` (default 1) times the namespace's scale.
+    Labels as in :func:`libsvm_kernel` (``binary``: -1/+1 or 0/1, -1 stored as 0). An importance
+    weight must be 1; a tag is ignored. Blank lines are skipped.
+    """
+    n = buf.shape[0]
+    i = 0
+    line = 0
+    rows = 0
+    nnz = 0
+    skipped = 0
+    indptr[0] = 0
+    while i < n:
+        end = _line_end(buf, i, n)
+        stop = end
+        if stop > i and buf[stop - 1] == CR:
+            stop -= 1
+        j = i
+        while j < stop and (buf[j] == SPACE or buf[j] == TAB):
+            j += 1
+        if j >= stop:  # blank line
+            i = end + 1
+            line += 1
+            continue
+        status = OK
+        which = -1
+        lab, j, st = _parse_float(buf, j, stop)
+        if st != OK or (j < stop and not _vw_sep(buf[j])):
+            status = BAD_LABEL if st != NOT_FINITE else NOT_FINITE
+        elif binary:
+            if lab == -1.0:
+                status = MIXED_LABELS if seen[0] else OK
+                which = 1
+                lab = 0.0
+            elif lab == 0.0:
+                status = MIXED_LABELS if seen[1] else OK
+                which = 0
+            elif lab != 1.0:
+                status = NOT_BINARY
+        # before the first bar: an optional weight (must be 1) and an optional 'tag
+        n_before = 0
+        while status == OK:
+            while j < stop and (buf[j] == SPACE or buf[j] == TAB):
+                j += 1
+            if j >= stop:
+                status = NO_BAR
+                break
+            if buf[j] == BAR:
+                break
+            if buf[j] == QUOTE:
+                while j < stop and not _vw_sep(buf[j]):
+                    j += 1
+                continue
+            wt, j, st = _parse_float(buf, j, stop)
+            n_before += 1
+            if st != OK or wt != 1.0 or n_before > 1 or (j < stop and not _vw_sep(buf[j])):
+                status = BAD_WEIGHT
+        row_nnz = nnz
+        seed = np.uint64(0)
+        scale = 1.0
+        while status == OK and j < stop:
+            c = buf[j]
+            if c == SPACE or c == TAB:
+                j += 1
+                continue
+            if c == BAR:  # a namespace: |name[:scale]
+                j += 1
+                a = j
+                while j < stop and not _vw_sep(buf[j]) and buf[j] != COLON:
+                    j += 1
+                seed = xxh64(buf, a, j, np.uint64(0))
+                scale = 1.0
+                if j < stop and buf[j] == COLON:
+                    scale, j, st = _parse_float(buf, j + 1, stop)
+                    if st != OK or (j < stop and not _vw_sep(buf[j])):
+                        status = BAD_VALUE
+                continue
+            a = j
+            while j < stop and not _vw_sep(buf[j]) and buf[j] != COLON:
+                j += 1
+            key = xxh64(buf, a, j, seed) & mask
+            v = 1.0
+            if j < stop and buf[j] == COLON:
+                v, j, st = _parse_float(buf, j + 1, stop)
+                if st != OK:
+                    status = st
+                    break
+                if j < stop and not _vw_sep(buf[j]):
+                    status = BAD_VALUE
+                    break
+            indices[row_nnz] = key
+            values[row_nnz] = v * scale
+            row_nnz += 1
+        if status == OK:
+            if with_bias:
+                indices[row_nnz] = bias
+                values[row_nnz] = 1.0
+                row_nnz += 1
+            labels[rows] = lab
+            nnz = row_nnz
+            rows += 1
+            indptr[rows] = nnz
+            if which >= 0:
+                seen[which] = 1
+        elif skip_bad:
+            skipped += 1
+        else:
+            return rows, nnz, status, line, skipped
         i = end + 1
         line += 1
     return rows, nnz, OK, -1, skipped
@@ -423,6 +550,26 @@ def parse_libsvm(data, *, source: str = "<bytes>", first_line: int = 1, skip_bad
         seen = np.zeros(2, dtype=np.int64)
     rows, nnz, status, bad, skipped = libsvm_kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen,
                                                     bias is not None, np.uint64(bias or 0), _mask(bits))
+    if status != OK:
+        raise ParseError(source, first_line + bad, MESSAGES[status], _line_text(buf, bad))
+    return labels[:rows], indptr[: rows + 1], indices[:nnz], values[:nnz], int(skipped)
+
+
+def parse_vw(data, *, source: str = "<bytes>", first_line: int = 1, skip_bad: bool = False,
+             binary: bool = False, seen: np.ndarray | None = None, bias: int | None = None, bits: int = 64):
+    """Parse Vowpal Wabbit text (see :func:`vw_kernel`); arguments and result as
+    :func:`parse_libsvm`."""
+    buf = _as_bytes(data)
+    max_rows = int(count_byte(buf, NL)) + 1
+    max_nnz = int(count_byte(buf, SPACE)) + int(count_byte(buf, TAB)) + int(count_byte(buf, BAR)) + 2 * max_rows
+    labels = np.empty(max_rows, dtype=np.float32)
+    indptr = np.empty(max_rows + 1, dtype=np.int64)
+    indices = np.empty(max_nnz, dtype=np.uint64)
+    values = np.empty(max_nnz, dtype=np.float32)
+    if seen is None:
+        seen = np.zeros(2, dtype=np.int64)
+    rows, nnz, status, bad, skipped = vw_kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen,
+                                                bias is not None, np.uint64(bias or 0), _mask(bits))
     if status != OK:
         raise ParseError(source, first_line + bad, MESSAGES[status], _line_text(buf, bad))
     return labels[:rows], indptr[: rows + 1], indices[:nnz], values[:nnz], int(skipped)

@@ -364,6 +364,7 @@ def warmup() -> None:
     text = np.frombuffer(bytearray(b"1 1:1\n"), dtype=np.uint8)
     parse.parse_libsvm(text)
     parse.parse_libsvm(text, binary=True)
+    parse.parse_vw(np.frombuffer(bytearray(b"1 |f a\n"), dtype=np.uint8), binary=True, bias=1, bits=24)
     parse.count_byte(np.zeros(3, np.uint8), 10)
     parse.append_feature(indptr, idx, vals, np.uint64(1), np.float32(1.0))
     parse.parse_criteo(np.frombuffer(bytearray(b"1" + b"\t" * 39 + b"\n"), dtype=np.uint8), bits=24)

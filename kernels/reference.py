@@ -148,6 +148,30 @@ def parse_libsvm(text: bytes):
             np.array(indices, dtype=np.uint64), np.array(values, dtype=np.float32))
 
 
+def parse_vw(text: bytes, bits: int = 64, binary: bool = False):
+    """Vowpal Wabbit text, line by line in Python (the grammar of :func:`parse.vw_kernel`)."""
+    mask = (1 << bits) - 1
+    labels, indptr, indices, values = [], [0], [], []
+    for line in text.split(b"\n"):
+        line = line.rstrip(b"\r")
+        if not line.strip():
+            continue
+        head, *spaces = line.split(b"|")
+        label = float(head.split()[0])
+        labels.append(0.0 if binary and label == -1 else label)
+        for space in spaces:
+            ns, _, rest = space.partition(b" ") if not space[:1].isspace() else (b"", b"", space)
+            name, _, scale = ns.partition(b":")
+            seed = int(xxh64(np.frombuffer(name, np.uint8), 0, len(name), np.uint64(0)))
+            for tok in rest.split():
+                f, _, v = tok.partition(b":")
+                indices.append(int(xxh64(np.frombuffer(f, np.uint8), 0, len(f), np.uint64(seed))) & mask)
+                values.append(float(v or 1.0) * float(scale or 1.0))
+        indptr.append(len(indices))
+    return (np.array(labels, dtype=np.float32), np.array(indptr, dtype=np.int64),
+            np.array(indices, dtype=np.uint64), np.array(values, dtype=np.float32))
+
+
 def criteo_key(col: int, field: bytes) -> int:
     """The key of one non-empty Criteo column (1..39), as documented in :mod:`.parse`."""
     if col <= 13:

@@ -407,6 +407,46 @@ def test_criteo_crlf_blank_lines_and_tokens_of_any_length_match_python_parser():
     assert skipped == 0 and labels.shape[0] == 400
 
 
+def vw_line(rng, label):
+    spaces = []
+    for ns in rng.choice(["f", "", "user", "ad"], size=int(rng.integers(1, 4)), replace=False):
+        scale = f":{rng.choice([0.5, 2.0])}" if ns and rng.random() < 0.3 else ""
+        feats = [f"k{int(x)}" + (f":{rng.normal():.4g}" if rng.random() < 0.3 else "")
+                 for x in rng.integers(0, 10**6, int(rng.integers(0, 8)))]
+        spaces.append(f"|{ns}{scale} " + " ".join(feats))
+    head = label + (" 1" if rng.random() < 0.2 else "") + (" 'tag7" if rng.random() < 0.2 else "")
+    return head + " " + " ".join(spaces)
+
+
+@pytest.mark.parametrize("bits", [24, 64])
+def test_vw_text_matches_python_parser(bits):
+    rng = np.random.default_rng(bits)
+    lines = [vw_line(rng, str(rng.choice(["1", "-1"]))) for _ in range(300)]
+    lines[5] = "1 'only|f a b"   # a tag against the bar
+    lines[9] = ""               # a blank line
+    text = ("\n".join(lines) + "\n").encode()
+    labels, indptr, indices, values, skipped = parse.parse_vw(text, bits=bits, binary=True)
+    rl, rp, ri, rv = ref.parse_vw(text, bits=bits, binary=True)
+    np.testing.assert_array_equal(labels, rl)
+    np.testing.assert_array_equal(indptr, rp)
+    np.testing.assert_array_equal(indices, ri)
+    np.testing.assert_allclose(values, rv, rtol=1e-6)
+    assert skipped == 0 and set(np.unique(labels)) <= {0.0, 1.0}
+
+
+@pytest.mark.parametrize("bad,reason", [
+    ("1 |f a\n-1 0.5 |f a\n", "an importance weight other than 1"),
+    ("1 |f a\n1 f a\n", "no '|'"),
+    ("1 |f a\nx |f a\n", "bad label"),
+    ("1 |f a\n1 |f a:zz\n", "bad number"),
+    ("1 |f a\n2 |f a\n", "label must be 0 or 1"),
+])
+def test_vw_bad_line_names_file_and_line(bad, reason):
+    with pytest.raises(parse.ParseError, match=rf"^train\.vw:2: {reason}"):
+        parse.parse_vw(bad.encode(), source="train.vw", binary=True)
+    assert parse.parse_vw(bad.encode(), binary=True, skip_bad=True)[4] == 1
+
+
 def test_xxh64_of_a_word_equals_xxh64_of_its_bytes():
     rng = np.random.default_rng(3)
     for v, seed in zip(rng.integers(0, 2**63, 50, dtype=np.uint64), rng.integers(0, 2**63, 50, dtype=np.uint64)):

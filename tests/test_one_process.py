@@ -94,3 +94,14 @@ def test_one_process_asked_for_more_servers_says_how_in_one_line(data, tmp_path)
     lines = (proc.stdout + proc.stderr).strip().splitlines()
     assert len(lines) == 1 and "one process runs 1 server and 1 worker inside it" in lines[0] \
         and "mpiexec -n N" in lines[0], lines
+
+
+def test_vowpal_wabbit_text_trains_like_the_same_rows_in_criteo_form(tmp_path):
+    s = synth.generate(str(tmp_path / "d"), 30_000, 3_000, fields=39, seed=6, formats=("criteo", "vw"))
+    got = {}
+    for fmt in ("criteo", "vw"):
+        files = (s.files[f"train_{fmt}"], s.files[f"test_{fmt}"])
+        summary, model, out = train(files, tmp_path, fmt, "data.format=\"auto\"")
+        got[fmt] = summary["test_logloss"]
+    # the same features hashed two ways (VW: xxh64 of the token, seeded by the namespace)
+    assert abs(got["vw"] - got["criteo"]) < 0.01, got

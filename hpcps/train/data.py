@@ -36,7 +36,10 @@ def detect_format(path: str, fmt: str) -> str:
         return fmt
     with open(path, "rb") as f:
         head = f.read(4096)
-    return "criteo" if b"\t" in head.split(b"\n", 1)[0] else "libsvm"
+    first = head.split(b"\n", 1)[0]
+    if b"|" in first or path.endswith(".vw"):
+        return "vw"
+    return "criteo" if b"\t" in first else "libsvm"
 
 
 def byte_range(path: str, part: int, parts: int) -> tuple[int, int]:
@@ -158,8 +161,9 @@ def _parse_blocks(path: str, start: int, end: int, fmt: str, hash_bits: int, ski
                     out = parse.parse_criteo(block, source=path, first_line=1, skip_bad=skip_bad, bits=hash_bits,
                                              bias=int(BIAS_KEY))
                 else:
-                    out = parse.parse_libsvm(block, source=path, first_line=1, skip_bad=skip_bad,
-                                             binary=binary, seen=seen, bias=int(BIAS_KEY), bits=hash_bits)
+                    reader = parse.parse_vw if fmt == "vw" else parse.parse_libsvm
+                    out = reader(block, source=path, first_line=1, skip_bad=skip_bad, binary=binary, seen=seen,
+                                 bias=int(BIAS_KEY), bits=hash_bits)
             except parse.ParseError as e:
                 line = _count_newlines(path, 0, block_start)[0] + e.line
                 text = str(e).split(": ", 2)[-1] if str(e).count(": ") >= 2 else ""
