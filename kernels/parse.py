@@ -137,6 +137,32 @@ def _line_end(buf, i, n):
     return i
 
 
+@njit(inline="always")
+def _binary_label(lab, seen):
+    """A logistic-loss label: (label stored, which of ``seen`` it marks (0: a 0, 1: a -1), status)."""
+    if lab == -1.0:
+        return 0.0, 1, MIXED_LABELS if seen[0] else OK
+    if lab == 0.0:
+        return 0.0, 0, MIXED_LABELS if seen[1] else OK
+    if lab != 1.0:
+        return lab, -1, NOT_BINARY
+    return lab, -1, OK
+
+
+@njit(inline="always")
+def _finish_row(indices, values, labels, indptr, row_nnz, rows, with_bias, bias, lab, which, seen):
+    """Store a parsed row (with the bias feature); returns (rows, nnz) after it."""
+    if with_bias:
+        indices[row_nnz] = bias
+        values[row_nnz] = 1.0
+        row_nnz += 1
+    labels[rows] = lab
+    indptr[rows + 1] = row_nnz
+    if which >= 0:
+        seen[which] = 1
+    return rows + 1, row_nnz
+
+
 @njit(cache=True, nogil=True)
 def libsvm_kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen, with_bias, bias, mask):
     """Parse libsvm lines. Returns (rows, nnz, status, bad line index (0-based), lines skipped).
@@ -173,15 +199,7 @@ def libsvm_kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen, 
             if st != OK or (j < stop and buf[j] != SPACE and buf[j] != TAB):
                 status = BAD_LABEL if st != NOT_FINITE else NOT_FINITE
             elif binary:
-                if lab == -1.0:
-                    status = MIXED_LABELS if seen[0] else OK
-                    which = 1
-                    lab = 0.0
-                elif lab == 0.0:
-                    status = MIXED_LABELS if seen[1] else OK
-                    which = 0
-                elif lab != 1.0:
-                    status = NOT_BINARY
+                lab, which, status = _binary_label(lab, seen)
             row_nnz = nnz
             while status == OK:
                 while j < stop and (buf[j] == SPACE or buf[j] == TAB):
@@ -225,16 +243,8 @@ def libsvm_kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen, 
                 values[row_nnz] = v
                 row_nnz += 1
             if status == OK:
-                if with_bias:
-                    indices[row_nnz] = bias
-                    values[row_nnz] = 1.0
-                    row_nnz += 1
-                labels[rows] = lab
-                nnz = row_nnz
-                rows += 1
-                indptr[rows] = nnz
-                if which >= 0:
-                    seen[which] = 1
+                rows, nnz = _finish_row(indices, values, labels, indptr, row_nnz, rows, with_bias, bias,
+                                        lab, which, seen)
             elif skip_bad:
                 skipped += 1
             else:
@@ -284,15 +294,7 @@ def vw_kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen, with
         if st != OK or (j < stop and not _vw_sep(buf[j])):
             status = BAD_LABEL if st != NOT_FINITE else NOT_FINITE
         elif binary:
-            if lab == -1.0:
-                status = MIXED_LABELS if seen[0] else OK
-                which = 1
-                lab = 0.0
-            elif lab == 0.0:
-                status = MIXED_LABELS if seen[1] else OK
-                which = 0
-            elif lab != 1.0:
-                status = NOT_BINARY
+            lab, which, status = _binary_label(lab, seen)
         # before the first bar: an optional weight (must be 1) and an optional 'tag
         n_before = 0
         while status == OK:
@@ -348,16 +350,8 @@ def vw_kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen, with
             values[row_nnz] = v * scale
             row_nnz += 1
         if status == OK:
-            if with_bias:
-                indices[row_nnz] = bias
-                values[row_nnz] = 1.0
-                row_nnz += 1
-            labels[rows] = lab
-            nnz = row_nnz
-            rows += 1
-            indptr[rows] = nnz
-            if which >= 0:
-                seen[which] = 1
+            rows, nnz = _finish_row(indices, values, labels, indptr, row_nnz, rows, with_bias, bias,
+                                    lab, which, seen)
         elif skip_bad:
             skipped += 1
         else:
