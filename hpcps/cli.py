@@ -253,6 +253,18 @@ def _cmd_bench_margins(args) -> int:
     return 0
 
 
+def _cmd_plot(args) -> int:
+    from hpcps import plot
+
+    try:
+        out = plot.plot(args.metrics, args.out, args.label)
+    except (ValueError, RuntimeError, OSError) as e:
+        print(f"hpcps plot: error: {e}", file=sys.stderr)
+        return 2
+    print(f"hpcps plot: wrote {out}")
+    return 0
+
+
 def _cmd_bench_checkpoint(args) -> int:
     from hpcps import bench_checkpoint
 
@@ -310,6 +322,12 @@ def build_parser() -> argparse.ArgumentParser:
     _serving_args(pr)
     pr.add_argument("--out", required=True, help="output file: one score per line")
     pr.set_defaults(func=_cmd_predict)
+
+    pl = sub.add_parser("plot", help="training loss and test metric, examples/s and waiting of runs, from their metrics")
+    pl.add_argument("metrics", nargs="+", help="JSON-lines files written by train.metrics")
+    pl.add_argument("-o", "--out", required=True, help="image file (PNG, SVG or PDF by its extension)")
+    pl.add_argument("--label", action="append", help="a name per run, in order (default: file names)")
+    pl.set_defaults(func=_cmd_plot)
 
     i = sub.add_parser("inspect", help="what a checkpoint (or every checkpoint in a directory) holds, and its integrity")
     i.add_argument("ckpt")

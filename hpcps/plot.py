@@ -1,0 +1,74 @@
+"""``hpcps plot METRICS.jsonl [MORE.jsonl ...] -o run.png``: training runs side by side.
+
+Reads the JSON lines ``train.metrics`` writes (a record per step and per epoch) and draws, over
+the global step, one panel each for the training loss (a running mean of the steps' losses) with
+the test metric at each evaluation, the examples/s, and the share of the time the workers waited.
+matplotlib is an optional extra (``pip install hpcps[plot]``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def read_metrics(path: str) -> tuple[list[dict], list[dict]]:
+    """(step records, evaluation records with the global step they follow)."""
+    steps, evals = [], []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+            except ValueError:
+                raise ValueError(f"{path}:{n}: not a JSON line of hpcps metrics") from None
+            if r.get("kind") == "step":
+                steps.append(r)
+            elif r.get("kind") == "epoch":
+                evals.append({**r, "global_step": len(steps)})
+    if not steps:
+        raise ValueError(f"{path}: no step records (write them with train.metrics = \"{path}\")")
+    return steps, evals
+
+
+def _running(values: list, weight: float = 0.98) -> list:
+    out, m = [], None
+    for v in values:
+        if v is not None:
+            m = v if m is None else weight * m + (1 - weight) * v
+        out.append(m)
+    return out
+
+
+def plot(paths: list[str], out: str, labels: list[str] | None = None) -> str:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError("hpcps plot needs matplotlib: pip install 'hpcps[plot]' (or matplotlib)") from None
+    fig, (ax_loss, ax_rate, ax_wait) = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
+    for i, path in enumerate(paths):
+        steps, evals = read_metrics(path)
+        name = labels[i] if labels and i < len(labels) else os.path.basename(path)
+        x = list(range(1, len(steps) + 1))
+        line, = ax_loss.plot(x, _running([s.get("loss") for s in steps]), label=f"{name}: training loss")
+        for key in ("test_logloss", "test_rmse"):
+            pts = [(e["global_step"], e[key]) for e in evals if key in e]
+            if pts:
+                ax_loss.plot(*zip(*pts), "o--", color=line.get_color(), label=f"{name}: {key.replace('_', ' ')}")
+        ax_rate.plot(x, [s["examples_per_s"] for s in steps], color=line.get_color(), label=name)
+        ax_wait.plot(x, [100 * s["wait_s"] / s["time_s"] if s["time_s"] > 0 else 0 for s in steps],
+                     color=line.get_color(), label=name)
+    ax_loss.set_ylabel("loss")
+    ax_loss.legend(fontsize=8)
+    ax_rate.set_ylabel("examples/s (all workers)")
+    ax_wait.set_ylabel("time waiting (%)")
+    ax_wait.set_xlabel("step")
+    for ax in (ax_loss, ax_rate, ax_wait):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
