@@ -21,7 +21,8 @@ install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(PY) -m hpcps_kernels warmup
-	$(VENV)/bin/mpiexec -n $(NP) $(VENV)/bin/hpcps train $(ARGS)
+	$(VENV)/bin/mpiexec -n $(NP) $(VENV)/bin/hpcps train --set train.model_out='"demo/model.h5"' \
+		--set checkpoint.dir='"demo/ckpt"' --set train.metrics='"demo/metrics.jsonl"' $(ARGS)
 
 test: $(VENV)/.installed
 	$(PY) tests/run.py $(ARGS)

@@ -105,3 +105,21 @@ def test_vowpal_wabbit_text_trains_like_the_same_rows_in_criteo_form(tmp_path):
         got[fmt] = summary["test_logloss"]
     # the same features hashed two ways (VW: xxh64 of the token, seeded by the namespace)
     assert abs(got["vw"] - got["criteo"]) < 0.01, got
+
+
+def test_a_run_ends_saying_where_things_went_and_the_next_commands_work(data, tmp_path):
+    metrics = tmp_path / "run.jsonl"
+    _, _, out = train(data, tmp_path, "m", f"checkpoint.dir={json.dumps(str(tmp_path / 'ck'))}",
+                      f"train.metrics={json.dumps(str(metrics))}")
+    tail = out[out.index("where things went:"):].splitlines()
+    said = {line.split()[0]: line.split(None, 1)[1] for line in tail if line.startswith("  ")}
+    assert said["model"] == str(tmp_path / "m.h5") and said["metrics"] == str(metrics)
+    assert said["checkpoints"] == checkpoint.newest_good(str(tmp_path / "ck"))[0]
+    assert "--resume auto" in said["resume"]
+    for what in ("export", "evaluate", "predict", "plot"):  # each printed command runs as printed
+        cmd = said[what].split()
+        assert cmd[0] == "hpcps"
+        if what == "plot":
+            pytest.importorskip("matplotlib")
+        proc = subprocess.run(HPCPS + cmd[1:], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert proc.returncode == 0, (what, proc.stdout + proc.stderr)

@@ -402,7 +402,32 @@ def run(cfg, comm=None) -> dict | None:
         rows.append(("best achievable logloss", f"{synth_info['best_test_logloss']:.5f}"))
         rows.append(("best achievable AUC", f"{synth_info['best_test_auc']:.5f}"))
     print(summary_table(rows), flush=True)
+    print(next_steps(cfg, paths, newest_checkpoint(ck.dir) if ck.dir else None), flush=True)
     return Result(summary, False, resumed)
+
+
+def newest_checkpoint(root: str) -> str | None:
+    found = checkpoint.complete_checkpoints(root)
+    return found[-1] if found else None
+
+
+def next_steps(cfg, paths: dict, ckpt: str | None) -> str:
+    """Where a run's outputs went, and the commands to try next with them."""
+    tr = cfg.train
+    test = paths.get("test") or "TEST_FILE"
+    model = tr.model_out or "MODEL.h5"
+    out = ["where things went:",
+           "  model        " + (tr.model_out or 'not written (set train.model_out = "model.h5")'),
+           "  checkpoints  " + (ckpt or 'none (set checkpoint.dir = "ckpt")'),
+           "  metrics      " + (tr.metrics or 'not written (set train.metrics = "run.jsonl")'),
+           "next:"]
+    if ckpt:
+        out.append("  resume       the same command with --resume auto (continues from the newest checkpoint)")
+        out.append(f"  export       hpcps export {ckpt} --out model.h5")
+    out.append(f"  evaluate     hpcps eval --model {model} --data {test}")
+    out.append(f"  predict      hpcps predict --model {model} --data {test} --out scores.txt")
+    out.append(f"  plot         hpcps plot {tr.metrics or 'run.jsonl'} -o run.png")
+    return "\n".join(out)
 
 
 def _peak_rss_mb() -> float:
