@@ -75,6 +75,7 @@ class Model:
     init_scale: float = 0.01         # fm: std of the initial weights and factors (lr: zeros)
     seed: int = 0                    # seed of the initializer
     compute: str = "workers"         # "servers": the servers compute margins and gradients
+    bias_init: str = "auto"          # auto: the label mean under the squared loss (0 under logistic); zero
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,7 @@ CHOICES = {
     ("model", "type"): ("lr", "fm"),
     ("model", "loss"): ("logistic", "squared"),
     ("model", "compute"): ("workers", "servers"),
+    ("model", "bias_init"): ("auto", "zero"),
     ("train", "gradient"): ("sum", "mean"),
     ("checkpoint", "on_signal"): ("exit", "continue"),
 }

@@ -93,14 +93,16 @@ class Context:
 
     def sparse_table(self, name: str, dim: int = 1, optimizer: str = "sgd", params: dict | None = None,
                      init: str = "zeros", init_scale: float = 0.01, seed: int = 0, key_bits: int = 64,
-                     features: Features | None = None) -> SparseTable:
+                     features: Features | None = None, init_keys: tuple = ()) -> SparseTable:
         """Declare a sparse table (collective; identical on every rank). ``key_bits``: keys are
         (mostly) below ``2**key_bits`` (hashed features): up to 26 bits servers address rows
-        directly by key. ``features``: admission and eviction of keys (:class:`hpcps.tables.Features`)."""
+        directly by key. ``features``: admission and eviction of keys (:class:`hpcps.tables.Features`).
+        ``init_keys``: ``((key, values), ...)``, keys that start at given values instead of the
+        initializer (a regression's bias at the label mean)."""
         if name in self.tables:
             raise ValueError(f"table {name!r} is already declared")
         spec = TableSpec(name, dim, optimizer, dict(params or {}), init, init_scale, seed, key_bits,
-                         features or Features())
+                         features or Features(), tuple((int(k), tuple(float(x) for x in v)) for k, v in init_keys))
         self._check_same(f"table {name!r}", spec.fingerprint())
         self.specs.append(spec)
         table = SparseTable(self, len(self.specs) - 1, spec)

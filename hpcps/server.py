@@ -67,6 +67,8 @@ class ServerTable:
         self.admitted = 0   # keys given a row
         self.evicted = 0    # rows evicted
         self.max_keys = self._budget_keys() if f.server_memory_mb > 0 else 0
+        # keys whose initial values are given (a regression's bias at the label mean)
+        self.init_keys = [(np.uint64(k), np.asarray(v, dtype=np.float32)) for k, v in spec.init_keys]
 
     def _budget_keys(self) -> int:
         """How many rows fit ``server_memory_mb``: the fixed arrays (direct index, counters)
@@ -135,6 +137,8 @@ class ServerTable:
         slots = self.index.lookup(keys)
         s = self.spec
         kinit.pull_rows(self.rows, slots, keys, s.dim, self.kind, s.init_scale, s.seed, out)
+        for key, values in self.init_keys:  # absent keys with given initial values
+            out[(keys == key) & (slots < 0)] = values
 
     def partial_margins(self, keys: np.ndarray, values: np.ndarray, row_ids: np.ndarray, n_rows: int,
                         out: np.ndarray) -> None:
@@ -207,6 +211,8 @@ class ServerTable:
                 self.last = last
         if self.index.size > first_new:
             kinit.create_rows(self.rows, slots, keys, first_new, s.dim, self.kind, s.init_scale, s.seed, self.state)
+            for key, values in self.init_keys:
+                self.rows[slots[(keys == key) & (slots >= first_new)], :s.dim] = values
             if self.counts is None:
                 self.admitted += self.index.size - first_new
         self.opt.apply(self.rows, slots, grads, s.params)

@@ -117,6 +117,7 @@ class TableSpec:
     seed: int = 0
     key_bits: int = 64
     features: Features = Features()
+    init_keys: tuple = ()  # ((key, (value, ...) of dim), ...): these keys start at these values
 
     def __post_init__(self):
         try:
@@ -133,6 +134,10 @@ class TableSpec:
             raise ValueError(f"table {self.name!r}: dim must be at least 1")
         if not 1 <= self.key_bits <= 64:
             raise ValueError(f"table {self.name!r}: key_bits must be between 1 and 64")
+        for key, values in self.init_keys:
+            if len(values) != self.dim or not 0 <= int(key) < 2**64:
+                raise ValueError(f"table {self.name!r}: init_keys entry for key {key} needs a key in [0, 2**64) "
+                                 f"and {self.dim} values")
         merged = dict(opt.params)
         merged.update(self.params)
         for key, value in merged.items():

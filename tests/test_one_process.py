@@ -123,3 +123,20 @@ def test_a_run_ends_saying_where_things_went_and_the_next_commands_work(data, tm
             pytest.importorskip("matplotlib")
         proc = subprocess.run(HPCPS + cmd[1:], capture_output=True, text=True, timeout=120, cwd=tmp_path)
         assert proc.returncode == 0, (what, proc.stdout + proc.stderr)
+
+
+def test_a_regression_starts_its_bias_at_the_label_mean_and_beats_predicting_the_mean(tmp_path):
+    d = tmp_path / "ratings"
+    proc = subprocess.run(HPCPS + ["gen-data", "--ratings", "--rows", "60000", "--test-rows", "6000", str(d)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    files = (str(d / "train.svm"), str(d / "test.svm"))
+    train_y = np.array([float(line.split()[0]) for line in open(files[0])])
+    test_y = np.array([float(line.split()[0]) for line in open(files[1])])
+    mean_rmse = float(np.sqrt(np.mean((test_y - train_y.mean()) ** 2)))
+    rmse = {}
+    for init in ("auto", "zero"):  # default AdaGrad, default learning rate, 2 epochs
+        s, _, _ = train(files, tmp_path, init, 'model.loss="squared"', 'optimizer.name="adagrad"',
+                        f'model.bias_init="{init}"')
+        rmse[init] = s["test_rmse"]
+    assert rmse["auto"] < 0.95 * mean_rmse < rmse["zero"], (rmse, mean_rmse)

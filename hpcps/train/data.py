@@ -316,6 +316,21 @@ class PartStream:
             self._first = None
         return self
 
+    def head_labels(self, n: int) -> np.ndarray:
+        """The labels of the part's first ``n`` rows (fewer if it has fewer), parsed apart from
+        the training's pass."""
+        got, have = [], 0
+        blocks = self._generator()
+        try:
+            for out in blocks:
+                got.append(out[0])
+                have += out[0].shape[0]
+                if have >= n:
+                    break
+        finally:
+            blocks.close()
+        return np.concatenate(got)[:n] if got else np.zeros(0, np.float32)
+
     def pump(self, force: bool = False) -> bool:
         """Parse one more slice of the current pass, if there is one and (unless ``force``) the
         rows parsed ahead are within the budget. Returns whether it parsed anything. Never
@@ -418,6 +433,9 @@ class LoadedPart:
         self.ds = ds
         self.rows_bound = ds.rows
         self.skipped = ds.skipped
+
+    def head_labels(self, n: int) -> np.ndarray:
+        return self.ds.labels[:n]
 
     def batches(self, batch_size: int, skip: int = 0):
         lo = skip * batch_size

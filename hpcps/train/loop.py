@@ -146,6 +146,21 @@ def _load(ctx, cfg, path: str, what: str, stream: bool = False):
     return ds
 
 
+BIAS_ROWS = 4096  # rows per worker whose labels set a regression's initial bias
+
+
+def initial_bias(ctx, cfg, train) -> float:
+    """Collective over the world: the bias weight's initial value. Under the squared loss with
+    ``model.bias_init = "auto"``, the mean label of the first ``BIAS_ROWS`` rows of every worker's
+    part (so a regression starts at the mean, not at 0); else 0."""
+    if cfg.model.loss != "squared" or cfg.model.bias_init != "auto":
+        return 0.0
+    labels = train.head_labels(BIAS_ROWS).astype(np.float64) if ctx.is_worker and train is not None else np.zeros(0)
+    total = transport.allreduce(ctx.comm, np.array([labels.sum(), labels.shape[0]]), "sum", ctx.stall_timeout_s,
+                                "sum of the first labels")
+    return float(total[0] / total[1]) if total[1] else 0.0
+
+
 def _gather_on_first(ctx, array: np.ndarray) -> np.ndarray | None:
     comm = ctx.workers_comm
     t = ctx.stall_timeout_s
@@ -218,10 +233,10 @@ def run(cfg, comm=None) -> dict | None:
     ctx = init(servers=cl.servers, worker_groups=cl.worker_groups or None, staleness=cl.staleness,
                num_shards=cl.num_shards, stall_warn_s=cl.stall_warn_s, stall_timeout_s=cl.stall_timeout_s,
                comm=world)
-    model = make_model(ctx, cfg)
     train = _load(ctx, cfg, paths["train"], "training", stream=True)
     test = _load(ctx, cfg, paths["test"], "test")
     to_predict = _load(ctx, cfg, cfg.data.predict, "prediction")
+    model = make_model(ctx, cfg, initial_bias(ctx, cfg, train))
     if ctx.is_server:
         ctx.serve(restore)
         preempted = _agree_preempted(ctx, False)[0]

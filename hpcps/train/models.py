@@ -14,6 +14,7 @@ import numpy as np
 
 from dataclasses import dataclass
 
+from hpcps.train.data import BIAS_KEY
 from hpcps_kernels import keys as kkeys
 from hpcps_kernels import models as kmodels
 
@@ -34,8 +35,9 @@ class _Prepared:
 class Model:
     """Common part: the table, the loss, a step and margins."""
 
-    def __init__(self, ctx, cfg):
+    def __init__(self, ctx, cfg, bias: float = 0.0):
         self.cfg = cfg
+        self.bias = bias  # the bias key's initial weight (a regression's label mean)
         self.loss = LOSSES[cfg.model.loss]
         self.aggregate = cfg.train.aggregate
         self.table = self._declare(ctx, cfg)
@@ -47,6 +49,12 @@ class Model:
 
     def _declare(self, ctx, cfg):
         raise NotImplementedError
+
+    def _bias_key(self, dim: int) -> tuple:
+        """The bias feature's initial row, when it does not start at the initializer."""
+        if not self.bias:
+            return ()
+        return ((int(BIAS_KEY), (self.bias,) + (0.0,) * (dim - 1)),)
 
     def _forward_backward(self, batch, pos, params, grads, scale) -> float:
         raise NotImplementedError
@@ -138,7 +146,7 @@ class LinearModel(Model):
     def _declare(self, ctx, cfg):
         return ctx.sparse_table("w", dim=1, optimizer=cfg.optimizer.name, params=cfg.optimizer.params,
                                 init="zeros", seed=cfg.model.seed, key_bits=cfg.data.hash_bits,
-                                features=cfg.features)
+                                features=cfg.features, init_keys=self._bias_key(1))
 
     def _forward_backward(self, batch, pos, params, grads, scale):
         return kmodels.lr_forward_backward(batch.indptr, pos, batch.values, batch.labels, params[:, 0],
@@ -155,7 +163,8 @@ class FactorizationMachine(Model):
     def _declare(self, ctx, cfg):
         return ctx.sparse_table("fm", dim=1 + cfg.model.factors, optimizer=cfg.optimizer.name,
                                 params=cfg.optimizer.params, init="normal", init_scale=cfg.model.init_scale,
-                                seed=cfg.model.seed, key_bits=cfg.data.hash_bits, features=cfg.features)
+                                seed=cfg.model.seed, key_bits=cfg.data.hash_bits, features=cfg.features,
+                                init_keys=self._bias_key(1 + cfg.model.factors))
 
     def _forward_backward(self, batch, pos, params, grads, scale):
         return kmodels.fm_forward_backward(batch.indptr, pos, batch.values, batch.labels, params[:, 0],
@@ -168,8 +177,9 @@ class FactorizationMachine(Model):
                                     g[:, 0], g[:, 1:], 0.0, 0.0, self.loss, out)
 
 
-def make_model(ctx, cfg) -> Model:
-    return {"lr": LinearModel, "fm": FactorizationMachine}[cfg.model.type](ctx, cfg)
+def make_model(ctx, cfg, bias: float = 0.0) -> Model:
+    """The configured model; ``bias``: the bias weight's initial value."""
+    return {"lr": LinearModel, "fm": FactorizationMachine}[cfg.model.type](ctx, cfg, bias)
 
 
 def margins_from_params(kind: str, batch, pos, params, loss: str = "logistic") -> np.ndarray:
