@@ -92,7 +92,7 @@ class SparseTable:
         ctx.stats["bytes_sent"] += msg.nbytes
         ctx.stats["bytes_received"] += reply_bytes
         req.parts.append((pulled, reply))
-        req.pending += ctx.exchange(server, msg, reply, req_id, f"{protocol.OP_NAMES[req.op]} of table {self.name!r}")
+        req.pending += ctx.exchange(server, msg, reply, req_id, req.op, self.name)
 
     def _register(self, req: _Request) -> int:
         ts = self.ctx.next_timestamp()

@@ -160,12 +160,15 @@ class Context:
         self._ts += 1
         return self._ts
 
-    def exchange(self, server: int, msg: np.ndarray, reply: np.ndarray, req_id: int, what: str) -> list:
+    def exchange(self, server: int, msg: np.ndarray, reply: np.ndarray, req_id: int, op: int, table: str = "") -> list:
         """Post the receive of request ``req_id``'s reply into ``reply``, then send ``msg`` to
-        ``server``; returns the pending transfers (for :func:`hpcps.transport.wait`)."""
+        ``server``; returns the pending transfers (for :func:`hpcps.transport.wait`), described
+        by the operation and table for stall messages."""
+        of = f" of table {table!r}" if table else ""
         pending = transport.start_recv(self.comm, reply, server, protocol.reply_tag(req_id, self.tag_ub),
-                                       f"{what} reply (request {req_id}) from server")
-        return pending + transport.start_send(self.comm, msg, server, protocol.TAG_REQUEST, f"{what} request to server")
+                                       f"{protocol.OP_NAMES[op]} reply{of} (request {req_id}) from server")
+        return pending + transport.start_send(self.comm, msg, server, protocol.TAG_REQUEST,
+                                              f"{protocol.OP_NAMES[op]} request to server")
 
     def _notify_servers(self, op: int) -> None:
         self._clock_sends = transport.completed(self._clock_sends)
@@ -195,7 +198,7 @@ class Context:
             reply = np.empty(protocol.reply_bytes(protocol.CHECKPOINT, 0, 0), dtype=np.uint8)
             msg = protocol.pack_request(protocol.CHECKPOINT, 0, req_id, self.clock_value, self.worker_index,
                                         pull_keys=words)
-            pending += self.exchange(server, msg, reply, req_id, "checkpoint")
+            pending += self.exchange(server, msg, reply, req_id, protocol.CHECKPOINT)
             replies.append(reply)
         transport.wait(pending, self.stall_timeout_s, warn_after=self.stall_warn_s)
         files = []
@@ -308,12 +311,12 @@ class LocalContext(Context):
             raise RuntimeError("declare every table and server function before the first request")
         return self.server
 
-    def exchange(self, server: int, msg: np.ndarray, reply: np.ndarray, req_id: int, what: str) -> list:
+    def exchange(self, server: int, msg: np.ndarray, reply: np.ndarray, req_id: int, op: int, table: str = "") -> list:
         srv = self._local_server()
         srv.handle(1, msg)
         out = srv.outbox.pop(req_id, None)
         if out is None:
-            raise RuntimeError(f"the in-process server deferred a {what} request (one worker never waits)")
+            raise RuntimeError(f"the in-process server deferred a {protocol.OP_NAMES[op]} request (one worker never waits)")
         reply[:] = out
         return []
 
