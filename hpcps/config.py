@@ -94,6 +94,8 @@ class Train:
     metrics: str = ""                # JSON-lines metrics file ("" = none)
     progress: bool = True            # progress bar on the first worker
     model_out: str = ""              # write the trained model (HDF5) here
+    holdout: int = 0                 # hold out every Nth row of each worker's part from training (0 = none)
+    early_stop: int = 0              # stop after N epochs without a better holdout loss, keeping the best model
 
 
 @dataclass(frozen=True)
@@ -256,6 +258,8 @@ RANGES = {
     ("train", "epochs"): (1, INF, False),
     ("train", "batch_size"): (1, INF, False),
     ("train", "eval_every"): (0, INF, False),
+    ("train", "holdout"): (0, INF, False),
+    ("train", "early_stop"): (0, INF, False),
     ("checkpoint", "every_steps"): (0, INF, False),
     ("checkpoint", "every_s"): (0, INF, False),
     ("checkpoint", "keep"): (1, INF, False),
@@ -278,6 +282,11 @@ def _check(cfg: Config) -> None:
     if cfg.cluster.stall_warn_s > cfg.cluster.stall_timeout_s:
         raise ConfigError(f"cluster.stall_warn_s ({cfg.cluster.stall_warn_s:g}) must not exceed "
                           f"cluster.stall_timeout_s ({cfg.cluster.stall_timeout_s:g})")
+    if cfg.train.holdout == 1:
+        raise ConfigError("train.holdout = 1 would hold out every row; use 0 (none) or N >= 2 (every Nth row, "
+                          "e.g. 10 as Vowpal Wabbit does)")
+    if cfg.train.early_stop and not cfg.train.holdout:
+        raise ConfigError("train.early_stop needs a holdout to watch: set train.holdout (e.g. 10: every 10th row)")
     if cfg.model.compute == "servers" and cfg.cluster.worker_groups:
         raise ConfigError("model.compute = 'servers' needs one worker per group (cluster.worker_groups = 0): "
                           "each worker's rows go to the servers, there is no group merge")

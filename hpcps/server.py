@@ -257,6 +257,18 @@ class ServerTable:
                 out["count_buckets"], out["count_values"] = nz.astype(np.uint64), self.counts[nz]
         return out
 
+    def snapshot(self) -> None:
+        """Keep a copy of the rows and their state (early stopping's best model so far)."""
+        keys, rows = self.items()
+        self._snapshot = (keys.copy(), rows.copy(),
+                          {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in self.state_arrays().items()})
+
+    def restore_snapshot(self) -> None:
+        """Go back to the rows of the last :meth:`snapshot`."""
+        keys, rows, state = self._snapshot
+        self.load(keys, rows)
+        self.restore_state(state)
+
     def restore_state(self, state: dict) -> None:
         """Put back what :meth:`state_arrays` saved (after :meth:`load` of the rows)."""
         self.admitted = int(state.get("admitted", self.index.size))

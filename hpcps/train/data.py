@@ -119,6 +119,22 @@ class Dataset:
         a, b = self.indptr[lo], self.indptr[hi]
         return Dataset(self.labels[lo:hi], self.indptr[lo:hi + 1] - a, self.indices[a:b], self.values[a:b])
 
+    def take_rows(self, rows: np.ndarray) -> "Dataset":
+        """A copy of the rows ``rows`` (ascending row numbers)."""
+        lengths = np.diff(self.indptr)[rows]
+        indptr = np.zeros(rows.shape[0] + 1, dtype=np.int64)
+        np.cumsum(lengths, out=indptr[1:])
+        starts = self.indptr[:-1][rows]
+        at = np.repeat(starts - indptr[:-1], lengths) + np.arange(indptr[-1])
+        return Dataset(self.labels[rows], indptr, self.indices[at], self.values[at], 0, self.source)
+
+    def split_every(self, n: int, first_row: int) -> tuple["Dataset", "Dataset"]:
+        """(the rows kept, every ``n``-th row held out), counting rows from ``first_row`` (this
+        batch's first row's number in its part): row r is held out when ``r % n == n - 1``."""
+        r = np.arange(first_row, first_row + self.rows)
+        held = (r % n) == n - 1
+        return self.take_rows(np.flatnonzero(~held)), self.take_rows(np.flatnonzero(held))
+
     @property
     def nbytes(self) -> int:
         return self.labels.nbytes + self.indptr.nbytes + self.indices.nbytes + self.values.nbytes

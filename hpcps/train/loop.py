@@ -23,7 +23,7 @@ import numpy as np
 
 from dataclasses import dataclass
 
-from hpcps import checkpoint, config, signals, transport
+from hpcps import checkpoint, config, signals, tables, transport
 from hpcps.context import init
 from hpcps.train import data as tdata
 from hpcps.train import model_file, synth
@@ -33,6 +33,21 @@ from hpcps_kernels import metrics
 
 
 EXIT_PREEMPTED = 75  # the job stopped on SIGUSR1/SIGTERM after writing a checkpoint (EX_TEMPFAIL)
+
+
+def _snapshot(shard, keys, args):
+    shard.snapshot()
+    return np.zeros(1, dtype=np.float32)
+
+
+def _restore(shard, keys, args):
+    shard.restore_snapshot()
+    return np.zeros(1, dtype=np.float32)
+
+
+# early stopping keeps the best model on the servers (server functions, see hpcps.tables)
+tables.register_server_function("hpcps.snapshot", _snapshot, 1, per_key=False, replace=True)
+tables.register_server_function("hpcps.restore", _restore, 1, per_key=False, replace=True)
 
 
 class TrainError(RuntimeError):
@@ -237,6 +252,8 @@ def run(cfg, comm=None) -> dict | None:
     test = _load(ctx, cfg, paths["test"], "test")
     to_predict = _load(ctx, cfg, cfg.data.predict, "prediction")
     model = make_model(ctx, cfg, initial_bias(ctx, cfg, train))
+    keep_best = (ctx.server_function("hpcps.snapshot"), ctx.server_function("hpcps.restore")) \
+        if cfg.train.early_stop else None
     if ctx.is_server:
         ctx.serve(restore)
         preempted = _agree_preempted(ctx, False)[0]
@@ -307,6 +324,14 @@ def run(cfg, comm=None) -> dict | None:
     made: dict[int, object] = {}
     feed = {"epoch": None, "batches": None}
 
+    # train.holdout = N: every Nth row of the part never trains; the rows of the first whole
+    # epoch are the holdout set, evaluated after each epoch (early stopping watches it)
+    held_out: dict[int, tdata.Dataset] = {}
+    holdout_pieces: list = []
+    holdout = None
+    best = {"loss": math.inf, "epoch": 0}
+    stopped_at = 0
+
     def batch_at(i: int):
         if i not in made:
             epoch_i = i // steps + 1
@@ -314,17 +339,25 @@ def run(cfg, comm=None) -> dict | None:
                 skip = start_step - 1 if epoch_i == start_epoch else 0
                 feed.update(epoch=epoch_i, batches=train.batches(tr.batch_size, skip))
             try:
-                made[i] = next(feed["batches"])
+                b = next(feed["batches"])
             except tdata.DataError as e:  # a bad line past the first block: this rank stops the job
                 transport.abort(f"error: {e}", code=2)
+            if tr.holdout:
+                b, held_out[i] = b.split_every(tr.holdout, (i % steps) * tr.batch_size)
+            made[i] = b
         return made[i]
 
     for epoch in range(start_epoch, tr.epochs + 1):
         loss_sum, rows = 0.0, 0
-        for step in range(start_step if epoch == start_epoch else 1, steps + 1):
+        first_step = start_step if epoch == start_epoch else 1
+        collecting = tr.holdout and holdout is None and first_step == 1
+        for step in range(first_step, steps + 1):
             i = (epoch - 1) * steps + step - 1
             batch = batch_at(i)
             made.pop(i - 1, None)
+            held = held_out.pop(i, None)
+            if collecting and held is not None and held.rows:
+                holdout_pieces.append(held)
             loss = model.step(batch, scale, [batch_at(j) for j in range(i + 1, min(i + 3, last_index))])
             global_step += 1
             loss_sum += loss
@@ -361,8 +394,30 @@ def run(cfg, comm=None) -> dict | None:
         record = {"train_loss": total_loss / max(examples / epoch, 1), "time_s": time.perf_counter() - t0}
         if test is not None:
             record.update(evaluate(ctx, model, test, tr.batch_size, cfg.model.loss))
+        if collecting:
+            holdout = tdata.Dataset(*tdata._concat([(p.labels, p.indptr, p.indices, p.values) for p in holdout_pieces]))
+            holdout_pieces = []
+        if holdout is not None:
+            got = evaluate(ctx, model, holdout, tr.batch_size, cfg.model.loss)
+            name = "logloss" if cfg.model.loss == "logistic" else "rmse"
+            record[f"holdout_{name}"] = value = got[f"test_{name}"]
+            if value < best["loss"]:
+                best.update(loss=value, epoch=epoch)
+                if keep_best and first:
+                    model.table.call(keep_best[0], np.zeros(0, dtype=np.uint64))
+            elif tr.early_stop and epoch - best["epoch"] >= tr.early_stop:
+                stopped_at = epoch
         history.append(record)
         progress.epoch_end(epoch, record)
+        if stopped_at:
+            break
+    if keep_best and best["epoch"] and best["epoch"] != len(history) + start_epoch - 1 and not preempted:
+        if first:  # the servers go back to the best epoch's model (it is the one exported and checkpointed)
+            model.table.call(keep_best[1], np.zeros(0, dtype=np.uint64))
+        transport.barrier(wcomm, ctx.stall_timeout_s, "barrier after keeping the best model")
+        if test is not None:  # the summary describes the model kept
+            history.append({**history[-1], **evaluate(ctx, model, test, tr.batch_size, cfg.model.loss),
+                            f"holdout_{name}": best["loss"]})
     elapsed = time.perf_counter() - t0
     if ck.dir and ck.final and not preempted and saved_at != global_step:
         save(tr.epochs + 1, 1, "end of training")
@@ -398,6 +453,10 @@ def run(cfg, comm=None) -> dict | None:
                "max_wait_s": wait, "max_staleness": ctx.stats["max_staleness"], "bad_lines_skipped": skipped,
                "peak_rss_mb_worker": worker_rss, "peak_rss_mb_server": server_rss, **key_counts,
                "bytes_sent": int(traffic[0]), "bytes_received": int(traffic[1])}
+    if holdout is not None:
+        summary["best_epoch"] = best["epoch"]
+        summary["epochs_trained"] = stopped_at or tr.epochs
+        summary["stopped_early"] = bool(stopped_at)
     if synth_info:
         summary["best_test_logloss"] = synth_info["best_test_logloss"]
         summary["best_test_auc"] = synth_info["best_test_auc"]
