@@ -27,11 +27,14 @@ it (whole shards move; keys never change shard).
 
 from __future__ import annotations
 
+import errno
+import gc
 import json
 import mmap
 import os
 import re
 import shutil
+import traceback
 from dataclasses import dataclass
 
 import h5py
@@ -89,11 +92,7 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
-def write_server_file(path: str, server: int, servers: int, num_shards: int, tables: list[tuple]) -> tuple[int, str]:
-    """Write one server's tables: (name, keys, rows) or (name, keys, rows, state), as they are,
-    and fsync the file. ``state``: the table's admission and eviction state (see
-    :func:`read_state_for_server`), arrays written beside the rows and integers as attributes.
-    Returns (bytes, checksum)."""
+def _write_tables(path: str, server: int, servers: int, num_shards: int, tables: list[tuple]) -> None:
     with h5py.File(path, "w") as f:
         f.attrs.update(format=FORMAT, version=VERSION, server=server, servers=servers, num_shards=num_shards)
         for name, keys, rows, *state in tables:
@@ -105,6 +104,33 @@ def write_server_file(path: str, server: int, servers: int, num_shards: int, tab
                     g.create_dataset(k, data=np.ascontiguousarray(v))
                 else:
                     g.attrs[k] = v
+
+
+def write_server_file(path: str, server: int, servers: int, num_shards: int, tables: list[tuple]) -> tuple[int, str]:
+    """Write one server's tables: (name, keys, rows) or (name, keys, rows, state), as they are,
+    and fsync the file. ``state``: the table's admission and eviction state (see
+    :func:`read_state_for_server`), arrays written beside the rows and integers as attributes.
+    Returns (bytes, checksum). Raises OSError (with its errno) when the file cannot be written.
+
+    h5py reports a full disk met while closing as a RuntimeError, and its objects of the failed
+    file raise again when they are freed; they are freed here, where that is caught, so that the
+    failure surfaces once, as the OSError."""
+    failure = None
+    try:
+        _write_tables(path, server, servers, num_shards, tables)
+    except (OSError, RuntimeError) as e:
+        code = getattr(e, "errno", None) or re.search(r"errno = (\d+)", str(e))
+        failure = (code if isinstance(code, int) else int(code.group(1)) if code else errno.EIO,
+                   str(e).splitlines()[0] if str(e) else type(e).__name__)
+        for _ in range(3):  # free the failed file's objects (their frames) while errors are caught
+            try:
+                traceback.clear_frames(e.__traceback__)
+                gc.collect()
+                break
+            except RuntimeError:
+                continue
+    if failure:
+        raise OSError(*failure)
     fsync_path(path)
     return os.path.getsize(path), checksum(path)
 

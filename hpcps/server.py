@@ -245,7 +245,10 @@ class ServerTable:
 
     def state_arrays(self) -> dict:
         """What a checkpoint keeps beside the rows for exact resume: each row's last update,
-        the push counts of keys without a row, and the admitted and evicted counters."""
+        the push counts of keys without a row, and the admitted and evicted counters (nothing
+        for a table without admission or eviction)."""
+        if self.counts is None and self.last is None:
+            return {}
         out: dict = {"admitted": self.admitted, "evicted": self.evicted}
         if self.last is not None:
             out["last"] = self.last[: self.index.size]
