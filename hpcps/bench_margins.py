@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import numpy as np
 
@@ -42,7 +43,7 @@ def _rare(path: str, rows: int, nnz: int, bits: int, seed: int) -> None:
 
 def run_job(train: str, fmt: str, compute: str, hash_bits: int, ranks: int, batch: int, out_dir: str) -> dict:
     summary = os.path.join(out_dir, f"margins-{os.path.basename(train)}-{compute}.json")
-    cmd = [_mpiexec(), "-n", str(ranks), os.sys.executable, "-m", "hpcps.cli", "train",
+    cmd = [_mpiexec(), "-n", str(ranks), sys.executable, "-m", "hpcps.cli", "train",
            "--set", f"data.train={json.dumps(train)}", "--set", f'data.format="{fmt}"',
            "--set", f"data.hash_bits={hash_bits}", "--set", "train.epochs=1", "--set", "train.progress=false",
            "--set", f"train.batch_size={batch}", "--set", f'model.compute="{compute}"',

@@ -51,7 +51,17 @@ class Context:
         self.placement = Placement(layout.servers, num_shards)
         self.stall_warn_s = stall_warn_s
         self.stall_timeout_s = stall_timeout_s
-        self.tag_ub = transport.tag_upper_bound(comm)
+        self._init_state()
+        # Worker groups: one communicator per group (servers get none).
+        self.group_comm = transport.split(comm, self.group, self.rank)
+        # All workers together (evaluation, data checks), and all servers together (export).
+        self.workers_comm = transport.split(comm, 0 if self.is_worker else -1, self.rank)
+        self.servers_comm = transport.split(comm, 0 if self.is_server else -1, self.rank)
+        self._check_same("layout", hash((layout.servers, layout.worker_groups, staleness, num_shards)) & 0x7FFFFFFF)
+
+    def _init_state(self) -> None:
+        """What a rank keeps apart from its layout and communicators (shared with LocalContext)."""
+        self.tag_ub = transport.tag_upper_bound(self.comm)
         self.specs: list[TableSpec] = []
         self.functions: list[ServerFunction] = []  # declared server functions, in order
         self.tables: dict[str, SparseTable | DenseTable] = {}
@@ -69,12 +79,6 @@ class Context:
         self.background: Callable[[], bool] | None = None
         self._finalized = False
         self._done_sent = False    # this worker told the servers it is done
-        # Worker groups: one communicator per group (servers get none).
-        self.group_comm = transport.split(comm, self.group, self.rank)
-        # All workers together (evaluation, data checks), and all servers together (export).
-        self.workers_comm = transport.split(comm, 0 if self.is_worker else -1, self.rank)
-        self.servers_comm = transport.split(comm, 0 if self.is_server else -1, self.rank)
-        self._check_same("layout", hash((layout.servers, layout.worker_groups, staleness, num_shards)) & 0x7FFFFFFF)
 
     def run_background(self) -> bool:
         """One piece of :attr:`background` work, timed in ``stats["background_s"]``."""
@@ -291,16 +295,7 @@ class LocalContext(Context):
         self.staleness = staleness
         self.placement = Placement(1, num_shards)
         self.stall_warn_s, self.stall_timeout_s = stall_warn_s, stall_timeout_s
-        self.tag_ub = transport.tag_upper_bound(comm)
-        self.specs, self.functions, self.tables = [], [], {}
-        self.clock_value, self._req_id, self._ts = 0, 0, 0
-        self._clock_sends = []
-        self.stats = {"wait_s": 0.0, "max_staleness": 0, "background_s": 0.0, "bytes_sent": 0, "bytes_received": 0}
-        self.server_stats = None
-        self.server_stop = False
-        self.background = None
-        self._finalized = False
-        self._done_sent = False
+        self._init_state()
         self.group_comm, self.workers_comm, self.servers_comm = (transport.dup(comm) for _ in range(3))
         self.server: LocalServer | None = None
 

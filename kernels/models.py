@@ -201,6 +201,33 @@ def lr_residuals(margins, labels, scale, loss, out):
 
 
 @njit(cache=True)
+def _merge_repeated_keys(pos, vals, row_ids, n_keys):
+    """A server's nonzeros with a key repeated within its row merged, as
+    :func:`fm_forward_backward` merges them: its values summed in order at its first place.
+    Returns (pos, x float64, row_ids) of the merged nonzeros (a row's nonzeros consecutive)."""
+    n = pos.shape[0]
+    out_pos = np.empty(n, dtype=np.int64)
+    out_x = np.empty(n, dtype=np.float64)
+    out_row = np.empty(n, dtype=np.int32)
+    at = np.empty(n_keys, dtype=np.int64)           # a key's place in the output, in its last row
+    last_row = np.full(n_keys, -1, dtype=np.int64)  # the last row that had the key
+    m = 0
+    for j in range(n):
+        p = pos[j]
+        r = row_ids[j]
+        if last_row[p] == r:
+            out_x[at[p]] += vals[j]
+        else:
+            last_row[p] = r
+            at[p] = m
+            out_pos[m] = p
+            out_x[m] = vals[j]
+            out_row[m] = r
+            m += 1
+    return out_pos[:m], out_x[:m], out_row[:m]
+
+
+@njit(cache=True)
 def fm_partial_margins(pos, vals, row_ids, w, V, out):
     """Computation on the servers for a factorization machine: per row of the nonzeros given
     here (a server's share of a batch; a row's nonzeros consecutive, as they are in the batch),
@@ -210,39 +237,14 @@ def fm_partial_margins(pos, vals, row_ids, w, V, out):
     servers' sums."""
     k = V.shape[1]
     out[:, :] = 0.0
-    scratch = np.full((w.shape[0], 2), -1.0, dtype=np.float64)
-    n = pos.shape[0]
-    a = 0
-    while a < n:
-        r = row_ids[a]
-        b = a
-        while b < n and row_ids[b] == r:
-            b += 1
-        row = np.float64(r)
-        dup = False
-        for j in range(a, b):
-            p = pos[j]
-            if scratch[p, 0] != row:
-                scratch[p, 0] = row
-                scratch[p, 1] = vals[j]
-            else:
-                scratch[p, 1] += vals[j]
-                dup = True
-        for j in range(a, b):
-            p = pos[j]
-            if dup:
-                if scratch[p, 0] != row:
-                    continue
-                scratch[p, 0] = -2.0 - row
-                x = scratch[p, 1]
-            else:
-                x = np.float64(vals[j])
-            out[r, 0] += np.float64(w[p]) * x
-            for f in range(k):
-                v = np.float64(V[p, f]) * x
-                out[r, 1 + f] += v
-                out[r, 1 + k] += v * v
-        a = b
+    mpos, mx, mrow = _merge_repeated_keys(pos, vals, row_ids, w.shape[0])
+    for j in range(mpos.shape[0]):
+        p, x, r = mpos[j], mx[j], mrow[j]
+        out[r, 0] += np.float64(w[p]) * x
+        for f in range(k):
+            v = np.float64(V[p, f]) * x
+            out[r, 1 + f] += v
+            out[r, 1 + k] += v * v
 
 
 @njit(cache=True)
@@ -254,39 +256,13 @@ def fm_residual_grads(pos, vals, row_ids, V, residuals, gw, gV):
     k = V.shape[1]
     gw[:] = 0.0
     gV[:, :] = 0.0
-    scratch = np.full((gw.shape[0], 2), -1.0, dtype=np.float64)
-    n = pos.shape[0]
-    a = 0
-    while a < n:
-        r = row_ids[a]
-        b = a
-        while b < n and row_ids[b] == r:
-            b += 1
-        row = np.float64(r)
-        dup = False
-        for j in range(a, b):
-            p = pos[j]
-            if scratch[p, 0] != row:
-                scratch[p, 0] = row
-                scratch[p, 1] = vals[j]
-            else:
-                scratch[p, 1] += vals[j]
-                dup = True
-        g = residuals[r, 0]
-        for j in range(a, b):
-            p = pos[j]
-            if dup:
-                if scratch[p, 0] != row:
-                    continue
-                scratch[p, 0] = -2.0 - row
-                x = scratch[p, 1]
-            else:
-                x = np.float64(vals[j])
-            gx = g * x
-            gw[p] += gx
-            for f in range(k):
-                gV[p, f] += gx * (residuals[r, 1 + f] - V[p, f] * x)
-        a = b
+    mpos, mx, mrow = _merge_repeated_keys(pos, vals, row_ids, gw.shape[0])
+    for j in range(mpos.shape[0]):
+        p, x, r = mpos[j], mx[j], mrow[j]
+        gx = residuals[r, 0] * x
+        gw[p] += gx
+        for f in range(k):
+            gV[p, f] += gx * (residuals[r, 1 + f] - V[p, f] * x)
 
 
 @njit(cache=True)

@@ -536,14 +536,19 @@ def parse_libsvm(data, *, source: str = "<bytes>", first_line: int = 1, skip_bad
     buf = _as_bytes(data)
     max_rows = int(count_byte(buf, NL)) + 1
     max_nnz = int(count_byte(buf, COLON)) + (max_rows if bias is not None else 0)
+    return _parse_sparse(libsvm_kernel, buf, max_rows, max_nnz, source, first_line, skip_bad, binary, seen, bias, bits)
+
+
+def _parse_sparse(kernel, buf, max_rows, max_nnz, source, first_line, skip_bad, binary, seen, bias, bits):
+    """Run a labelled sparse-text kernel (libsvm, VW) on ``buf`` into arrays of the given bounds."""
     labels = np.empty(max_rows, dtype=np.float32)
     indptr = np.empty(max_rows + 1, dtype=np.int64)
     indices = np.empty(max_nnz, dtype=np.uint64)
     values = np.empty(max_nnz, dtype=np.float32)
     if seen is None:
         seen = np.zeros(2, dtype=np.int64)
-    rows, nnz, status, bad, skipped = libsvm_kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen,
-                                                    bias is not None, np.uint64(bias or 0), _mask(bits))
+    rows, nnz, status, bad, skipped = kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen,
+                                             bias is not None, np.uint64(bias or 0), _mask(bits))
     if status != OK:
         raise ParseError(source, first_line + bad, MESSAGES[status], _line_text(buf, bad))
     return labels[:rows], indptr[: rows + 1], indices[:nnz], values[:nnz], int(skipped)
@@ -556,17 +561,7 @@ def parse_vw(data, *, source: str = "<bytes>", first_line: int = 1, skip_bad: bo
     buf = _as_bytes(data)
     max_rows = int(count_byte(buf, NL)) + 1
     max_nnz = int(count_byte(buf, SPACE)) + int(count_byte(buf, TAB)) + int(count_byte(buf, BAR)) + 2 * max_rows
-    labels = np.empty(max_rows, dtype=np.float32)
-    indptr = np.empty(max_rows + 1, dtype=np.int64)
-    indices = np.empty(max_nnz, dtype=np.uint64)
-    values = np.empty(max_nnz, dtype=np.float32)
-    if seen is None:
-        seen = np.zeros(2, dtype=np.int64)
-    rows, nnz, status, bad, skipped = vw_kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen,
-                                                bias is not None, np.uint64(bias or 0), _mask(bits))
-    if status != OK:
-        raise ParseError(source, first_line + bad, MESSAGES[status], _line_text(buf, bad))
-    return labels[:rows], indptr[: rows + 1], indices[:nnz], values[:nnz], int(skipped)
+    return _parse_sparse(vw_kernel, buf, max_rows, max_nnz, source, first_line, skip_bad, binary, seen, bias, bits)
 
 
 def parse_criteo(data, *, source: str = "<bytes>", first_line: int = 1, skip_bad: bool = False,
