@@ -110,11 +110,18 @@ def write_server_file(path: str, server: int, servers: int, num_shards: int, tab
     """Write one server's tables: (name, keys, rows) or (name, keys, rows, state), as they are,
     and fsync the file. ``state``: the table's admission and eviction state (see
     :func:`read_state_for_server`), arrays written beside the rows and integers as attributes.
-    Returns (bytes, checksum). Raises OSError (with its errno) when the file cannot be written.
+    Returns (bytes, checksum). Raises OSError (with its errno) when the file cannot be written,
+    ENOSPC before writing anything when the disk has not room for the arrays.
 
     h5py reports a full disk met while closing as a RuntimeError, and its objects of the failed
     file raise again when they are freed; they are freed here, where that is caught, so that the
     failure surfaces once, as the OSError."""
+    need = sum(a.nbytes for _, keys, rows, *state in tables for a in (keys, rows, *(
+        v for v in (state[0] if state else {}).values() if isinstance(v, np.ndarray))))
+    need += (64 << 10) + need // 100  # HDF5's metadata
+    if shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free < need:
+        # refused before HDF5 meets the full disk (see below): a clean error, no partial file
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
     failure = None
     try:
         _write_tables(path, server, servers, num_shards, tables)
