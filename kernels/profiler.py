@@ -21,7 +21,7 @@ import time
 import numpy as np
 from numba import njit
 
-from . import admission, directindex, hashing, hashtable, init, keys, metrics, models, optim, parse, textgen
+from . import admission, deep, directindex, hashing, hashtable, init, keys, metrics, models, optim, parse, textgen
 from . import reference as ref
 
 ROOF_BYTES = 512 << 20
@@ -166,6 +166,46 @@ def bench_fm(rows, repeat, roof):
     t = median_time(lambda: models.fm_forward_backward(indptr, pos, vals, labels, w, V, gw, gV, 1.0, 0.0, 0, m), repeat)
     tr = median_time(lambda: ref.fm_forward_backward(indptr, pos, vals, labels, w, V, 1.0, 0.0), repeat)
     return [_row("fm_grad/k=8", idx.size, "nnz", t, tr, "scipy CSR (X@V, X.T@...)")]
+
+
+def bench_deep(rows, repeat, roof):
+    """Per-field embedding pooling and its transpose (39 fields of k = 8, keys carrying their field
+    above bit 24), and an MLP step (312 -> 400 -> 400 -> 1, ReLU, float32) on 1000-row batches."""
+    rows = max(rows // 4, 1)
+    indptr, idx, vals, labels = criteo_batch(rows, 24)
+    idx = idx | (np.tile(np.arange(39, dtype=np.uint64), rows) << np.uint64(24))
+    uniq, pos = keys.unique_keys(idx)
+    k = 8
+    rng = np.random.default_rng(3)
+    E = rng.normal(size=(uniq.shape[0], k)).astype(np.float32)
+    x = np.empty((rows, 39 * k), np.float32)
+    skip = np.uint64(2**63)
+    t = median_time(lambda: deep.embed_pool(indptr, pos, idx, vals, E, 24, 39, skip, x), repeat)
+    tr = median_time(lambda: ref.embed_pool(indptr, pos, idx, vals, E, 24, 39, skip), repeat)
+    out = [_row("embed_pool/39 fields k=8", idx.size, "nnz", t, tr, "scipy CSR per field")]
+    gE = np.zeros_like(E)
+    t = median_time(lambda: deep.embed_scatter(indptr, pos, idx, vals, x, 24, skip, gE), repeat)
+    tr = median_time(lambda: ref.embed_scatter(indptr, pos, idx, vals, x, 24, skip, uniq.shape[0], k), repeat)
+    out.append(_row("embed_scatter/39 fields k=8", idx.size, "nnz", t, tr, "np.add.at"))
+    hidden = [400, 400]
+    layers, size = deep.mlp_layout(39 * k, hidden)
+    params = deep.mlp_init(39 * k, hidden, "relu", 0)
+    xb = x[:1000].copy()
+    dout = rng.normal(size=xb.shape[0]).astype(np.float32)
+    grad = np.empty(size, np.float32)
+
+    def step():
+        _, hs = deep.mlp_forward(params, layers, xb, deep.RELU)
+        deep.mlp_backward(params, layers, hs, dout, deep.RELU, grad)
+
+    def step_ref():
+        _, g = ref.mlp(params, 39 * k, hidden, xb, "relu", np.float32)
+        g(dout)
+
+    t = median_time(step, repeat)
+    tr = median_time(step_ref, repeat)
+    out.append(_row("mlp fwd+bwd/312-400-400-1", xb.shape[0], "row", t, tr, "NumPy float32 (same BLAS)"))
+    return out
 
 
 def bench_segment_reduce(rows, repeat, roof):
@@ -316,7 +356,7 @@ def bench_metrics(rows, repeat, roof):
 BENCHES = {
     "unique": bench_unique, "lr": bench_lr, "fm": bench_fm, "segment_reduce": bench_segment_reduce,
     "optim": bench_optim, "hashtable": bench_hashtable, "hashing": bench_hashing, "parse": bench_parse,
-    "metrics": bench_metrics,
+    "metrics": bench_metrics, "deep": bench_deep,
 }
 
 
@@ -341,6 +381,21 @@ def warmup() -> None:
     models.fm_residual_grads(pos, vals, row_ids, V, np.zeros((nrows, 3)), np.empty_like(w), np.empty_like(V))
     models.fm_residuals(np.zeros((nrows, 4)), labels, 1.0, 0, np.empty((nrows, 3)))
     models.fm_forward_backward(indptr, pos, vals, labels, w, V, np.empty_like(w), np.empty_like(V), 1.0, 0.0, 0, np.empty(4))
+    # the deep models: pooling and its transpose (a plain and a column-view embedding), the MLP
+    fkeys = idx | np.uint64(1 << 30)
+    x = np.empty((nrows, 2 * 2), np.float32)
+    deep.embed_pool(indptr, pos, fkeys, vals, V, 30, 2, np.uint64(0), x)
+    deep.embed_pool(indptr, pos, fkeys, vals, P[:, 1:], 30, 2, np.uint64(0), x)
+    deep.embed_scatter(indptr, pos, fkeys, vals, x, 30, np.uint64(0), V)
+    deep.embed_scatter(indptr, pos, fkeys, vals, x, 30, np.uint64(0), P[:, 1:])
+    W1 = np.zeros((len(uniq), 1), np.float32)[:, 0]  # a wide table's column, as the deep models pass it
+    models.lr_partial_margins(pos, vals, row_ids, W1, np.empty(nrows))
+    models.lr_residual_grads(pos, vals, row_ids, np.zeros(nrows), W1)
+    layers, size = deep.mlp_layout(4, [3])
+    for act in ("relu", "tanh"):
+        mp = deep.mlp_init(4, [3], act, 0)
+        _, hs = deep.mlp_forward(mp, layers, x, deep.ACTIVATIONS[act])
+        deep.mlp_backward(mp, layers, hs, np.ones(nrows, np.float32), deep.ACTIVATIONS[act], np.empty(size, np.float32))
     keys.segment_reduce(idx, np.ones((idx.size, 1), dtype=np.float32))
     keys.merge_sorted([(uniq, np.ones((uniq.size, 1), np.float32))] * 2)
     keys.is_sorted_unique(uniq)
@@ -365,9 +420,11 @@ def warmup() -> None:
     parse.parse_libsvm(text)
     parse.parse_libsvm(text, binary=True)
     parse.parse_vw(np.frombuffer(bytearray(b"1 |f a\n"), dtype=np.uint8), binary=True, bias=1, bits=24)
+    parse.parse_libffm(np.frombuffer(bytearray(b"1 0:1:1\n"), dtype=np.uint8), binary=True, bias=1, bits=24)
     parse.count_byte(np.zeros(3, np.uint8), 10)
     parse.append_feature(indptr, idx, vals, np.uint64(1), np.float32(1.0))
     parse.parse_criteo(np.frombuffer(bytearray(b"1" + b"\t" * 39 + b"\n"), dtype=np.uint8), bits=24)
+    parse.parse_criteo(np.frombuffer(bytearray(b"1" + b"\t" * 39 + b"\n"), dtype=np.uint8), bits=24, fields=True)
     hashing.xxh64(np.zeros(40, np.uint8), 0, 40, np.uint64(0))
     hashing.xxh64_words(np.zeros(5, np.uint64), np.zeros(3, np.uint8), np.uint64(0))
     hashing.xxh64_words(np.frombuffer(bytes(40), np.uint64), np.frombuffer(bytes(3), np.uint8), np.uint64(0))  # mmap

@@ -237,3 +237,62 @@ def adam_vectorized(w_, m, v, t, slots, grads, lr, beta1, beta2, eps, l2):
     vv = beta2 * v[slots] + (1 - beta2) * g * g
     m[slots], v[slots] = mm, vv
     w_[slots] = w - lr * (mm / (1 - beta1 ** step)) / (np.sqrt(vv / (1 - beta2 ** step)) + eps)
+
+
+def embed_pool(indptr, pos, keys, vals, E, shift, fields, skip_key):
+    """Per-field pooled embeddings (rows x fields*k): one sparse product per field."""
+    rows, k = indptr.shape[0] - 1, E.shape[1]
+    field = (keys >> np.uint64(shift)).astype(np.int64) if shift < 64 else np.zeros(keys.shape[0], np.int64)
+    keep = keys != np.uint64(skip_key)
+    row = np.repeat(np.arange(rows), np.diff(indptr))
+    out = np.zeros((rows, fields * k), dtype=np.float64)
+    for f in range(fields):
+        sel = keep & (field == f)
+        X = sp.csr_matrix((vals[sel].astype(np.float64), (row[sel], pos[sel])), shape=(rows, E.shape[0]))
+        out[:, f * k:(f + 1) * k] = X @ E.astype(np.float64)
+    return out
+
+
+def embed_scatter(indptr, pos, keys, vals, dx, shift, skip_key, n_rows, k):
+    """The transpose of :func:`embed_pool` (``n_rows`` unique keys, ``k`` per field) with ``np.add.at``."""
+    rows = np.repeat(np.arange(indptr.shape[0] - 1), np.diff(indptr))
+    keep = keys != np.uint64(skip_key)
+    field = (keys >> np.uint64(shift)).astype(np.int64) if shift < 64 else np.zeros(keys.shape[0], np.int64)
+    cols = field[keep, None] * k + np.arange(k)[None, :]
+    out = np.zeros((n_rows, k), dtype=dx.dtype)
+    np.add.at(out, pos[keep], vals[keep, None] * dx[rows[keep, None], cols])
+    return out
+
+
+def mlp(params, n_in, hidden, x, activation="relu", dtype=np.float64):
+    """An MLP's margins and, as a function of the margins' weights ``dout``, its gradients:
+    returns (margins, grad(dout) -> (flat parameter gradient, input gradient)), in ``dtype``."""
+    sizes = [n_in, *hidden, 1]
+    p = params.astype(dtype)
+    Ws, bs, at = [], [], 0
+    for a, b in zip(sizes[:-1], sizes[1:]):
+        Ws.append(p[at:at + a * b].reshape(a, b))
+        bs.append(p[at + a * b:at + a * b + b])
+        at += a * b + b
+    act = (lambda z: np.maximum(z, 0.0)) if activation == "relu" else np.tanh
+    dact = (lambda h: (h > 0).astype(np.float64)) if activation == "relu" else (lambda h: 1.0 - h * h)
+    hs = [x.astype(dtype)]
+    for W, b in zip(Ws[:-1], bs[:-1]):
+        hs.append(act(hs[-1] @ W + b))
+    margins = (hs[-1] @ Ws[-1] + bs[-1])[:, 0]
+
+    def grad(dout):
+        g = []
+        d = dout.reshape(-1, 1).astype(dtype)
+        for i in range(len(Ws) - 1, -1, -1):
+            g.append((hs[i].T @ d).reshape(-1))
+            g.append(d.sum(axis=0))
+            d = d @ Ws[i].T
+            if i > 0:
+                d = d * dact(hs[i]).astype(dtype)
+        flat = []
+        for i in range(len(Ws)):  # back into layout order: W0, b0, W1, b1, ...
+            flat += [g[2 * (len(Ws) - 1 - i)], g[2 * (len(Ws) - 1 - i) + 1]]
+        return np.concatenate(flat), d
+
+    return margins, grad
