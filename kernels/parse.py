@@ -43,6 +43,7 @@ NOT_BINARY = 7
 MIXED_LABELS = 8
 BAD_WEIGHT = 9
 NO_BAR = 10
+BAD_FIELD = 11
 MESSAGES = {
     BAD_LABEL: "bad label",
     BAD_INDEX: "bad feature index (expected a non-negative integer below 2**64)",
@@ -54,6 +55,7 @@ MESSAGES = {
     MIXED_LABELS: "labels mix 0 and -1: a file is either 0/1 or -1/+1 for the logistic loss",
     BAD_WEIGHT: "an importance weight other than 1 (not supported) or a stray token before '|'",
     NO_BAR: "expected 'label [weight] [\'tag]|namespace features' (no '|')",
+    BAD_FIELD: "expected field:index:value with a field id below 65536",
 }
 
 SPACE, TAB, NL, CR, HASH, COLON, BAR, QUOTE = 32, 9, 10, 13, 35, 58, 124, 39
@@ -163,14 +165,33 @@ def _finish_row(indices, values, labels, indptr, row_nnz, rows, with_bias, bias,
     return rows + 1, row_nnz
 
 
+@njit(inline="always")
+def _parse_uint(buf, j, stop):
+    """A decimal uint64 at ``buf[j]``: (value, position after it, ok: digits and no overflow)."""
+    key = np.uint64(0)
+    overflow = False
+    start = j
+    while j < stop and _is_digit(buf[j]):
+        d = np.uint64(buf[j] - 48)
+        if key > np.uint64(1844674407370955161) or (key == np.uint64(1844674407370955161) and d > np.uint64(5)):
+            overflow = True
+        key = key * np.uint64(10) + d
+        j += 1
+    return key, j, j > start and not overflow
+
+
 @njit(cache=True, nogil=True)
-def libsvm_kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen, with_bias, bias, mask):
+def libsvm_kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen, with_bias, bias, mask,
+                  field_shift=-1):
     """Parse libsvm lines. Returns (rows, nnz, status, bad line index (0-based), lines skipped).
 
     ``binary``: labels must be in {0, 1} or {-1, +1}; -1 is stored as 0. ``seen`` (int64[2]) says
     whether a label 0 / -1 was met, here or in an earlier chunk of the same file (updated).
     ``with_bias``: every row ends with the feature ``bias: 1`` (not masked). Feature indices are
     masked with ``mask``.
+
+    ``field_shift >= 0``: libffm lines, ``label field:index:value ...``; the key is
+    ``field << field_shift | (index & mask)`` (a field id is below 65536).
     """
     n = buf.shape[0]
     i = 0
@@ -212,26 +233,30 @@ def libsvm_kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen, 
                     while j < stop and buf[j] != SPACE and buf[j] != TAB:
                         j += 1
                     continue
-                if not _is_digit(buf[j]):
-                    status = BAD_INDEX
-                    break
-                key = np.uint64(0)
-                nd = 0
-                overflow = False
-                while j < stop and _is_digit(buf[j]):
-                    d = np.uint64(buf[j] - 48)
-                    if key > np.uint64(1844674407370955161) or (key == np.uint64(1844674407370955161) and d > np.uint64(5)):
-                        overflow = True
-                    key = key * np.uint64(10) + d
-                    nd += 1
-                    j += 1
-                if overflow:
-                    status = BAD_INDEX
+                key, j, ok = _parse_uint(buf, j, stop)
+                if not ok:
+                    status = BAD_FIELD if field_shift >= 0 else BAD_INDEX
                     break
                 if j >= stop or buf[j] != COLON:
                     status = MISSING_COLON
                     break
                 j += 1
+                if field_shift >= 0:  # libffm: that was the field; the index follows
+                    if key > np.uint64(65535):
+                        status = BAD_FIELD
+                        break
+                    field = key
+                    key, j, ok = _parse_uint(buf, j, stop)
+                    if not ok:
+                        status = BAD_INDEX
+                        break
+                    if j >= stop or buf[j] != COLON:
+                        status = BAD_FIELD
+                        break
+                    j += 1
+                    key = (key & mask) | (field << np.uint64(field_shift))
+                else:
+                    key = key & mask
                 v, j, st = _parse_float(buf, j, stop)
                 if st != OK:
                     status = st
@@ -239,7 +264,7 @@ def libsvm_kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen, 
                 if j < stop and buf[j] != SPACE and buf[j] != TAB:
                     status = BAD_VALUE
                     break
-                indices[row_nnz] = key & mask
+                indices[row_nnz] = key
                 values[row_nnz] = v
                 row_nnz += 1
             if status == OK:
@@ -381,8 +406,10 @@ _BUCKETS = _bucket_table(4096)
 
 
 @njit(cache=True, nogil=True)
-def criteo_kernel(buf, labels, indptr, indices, skip_bad, mask, with_bias, bias):
+def criteo_kernel(buf, labels, indptr, indices, skip_bad, mask, with_bias, bias, field_shift=-1):
     """Parse Criteo TSV lines into hashed keys. Returns like :func:`libsvm_kernel`.
+    ``field_shift >= 0``: a key carries its column (field 0..38) above that bit, ``(col - 1) <<
+    field_shift | hash & mask``.
 
     One pass over the bytes: a column ends at a tab or at the line's end (a CR before the newline
     is not part of the line), so the line is not searched for its end first."""
@@ -407,6 +434,7 @@ def criteo_kernel(buf, labels, indptr, indices, skip_bad, mask, with_bias, bias)
         j = i
         lab = 0.0
         eol = False
+        fbits = np.uint64(0)
         while True:
             a = j
             c = np.uint8(0)
@@ -447,19 +475,21 @@ def criteo_kernel(buf, labels, indptr, indices, skip_bad, mask, with_bias, bias)
                         bucket = buckets[v]
                     else:
                         bucket = _int_bucket(v)
-                    indices[row_nnz] = xxh64_u64(np.uint64(bucket), np.uint64(col - 1)) & mask
+                    indices[row_nnz] = xxh64_u64(np.uint64(bucket), np.uint64(col - 1)) & mask | fbits
                     row_nnz += 1
             elif col <= 39:
                 if b - a == 8:  # Criteo's categories: 8 hex digits, hashed as one 64-bit word
-                    indices[row_nnz] = xxh64_u64(read64(buf, a), np.uint64(col - 1)) & mask
+                    indices[row_nnz] = xxh64_u64(read64(buf, a), np.uint64(col - 1)) & mask | fbits
                     row_nnz += 1
                 elif b > a:
-                    indices[row_nnz] = xxh64(buf, a, b, np.uint64(col - 1)) & mask
+                    indices[row_nnz] = xxh64(buf, a, b, np.uint64(col - 1)) & mask | fbits
                     row_nnz += 1
             else:
                 status = BAD_COLUMNS
                 break
             col += 1
+            if field_shift >= 0:
+                fbits = np.uint64(col - 1) << np.uint64(field_shift)
             if eol:
                 break
             j += 1  # skip the tab
@@ -539,7 +569,8 @@ def parse_libsvm(data, *, source: str = "<bytes>", first_line: int = 1, skip_bad
     return _parse_sparse(libsvm_kernel, buf, max_rows, max_nnz, source, first_line, skip_bad, binary, seen, bias, bits)
 
 
-def _parse_sparse(kernel, buf, max_rows, max_nnz, source, first_line, skip_bad, binary, seen, bias, bits):
+def _parse_sparse(kernel, buf, max_rows, max_nnz, source, first_line, skip_bad, binary, seen, bias, bits,
+                  extra=()):
     """Run a labelled sparse-text kernel (libsvm, VW) on ``buf`` into arrays of the given bounds."""
     labels = np.empty(max_rows, dtype=np.float32)
     indptr = np.empty(max_rows + 1, dtype=np.int64)
@@ -548,10 +579,23 @@ def _parse_sparse(kernel, buf, max_rows, max_nnz, source, first_line, skip_bad, 
     if seen is None:
         seen = np.zeros(2, dtype=np.int64)
     rows, nnz, status, bad, skipped = kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen,
-                                             bias is not None, np.uint64(bias or 0), _mask(bits))
+                                             bias is not None, np.uint64(bias or 0), _mask(bits), *extra)
     if status != OK:
         raise ParseError(source, first_line + bad, MESSAGES[status], _line_text(buf, bad))
     return labels[:rows], indptr[: rows + 1], indices[:nnz], values[:nnz], int(skipped)
+
+
+def parse_libffm(data, *, source: str = "<bytes>", first_line: int = 1, skip_bad: bool = False,
+                 binary: bool = False, seen: np.ndarray | None = None, bias: int | None = None, bits: int = 24):
+    """Parse libffm text, ``label field:index:value ...``: a key is ``field << bits | (index &
+    mask)`` (so ``key >> bits`` is its field; ``bits`` at most 48). Otherwise as :func:`parse_libsvm`."""
+    if not 1 <= bits <= 48:
+        raise ValueError(f"libffm keys need hash bits between 1 and 48 to hold the field above them (got {bits})")
+    buf = _as_bytes(data)
+    max_rows = int(count_byte(buf, NL)) + 1
+    max_nnz = int(count_byte(buf, COLON)) // 2 + 1 + (max_rows if bias is not None else 0)
+    return _parse_sparse(libsvm_kernel, buf, max_rows, max_nnz, source, first_line, skip_bad, binary, seen, bias,
+                         bits, (bits,))
 
 
 def parse_vw(data, *, source: str = "<bytes>", first_line: int = 1, skip_bad: bool = False,
@@ -565,16 +609,19 @@ def parse_vw(data, *, source: str = "<bytes>", first_line: int = 1, skip_bad: bo
 
 
 def parse_criteo(data, *, source: str = "<bytes>", first_line: int = 1, skip_bad: bool = False,
-                 bits: int = 64, bias: int | None = None):
+                 bits: int = 64, bias: int | None = None, fields: bool = False):
     """Parse Criteo TSV. Returns ``(labels f32, indptr i64, indices u64, values f32, skipped)``
-    (views, no copy); keys are reduced to ``bits`` bits; ``bias``: a key appended to every row."""
+    (views, no copy); keys are reduced to ``bits`` bits; ``bias``: a key appended to every row.
+    ``fields``: a key carries its column's field (0..38) above the ``bits`` (``key >> bits``)."""
+    if fields and not 1 <= bits <= 48:
+        raise ValueError(f"Criteo keys with fields need hash bits between 1 and 48 (got {bits})")
     buf = _as_bytes(data)
     max_rows = int(count_byte(buf, NL)) + 1
     labels = np.empty(max_rows, dtype=np.float32)
     indptr = np.empty(max_rows + 1, dtype=np.int64)
     indices = np.empty(max_rows * (40 if bias is not None else 39), dtype=np.uint64)
     rows, nnz, status, bad, skipped = criteo_kernel(buf, labels, indptr, indices, skip_bad, _mask(bits),
-                                                    bias is not None, np.uint64(bias or 0))
+                                                    bias is not None, np.uint64(bias or 0), bits if fields else -1)
     if status != OK:
         raise ParseError(source, first_line + bad, MESSAGES[status], _line_text(buf, bad))
     return labels[:rows], indptr[: rows + 1], indices[:nnz], ones(nnz), int(skipped)

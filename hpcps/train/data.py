@@ -39,7 +39,10 @@ def detect_format(path: str, fmt: str) -> str:
     first = head.split(b"\n", 1)[0]
     if b"|" in first or path.endswith(".vw"):
         return "vw"
-    return "criteo" if b"\t" in first else "libsvm"
+    if b"\t" in first:
+        return "criteo"
+    tokens = first.split()
+    return "libffm" if path.endswith(".ffm") or (len(tokens) > 1 and tokens[1].count(b":") == 2) else "libsvm"
 
 
 def byte_range(path: str, part: int, parts: int) -> tuple[int, int]:
@@ -145,7 +148,7 @@ class Dataset:
 
 
 def _parse_blocks(path: str, start: int, end: int, fmt: str, hash_bits: int, skip_bad: bool, binary: bool,
-                  block_bytes: int = 0):
+                  block_bytes: int = 0, fields: bool = False):
     """Parse ``path[start:end]`` block by block: each block is read into one reusable buffer after
     the previous block's unfinished line, and parsed in place (no copies of the text). Yields
     ``(labels, indptr, indices, values, skipped)`` per block (new arrays: the buffer is reused)."""
@@ -175,15 +178,17 @@ def _parse_blocks(path: str, start: int, end: int, fmt: str, hash_bits: int, ski
             try:
                 if fmt == "criteo":
                     out = parse.parse_criteo(block, source=path, first_line=1, skip_bad=skip_bad, bits=hash_bits,
-                                             bias=int(BIAS_KEY))
+                                             bias=int(BIAS_KEY), fields=fields)
                 else:
-                    reader = parse.parse_vw if fmt == "vw" else parse.parse_libsvm
+                    reader = {"vw": parse.parse_vw, "libffm": parse.parse_libffm}.get(fmt, parse.parse_libsvm)
                     out = reader(block, source=path, first_line=1, skip_bad=skip_bad, binary=binary, seen=seen,
                                  bias=int(BIAS_KEY), bits=hash_bits)
             except parse.ParseError as e:
                 line = _count_newlines(path, 0, block_start)[0] + e.line
                 text = str(e).split(": ", 2)[-1] if str(e).count(": ") >= 2 else ""
                 raise DataError(f"{path}:{line}: {e.reason}" + (f": {text}" if text else "")) from None
+            except ValueError as e:  # settings the format cannot take (hash bits for fields)
+                raise DataError(f"{path}: {e}") from None
             finally:
                 del block
             carry = n - cut
@@ -206,18 +211,21 @@ def _concat(pieces: list) -> tuple:
     return labels, indptr, indices, values
 
 
-def _parse_part(path: str, start: int, end: int, fmt: str, hash_bits: int, skip_bad: bool, binary: bool):
+def _parse_part(path: str, start: int, end: int, fmt: str, hash_bits: int, skip_bad: bool, binary: bool,
+                fields: bool = False):
     """The whole of ``path[start:end]``, parsed: ((labels, indptr, indices, values), skipped)."""
-    pieces = list(_parse_blocks(path, start, end, fmt, hash_bits, skip_bad, binary))
+    pieces = list(_parse_blocks(path, start, end, fmt, hash_bits, skip_bad, binary, fields=fields))
     return _concat(pieces), sum(p[4] for p in pieces)
 
 
 def load_part(path: str, part: int, parts: int, fmt: str = "auto", hash_bits: int = 24,
-              skip_bad: bool = False, cache_dir: str = "", binary: bool = False) -> Dataset:
+              skip_bad: bool = False, cache_dir: str = "", binary: bool = False, fields: bool = False) -> Dataset:
     """Parse this worker's part of ``path`` (with the bias feature), through the cache if set.
 
     ``binary``: the labels are for the logistic loss; libsvm labels -1/+1 become 0/1, and any
     label other than 0, 1, -1, +1 is an error naming the line (Criteo labels are 0/1 anyway).
+    ``fields``: keys carry their field above the hash bits (Criteo: the column; libffm keys
+    always do; libsvm and VW keys are all field 0).
     """
     if not os.path.isfile(path):
         raise DataError(f"data file {path} not found")
@@ -227,12 +235,14 @@ def load_part(path: str, part: int, parts: int, fmt: str = "auto", hash_bits: in
     if cache_dir:
         st = os.stat(path)
         tag = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{part}/{parts}|{fmt}|{hash_bits}|{skip_bad}|{binary}"
+        tag += "|fields" if fields and fmt == "criteo" else ""
         cache = os.path.join(cache_dir, hashlib.sha256(tag.encode()).hexdigest()[:20])
         if os.path.exists(os.path.join(cache, "done")):
             arrays = [np.load(os.path.join(cache, f"{n}.npy"), mmap_mode="r") for n in ("labels", "indptr", "indices", "values")]
             skipped = int(open(os.path.join(cache, "done")).read() or 0)
             return Dataset(*arrays, skipped=skipped, source=path)
-    (labels, indptr, indices, values), skipped = _parse_part(path, start, end, fmt, hash_bits, skip_bad, binary)
+    (labels, indptr, indices, values), skipped = _parse_part(path, start, end, fmt, hash_bits, skip_bad, binary,
+                                                             fields)
     ds = Dataset(labels, indptr, indices, values, skipped, path)
     ds.check_finite()
     if cache:
@@ -293,11 +303,12 @@ class PartStream:
     PUMP_BYTES = 1 << 19  # text parsed per pump: ~2,000 Criteo rows, about a millisecond
 
     def __init__(self, path: str, part: int, parts: int, fmt: str = "auto", hash_bits: int = 24,
-                 skip_bad: bool = False, binary: bool = False, memory_mb: float = 0.0, block_bytes: int = 0):
+                 skip_bad: bool = False, binary: bool = False, memory_mb: float = 0.0, block_bytes: int = 0,
+                 fields: bool = False):
         if not os.path.isfile(path):
             raise DataError(f"data file {path} not found")
         self.path, self.fmt = path, detect_format(path, fmt)
-        self.hash_bits, self.skip_bad, self.binary = hash_bits, skip_bad, binary
+        self.hash_bits, self.skip_bad, self.binary, self.fields = hash_bits, skip_bad, binary, fields
         self.start, self.end = byte_range(path, part, parts)
         self.rows_bound = rows_bound(path, self.start, self.end)
         self.keep = memory_mb <= 0
@@ -321,7 +332,7 @@ class PartStream:
 
     def _generator(self):
         return _parse_blocks(self.path, self.start, self.end, self.fmt, self.hash_bits, self.skip_bad,
-                             self.binary, self.block_bytes)
+                             self.binary, self.block_bytes, self.fields)
 
     def open(self) -> "PartStream":
         """Parse the first slice now (raises DataError for a bad line in it)."""
