@@ -318,20 +318,51 @@ class DenseTable:
         self.keys = np.arange(self.chunks, dtype=np.uint64)
 
     def push(self, grad) -> None:
+        """Group collective: allreduce ``grad`` in the group; its first rank pushes the sum and
+        waits for the servers' acknowledgement."""
+        grad = self._check(grad)
+        total = transport.allreduce(self.ctx.group_comm, grad, "sum", timeout=self.ctx.stall_timeout_s,
+                                    what=f"allreduce of dense table {self.sparse.name!r}")
+        ts = self.ipush_summed(total)
+        if ts is not None:
+            self.sparse.wait(ts)
+
+    def _check(self, grad) -> np.ndarray:
         grad = np.ascontiguousarray(grad, dtype=np.float32).reshape(-1)
         if grad.shape[0] != self.size:
             raise ValueError(f"dense table {self.sparse.name!r}: gradient of size {grad.shape[0]}, expected {self.size}")
-        total = transport.allreduce(self.ctx.group_comm, grad, "sum", timeout=self.ctx.stall_timeout_s,
-                                    what=f"allreduce of dense table {self.sparse.name!r}")
-        if self.ctx.group_comm.Get_rank() == 0:
-            padded = np.zeros(self.chunks * self.CHUNK, dtype=np.float32)
-            padded[: self.size] = total
-            self.sparse.wait(self.sparse.push(self.keys, padded.reshape(self.chunks, self.CHUNK)))
+        return grad
+
+    def start_allreduce(self, grad) -> tuple:
+        """Group collective, nonblocking: start summing ``grad`` over the group; returns (the sum's
+        array, its Pending) for :meth:`ipush_summed` after ``transport.finish_collective``."""
+        return transport.start_allreduce(self.ctx.group_comm, self._check(grad), "sum",
+                                         f"allreduce of dense table {self.sparse.name!r}")
+
+    def ipush_summed(self, total) -> int | None:
+        """The group's first rank pushes the group's summed gradient ``total`` (nonblocking; its
+        timestamp, None on the other members)."""
+        if self.ctx.group_comm.Get_rank() != 0:
+            return None
+        padded = np.zeros(self.chunks * self.CHUNK, dtype=np.float32)
+        padded[: self.size] = total
+        return self.sparse.push(self.keys, padded.reshape(self.chunks, self.CHUNK), unique=True)
+
+    def ipull(self) -> int | None:
+        """The group's first rank starts pulling the vector (its timestamp, None elsewhere);
+        :meth:`finish_pull` completes it on every member."""
+        return self.sparse.ipull(self.keys, unique=True) if self.ctx.group_comm.Get_rank() == 0 else None
+
+    def finish_pull(self, ts: int | None, out: np.ndarray | None = None) -> np.ndarray:
+        """Group collective: the vector pulled by :meth:`ipull`, broadcast from the first rank."""
+        out = np.empty(self.size, dtype=np.float32) if out is None else out
+        if ts is not None:
+            out[:] = self.sparse.wait(ts).reshape(-1)[: self.size]
+        if self.ctx.group_comm.Get_size() > 1:
+            transport.bcast(self.ctx.group_comm, out, root=0, timeout=self.ctx.stall_timeout_s,
+                            what=f"broadcast of dense table {self.sparse.name!r}")
+        return out
 
     def pull(self) -> np.ndarray:
-        out = np.empty(self.size, dtype=np.float32)
-        if self.ctx.group_comm.Get_rank() == 0:
-            out[:] = self.sparse.pull(self.keys).reshape(-1)[: self.size]
-        transport.bcast(self.ctx.group_comm, out, root=0, timeout=self.ctx.stall_timeout_s,
-                        what=f"broadcast of dense table {self.sparse.name!r}")
-        return out
+        """Group collective: the vector, pulled by the group's first rank and broadcast."""
+        return self.finish_pull(self.ipull())

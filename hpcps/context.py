@@ -125,11 +125,19 @@ class Context:
         return len(self.functions) - 1
 
     def dense_table(self, name: str, size: int, optimizer: str = "sgd", params: dict | None = None,
-                    init: str = "zeros", init_scale: float = 0.01, seed: int = 0) -> DenseTable:
-        """Declare a dense table of ``size`` floats (collective; identical on every rank)."""
+                    init: str = "zeros", init_scale: float = 0.01, seed: int = 0,
+                    initial: np.ndarray | None = None) -> DenseTable:
+        """Declare a dense table of ``size`` floats (collective; identical on every rank).
+        ``initial``: its starting values (else the initializer's)."""
         chunks = -(-size // DenseTable.CHUNK)
+        init_keys = ()
+        if initial is not None:
+            padded = np.zeros(chunks * DenseTable.CHUNK, dtype=np.float32)
+            padded[:size] = np.asarray(initial, dtype=np.float32).reshape(-1)[:size]
+            init_keys = tuple((c, padded[c * DenseTable.CHUNK:(c + 1) * DenseTable.CHUNK].tolist()) for c in range(chunks))
         sparse = self.sparse_table(name, DenseTable.CHUNK, optimizer, params, init, init_scale, seed,
-                                   key_bits=max(1, (chunks - 1).bit_length()))  # chunk keys 0..chunks-1
+                                   key_bits=max(1, (chunks - 1).bit_length()),  # chunk keys 0..chunks-1
+                                   init_keys=init_keys)
         table = DenseTable(self, sparse, size)
         self.tables[name] = table
         return table
@@ -213,6 +221,7 @@ class Context:
                 "layout": {"servers": self.layout.servers, "workers": self.layout.workers,
                            "worker_groups": self.layout.worker_groups, "num_shards": self.placement.num_shards},
                 "tables": [{"name": s.name, "dim": s.dim, "optimizer": s.optimizer, "width": s.width,
+                            "init": s.init, "init_scale": s.init_scale, "seed": s.seed,
                             "fingerprint": s.fingerprint()} for s in self.specs],
                 "files": files, **manifest}
         try:
@@ -255,8 +264,7 @@ class Context:
             return
         timeout = self.stall_timeout_s if timeout is None else timeout
         for table in self.tables.values():
-            if isinstance(table, SparseTable):
-                table.wait_all(timeout)
+            (table.sparse if isinstance(table, DenseTable) else table).wait_all(timeout)
         self._notify_servers(protocol.DONE)
         transport.wait(self._clock_sends, timeout)
         self._done_sent = True

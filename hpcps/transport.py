@@ -276,6 +276,22 @@ def allreduce(
     return out
 
 
+def start_allreduce(comm: MPI.Comm, array: np.ndarray, op: str = "sum", what: str = "allreduce") -> tuple:
+    """Start a nonblocking allreduce (at most MAX_MESSAGE_BYTES): returns (the result's array, its
+    Pending); :func:`finish_collective` completes it. Work done between the two overlaps it."""
+    send = np.ascontiguousarray(array)
+    if send.nbytes > MAX_MESSAGE_BYTES:
+        raise ValueError(f"{what}: {send.nbytes} bytes is more than one message may carry")
+    out = np.empty_like(send)
+    return out, Pending(comm.Iallreduce(send, out, _OPS[op]), what, -1, (send, out))
+
+
+def finish_collective(comm: MPI.Comm, pending: Pending, timeout: float | None = None) -> None:
+    """Wait for a collective started by a ``start_`` function (sleeping; the timeout names the
+    members that did not arrive)."""
+    _collective(comm, pending.request, pending.what, pending.buffers, timeout)
+
+
 def _chunks(array: np.ndarray):
     flat = array.reshape(-1).view(np.uint8) if array.size else array.reshape(-1)
     if flat.nbytes <= MAX_MESSAGE_BYTES:
