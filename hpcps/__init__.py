@@ -10,6 +10,15 @@ pure) → ``hpcps.transport`` (the only MPI module) → ``hpcps.server`` / ``hpc
 
 __version__ = "0.1.0"
 
+import os as _os
+
+# One BLAS thread per process unless told otherwise: parallelism comes from the MPI ranks, and a
+# multi-threaded BLAS in every rank of an oversubscribed node spins its threads against the other
+# ranks (the deep models' MLP step was 80x slower with OpenBLAS's default threads on 2 cores).
+# Effective when hpcps is imported before NumPy (the CLI and `python -m` entry points are).
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    _os.environ.setdefault(_var, "1")
+
 
 def init(*args, **kwargs):
     """See :func:`hpcps.context.init`."""
