@@ -84,6 +84,7 @@ def _cmd_train(args) -> int:
 
 
 def _load_for_serving(args):
+    from hpcps import config
     from hpcps.train import data as tdata
     from hpcps.train.model_file import ServingModel
 
@@ -91,21 +92,17 @@ def _load_for_serving(args):
     cfg = model.config.get("data", {})
     ds = tdata.load_part(args.data, 0, 1, args.format or cfg.get("format", "auto"),
                          args.hash_bits or cfg.get("hash_bits", 24), args.skip_bad_lines,
-                         binary=model.loss == "logistic")
+                         binary=model.loss == "logistic", fields=model.kind in config.DEEP)
     return model, ds
 
 
 def _margins(model, ds, batch=100_000):
     import numpy as np
 
-    from hpcps.train.models import margins_from_params
-    from hpcps_kernels import keys as kkeys
+    from hpcps.train.models import Scorer
 
-    out = []
-    for lo in range(0, ds.rows, batch):
-        b = ds.batch(lo, lo + batch)
-        uniq, pos = kkeys.unique_keys(b.indices)
-        out.append(margins_from_params(model.kind, b, pos, model.pull(uniq), model.loss))
+    scorer = Scorer(model)
+    out = [scorer.margins(ds.batch(lo, lo + batch)) for lo in range(0, ds.rows, batch)]
     return np.concatenate(out) if out else np.zeros(0)
 
 
@@ -143,6 +140,12 @@ def _cmd_gen_data(args) -> int:
     if args.ratings:
         out = synth.ratings(args.out_dir, args.rows, args.test_rows, seed=args.seed)
         print(json.dumps(out, indent=1))
+        return 0
+    if args.deep:
+        out = synth.deep(args.out_dir, args.rows, args.test_rows, seed=args.seed)
+        print(f"hpcps gen-data: {args.rows} train + {args.test_rows} test rows (libffm, {out['fields']} fields) in "
+              f"{args.out_dir}; best achievable test logloss {out['best_test_logloss']:.5f}, "
+              f"AUC {out['best_test_auc']:.5f}")
         return 0
     info = synth.generate(args.out_dir, args.rows, args.test_rows, args.fields, args.interactions, args.seed,
                           args.hash_bits, formats=tuple(args.formats.split(",")))
@@ -229,19 +232,33 @@ def _cmd_export(args) -> int:
 
     m = checkpoint.verify(args.ckpt)
     tables = [t["name"] for t in m["tables"]]
-    name = args.table or tables[0]
-    if name not in tables:
-        return _fail(f"no table {name!r} in {args.ckpt}; it has {tables}")
-    spec = next(t for t in m["tables"] if t["name"] == name)
-    keys, rows = checkpoint.read_shards(args.ckpt, m, name, np.ones(m["layout"]["num_shards"], dtype=bool))
+    names = [args.table] if args.table else tables
+    if args.table and args.table not in tables:
+        return _fail(f"no table {args.table!r} in {args.ckpt}; it has {tables}")
     cfg = m.get("config", {})
     model_cfg = cfg.get("model", {})
-    init = ("normal", model_cfg.get("init_scale", 0.01)) if model_cfg.get("type") == "fm" else ("zeros", 0.01)
-    model_file.write(args.out, keys, rows[:, : spec["dim"]],
-                     {"model": model_cfg.get("type", "lr"), "loss": model_cfg.get("loss", "logistic"),
-                      "dim": spec["dim"], "init": init[0], "init_scale": init[1], "seed": model_cfg.get("seed", 0),
-                      "config": json.dumps(cfg)})
-    print(f"hpcps export: {keys.shape[0]} keys of table {name!r} from {args.ckpt} -> {args.out}")
+    out, total = [], 0
+    for name in names:
+        spec = next(t for t in m["tables"] if t["name"] == name)
+        keys, rows = checkpoint.read_shards(args.ckpt, m, name, np.ones(m["layout"]["num_shards"], dtype=bool))
+        if "init" in spec:
+            init = {k: spec[k] for k in ("init", "init_scale", "seed")}
+        else:  # checkpoints written before the manifest named each table's initializer
+            init = {"init": "normal" if model_cfg.get("type") == "fm" else "zeros",
+                    "init_scale": model_cfg.get("init_scale", 0.01), "seed": model_cfg.get("seed", 0)}
+        out.append((name, keys, rows[:, : spec["dim"]], {"dim": spec["dim"], **init}))
+        total += keys.shape[0]
+    model_file.write(args.out, out, attrs={"model": model_cfg.get("type", "lr"), "loss": model_cfg.get("loss", "logistic"),
+                                           "config": json.dumps(cfg), "fields": m.get("fields", 1)})
+    print(f"hpcps export: {total} keys of table(s) {', '.join(map(repr, names))} from {args.ckpt} -> {args.out}")
+    return 0
+
+
+def _cmd_bench_deep(args) -> int:
+    from hpcps import bench_deep
+
+    results = bench_deep.run(args.dir, args.rows, args.batch_size)
+    print(bench_deep.format_results(results))
     return 0
 
 
@@ -345,6 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fields", type=int, default=39)
     g.add_argument("--interactions", action="store_true", help="pairwise field interactions (FM data)")
     g.add_argument("--ratings", action="store_true", help="explicit ratings (squared loss) instead")
+    g.add_argument("--deep", action="store_true",
+                   help="libffm data with a known nonlinear truth (a three-field parity on top of pairwise "
+                        "interactions), where deep models beat FM and FM beats LR")
     g.add_argument("--seed", type=int, default=1)
     g.add_argument("--hash-bits", type=int, default=24)
     g.add_argument("--formats", default="libsvm,criteo", help="comma-separated: libsvm, criteo, vw")
@@ -381,6 +401,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--ranks", type=int, default=2)
     b.add_argument("--batch-size", type=int, default=1000)
     b.set_defaults(func=_cmd_bench_margins)
+    b = bsub.add_parser("deep", help="Wide & Deep jobs at 2 and 4 ranks, per stage, beside one NumPy process")
+    b.add_argument("--dir", default="/tmp/hpcps-bench-deep")
+    b.add_argument("--rows", type=int, default=300_000)
+    b.add_argument("--batch-size", type=int, default=1000)
+    b.set_defaults(func=_cmd_bench_deep)
     b = bsub.add_parser("checkpoint", help="checkpoint write/read throughput and resume time beside a plain file copy")
     b.add_argument("--keys", default="10000000,100000000", help="table sizes, comma-separated")
     b.add_argument("--dir", default="/tmp/hpcps-bench-checkpoint", help="a directory on the disk to measure")

@@ -69,13 +69,19 @@ class Synth:
 
 @dataclass(frozen=True)
 class Model:
-    type: str = "lr"                 # lr | fm
+    type: str = "lr"                 # lr | fm | wdl (wide & deep) | deepfm
     loss: str = "logistic"           # logistic | squared
-    factors: int = 8                 # fm: factors per key
-    init_scale: float = 0.01         # fm: std of the initial weights and factors (lr: zeros)
+    factors: int = 8                 # fm: factors per key; wdl, deepfm: the embedding size
+    init_scale: float = 0.01         # fm, wdl, deepfm: std of the initial factors/embeddings (lr: zeros)
     seed: int = 0                    # seed of the initializer
     compute: str = "workers"         # "servers": the servers compute margins and gradients
     bias_init: str = "auto"          # auto: the label mean under the squared loss (0 under logistic); zero
+    hidden: tuple = (64, 32)         # wdl, deepfm: the MLP's hidden layer sizes
+    activation: str = "relu"         # wdl, deepfm: relu | tanh
+    fields: int = 0                  # wdl, deepfm: fields per row; 0 = the format's (Criteo 39, libsvm/vw 1)
+    dense_optimizer: str = "adam"    # wdl, deepfm: the MLP's optimizer (on the servers' dense table)
+    dense_lr: float = 0.001          # wdl, deepfm: its learning rate
+    dense_sync_steps: int = 1        # wdl, deepfm: worker groups pull the MLP every k steps
 
 
 @dataclass(frozen=True)
@@ -175,12 +181,23 @@ def _coerce(where: str, value: Any, default: Any):
     elif kind is str:
         if isinstance(value, str):
             return value
+    elif kind is tuple:  # a list of positive integers: [64, 32], or "64,32"
+        items = value.split(",") if isinstance(value, str) else value
+        if isinstance(items, (list, tuple)):
+            try:
+                out = tuple(_coerce(where, x, 0) for x in items if not (isinstance(x, str) and not x.strip()))
+            except ConfigError:
+                out = None
+            if out is not None and all(x >= 1 for x in out) and len(out) <= 16:
+                return out
+        raise ConfigError(f"{where}: expected a list of up to 16 positive integers, got {value!r}")
     raise ConfigError(f"{where}: expected {kind.__name__}, got {value!r}")
 
 
 CHOICES = {
-    ("data", "format"): ("auto", "libsvm", "criteo", "vw"),
-    ("model", "type"): ("lr", "fm"),
+    ("data", "format"): ("auto", "libsvm", "criteo", "vw", "libffm"),
+    ("model", "type"): ("lr", "fm", "wdl", "deepfm"),
+    ("model", "activation"): ("relu", "tanh"),
     ("model", "loss"): ("logistic", "squared"),
     ("model", "compute"): ("workers", "servers"),
     ("model", "bias_init"): ("auto", "zero"),
@@ -237,6 +254,7 @@ def from_dict(raw: dict) -> Config:
     return cfg
 
 
+DEEP = ("wdl", "deepfm")  # models with embeddings and an MLP
 INF = float("inf")
 # The allowed range of every numeric key: (low, high, low_open). High is inclusive.
 RANGES = {
@@ -255,6 +273,9 @@ RANGES = {
     ("model", "factors"): (1, 4096, False),
     ("model", "init_scale"): (0, INF, False),
     ("model", "seed"): (0, INF, False),
+    ("model", "fields"): (0, 65536, False),
+    ("model", "dense_lr"): (0, INF, True),
+    ("model", "dense_sync_steps"): (1, INF, False),
     ("train", "epochs"): (1, INF, False),
     ("train", "batch_size"): (1, INF, False),
     ("train", "eval_every"): (0, INF, False),
@@ -290,7 +311,19 @@ def _check(cfg: Config) -> None:
     if cfg.model.compute == "servers" and cfg.cluster.worker_groups:
         raise ConfigError("model.compute = 'servers' needs one worker per group (cluster.worker_groups = 0): "
                           "each worker's rows go to the servers, there is no group merge")
-    if cfg.model.type == "fm" and cfg.model.init_scale <= 0:
+    if cfg.model.type in DEEP:
+        if cfg.model.compute == "servers":
+            raise ConfigError(f"model.compute = 'servers' is for lr and fm; a {cfg.model.type}'s MLP runs on the workers")
+        if cfg.data.hash_bits > 48:
+            raise ConfigError(f"data.hash_bits must be at most 48 for a {cfg.model.type} (a key carries its field "
+                              f"above the hash bits; got {cfg.data.hash_bits})")
+        if cfg.model.dense_optimizer not in optim.REGISTRY:
+            raise ConfigError(f"model.dense_optimizer = {cfg.model.dense_optimizer!r}: expected one of "
+                              f"{sorted(optim.REGISTRY)}")
+        if "lr" not in optim.get(cfg.model.dense_optimizer).params:
+            raise ConfigError(f"model.dense_optimizer = {cfg.model.dense_optimizer!r} takes no learning rate "
+                              f"(model.dense_lr); use adam, adagrad or sgd")
+    if cfg.model.type in ("fm", *DEEP) and cfg.model.init_scale <= 0:
         raise ConfigError("model.init_scale must be greater than 0 for an fm (factors that all start at 0 "
                           "never move)")
     if bool(cfg.data.predict) != bool(cfg.data.predict_out):

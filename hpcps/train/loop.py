@@ -27,7 +27,7 @@ from hpcps import checkpoint, config, signals, tables, transport
 from hpcps.context import init
 from hpcps.train import data as tdata
 from hpcps.train import model_file, synth
-from hpcps.train.models import make_model
+from hpcps.train.models import make_model, resolve_fields
 from hpcps.train.progress import STATUS_ENV, Progress, summary_table, vm_hwm_mb, write_status
 from hpcps_kernels import metrics
 
@@ -139,13 +139,16 @@ def _load(ctx, cfg, path: str, what: str, stream: bool = False):
     if ctx.is_worker and path:
         try:
             d = cfg.data
+            fields = cfg.model.type in config.DEEP  # keys carry their field
             if stream and not d.cache_dir:
                 ds = tdata.PartStream(path, ctx.worker_index, ctx.layout.workers, d.format, d.hash_bits,
-                                      d.skip_bad_lines, cfg.model.loss == "logistic", d.memory_mb).open()
+                                      d.skip_bad_lines, cfg.model.loss == "logistic", d.memory_mb,
+                                      fields=fields).open()
                 rows = ds.rows_bound
             else:
                 ds = tdata.load_part(path, ctx.worker_index, ctx.layout.workers, d.format, d.hash_bits,
-                                     d.skip_bad_lines, d.cache_dir, binary=cfg.model.loss == "logistic")
+                                     d.skip_bad_lines, d.cache_dir, binary=cfg.model.loss == "logistic",
+                                     fields=fields)
                 rows = ds.rows
                 if stream:
                     ds = tdata.LoadedPart(ds)
@@ -159,6 +162,32 @@ def _load(ctx, cfg, path: str, what: str, stream: bool = False):
     if errors:
         raise TrainError("cannot load data:\n  " + "\n  ".join(errors))
     return ds
+
+
+def model_fields(ctx, cfg, train_path: str) -> int:
+    """Collective: the fields per row of a deep model (1 for the others); a libffm file without
+    ``model.fields`` is an error on every rank."""
+    if cfg.model.type not in config.DEEP:
+        return 1
+    error, fields = None, 1
+    if ctx.comm.Get_rank() == 0:
+        try:
+            fields = resolve_fields(cfg, tdata.detect_format(train_path, cfg.data.format))
+        except (ValueError, OSError) as e:
+            error = str(e)
+    fields, error = transport.bcast_object(ctx.comm, (fields, error), 0, ctx.stall_timeout_s,
+                                           "broadcast of the number of fields")
+    if error:
+        raise TrainError(error)
+    return fields
+
+
+def export_model(ctx, cfg, model) -> None:
+    """Collective over the servers (or the one process): write the trained model's tables."""
+    model_file.export_from_servers(ctx, [t.name for t in model.all_tables], cfg.train.model_out,
+                                   {"model": cfg.model.type, "loss": cfg.model.loss,
+                                    "config": json.dumps(cfg.to_dict()),
+                                    "fields": getattr(getattr(model, "net", None), "fields", 1)})
 
 
 BIAS_ROWS = 4096  # rows per worker whose labels set a regression's initial bias
@@ -185,6 +214,7 @@ def _gather_on_first(ctx, array: np.ndarray) -> np.ndarray | None:
 
 def evaluate(ctx, model, ds: tdata.Dataset | None, batch_size: int, loss: str) -> dict:
     """Collective over the workers: exact metrics of the whole held-out set (on every worker)."""
+    model.finish()
     n = ds.rows if ds is not None else 0
     margins = np.concatenate([model.margins(ds.batch(lo, lo + batch_size)) for lo in range(0, n, batch_size)] or
                              [np.zeros(0)])
@@ -206,6 +236,7 @@ def evaluate(ctx, model, ds: tdata.Dataset | None, batch_size: int, loss: str) -
 def predict(ctx, model, ds: tdata.Dataset, batch_size: int, loss: str, out_path: str) -> int:
     """Collective over the workers: one score per row of every worker's part, in input order,
     written by the first worker. Returns the number of scores written."""
+    model.finish()
     margins = np.concatenate([model.margins(ds.batch(lo, lo + batch_size)) for lo in range(0, ds.rows, batch_size)]
                              or [np.zeros(0)])
     scores = 1.0 / (1.0 + np.exp(-margins)) if loss == "logistic" else margins
@@ -251,16 +282,14 @@ def run(cfg, comm=None) -> dict | None:
     train = _load(ctx, cfg, paths["train"], "training", stream=True)
     test = _load(ctx, cfg, paths["test"], "test")
     to_predict = _load(ctx, cfg, cfg.data.predict, "prediction")
-    model = make_model(ctx, cfg, initial_bias(ctx, cfg, train))
+    model = make_model(ctx, cfg, initial_bias(ctx, cfg, train), model_fields(ctx, cfg, paths["train"]))
     keep_best = (ctx.server_function("hpcps.snapshot"), ctx.server_function("hpcps.restore")) \
         if cfg.train.early_stop else None
     if ctx.is_server:
         ctx.serve(restore)
         preempted = _agree_preempted(ctx, False)[0]
         if cfg.train.model_out and not preempted:
-            model_file.export_from_servers(ctx, model.table.name, cfg.train.model_out,
-                                           {"model": cfg.model.type, "loss": cfg.model.loss,
-                                            "config": json.dumps(cfg.to_dict())})
+            export_model(ctx, cfg, model)
         ctx.finalize()
         return Result(None, preempted, restore[0] if restore else "")
 
@@ -303,7 +332,8 @@ def run(cfg, comm=None) -> dict | None:
             path = ctx.save_checkpoint(ck.dir, global_step, {
                 "model_fingerprint": cfg.model_fingerprint(), "config": cfg.to_dict(), "reason": reason,
                 "position": {"epoch": epoch_next, "step": step_next, "global_step": global_step},
-                "data": {**data_meaning, "random_state": "none: the loop draws no random numbers"}}, ck.keep)
+                "data": {**data_meaning, "random_state": "none: the loop draws no random numbers"},
+                "fields": getattr(getattr(model, "net", None), "fields", 1)}, ck.keep)
             print(f"hpcps train: checkpoint {path} ({reason})", flush=True)
         transport.barrier(wcomm, ctx.stall_timeout_s, "checkpoint barrier")
 
@@ -391,7 +421,8 @@ def run(cfg, comm=None) -> dict | None:
             break
         examples += int(transport.allreduce(wcomm, np.array([rows]), "sum", ctx.stall_timeout_s)[0])
         total_loss = float(transport.allreduce(wcomm, np.array([loss_sum]), "sum", ctx.stall_timeout_s)[0])
-        record = {"train_loss": total_loss / max(examples / epoch, 1), "time_s": time.perf_counter() - t0}
+        record = {"train_loss": total_loss / max(examples / epoch, 1), "time_s": time.perf_counter() - t0,
+                  **{f"stage_{k}": v for k, v in model.stage_times().items()}}
         if test is not None:
             record.update(evaluate(ctx, model, test, tr.batch_size, cfg.model.loss))
         if collecting:
@@ -404,7 +435,8 @@ def run(cfg, comm=None) -> dict | None:
             if value < best["loss"]:
                 best.update(loss=value, epoch=epoch)
                 if keep_best and first:
-                    model.table.call(keep_best[0], np.zeros(0, dtype=np.uint64))
+                    for table in model.all_tables:
+                        table.call(keep_best[0], np.zeros(0, dtype=np.uint64))
             elif tr.early_stop and epoch - best["epoch"] >= tr.early_stop:
                 stopped_at = epoch
         history.append(record)
@@ -413,8 +445,10 @@ def run(cfg, comm=None) -> dict | None:
             break
     if keep_best and best["epoch"] and best["epoch"] != len(history) + start_epoch - 1 and not preempted:
         if first:  # the servers go back to the best epoch's model (it is the one exported and checkpointed)
-            model.table.call(keep_best[1], np.zeros(0, dtype=np.uint64))
+            for table in model.all_tables:
+                table.call(keep_best[1], np.zeros(0, dtype=np.uint64))
         transport.barrier(wcomm, ctx.stall_timeout_s, "barrier after keeping the best model")
+        model.finish()  # the deep models' MLP replica: the restored one
         if test is not None:  # the summary describes the model kept
             history.append({**history[-1], **evaluate(ctx, model, test, tr.batch_size, cfg.model.loss),
                             f"holdout_{name}": best["loss"]})
@@ -442,9 +476,7 @@ def run(cfg, comm=None) -> dict | None:
         return Result(None, True, resumed)
     _, worker_rss, server_rss, key_counts = _agree_preempted_worker(ctx, False)
     if ctx.local and cfg.train.model_out:  # one process: no server rank to write the model
-        model_file.export_from_servers(ctx, model.table.name, cfg.train.model_out,
-                                       {"model": cfg.model.type, "loss": cfg.model.loss,
-                                        "config": json.dumps(cfg.to_dict())})
+        export_model(ctx, cfg, model)
     ctx.finalize()
     if not first:
         return Result(None, False, resumed)

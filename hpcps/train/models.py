@@ -10,11 +10,14 @@ any other. L2 regularisation is the server optimizer's ``l2``.
 
 from __future__ import annotations
 
-import numpy as np
-
+import time
 from dataclasses import dataclass
 
+import numpy as np
+
+from hpcps import transport
 from hpcps.train.data import BIAS_KEY
+from hpcps_kernels import deep as kdeep
 from hpcps_kernels import keys as kkeys
 from hpcps_kernels import models as kmodels
 
@@ -23,32 +26,58 @@ LOSSES = {"logistic": kmodels.LOGISTIC, "squared": kmodels.SQUARED}
 
 @dataclass
 class _Prepared:
-    """A batch whose unique keys are known, and whose rows may be on their way (``ts``) or here."""
+    """A batch whose unique keys are known, and whose rows of every sparse table may be on their
+    way (``ts``, one per table) or here (``params``)."""
 
     batch: object
     uniq: np.ndarray
     pos: np.ndarray
-    ts: int | None = None
-    params: np.ndarray | None = None
+    ts: list | None = None
+    params: list | None = None
 
 
 class Model:
-    """Common part: the table, the loss, a step and margins."""
+    """Common part: the sparse tables (the first carries the step's clock), the loss, a step and
+    margins. A model declares its tables in :meth:`_declare`; the rows of all of them are pulled
+    together for a batch's unique keys, and its gradients pushed together."""
+
+    compute_empty = False  # call _forward_backward on an empty batch (group collectives inside it)
 
     def __init__(self, ctx, cfg, bias: float = 0.0):
         self.cfg = cfg
         self.bias = bias  # the bias key's initial weight (a regression's label mean)
         self.loss = LOSSES[cfg.model.loss]
         self.aggregate = cfg.train.aggregate
-        self.table = self._declare(ctx, cfg)
         self.ctx = ctx
+        self.sparse = self._declare(ctx, cfg)
+        self.table = self.sparse[0]
         # a batch's keys need sorting only where a worker group merges its pushes
         self._sorted = ctx.is_worker and self.aggregate and ctx.group_comm.Get_size() > 1
-        self._pending = None                 # a push in flight (the last step's, without push-pull)
+        self._pending: list = []             # (table, timestamp) of pushes in flight
         self._ahead: list[_Prepared] = []    # the next batches, prepared (see step)
+        self.stages: dict[str, float] = {}   # seconds per stage of the step (see stage_times)
 
-    def _declare(self, ctx, cfg):
+    def _declare(self, ctx, cfg) -> list:
         raise NotImplementedError
+
+    @property
+    def all_tables(self) -> list:
+        """Every table on the servers (sparse handles), for server functions over the whole model."""
+        return list(self.sparse)
+
+    def _time(self, stage: str, since: float) -> float:
+        now = time.perf_counter()
+        self.stages[stage] = self.stages.get(stage, 0.0) + now - since
+        return now
+
+    def stage_times(self, reset: bool = True) -> dict:
+        """Seconds spent per stage of the steps since the last call: ``pull`` (waiting for the
+        rows), ``compute`` (or ``embed``, ``mlp``, ``allreduce`` for the deep models), ``push``
+        (sending gradients and the next pulls)."""
+        out = {f"{k}_s": round(v, 4) for k, v in self.stages.items()}
+        if reset:
+            self.stages = {}
+        return out
 
     def _bias_key(self, dim: int) -> tuple:
         """The bias feature's initial row, when it does not start at the initializer."""
@@ -56,10 +85,10 @@ class Model:
             return ()
         return ((int(BIAS_KEY), (self.bias,) + (0.0,) * (dim - 1)),)
 
-    def _forward_backward(self, batch, pos, params, grads, scale) -> float:
+    def _forward_backward(self, batch, pos, params: list, grads: list, scale) -> float:
         raise NotImplementedError
 
-    def _margins(self, batch, pos, params, out) -> None:
+    def _margins(self, batch, pos, params: list, out) -> None:
         raise NotImplementedError
 
     def _prepare(self, batch) -> _Prepared:
@@ -67,6 +96,27 @@ class Model:
             if p.batch is batch:
                 return p
         return _Prepared(batch, *(kkeys.unique_keys if self._sorted else kkeys.dedup_keys)(batch.indices))
+
+    def _fetch(self, cur: _Prepared) -> None:
+        """The rows of every table for ``cur`` (pulls of all tables in flight together)."""
+        if cur.params is None:
+            ts = cur.ts if cur.ts is not None else [t.ipull(cur.uniq, unique=True) for t in self.sparse]
+            cur.params = [t.wait(x) for t, x in zip(self.sparse, ts)]
+            cur.ts = None
+
+    def _wait_pending(self) -> None:
+        for table, ts in self._pending:
+            table.wait(ts)
+        self._pending = []
+
+    def _before_step(self) -> None:
+        """Hook: at the start of a step (the deep models take their dense parameters here)."""
+
+    def _before_clock(self) -> None:
+        """Hook: after the gradients, before the step's clock (the deep models push the MLP's)."""
+
+    def _after_clock(self) -> None:
+        """Hook: after the step's clock (the deep models start pulling the MLP when due)."""
 
     def step(self, batch, scale: float, upcoming=()) -> float:
         """One iteration: pull the batch's rows, compute, push the gradients, end the clock.
@@ -80,25 +130,50 @@ class Model:
         """
         if self.cfg.model.compute == "servers":
             return self._step_on_servers(batch, scale)
-        if self._pending is not None:
-            self.table.wait(self._pending)  # at most one push in flight
-            self._pending = None
+        t = time.perf_counter()
+        self._wait_pending()  # at most one step's pushes in flight
+        self._before_step()
         cur = self._prepare(batch)
-        if cur.params is None:
-            cur.params = self.table.wait(cur.ts) if cur.ts is not None else self.table.pull(cur.uniq, unique=True)
+        self._fetch(cur)
         self._ahead = [p for p in self._ahead if p is not cur]
-        grads = np.empty_like(cur.params)
-        loss = self._forward_backward(batch, cur.pos, cur.params, grads, scale) if batch.rows else 0.0
+        t = self._time("pull", t)
+        grads = [np.empty_like(p) for p in cur.params]
+        loss = self._forward_backward(batch, cur.pos, cur.params, grads, scale) \
+            if batch.rows or self.compute_empty else 0.0
+        t = time.perf_counter() if self.compute_empty else self._time("compute", t)
+        self._before_clock()
+        keys, grads, aggregate = self._merge_tables(cur.uniq, grads)
+        head, rest = self.sparse[0], list(zip(self.sparse[1:], grads[1:]))
         if upcoming:
             nxt = self._prepare(upcoming[0])
-            nxt.ts = self.table.ipushpull(cur.uniq, grads, nxt.uniq, aggregate=self.aggregate, unique=True)
+            # the other tables' pushes go before the clock that the first table's push-pull carries,
+            # and their pulls after it (so under BSP they see every push of the step)
+            self._pending += [(tb, tb.push(keys, g, aggregate=aggregate, unique=True)) for tb, g in rest]
+            ts = head.ipushpull(keys, grads[0], nxt.uniq, aggregate=aggregate, unique=True)
+            nxt.ts = [ts] + [tb.ipull(nxt.uniq, unique=True) for tb, _ in rest]
             self._ahead = [nxt]
             if len(upcoming) > 1:  # overlaps the servers' work on the push-pull just sent
                 self._ahead.append(self._prepare(upcoming[1]))
         else:
-            self._pending = self.table.push(cur.uniq, grads, aggregate=self.aggregate, unique=True)
+            self._pending += [(tb, tb.push(keys, g, aggregate=aggregate, unique=True))
+                              for tb, g in zip(self.sparse, grads)]
             self.ctx.clock()
+        self._after_clock()
+        self._time("push", t)
         return loss
+
+    def _merge_tables(self, uniq, grads: list) -> tuple:
+        """(keys, gradients per table, whether the pushes still aggregate). Several tables whose
+        pushes a worker group merges are merged in one gather (their rows side by side: the same
+        keys) instead of one per table; the group's first rank then pushes the sums."""
+        if not (self._sorted and len(grads) > 1):
+            return uniq, grads, self.aggregate
+        widths = [g.shape[1] for g in grads]
+        merged = self.ctx.gather_to_leader(uniq, np.hstack(grads).astype(np.float32, copy=False), sum(widths))
+        if merged is None:  # not the group's first rank: nothing to push (the clock still goes)
+            return np.zeros(0, np.uint64), [np.zeros((0, w), np.float32) for w in widths], False
+        keys, sums = merged
+        return keys, np.split(sums, np.cumsum(widths)[:-1], axis=1), False
 
     def _step_on_servers(self, batch, scale: float) -> float:
         """``model.compute = "servers"`` (the seeds' third realm): the batch's nonzeros go to the
@@ -106,33 +181,31 @@ class Model:
         apply the gradients themselves. Two round trips a step and no pipelining; weights are
         never pulled. Under BSP it computes what the pull-based step computes (bit for bit with
         one server; with several, partial sums add in another order)."""
-        if self._pending is not None:
-            self.table.wait(self._pending)
-            self._pending = None
+        self._wait_pending()
         rows = batch.rows
         row_ids = np.repeat(np.arange(rows, dtype=np.int32), np.diff(batch.indptr))
         partials = self.table.wait(self.table.imargins(batch.indices, batch.values, row_ids, rows))
         residuals = np.empty((rows, self.table.dim), dtype=np.float64)
         loss = self._residuals(partials, batch.labels, scale, residuals) if rows else 0.0
-        self._pending = self.table.iresiduals(residuals)  # ends the step (the clock)
+        self._pending = [(self.table, self.table.iresiduals(residuals))]  # ends the step (the clock)
         return loss
 
     def _residuals(self, partials, labels, scale, out) -> float:
         raise NotImplementedError
 
     def finish(self) -> None:
-        """Wait for every request in flight (pulled rows ahead are kept for their step)."""
-        if self._pending is not None:
-            self.table.wait(self._pending)
-            self._pending = None
+        """Wait for every request in flight (pulled rows ahead are kept for their step). Collective
+        over the worker group for the deep models (their MLP is brought up to date)."""
+        self._wait_pending()
         for p in self._ahead:
             if p.ts is not None:
-                p.params = self.table.wait(p.ts)
+                p.params = [t.wait(x) for t, x in zip(self.sparse, p.ts)]
                 p.ts = None
 
     def margins(self, batch) -> np.ndarray:
         uniq, pos = kkeys.unique_keys(batch.indices)
-        params = self.table.pull(uniq)
+        ts = [t.ipull(uniq) for t in self.sparse]
+        params = [t.wait(x) for t, x in zip(self.sparse, ts)]
         out = np.empty(batch.rows, dtype=np.float64)
         if batch.rows:
             self._margins(batch, pos, params, out)
@@ -144,16 +217,16 @@ class LinearModel(Model):
         return kmodels.lr_residuals(partials, labels, scale, self.loss, out[:, 0])
 
     def _declare(self, ctx, cfg):
-        return ctx.sparse_table("w", dim=1, optimizer=cfg.optimizer.name, params=cfg.optimizer.params,
-                                init="zeros", seed=cfg.model.seed, key_bits=cfg.data.hash_bits,
-                                features=cfg.features, init_keys=self._bias_key(1))
+        return [ctx.sparse_table("w", dim=1, optimizer=cfg.optimizer.name, params=cfg.optimizer.params,
+                                 init="zeros", seed=cfg.model.seed, key_bits=cfg.data.hash_bits,
+                                 features=cfg.features, init_keys=self._bias_key(1))]
 
     def _forward_backward(self, batch, pos, params, grads, scale):
-        return kmodels.lr_forward_backward(batch.indptr, pos, batch.values, batch.labels, params[:, 0],
-                                           grads[:, 0], scale, 0.0, self.loss)
+        return kmodels.lr_forward_backward(batch.indptr, pos, batch.values, batch.labels, params[0][:, 0],
+                                           grads[0][:, 0], scale, 0.0, self.loss)
 
     def _margins(self, batch, pos, params, out):
-        kmodels.lr_predict(batch.indptr, pos, batch.values, params[:, 0], out)
+        kmodels.lr_predict(batch.indptr, pos, batch.values, params[0][:, 0], out)
 
 
 class FactorizationMachine(Model):
@@ -161,24 +234,220 @@ class FactorizationMachine(Model):
         return kmodels.fm_residuals(partials, labels, scale, self.loss, out)
 
     def _declare(self, ctx, cfg):
-        return ctx.sparse_table("fm", dim=1 + cfg.model.factors, optimizer=cfg.optimizer.name,
-                                params=cfg.optimizer.params, init="normal", init_scale=cfg.model.init_scale,
-                                seed=cfg.model.seed, key_bits=cfg.data.hash_bits, features=cfg.features,
-                                init_keys=self._bias_key(1 + cfg.model.factors))
+        return [ctx.sparse_table("fm", dim=1 + cfg.model.factors, optimizer=cfg.optimizer.name,
+                                 params=cfg.optimizer.params, init="normal", init_scale=cfg.model.init_scale,
+                                 seed=cfg.model.seed, key_bits=cfg.data.hash_bits, features=cfg.features,
+                                 init_keys=self._bias_key(1 + cfg.model.factors))]
 
     def _forward_backward(self, batch, pos, params, grads, scale):
-        return kmodels.fm_forward_backward(batch.indptr, pos, batch.values, batch.labels, params[:, 0],
-                                           params[:, 1:], grads[:, 0], grads[:, 1:], scale, 0.0, self.loss,
-                                           np.empty(0))
+        p, g = params[0], grads[0]
+        return kmodels.fm_forward_backward(batch.indptr, pos, batch.values, batch.labels, p[:, 0],
+                                           p[:, 1:], g[:, 0], g[:, 1:], scale, 0.0, self.loss, np.empty(0))
 
     def _margins(self, batch, pos, params, out):
-        g = np.empty_like(params)
-        kmodels.fm_forward_backward(batch.indptr, pos, batch.values, batch.labels, params[:, 0], params[:, 1:],
+        p = params[0]
+        g = np.empty_like(p)
+        kmodels.fm_forward_backward(batch.indptr, pos, batch.values, batch.labels, p[:, 0], p[:, 1:],
                                     g[:, 0], g[:, 1:], 0.0, 0.0, self.loss, out)
 
 
-def make_model(ctx, cfg, bias: float = 0.0) -> Model:
-    """The configured model; ``bias``: the bias weight's initial value."""
+FORMAT_FIELDS = {"criteo": 39, "libsvm": 1, "vw": 1}  # fields per row by format (libffm: say model.fields)
+
+
+def resolve_fields(cfg, fmt: str) -> int:
+    """The number of fields of a deep model's rows: ``model.fields``, or the format's. Raises
+    ValueError naming the key where it cannot be known."""
+    if cfg.model.fields:
+        return cfg.model.fields
+    if fmt not in FORMAT_FIELDS:
+        raise ValueError(f"model.fields: set the number of fields of the {fmt} data (its largest field id + 1) "
+                         f"for a {cfg.model.type}")
+    return FORMAT_FIELDS[fmt]
+
+
+class DeepNet:
+    """The deep models' computation, apart from where parameters live (no MPI; used to train and
+    to serve). ``wdl``: margin = wide (a linear model over every key) + MLP(the row's per-field
+    embeddings). ``deepfm``: margin = FM + MLP(the same embeddings, the FM's factors). The sparse
+    parameters come as the batch-local rows of each table (wdl: ``[w (n,1), E (n,k)]``; deepfm:
+    ``[[w | V] (n,1+k)]``), the MLP as one flat vector (:func:`hpcps_kernels.deep.mlp_layout`)."""
+
+    def __init__(self, kind: str, k: int, fields: int, shift: int, hidden, activation: str, loss: int):
+        self.kind, self.k, self.fields, self.shift, self.loss = kind, k, fields, shift, loss
+        self.act = kdeep.ACTIVATIONS[activation]
+        self.layers, self.size = kdeep.mlp_layout(fields * k, hidden)
+        self.stages: dict[str, float] = {}
+
+    def _tick(self, stage: str, since: float) -> float:
+        now = time.perf_counter()
+        self.stages[stage] = self.stages.get(stage, 0.0) + now - since
+        return now
+
+    def _embeddings(self, params: list) -> np.ndarray:
+        return params[1] if self.kind == "wdl" else params[0][:, 1:]
+
+    def _pool(self, batch, pos, params) -> np.ndarray:
+        x = np.empty((batch.rows, self.fields * self.k), dtype=np.float32)
+        bad = kdeep.embed_pool(batch.indptr, pos, batch.indices, batch.values, self._embeddings(params),
+                               self.shift, self.fields, BIAS_KEY, x)
+        if bad >= 0:
+            field = int(batch.indices[bad]) >> self.shift
+            raise ValueError(f"a feature of field {field} in a model of {self.fields} fields (model.fields = "
+                             f"{self.fields}; a key's field is key >> data.hash_bits)")
+        return x
+
+    def _shallow(self, batch, pos, row_ids, params) -> tuple[np.ndarray, np.ndarray | None]:
+        """The wide or FM part: (margins, FM partial sums or None)."""
+        if self.kind == "wdl":
+            m = np.empty(batch.rows, dtype=np.float64)
+            kmodels.lr_partial_margins(pos, batch.values, row_ids, params[0][:, 0], m)
+            return m, None
+        p = params[0]
+        partials = np.empty((batch.rows, self.k + 2), dtype=np.float64)
+        kmodels.fm_partial_margins(pos, batch.values, row_ids, p[:, 0], p[:, 1:], partials)
+        s = partials[:, 1:1 + self.k]
+        return partials[:, 0] + 0.5 * (np.einsum("rk,rk->r", s, s) - partials[:, 1 + self.k]), partials
+
+    def margins(self, batch, pos, params: list, mlp: np.ndarray) -> np.ndarray:
+        row_ids = np.repeat(np.arange(batch.rows, dtype=np.int32), np.diff(batch.indptr))
+        shallow, _ = self._shallow(batch, pos, row_ids, params)
+        deep, _ = kdeep.mlp_forward(mlp, self.layers, self._pool(batch, pos, params), self.act)
+        return shallow + deep
+
+    def forward_backward(self, batch, pos, params: list, mlp: np.ndarray, grads: list, mlp_grad: np.ndarray,
+                         scale: float, between=None) -> float:
+        """The summed loss; the sparse gradients into ``grads`` (like ``params``) and the MLP's
+        into ``mlp_grad``. ``between()`` is called once the MLP's gradient is complete and before
+        the embeddings' gradients are scattered (the model starts its allreduce there)."""
+        t = time.perf_counter()
+        rows = batch.rows
+        row_ids = np.repeat(np.arange(rows, dtype=np.int32), np.diff(batch.indptr))
+        x = self._pool(batch, pos, params)
+        shallow, partials = self._shallow(batch, pos, row_ids, params)
+        t = self._tick("embed", t)
+        deep, hs = kdeep.mlp_forward(mlp, self.layers, x, self.act)
+        margins = shallow + deep
+        dm = np.empty(rows, dtype=np.float64)
+        loss = kmodels.lr_residuals(margins, batch.labels, scale, self.loss, dm) if rows else 0.0
+        dx = kdeep.mlp_backward(mlp, self.layers, hs, dm.astype(np.float32), self.act, mlp_grad)
+        t = self._tick("mlp", t)
+        if between is not None:
+            between()
+        if self.kind == "wdl":
+            kmodels.lr_residual_grads(pos, batch.values, row_ids, dm, grads[0][:, 0])
+            grads[1][:, :] = 0.0
+            kdeep.embed_scatter(batch.indptr, pos, batch.indices, batch.values, dx, self.shift, BIAS_KEY, grads[1])
+        else:
+            g, p = grads[0], params[0]
+            residuals = np.empty((rows, 1 + self.k), dtype=np.float64)
+            residuals[:, 0] = dm
+            residuals[:, 1:] = partials[:, 1:1 + self.k]
+            kmodels.fm_residual_grads(pos, batch.values, row_ids, p[:, 1:], residuals, g[:, 0], g[:, 1:])
+            kdeep.embed_scatter(batch.indptr, pos, batch.indices, batch.values, dx, self.shift, BIAS_KEY, g[:, 1:])
+        self._tick("embed", t)
+        return loss
+
+
+class DeepModel(Model):
+    """Wide & Deep (``wdl``) and DeepFM (``deepfm``) on the parameter server (KunPeng style).
+
+    Sparse tables on the servers, pulled and pushed by key with the server optimizer
+    (``[optimizer]``): ``wide`` (dim 1) and ``emb`` (dim k) for wdl, ``fm`` (``[w | V]``, V the
+    embeddings) for deepfm. The MLP is a dense table ``mlp`` on the servers (optimizer
+    ``model.dense_optimizer``, Adam by default) with a replica in every worker: each step its
+    gradient is allreduced inside the worker group (started as soon as it is known, overlapping
+    the scatter of the embeddings' gradients) and the group's first rank pushes the sum before the
+    step's clock; every ``model.dense_sync_steps`` steps the group's first rank pulls the MLP
+    after the clock and broadcasts it to the group. With 1 under BSP every step sees every group's
+    updates, as the sparse tables do.
+    """
+
+    compute_empty = True  # an empty batch still joins its group's allreduce
+
+    def __init__(self, ctx, cfg, bias: float = 0.0, fields: int = 1):
+        m = cfg.model
+        self.net = DeepNet(m.type, m.factors, fields, cfg.data.hash_bits, m.hidden, m.activation, LOSSES[m.loss])
+        self.key_bits = min(64, cfg.data.hash_bits + max(1, (fields - 1).bit_length()))
+        super().__init__(ctx, cfg, bias)
+        init = kdeep.mlp_init(fields * m.factors, m.hidden, m.activation, m.seed)
+        self.dense = ctx.dense_table("mlp", self.net.size, optimizer=m.dense_optimizer, params={"lr": m.dense_lr},
+                                     initial=init)
+        self.mlp = init
+        self.sync_every = m.dense_sync_steps
+        self._dense_pull: tuple | None = ("due", None)  # a pull of the MLP to finish: at the first step
+        self._allreduce = None
+
+    @property
+    def all_tables(self) -> list:
+        return [*self.sparse, self.dense.sparse]
+
+    def _declare(self, ctx, cfg):
+        m, o = cfg.model, cfg.optimizer
+        common = dict(optimizer=o.name, params=o.params, seed=m.seed, key_bits=self.key_bits, features=cfg.features)
+        if m.type == "wdl":
+            return [ctx.sparse_table("wide", dim=1, init="zeros", init_keys=self._bias_key(1), **common),
+                    ctx.sparse_table("emb", dim=m.factors, init="normal", init_scale=m.init_scale, **common)]
+        return [ctx.sparse_table("fm", dim=1 + m.factors, init="normal", init_scale=m.init_scale,
+                                 init_keys=self._bias_key(1 + m.factors), **common)]
+
+    def _take_dense(self) -> None:
+        """Group collective: finish the MLP's pull (started after an earlier clock)."""
+        if self._dense_pull is not None:
+            kind, ts = self._dense_pull
+            self.mlp = self.dense.finish_pull(self.dense.ipull() if kind == "due" else ts)
+            self._dense_pull = None
+
+    def _before_step(self) -> None:
+        self._take_dense()
+
+    def _forward_backward(self, batch, pos, params, grads, scale):
+        net = self.net
+        mlp_grad = np.empty(net.size, dtype=np.float32)
+
+        def start_allreduce():
+            self._allreduce = self.dense.start_allreduce(mlp_grad)
+
+        loss = net.forward_backward(batch, pos, params, self.mlp, grads, mlp_grad, scale, start_allreduce)
+        for k, v in net.stages.items():
+            self.stages[k] = self.stages.get(k, 0.0) + v
+        net.stages = {}
+        return loss
+
+    def _before_clock(self) -> None:
+        t = time.perf_counter()
+        total, pending = self._allreduce
+        transport.finish_collective(self.ctx.group_comm, pending, self.ctx.stall_timeout_s)
+        self._allreduce = None
+        t = self._time("allreduce", t)
+        ts = self.dense.ipush_summed(total)
+        if ts is not None:
+            self._pending.append((self.dense.sparse, ts))
+        self._time("push", t)
+
+    def _after_clock(self) -> None:
+        # the step's clock counts steps since the start of training (checkpoints keep it), so a
+        # resumed run pulls at the steps the uninterrupted run pulls at
+        if self.ctx.clock_value % self.sync_every == 0:
+            self._dense_pull = ("started", self.dense.ipull())
+
+    def finish(self) -> None:
+        """Group collective: every request done, and the MLP replica the servers' (pulled now,
+        after every push: what evaluation and the exported model use)."""
+        super().finish()
+        if self._dense_pull is not None and self._dense_pull[0] == "started":
+            self._take_dense()
+        self._dense_pull = ("due", None)
+        self._take_dense()
+
+    def _margins(self, batch, pos, params, out):
+        out[:] = self.net.margins(batch, pos, params, self.mlp)
+
+
+def make_model(ctx, cfg, bias: float = 0.0, fields: int = 1) -> Model:
+    """The configured model; ``bias``: the bias weight's initial value; ``fields``: fields per row
+    (deep models, see :func:`resolve_fields`)."""
+    if cfg.model.type in ("wdl", "deepfm"):
+        return DeepModel(ctx, cfg, bias, fields)
     return {"lr": LinearModel, "fm": FactorizationMachine}[cfg.model.type](ctx, cfg, bias)
 
 
@@ -194,3 +463,28 @@ def margins_from_params(kind: str, batch, pos, params, loss: str = "logistic") -
         kmodels.fm_forward_backward(batch.indptr, pos, batch.values, batch.labels, params[:, 0], params[:, 1:],
                                     g[:, 0], g[:, 1:], 0.0, 0.0, LOSSES[loss], out)
     return out
+
+
+DEEP_TABLES = {"wdl": ("wide", "emb"), "deepfm": ("fm",)}
+
+
+class Scorer:
+    """Margins of batches from a model file (:class:`hpcps.train.model_file.ServingModel`), no
+    servers: the same computation as training's."""
+
+    def __init__(self, model):
+        self.model = model
+        self.net = None
+        if model.kind in DEEP_TABLES:
+            cfg = model.config
+            m, hash_bits = cfg.get("model", {}), cfg.get("data", {}).get("hash_bits", 24)
+            self.net = DeepNet(model.kind, int(m["factors"]), int(model.attrs.get("fields", 1)), int(hash_bits),
+                               m["hidden"], m.get("activation", "relu"), LOSSES[model.loss])
+            self.mlp = model.dense("mlp", self.net.size)
+
+    def margins(self, batch) -> np.ndarray:
+        uniq, pos = kkeys.unique_keys(batch.indices)
+        if self.net is None:
+            return margins_from_params(self.model.kind, batch, pos, self.model.pull(uniq), self.model.loss)
+        params = [self.model.tables[name].pull(uniq) for name in DEEP_TABLES[self.model.kind]]
+        return self.net.margins(batch, pos, params, self.mlp) if batch.rows else np.zeros(0)

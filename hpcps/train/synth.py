@@ -158,3 +158,53 @@ def ratings(out_dir: str, rows: int, test_rows: int, users: int = 5000, items: i
         if name == "test":
             out["best_rmse"] = float(np.sqrt(np.mean((np.clip(truth, 1, 5) - y) ** 2)))
     return out
+
+
+DEEP_VOCAB = (4, 6, 8, 10, 30, 100, 1_000, 10_000)  # tokens per field of the deep data
+
+
+def deep(out_dir: str, rows: int, test_rows: int, seed: int = 1) -> dict:
+    """libffm data with a known nonlinear truth (``train.ffm``, ``test.ffm``, ``info.json``).
+
+    Eight fields, each one token (Zipf over ``DEEP_VOCAB``; the last three fields are missing
+    5 % of the time). The margin is ``-1 + sum_f w_f[t_f]`` (weights normal, std 0.3), plus the
+    pairwise interactions ``<v_3, v_4> + <v_4, v_5>`` (factors of dimension 4, std 0.5), which an
+    FM can learn and LR cannot, plus ``1.2 * (+1 if b_0 ^ b_1 ^ b_2 else -1)`` where ``b_f[t]`` is
+    a random bit per token of the first three fields: a three-way parity, which no sum of
+    pairwise terms can express and an MLP over the fields' embeddings can. The truth is the same
+    for every seed (the seed draws the rows). Returns the files, the fields and the best
+    achievable test logloss and AUC (of the true probabilities).
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    fields = len(DEEP_VOCAB)
+    truth = np.random.default_rng(20261122)
+    w = [truth.normal(0.0, 0.3, v) for v in DEEP_VOCAB]
+    v = {f: truth.normal(0.0, 0.5, (DEEP_VOCAB[f], 4)) for f in (3, 4, 5)}
+    bits = [truth.integers(0, 2, DEEP_VOCAB[f]) for f in range(3)]
+    out = {"fields": fields}
+    for name, n, s in (("train", rows, seed), ("test", test_rows, seed + 1_000_003)):
+        rng = np.random.default_rng(s)
+        tok = np.stack([(rng.zipf(1.3, n) - 1) % vocab for vocab in DEEP_VOCAB], axis=1)
+        present = np.ones((n, fields), dtype=bool)
+        present[:, 5:] = rng.random((n, fields - 5)) >= 0.05
+        margin = np.full(n, -1.0)
+        for f in range(fields):
+            margin += np.where(present[:, f], w[f][tok[:, f]], 0.0)
+        vv = {f: v[f][tok[:, f]] * present[:, f, None] for f in v}
+        margin += np.einsum("rk,rk->r", vv[3], vv[4]) + np.einsum("rk,rk->r", vv[4], vv[5])
+        parity = bits[0][tok[:, 0]] ^ bits[1][tok[:, 1]] ^ bits[2][tok[:, 2]]
+        margin += 1.2 * (2.0 * parity - 1.0)
+        p = 1.0 / (1.0 + np.exp(-margin))
+        labels = (rng.random(n) < p).astype(np.int64)
+        path = os.path.join(out_dir, f"{name}.ffm")
+        with open(path, "w") as fh:
+            for r in range(n):
+                fh.write(f"{labels[r]} " + " ".join(f"{f}:{tok[r, f]}:1" for f in range(fields) if present[r, f])
+                         + "\n")
+        out[name] = path
+        if name == "test":
+            out["best_test_logloss"] = metrics.logloss(labels.astype(np.float64), margin)
+            out["best_test_auc"] = metrics.auc(labels.astype(np.float64), margin)
+    with open(os.path.join(out_dir, "info.json"), "w") as fh:
+        json.dump(out, fh, indent=1)
+    return out
