@@ -14,12 +14,13 @@ from run import mpiexec  # noqa: E402
 
 def test_kernel_profiler_reports_speedups_and_rooflines():
     out = subprocess.run([sys.executable, "-m", "hpcps_kernels", "bench", "--rows", "4000", "--repeat", "1", "--json",
-                          "--kernel", "lr", "--kernel", "unique", "--kernel", "parse", "--kernel", "metrics"],
+                          "--kernel", "lr", "--kernel", "unique", "--kernel", "parse", "--kernel", "metrics", "--kernel", "deep"],
                          capture_output=True, text=True, timeout=300, check=True).stdout
     rows = [json.loads(line) for line in out.splitlines()]
     assert rows[0]["roofline"]["seq_read_gb_s"] > 0 and rows[0]["roofline"]["random_access_m_s"] > 0
     names = [r["kernel"] for r in rows[1:]]
     assert any(n.startswith("lr_grad") for n in names) and "parse libsvm" in names and "auc" in names
+    assert {"embed_pool/39 fields k=8", "embed_scatter/39 fields k=8", "mlp fwd+bwd/312-400-400-1"} <= set(names)
     for r in rows[1:]:
         assert r["time_s"] > 0 and (r["speedup"] is None or r["speedup"] > 0)
 
@@ -62,3 +63,18 @@ def test_margins_benchmark_compares_bytes_and_speed_of_both_paths(tmp_path):
     assert by[("zipf", "servers")] > by[("zipf", "workers")]
     assert by[("rare", "servers")] < by[("rare", "workers")]
     assert "vs workers" in proc.stdout
+
+
+def test_deep_benchmark_reports_stages_beside_numpy(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "hpcps.cli", "bench", "deep", "--dir", str(tmp_path),
+                           "--rows", "6000"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    jobs = [r for r in lines if "ranks" in r]
+    assert [(r["ranks"], r["groups"]) for r in jobs] == [(2, 1), (4, 1), (4, 3)]
+    for r in jobs:
+        assert r["examples_per_s"] > 0 and {"pull", "embed", "mlp", "allreduce", "push"} <= set(r["stages_s"])
+        assert 0.3 < r["train_loss"] < 0.8
+    ref = [r["numpy"] for r in lines if "numpy" in r][0]
+    assert ref["examples_per_s"] > 0 and 0.3 < ref["train_loss"] < 0.8
+    assert "vs NumPy" in proc.stdout

@@ -12,7 +12,7 @@ LEVEL = {  # module -> layer
     "hpcps.transport": 2,
     **{f"hpcps.{m}": 3 for m in ("server", "client", "context", "bench_mpi")},
     **{f"hpcps.train.{m[:-3]}": 4 for m in os.listdir(os.path.join(ROOT, "hpcps", "train")) if m.endswith(".py")},
-    **{f"hpcps.{m}": 5 for m in ("cli", "bench_ps", "bench_vw", "bench_margins", "bench_checkpoint", "supervise", "plot")},
+    **{f"hpcps.{m}": 5 for m in ("cli", "bench_ps", "bench_vw", "bench_margins", "bench_deep", "bench_checkpoint", "supervise", "plot")},
 }
 
 
