@@ -111,7 +111,7 @@ def test_deep_model_file_checkpoint_resume_eval_and_predict_agree(deep_data, tmp
                               "--summary-json", str(tmp_path / "full.json")])
     summary = json.loads((tmp_path / "full.json").read_text())
     epochs = [json.loads(line) for line in open(tmp_path / "m.jsonl") if '"epoch"' in line and '"kind": "epoch"' in line]
-    for stage in ("pull", "embed", "mlp", "allreduce", "push"):
+    for stage in ("pull", "embed", "mlp", "allreduce", "push", "wait"):
         assert epochs[-1][f"stage_{stage}_s"] >= 0.0
     assert epochs[-1]["stage_mlp_s"] > 0.0
     # the model file's test metrics, served without servers

@@ -26,7 +26,8 @@ def run(cmd: str, timeout: float = 300) -> str:
 
 def test_every_example_has_a_run_line():
     names = [n for n in os.listdir(EXAMPLES) if n.endswith((".toml", ".py"))]
-    assert sorted(names) == ["criteo.toml", "custom_model.py", "custom_optimizer.py", "fm_ratings.toml", "quickstart.toml"]
+    assert sorted(names) == ["criteo.toml", "custom_model.py", "custom_optimizer.py", "deepfm.toml", "fm_ratings.toml",
+                            "quickstart.toml"]
     for n in names:
         assert command_of(n)
 
@@ -50,6 +51,12 @@ def test_criteo():
     out = run(command_of("criteo.toml"))
     assert _metric(out, "test auc") > 0.7
     assert os.path.exists("/tmp/hpcps-criteo/model.h5")
+
+
+def test_deepfm():
+    out = run(command_of("deepfm.toml"))
+    best = float(re.search(r"best achievable test logloss ([0-9.]+)", out).group(1))
+    assert best - 0.002 < _metric(out, "test logloss") < best + 0.04
 
 
 def test_custom_optimizer():

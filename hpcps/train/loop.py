@@ -342,6 +342,7 @@ def run(cfg, comm=None) -> dict | None:
     last_status = 0.0
 
     t0 = time.perf_counter()
+    waited_before = 0.0  # ctx.stats["wait_s"] at the end of the last epoch
     last_save = time.monotonic()
     history = []
     examples = 0
@@ -422,7 +423,9 @@ def run(cfg, comm=None) -> dict | None:
         examples += int(transport.allreduce(wcomm, np.array([rows]), "sum", ctx.stall_timeout_s)[0])
         total_loss = float(transport.allreduce(wcomm, np.array([loss_sum]), "sum", ctx.stall_timeout_s)[0])
         record = {"train_loss": total_loss / max(examples / epoch, 1), "time_s": time.perf_counter() - t0,
-                  **{f"stage_{k}": v for k, v in model.stage_times().items()}}
+                  **{f"stage_{k}": v for k, v in model.stage_times().items()},
+                  "stage_wait_s": round(ctx.stats["wait_s"] - waited_before, 4)}
+        waited_before = ctx.stats["wait_s"]
         if test is not None:
             record.update(evaluate(ctx, model, test, tr.batch_size, cfg.model.loss))
         if collecting:
