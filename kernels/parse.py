@@ -140,6 +140,23 @@ def _line_end(buf, i, n):
 
 
 @njit(inline="always")
+def _line_bounds(buf, i, n):
+    """The line starting at ``i``: (its newline's index, the end of its text without a CR)."""
+    end = _line_end(buf, i, n)
+    stop = end
+    if stop > i and buf[stop - 1] == CR:
+        stop -= 1
+    return end, stop
+
+
+@njit(inline="always")
+def _skip_blanks(buf, j, stop):
+    while j < stop and (buf[j] == SPACE or buf[j] == TAB):
+        j += 1
+    return j
+
+
+@njit(inline="always")
 def _binary_label(lab, seen):
     """A logistic-loss label: (label stored, which of ``seen`` it marks (0: a 0, 1: a -1), status)."""
     if lab == -1.0:
@@ -201,18 +218,13 @@ def libsvm_kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen, 
     skipped = 0
     indptr[0] = 0
     while i < n:
-        end = _line_end(buf, i, n)
-        stop = end
-        if stop > i and buf[stop - 1] == CR:
-            stop -= 1
+        end, stop = _line_bounds(buf, i, n)
         # comment
         for c in range(i, stop):
             if buf[c] == HASH:
                 stop = c
                 break
-        j = i
-        while j < stop and (buf[j] == SPACE or buf[j] == TAB):
-            j += 1
+        j = _skip_blanks(buf, i, stop)
         status = OK
         which = -1  # binary labels: 0 for a label 0, 1 for a label -1
         if j < stop:
@@ -223,8 +235,7 @@ def libsvm_kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen, 
                 lab, which, status = _binary_label(lab, seen)
             row_nnz = nnz
             while status == OK:
-                while j < stop and (buf[j] == SPACE or buf[j] == TAB):
-                    j += 1
+                j = _skip_blanks(buf, j, stop)
                 if j >= stop:
                     break
                 # qid:N is skipped
@@ -302,13 +313,8 @@ def vw_kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen, with
     skipped = 0
     indptr[0] = 0
     while i < n:
-        end = _line_end(buf, i, n)
-        stop = end
-        if stop > i and buf[stop - 1] == CR:
-            stop -= 1
-        j = i
-        while j < stop and (buf[j] == SPACE or buf[j] == TAB):
-            j += 1
+        end, stop = _line_bounds(buf, i, n)
+        j = _skip_blanks(buf, i, stop)
         if j >= stop:  # blank line
             i = end + 1
             line += 1
@@ -323,8 +329,7 @@ def vw_kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen, with
         # before the first bar: an optional weight (must be 1) and an optional 'tag
         n_before = 0
         while status == OK:
-            while j < stop and (buf[j] == SPACE or buf[j] == TAB):
-                j += 1
+            j = _skip_blanks(buf, j, stop)
             if j >= stop:
                 status = NO_BAR
                 break
