@@ -187,7 +187,7 @@ def export_model(ctx, cfg, model) -> None:
     model_file.export_from_servers(ctx, [t.name for t in model.all_tables], cfg.train.model_out,
                                    {"model": cfg.model.type, "loss": cfg.model.loss,
                                     "config": json.dumps(cfg.to_dict()),
-                                    "fields": getattr(getattr(model, "net", None), "fields", 1)})
+                                    "fields": model.fields})
 
 
 BIAS_ROWS = 4096  # rows per worker whose labels set a regression's initial bias
@@ -333,7 +333,7 @@ def run(cfg, comm=None) -> dict | None:
                 "model_fingerprint": cfg.model_fingerprint(), "config": cfg.to_dict(), "reason": reason,
                 "position": {"epoch": epoch_next, "step": step_next, "global_step": global_step},
                 "data": {**data_meaning, "random_state": "none: the loop draws no random numbers"},
-                "fields": getattr(getattr(model, "net", None), "fields", 1)}, ck.keep)
+                "fields": model.fields}, ck.keep)
             print(f"hpcps train: checkpoint {path} ({reason})", flush=True)
         transport.barrier(wcomm, ctx.stall_timeout_s, "checkpoint barrier")
 

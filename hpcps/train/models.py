@@ -24,6 +24,13 @@ from hpcps_kernels import models as kmodels
 LOSSES = {"logistic": kmodels.LOGISTIC, "squared": kmodels.SQUARED}
 
 
+def _tick(stages: dict, stage: str, since: float) -> float:
+    """Add the time since ``since`` to ``stages[stage]``; returns now."""
+    now = time.perf_counter()
+    stages[stage] = stages.get(stage, 0.0) + now - since
+    return now
+
+
 @dataclass
 class _Prepared:
     """A batch whose unique keys are known, and whose rows of every sparse table may be on their
@@ -42,6 +49,8 @@ class Model:
     together for a batch's unique keys, and its gradients pushed together."""
 
     compute_empty = False  # call _forward_backward on an empty batch (group collectives inside it)
+    fields = 1             # fields per row (the deep models' embeddings)
+    times_compute = False  # _forward_backward times its own stages (else it is one, "compute")
 
     def __init__(self, ctx, cfg, bias: float = 0.0):
         self.cfg = cfg
@@ -66,17 +75,14 @@ class Model:
         return list(self.sparse)
 
     def _time(self, stage: str, since: float) -> float:
-        now = time.perf_counter()
-        self.stages[stage] = self.stages.get(stage, 0.0) + now - since
-        return now
+        return _tick(self.stages, stage, since)
 
-    def stage_times(self, reset: bool = True) -> dict:
+    def stage_times(self) -> dict:
         """Seconds spent per stage of the steps since the last call: ``pull`` (waiting for the
         rows), ``compute`` (or ``embed``, ``mlp``, ``allreduce`` for the deep models), ``push``
         (sending gradients and the next pulls)."""
         out = {f"{k}_s": round(v, 4) for k, v in self.stages.items()}
-        if reset:
-            self.stages = {}
+        self.stages.clear()
         return out
 
     def _bias_key(self, dim: int) -> tuple:
@@ -140,7 +146,7 @@ class Model:
         grads = [np.empty_like(p) for p in cur.params]
         loss = self._forward_backward(batch, cur.pos, cur.params, grads, scale) \
             if batch.rows or self.compute_empty else 0.0
-        t = time.perf_counter() if self.compute_empty else self._time("compute", t)
+        t = time.perf_counter() if self.times_compute else self._time("compute", t)
         self._before_clock()
         keys, grads, aggregate = self._merge_tables(cur.uniq, grads)
         head, rest = self.sparse[0], list(zip(self.sparse[1:], grads[1:]))
@@ -276,12 +282,7 @@ class DeepNet:
         self.kind, self.k, self.fields, self.shift, self.loss = kind, k, fields, shift, loss
         self.act = kdeep.ACTIVATIONS[activation]
         self.layers, self.size = kdeep.mlp_layout(fields * k, hidden)
-        self.stages: dict[str, float] = {}
-
-    def _tick(self, stage: str, since: float) -> float:
-        now = time.perf_counter()
-        self.stages[stage] = self.stages.get(stage, 0.0) + now - since
-        return now
+        self.stages: dict[str, float] = {}  # seconds per stage (a training model shares its own)
 
     def _embeddings(self, params: list) -> np.ndarray:
         return params[1] if self.kind == "wdl" else params[0][:, 1:]
@@ -324,13 +325,13 @@ class DeepNet:
         row_ids = np.repeat(np.arange(rows, dtype=np.int32), np.diff(batch.indptr))
         x = self._pool(batch, pos, params)
         shallow, partials = self._shallow(batch, pos, row_ids, params)
-        t = self._tick("embed", t)
+        t = _tick(self.stages, "embed", t)
         deep, hs = kdeep.mlp_forward(mlp, self.layers, x, self.act)
         margins = shallow + deep
         dm = np.empty(rows, dtype=np.float64)
         loss = kmodels.lr_residuals(margins, batch.labels, scale, self.loss, dm) if rows else 0.0
         dx = kdeep.mlp_backward(mlp, self.layers, hs, dm.astype(np.float32), self.act, mlp_grad)
-        t = self._tick("mlp", t)
+        t = _tick(self.stages, "mlp", t)
         if between is not None:
             between()
         if self.kind == "wdl":
@@ -344,7 +345,7 @@ class DeepNet:
             residuals[:, 1:] = partials[:, 1:1 + self.k]
             kmodels.fm_residual_grads(pos, batch.values, row_ids, p[:, 1:], residuals, g[:, 0], g[:, 1:])
             kdeep.embed_scatter(batch.indptr, pos, batch.indices, batch.values, dx, self.shift, BIAS_KEY, g[:, 1:])
-        self._tick("embed", t)
+        _tick(self.stages, "embed", t)
         return loss
 
 
@@ -363,12 +364,15 @@ class DeepModel(Model):
     """
 
     compute_empty = True  # an empty batch still joins its group's allreduce
+    times_compute = True  # embed and mlp, timed inside the net
 
     def __init__(self, ctx, cfg, bias: float = 0.0, fields: int = 1):
         m = cfg.model
         self.net = DeepNet(m.type, m.factors, fields, cfg.data.hash_bits, m.hidden, m.activation, LOSSES[m.loss])
+        self.fields = fields
         self.key_bits = min(64, cfg.data.hash_bits + max(1, (fields - 1).bit_length()))
         super().__init__(ctx, cfg, bias)
+        self.net.stages = self.stages  # the embed and mlp stages are timed inside the net
         init = kdeep.mlp_init(fields * m.factors, m.hidden, m.activation, m.seed)
         self.dense = ctx.dense_table("mlp", self.net.size, optimizer=m.dense_optimizer, params={"lr": m.dense_lr},
                                      initial=init)
@@ -407,11 +411,7 @@ class DeepModel(Model):
         def start_allreduce():
             self._allreduce = self.dense.start_allreduce(mlp_grad)
 
-        loss = net.forward_backward(batch, pos, params, self.mlp, grads, mlp_grad, scale, start_allreduce)
-        for k, v in net.stages.items():
-            self.stages[k] = self.stages.get(k, 0.0) + v
-        net.stages = {}
-        return loss
+        return net.forward_backward(batch, pos, params, self.mlp, grads, mlp_grad, scale, start_allreduce)
 
     def _before_clock(self) -> None:
         t = time.perf_counter()
