@@ -9,11 +9,13 @@ sparse tables, Adam on the MLP, batches of 1000 rows per worker, BSP, 1 epoch. J
 * 4 ranks, one group: 1 server, 3 workers in a group (the MLP's gradients allreduced in it);
 * 4 ranks, three groups: 1 server, 3 groups of 1 (the MLP synchronised through the server).
 
-Each job reports its loop's examples/s (what the summary prints), its wall time from the command
-to its exit, and the per-stage seconds of the first worker's steps (pull, embed, mlp,
+Each job reports what a user sees, examples over the wall time from the command to its exit
+(start-up, parsing and compilation cache loads included), beside its loop's examples/s (what the
+summary prints) and the per-stage seconds of the first worker's steps (pull, embed, mlp,
 allreduce, push). The reference: the same step (the same batch size, tables indexed by key in
-NumPy arrays, the same optimizers) written as a competent NumPy/SciPy user would, on the rows
-parsed in memory beforehand (its parsing is not timed; the jobs' is).
+NumPy arrays, the same optimizers) written as a competent NumPy/SciPy user would, in one process;
+its whole figure counts parsing the text (with hpcps's parser, the fastest at hand) and its
+loop figure does not.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ def run_job(train: str, ranks: int, groups: int, batch: int, out_dir: str) -> di
     epoch = [json.loads(line) for line in open(metrics) if '"kind": "epoch"' in line][-1]
     stages = {k[len("stage_"):-2]: v for k, v in epoch.items() if k.startswith("stage_")}
     return {"ranks": ranks, "workers": ranks - 1, "groups": groups or ranks - 1, "wall_s": wall,
-            "examples_per_s": s["examples_per_s"], "train_loss": s["train_loss"], "stages_s": stages}
+            "job_examples_per_s": s["examples"] / wall, "examples_per_s": s["examples_per_s"],
+            "train_loss": s["train_loss"], "stages_s": stages}
 
 
 def numpy_reference(train: str, batch: int, max_rows: int) -> dict:
@@ -61,7 +64,9 @@ def numpy_reference(train: str, batch: int, max_rows: int) -> dict:
     from hpcps_kernels import deep as kdeep
     from hpcps_kernels import reference as ref
 
+    t_parse = time.perf_counter()
     ds = tdata.load_part(train, 0, 1, "criteo", HASH_BITS, binary=True, fields=True)
+    parse_s = time.perf_counter() - t_parse
     n = min(ds.rows, max_rows)
     F = 39
     space = F << HASH_BITS
@@ -109,7 +114,8 @@ def numpy_reference(train: str, batch: int, max_rows: int) -> dict:
         m2 = 0.999 * m2 + 0.001 * g_mlp * g_mlp
         mlp = mlp - lr_dense * (m1 / (1 - 0.9 ** step)) / (np.sqrt(m2 / (1 - 0.999 ** step)) + 1e-8)
     elapsed = time.perf_counter() - t0
-    return {"examples_per_s": n / elapsed, "train_loss": total / n, "rows": n}
+    return {"examples_per_s": n / elapsed, "job_examples_per_s": n / (elapsed + parse_s * n / ds.rows),
+            "train_loss": total / n, "rows": n}
 
 
 def run(out_dir: str, rows: int, batch: int = 1000) -> dict:
@@ -127,14 +133,17 @@ def run(out_dir: str, rows: int, batch: int = 1000) -> dict:
 
 def format_results(results: dict) -> str:
     ref = results["numpy"]
-    out = [f"W&D, {results['rows']:,} Criteo-shaped rows, k={K}, MLP 312-{'-'.join(map(str, HIDDEN))}-1, "
-           f"batch 1000/worker, BSP, 1 epoch",
-           f"{'job':<24} {'loop ex/s':>10} {'vs NumPy':>9} {'wall s':>7}  stage seconds (first worker)"]
+    out = [f"W&D, {results['rows']:,} Criteo-shaped (Zipf) rows, k={K}, MLP 312-{'-'.join(map(str, HIDDEN))}-1, "
+           f"batch 1000/worker, BSP, 1 epoch; whole = from text to exit, loop = the training loop",
+           f"{'job':<24} {'whole ex/s':>10} {'vs NumPy':>9} {'loop ex/s':>10} {'vs NumPy':>9} {'wall s':>7}"
+           f"  stage seconds (first worker)"]
+
+    def row(name, r, rest):
+        return (f"{name:<24} {r['job_examples_per_s']:>10,.0f} {r['job_examples_per_s'] / ref['job_examples_per_s']:>8.2f}x "
+                f"{r['examples_per_s']:>10,.0f} {r['examples_per_s'] / ref['examples_per_s']:>8.2f}x {rest}")
+
     for r in results["jobs"]:
-        name = f"{r['ranks']} ranks, {r['groups']} group(s)"
         st = " ".join(f"{k} {v:.2f}" for k, v in r["stages_s"].items())
-        out.append(f"{name:<24} {r['examples_per_s']:>10,.0f} {r['examples_per_s'] / ref['examples_per_s']:>8.2f}x "
-                   f"{r['wall_s']:>7.1f}  {st}")
-    out.append(f"{'NumPy/SciPy, 1 process':<24} {ref['examples_per_s']:>10,.0f} {1.0:>8.2f}x "
-               f"{'':>7}  (rows in memory; {ref['rows']:,} rows)")
+        out.append(row(f"{r['ranks']} ranks, {r['groups']} group(s)", r, f"{r['wall_s']:>7.1f}  {st}"))
+    out.append(row("NumPy/SciPy, 1 process", ref, f"{'':>7}  ({ref['rows']:,} rows; whole = parse + loop)"))
     return "\n".join(out)
