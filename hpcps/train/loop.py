@@ -253,266 +253,377 @@ def write_scores(path: str, scores: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
-def run(cfg, comm=None) -> dict | None:
-    """Train as configured (collective over ``comm``, default the world). Returns the summary on the
-    first worker, None elsewhere."""
-    world = comm or transport.world()
-    ck = cfg.checkpoint
-    problem = config.check_paths(cfg) if world.Get_rank() == 0 else None
-    errors = transport.all_ok(world, problem, cfg.cluster.stall_timeout_s, "check of the output paths")
-    if errors:
-        raise TrainError(errors[0].split(": ", 1)[1])
-    restore = resolve_resume(cfg, world)
-    if ck.dir:
-        signals.install()
-        if world.Get_rank() == 0:
-            os.makedirs(ck.dir, exist_ok=True)
-    paths, synth_info = resolve_data(cfg, world)
-    cl = cfg.cluster
-    workers = world.Get_size() - cl.servers if world.Get_size() > 1 else 1  # one process: one worker
-    problem = None
-    if world.Get_rank() == 0 and restore is not None and not ck.allow_other_data and os.path.isfile(paths["train"]):
-        problem = check_same_data(restore[1], data_position_meaning(cfg, paths["train"], workers))
-    errors = transport.all_ok(world, problem, cl.stall_timeout_s, "check of the resumed data position")
-    if errors:
-        raise TrainError(f"cannot resume {restore[0]}: " + errors[0].split(": ", 1)[1])
-    ctx = init(servers=cl.servers, worker_groups=cl.worker_groups or None, staleness=cl.staleness,
-               num_shards=cl.num_shards, stall_warn_s=cl.stall_warn_s, stall_timeout_s=cl.stall_timeout_s,
-               comm=world)
-    train = _load(ctx, cfg, paths["train"], "training", stream=True)
-    test = _load(ctx, cfg, paths["test"], "test")
-    to_predict = _load(ctx, cfg, cfg.data.predict, "prediction")
-    model = make_model(ctx, cfg, initial_bias(ctx, cfg, train), model_fields(ctx, cfg, paths["train"]))
-    keep_best = (ctx.server_function("hpcps.snapshot"), ctx.server_function("hpcps.restore")) \
-        if cfg.train.early_stop else None
-    if ctx.is_server:
-        ctx.serve(restore)
+def run(cfg, comm=None) -> Result:
+    """Train as configured (collective over ``comm``, default the world): :meth:`Trainer.run`."""
+    return Trainer(cfg, comm).run()
+
+
+class Trainer:
+    """One training run, collective over the world, in named steps (:meth:`run` reads as the list):
+
+    1. :meth:`prepare`: check the output paths, find the checkpoint to resume and the data, and
+       check that the checkpoint's data position still means the same rows;
+    2. :meth:`start`: the context (servers and worker groups), the data parts, the model;
+    3. servers :meth:`serve` until the workers are done, and write the model;
+    4. workers :meth:`begin` (steps per epoch, the resumed position), then for each epoch
+       :meth:`train_epoch` (each :meth:`step` followed by :meth:`checkpoint_if_due` and
+       :meth:`evaluate_if_due`) and :meth:`end_epoch` (its record: losses, stage times, test and
+       holdout metrics, early stopping);
+    5. :meth:`keep_best` (early stopping's model back on the servers), :meth:`finish` (the final
+       checkpoint, predictions, the summary).
+    """
+
+    def __init__(self, cfg, comm=None):
+        self.cfg = cfg
+        self.world = comm or transport.world()
+        self.restore: tuple[str, dict] | None = None
+        self.synth_info: dict | None = None
+        self.history: list[dict] = []
+        self.preempted = False
+
+    # -- 1-3: every rank ---------------------------------------------------------------------------
+
+    def run(self) -> Result:
+        self.prepare()
+        self.start()
+        if self.ctx.is_server:
+            return self.serve()
+        self.begin()
+        for epoch in range(self.start_epoch, self.cfg.train.epochs + 1):
+            self.train_epoch(epoch)
+            if self.preempted or self.end_epoch(epoch):
+                break
+        self.keep_best()
+        return self.finish()
+
+    def prepare(self) -> None:
+        cfg, world, ck = self.cfg, self.world, self.cfg.checkpoint
+        timeout = cfg.cluster.stall_timeout_s
+        problem = config.check_paths(cfg) if world.Get_rank() == 0 else None
+        errors = transport.all_ok(world, problem, timeout, "check of the output paths")
+        if errors:
+            raise TrainError(errors[0].split(": ", 1)[1])
+        self.restore = resolve_resume(cfg, world)
+        if ck.dir:
+            signals.install()
+            if world.Get_rank() == 0:
+                os.makedirs(ck.dir, exist_ok=True)
+        self.paths, self.synth_info = resolve_data(cfg, world)
+        workers = world.Get_size() - cfg.cluster.servers if world.Get_size() > 1 else 1  # one process: one worker
+        problem = None
+        if (world.Get_rank() == 0 and self.restore is not None and not ck.allow_other_data
+                and os.path.isfile(self.paths["train"])):
+            problem = check_same_data(self.restore[1], data_position_meaning(cfg, self.paths["train"], workers))
+        errors = transport.all_ok(world, problem, timeout, "check of the resumed data position")
+        if errors:
+            raise TrainError(f"cannot resume {self.restore[0]}: " + errors[0].split(": ", 1)[1])
+
+    def start(self) -> None:
+        cfg, cl = self.cfg, self.cfg.cluster
+        self.ctx = ctx = init(servers=cl.servers, worker_groups=cl.worker_groups or None, staleness=cl.staleness,
+                              num_shards=cl.num_shards, stall_warn_s=cl.stall_warn_s,
+                              stall_timeout_s=cl.stall_timeout_s, comm=self.world)
+        self.train = _load(ctx, cfg, self.paths["train"], "training", stream=True)
+        self.test = _load(ctx, cfg, self.paths["test"], "test")
+        self.to_predict = _load(ctx, cfg, cfg.data.predict, "prediction")
+        bias, fields = initial_bias(ctx, cfg, self.train), model_fields(ctx, cfg, self.paths["train"])
+        self.model = make_model(ctx, cfg, bias, fields)
+        self.keep_best_functions = (ctx.server_function("hpcps.snapshot"), ctx.server_function("hpcps.restore")) \
+            if cfg.train.early_stop else None
+
+    def serve(self) -> Result:
+        """A server rank: answer requests until every worker is done, then write the model."""
+        ctx = self.ctx
+        ctx.serve(self.restore)
         preempted = _agree_preempted(ctx, False)[0]
-        if cfg.train.model_out and not preempted:
-            export_model(ctx, cfg, model)
+        if self.cfg.train.model_out and not preempted:
+            export_model(ctx, self.cfg, self.model)
         ctx.finalize()
-        return Result(None, preempted, restore[0] if restore else "")
+        return Result(None, preempted, self.resumed)
 
-    if ctx.local and restore is not None:  # one process: its in-process server loads the checkpoint
-        ctx.restore(*restore)
-    tr = cfg.train
-    wcomm = ctx.workers_comm
-    if isinstance(train, tdata.PartStream):
-        ctx.background = train.pump  # parse ahead while steps wait for the servers
-    first = wcomm.Get_rank() == 0
-    # every worker takes the same number of steps: enough for the largest part (its lines: blank,
-    # comment or skipped lines only add empty steps at the end)
-    steps = int(transport.allreduce(wcomm, np.array([math.ceil(train.rows_bound / tr.batch_size)]), "max",
-                                    ctx.stall_timeout_s, "agreement on steps per epoch")[0])
-    # "sum": each row's gradient counts in full (per-coordinate optimizers like FTRL and AdaGrad
-    # set their own step sizes, and a mean would shrink rare keys' gradients by the batch size);
-    # "mean": the gradient of the mean loss over the group's rows (the objective of plain SGD).
-    scale = 1.0 if tr.gradient == "sum" else 1.0 / (tr.batch_size * ctx.group_comm.Get_size())
-    progress = Progress(first and tr.progress, steps, ctx.layout.workers, tr.metrics if first else "")
-    if first:
-        where = "one process (a server and a worker inside it, no messages)" if ctx.local else ctx.layout.describe()
-        print(f"hpcps train: {where}; {cfg.model.type} with {cfg.optimizer.name}, "
-              f"staleness {cl.staleness}; {train.rows_bound} rows on this worker, {steps} steps/epoch", flush=True)
-    start_epoch, start_step, global_step = 1, 1, 0
-    if restore is not None:
-        pos = restore[1]["position"]
-        start_epoch, start_step, global_step = pos["epoch"], pos["step"], pos["global_step"]
-        ctx.clock_value = restore[1]["clock"]
+    @property
+    def resumed(self) -> str:
+        return self.restore[0] if self.restore else ""
+
+    # -- 4: workers --------------------------------------------------------------------------------
+
+    def begin(self) -> None:
+        """Steps per epoch, the gradient's scale, progress, and where a resumed run continues."""
+        cfg, ctx, tr, ck = self.cfg, self.ctx, self.cfg.train, self.cfg.checkpoint
+        if ctx.local and self.restore is not None:  # one process: its in-process server loads the checkpoint
+            ctx.restore(*self.restore)
+        self.wcomm = ctx.workers_comm
+        if isinstance(self.train, tdata.PartStream):
+            ctx.background = self.train.pump  # parse ahead while steps wait for the servers
+        self.first = first = self.wcomm.Get_rank() == 0
+        # every worker takes the same number of steps: enough for the largest part (its lines: blank,
+        # comment or skipped lines only add empty steps at the end)
+        self.steps = steps = self._allreduce(math.ceil(self.train.rows_bound / tr.batch_size), "max",
+                                             "agreement on steps per epoch")
+        # "sum": each row's gradient counts in full (per-coordinate optimizers like FTRL and AdaGrad
+        # set their own step sizes, and a mean would shrink rare keys' gradients by the batch size);
+        # "mean": the gradient of the mean loss over the group's rows (the objective of plain SGD).
+        self.scale = 1.0 if tr.gradient == "sum" else 1.0 / (tr.batch_size * ctx.group_comm.Get_size())
+        self.progress = Progress(first and tr.progress, steps, ctx.layout.workers, tr.metrics if first else "")
         if first:
-            same = restore[1]["layout"]["workers"] == ctx.layout.workers
-            print(f"hpcps train: resuming from {restore[0]} at epoch {start_epoch}, step {start_step}"
-                  + ("" if same else f" (written with {restore[1]['layout']['workers']} workers: each worker "
-                     f"continues at the same step of its own part, so the rows seen differ slightly)"), flush=True)
+            where = "one process (a server and a worker inside it, no messages)" if ctx.local else ctx.layout.describe()
+            print(f"hpcps train: {where}; {cfg.model.type} with {cfg.optimizer.name}, staleness "
+                  f"{cfg.cluster.staleness}; {self.train.rows_bound} rows on this worker, {steps} steps/epoch",
+                  flush=True)
+        self.start_epoch, self.start_step, self.global_step = 1, 1, 0
+        if self.restore is not None:
+            path, manifest = self.restore
+            pos = manifest["position"]
+            self.start_epoch, self.start_step, self.global_step = pos["epoch"], pos["step"], pos["global_step"]
+            ctx.clock_value = manifest["clock"]
+            if first:
+                same = manifest["layout"]["workers"] == ctx.layout.workers
+                print(f"hpcps train: resuming from {path} at epoch {self.start_epoch}, step {self.start_step}"
+                      + ("" if same else f" (written with {manifest['layout']['workers']} workers: each worker "
+                         f"continues at the same step of its own part, so the rows seen differ slightly)"),
+                      flush=True)
+        self.data_meaning = data_position_meaning(cfg, self.paths["train"], ctx.layout.workers) \
+            if (first and ck.dir) else None
+        self.status_path = os.environ.get(STATUS_ENV, "") if first else ""
+        self.counting = cfg.features.admission or cfg.features.eviction  # key counts in the progress line
+        self.last_status = 0.0
+        self.t0 = time.perf_counter()
+        self.waited_before = 0.0  # ctx.stats["wait_s"] at the end of the last epoch
+        self.last_save = time.monotonic()
+        self.examples = 0
+        self.saved_at = -1
+        # The steps left, in order, and their batches: a step is given the next two batches, which
+        # the model pulls and prepares ahead (see Model.step); each batch object is made once, in
+        # order, from one pass over the worker's part per epoch.
+        self.last_index = tr.epochs * steps
+        self.made: dict[int, object] = {}
+        self.feed = {"epoch": None, "batches": None}
+        # train.holdout = N: every Nth row of the part never trains; the rows of the first whole
+        # epoch are the holdout set, evaluated after each epoch (early stopping watches it)
+        self.held_out: dict[int, tdata.Dataset] = {}
+        self.holdout_pieces: list = []
+        self.holdout: tdata.Dataset | None = None
+        self.holdout_metric = "logloss" if cfg.model.loss == "logistic" else "rmse"
+        self.best = {"loss": math.inf, "epoch": 0}
+        self.stopped_at = 0
 
-    data_meaning = data_position_meaning(cfg, paths["train"], ctx.layout.workers) if (first and ck.dir) else None
+    def _allreduce(self, value, op: str, what: str = "agreement of the workers"):
+        """Collective over the workers: one number reduced (an int stays an int)."""
+        got = transport.allreduce(self.wcomm, np.array([value]), op, self.ctx.stall_timeout_s, what)[0]
+        return int(got) if isinstance(value, (int, np.integer)) else float(got)
 
-    def save(epoch_next: int, step_next: int, reason: str) -> None:
-        model.finish()  # every worker: its pushes acknowledged
-        if first:
-            path = ctx.save_checkpoint(ck.dir, global_step, {
-                "model_fingerprint": cfg.model_fingerprint(), "config": cfg.to_dict(), "reason": reason,
-                "position": {"epoch": epoch_next, "step": step_next, "global_step": global_step},
-                "data": {**data_meaning, "random_state": "none: the loop draws no random numbers"},
-                "fields": model.fields}, ck.keep)
-            print(f"hpcps train: checkpoint {path} ({reason})", flush=True)
-        transport.barrier(wcomm, ctx.stall_timeout_s, "checkpoint barrier")
-
-    status_path = os.environ.get(STATUS_ENV, "") if first else ""
-    counting = cfg.features.admission or cfg.features.eviction  # key counts in the progress line
-    last_status = 0.0
-
-    t0 = time.perf_counter()
-    waited_before = 0.0  # ctx.stats["wait_s"] at the end of the last epoch
-    last_save = time.monotonic()
-    history = []
-    examples = 0
-    preempted = False
-    saved_at = -1
-    # The steps left, in order, and their batches: a step is given the next two batches, which
-    # the model pulls and prepares ahead (see Model.step); each batch object is made once, in
-    # order, from one pass over the worker's part per epoch.
-    last_index = tr.epochs * steps
-    made: dict[int, object] = {}
-    feed = {"epoch": None, "batches": None}
-
-    # train.holdout = N: every Nth row of the part never trains; the rows of the first whole
-    # epoch are the holdout set, evaluated after each epoch (early stopping watches it)
-    held_out: dict[int, tdata.Dataset] = {}
-    holdout_pieces: list = []
-    holdout = None
-    best = {"loss": math.inf, "epoch": 0}
-    stopped_at = 0
-
-    def batch_at(i: int):
-        if i not in made:
-            epoch_i = i // steps + 1
-            if feed["epoch"] != epoch_i:
-                skip = start_step - 1 if epoch_i == start_epoch else 0
-                feed.update(epoch=epoch_i, batches=train.batches(tr.batch_size, skip))
+    def batch_at(self, i: int):
+        """The batch of the ``i``-th step since the start of training (made once, in order)."""
+        tr = self.cfg.train
+        if i not in self.made:
+            epoch_i = i // self.steps + 1
+            if self.feed["epoch"] != epoch_i:
+                skip = self.start_step - 1 if epoch_i == self.start_epoch else 0
+                self.feed.update(epoch=epoch_i, batches=self.train.batches(tr.batch_size, skip))
             try:
-                b = next(feed["batches"])
+                b = next(self.feed["batches"])
             except tdata.DataError as e:  # a bad line past the first block: this rank stops the job
                 transport.abort(f"error: {e}", code=2)
             if tr.holdout:
-                b, held_out[i] = b.split_every(tr.holdout, (i % steps) * tr.batch_size)
-            made[i] = b
-        return made[i]
+                b, self.held_out[i] = b.split_every(tr.holdout, (i % self.steps) * tr.batch_size)
+            self.made[i] = b
+        return self.made[i]
 
-    for epoch in range(start_epoch, tr.epochs + 1):
-        loss_sum, rows = 0.0, 0
-        first_step = start_step if epoch == start_epoch else 1
-        collecting = tr.holdout and holdout is None and first_step == 1
-        for step in range(first_step, steps + 1):
-            i = (epoch - 1) * steps + step - 1
-            batch = batch_at(i)
-            made.pop(i - 1, None)
-            held = held_out.pop(i, None)
-            if collecting and held is not None and held.rows:
-                holdout_pieces.append(held)
-            loss = model.step(batch, scale, [batch_at(j) for j in range(i + 1, min(i + 3, last_index))])
-            global_step += 1
-            loss_sum += loss
-            rows += batch.rows
-            progress.step(epoch, step, batch.rows, loss, ctx.stats["wait_s"], ctx.stats["max_staleness"],
-                          model.table.key_counts() if counting else None)
-            if status_path and time.monotonic() - last_status > 0.2:  # for `hpcps supervise`
-                write_status(status_path, global_step=global_step, epoch=epoch, step=step,
-                             checkpoint_dir=os.path.abspath(ck.dir) if ck.dir else "")
-                last_status = time.monotonic()
-            if ck.dir:
-                # 2 = a stop signal somewhere, 1 = a periodic checkpoint is due; all workers agree
-                want = 2 if ctx.stop_requested else int(
-                    bool(ck.every_steps and global_step % ck.every_steps == 0)
-                    or bool(first and ck.every_s and time.monotonic() - last_save >= ck.every_s))
-                want = int(transport.allreduce(wcomm, np.array([want]), "max", ctx.stall_timeout_s,
-                                               "agreement on checkpointing")[0])
-                if want:
-                    save(epoch, step + 1, "signal" if want == 2 else "periodic")
-                    saved_at, last_save = global_step, time.monotonic()
-                    if want == 2:
-                        if ck.on_signal == "exit":
-                            preempted = True
-                            break
-                        signals.clear()
-                        ctx.server_stop = False
-            if tr.eval_every and test is not None and step % tr.eval_every == 0 and step != steps:
-                progress.epoch_end(epoch, {"step": step, **evaluate(ctx, model, test, tr.batch_size, cfg.model.loss)})
-        model.finish()
-        if preempted:
-            break
-        examples += int(transport.allreduce(wcomm, np.array([rows]), "sum", ctx.stall_timeout_s)[0])
-        total_loss = float(transport.allreduce(wcomm, np.array([loss_sum]), "sum", ctx.stall_timeout_s)[0])
-        record = {"train_loss": total_loss / max(examples / epoch, 1), "time_s": time.perf_counter() - t0,
-                  **{f"stage_{k}": v for k, v in model.stage_times().items()},
-                  "stage_wait_s": round(ctx.stats["wait_s"] - waited_before, 4)}
-        waited_before = ctx.stats["wait_s"]
-        if test is not None:
-            record.update(evaluate(ctx, model, test, tr.batch_size, cfg.model.loss))
-        if collecting:
-            holdout = tdata.Dataset(*tdata._concat([(p.labels, p.indptr, p.indices, p.values) for p in holdout_pieces]))
-            holdout_pieces = []
-        if holdout is not None:
-            got = evaluate(ctx, model, holdout, tr.batch_size, cfg.model.loss)
-            name = "logloss" if cfg.model.loss == "logistic" else "rmse"
-            record[f"holdout_{name}"] = value = got[f"test_{name}"]
-            if value < best["loss"]:
-                best.update(loss=value, epoch=epoch)
-                if keep_best and first:
-                    for table in model.all_tables:
-                        table.call(keep_best[0], np.zeros(0, dtype=np.uint64))
-            elif tr.early_stop and epoch - best["epoch"] >= tr.early_stop:
-                stopped_at = epoch
-        history.append(record)
-        progress.epoch_end(epoch, record)
-        if stopped_at:
-            break
-    if keep_best and best["epoch"] and best["epoch"] != len(history) + start_epoch - 1 and not preempted:
-        if first:  # the servers go back to the best epoch's model (it is the one exported and checkpointed)
-            for table in model.all_tables:
-                table.call(keep_best[1], np.zeros(0, dtype=np.uint64))
-        transport.barrier(wcomm, ctx.stall_timeout_s, "barrier after keeping the best model")
-        model.finish()  # the deep models' MLP replica: the restored one
-        if test is not None:  # the summary describes the model kept
-            history.append({**history[-1], **evaluate(ctx, model, test, tr.batch_size, cfg.model.loss),
-                            f"holdout_{name}": best["loss"]})
-    elapsed = time.perf_counter() - t0
-    if ck.dir and ck.final and not preempted and saved_at != global_step:
-        save(tr.epochs + 1, 1, "end of training")
-    skipped = int(transport.allreduce(wcomm, np.array([train.skipped + (test.skipped if test else 0)]), "sum",
-                                      ctx.stall_timeout_s, "sum of skipped lines")[0])
-    if skipped and first:
-        print(f"hpcps train: {skipped} bad lines skipped", flush=True)
-    predicted = 0
-    if to_predict is not None and not preempted:
-        predicted = predict(ctx, model, to_predict, tr.batch_size, cfg.model.loss, cfg.data.predict_out)
-    progress.close()
-    wait = float(transport.allreduce(wcomm, np.array([ctx.stats["wait_s"]]), "max", ctx.stall_timeout_s)[0])
-    traffic = transport.allreduce(wcomm, np.array([ctx.stats["bytes_sent"], ctx.stats["bytes_received"]], dtype=np.int64),
-                                  "sum", ctx.stall_timeout_s, "sum of the bytes sent and received")
-    resumed = restore[0] if restore else ""
-    if preempted:  # stopped by a signal after checkpointing
-        _agree_preempted_worker(ctx, True)
+    def train_epoch(self, epoch: int) -> None:
+        """The epoch's steps (from the resumed step in the first); sets ``preempted`` when a stop
+        signal ended it after a checkpoint."""
+        self.loss_sum, self.rows = 0.0, 0
+        first_step = self.start_step if epoch == self.start_epoch else 1
+        self.collecting = self.cfg.train.holdout and self.holdout is None and first_step == 1
+        for step in range(first_step, self.steps + 1):
+            self.step(epoch, step)
+            if self.checkpoint_if_due(epoch, step):
+                break
+            self.evaluate_if_due(epoch, step)
+        self.model.finish()
+
+    def step(self, epoch: int, step: int) -> None:
+        i = (epoch - 1) * self.steps + step - 1
+        batch = self.batch_at(i)
+        self.made.pop(i - 1, None)
+        held = self.held_out.pop(i, None)
+        if self.collecting and held is not None and held.rows:
+            self.holdout_pieces.append(held)
+        upcoming = [self.batch_at(j) for j in range(i + 1, min(i + 3, self.last_index))]
+        loss = self.model.step(batch, self.scale, upcoming)
+        self.global_step += 1
+        self.loss_sum += loss
+        self.rows += batch.rows
+        ctx = self.ctx
+        self.progress.step(epoch, step, batch.rows, loss, ctx.stats["wait_s"], ctx.stats["max_staleness"],
+                           self.model.table.key_counts() if self.counting else None)
+        if self.status_path and time.monotonic() - self.last_status > 0.2:  # for `hpcps supervise`
+            ck = self.cfg.checkpoint
+            write_status(self.status_path, global_step=self.global_step, epoch=epoch, step=step,
+                         checkpoint_dir=os.path.abspath(ck.dir) if ck.dir else "")
+            self.last_status = time.monotonic()
+
+    def checkpoint_if_due(self, epoch: int, step: int) -> bool:
+        """Collective over the workers: a checkpoint when one is due somewhere (a stop signal, a
+        periodic one). Returns True when the run stops on the signal (``preempted``)."""
+        ck = self.cfg.checkpoint
+        if not ck.dir:
+            return False
+        # 2 = a stop signal somewhere, 1 = a periodic checkpoint is due; all workers agree
+        want = 2 if self.ctx.stop_requested else int(
+            bool(ck.every_steps and self.global_step % ck.every_steps == 0)
+            or bool(self.first and ck.every_s and time.monotonic() - self.last_save >= ck.every_s))
+        want = self._allreduce(want, "max", "agreement on checkpointing")
+        if not want:
+            return False
+        self.save(epoch, step + 1, "signal" if want == 2 else "periodic")
+        self.saved_at, self.last_save = self.global_step, time.monotonic()
+        if want == 2:
+            if ck.on_signal == "exit":
+                self.preempted = True
+                return True
+            signals.clear()
+            self.ctx.server_stop = False
+        return False
+
+    def save(self, epoch_next: int, step_next: int, reason: str) -> None:
+        """Collective over the workers: a checkpoint whose position is the step to run next."""
+        ctx, cfg = self.ctx, self.cfg
+        self.model.finish()  # every worker: its pushes acknowledged
+        if self.first:
+            path = ctx.save_checkpoint(cfg.checkpoint.dir, self.global_step, {
+                "model_fingerprint": cfg.model_fingerprint(), "config": cfg.to_dict(), "reason": reason,
+                "position": {"epoch": epoch_next, "step": step_next, "global_step": self.global_step},
+                "data": {**self.data_meaning, "random_state": "none: the loop draws no random numbers"},
+                "fields": self.model.fields}, cfg.checkpoint.keep)
+            print(f"hpcps train: checkpoint {path} ({reason})", flush=True)
+        transport.barrier(self.wcomm, ctx.stall_timeout_s, "checkpoint barrier")
+
+    def evaluate(self, ds) -> dict:
+        return evaluate(self.ctx, self.model, ds, self.cfg.train.batch_size, self.cfg.model.loss)
+
+    def evaluate_if_due(self, epoch: int, step: int) -> None:
+        tr = self.cfg.train
+        if tr.eval_every and self.test is not None and step % tr.eval_every == 0 and step != self.steps:
+            self.progress.epoch_end(epoch, {"step": step, **self.evaluate(self.test)})
+
+    def end_epoch(self, epoch: int) -> bool:
+        """Collective over the workers: the epoch's record (train loss, stage times, test and
+        holdout metrics), written to the progress and metrics. Returns True when early stopping
+        ends training here."""
+        ctx = self.ctx
+        self.examples += self._allreduce(self.rows, "sum")
+        total_loss = self._allreduce(float(self.loss_sum), "sum")
+        record = {"train_loss": total_loss / max(self.examples / epoch, 1), "time_s": time.perf_counter() - self.t0,
+                  **{f"stage_{k}": v for k, v in self.model.stage_times().items()},
+                  "stage_wait_s": round(ctx.stats["wait_s"] - self.waited_before, 4)}
+        self.waited_before = ctx.stats["wait_s"]
+        if self.test is not None:
+            record.update(self.evaluate(self.test))
+        if self.collecting:
+            pieces = [(p.labels, p.indptr, p.indices, p.values) for p in self.holdout_pieces]
+            self.holdout = tdata.Dataset(*tdata._concat(pieces))
+            self.holdout_pieces = []
+        if self.holdout is not None:
+            name = self.holdout_metric
+            record[f"holdout_{name}"] = value = self.evaluate(self.holdout)[f"test_{name}"]
+            if value < self.best["loss"]:
+                self.best.update(loss=value, epoch=epoch)
+                if self.keep_best_functions and self.first:
+                    for table in self.model.all_tables:
+                        table.call(self.keep_best_functions[0], np.zeros(0, dtype=np.uint64))
+            elif self.cfg.train.early_stop and epoch - self.best["epoch"] >= self.cfg.train.early_stop:
+                self.stopped_at = epoch
+        self.history.append(record)
+        self.progress.epoch_end(epoch, record)
+        return bool(self.stopped_at)
+
+    # -- 5: workers --------------------------------------------------------------------------------
+
+    def keep_best(self) -> None:
+        """Collective over the workers: with early stopping, the servers go back to the best
+        epoch's model (the one exported, checkpointed and summarised) unless it is the last."""
+        best = self.best["epoch"]
+        last = len(self.history) + self.start_epoch - 1
+        if not (self.keep_best_functions and best and best != last and not self.preempted):
+            return
+        if self.first:
+            for table in self.model.all_tables:
+                table.call(self.keep_best_functions[1], np.zeros(0, dtype=np.uint64))
+        transport.barrier(self.wcomm, self.ctx.stall_timeout_s, "barrier after keeping the best model")
+        self.model.finish()  # the deep models' MLP replica: the restored one
+        if self.test is not None:  # the summary describes the model kept
+            self.history.append({**self.history[-1], **self.evaluate(self.test),
+                                 f"holdout_{self.holdout_metric}": self.best["loss"]})
+
+    def finish(self) -> Result:
+        """The final checkpoint, predictions, the end of serving, the model (one process) and the
+        summary (printed and returned on the first worker)."""
+        cfg, ctx, ck, tr = self.cfg, self.ctx, self.cfg.checkpoint, self.cfg.train
+        elapsed = time.perf_counter() - self.t0
+        if ck.dir and ck.final and not self.preempted and self.saved_at != self.global_step:
+            self.save(tr.epochs + 1, 1, "end of training")
+        skipped = self._allreduce(self.train.skipped + (self.test.skipped if self.test else 0), "sum",
+                                  "sum of skipped lines")
+        if skipped and self.first:
+            print(f"hpcps train: {skipped} bad lines skipped", flush=True)
+        predicted = 0
+        if self.to_predict is not None and not self.preempted:
+            predicted = predict(ctx, self.model, self.to_predict, tr.batch_size, cfg.model.loss, cfg.data.predict_out)
+        self.progress.close()
+        wait = self._allreduce(float(ctx.stats["wait_s"]), "max")
+        traffic = transport.allreduce(self.wcomm, np.array([ctx.stats["bytes_sent"], ctx.stats["bytes_received"]],
+                                                           dtype=np.int64),
+                                      "sum", ctx.stall_timeout_s, "sum of the bytes sent and received")
+        if self.preempted:  # stopped by a signal after checkpointing
+            _agree_preempted_worker(ctx, True)
+            ctx.finalize()
+            if self.first:
+                print(f"hpcps train: stopped by a signal after a checkpoint; rerun with --resume auto "
+                      f"(exit status {EXIT_PREEMPTED})", flush=True)
+            return Result(None, True, self.resumed)
+        _, worker_rss, server_rss, key_counts = _agree_preempted_worker(ctx, False)
+        if ctx.local and tr.model_out:  # one process: no server rank to write the model
+            export_model(ctx, cfg, self.model)
         ctx.finalize()
-        if first:
-            print(f"hpcps train: stopped by a signal after a checkpoint; rerun with --resume auto "
-                  f"(exit status {EXIT_PREEMPTED})", flush=True)
-        return Result(None, True, resumed)
-    _, worker_rss, server_rss, key_counts = _agree_preempted_worker(ctx, False)
-    if ctx.local and cfg.train.model_out:  # one process: no server rank to write the model
-        export_model(ctx, cfg, model)
-    ctx.finalize()
-    if not first:
-        return Result(None, False, resumed)
-    summary = {"examples": examples, "time_s": elapsed, "examples_per_s": examples / elapsed,
-               "workers": ctx.layout.workers, "servers": ctx.layout.servers, **(history[-1] if history else {}),
-               "max_wait_s": wait, "max_staleness": ctx.stats["max_staleness"], "bad_lines_skipped": skipped,
-               "peak_rss_mb_worker": worker_rss, "peak_rss_mb_server": server_rss, **key_counts,
-               "bytes_sent": int(traffic[0]), "bytes_received": int(traffic[1])}
-    if holdout is not None:
-        summary["best_epoch"] = best["epoch"]
-        summary["epochs_trained"] = stopped_at or tr.epochs
-        summary["stopped_early"] = bool(stopped_at)
-    if synth_info:
-        summary["best_test_logloss"] = synth_info["best_test_logloss"]
-        summary["best_test_auc"] = synth_info["best_test_auc"]
-    if predicted:
-        summary["predictions"] = predicted
-    rows = [("examples", f"{examples:,}"), ("time", f"{elapsed:.1f} s"),
-            ("examples/s", f"{examples / elapsed:,.0f}"),
-            ("layout", f"{ctx.layout.servers} server(s), {ctx.layout.workers} worker(s)"),
-            ("waiting (max over workers)", f"{wait:.1f} s"),
-            ("keys on the servers", f"{key_counts['table_keys']:,}"
-             + (f" ({key_counts['admitted_keys']:,} admitted, {key_counts['evicted_keys']:,} evicted)"
-                if cfg.features.admission or cfg.features.eviction else ""))]
-    for k in ("train_loss", "test_logloss", "test_auc", "test_rmse"):
-        if k in summary:
-            rows.append((k.replace("_", " "), f"{summary[k]:.5f}"))
-    if synth_info:
-        rows.append(("best achievable logloss", f"{synth_info['best_test_logloss']:.5f}"))
-        rows.append(("best achievable AUC", f"{synth_info['best_test_auc']:.5f}"))
-    print(summary_table(rows), flush=True)
-    print(next_steps(cfg, paths, newest_checkpoint(ck.dir) if ck.dir else None), flush=True)
-    return Result(summary, False, resumed)
+        if not self.first:
+            return Result(None, False, self.resumed)
+        examples = self.examples
+        summary = {"examples": examples, "time_s": elapsed, "examples_per_s": examples / elapsed,
+                   "workers": ctx.layout.workers, "servers": ctx.layout.servers,
+                   **(self.history[-1] if self.history else {}),
+                   "max_wait_s": wait, "max_staleness": ctx.stats["max_staleness"], "bad_lines_skipped": skipped,
+                   "peak_rss_mb_worker": worker_rss, "peak_rss_mb_server": server_rss, **key_counts,
+                   "bytes_sent": int(traffic[0]), "bytes_received": int(traffic[1])}
+        if self.holdout is not None:
+            summary["best_epoch"] = self.best["epoch"]
+            summary["epochs_trained"] = self.stopped_at or tr.epochs
+            summary["stopped_early"] = bool(self.stopped_at)
+        if self.synth_info:
+            summary["best_test_logloss"] = self.synth_info["best_test_logloss"]
+            summary["best_test_auc"] = self.synth_info["best_test_auc"]
+        if predicted:
+            summary["predictions"] = predicted
+        print(summary_table(self.summary_rows(summary, elapsed, wait, key_counts)), flush=True)
+        print(next_steps(cfg, self.paths, newest_checkpoint(ck.dir) if ck.dir else None), flush=True)
+        return Result(summary, False, self.resumed)
+
+    def summary_rows(self, summary: dict, elapsed: float, wait: float, key_counts: dict) -> list[tuple]:
+        examples, layout, f = summary["examples"], self.ctx.layout, self.cfg.features
+        rows = [("examples", f"{examples:,}"), ("time", f"{elapsed:.1f} s"),
+                ("examples/s", f"{examples / elapsed:,.0f}"),
+                ("layout", f"{layout.servers} server(s), {layout.workers} worker(s)"),
+                ("waiting (max over workers)", f"{wait:.1f} s"),
+                ("keys on the servers", f"{key_counts['table_keys']:,}"
+                 + (f" ({key_counts['admitted_keys']:,} admitted, {key_counts['evicted_keys']:,} evicted)"
+                    if f.admission or f.eviction else ""))]
+        for k in ("train_loss", "test_logloss", "test_auc", "test_rmse"):
+            if k in summary:
+                rows.append((k.replace("_", " "), f"{summary[k]:.5f}"))
+        if self.synth_info:
+            rows.append(("best achievable logloss", f"{self.synth_info['best_test_logloss']:.5f}"))
+            rows.append(("best achievable AUC", f"{self.synth_info['best_test_auc']:.5f}"))
+        return rows
 
 
 def newest_checkpoint(root: str) -> str | None:
