@@ -102,7 +102,7 @@ def test_two_groups_sync_through_the_servers_like_one_process_with_sgd(deep_data
 
 def test_deep_model_file_checkpoint_resume_eval_and_predict_agree(deep_data, tmp_path):
     """Train DeepFM 2 epochs with a checkpoint after the first; resuming that checkpoint gives the
-    same model; `hpcps eval` on the model file gives the training's test metrics; `hpcps export`
+    same model, also on 2 servers; `hpcps eval` on the model file gives the training's test metrics; `hpcps export`
     of the final checkpoint gives the model file's tables; predictions are one per row."""
     ck = tmp_path / "ck"
     c = common(deep_data, model__type="deepfm", model__dense_sync_steps=3, cluster__worker_groups=1)
@@ -123,10 +123,11 @@ def test_deep_model_file_checkpoint_resume_eval_and_predict_agree(deep_data, tmp
     final = sorted(p for p in os.listdir(ck) if p.startswith("ckpt-"))[-1]
     hpcps_job(1, ["export", str(ck / final), "--out", str(tmp_path / "exported.h5")])
     assert_same_model(ServingModel(str(tmp_path / "exported.h5")), ServingModel(str(tmp_path / "full.h5")), 0, 0)
-    # one epoch, then resume from its checkpoint for the second: the same model as two at once
+    # one epoch, then resume from its checkpoint for the second onto 2 servers (every table, the
+    # MLP's included, resharded): the same model as two epochs at once on one server
     ck2 = tmp_path / "ck2"
     hpcps_job(3, ["train", *c, *sets(checkpoint__dir=str(ck2), train__epochs=1)])
-    hpcps_job(3, ["train", *c, *sets(checkpoint__dir=str(ck2), checkpoint__resume="auto",
+    hpcps_job(4, ["train", *c, *sets(checkpoint__dir=str(ck2), checkpoint__resume="auto", cluster__servers=2,
                                      train__model_out=str(tmp_path / "resumed.h5"))])
     assert_same_model(ServingModel(str(tmp_path / "resumed.h5")), ServingModel(str(tmp_path / "full.h5")), 0, 0)
     _, pr, _ = hpcps_job(1, ["predict", "--model", str(tmp_path / "full.h5"), "--data", deep_data["test"],
