@@ -20,6 +20,15 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     _os.environ.setdefault(_var, "1")
 
 
+def __getattr__(name):
+    # the scikit-learn estimators, imported on first use (scikit-learn is an optional extra)
+    if name in ("SparseClassifier", "SparseRegressor"):
+        from hpcps.train import estimator
+
+        return getattr(estimator, name)
+    raise AttributeError(f"module 'hpcps' has no attribute {name!r}")
+
+
 def init(*args, **kwargs):
     """See :func:`hpcps.context.init`."""
     from hpcps.context import init as _init

@@ -1,0 +1,282 @@
+"""scikit-learn estimators on the parameter server's tables, in one process.
+
+:class:`SparseClassifier` (logistic loss) and :class:`SparseRegressor` (squared loss) train an LR or
+an FM on a matrix (CSR, any SciPy sparse format, or dense) with the library's own parts: the
+model's tables live in an in-process server (:class:`hpcps.context.LocalContext`), updated by the
+server optimizers (FTRL by default), and every step is :meth:`hpcps.train.models.Model.step`, the
+kernels of ``hpcps train``. A column ``j`` of the matrix is the key ``j``; every row also carries
+the bias key, as in the training files.
+
+    from hpcps import SparseClassifier
+    clf = SparseClassifier(model="fm", epochs=5).fit(X_train, y_train)
+    clf.predict_proba(X_test)[:, 1]
+
+After ``fit`` the model is plain NumPy: ``coef_``, ``intercept_`` (and ``factors_`` for an FM);
+the tables' rows with their optimizer state are kept too, so :meth:`partial_fit` continues where
+training stopped (FTRL's and AdaGrad's accumulators included) and a pickled estimator resumes.
+scikit-learn (>= 1.6) is needed only here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import scipy.sparse as sp
+from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin
+from sklearn.utils.multiclass import check_classification_targets
+from sklearn.utils.validation import check_is_fitted, validate_data
+
+from hpcps import config
+from hpcps.context import LocalContext
+from hpcps.train.data import BIAS_KEY, Dataset
+from hpcps.train.loop import BIAS_ROWS
+from hpcps.train.models import LOSSES, make_model
+from hpcps_kernels import models as kmodels
+from hpcps_kernels import optim
+
+
+def _rows(X: sp.csr_matrix, y=None, bias_pos=None) -> Dataset:
+    """``X`` as a Dataset whose every row ends with the bias: keys = column numbers (or, for
+    prediction, positions into dense parameters with the bias at ``bias_pos``)."""
+    n = X.shape[0]
+    lengths = np.diff(X.indptr) + 1
+    indptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=indptr[1:])
+    last = indptr[1:] - 1
+    columns = np.ones(indptr[-1], dtype=bool)
+    columns[last] = False
+    kind = np.uint64 if bias_pos is None else np.int64
+    indices = np.empty(indptr[-1], dtype=kind)
+    indices[columns] = X.indices
+    indices[last] = BIAS_KEY if bias_pos is None else bias_pos
+    values = np.ones(indptr[-1], dtype=np.float32)
+    values[columns] = X.data
+    labels = np.zeros(n, dtype=np.float32) if y is None else np.asarray(y, dtype=np.float32)
+    return Dataset(labels, indptr, indices, values)
+
+
+class _SparseModel(BaseEstimator):
+    """What the classifier and the regressor share: the configuration of the model, training
+    on an in-process server, and the margins of new rows."""
+
+    _loss = "logistic"
+
+    def __init__(self, model: str = "lr", optimizer: str = "ftrl", learning_rate: float | None = None,
+                 l1: float = 0.0, l2: float = 0.0, factors: int = 8, init_scale: float = 0.01, epochs: int = 5,
+                 batch_size: int = 100, random_state: int = 0):
+        self.model = model
+        self.optimizer = optimizer
+        self.learning_rate = learning_rate
+        self.l1 = l1
+        self.l2 = l2
+        self.factors = factors
+        self.init_scale = init_scale
+        self.epochs = epochs
+        self.batch_size = batch_size
+        self.random_state = random_state
+
+    # -- configuration ------------------------------------------------------------------------
+
+    def _config(self, n_features: int) -> config.Config:
+        """The equivalent ``hpcps train`` configuration (a bad parameter is a ValueError naming it)."""
+        if self.model not in ("lr", "fm"):
+            raise ValueError(f"model = {self.model!r}: expected 'lr' or 'fm'")
+        if self.optimizer not in optim.REGISTRY:
+            raise ValueError(f"optimizer = {self.optimizer!r}: expected one of {sorted(optim.REGISTRY)}")
+        takes = optim.get(self.optimizer).params
+        params = {}
+        if self.learning_rate is not None:
+            params["alpha" if "alpha" in takes else "lr"] = self.learning_rate
+        for name in ("l1", "l2"):
+            value = getattr(self, name)
+            if value:
+                if name not in takes:
+                    raise ValueError(f"{name} = {value}: the {self.optimizer} optimizer has no {name} "
+                                     f"(it takes {sorted(takes)})")
+                params[name] = value
+        seed = self.random_state if isinstance(self.random_state, (int, np.integer)) else 0
+        raw = {"model": {"type": self.model, "loss": self._loss, "factors": self.factors,
+                         "init_scale": self.init_scale, "seed": int(seed)},
+               "optimizer": {"name": self.optimizer, **params},
+               "data": {"hash_bits": max(1, int(n_features - 1).bit_length())},
+               "train": {"epochs": self.epochs, "batch_size": self.batch_size, "progress": False}}
+        try:
+            return config.from_dict(raw)
+        except config.ConfigError as e:  # name the estimator's parameter, not the config key
+            names = {"optimizer.alpha": "learning_rate", "optimizer.lr": "learning_rate", "model.": "",
+                     "optimizer.": "", "train.": ""}
+            text = str(e)
+            for key, param in names.items():
+                text = text.replace(key, param)
+            raise ValueError(text) from None
+
+    # -- training ---------------------------------------------------------------------------
+
+    def _train(self, X, labels: np.ndarray, epochs: int) -> None:
+        """``epochs`` passes over ``X`` in batches of ``batch_size`` rows, continuing from the
+        tables kept by an earlier call (``tables_``) if there are any."""
+        cfg = self._config(self.n_features_in_)
+        tr = cfg.train
+        ctx = LocalContext(staleness=0, num_shards=cfg.cluster.num_shards,
+                           stall_warn_s=cfg.cluster.stall_warn_s, stall_timeout_s=cfg.cluster.stall_timeout_s)
+        try:
+            resumed = getattr(self, "tables_", None)
+            bias = 0.0
+            if self._loss == "squared" and not resumed:  # a regression starts at the label mean
+                bias = float(np.mean(labels[:BIAS_ROWS], dtype=np.float64))
+            model = make_model(ctx, cfg, bias)
+            server = ctx._local_server()
+            if resumed:
+                for table in server.tables:
+                    keys, rows, state = resumed[table.spec.name]
+                    table.load(keys, rows)
+                    table.restore_state(state)
+                ctx.clock_value = self.clock_
+                server.clocks[:] = self.clock_
+            data = _rows(X, labels)
+            batches = [data.batch(lo, lo + tr.batch_size) for lo in range(0, data.rows, tr.batch_size)] * epochs
+            losses = [model.step(batch, 1.0, batches[i + 1:i + 3]) for i, batch in enumerate(batches)]
+            model.finish()
+            self.train_loss_ = float(np.sum(losses[-(len(batches) // epochs):]) / data.rows)  # the last epoch's
+            self.tables_ = {t.spec.name: (t.items()[0].copy(), t.items()[1].copy(),
+                                          {k: (v.copy() if isinstance(v, np.ndarray) else v)
+                                           for k, v in t.state_arrays().items()}) for t in server.tables}
+            self.clock_ = ctx.clock_value
+            keys = np.append(np.arange(self.n_features_in_, dtype=np.uint64), BIAS_KEY)
+            params = model.table.pull(keys)  # keys never seen: their initial rows
+        finally:
+            ctx.finalize()
+        self.coef_ = params[:-1, 0].astype(np.float64)[None, :]
+        self.intercept_ = np.array([float(params[-1, 0])])
+        if self.model == "fm":
+            self.factors_ = params[:-1, 1:].astype(np.float64)
+        self._params = params  # the kernels' layout: one row per column, the bias's last
+
+    # -- prediction -------------------------------------------------------------------------
+
+    def _margins(self, X) -> np.ndarray:
+        check_is_fitted(self, "coef_")
+        X = validate_data(self, X, accept_sparse="csr", dtype=np.float64, reset=False)
+        data = _rows(sp.csr_matrix(X), bias_pos=self.n_features_in_)
+        out = np.empty(data.rows, dtype=np.float64)
+        if not data.rows:
+            return out
+        p = self._params
+        if self.model == "lr":
+            kmodels.lr_predict(data.indptr, data.indices, data.values, np.ascontiguousarray(p[:, 0]), out)
+        else:
+            g = np.empty_like(p)
+            kmodels.fm_forward_backward(data.indptr, data.indices, data.values, data.labels, p[:, 0], p[:, 1:],
+                                        g[:, 0], g[:, 1:], 0.0, 0.0, LOSSES[self._loss], out)
+        return out
+
+    def __sklearn_tags__(self):
+        tags = super().__sklearn_tags__()
+        tags.input_tags.sparse = True
+        return tags
+
+
+def _check_X_y(est, X, y, reset: bool):
+    X, y = validate_data(est, X, y, accept_sparse="csr", dtype=np.float64, reset=reset)
+    return sp.csr_matrix(X), y
+
+
+class SparseClassifier(ClassifierMixin, _SparseModel):
+    """Binary classification by logistic loss: an LR (``model="lr"``) or an FM (``model="fm"``).
+
+    Parameters (``hpcps train``'s keys in brackets):
+        model: ``"lr"`` or ``"fm"`` [model.type].
+        optimizer: the server optimizer, ``"ftrl"`` (default), ``"adagrad"``, ``"adam"``, ``"sgd"``
+            [optimizer.name].
+        learning_rate: FTRL's alpha or the others' lr; None = the optimizer's default.
+        l1, l2: regularisation (l1: FTRL only) [optimizer.l1, optimizer.l2].
+        factors, init_scale: an FM's factors per feature and their initial std.
+        epochs: passes over the data; batch_size: rows per step (the gradient of a step is the sum
+            over its rows, as ``train.gradient = "sum"``).
+        random_state: the seed of the factors' initializer [model.seed].
+
+    More than two classes: wrap it, ``sklearn.multiclass.OneVsRestClassifier(SparseClassifier())``.
+    """
+
+    def fit(self, X, y):
+        for name in ("tables_", "clock_"):  # a new fit starts from scratch
+            self.__dict__.pop(name, None)
+        X, y = _check_X_y(self, X, y, reset=True)
+        self.classes_ = self._classes(y)
+        return self._fit_binary(X, y, self.epochs)
+
+    def partial_fit(self, X, y, classes=None):
+        """One pass over ``X`` (the first call needs ``classes``, as scikit-learn's SGDClassifier)."""
+        first = not hasattr(self, "classes_")
+        X, y = _check_X_y(self, X, y, reset=first)
+        if first:
+            if classes is None:
+                raise ValueError("classes must be passed on the first call to partial_fit")
+            self.classes_ = self._classes(np.asarray(classes))
+        elif classes is not None and not np.array_equal(np.unique(classes), self.classes_):
+            raise ValueError(f"classes={list(classes)} differs from the first call's {list(self.classes_)}")
+        unknown = np.setdiff1d(np.unique(y), self.classes_)
+        if unknown.size:
+            raise ValueError(f"y holds labels not in classes: {list(unknown)}")
+        return self._fit_binary(X, y, 1)
+
+    def _classes(self, y) -> np.ndarray:
+        check_classification_targets(y)
+        classes = np.unique(y)
+        if classes.shape[0] != 2:
+            raise ValueError(f"Only binary classification is supported: SparseClassifier needs 2 classes, got "
+                             f"{classes.shape[0]} class{'es' if classes.shape[0] != 1 else ''} "
+                             f"({list(classes)[:5]}); for more, use "
+                             f"sklearn.multiclass.OneVsRestClassifier(SparseClassifier())")
+        return classes
+
+    def _fit_binary(self, X, y, epochs: int):
+        self._train(X, (y == self.classes_[1]).astype(np.float32), epochs)
+        return self
+
+    def decision_function(self, X) -> np.ndarray:
+        """The margins (log-odds of ``classes_[1]``)."""
+        return self._margins(X)
+
+    def predict_proba(self, X) -> np.ndarray:
+        p = 1.0 / (1.0 + np.exp(-self._margins(X)))
+        return np.column_stack([1.0 - p, p])
+
+    def predict_log_proba(self, X) -> np.ndarray:
+        m = self._margins(X)
+        return np.column_stack([-np.logaddexp(0.0, m), -np.logaddexp(0.0, -m)])
+
+    def predict(self, X) -> np.ndarray:
+        margins = self._margins(X)
+        return self.classes_[(margins > 0).astype(int)]
+
+    def __sklearn_tags__(self):
+        tags = super().__sklearn_tags__()
+        tags.classifier_tags.multi_class = False
+        return tags
+
+
+class SparseRegressor(RegressorMixin, _SparseModel):
+    """Regression by squared loss: an LR or an FM (the parameters are :class:`SparseClassifier`'s).
+    The bias starts at the mean of the first labels, as ``model.bias_init = "auto"`` does."""
+
+    _loss = "squared"
+
+    def fit(self, X, y):
+        for name in ("tables_", "clock_"):
+            self.__dict__.pop(name, None)
+        X, y = self._check(X, y, reset=True)
+        self._train(X, y.astype(np.float32), self.epochs)
+        return self
+
+    def partial_fit(self, X, y):
+        """One pass over ``X``, continuing from the last call."""
+        X, y = self._check(X, y, reset=not hasattr(self, "coef_"))
+        self._train(X, y.astype(np.float32), 1)
+        return self
+
+    def _check(self, X, y, reset: bool):
+        X, y = validate_data(self, X, y, accept_sparse="csr", dtype=np.float64, reset=reset, y_numeric=True)
+        return sp.csr_matrix(X), y
+
+    def predict(self, X) -> np.ndarray:
+        return self._margins(X)
