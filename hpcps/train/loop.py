@@ -214,23 +214,31 @@ def _gather_on_first(ctx, array: np.ndarray) -> np.ndarray | None:
 
 def evaluate(ctx, model, ds: tdata.Dataset | None, batch_size: int, loss: str) -> dict:
     """Collective over the workers: exact metrics of the whole held-out set (on every worker)."""
+    return evaluate_columns(ctx, model, lambda b: model.margins(b)[:, None], 1, ds, batch_size, loss)[0]
+
+
+def evaluate_columns(ctx, model, margins, columns: int, ds: tdata.Dataset | None, batch_size: int,
+                     loss: str) -> list[dict]:
+    """Collective over the workers: the metrics of ``columns`` models whose margins of a batch
+    are ``margins(batch)``, ``(rows, columns)`` (a :class:`~hpcps.train.models.Grid`'s members)."""
     model.finish()
     n = ds.rows if ds is not None else 0
-    margins = np.concatenate([model.margins(ds.batch(lo, lo + batch_size)) for lo in range(0, n, batch_size)] or
-                             [np.zeros(0)])
+    m = np.concatenate([margins(ds.batch(lo, lo + batch_size)) for lo in range(0, n, batch_size)] or
+                       [np.zeros((0, columns))])
     labels = ds.labels[:n].astype(np.float64) if ds is not None else np.zeros(0)
-    all_m = _gather_on_first(ctx, margins)
     all_y = _gather_on_first(ctx, labels)
-    out = np.zeros(3)
-    if ctx.workers_comm.Get_rank() == 0 and all_m.size:
-        if loss == "logistic":
-            out[:] = (metrics.logloss(all_y, all_m), metrics.auc(all_y, all_m), all_m.size)
-        else:
-            out[:] = (float(np.sqrt(np.mean((all_m - all_y) ** 2))), np.nan, all_m.size)
+    out = np.zeros((columns, 3))
+    for c in range(columns):
+        all_m = _gather_on_first(ctx, m[:, c])
+        if ctx.workers_comm.Get_rank() == 0 and all_m.size:
+            if loss == "logistic":
+                out[c] = (metrics.logloss(all_y, all_m), metrics.auc(all_y, all_m), all_m.size)
+            else:
+                out[c] = (float(np.sqrt(np.mean((all_m - all_y) ** 2))), np.nan, all_m.size)
     transport.bcast(ctx.workers_comm, out, 0, ctx.stall_timeout_s, "broadcast of metrics")
     if loss == "logistic":
-        return {"test_logloss": float(out[0]), "test_auc": float(out[1]), "test_rows": int(out[2])}
-    return {"test_rmse": float(out[0]), "test_rows": int(out[2])}
+        return [{"test_logloss": float(o[0]), "test_auc": float(o[1]), "test_rows": int(o[2])} for o in out]
+    return [{"test_rmse": float(o[0]), "test_rows": int(o[2])} for o in out]
 
 
 def predict(ctx, model, ds: tdata.Dataset, batch_size: int, loss: str, out_path: str) -> int:
@@ -327,9 +335,12 @@ class Trainer:
         self.test = _load(ctx, cfg, self.paths["test"], "test")
         self.to_predict = _load(ctx, cfg, cfg.data.predict, "prediction")
         bias, fields = initial_bias(ctx, cfg, self.train), model_fields(ctx, cfg, self.paths["train"])
-        self.model = make_model(ctx, cfg, bias, fields)
+        self.model = self.build_model(bias, fields)
         self.keep_best_functions = (ctx.server_function("hpcps.snapshot"), ctx.server_function("hpcps.restore")) \
             if cfg.train.early_stop else None
+
+    def build_model(self, bias: float, fields: int):
+        return make_model(self.ctx, self.cfg, bias, fields)
 
     def serve(self) -> Result:
         """A server rank: answer requests until every worker is done, then write the model."""
@@ -511,6 +522,19 @@ class Trainer:
         """Collective over the workers: the epoch's record (train loss, stage times, test and
         holdout metrics), written to the progress and metrics. Returns True when early stopping
         ends training here."""
+        record = self.epoch_record(epoch)
+        if self.collecting:
+            pieces = [(p.labels, p.indptr, p.indices, p.values) for p in self.holdout_pieces]
+            self.holdout = tdata.Dataset(*tdata._concat(pieces))
+            self.holdout_pieces = []
+        if self.holdout is not None:
+            self.stopped_at = epoch if self.watch_holdout(epoch, record) else 0
+        self.history.append(record)
+        self.progress.epoch_end(epoch, record)
+        return bool(self.stopped_at)
+
+    def epoch_record(self, epoch: int) -> dict:
+        """The train loss, stage times, waiting and test metrics of the epoch."""
         ctx = self.ctx
         self.examples += self._allreduce(self.rows, "sum")
         total_loss = self._allreduce(float(self.loss_sum), "sum")
@@ -520,23 +544,20 @@ class Trainer:
         self.waited_before = ctx.stats["wait_s"]
         if self.test is not None:
             record.update(self.evaluate(self.test))
-        if self.collecting:
-            pieces = [(p.labels, p.indptr, p.indices, p.values) for p in self.holdout_pieces]
-            self.holdout = tdata.Dataset(*tdata._concat(pieces))
-            self.holdout_pieces = []
-        if self.holdout is not None:
-            name = self.holdout_metric
-            record[f"holdout_{name}"] = value = self.evaluate(self.holdout)[f"test_{name}"]
-            if value < self.best["loss"]:
-                self.best.update(loss=value, epoch=epoch)
-                if self.keep_best_functions and self.first:
-                    for table in self.model.all_tables:
-                        table.call(self.keep_best_functions[0], np.zeros(0, dtype=np.uint64))
-            elif self.cfg.train.early_stop and epoch - self.best["epoch"] >= self.cfg.train.early_stop:
-                self.stopped_at = epoch
-        self.history.append(record)
-        self.progress.epoch_end(epoch, record)
-        return bool(self.stopped_at)
+        return record
+
+    def watch_holdout(self, epoch: int, record: dict) -> bool:
+        """The holdout metric into ``record``; the servers keep a snapshot of the best model so
+        far. Returns True when early stopping ends training at this epoch."""
+        name = self.holdout_metric
+        record[f"holdout_{name}"] = value = self.evaluate(self.holdout)[f"test_{name}"]
+        if value < self.best["loss"]:
+            self.best.update(loss=value, epoch=epoch)
+            if self.keep_best_functions and self.first:
+                for table in self.model.all_tables:
+                    table.call(self.keep_best_functions[0], np.zeros(0, dtype=np.uint64))
+            return False
+        return bool(self.cfg.train.early_stop and epoch - self.best["epoch"] >= self.cfg.train.early_stop)
 
     # -- 5: workers --------------------------------------------------------------------------------
 
@@ -604,9 +625,14 @@ class Trainer:
             summary["best_test_auc"] = self.synth_info["best_test_auc"]
         if predicted:
             summary["predictions"] = predicted
-        print(summary_table(self.summary_rows(summary, elapsed, wait, key_counts)), flush=True)
-        print(next_steps(cfg, self.paths, newest_checkpoint(ck.dir) if ck.dir else None), flush=True)
+        self.report(summary, elapsed, wait, key_counts)
         return Result(summary, False, self.resumed)
+
+    def report(self, summary: dict, elapsed: float, wait: float, key_counts: dict) -> None:
+        """On the first worker: the summary table, where things went and what to try next."""
+        ck = self.cfg.checkpoint
+        print(summary_table(self.summary_rows(summary, elapsed, wait, key_counts)), flush=True)
+        print(next_steps(self.cfg, self.paths, newest_checkpoint(ck.dir) if ck.dir else None), flush=True)
 
     def summary_rows(self, summary: dict, elapsed: float, wait: float, key_counts: dict) -> list[tuple]:
         examples, layout, f = summary["examples"], self.ctx.layout, self.cfg.features

@@ -52,9 +52,10 @@ class Model:
     fields = 1             # fields per row (the deep models' embeddings)
     times_compute = False  # _forward_backward times its own stages (else it is one, "compute")
 
-    def __init__(self, ctx, cfg, bias: float = 0.0):
+    def __init__(self, ctx, cfg, bias: float = 0.0, suffix: str = ""):
         self.cfg = cfg
         self.bias = bias  # the bias key's initial weight (a regression's label mean)
+        self.suffix = suffix  # added to the names of its tables (a member of a Grid)
         self.loss = LOSSES[cfg.model.loss]
         self.aggregate = cfg.train.aggregate
         self.ctx = ctx
@@ -223,7 +224,7 @@ class LinearModel(Model):
         return kmodels.lr_residuals(partials, labels, scale, self.loss, out[:, 0])
 
     def _declare(self, ctx, cfg):
-        return [ctx.sparse_table("w", dim=1, optimizer=cfg.optimizer.name, params=cfg.optimizer.params,
+        return [ctx.sparse_table("w" + self.suffix, dim=1, optimizer=cfg.optimizer.name, params=cfg.optimizer.params,
                                  init="zeros", seed=cfg.model.seed, key_bits=cfg.data.hash_bits,
                                  features=cfg.features, init_keys=self._bias_key(1))]
 
@@ -240,7 +241,7 @@ class FactorizationMachine(Model):
         return kmodels.fm_residuals(partials, labels, scale, self.loss, out)
 
     def _declare(self, ctx, cfg):
-        return [ctx.sparse_table("fm", dim=1 + cfg.model.factors, optimizer=cfg.optimizer.name,
+        return [ctx.sparse_table("fm" + self.suffix, dim=1 + cfg.model.factors, optimizer=cfg.optimizer.name,
                                  params=cfg.optimizer.params, init="normal", init_scale=cfg.model.init_scale,
                                  seed=cfg.model.seed, key_bits=cfg.data.hash_bits, features=cfg.features,
                                  init_keys=self._bias_key(1 + cfg.model.factors))]
@@ -443,12 +444,64 @@ class DeepModel(Model):
         out[:] = self.net.margins(batch, pos, params, self.mlp)
 
 
-def make_model(ctx, cfg, bias: float = 0.0, fields: int = 1) -> Model:
+def make_model(ctx, cfg, bias: float = 0.0, fields: int = 1, suffix: str = "") -> Model:
     """The configured model; ``bias``: the bias weight's initial value; ``fields``: fields per row
-    (deep models, see :func:`resolve_fields`)."""
+    (deep models, see :func:`resolve_fields`); ``suffix``: added to its tables' names."""
     if cfg.model.type in ("wdl", "deepfm"):
         return DeepModel(ctx, cfg, bias, fields)
-    return {"lr": LinearModel, "fm": FactorizationMachine}[cfg.model.type](ctx, cfg, bias)
+    return {"lr": LinearModel, "fm": FactorizationMachine}[cfg.model.type](ctx, cfg, bias, suffix)
+
+
+class Grid(Model):
+    """Several LR/FM models trained at once on the same batches (``hpcps tune``): member ``i`` is
+    the model of ``cfgs[i]`` (its own optimizer and hyper-parameters) with its own tables, named
+    with ``@i``, on the same servers. A step pulls the rows of every member's tables for the
+    batch's keys in one go, runs each member's kernels and pushes every gradient together, so each
+    member trains exactly as it would alone, for one pass over the data. The step's loss is the
+    members' mean; :attr:`member_loss` sums each member's."""
+
+    def __init__(self, ctx, cfgs: list, bias: float = 0.0):
+        for c in cfgs:
+            if c.model.type not in ("lr", "fm") or c.model.compute != "workers":
+                raise ValueError(f"a grid's models are lr or fm computed on the workers (got {c.model.type}, "
+                                 f"model.compute = {c.model.compute!r})")
+        self.cfgs = list(cfgs)
+        super().__init__(ctx, cfgs[0], bias)
+        self.member_loss = np.zeros(len(cfgs))
+
+    def _declare(self, ctx, cfg):
+        self.members = [make_model(ctx, c, self.bias, suffix=f"@{i}") for i, c in enumerate(self.cfgs)]
+        self.spans, tables = [], []
+        for m in self.members:
+            self.spans.append((len(tables), len(tables) + len(m.sparse)))
+            tables += m.sparse
+        return tables
+
+    def _forward_backward(self, batch, pos, params, grads, scale):
+        for i, (m, (a, b)) in enumerate(zip(self.members, self.spans)):
+            self.member_loss[i] += m._forward_backward(batch, pos, params[a:b], grads[a:b], scale)
+        return 0.0  # see step
+
+    def step(self, batch, scale: float, upcoming=()) -> float:
+        before = self.member_loss.sum()
+        super().step(batch, scale, upcoming)
+        return float(self.member_loss.sum() - before) / len(self.members)
+
+    def member_margins(self, batch) -> np.ndarray:
+        """The margins of every member, ``(rows, members)``."""
+        uniq, pos = kkeys.unique_keys(batch.indices)
+        ts = [t.ipull(uniq) for t in self.sparse]
+        params = [t.wait(x) for t, x in zip(self.sparse, ts)]
+        out = np.empty((batch.rows, len(self.members)), dtype=np.float64)
+        col = np.empty(batch.rows, dtype=np.float64)
+        for i, (m, (a, b)) in enumerate(zip(self.members, self.spans)):
+            if batch.rows:
+                m._margins(batch, pos, params[a:b], col)
+            out[:, i] = col
+        return out
+
+    def margins(self, batch) -> np.ndarray:
+        return self.member_margins(batch)[:, 0]
 
 
 def margins_from_params(kind: str, batch, pos, params, loss: str = "logistic") -> np.ndarray:
