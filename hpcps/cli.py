@@ -5,6 +5,7 @@
     hpcps predict --model MODEL.h5 --data FILE --out SCORES
     hpcps gen-data OUT_DIR [--rows N] [--test-rows N] [--interactions] [--ratings]
     hpcps supervise [--max-restarts N] -- mpiexec -n 4 hpcps train [CONFIG.toml] ...
+    mpiexec -n 3 hpcps tune [CONFIG.toml] --grid optimizer.alpha=0.03,0.1,0.3 [--grid ...] --out best.toml
     mpiexec -n 2 hpcps bench {mpi,ps}
 
 ``train`` is collective: every rank parses its own command line and the ranks check they were
@@ -28,58 +29,106 @@ def _fail(message: str, rank: int | None = None) -> int:
     return 2
 
 
-def _cmd_train(args) -> int:
+def _collective_config(args, world, prepare=None):
+    """Collective: the configuration every rank was given, read on the first rank (with
+    ``prepare(raw)`` turning it into what the command runs, checked there) and broadcast; the
+    ranks check they agree and that the layout fits the world. Returns (raw, prepared, 0) or
+    (None, None, exit status) after reporting the error."""
     from hpcps import config, transport
     from hpcps.layout import LayoutError, check_world
+
+    rank = world.Get_rank()
+    # 1. every rank was given the same command line?
+    digest = int(hashlib.sha256(json.dumps(sorted((k, str(v)) for k, v in vars(args).items() if k != "func"))
+                                .encode()).hexdigest()[:12], 16)
+    if not transport.agree(world, digest, 120, "agreement on the command line"):
+        return None, None, _fail(f"ranks were started with different hpcps {args.command} arguments", rank)
+    # 2. the first rank reads and validates the configuration; everyone gets it or its error
+    raw, prepared, error = None, None, None
+    if rank == 0:
+        try:
+            overrides = list(args.set)
+            if getattr(args, "skip_bad_lines", False):
+                overrides.append("data.skip_bad_lines=true")
+            if getattr(args, "resume", ""):
+                overrides.append(f"checkpoint.resume={json.dumps(args.resume)}")
+            raw = config.load_raw(args.config, overrides)
+            config.from_dict(raw)
+            prepared = prepare(raw) if prepare else None
+        except config.ConfigError as e:
+            error = str(e)
+    raw, prepared, error = transport.bcast_object(world, (raw, prepared, error), 0, 120,
+                                                  "broadcast of the configuration")
+    if error:
+        return None, None, _fail(error, rank)
+    cfg = config.from_dict(raw)
+    if not transport.agree(world, int(cfg.fingerprint(), 16) & 0x7FFFFFFFFFFF, 120, "agreement on the configuration"):
+        return None, None, _fail("ranks disagree on the configuration", rank)
+    # 3. the layout fits the world: checked on every rank before any data is generated or read
+    try:
+        check_world(world.Get_size(), cfg.cluster.servers, cfg.cluster.worker_groups or None, cfg.cluster.num_shards)
+    except LayoutError as e:
+        return None, None, _fail(str(e), rank)
+    return raw, prepared, 0
+
+
+def _start_collective():
+    """The world, after refusing a Slurm step of separate one-rank programs; the abort handler on."""
+    from hpcps import transport
+
+    world = transport.world()
+    step_tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS") or 1)
+    if world.Get_size() == 1 and step_tasks > 1:
+        return None, _fail(f"this MPI world has 1 rank but Slurm started {step_tasks} tasks in this step: srun "
+                           f"without an MPI plugin starts separate programs. Use `srun --mpi=pmi2 hpcps train ...` "
+                           f"or `mpiexec -n $SLURM_NTASKS hpcps train ...` (see slurm/README.md)",
+                           int(os.environ.get("SLURM_PROCID", 0)))
+    transport.install_abort_handler()
+    return world, 0
+
+
+def _write_summary(result, path: str) -> None:
+    if result.summary is not None and path:
+        with open(path, "w") as f:
+            json.dump(result.summary, f, indent=1)
+
+
+def _cmd_train(args) -> int:
+    from hpcps import config
     from hpcps.train import loop
 
     if args.help_config:
         print(config.describe())
         return 0
-    world = transport.world()
-    rank = world.Get_rank()
-    step_tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS") or 1)
-    if world.Get_size() == 1 and step_tasks > 1:
-        return _fail(f"this MPI world has 1 rank but Slurm started {step_tasks} tasks in this step: srun "
-                     f"without an MPI plugin starts separate programs. Use `srun --mpi=pmi2 hpcps train ...` "
-                     f"or `mpiexec -n $SLURM_NTASKS hpcps train ...` (see slurm/README.md)",
-                     int(os.environ.get("SLURM_PROCID", 0)))
-    transport.install_abort_handler()
-    # 1. every rank was given the same command line?
-    digest = int(hashlib.sha256(json.dumps([args.config, args.set, args.skip_bad_lines, args.resume]).encode()).hexdigest()[:12], 16)
-    if not transport.agree(world, digest, 120, "agreement on the command line"):
-        return _fail("ranks were started with different hpcps train arguments", rank)
-    # 2. the first rank reads and validates the configuration; everyone gets it or its error
-    raw, error = None, None
-    if rank == 0:
-        try:
-            overrides = list(args.set)
-            if args.skip_bad_lines:
-                overrides.append("data.skip_bad_lines=true")
-            if args.resume:
-                overrides.append(f"checkpoint.resume={json.dumps(args.resume)}")
-            raw = config.load_raw(args.config, overrides)
-            config.from_dict(raw)
-        except config.ConfigError as e:
-            error = str(e)
-    raw, error = transport.bcast_object(world, (raw, error), 0, 120, "broadcast of the configuration")
-    if error:
-        return _fail(error, rank)
-    cfg = config.from_dict(raw)
-    if not transport.agree(world, int(cfg.fingerprint(), 16) & 0x7FFFFFFFFFFF, 120, "agreement on the configuration"):
-        return _fail("ranks disagree on the configuration", rank)
-    # 3. the layout fits the world: checked on every rank before any data is generated or read
+    world, status = _start_collective()
+    if world is None:
+        return status
+    raw, _, status = _collective_config(args, world)
+    if raw is None:
+        return status
     try:
-        check_world(world.Get_size(), cfg.cluster.servers, cfg.cluster.worker_groups or None, cfg.cluster.num_shards)
-    except LayoutError as e:
-        return _fail(str(e), rank)
-    try:
-        result = loop.run(cfg, world)
+        result = loop.run(config.from_dict(raw), world)
     except loop.TrainError as e:
-        return _fail(str(e), rank)
-    if result.summary is not None and args.summary_json:
-        with open(args.summary_json, "w") as f:
-            json.dump(result.summary, f, indent=1)
+        return _fail(str(e), world.Get_rank())
+    _write_summary(result, args.summary_json)
+    return loop.EXIT_PREEMPTED if result.preempted else 0
+
+
+def _cmd_tune(args) -> int:
+    from hpcps.train import loop, tune
+
+    world, status = _start_collective()
+    if world is None:
+        return status
+    raw, members, status = _collective_config(args, world,
+                                              lambda raw: tune.member_raws(raw, tune.parse_grid(args.grid)))
+    if raw is None:
+        return status
+    try:
+        result = tune.Tuner(members, args.out, world).run()
+    except (loop.TrainError, ValueError) as e:
+        return _fail(str(e), world.Get_rank())
+    _write_summary(result, args.summary_json)
     return loop.EXIT_PREEMPTED if result.preempted else 0
 
 
@@ -323,6 +372,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="resume from the newest good checkpoint in checkpoint.dir (auto) or from CKPT")
     t.add_argument("--help-config", action="store_true", help="list every configuration key and exit")
     t.set_defaults(func=_cmd_train)
+
+    u = sub.add_parser("tune", help="train a grid of hyper-parameters at once and rank it on held-out rows")
+    u.add_argument("config", nargs="?", help="TOML configuration file (the grid's common settings)")
+    u.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a configuration key (repeatable)")
+    u.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,...",
+                   help="values to try: optimizer.* (alpha, lr, l1, l2, ...), model.type, model.factors or "
+                        "model.init_scale (repeatable: the grid is their product)")
+    u.add_argument("--out", default="", help="write the best configuration here (TOML)")
+    u.add_argument("--summary-json", default="", help="write the summary with the ranking here (first worker)")
+    u.set_defaults(func=_cmd_tune)
 
     s = sub.add_parser("supervise", help="run a training job, restarting it with --resume auto after a crash")
     s.add_argument("--max-restarts", type=int, default=3, help="restarts before giving up (default 3)")

@@ -412,6 +412,33 @@ def load_raw(path: str | None, overrides: list[str]) -> dict:
     return merge(raw, parse_overrides(overrides))
 
 
+def _toml_value(where: str, v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        if isinstance(v, float) and not math.isfinite(v):
+            return "inf" if v > 0 else "-inf" if v < 0 else "nan"
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)  # a TOML basic string: JSON's escapes are TOML's
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(where, x) for x in v) + "]"
+    raise ConfigError(f"{where}: cannot write {v!r} as TOML")
+
+
+def to_toml(raw: dict) -> str:
+    """A nested dictionary of sections (as :func:`load_raw` returns) as TOML text that
+    :func:`load_raw` reads back to the same dictionary."""
+    out = []
+    for section, values in raw.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"[{section}] must be a table of keys")
+        out.append(f"[{section}]")
+        out += [f"{key} = {_toml_value(f'{section}.{key}', v)}" for key, v in values.items()]
+        out.append("")
+    return "\n".join(out)
+
+
 def describe() -> str:
     """Every section and key with its default, for --help-config."""
     lines = []

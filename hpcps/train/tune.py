@@ -1,0 +1,161 @@
+"""``hpcps tune``: a grid of hyper-parameters trained at once, as several tables on the same servers.
+
+    mpiexec -n 3 hpcps tune run.toml --grid optimizer.alpha=0.03,0.1,0.3 --grid optimizer.l2=0,1 --out best.toml
+
+Every point of the grid is a member of one :class:`~hpcps.train.models.Grid`: its own tables (its
+own optimizer and hyper-parameters), pulled and pushed with the others' in the same requests, so one
+pass over the data trains them all. Rows held out of training (``train.holdout``, every 10th row
+unless set) score every member after every epoch; a member stops improving when its holdout loss
+has not improved for ``train.early_stop`` epochs (2 unless set), and training ends when every
+member has stopped or after ``train.epochs`` (10 unless set). The ranked table goes to the terminal
+and the best member's configuration, with ``train.epochs`` set to its best epoch, to ``--out``:
+``hpcps train --config best.toml`` trains that member's model again (the same holdout rows), and
+without ``train.holdout`` it trains on every row.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+
+from hpcps import config
+from hpcps.train.loop import Trainer, evaluate_columns
+from hpcps.train.models import Grid
+from hpcps.train.progress import summary_table
+
+# the keys a grid may vary: the optimizer's (any of them) and these
+GRID_KEYS = ("model.type", "model.factors", "model.init_scale")
+MAX_MEMBERS = 64
+TUNE_DEFAULTS = {"holdout": 10, "early_stop": 2, "epochs": 10}
+
+
+def parse_grid(items: list[str]) -> list[tuple[str, list]]:
+    """``["optimizer.alpha=0.03,0.1", ...]`` → ``[("optimizer.alpha", [0.03, 0.1]), ...]`` (values
+    as TOML would read them). Raises ConfigError naming the key."""
+    grid = []
+    for item in items:
+        key, sep, values = item.partition("=")
+        key = key.strip()
+        if not sep or not values.strip():
+            raise config.ConfigError(f"--grid {item!r}: expected key=value1,value2,...")
+        if not (key.startswith("optimizer.") or key in GRID_KEYS):
+            raise config.ConfigError(f"--grid {key}: a grid varies optimizer.* or one of {list(GRID_KEYS)}")
+        if any(k == key for k, _ in grid):
+            raise config.ConfigError(f"--grid {key} is given twice")
+        grid.append((key, [config.parse_overrides([f"x.v={v.strip()}"])["x"]["v"] for v in values.split(",")]))
+    if not grid:
+        raise config.ConfigError("hpcps tune needs at least one --grid key=value1,value2,...")
+    size = math.prod(len(v) for _, v in grid)
+    if size > MAX_MEMBERS:
+        raise config.ConfigError(f"the grid has {size} points; at most {MAX_MEMBERS} train at once")
+    return grid
+
+
+def member_raws(raw: dict, grid: list[tuple[str, list]]) -> list[tuple[dict, dict]]:
+    """The raw configuration of every point of the grid, with the tune defaults where ``raw``
+    does not set them: ``(point, raw)`` pairs, each validated (a bad value names its key)."""
+    base = copy.deepcopy(raw)
+    train = base.setdefault("train", {})
+    for key, value in TUNE_DEFAULTS.items():
+        train.setdefault(key, value)
+    for section, key in (("train", "model_out"), ("data", "predict"), ("data", "predict_out"),
+                         ("checkpoint", "dir"), ("checkpoint", "resume")):
+        base.get(section, {}).pop(key, None)  # a tune writes a configuration, not models
+    if not train["holdout"]:
+        raise config.ConfigError("train.holdout = 0: hpcps tune ranks the grid on held-out rows; set train.holdout "
+                                 "(10 unless set: every 10th row)")
+    out = []
+    for values in itertools.product(*(v for _, v in grid)):
+        point = dict(zip((k for k, _ in grid), values))
+        r = copy.deepcopy(base)
+        for key, value in point.items():
+            section, name = key.split(".", 1)
+            r.setdefault(section, {})[name] = value
+        try:
+            config.from_dict(r)
+        except config.ConfigError as e:
+            raise config.ConfigError(f"grid point {_describe(point)}: {e}") from None
+        out.append((point, r))
+    return out
+
+
+def _describe(point: dict) -> str:
+    return ", ".join(f"{k.split('.', 1)[1] if k.startswith('optimizer.') else k}={v}" for k, v in point.items())
+
+
+class Tuner(Trainer):
+    """A :class:`~hpcps.train.loop.Trainer` whose model is a Grid: the holdout scores every member
+    each epoch, each member has its own early stopping, and the report ranks them."""
+
+    def __init__(self, members: list[tuple[dict, dict]], out: str = "", comm=None):
+        self.points = [p for p, _ in members]
+        self.raws = [r for _, r in members]
+        self.cfgs = [config.from_dict(r) for r in self.raws]
+        super().__init__(self.cfgs[0], comm)
+        self.out = out
+        n = len(self.cfgs)
+        self.member_best = [{"loss": math.inf, "epoch": 0, "test": {}} for _ in range(n)]
+        self.member_stopped = [0] * n
+
+    def build_model(self, bias: float, fields: int):
+        return Grid(self.ctx, self.cfgs, bias)
+
+    def watch_holdout(self, epoch: int, record: dict) -> bool:
+        name, n = self.holdout_metric, len(self.cfgs)
+        batch, loss = self.cfg.train.batch_size, self.cfg.model.loss
+        got = evaluate_columns(self.ctx, self.model, self.model.member_margins, n, self.holdout, batch, loss)
+        tests = evaluate_columns(self.ctx, self.model, self.model.member_margins, n, self.test, batch, loss) \
+            if self.test is not None else [{}] * n
+        for i, (g, t) in enumerate(zip(got, tests)):
+            best = self.member_best[i]
+            if self.member_stopped[i]:
+                continue
+            if g[f"test_{name}"] < best["loss"]:
+                best.update(loss=g[f"test_{name}"], epoch=epoch, test=t)
+            elif self.cfg.train.early_stop and epoch - best["epoch"] >= self.cfg.train.early_stop:
+                self.member_stopped[i] = epoch
+        leader = min(range(n), key=lambda i: self.member_best[i]["loss"])
+        record[f"holdout_{name}"] = got[leader][f"test_{name}"]
+        record["members_stopped"] = sum(1 for s in self.member_stopped if s)
+        return all(self.member_stopped)
+
+    def keep_best(self) -> None:
+        """Nothing to restore: a tune reports configurations, not a model."""
+
+    def ranking(self) -> list[dict]:
+        name = self.holdout_metric
+        rows = [{**self.points[i], f"holdout_{name}": b["loss"], "best_epoch": b["epoch"],
+                 **{k: v for k, v in b["test"].items() if k != "test_rows"}, "member": i}
+                for i, b in enumerate(self.member_best)]
+        return sorted(rows, key=lambda r: r[f"holdout_{name}"])
+
+    def report(self, summary: dict, elapsed: float, wait: float, key_counts: dict) -> None:
+        ranked = self.ranking()
+        summary["ranking"] = ranked
+        name = self.holdout_metric
+        keys = list(self.points[0])
+        head = ["rank", *keys, "best epoch", f"holdout {name}"] + ([f"test {name}"] if self.test is not None else [])
+        lines = [head]
+        for rank, r in enumerate(ranked, 1):
+            lines.append([str(rank), *(f"{r[k]}" for k in keys), str(r["best_epoch"]), f"{r[f'holdout_{name}']:.5f}"]
+                         + ([f"{r.get(f'test_{name}', float('nan')):.5f}"] if self.test is not None else []))
+        widths = [max(len(line[c]) for line in lines) for c in range(len(head))]
+        print(f"hpcps tune: {len(ranked)} models in one pass over the data, {summary['examples']:,} examples "
+              f"in {elapsed:.1f} s (holdout: every {self.cfg.train.holdout}th row)", flush=True)
+        print("\n".join("  ".join(x.rjust(w) for x, w in zip(line, widths)) for line in lines), flush=True)
+        best = ranked[0]
+        raw = copy.deepcopy(self.raws[best["member"]])
+        raw["train"]["epochs"] = best["best_epoch"] or 1
+        summary["best_config"] = raw
+        if self.out:
+            with open(self.out, "w") as f:
+                f.write(f"# hpcps tune: the best of {len(ranked)} ({_describe(self.points[best['member']])}), "
+                        f"holdout {name} {best[f'holdout_{name}']:.5f} after {best['best_epoch']} epochs.\n"
+                        f"# Without [train] holdout it trains on every row.\n")
+                f.write(config.to_toml(raw))
+            print(f"hpcps tune: the best configuration is in {self.out}; train it with "
+                  f"hpcps train {self.out}", flush=True)
+        print(summary_table([("best", _describe(self.points[best["member"]])),
+                             ("best epoch", str(best["best_epoch"])),
+                             (f"holdout {name}", f"{best[f'holdout_{name}']:.5f}")]), flush=True)

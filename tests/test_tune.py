@@ -1,0 +1,76 @@
+"""hpcps tune: a grid trained at once as several tables on the same servers, ranked on held-out
+rows; the best configuration it writes trains that member's model again exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from hpcps import config
+from hpcps.train import synth
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from test_train import hpcps_job, sets  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tune_data(tmp_path_factory):
+    s = synth.generate(str(tmp_path_factory.mktemp("tune")), 30_000, 5_000, fields=10, interactions=True, seed=4,
+                       hash_bits=16, formats=("libsvm",))
+    return s.files["train_libsvm"], s.files["test_libsvm"]
+
+
+def test_grid_ranks_its_members_and_the_best_trains_again_identically(tune_data, tmp_path):
+    """1 server + 2 workers in one group (every member's pushes merged in one gather): 6 members,
+    each with its own early stopping; `hpcps train best.toml` on the same layout reaches the
+    ranked best's holdout and test logloss exactly."""
+    train, test = tune_data
+    common = sets(data__train=train, data__test=test, data__hash_bits=16, cluster__worker_groups=1,
+                  train__progress=False, train__batch_size=500, train__epochs=6)
+    _, out, _ = hpcps_job(3, ["tune", *common, "--grid", "optimizer.alpha=0.03,0.1,0.5", "--grid", "model.type=lr,fm",
+                              "--out", str(tmp_path / "best.toml"), "--summary-json", str(tmp_path / "tune.json")])
+    ranking = json.loads((tmp_path / "tune.json").read_text())["ranking"]
+    assert len(ranking) == 6 and "6 models in one pass" in out
+    losses = [r["holdout_logloss"] for r in ranking]
+    assert losses == sorted(losses) and losses[-1] > losses[0] + 0.005  # the grid matters
+    assert {(r["optimizer.alpha"], r["model.type"]) for r in ranking} == {(a, t) for a in (0.03, 0.1, 0.5)
+                                                                           for t in ("lr", "fm")}
+    best = ranking[0]
+    assert 1 <= best["best_epoch"] <= 6
+    written = config.load_raw(str(tmp_path / "best.toml"), [])
+    assert written["optimizer"]["alpha"] == best["optimizer.alpha"]
+    assert written["model"]["type"] == best["model.type"]
+    assert written["train"]["epochs"] == best["best_epoch"] and written["train"]["holdout"] == 10
+    hpcps_job(3, ["train", str(tmp_path / "best.toml"), "--summary-json", str(tmp_path / "again.json")])
+    again = json.loads((tmp_path / "again.json").read_text())
+    assert again["holdout_logloss"] == pytest.approx(best["holdout_logloss"], abs=1e-9)
+    assert again["test_logloss"] == pytest.approx(best["test_logloss"], abs=1e-9)
+
+
+@pytest.mark.parametrize("grid, extra, message", [
+    (["optimizer.alpha=0.1,-1"], [], "grid point alpha=-1: optimizer.alpha"),
+    (["data.hash_bits=10,12"], [], "--grid data.hash_bits: a grid varies optimizer.*"),
+    (["optimizer.alpha=" + ",".join(str(0.01 * i) for i in range(1, 10)),
+      "optimizer.l2=" + ",".join(map(str, range(8)))], [], "the grid has 72 points"),
+    (["optimizer.alpha=0.1"], sets(train__holdout=0), "train.holdout = 0"),
+    ([], [], "at least one --grid"),
+])
+def test_bad_grids_are_one_clear_line(tune_data, grid, extra, message):
+    args = ["tune", *sets(data__train=tune_data[0]), *extra]
+    for g in grid:
+        args += ["--grid", g]
+    rc, out, _ = hpcps_job(1, args, check=False)
+    assert rc == 2, out
+    errors = [line for line in out.splitlines() if "error:" in line]
+    assert len(errors) == 1 and message in errors[0], out
+
+
+def test_toml_written_reads_back(tmp_path):
+    raw = {"model": {"type": "fm", "hidden": [64, 32]}, "optimizer": {"name": "ftrl", "alpha": 0.3, "l2": 0},
+           "data": {"train": 'a "quoted" päth.txt'}, "train": {"progress": False, "epochs": 3}}
+    (tmp_path / "c.toml").write_text(config.to_toml(raw), encoding="utf-8")
+    assert config.load_raw(str(tmp_path / "c.toml"), []) == raw
