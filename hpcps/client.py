@@ -59,11 +59,12 @@ class SparseTable:
 
     # -- requests ----------------------------------------------------------------------------
 
-    def _send(self, op: int, keys: np.ndarray, grads: np.ndarray | None) -> int:
+    def _send(self, op: int, keys: np.ndarray, grads: np.ndarray | None, ahead: int = 0) -> int:
         """Send a pull (``grads`` None) or a push of sorted unique ``keys``, sliced by server and
-        split so that no message passes 2 GiB; returns its timestamp."""
+        split so that no message passes 2 GiB; returns its timestamp. ``ahead``: added to the
+        request's clock (a pull for a later step)."""
         ctx = self.ctx
-        req = _Request(op, self, n_unique=keys.shape[0], clock=ctx.clock_value, started=time.monotonic())
+        req = _Request(op, self, n_unique=keys.shape[0], clock=ctx.clock_value + ahead, started=time.monotonic())
         order, offsets = ctx.placement.slice(keys)
         for server in range(ctx.layout.servers):
             sel = order[offsets[server]:offsets[server + 1]]
@@ -199,14 +200,17 @@ class SparseTable:
         """:meth:`icall`, waiting for the result."""
         return self.wait(self.icall(function, keys, args), timeout)
 
-    def ipull(self, keys, unique: bool = False) -> int:
+    def ipull(self, keys, unique: bool = False, ahead: int = 0) -> int:
         """Start pulling the rows of ``keys``; returns a timestamp for :meth:`wait`.
-        ``unique``: the keys are distinct already (any order): no dedup."""
+        ``unique``: the keys are distinct already (any order): no dedup. ``ahead``: pull for the
+        step ``ahead`` clocks later; the servers answer once the consistency model allows a read
+        at that clock (under BSP, after every worker's next clock; under SSP and ASP, usually at
+        once, so the pull overlaps this step's work)."""
         keys = np.ascontiguousarray(keys, dtype=np.uint64).reshape(-1)
         expand = None
         if not unique and not kkeys.is_sorted_unique(keys):
             keys, expand = kkeys.unique_keys(keys)
-        ts = self._send(protocol.PULL, keys, None)
+        ts = self._send(protocol.PULL, keys, None, ahead)
         self._requests[ts].expand = expand
         return ts
 

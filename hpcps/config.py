@@ -102,6 +102,7 @@ class Train:
     model_out: str = ""              # write the trained model (HDF5) here
     holdout: int = 0                 # hold out every Nth row of each worker's part from training (0 = none)
     early_stop: int = 0              # stop after N epochs without a better holdout loss, keeping the best model
+    pull_early: bool = False         # pull the next batch's rows before computing this one (overlap under SSP/ASP)
 
 
 @dataclass(frozen=True)
@@ -311,6 +312,8 @@ def _check(cfg: Config) -> None:
     if cfg.model.compute == "servers" and cfg.cluster.worker_groups:
         raise ConfigError("model.compute = 'servers' needs one worker per group (cluster.worker_groups = 0): "
                           "each worker's rows go to the servers, there is no group merge")
+    if cfg.train.pull_early and cfg.model.compute == "servers":
+        raise ConfigError("train.pull_early is for model.compute = 'workers' (the servers' computation pulls nothing)")
     if cfg.model.type in DEEP:
         if cfg.model.compute == "servers":
             raise ConfigError(f"model.compute = 'servers' is for lr and fm; a {cfg.model.type}'s MLP runs on the workers")

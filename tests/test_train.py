@@ -150,6 +150,30 @@ def test_bsp_group_of_two_equals_single_process_on_the_same_data_order(tmp_path,
     assert np.abs(a.values).max() > 0.01
 
 
+def test_pull_early_is_bit_identical_under_bsp_and_within_the_staleness_under_ssp(small_data, tmp_path):
+    """train.pull_early sends the next batch's pull before the step computes, for the next clock:
+    under BSP the servers answer it after every worker's clock, so an FM in a worker group of 2
+    trains the same model bit for bit; under SSP it is answered at once, and no read is staler
+    than the staleness allows."""
+    data = sets(data__train=small_data.files["train_libsvm"], data__test=small_data.files["test_libsvm"],
+                train__progress=False, train__batch_size=200)
+    for early in (False, True):
+        hpcps_job(3, ["train", *data, *sets(model__type="fm", cluster__worker_groups=1, train__pull_early=early,
+                                            train__model_out=str(tmp_path / f"bsp_{early}.h5"))])
+    a, b = ServingModel(str(tmp_path / "bsp_False.h5")), ServingModel(str(tmp_path / "bsp_True.h5"))
+    np.testing.assert_array_equal(a.keys, b.keys)
+    np.testing.assert_array_equal(a.values, b.values)
+    got = {}
+    for early in (False, True):
+        out = tmp_path / f"ssp_{early}.json"
+        hpcps_job(3, ["train", *data, *sets(cluster__staleness=2, train__pull_early=early), "--summary-json", str(out)])
+        got[early] = json.loads(out.read_text())
+    assert got[True]["max_staleness"] <= 2
+    assert abs(got[True]["test_logloss"] - got[False]["test_logloss"]) < 0.02, got
+    with pytest.raises(config.ConfigError, match="train.pull_early"):
+        config.from_dict({"train": {"pull_early": True}, "model": {"compute": "servers"}})
+
+
 def test_predict_writes_one_score_per_row_in_input_order(tmp_path):
     d = synth.generate(str(tmp_path / "d"), 4000, 1001, fields=8, seed=2, formats=("libsvm", "criteo"))
     scores = tmp_path / "scores.txt"

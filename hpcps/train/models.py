@@ -134,6 +134,11 @@ class Model:
         push of this step, the clock and the pull of the next batch's rows go in one push-pull
         round trip, and the keys of the batch after it are deduplicated while the servers work.
         Under BSP the numbers are those of the unpipelined step, bit for bit.
+
+        With ``train.pull_early`` the next batch's rows are pulled before this step computes, for
+        the next clock: under SSP and ASP the servers answer at once, so the pull overlaps the
+        compute (a step may then miss its own last push, which SSP allows); under BSP they answer
+        after every worker's clock, and the numbers stay those of the unpipelined step.
         """
         if self.cfg.model.compute == "servers":
             return self._step_on_servers(batch, scale)
@@ -144,6 +149,13 @@ class Model:
         self._fetch(cur)
         self._ahead = [p for p in self._ahead if p is not cur]
         t = self._time("pull", t)
+        # (one process: its in-process server answers each request when sent, nothing to overlap)
+        early = self.cfg.train.pull_early and upcoming and not self.ctx.local
+        if early:  # the next batch's rows, read at the next clock, on their way during this step
+            nxt = self._prepare(upcoming[0])
+            if nxt.ts is None and nxt.params is None:
+                nxt.ts = [tb.ipull(nxt.uniq, unique=True, ahead=1) for tb in self.sparse]
+            self._ahead = [nxt]
         grads = [np.empty_like(p) for p in cur.params]
         loss = self._forward_backward(batch, cur.pos, cur.params, grads, scale) \
             if batch.rows or self.compute_empty else 0.0
@@ -151,7 +163,13 @@ class Model:
         self._before_clock()
         keys, grads, aggregate = self._merge_tables(cur.uniq, grads)
         head, rest = self.sparse[0], list(zip(self.sparse[1:], grads[1:]))
-        if upcoming:
+        if early:
+            self._pending += [(tb, tb.push(keys, g, aggregate=aggregate, unique=True))
+                              for tb, g in zip(self.sparse, grads)]
+            self.ctx.clock()
+            if len(upcoming) > 1:
+                self._ahead.append(self._prepare(upcoming[1]))
+        elif upcoming:
             nxt = self._prepare(upcoming[0])
             # the other tables' pushes go before the clock that the first table's push-pull carries,
             # and their pulls after it (so under BSP they see every push of the step)
