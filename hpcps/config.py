@@ -379,12 +379,16 @@ def parse_overrides(items: list[str]) -> dict:
             raise ConfigError(f"--set {item!r}: expected section.key=value")
         key, value = item.split("=", 1)
         section, name = key.strip().split(".", 1)
-        try:
-            parsed = tomllib.loads(f"v = {value}")["v"]
-        except tomllib.TOMLDecodeError:
-            parsed = value  # a bare string
-        out.setdefault(section, {})[name] = parsed
+        out.setdefault(section, {})[name] = parse_value(value)
     return out
+
+
+def parse_value(text: str):
+    """A value given on the command line, parsed as TOML (a bare word is a string)."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
 
 
 def merge(base: dict, override: dict) -> dict:

@@ -260,17 +260,25 @@ class ServerTable:
                 out["count_buckets"], out["count_values"] = nz.astype(np.uint64), self.counts[nz]
         return out
 
+    def copy_contents(self) -> tuple:
+        """A copy of the keys, their rows and their state, for :meth:`set_contents`."""
+        keys, rows = self.items()
+        return (keys.copy(), rows.copy(),
+                {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in self.state_arrays().items()})
+
+    def set_contents(self, contents: tuple, clock: int = 0) -> None:
+        """Replace the contents with a :meth:`copy_contents`."""
+        keys, rows, state = contents
+        self.load(keys, rows, clock)
+        self.restore_state(state)
+
     def snapshot(self) -> None:
         """Keep a copy of the rows and their state (early stopping's best model so far)."""
-        keys, rows = self.items()
-        self._snapshot = (keys.copy(), rows.copy(),
-                          {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in self.state_arrays().items()})
+        self._snapshot = self.copy_contents()
 
     def restore_snapshot(self) -> None:
         """Go back to the rows of the last :meth:`snapshot`."""
-        keys, rows, state = self._snapshot
-        self.load(keys, rows)
-        self.restore_state(state)
+        self.set_contents(self._snapshot)
 
     def restore_state(self, state: dict) -> None:
         """Put back what :meth:`state_arrays` saved (after :meth:`load` of the rows)."""

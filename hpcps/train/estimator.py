@@ -29,8 +29,7 @@ from hpcps import config
 from hpcps.context import LocalContext
 from hpcps.train.data import BIAS_KEY, Dataset
 from hpcps.train.loop import BIAS_ROWS
-from hpcps.train.models import LOSSES, make_model
-from hpcps_kernels import models as kmodels
+from hpcps.train.models import make_model, margins_from_params
 from hpcps_kernels import optim
 
 
@@ -127,9 +126,7 @@ class _SparseModel(BaseEstimator):
             server = ctx._local_server()
             if resumed:
                 for table in server.tables:
-                    keys, rows, state = resumed[table.spec.name]
-                    table.load(keys, rows)
-                    table.restore_state(state)
+                    table.set_contents(resumed[table.spec.name])
                 ctx.clock_value = self.clock_
                 server.clocks[:] = self.clock_
             data = _rows(X, labels)
@@ -137,9 +134,7 @@ class _SparseModel(BaseEstimator):
             losses = [model.step(batch, 1.0, batches[i + 1:i + 3]) for i, batch in enumerate(batches)]
             model.finish()
             self.train_loss_ = float(np.sum(losses[-(len(batches) // epochs):]) / data.rows)  # the last epoch's
-            self.tables_ = {t.spec.name: (t.items()[0].copy(), t.items()[1].copy(),
-                                          {k: (v.copy() if isinstance(v, np.ndarray) else v)
-                                           for k, v in t.state_arrays().items()}) for t in server.tables}
+            self.tables_ = {t.spec.name: t.copy_contents() for t in server.tables}
             self.clock_ = ctx.clock_value
             keys = np.append(np.arange(self.n_features_in_, dtype=np.uint64), BIAS_KEY)
             params = model.table.pull(keys)  # keys never seen: their initial rows
@@ -157,27 +152,23 @@ class _SparseModel(BaseEstimator):
         check_is_fitted(self, "coef_")
         X = validate_data(self, X, accept_sparse="csr", dtype=np.float64, reset=False)
         data = _rows(sp.csr_matrix(X), bias_pos=self.n_features_in_)
-        out = np.empty(data.rows, dtype=np.float64)
-        if not data.rows:
-            return out
-        p = self._params
-        if self.model == "lr":
-            kmodels.lr_predict(data.indptr, data.indices, data.values, np.ascontiguousarray(p[:, 0]), out)
-        else:
-            g = np.empty_like(p)
-            kmodels.fm_forward_backward(data.indptr, data.indices, data.values, data.labels, p[:, 0], p[:, 1:],
-                                        g[:, 0], g[:, 1:], 0.0, 0.0, LOSSES[self._loss], out)
-        return out
+        return margins_from_params(self.model, data, data.indices, self._params, self._loss)
+
+    def _check(self, X, y, reset: bool):
+        """(X as CSR, y), validated; ``reset``: a first fit (learns ``n_features_in_``)."""
+        X, y = validate_data(self, X, y, accept_sparse="csr", dtype=np.float64, reset=reset,
+                             y_numeric=self._loss == "squared")
+        return sp.csr_matrix(X), y
+
+    def _forget(self) -> None:
+        """A new fit starts from scratch: no tables kept from an earlier one."""
+        for name in ("tables_", "clock_"):
+            self.__dict__.pop(name, None)
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
         tags.input_tags.sparse = True
         return tags
-
-
-def _check_X_y(est, X, y, reset: bool):
-    X, y = validate_data(est, X, y, accept_sparse="csr", dtype=np.float64, reset=reset)
-    return sp.csr_matrix(X), y
 
 
 class SparseClassifier(ClassifierMixin, _SparseModel):
@@ -198,16 +189,15 @@ class SparseClassifier(ClassifierMixin, _SparseModel):
     """
 
     def fit(self, X, y):
-        for name in ("tables_", "clock_"):  # a new fit starts from scratch
-            self.__dict__.pop(name, None)
-        X, y = _check_X_y(self, X, y, reset=True)
+        self._forget()
+        X, y = self._check(X, y, reset=True)
         self.classes_ = self._classes(y)
         return self._fit_binary(X, y, self.epochs)
 
     def partial_fit(self, X, y, classes=None):
         """One pass over ``X`` (the first call needs ``classes``, as scikit-learn's SGDClassifier)."""
         first = not hasattr(self, "classes_")
-        X, y = _check_X_y(self, X, y, reset=first)
+        X, y = self._check(X, y, reset=first)
         if first:
             if classes is None:
                 raise ValueError("classes must be passed on the first call to partial_fit")
@@ -262,8 +252,7 @@ class SparseRegressor(RegressorMixin, _SparseModel):
     _loss = "squared"
 
     def fit(self, X, y):
-        for name in ("tables_", "clock_"):
-            self.__dict__.pop(name, None)
+        self._forget()
         X, y = self._check(X, y, reset=True)
         self._train(X, y.astype(np.float32), self.epochs)
         return self
@@ -273,10 +262,6 @@ class SparseRegressor(RegressorMixin, _SparseModel):
         X, y = self._check(X, y, reset=not hasattr(self, "coef_"))
         self._train(X, y.astype(np.float32), 1)
         return self
-
-    def _check(self, X, y, reset: bool):
-        X, y = validate_data(self, X, y, accept_sparse="csr", dtype=np.float64, reset=reset, y_numeric=True)
-        return sp.csr_matrix(X), y
 
     def predict(self, X) -> np.ndarray:
         return self._margins(X)

@@ -163,13 +163,7 @@ class Model:
         self._before_clock()
         keys, grads, aggregate = self._merge_tables(cur.uniq, grads)
         head, rest = self.sparse[0], list(zip(self.sparse[1:], grads[1:]))
-        if early:
-            self._pending += [(tb, tb.push(keys, g, aggregate=aggregate, unique=True))
-                              for tb, g in zip(self.sparse, grads)]
-            self.ctx.clock()
-            if len(upcoming) > 1:
-                self._ahead.append(self._prepare(upcoming[1]))
-        elif upcoming:
+        if upcoming and not early:
             nxt = self._prepare(upcoming[0])
             # the other tables' pushes go before the clock that the first table's push-pull carries,
             # and their pulls after it (so under BSP they see every push of the step)
@@ -183,6 +177,8 @@ class Model:
             self._pending += [(tb, tb.push(keys, g, aggregate=aggregate, unique=True))
                               for tb, g in zip(self.sparse, grads)]
             self.ctx.clock()
+            if early and len(upcoming) > 1:  # overlaps the servers' work on the pushes just sent
+                self._ahead.append(self._prepare(upcoming[1]))
         self._after_clock()
         self._time("push", t)
         return loss
@@ -227,10 +223,14 @@ class Model:
                 p.params = [t.wait(x) for t, x in zip(self.sparse, p.ts)]
                 p.ts = None
 
-    def margins(self, batch) -> np.ndarray:
+    def _pull_all(self, batch) -> tuple:
+        """(pos, the rows of every table) for a batch outside training (pulls in flight together)."""
         uniq, pos = kkeys.unique_keys(batch.indices)
         ts = [t.ipull(uniq) for t in self.sparse]
-        params = [t.wait(x) for t, x in zip(self.sparse, ts)]
+        return pos, [t.wait(x) for t, x in zip(self.sparse, ts)]
+
+    def margins(self, batch) -> np.ndarray:
+        pos, params = self._pull_all(batch)
         out = np.empty(batch.rows, dtype=np.float64)
         if batch.rows:
             self._margins(batch, pos, params, out)
@@ -507,9 +507,7 @@ class Grid(Model):
 
     def member_margins(self, batch) -> np.ndarray:
         """The margins of every member, ``(rows, members)``."""
-        uniq, pos = kkeys.unique_keys(batch.indices)
-        ts = [t.ipull(uniq) for t in self.sparse]
-        params = [t.wait(x) for t, x in zip(self.sparse, ts)]
+        pos, params = self._pull_all(batch)
         out = np.empty((batch.rows, len(self.members)), dtype=np.float64)
         col = np.empty(batch.rows, dtype=np.float64)
         for i, (m, (a, b)) in enumerate(zip(self.members, self.spans)):

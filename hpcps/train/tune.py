@@ -43,7 +43,7 @@ def parse_grid(items: list[str]) -> list[tuple[str, list]]:
             raise config.ConfigError(f"--grid {key}: a grid varies optimizer.* or one of {list(GRID_KEYS)}")
         if any(k == key for k, _ in grid):
             raise config.ConfigError(f"--grid {key} is given twice")
-        grid.append((key, [config.parse_overrides([f"x.v={v.strip()}"])["x"]["v"] for v in values.split(",")]))
+        grid.append((key, [config.parse_value(v.strip()) for v in values.split(",")]))
     if not grid:
         raise config.ConfigError("hpcps tune needs at least one --grid key=value1,value2,...")
     size = math.prod(len(v) for _, v in grid)
@@ -101,12 +101,23 @@ class Tuner(Trainer):
     def build_model(self, bias: float, fields: int):
         return Grid(self.ctx, self.cfgs, bias)
 
+    def evaluate_members(self, ds) -> list[dict]:
+        """Collective over the workers: every member's metrics on ``ds``."""
+        return evaluate_columns(self.ctx, self.model, self.model.member_margins, len(self.cfgs), ds,
+                                self.cfg.train.batch_size, self.cfg.model.loss)
+
+    def evaluate(self, ds) -> dict:
+        """The first member's metrics (the epoch's record); every member's on the test set are
+        kept for :meth:`watch_holdout`."""
+        got = self.evaluate_members(ds)
+        if ds is self.test:
+            self.test_metrics = got
+        return got[0]
+
     def watch_holdout(self, epoch: int, record: dict) -> bool:
         name, n = self.holdout_metric, len(self.cfgs)
-        batch, loss = self.cfg.train.batch_size, self.cfg.model.loss
-        got = evaluate_columns(self.ctx, self.model, self.model.member_margins, n, self.holdout, batch, loss)
-        tests = evaluate_columns(self.ctx, self.model, self.model.member_margins, n, self.test, batch, loss) \
-            if self.test is not None else [{}] * n
+        got = self.evaluate_members(self.holdout)
+        tests = self.test_metrics if self.test is not None else [{}] * n  # from this epoch's record
         for i, (g, t) in enumerate(zip(got, tests)):
             best = self.member_best[i]
             if self.member_stopped[i]:
