@@ -44,7 +44,7 @@ def test_quickstart():
 
 def test_fm_ratings():
     out = run(command_of("fm_ratings.toml"))
-    assert _metric(out, "test rmse") < 0.75
+    assert _metric(out, "test rmse") < 0.56  # 0.545 measured; predicting the mean gives 0.92
 
 
 def test_criteo():
