@@ -58,6 +58,7 @@ class Context:
         self.workers_comm = transport.split(comm, 0 if self.is_worker else -1, self.rank)
         self.servers_comm = transport.split(comm, 0 if self.is_server else -1, self.rank)
         self._check_same("layout", hash((layout.servers, layout.worker_groups, staleness, num_shards)) & 0x7FFFFFFF)
+        self.hosts = transport.host_names(comm, stall_timeout_s)  # each rank's host, in rank order
 
     def _init_state(self) -> None:
         """What a rank keeps apart from its layout and communicators (shared with LocalContext)."""
@@ -305,6 +306,7 @@ class LocalContext(Context):
         self.stall_warn_s, self.stall_timeout_s = stall_warn_s, stall_timeout_s
         self._init_state()
         self.group_comm, self.workers_comm, self.servers_comm = (transport.dup(comm) for _ in range(3))
+        self.hosts: list[str] = []  # no ranks to place
         self.server: LocalServer | None = None
 
     def _local_server(self) -> LocalServer:

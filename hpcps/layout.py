@@ -79,3 +79,44 @@ class Layout:
         sizes = [len(self.group_ranks(g)) for g in range(self.worker_groups)]
         return (f"{self.servers} server(s) (ranks 0-{self.servers - 1}), {self.workers} worker(s) in "
                 f"{self.worker_groups} group(s) of {sizes}")
+
+    def by_host(self, hosts: list[str]) -> dict[str, dict]:
+        """Which ranks, servers, workers and worker groups each host holds (``hosts[rank]`` = the
+        rank's host), hosts in the order of their first rank."""
+        out: dict[str, dict] = {}
+        for rank, host in enumerate(hosts):
+            h = out.setdefault(host, {"ranks": [], "servers": [], "workers": [], "groups": []})
+            h["ranks"].append(rank)
+            if self.is_server(rank):
+                h["servers"].append(rank)
+            else:
+                h["workers"].append(self.worker_index(rank))
+                if self.group_of(rank) not in h["groups"]:
+                    h["groups"].append(self.group_of(rank))
+        return out
+
+    def describe_hosts(self, hosts: list[str]) -> str:
+        """One line: each host and the roles on it, e.g. ``2 hosts: a: server 0; b: workers 0-2
+        (group 0)``."""
+        parts = []
+        for host, h in self.by_host(hosts).items():
+            roles = []
+            if h["servers"]:
+                roles.append(f"server{'s' if len(h['servers']) > 1 else ''} {_spans(h['servers'])}")
+            if h["workers"]:
+                groups = f"group{'s' if len(h['groups']) > 1 else ''} {_spans(h['groups'])}"
+                roles.append(f"worker{'s' if len(h['workers']) > 1 else ''} {_spans(h['workers'])} ({groups})")
+            parts.append(f"{host}: {', '.join(roles)}")
+        return f"{len(parts)} hosts: " + "; ".join(parts)
+
+
+def _spans(values: list[int]) -> str:
+    """``[0, 1, 2, 5]`` → ``"0-2,5"``."""
+    out, start = [], None
+    for i, v in enumerate(values):
+        if start is None:
+            start = v
+        if i + 1 == len(values) or values[i + 1] != v + 1:
+            out.append(str(start) if start == v else f"{start}-{v}")
+            start = None
+    return ",".join(out)

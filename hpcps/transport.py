@@ -402,6 +402,17 @@ def allgather_int(comm: MPI.Comm, value: int, timeout: float | None = None, what
     return out
 
 
+def host_names(comm: MPI.Comm, timeout: float | None = None, what: str = "host names") -> list[str]:
+    """Every rank's host (MPI's processor name), in rank order: where each rank runs."""
+    width = MPI.MAX_PROCESSOR_NAME + 1
+    send = np.zeros(width, dtype=np.uint8)
+    name = MPI.Get_processor_name().encode()[: width - 1]
+    send[: len(name)] = np.frombuffer(name, dtype=np.uint8)
+    out = np.empty((comm.Get_size(), width), dtype=np.uint8)
+    _collective(comm, comm.Iallgather(send, out), what, (send, out), timeout)
+    return [bytes(row).split(b"\0", 1)[0].decode(errors="replace") for row in out]
+
+
 def gatherv(comm: MPI.Comm, array: np.ndarray, counts: np.ndarray, root: int = 0,
             timeout: float | None = None, what: str = "gather") -> np.ndarray | None:
     """Gather variable-length 1-D arrays (``counts`` elements from each rank) on ``root``."""

@@ -57,3 +57,17 @@ def test_layout_splits_workers_into_contiguous_groups():
 def test_a_world_too_small_is_an_error_naming_what_to_do(size, servers, groups, match):
     with pytest.raises(LayoutError, match=match):
         Layout.plan(size, servers, groups)
+
+
+def test_layout_by_host_names_each_hosts_roles_for_the_recommended_slurm_layouts():
+    lay = Layout.plan(6, servers=2, worker_groups=2)
+    # block placement, servers first: servers on one host, workers on the other
+    block = lay.by_host(["a", "a", "b", "b", "b", "b"])
+    assert block == {"a": {"ranks": [0, 1], "servers": [0, 1], "workers": [], "groups": []},
+                     "b": {"ranks": [2, 3, 4, 5], "servers": [], "workers": [0, 1, 2, 3], "groups": [0, 1]}}
+    assert lay.describe_hosts(["a", "a", "b", "b", "b", "b"]) == "2 hosts: a: servers 0-1; b: workers 0-3 (groups 0-1)"
+    # cyclic placement: one server per host
+    cyc = lay.by_host(["a", "b", "a", "b", "a", "b"])
+    assert [h["servers"] for h in cyc.values()] == [[0], [1]]
+    assert lay.describe_hosts(["a", "b", "a", "b", "a", "b"]) == \
+        "2 hosts: a: server 0, workers 0,2 (groups 0-1); b: server 1, workers 1,3 (groups 0-1)"

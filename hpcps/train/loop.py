@@ -381,6 +381,8 @@ class Trainer:
             print(f"hpcps train: {where}; {cfg.model.type} with {cfg.optimizer.name}, staleness "
                   f"{cfg.cluster.staleness}; {self.train.rows_bound} rows on this worker, {steps} steps/epoch",
                   flush=True)
+            if len(set(ctx.hosts)) > 1:
+                print(f"hpcps train: {ctx.layout.describe_hosts(ctx.hosts)}", flush=True)
         self.start_epoch, self.start_step, self.global_step = 1, 1, 0
         if self.restore is not None:
             path, manifest = self.restore
@@ -616,6 +618,8 @@ class Trainer:
                    "max_wait_s": wait, "max_staleness": ctx.stats["max_staleness"], "bad_lines_skipped": skipped,
                    "peak_rss_mb_worker": worker_rss, "peak_rss_mb_server": server_rss, **key_counts,
                    "bytes_sent": int(traffic[0]), "bytes_received": int(traffic[1])}
+        if ctx.hosts:
+            summary["hosts"] = ctx.layout.by_host(ctx.hosts)
         if self.holdout is not None:
             summary["best_epoch"] = self.best["epoch"]
             summary["epochs_trained"] = self.stopped_at or tr.epochs
