@@ -65,7 +65,8 @@ def run(sizes=SIZES, reps: int = 5, dim: int = 1, optimizer: str = "ftrl", key_b
     for n in sizes:
         nbytes = protocol.request_bytes(n, 0, dim)
         if rank in (server, worker):
-            raw[n] = nbytes / (float(np.median(bench_mpi.pingpong(world, nbytes, reps, worker if rank == server else server))) / 2)
+            peer = worker if rank == server else server
+            raw[n] = nbytes / (float(np.median(bench_mpi.blocking_pingpong(world, nbytes, reps, peer))) / 2)
         transport.barrier(world, 60)
     waiting = _waiting_cost(world, rank, server, worker)
     transport.free(world)
@@ -118,7 +119,7 @@ def format_rows(rows: list[dict], optimizer: str) -> str:
         w = w[0]
         out.append(f"(optimizer {optimizer}; push+apply = push round trip with the update applied on the server; "
                    f"roofline = one core's random accesses/s, {rows[0]['roofline_keys_per_s'] / 1e6:.0f} M/s here; "
-                   f"ratio = bytes/s against raw MPI ping-pong at the same size)")
+                   f"ratio = bytes/s against a raw MPI ping-pong (blocking calls) at the same size)")
         out.append(f"waiting 1 s for a message, worker CPU: blocking MPI Recv {w['blocking Recv']:.0%}, "
                    f"hpcps wait {w['hpcps wait']:.0%}")
         out.append(f"8-byte round trip: blocking {w['rtt_blocking_us']:.1f} us, hpcps wait {w['rtt_wait_us']:.1f} us")

@@ -25,6 +25,17 @@ def test_kernel_profiler_reports_speedups_and_rooflines():
         assert r["time_s"] > 0 and (r["speedup"] is None or r["speedup"] > 0)
 
 
+def test_mpi_benchmark_reports_blocking_and_sleeping_waits_side_by_side():
+    proc = subprocess.run([*mpiexec(), "-n", "2", sys.executable, "-m", "hpcps.cli", "bench", "mpi", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["bytes"] for r in rows] == [8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 23, 1 << 26]
+    for r in rows:
+        assert r["one_way_s"] > 0 and r["wait_one_way_s"] > 0
+        assert abs(r["gb_per_s"] - r["bytes"] / r["one_way_s"] / 1e9) < 1e-9
+
+
 def test_ps_benchmark_reports_throughput_beside_raw_mpi():
     proc = subprocess.run([*mpiexec(), "-n", "2", sys.executable, "-m", "hpcps.cli", "bench", "ps", "--sizes",
                            "1000,20000", "--repeat", "2", "--json", "--key-bits", "24"],
