@@ -76,10 +76,44 @@ def adagrad(rows, slots, grads, lr, eps, l2):
             r[d] = w - lr * g / (math.sqrt(a) + eps)
 
 
+FTRL_TWO_PASS_DIM = 12  # from this width up the two-pass loop (below) is faster: 69 vs 58 M/s at 12
+
+
+@njit(cache=True)
+def _ftrl_two_pass(rows, slots, grads, inv_alpha, beta, l1, l2):
+    """FTRL on wide rows in two passes per row: z, n and sqrt(n) into float64 scratch, then the
+    three stores. One pass reads and writes the row's three parts at once, which LLVM cannot prove
+    apart and does not vectorise; split, the loops vectorise: 2x at dim 64 (244 against 125 M
+    coordinates/s here), the same bits."""
+    dim = grads.shape[1]
+    zt = np.empty(dim)
+    nt = np.empty(dim)
+    st = np.empty(dim)
+    for i in range(slots.shape[0]):
+        r = rows[slots[i]]
+        for d in range(dim):
+            g = np.float64(grads[i, d])
+            n_old = np.float64(r[2 * dim + d])
+            n_new = n_old + g * g
+            sqrt_new = math.sqrt(n_new)
+            zt[d] = np.float64(r[dim + d]) + g - (sqrt_new - math.sqrt(n_old)) * inv_alpha * np.float64(r[d])
+            nt[d] = n_new
+            st[d] = sqrt_new
+        for d in range(dim):
+            z = zt[d]
+            r[dim + d] = z
+            r[2 * dim + d] = nt[d]
+            shrink = max(abs(z) - l1, 0.0)
+            r[d] = -math.copysign(shrink, z) / ((beta + st[d]) * inv_alpha + l2) + 0.0
+
+
 @njit(cache=True)
 def ftrl(rows, slots, grads, alpha, beta, l1, l2):
     dim = grads.shape[1]
     inv_alpha = 1.0 / alpha
+    if dim >= FTRL_TWO_PASS_DIM:
+        _ftrl_two_pass(rows, slots, grads, inv_alpha, beta, l1, l2)
+        return
     for i in range(slots.shape[0]):
         s = slots[i]
         for d in range(dim):

@@ -252,6 +252,18 @@ def bench_optim(rows, repeat, roof):
         tr = median_time(rfn, repeat)
         out.append(_row(f"{name}/10M rows", slots.size, "keys", t, tr, "vectorised NumPy, separate arrays",
                         slots.size / t / 1e6 / roof["random_access_m_s"]))
+    # FTRL on wide rows (an embedding or FM table): the two-pass loop, per coordinate
+    dim, n_wide = 64, 1 << 17
+    rule = optim.get("ftrl")
+    params = {**rule.params, "alpha": 0.1, "beta": 1.0, "l1": 1.0, "l2": 1.0}
+    sw = np.unique(rng.integers(0, n_wide, min(rows * 8, 100_000)))
+    gw = rng.normal(size=(sw.size, dim)).astype(np.float32)
+    table = np.zeros((n_wide, rule.width(dim)), dtype=np.float32)
+    table[:, dim:] = rule.new_state(dim, params)
+    ww, zw, nw = (np.zeros((n_wide, dim), dtype=np.float32) for _ in range(3))
+    t = median_time(lambda: rule.apply(table, sw, gw, params), repeat)
+    tr = median_time(lambda: ref.ftrl_vectorized(ww, zw, nw, sw, gw, 0.1, 1.0, 1.0, 1.0), repeat)
+    out.append(_row(f"ftrl dim {dim}/{n_wide} rows", sw.size * dim, "coords", t, tr, "vectorised NumPy, separate arrays"))
     return out
 
 
