@@ -53,6 +53,7 @@ def test_grid_ranks_its_members_and_the_best_trains_again_identically(tune_data,
 
 @pytest.mark.parametrize("grid, extra, message", [
     (["optimizer.alpha=0.1,-1"], [], "grid point alpha=-1: optimizer.alpha"),
+    (["model.type=lr,deepfm"], [], "a grid's models are all lr/fm or all wdl/deepfm"),
     (["data.hash_bits=10,12"], [], "--grid data.hash_bits: a grid varies optimizer.*"),
     (["optimizer.alpha=" + ",".join(str(0.01 * i) for i in range(1, 10)),
       "optimizer.l2=" + ",".join(map(str, range(8)))], [], "the grid has 72 points"),
@@ -67,6 +68,25 @@ def test_bad_grids_are_one_clear_line(tune_data, grid, extra, message):
     assert rc == 2, out
     errors = [line for line in out.splitlines() if "error:" in line]
     assert len(errors) == 1 and message in errors[0], out
+
+
+def test_deep_members_train_as_they_would_alone(tmp_path):
+    """DeepFM members, each with its own MLP allreduced in the group (1 server + 2 workers in one
+    group): every member's test logloss is that of the same model trained alone, to the bit."""
+    d = synth.deep(str(tmp_path / "d"), 20_000, 2_000, seed=3)
+    common = sets(data__train=d["train"], data__test=d["test"], data__hash_bits=16, cluster__worker_groups=1,
+                  model__type="deepfm", model__fields=8, model__factors=4, model__hidden=[16],
+                  train__progress=False, train__epochs=2, train__early_stop=0)
+    _, out, _ = hpcps_job(3, ["tune", *common, "--grid", "model.dense_lr=0.001,0.01",
+                              "--summary-json", str(tmp_path / "tune.json")])
+    ranking = json.loads((tmp_path / "tune.json").read_text())["ranking"]
+    assert "2 models in one pass" in out and len(ranking) == 2
+    assert abs(ranking[0]["test_logloss"] - ranking[1]["test_logloss"]) > 1e-4  # the MLPs differ
+    for r in ranking:
+        alone = tmp_path / f"alone-{r['member']}.json"
+        hpcps_job(3, ["train", *common, *sets(model__dense_lr=r["model.dense_lr"], train__holdout=10,
+                                              train__epochs=r["best_epoch"]), "--summary-json", str(alone)])
+        assert json.loads(alone.read_text())["test_logloss"] == r["test_logloss"]
 
 
 def test_toml_written_reads_back(tmp_path):

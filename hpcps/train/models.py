@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hpcps import transport
+from hpcps.config import DEEP
 from hpcps.train.data import BIAS_KEY
 from hpcps_kernels import deep as kdeep
 from hpcps_kernels import keys as kkeys
@@ -385,15 +386,15 @@ class DeepModel(Model):
     compute_empty = True  # an empty batch still joins its group's allreduce
     times_compute = True  # embed and mlp, timed inside the net
 
-    def __init__(self, ctx, cfg, bias: float = 0.0, fields: int = 1):
+    def __init__(self, ctx, cfg, bias: float = 0.0, fields: int = 1, suffix: str = ""):
         m = cfg.model
         self.net = DeepNet(m.type, m.factors, fields, cfg.data.hash_bits, m.hidden, m.activation, LOSSES[m.loss])
         self.fields = fields
         self.key_bits = min(64, cfg.data.hash_bits + max(1, (fields - 1).bit_length()))
-        super().__init__(ctx, cfg, bias)
+        super().__init__(ctx, cfg, bias, suffix)
         self.net.stages = self.stages  # the embed and mlp stages are timed inside the net
         init = kdeep.mlp_init(fields * m.factors, m.hidden, m.activation, m.seed)
-        self.dense = ctx.dense_table("mlp", self.net.size, optimizer=m.dense_optimizer, params={"lr": m.dense_lr},
+        self.dense = ctx.dense_table("mlp" + suffix, self.net.size, optimizer=m.dense_optimizer, params={"lr": m.dense_lr},
                                      initial=init)
         self.mlp = init
         self.sync_every = m.dense_sync_steps
@@ -408,9 +409,10 @@ class DeepModel(Model):
         m, o = cfg.model, cfg.optimizer
         common = dict(optimizer=o.name, params=o.params, seed=m.seed, key_bits=self.key_bits, features=cfg.features)
         if m.type == "wdl":
-            return [ctx.sparse_table("wide", dim=1, init="zeros", init_keys=self._bias_key(1), **common),
-                    ctx.sparse_table("emb", dim=m.factors, init="normal", init_scale=m.init_scale, **common)]
-        return [ctx.sparse_table("fm", dim=1 + m.factors, init="normal", init_scale=m.init_scale,
+            return [ctx.sparse_table("wide" + self.suffix, dim=1, init="zeros", init_keys=self._bias_key(1), **common),
+                    ctx.sparse_table("emb" + self.suffix, dim=m.factors, init="normal", init_scale=m.init_scale,
+                                     **common)]
+        return [ctx.sparse_table("fm" + self.suffix, dim=1 + m.factors, init="normal", init_scale=m.init_scale,
                                  init_keys=self._bias_key(1 + m.factors), **common)]
 
     def _take_dense(self) -> None:
@@ -465,30 +467,65 @@ class DeepModel(Model):
 def make_model(ctx, cfg, bias: float = 0.0, fields: int = 1, suffix: str = "") -> Model:
     """The configured model; ``bias``: the bias weight's initial value; ``fields``: fields per row
     (deep models, see :func:`resolve_fields`); ``suffix``: added to its tables' names."""
-    if cfg.model.type in ("wdl", "deepfm"):
-        return DeepModel(ctx, cfg, bias, fields)
+    if cfg.model.type in DEEP:
+        return DeepModel(ctx, cfg, bias, fields, suffix)
     return {"lr": LinearModel, "fm": FactorizationMachine}[cfg.model.type](ctx, cfg, bias, suffix)
 
 
 class Grid(Model):
-    """Several LR/FM models trained at once on the same batches (``hpcps tune``): member ``i`` is
-    the model of ``cfgs[i]`` (its own optimizer and hyper-parameters) with its own tables, named
-    with ``@i``, on the same servers. A step pulls the rows of every member's tables for the
+    """Several models trained at once on the same batches (``hpcps tune``): member ``i`` is the
+    model of ``cfgs[i]`` (its own optimizer and hyper-parameters) with its own tables, named with
+    ``@i``, on the same servers. A step pulls the rows of every member's sparse tables for the
     batch's keys in one go, runs each member's kernels and pushes every gradient together, so each
     member trains exactly as it would alone, for one pass over the data. The step's loss is the
-    members' mean; :attr:`member_loss` sums each member's."""
+    members' mean; :attr:`member_loss` sums each member's.
 
-    def __init__(self, ctx, cfgs: list, bias: float = 0.0):
+    Members are all LR/FM or all deep (W&D, DeepFM: the same fields per row). A deep member keeps
+    its own MLP (``mlp@i``): its gradient allreduced in the group and pushed, its pulls when due,
+    through the member's own hooks, called in turn."""
+
+    def __init__(self, ctx, cfgs: list, bias: float = 0.0, fields: int = 1):
+        deep = [c.model.type in DEEP for c in cfgs]
+        if any(deep) and not all(deep):
+            raise ValueError("a grid's models are all lr/fm or all wdl/deepfm (a deep model reads its fields)")
         for c in cfgs:
-            if c.model.type not in ("lr", "fm") or c.model.compute != "workers":
-                raise ValueError(f"a grid's models are lr or fm computed on the workers (got {c.model.type}, "
-                                 f"model.compute = {c.model.compute!r})")
+            if c.model.compute != "workers":
+                raise ValueError(f"a grid's models compute on the workers (got model.compute = {c.model.compute!r})")
         self.cfgs = list(cfgs)
+        self.fields = fields
         super().__init__(ctx, cfgs[0], bias)
         self.member_loss = np.zeros(len(cfgs))
+        self.deep = [m for m in self.members if isinstance(m, DeepModel)]
+        if self.deep:
+            self.compute_empty = self.times_compute = True  # each member's group collectives and stages
+            for m in self.deep:
+                m.stages = m.net.stages = self.stages
+
+    @property
+    def all_tables(self) -> list:
+        return [t for m in self.members for t in m.all_tables]
+
+    def _before_step(self) -> None:
+        for m in self.deep:
+            m._before_step()
+
+    def _before_clock(self) -> None:
+        for m in self.deep:  # each MLP's allreduce finished and its sum pushed, in member order
+            m._before_clock()
+            self._pending += m._pending
+            m._pending = []
+
+    def _after_clock(self) -> None:
+        for m in self.deep:
+            m._after_clock()
+
+    def finish(self) -> None:
+        super().finish()
+        for m in self.deep:
+            m.finish()
 
     def _declare(self, ctx, cfg):
-        self.members = [make_model(ctx, c, self.bias, suffix=f"@{i}") for i, c in enumerate(self.cfgs)]
+        self.members = [make_model(ctx, c, self.bias, self.fields, suffix=f"@{i}") for i, c in enumerate(self.cfgs)]
         self.spans, tables = [], []
         for m in self.members:
             self.spans.append((len(tables), len(tables) + len(m.sparse)))

@@ -25,7 +25,7 @@ from hpcps.train.models import Grid
 from hpcps.train.progress import summary_table
 
 # the keys a grid may vary: the optimizer's (any of them) and these
-GRID_KEYS = ("model.type", "model.factors", "model.init_scale")
+GRID_KEYS = ("model.type", "model.factors", "model.init_scale", "model.dense_lr")
 MAX_MEMBERS = 64
 TUNE_DEFAULTS = {"holdout": 10, "early_stop": 2, "epochs": 10}
 
@@ -73,11 +73,14 @@ def member_raws(raw: dict, grid: list[tuple[str, list]]) -> list[tuple[dict, dic
             section, name = key.split(".", 1)
             r.setdefault(section, {})[name] = value
         try:
-            config.from_dict(r)
+            cfg = config.from_dict(r)
         except config.ConfigError as e:
             raise config.ConfigError(f"grid point {_describe(point)}: {e}") from None
-        out.append((point, r))
-    return out
+        out.append((point, r, cfg.model.type in config.DEEP))
+    if len({deep for _, _, deep in out}) > 1:
+        raise config.ConfigError("--grid model.type: a grid's models are all lr/fm or all wdl/deepfm "
+                                 "(a deep model reads each row's fields)")
+    return [(point, r) for point, r, _ in out]
 
 
 def _describe(point: dict) -> str:
@@ -99,7 +102,7 @@ class Tuner(Trainer):
         self.member_stopped = [0] * n
 
     def build_model(self, bias: float, fields: int):
-        return Grid(self.ctx, self.cfgs, bias)
+        return Grid(self.ctx, self.cfgs, bias, fields)
 
     def evaluate_members(self, ds) -> list[dict]:
         """Collective over the workers: every member's metrics on ``ds``."""
