@@ -80,7 +80,7 @@ class Model:
     activation: str = "relu"         # wdl, deepfm: relu | tanh
     fields: int = 0                  # wdl, deepfm: fields per row; 0 = the format's (Criteo 39, libsvm/vw 1)
     dense_optimizer: str = "adam"    # wdl, deepfm: the MLP's optimizer (on the servers' dense table)
-    dense_lr: float = 0.001          # wdl, deepfm: its learning rate
+    dense_lr: float = 0.0            # wdl, deepfm: its learning rate; 0 = 0.001 per 1000 rows a step (models.dense_lr_for)
     dense_sync_steps: int = 1        # wdl, deepfm: worker groups pull the MLP every k steps
 
 
@@ -275,7 +275,7 @@ RANGES = {
     ("model", "init_scale"): (0, INF, False),
     ("model", "seed"): (0, INF, False),
     ("model", "fields"): (0, 65536, False),
-    ("model", "dense_lr"): (0, INF, True),
+    ("model", "dense_lr"): (0, INF, False),
     ("model", "dense_sync_steps"): (1, INF, False),
     ("train", "epochs"): (1, INF, False),
     ("train", "batch_size"): (1, INF, False),

@@ -145,3 +145,25 @@ def test_libffm_without_model_fields_and_a_field_beyond_them_are_clear_errors(tm
     rc, out, _ = hpcps_job(2, ["train", *sets(data__train=str(data), model__type="wdl", data__hash_bits=16,
                                               model__fields=2, train__progress=False)], check=False)
     assert rc != 0 and "a feature of field 2 in a model of 2 fields" in out, out[-2000:]
+
+
+def test_the_default_dense_lr_grows_with_the_rows_in_each_mlp_step():
+    """0.001 per 1000 rows a step for Adam and AdaGrad (batch x workers per group), 0.001 for SGD,
+    and an explicit model.dense_lr as given."""
+    from hpcps.config import from_dict
+    from hpcps.layout import Layout
+    from hpcps.train.models import dense_lr_for
+
+    def lr(layout, **model):
+        batch = model.pop("batch", 1000)
+        return dense_lr_for(from_dict({"model": {"type": "deepfm", **model}, "train": {"batch_size": batch}}),
+                            layout)
+
+    one, group_of_3, groups_of_1 = Layout.plan(2, 1), Layout.plan(4, 1, 1), Layout.plan(4, 2)
+    assert lr(one) == pytest.approx(0.001)
+    assert lr(group_of_3) == pytest.approx(0.003)      # the DeepFM example
+    assert lr(groups_of_1) == pytest.approx(0.001)     # the Criteo example: 2 groups of 1
+    assert lr(Layout.plan(3, 1, 1), batch=250) == pytest.approx(lr(one, batch=500)) == pytest.approx(0.0005)
+    assert lr(Layout.plan(5, 1, 2), dense_optimizer="adagrad") == pytest.approx(0.002)
+    assert lr(group_of_3, dense_optimizer="sgd") == 0.001
+    assert lr(group_of_3, dense_lr=0.02) == 0.02

@@ -381,6 +381,9 @@ class Trainer:
             print(f"hpcps train: {where}; {cfg.model.type} with {cfg.optimizer.name}, staleness "
                   f"{cfg.cluster.staleness}; {self.train.rows_bound} rows on this worker, {steps} steps/epoch",
                   flush=True)
+            if getattr(self.model, "dense_lr", None) is not None:
+                print(f"hpcps train: the MLP: {cfg.model.dense_optimizer}, lr {self.model.dense_lr:g}"
+                      f"{'' if cfg.model.dense_lr else ' (auto: 0.001 per 1000 rows a step)'}", flush=True)
             if len(set(ctx.hosts)) > 1:
                 print(f"hpcps train: {ctx.layout.describe_hosts(ctx.hosts)}", flush=True)
         self.start_epoch, self.start_step, self.global_step = 1, 1, 0

@@ -369,6 +369,27 @@ class DeepNet:
         return loss
 
 
+DENSE_LR = 0.001  # the MLP's learning rate for 1000 rows a step (Adam's usual default)
+
+
+def dense_lr_for(cfg, layout) -> float:
+    """``model.dense_lr``, or when it is 0 (the default): for Adam and AdaGrad, 0.001 per 1000 rows
+    in each of the MLP's steps (``train.batch_size`` x the workers per group); for SGD, 0.001.
+
+    The servers' MLP takes one step per group push, and a group of g workers pushes the sum of g
+    batches' gradients. Adam and AdaGrad ignore a gradient's scale, so a group of g, like a g times
+    larger batch, would move the MLP g times less per epoch: the rate grows with the rows a step
+    (the linear scaling rule). A group of 2 with batches of 250 thus trains as one worker with
+    batches of 500, as it does with a fixed rate. SGD's step already grows with the summed gradient.
+    """
+    m = cfg.model
+    if m.dense_lr > 0:
+        return m.dense_lr
+    if m.dense_optimizer == "sgd":
+        return DENSE_LR
+    return DENSE_LR * cfg.train.batch_size * layout.workers / layout.worker_groups / 1000
+
+
 class DeepModel(Model):
     """Wide & Deep (``wdl``) and DeepFM (``deepfm``) on the parameter server (KunPeng style).
 
@@ -394,7 +415,8 @@ class DeepModel(Model):
         super().__init__(ctx, cfg, bias, suffix)
         self.net.stages = self.stages  # the embed and mlp stages are timed inside the net
         init = kdeep.mlp_init(fields * m.factors, m.hidden, m.activation, m.seed)
-        self.dense = ctx.dense_table("mlp" + suffix, self.net.size, optimizer=m.dense_optimizer, params={"lr": m.dense_lr},
+        self.dense_lr = dense_lr_for(cfg, ctx.layout)
+        self.dense = ctx.dense_table("mlp" + suffix, self.net.size, optimizer=m.dense_optimizer, params={"lr": self.dense_lr},
                                      initial=init)
         self.mlp = init
         self.sync_every = m.dense_sync_steps
