@@ -1,0 +1,137 @@
+"""How far hpcps's defaults land from a tuned model, on every data set the tests and examples use.
+
+    .venv/bin/python docs/defaults-sweep.py [--only NAME ...] [--ranks 3] [--out docs/defaults-sweep.json]
+
+For each data set (generated as the tests generate it, into a temporary folder):
+
+1. **defaults**: ``hpcps train`` with nothing set but the files (and the model the tests use there);
+   and again with early stopping (``train.holdout = 10``, ``train.early_stop = 2``, up to
+   ``--epochs``), the two keys a user adds to let the holdout pick the number of epochs;
+2. **grid**: ``hpcps tune`` over the set's grid (every point trained at once, early stopping on every
+   10th row, up to ``--epochs``): the best test loss in the grid and that of tune's pick;
+3. **tuned**: tune's ``best.toml`` trained again on every row (its ``[train] holdout`` removed).
+
+It prints one markdown row per set: the defaults' gaps to the better of the grid's best and the
+tuned model (the issue's goal: at most 0.002 logloss), and tune's pick against the grid's best
+(at most 0.001). Regression sets report RMSE. Runs every job under ``mpiexec -n --ranks``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+from hpcps.train import synth  # noqa: E402
+
+LR_GRID = ["optimizer.alpha=0.03,0.05,0.1,0.2,0.3,0.5", "optimizer.l2=0,1,10"]
+# name, who uses it, how to make it, the model the tests train on it, the grid
+SETS = [
+    ("s3k-f6", "test_train (small_data)", ("synth", 3000, 300, dict(fields=6, seed=4)), [], LR_GRID),
+    ("s3k-f10", "test_data", ("synth", 3000, 500, dict(fields=10, seed=3)), [], LR_GRID),
+    ("s4k-f8", "test_train", ("synth", 4000, 1001, dict(fields=8, seed=2)), [], LR_GRID),
+    ("s6k-f10", "test_train", ("synth", 6000, 500, dict(fields=10, seed=9)), [], LR_GRID),
+    ("s6k-f8", "test_reliability", ("synth", 6000, 2000, dict(fields=8, seed=3)), [], LR_GRID),
+    ("s20k-f10", "test_one_process", ("synth", 20_000, 2000, dict(fields=10, seed=4)), [], LR_GRID),
+    ("s30k-f10", "test_chaos", ("synth", 30_000, 3000, dict(fields=10, seed=11)), [], LR_GRID),
+    ("s30k-f39", "test_one_process (criteo)", ("synth", 30_000, 3000, dict(fields=39, seed=6)), [], LR_GRID),
+    ("s60k-f10", "test_checkpoint, Slurm tests", ("synth", 60_000, 5000, dict(fields=10, seed=8)), [], LR_GRID),
+    ("fm6k", "test_estimator (FM)", ("synth", 6000, 3000, dict(fields=10, interactions=True, seed=3, hash_bits=14)),
+     ['model.type="fm"'], LR_GRID),
+    ("fm30k", "test_tune (FM)", ("synth", 30_000, 5000, dict(fields=10, interactions=True, seed=4, hash_bits=16)),
+     ['model.type="fm"'], LR_GRID),
+    ("deep200k", "test_deep, examples/deepfm.toml (DeepFM)", ("deep", 200_000, 20_000, dict(seed=5)),
+     ['model.type="deepfm"', "model.fields=8", "data.hash_bits=16"],
+     ["model.dense_lr=0.001,0.002,0.004,0.008", "optimizer.alpha=0.05,0.1,0.2"]),
+    ("ratings60k", "test_one_process, examples/fm_ratings.toml (FM, squared loss)", ("ratings", 60_000, 6000, {}),
+     ['model.type="fm"', 'model.loss="squared"'],
+     ["optimizer.alpha=0.1,0.3,1,3", "optimizer.l2=0,0.1,1"]),
+]
+
+
+def make(kind, rows, test_rows, kw, out):
+    if kind == "synth":
+        f = synth.generate(out, rows, test_rows, formats=("libsvm",), **kw).files
+        return f["train_libsvm"], f["test_libsvm"]
+    if kind == "deep":
+        d = synth.deep(out, rows, test_rows, **kw)
+        return d["train"], d["test"]
+    d = synth.ratings(out, rows, test_rows, **kw)
+    return d["train"], d["test"]
+
+
+def job(ranks: int, args: list[str], what: str) -> str:
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")  # the venv's (the mpich wheel)
+    exe = os.environ.get("HPCPS_MPIEXEC") or (beside if os.path.exists(beside) else "mpiexec")
+    cmd = [exe, "-n", str(ranks), os.path.join(os.path.dirname(sys.executable), "hpcps"), *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if p.returncode != 0:
+        sys.exit(f"defaults-sweep: {what} failed ({p.returncode}):\n{p.stdout[-3000:]}{p.stderr[-3000:]}")
+    return p.stdout
+
+
+def sets_args(items: list[str]) -> list[str]:
+    return [a for item in items for a in ("--set", item)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="*", default=[], help="run these sets only (names from the table)")
+    ap.add_argument("--ranks", type=int, default=3)
+    ap.add_argument("--epochs", type=int, default=20, help="tune's epoch limit (early stopping ends sooner)")
+    ap.add_argument("--out", default=os.path.join(HERE, "defaults-sweep.json"))
+    a = ap.parse_args()
+    chosen = [s for s in SETS if not a.only or s[0] in a.only]
+    results = json.load(open(a.out)) if a.only and os.path.exists(a.out) else {}
+    print("| data set (used by) | metric | defaults | with early stopping (epoch) | grid's best on test "
+          "| tuned (best.toml, every row) | defaults − best | early stopping − best | pick − grid's best | time |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory(prefix="hpcps-sweep-") as tmp:
+        for name, used_by, (kind, rows, test_rows, kw), model, grid in chosen:
+            t0 = time.time()
+            d = os.path.join(tmp, name)
+            train, test = make(kind, rows, test_rows, kw, d)
+            common = [f'data.train="{train}"', f'data.test="{test}"', "train.progress=false", *model]
+            metric = "test_rmse" if kind == "ratings" else "test_logloss"
+            job(a.ranks, ["train", *sets_args(common), "--summary-json", f"{d}/defaults.json"], f"{name}: defaults")
+            defaults = json.load(open(f"{d}/defaults.json"))[metric]
+            job(a.ranks, ["train", *sets_args([*common, "train.holdout=10", "train.early_stop=2",
+                                               f"train.epochs={a.epochs}"]),
+                          "--summary-json", f"{d}/early.json"], f"{name}: defaults with early stopping")
+            early = json.load(open(f"{d}/early.json"))
+            job(a.ranks, ["tune", *sets_args([*common, f"train.epochs={a.epochs}"]),
+                          *[g for item in grid for g in ("--grid", item)],
+                          "--out", f"{d}/best.toml", "--summary-json", f"{d}/tune.json"], f"{name}: tune")
+            ranking = json.load(open(f"{d}/tune.json"))["ranking"]
+            grid_best = min(r[metric] for r in ranking)
+            pick = ranking[0]
+            best_toml = re.sub(r"(?m)^(holdout|early_stop) = .*\n", "", open(f"{d}/best.toml").read())
+            open(f"{d}/tuned.toml", "w").write(best_toml)
+            job(a.ranks, ["train", f"{d}/tuned.toml", "--summary-json", f"{d}/tuned.json"], f"{name}: tuned")
+            tuned = json.load(open(f"{d}/tuned.json"))[metric]
+            point = {k: v for k, v in pick.items() if "." in k}
+            best = min(grid_best, tuned)
+            results[name] = dict(used_by=used_by, metric=metric, defaults=defaults, early=early[metric],
+                                 early_epoch=early.get("best_epoch"), early_gap=early[metric] - best,
+                                 ranking=ranking, grid_best=grid_best,
+                                 pick=pick[metric], pick_point=point, pick_epochs=pick["best_epoch"], tuned=tuned,
+                                 gap=defaults - best, pick_gap=pick[metric] - grid_best, time_s=time.time() - t0)
+            r = results[name]
+            desc = ", ".join(f"{k.split('.')[-1]} {v:g}" for k, v in point.items())
+            print(f"| {name} ({used_by}) | {metric.split('_')[1]} | {defaults:.4f} | {r['early']:.4f} ({r['early_epoch']}) | "
+                  f"{grid_best:.4f} | {tuned:.4f} ({desc}, {r['pick_epochs']} epochs) | {r['gap']:+.4f} | "
+                  f"{r['early_gap']:+.4f} | {r['pick_gap']:+.4f} | "
+                  f"{r['time_s']:.0f} s |", flush=True)
+    with open(a.out, "w") as f:
+        json.dump(results, f, indent=1, sort_keys=True)
+
+
+if __name__ == "__main__":
+    main()
