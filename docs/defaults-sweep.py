@@ -29,6 +29,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+from hpcps.bench_vw import _mpiexec  # noqa: E402  (HPCPS_MPIEXEC, else the venv's, as the benchmarks)
 from hpcps.train import synth  # noqa: E402
 
 LR_GRID = ["optimizer.alpha=0.03,0.05,0.1,0.2,0.3,0.5", "optimizer.l2=0,1,10"]
@@ -68,9 +69,7 @@ def make(kind, rows, test_rows, kw, out):
 
 
 def job(ranks: int, args: list[str], what: str) -> str:
-    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")  # the venv's (the mpich wheel)
-    exe = os.environ.get("HPCPS_MPIEXEC") or (beside if os.path.exists(beside) else "mpiexec")
-    cmd = [exe, "-n", str(ranks), os.path.join(os.path.dirname(sys.executable), "hpcps"), *args]
+    cmd = [_mpiexec(), "-n", str(ranks), sys.executable, "-m", "hpcps.cli", *args]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if p.returncode != 0:
         sys.exit(f"defaults-sweep: {what} failed ({p.returncode}):\n{p.stdout[-3000:]}{p.stderr[-3000:]}")
@@ -91,7 +90,7 @@ def main() -> None:
     chosen = [s for s in SETS if not a.only or s[0] in a.only]
     results = json.load(open(a.out)) if a.only and os.path.exists(a.out) else {}
     print("| data set (used by) | metric | defaults | with early stopping (epoch) | grid's best on test "
-          "| tuned (best.toml, every row) | defaults − best | early stopping − best | pick − grid's best | time |")
+          "| tuned (best.toml, every row) | defaults − best | early stopping − best | pick − grid's best | time (its 4 jobs, whole) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="hpcps-sweep-") as tmp:
         for name, used_by, (kind, rows, test_rows, kw), model, grid in chosen:

@@ -369,7 +369,7 @@ class DeepNet:
         return loss
 
 
-DENSE_LR = 0.001  # the MLP's learning rate for 1000 rows a step (Adam's usual default)
+DENSE_LR, DENSE_LR_ROWS = 0.001, 1000  # the MLP's default rate for 1000 rows a step (Adam's usual default)
 
 
 def dense_lr_for(cfg, layout) -> float:
@@ -387,7 +387,7 @@ def dense_lr_for(cfg, layout) -> float:
         return m.dense_lr
     if m.dense_optimizer == "sgd":
         return DENSE_LR
-    return DENSE_LR * cfg.train.batch_size * layout.workers / layout.worker_groups / 1000
+    return DENSE_LR * cfg.train.batch_size * layout.workers / layout.worker_groups / DENSE_LR_ROWS
 
 
 class DeepModel(Model):
