@@ -12,7 +12,10 @@ import math
 import numpy as np
 from numba import njit
 
+from ._prefetch import prefetch
 from .hashing import mix64
+
+AHEAD = 16  # prefetch distance of pull_rows, in keys
 
 ZEROS, UNIFORM, NORMAL = 0, 1, 2
 KINDS = {"zeros": ZEROS, "uniform": UNIFORM, "normal": NORMAL}
@@ -48,7 +51,13 @@ def pull_rows(rows, slots, keys, dim, kind, scale, seed, out):
     """``out[i] = rows[slots[i], :dim]``, or the initializer of ``keys[i]`` where ``slots[i] < 0``
     (a key never pushed: pulls do not create rows)."""
     one = np.empty((1, dim), dtype=np.float32)
-    for i in range(slots.shape[0]):
+    flat, width, n = rows.reshape(-1), rows.shape[1], slots.shape[0]
+    for i in range(min(AHEAD, n)):
+        if slots[i] >= 0:
+            prefetch(flat, slots[i] * width)
+    for i in range(n):
+        if i + AHEAD < n and slots[i + AHEAD] >= 0:
+            prefetch(flat, slots[i + AHEAD] * width)
         s = slots[i]
         if s >= 0:
             for d in range(dim):

@@ -16,7 +16,8 @@ returns). Layouts:
   correction needs (a multiply per update instead of two ``exp``, which cost 3x here).
 
 Every rule takes ``slots`` (int64) and ``grads`` (float32, ``(n, dim)``); ``grads[i]`` updates
-``rows[slots[i]]``. A slot listed twice is updated twice, in order (merge duplicates first with
+``rows[slots[i]]``; each rule prefetches the row of the key ``AHEAD`` keys on, since slots land
+anywhere in a table far larger than the cache (2.5-2.9x faster on random slots here). A slot listed twice is updated twice, in order (merge duplicates first with
 :func:`hpcps_kernels.keys.segment_reduce`). Arithmetic is float64, stored as float32.
 
 **The registry.** Everything about an optimizer is one :class:`Optimizer` in :data:`REGISTRY`: its
@@ -38,6 +39,11 @@ from typing import Callable
 import numpy as np
 from numba import njit
 
+from ._prefetch import prefetch
+
+AHEAD = 16  # prefetch distance, in keys: a row's first cache line is fetched this many keys early
+
+
 def width(name: str, dim: int) -> int:
     """Row length of a table of value dimension ``dim`` under optimizer ``name``."""
     return get(name).width(dim)
@@ -56,7 +62,10 @@ def state_init(name: str, dim: int, adagrad_init: float | None = None) -> np.nda
 @njit(cache=True)
 def sgd(rows, slots, grads, lr, l2):
     dim = grads.shape[1]
-    for i in range(slots.shape[0]):
+    flat, width, n = rows.reshape(-1), rows.shape[1], slots.shape[0]
+    for i in range(n):
+        if i + AHEAD < n:  # (written out in each rule: as an inline helper it ran at half speed)
+            prefetch(flat, slots[i + AHEAD] * width)
         r = rows[slots[i]]
         for d in range(dim):
             w = np.float64(r[d])
@@ -66,7 +75,10 @@ def sgd(rows, slots, grads, lr, l2):
 @njit(cache=True)
 def adagrad(rows, slots, grads, lr, eps, l2):
     dim = grads.shape[1]
-    for i in range(slots.shape[0]):
+    flat, width, n = rows.reshape(-1), rows.shape[1], slots.shape[0]
+    for i in range(n):
+        if i + AHEAD < n:  # (written out in each rule: as an inline helper it ran at half speed)
+            prefetch(flat, slots[i + AHEAD] * width)
         r = rows[slots[i]]
         for d in range(dim):
             w = np.float64(r[d])
@@ -89,7 +101,10 @@ def _ftrl_two_pass(rows, slots, grads, inv_alpha, beta, l1, l2):
     zt = np.empty(dim)
     nt = np.empty(dim)
     st = np.empty(dim)
-    for i in range(slots.shape[0]):
+    flat, width, n = rows.reshape(-1), rows.shape[1], slots.shape[0]
+    for i in range(n):
+        if i + AHEAD < n:  # (written out in each rule: as an inline helper it ran at half speed)
+            prefetch(flat, slots[i + AHEAD] * width)
         r = rows[slots[i]]
         for d in range(dim):
             g = np.float64(grads[i, d])
@@ -114,7 +129,10 @@ def ftrl(rows, slots, grads, alpha, beta, l1, l2):
     if dim >= FTRL_TWO_PASS_DIM:
         _ftrl_two_pass(rows, slots, grads, inv_alpha, beta, l1, l2)
         return
-    for i in range(slots.shape[0]):
+    flat, width, n = rows.reshape(-1), rows.shape[1], slots.shape[0]
+    for i in range(n):
+        if i + AHEAD < n:  # (written out in each rule: as an inline helper it ran at half speed)
+            prefetch(flat, slots[i + AHEAD] * width)
         s = slots[i]
         for d in range(dim):
             g = np.float64(grads[i, d])
@@ -133,7 +151,10 @@ def ftrl(rows, slots, grads, alpha, beta, l1, l2):
 @njit(cache=True)
 def adam(rows, slots, grads, lr, beta1, beta2, eps, l2):
     dim = grads.shape[1]
-    for i in range(slots.shape[0]):
+    flat, width, n = rows.reshape(-1), rows.shape[1], slots.shape[0]
+    for i in range(n):
+        if i + AHEAD < n:  # (written out in each rule: as an inline helper it ran at half speed)
+            prefetch(flat, slots[i + AHEAD] * width)
         s = slots[i]
         p1 = rows[s, 3 * dim] * beta1       # beta1**t, kept as a running product: no pow/exp
         p2 = rows[s, 3 * dim + 1] * beta2
