@@ -21,6 +21,8 @@ import json
 import os
 import sys
 
+from hpcps.malloc import keep_freed_memory
+
 
 def _fail(message: str, rank: int | None = None) -> int:
     prefix = f"hpcps: rank {rank}: " if rank is not None else "hpcps: "
@@ -479,6 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    keep_freed_memory()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -52,3 +52,22 @@ def test_worker_peak_memory_stays_within_the_budget_on_a_file_ten_times_larger(t
     # allocated with room to grow (x 1.5), plus the index
     model_mb = 2**20 * (12 + 8) * 1.5 / 2**20
     assert large["peak_rss_mb_server"] - small["peak_rss_mb_server"] <= model_mb + SLACK_MB
+
+
+def _malloc_tuned(env: dict) -> str:
+    code = "from hpcps.malloc import keep_freed_memory; print(keep_freed_memory())"
+    base = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "HPCPS_MALLOC_TUNE"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**base, **env})
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+def test_freed_memory_is_kept_unless_the_user_sets_the_allocator():
+    import platform
+    if platform.libc_ver()[0] != "glibc":
+        import pytest
+        pytest.skip("mallopt is glibc's")
+    assert _malloc_tuned({}) == "True"
+    assert _malloc_tuned({"HPCPS_MALLOC_TUNE": "0"}) == "False"
+    assert _malloc_tuned({"MALLOC_ARENA_MAX": "2"}) == "False"  # the user's own glibc settings win
