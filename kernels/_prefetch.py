@@ -18,7 +18,8 @@ def prefetch(typingctx, arr, idx):
     def codegen(context, builder, signature, args):
         aryty, _ = signature.args
         ary = context.make_array(aryty)(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]])
+        index = context.cast(builder, args[1], signature.args[1], types.intp)  # any integer type
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [index])
         i8p = ir.IntType(8).as_pointer()
         i32 = ir.IntType(32)
         fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
