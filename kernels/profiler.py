@@ -393,6 +393,10 @@ def warmup() -> None:
     models.fm_residual_grads(pos, vals, row_ids, V, np.zeros((nrows, 3)), np.empty_like(w), np.empty_like(V))
     models.fm_residuals(np.zeros((nrows, 4)), labels, 1.0, 0, np.empty((nrows, 3)))
     models.fm_forward_backward(indptr, pos, vals, labels, w, V, np.empty_like(w), np.empty_like(V), 1.0, 0.0, 0, np.empty(4))
+    pos32 = pos.astype(np.int32)  # a batch kept across epochs (hpcps.train.data.Dataset.compact)
+    models.lr_forward_backward(indptr, pos32, vals, labels, w, np.empty_like(w), 1.0, 0.0, 0)
+    models.fm_forward_backward(indptr, pos32, vals, labels, w, V, np.empty_like(w), np.empty_like(V), 1.0, 0.0, 0,
+                               np.empty(4))
     # the deep models: pooling and its transpose (a plain and a column-view embedding), the MLP
     fkeys = idx | np.uint64(1 << 30)
     x = np.empty((nrows, 2 * 2), np.float32)

@@ -1,5 +1,7 @@
 """Data readers: byte ranges, errors naming file and line, the cache, the generator."""
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -143,6 +145,37 @@ def test_stream_batches_equal_the_loaded_part(dataset, fmt, block_bytes, memory_
                 np.testing.assert_array_equal(b.values, ref.values)
             it.close()
     assert (stream.kept is not None) == (memory_mb == 0)
+
+
+def test_a_compacted_batch_keeps_its_keys_as_unique_keys_and_int32_positions(dataset):
+    from hpcps_kernels import keys as kkeys
+    whole = data.load_part(dataset.files["train_criteo"], 0, 1, binary=True)
+    b = whole.batch(100, 400)
+    indices = b.indices.copy()
+    before = b.nbytes
+    uniq, pos = b.compact(*kkeys.dedup_keys(b.indices))
+    assert b.indices is None and b.prepared[1] is pos and pos.dtype == np.int32
+    np.testing.assert_array_equal(uniq[pos], indices)
+    assert (b.values == 1).all() and b.values.base is data.ones(1).base  # Criteo's ones: one shared array
+    assert b.nbytes == b.labels.nbytes + b.indptr.nbytes + uniq.nbytes + pos.nbytes < before
+    c = whole.batch(0, 50)  # values other than 1 stay
+    values = np.linspace(0.5, 2.0, c.values.shape[0]).astype(np.float32)
+    c = data.Dataset(c.labels, c.indptr, c.indices, values.copy())
+    c.compact(*kkeys.dedup_keys(c.indices))
+    np.testing.assert_array_equal(c.values, values)
+
+
+def test_a_stream_keeping_no_slices_parses_again_and_forgets(dataset):
+    path = dataset.files["train_criteo"]
+    whole = data.load_part(path, 0, 1, binary=True)
+    stream = data.PartStream(path, 0, 1, binary=True, block_bytes=1 << 13).open()
+    stream.keep_no_slices()
+    for epoch in range(2):  # nothing kept: each pass parses the file again, the same rows
+        got = list(itertools.islice(stream.batches(64), -(-whole.rows // 64)))
+        np.testing.assert_array_equal(np.concatenate([b.indices for b in got]), whole.indices)
+        assert stream.kept is None
+    stream.forget()
+    assert stream._pass is None
 
 
 def test_pumps_parse_ahead_within_half_the_budget_and_batches_are_unchanged(dataset):

@@ -39,7 +39,7 @@ SCRIPT = textwrap.dedent("""
     from hpcps_kernels.optim import REGISTRY as OPTIMIZER_PARAMS
     from hpcps.train import data, model_file, synth
     from hpcps.train.models import margins_from_params
-    from hpcps_kernels import keys as kkeys, metrics
+    from hpcps_kernels import keys as kkeys, metrics, models as kmodels
 
     d = tempfile.mkdtemp()
     info = synth.generate(d, 300, 100, 39, True, 1, 24, formats=("libsvm", "criteo", "vw"))
@@ -63,6 +63,12 @@ SCRIPT = textwrap.dedent("""
                 t.load(k.copy(), r.copy())
         kind = "lr"
         m = margins_from_params(kind, b, pos, np.zeros((uniq.size, 1), np.float32), "logistic")
+        kept = ds.batch(0, 64)  # a batch kept across epochs: int32 positions into its unique keys
+        ku, kp = kept.compact(*kkeys.dedup_keys(kept.indices))
+        w, V = np.zeros(ku.size, np.float32), np.zeros((ku.size, 2), np.float32)
+        kmodels.lr_forward_backward(kept.indptr, kp, kept.values, kept.labels, w, np.empty_like(w), 1.0, 0.0, 0)
+        kmodels.fm_forward_backward(kept.indptr, kp, kept.values, kept.labels, w, V, np.empty_like(w),
+                                    np.empty_like(V), 1.0, 0.0, 0, np.empty(kept.rows))
         metrics.logloss(b.labels.astype(np.float64), m); metrics.auc(b.labels.astype(np.float64), m)
         model_file.write(d + "/m.h5", uniq, np.ones((uniq.size, 1), np.float32),
                          {"model": "lr", "loss": "logistic", "dim": 1, "init": "zeros", "init_scale": 0.01, "seed": 0})

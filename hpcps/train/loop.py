@@ -413,7 +413,17 @@ class Trainer:
         # order, from one pass over the worker's part per epoch.
         self.last_index = tr.epochs * steps
         self.made: dict[int, object] = {}
-        self.feed = {"epoch": None, "batches": None}
+        self.feed = {"epoch": None, "next": None, "batches": None}
+        # Batches kept for the next epochs, by step of an epoch, compacted (Dataset.compact: their
+        # unique keys and int32 positions, deduplicated once) when the part is kept in memory
+        # anyway and a step needs nothing else of the keys; once every step's batch is kept the
+        # stream's parsed slices go. Not with a holdout (its rows are split off each epoch) nor for
+        # the computation on the servers (it sends the keys).
+        self.kept: dict[int, tdata.Dataset] | None = (
+            {} if tr.epochs > 1 and isinstance(self.train, tdata.PartStream) and self.train.keep
+            and not tr.holdout and cfg.model.compute == "workers" and not self.model.reads_keys else None)
+        if self.kept is not None:
+            self.train.keep_no_slices()
         # train.holdout = N: every Nth row of the part never trains; the rows of the first whole
         # epoch are the holdout set, evaluated after each epoch (early stopping watches it)
         self.held_out: dict[int, tdata.Dataset] = {}
@@ -432,18 +442,37 @@ class Trainer:
         """The batch of the ``i``-th step since the start of training (made once, in order)."""
         tr = self.cfg.train
         if i not in self.made:
-            epoch_i = i // self.steps + 1
-            if self.feed["epoch"] != epoch_i:
-                skip = self.start_step - 1 if epoch_i == self.start_epoch else 0
-                self.feed.update(epoch=epoch_i, batches=self.train.batches(tr.batch_size, skip))
-            try:
-                b = next(self.feed["batches"])
-            except tdata.DataError as e:  # a bad line past the first block: this rank stops the job
-                transport.abort(f"error: {e}", code=2)
+            epoch_i, j = i // self.steps + 1, i % self.steps
+            b = self.kept.get(j) if self.kept is not None else None
+            if b is None:
+                b = self._from_feed(epoch_i, j)
+                if self.kept is not None:
+                    b.keep_prepared = True
+                    self.kept[j] = b
+                    if len(self.kept) == self.steps:  # every batch kept: the stream's slices go
+                        self.feed["batches"].close()
+                        self.feed = {"epoch": None, "next": None, "batches": None}
+                        try:
+                            self.train.forget()
+                        except tdata.DataError as e:
+                            transport.abort(f"error: {e}", code=2)
             if tr.holdout:
-                b, self.held_out[i] = b.split_every(tr.holdout, (i % self.steps) * tr.batch_size)
+                b, self.held_out[i] = b.split_every(tr.holdout, j * tr.batch_size)
             self.made[i] = b
         return self.made[i]
+
+    def _from_feed(self, epoch_i: int, j: int):
+        """Batch ``j`` of epoch ``epoch_i`` from a pass over the part (a new one, from batch ``j``,
+        unless the current one is there)."""
+        if self.feed["epoch"] != epoch_i or self.feed["next"] != j:
+            if self.feed["batches"] is not None:
+                self.feed["batches"].close()
+            self.feed.update(epoch=epoch_i, batches=self.train.batches(self.cfg.train.batch_size, j))
+        self.feed["next"] = j + 1
+        try:
+            return next(self.feed["batches"])
+        except tdata.DataError as e:  # a bad line past the first block: this rank stops the job
+            transport.abort(f"error: {e}", code=2)
 
     def train_epoch(self, epoch: int) -> None:
         """The epoch's steps (from the resumed step in the first); sets ``preempted`` when a stop
@@ -623,6 +652,8 @@ class Trainer:
                    "bytes_sent": int(traffic[0]), "bytes_received": int(traffic[1])}
         if ctx.hosts:
             summary["hosts"] = ctx.layout.by_host(ctx.hosts)
+        if self.kept is not None:  # the first worker's batches kept across epochs, compacted
+            summary["kept_batches_mb"] = round(sum(b.nbytes for b in self.kept.values()) / 2**20, 1)
         if self.holdout is not None:
             summary["best_epoch"] = self.best["epoch"]
             summary["epochs_trained"] = self.stopped_at or tr.epochs

@@ -50,6 +50,8 @@ class Model:
     together for a batch's unique keys, and its gradients pushed together."""
 
     compute_empty = False  # call _forward_backward on an empty batch (group collectives inside it)
+    reads_keys = False     # a step reads the batch's keys, not only their positions (a batch's
+                           # keys may then not be compacted: see Dataset.compact)
     fields = 1             # fields per row (the deep models' embeddings)
     times_compute = False  # _forward_backward times its own stages (else it is one, "compute")
 
@@ -103,7 +105,12 @@ class Model:
         for p in self._ahead:
             if p.batch is batch:
                 return p
-        return _Prepared(batch, *(kkeys.unique_keys if self._sorted else kkeys.dedup_keys)(batch.indices))
+        if batch.prepared is not None:  # a batch kept from an earlier epoch: deduplicated then
+            return _Prepared(batch, *batch.prepared)
+        uniq, pos = (kkeys.unique_keys if self._sorted else kkeys.dedup_keys)(batch.indices)
+        if batch.keep_prepared:  # kept for the next epochs: compact from now on
+            uniq, pos = batch.compact(uniq, pos)
+        return _Prepared(batch, uniq, pos)
 
     def _fetch(self, cur: _Prepared) -> None:
         """The rows of every table for ``cur`` (pulls of all tables in flight together)."""
@@ -406,6 +413,7 @@ class DeepModel(Model):
 
     compute_empty = True  # an empty batch still joins its group's allreduce
     times_compute = True  # embed and mlp, timed inside the net
+    reads_keys = True     # a key's field is in its high bits
 
     def __init__(self, ctx, cfg, bias: float = 0.0, fields: int = 1, suffix: str = ""):
         m = cfg.model
@@ -518,6 +526,7 @@ class Grid(Model):
         super().__init__(ctx, cfgs[0], bias)
         self.member_loss = np.zeros(len(cfgs))
         self.deep = [m for m in self.members if isinstance(m, DeepModel)]
+        self.reads_keys = bool(self.deep)
         if self.deep:
             self.compute_empty = self.times_compute = True  # each member's group collectives and stages
             for m in self.deep:
