@@ -69,6 +69,10 @@ class ServerTable:
         self.max_keys = self._budget_keys() if f.server_memory_mb > 0 else 0
         # keys whose initial values are given (a regression's bias at the label mean)
         self.init_keys = [(np.uint64(k), np.asarray(v, dtype=np.float32)) for k, v in spec.init_keys]
+        # worker -> (keys, slots, index) of its last pull: the push of the same keys that follows
+        # (the next step of a push-pull) takes those slots instead of looking the keys up again
+        self.resolved: dict[int, tuple] = {}
+        self.reused = 0  # keys of pushes whose slots came from the pull before
 
     def _budget_keys(self) -> int:
         """How many rows fit ``server_memory_mb``: the fixed arrays (direct index, counters)
@@ -132,13 +136,32 @@ class ServerTable:
     def size(self) -> int:
         return self.index.size
 
-    def pull(self, keys: np.ndarray, out: np.ndarray) -> None:
-        """Values of ``keys`` into ``out`` (n, dim)."""
+    def pull(self, keys: np.ndarray, out: np.ndarray, worker: int = -1) -> None:
+        """Values of ``keys`` into ``out`` (n, dim); ``worker``: who pulls, whose next push of
+        the same keys reuses their slots (see :meth:`_push_slots`)."""
         slots = self.index.lookup(keys)
         s = self.spec
         kinit.pull_rows(self.rows, slots, keys, s.dim, self.kind, s.init_scale, s.seed, out)
         for key, values in self.init_keys:  # absent keys with given initial values
             out[(keys == key) & (slots < 0)] = values
+        if worker >= 0 and self.counts is None and not self.max_keys:
+            self.resolved[worker] = (keys, slots, self.index)
+
+    def _push_slots(self, keys: np.ndarray, worker: int) -> np.ndarray:
+        """The slots of a push's keys, inserting the absent ones. When ``worker``'s last pull
+        was of the same keys and no row has moved since (rows move only when the index is
+        rebuilt: eviction, loading), its slots stand and only the keys absent then are looked
+        up again (another worker's push may have inserted them since)."""
+        got = self.resolved.pop(worker, None) if worker >= 0 else None
+        if got is None or got[2] is not self.index or got[0].shape != keys.shape or not np.array_equal(got[0], keys):
+            return self.index.lookup_or_insert(keys)
+        slots = got[1]
+        absent = np.flatnonzero(slots < 0)
+        if absent.size:
+            slots = slots.copy()
+            slots[absent] = self.index.lookup_or_insert(keys[absent])
+        self.reused += keys.shape[0] - absent.size
+        return slots
 
     def partial_margins(self, keys: np.ndarray, values: np.ndarray, row_ids: np.ndarray, n_rows: int,
                         out: np.ndarray) -> None:
@@ -190,8 +213,9 @@ class ServerTable:
         keep[np.flatnonzero(absent)[admit]] = True
         return keys[keep], grads[keep]
 
-    def push(self, keys: np.ndarray, grads: np.ndarray, clock: int = 0) -> None:
-        """Apply one update per key (keys unique within a push) at ``clock``."""
+    def push(self, keys: np.ndarray, grads: np.ndarray, clock: int = 0, worker: int = -1) -> None:
+        """Apply one update per key (keys unique within a push) at ``clock``; ``worker``: who
+        pushes (see :meth:`_push_slots`)."""
         s = self.spec
         if self.counts is not None:
             keys, grads = self._admit(keys, grads, clock)
@@ -200,7 +224,7 @@ class ServerTable:
         if self.max_keys:
             keys, grads = self._make_room(keys, grads, clock)
         first_new = self.index.size
-        slots = self.index.lookup_or_insert(keys)
+        slots = self._push_slots(keys, worker)
         if self.index.key_capacity > self.rows.shape[0]:
             rows = np.zeros((self.index.key_capacity, s.width), dtype=np.float32)
             rows[:first_new] = self.rows[:first_new]
@@ -386,7 +410,8 @@ class Server:
         n, dim = r.pull_keys.shape[0], self.dims[r.table]
         reply, payload = self._reply(r.req_id, 4 * n * dim, r.table)
         if n:
-            self.tables[r.table].pull(r.pull_keys, payload.view(np.float32).reshape(n, dim))
+            self.tables[r.table].pull(r.pull_keys, payload.view(np.float32).reshape(n, dim),
+                                      source - self.worker_rank0)
         self._send(reply, source, r.req_id, f"{protocol.OP_NAMES[r.op]} reply")
 
     def _push(self, worker: int, r: protocol.Request) -> None:
@@ -397,7 +422,7 @@ class Server:
             self.seq += 1
             self.buffered.append((r.clock, worker, self.seq, r))
         else:
-            self.tables[r.table].push(r.push_keys, r.grads, r.clock)
+            self.tables[r.table].push(r.push_keys, r.grads, r.clock, worker)
 
     def _advance(self, worker: int, clock: int) -> None:
         self.clocks[worker] = max(self.clocks[worker], clock)
@@ -466,8 +491,8 @@ class Server:
         if not ready:
             return
         self.buffered = [b for b in self.buffered if b[0] >= limit]
-        for _, _, _, r in ready:
-            self.tables[r.table].push(r.push_keys, r.grads, r.clock)
+        for _, worker, _, r in ready:
+            self.tables[r.table].push(r.push_keys, r.grads, r.clock, worker)
 
     def _release_deferred(self) -> None:
         if not self.deferred:

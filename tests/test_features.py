@@ -164,3 +164,40 @@ def test_resume_after_admission_and_eviction_is_bit_identical(tmp_path):
     np.testing.assert_array_equal(a.keys, b.keys)
     np.testing.assert_array_equal(a.values, b.values)
     assert (resumed["admitted_keys"], resumed["evicted_keys"]) == (whole["admitted_keys"], whole["evicted_keys"])
+
+
+@pytest.mark.parametrize("key_bits", [20, 64])  # direct index; hash index
+def test_a_push_after_a_pull_of_the_same_keys_takes_their_slots_and_updates_what_a_lookup_would(key_bits):
+    """A push-pull's next push is of the keys its pull resolved: the push takes those slots and
+    looks up only the keys absent at the pull (another worker may have inserted them since);
+    after the rows move (the index rebuilt) nothing is reused."""
+    rng = np.random.default_rng(0)
+    keys = np.unique(rng.integers(0, 1 << 19, 500)).astype(np.uint64)
+    other = np.unique(rng.integers(0, 1 << 19, 300)).astype(np.uint64)
+    g = rng.normal(size=(keys.size, 1)).astype(np.float32)
+    reusing, fresh = shard(key_bits), shard(key_bits)
+    for t in (reusing, fresh):
+        push(t, keys[::3], 0)
+    reusing.pull(keys, np.empty((keys.size, 1), np.float32), worker=0)
+    present = np.isin(keys, keys[::3]).sum()
+    for t in (reusing, fresh):
+        push(t, other, 1, g=0.5)  # another worker's push inserts keys absent at the pull
+    reusing.push(keys, g, 2, worker=0)
+    fresh.push(keys, g, 2)
+    assert reusing.reused == present
+    for a, b in zip(reusing.items(), fresh.items()):
+        np.testing.assert_array_equal(a, b)
+    reusing.pull(keys, np.empty((keys.size, 1), np.float32), worker=0)
+    k, r = reusing.items()
+    reusing.load(k.copy(), r.copy())  # the rows may move: the pulled slots no longer stand
+    reusing.push(keys, g, 3, worker=0)
+    fresh.push(keys, g, 3)
+    assert reusing.reused == present
+    for a, b in zip(reusing.items(), fresh.items()):
+        np.testing.assert_array_equal(a, b)
+    reusing.pull(keys[:10], np.empty((10, 1), np.float32), worker=0)  # other keys: looked up
+    reusing.push(keys[10:20], g[:10], 4, worker=0)
+    fresh.push(keys[10:20], g[:10], 4)
+    assert reusing.reused == present
+    for a, b in zip(reusing.items(), fresh.items()):
+        np.testing.assert_array_equal(a, b)
