@@ -153,7 +153,7 @@ class ServerTable:
         rebuilt: eviction, loading), its slots stand and only the keys absent then are looked
         up again (another worker's push may have inserted them since)."""
         got = self.resolved.pop(worker, None) if worker >= 0 else None
-        if got is None or got[2] is not self.index or got[0].shape != keys.shape or not np.array_equal(got[0], keys):
+        if got is None or got[2] is not self.index or not np.array_equal(got[0], keys):
             return self.index.lookup_or_insert(keys)
         slots = got[1]
         absent = np.flatnonzero(slots < 0)

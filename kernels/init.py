@@ -52,9 +52,6 @@ def pull_rows(rows, slots, keys, dim, kind, scale, seed, out):
     (a key never pushed: pulls do not create rows)."""
     one = np.empty((1, dim), dtype=np.float32)
     flat, width, n = rows.reshape(-1), rows.shape[1], slots.shape[0]
-    for i in range(min(AHEAD, n)):
-        if slots[i] >= 0:
-            prefetch(flat, slots[i] * width)
     for i in range(n):
         if i + AHEAD < n and slots[i + AHEAD] >= 0:
             prefetch(flat, slots[i + AHEAD] * width)

@@ -17,7 +17,8 @@ returns). Layouts:
 
 Every rule takes ``slots`` (int64) and ``grads`` (float32, ``(n, dim)``); ``grads[i]`` updates
 ``rows[slots[i]]``; each rule prefetches the row of the key ``AHEAD`` keys on, since slots land
-anywhere in a table far larger than the cache (2.5-2.9x faster on random slots here). A slot listed twice is updated twice, in order (merge duplicates first with
+anywhere in a table far larger than the cache (2.5-2.9x faster on random slots here). A slot
+listed twice is updated twice, in order (merge duplicates first with
 :func:`hpcps_kernels.keys.segment_reduce`). Arithmetic is float64, stored as float32.
 
 **The registry.** Everything about an optimizer is one :class:`Optimizer` in :data:`REGISTRY`: its

@@ -117,7 +117,7 @@ def ones(n: int) -> np.ndarray:
 @dataclass
 class Dataset:
     labels: np.ndarray      # float32 (rows,)
-    indptr: np.ndarray      # int64 (rows + 1,); a batch's may start past 0 (a view: rebase on use)
+    indptr: np.ndarray      # int64 (rows + 1,)
     indices: np.ndarray | None  # uint64 (nnz,); None once compacted (see compact)
     values: np.ndarray      # float32 (nnz,)
     skipped: int = 0

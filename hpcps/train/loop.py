@@ -413,7 +413,7 @@ class Trainer:
         # order, from one pass over the worker's part per epoch.
         self.last_index = tr.epochs * steps
         self.made: dict[int, object] = {}
-        self.feed = {"epoch": None, "next": None, "batches": None}
+        self.feed, self.feed_next = None, -1  # the current pass's batches, and the next one's index
         # Batches kept for the next epochs, by step of an epoch, compacted (Dataset.compact: their
         # unique keys and int32 positions, deduplicated once) when the part is kept in memory
         # anyway and a step needs nothing else of the keys; once every step's batch is kept the
@@ -442,16 +442,15 @@ class Trainer:
         """The batch of the ``i``-th step since the start of training (made once, in order)."""
         tr = self.cfg.train
         if i not in self.made:
-            epoch_i, j = i // self.steps + 1, i % self.steps
+            j = i % self.steps
             b = self.kept.get(j) if self.kept is not None else None
             if b is None:
-                b = self._from_feed(epoch_i, j)
+                b = self._from_feed(j)
                 if self.kept is not None:
                     b.keep_prepared = True
                     self.kept[j] = b
                     if len(self.kept) == self.steps:  # every batch kept: the stream's slices go
-                        self.feed["batches"].close()
-                        self.feed = {"epoch": None, "next": None, "batches": None}
+                        self._close_feed()
                         try:
                             self.train.forget()
                         except tdata.DataError as e:
@@ -461,18 +460,22 @@ class Trainer:
             self.made[i] = b
         return self.made[i]
 
-    def _from_feed(self, epoch_i: int, j: int):
-        """Batch ``j`` of epoch ``epoch_i`` from a pass over the part (a new one, from batch ``j``,
-        unless the current one is there)."""
-        if self.feed["epoch"] != epoch_i or self.feed["next"] != j:
-            if self.feed["batches"] is not None:
-                self.feed["batches"].close()
-            self.feed.update(epoch=epoch_i, batches=self.train.batches(self.cfg.train.batch_size, j))
-        self.feed["next"] = j + 1
+    def _from_feed(self, j: int):
+        """Batch ``j`` of an epoch from a pass over the part: the current pass when it is at
+        batch ``j``, else a new one from there (a new epoch starts again at batch 0)."""
+        if self.feed_next != j:
+            self._close_feed()
+            self.feed = self.train.batches(self.cfg.train.batch_size, j)
+        self.feed_next = j + 1
         try:
-            return next(self.feed["batches"])
+            return next(self.feed)
         except tdata.DataError as e:  # a bad line past the first block: this rank stops the job
             transport.abort(f"error: {e}", code=2)
+
+    def _close_feed(self) -> None:
+        if self.feed is not None:
+            self.feed.close()
+        self.feed, self.feed_next = None, -1
 
     def train_epoch(self, epoch: int) -> None:
         """The epoch's steps (from the resumed step in the first); sets ``preempted`` when a stop
