@@ -4,7 +4,8 @@
     python tests/run.py [pytest options, e.g. -k name or a path]
 
 1. Compiles the numba kernels once into the cache (so ranks do not compile them concurrently).
-2. Runs the tests not marked ``mpi`` with plain pytest.
+2. Runs the tests not marked ``mpi`` with plain pytest; the Slurm tests (``WAITING``), which mostly
+   wait on Slurm, in a second pytest beside the others unless a path was given.
 3. Lists the tests marked ``@pytest.mark.mpi(min_size=N)`` and runs each group of equal N as
    ``mpiexec -n N python -m pytest --with-mpi ...`` under a timeout, so a hung job cannot outlast
    its budget (and the harness in ``mpi_harness.py`` aborts a job whose rank failed).
@@ -28,6 +29,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WAITING = ["tests/test_slurm.py", "tests/test_nodes.py"]  # run beside the other serial tests (see main)
 KEYS = ("passed", "failed", "skipped", "error", "xfailed", "xpassed")
 
 
@@ -58,6 +60,14 @@ def read_counts(report_dir: str) -> dict:
         return json.load(f)["counts"]
 
 
+def add_serial(rdir: str, rc: int, what: str, totals: dict, problems: list) -> None:
+    counts = read_counts(rdir)
+    for k in KEYS:
+        totals[k] += counts.get(k, 0)
+    if rc not in (0, 5):
+        problems.append(f"{what} exited {rc}")
+
+
 def main(argv: list[str]) -> int:
     env = dict(os.environ)
     env.setdefault("NUMBA_CACHE_DIR", os.path.join(ROOT, ".numba_cache"))
@@ -72,14 +82,20 @@ def main(argv: list[str]) -> int:
         problems.append("kernel warm-up failed")
 
     with tempfile.TemporaryDirectory(prefix="hpcps-tests-") as tmp:
-        # 2. Serial tests.
+        # 2. Serial tests. The Slurm ones mostly wait on Slurm (16% of a core over their 3 minutes
+        # here) and start their own clusters, so unless a path was asked for they run beside the
+        # rest, in a second pytest whose output is printed when it ends.
+        waiting = None
+        if not any(os.path.exists(os.path.join(ROOT, a.split("::")[0])) for a in argv if not a.startswith("-")):
+            wdir, wlog = os.path.join(tmp, "serial-slurm"), open(os.path.join(tmp, "serial-slurm.log"), "w+")
+            cmd = [py, "-m", "pytest", "-m", "not mpi", *argv, *WAITING]
+            print("+ (beside the rest)", " ".join(shlex.quote(c) for c in cmd), flush=True)
+            waiting = (subprocess.Popen(cmd, env=dict(env, HPCPS_TEST_REPORT_DIR=wdir), cwd=ROOT, stdout=wlog,
+                                        stderr=subprocess.STDOUT), wdir, wlog)
         rdir = os.path.join(tmp, "serial")
-        rc = run([py, "-m", "pytest", "-m", "not mpi", *argv], dict(env, HPCPS_TEST_REPORT_DIR=rdir))
-        counts = read_counts(rdir)
-        for k in KEYS:
-            totals[k] += counts.get(k, 0)
-        if rc not in (0, 5):
-            problems.append(f"serial pytest exited {rc}")
+        ignore = [f"--ignore={w}" for w in WAITING] if waiting else []
+        rc = run([py, "-m", "pytest", "-m", "not mpi", *argv, *ignore], dict(env, HPCPS_TEST_REPORT_DIR=rdir))
+        add_serial(rdir, rc, "serial pytest", totals, problems)
 
         # 3. MPI tests, grouped by world size.
         listing = os.path.join(tmp, "mpi-tests.json")
@@ -112,6 +128,19 @@ def main(argv: list[str]) -> int:
                     if os.path.exists(log):
                         print(f"--- tail of rank {r}'s output ---")
                         print("".join(open(log).readlines()[-30:]))
+
+        if waiting:
+            proc, wdir, wlog = waiting
+            try:
+                rc = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                rc = proc.wait()
+                print(f"tests/run.py: TIMEOUT after {timeout:g} s: the Slurm tests", flush=True)
+            wlog.seek(0)
+            print(f"\n=== the Slurm tests, run beside the rest ===\n{wlog.read()}", flush=True)
+            wlog.close()
+            add_serial(wdir, rc, "Slurm tests' pytest", totals, problems)
 
     print(f"\n=== whole suite in {time.time() - t0:.0f} s ===")
     for p in problems:

@@ -22,7 +22,7 @@ HPCPS = [sys.executable, "-m", "hpcps.cli"]
 
 def _run(tmp_path, ranks, *sets):
     metrics, model, summary = tmp_path / "m.jsonl", tmp_path / "model.h5", tmp_path / "s.json"
-    cmd = ["train", "--set", "synth.rows=16000", "--set", f"synth.dir={json.dumps(str(tmp_path / 'd'))}",
+    cmd = ["train", "--set", "synth.rows=16000", "--set", "synth.test_rows=4000", "--set", f"synth.dir={json.dumps(str(tmp_path / 'd'))}",
            "--set", "train.progress=false", "--set", f"train.metrics={json.dumps(str(metrics))}",
            "--set", f"train.model_out={json.dumps(str(model))}", *[x for kv in sets for x in ("--set", kv)],
            "--summary-json", str(summary)]

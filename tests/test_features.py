@@ -112,7 +112,7 @@ def test_features_are_checked_and_named():
 
 def _job(tmp_path, name, *sets):
     out = tmp_path / f"{name}.json"
-    cmd = [*mpiexec(), "-n", "2", sys.executable, "-m", "hpcps.cli", "train", "--set", "synth.rows=6000",
+    cmd = [*mpiexec(), "-n", "2", sys.executable, "-m", "hpcps.cli", "train", "--set", "synth.rows=6000", "--set", "synth.test_rows=2000",
            "--set", f"synth.dir={json.dumps(str(tmp_path / 'data'))}", "--set", "train.progress=false",
            *[x for kv in sets for x in ("--set", kv)], "--summary-json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -139,7 +139,7 @@ def test_resume_after_admission_and_eviction_is_bit_identical(tmp_path):
     from hpcps.checkpoint import step_dir
     from hpcps.train.model_file import ServingModel
 
-    sets = ["synth.rows=20000", f"synth.dir={json.dumps(str(tmp_path / 'data'))}", "train.batch_size=50",
+    sets = ["synth.rows=20000", "synth.test_rows=2000", f"synth.dir={json.dumps(str(tmp_path / 'data'))}", "train.batch_size=50",
             "features.admit_count=2", "features.evict_after_steps=40", "features.evict_every_steps=30",
             "checkpoint.every_steps=100", "checkpoint.keep=20", "cluster.staleness=0"]
 

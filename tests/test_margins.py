@@ -22,7 +22,7 @@ from run import mpiexec  # noqa: E402
 
 def _job(tmp_path, ranks, compute, *sets):
     name = f"{compute}-{ranks}"
-    cmd = [*mpiexec(), "-n", str(ranks), sys.executable, "-m", "hpcps.cli", "train", "--set", "synth.rows=12000",
+    cmd = [*mpiexec(), "-n", str(ranks), sys.executable, "-m", "hpcps.cli", "train", "--set", "synth.rows=12000", "--set", "synth.test_rows=3000",
            "--set", f"synth.dir={json.dumps(str(tmp_path / 'data'))}", "--set", "train.progress=false",
            "--set", f'model.compute="{compute}"', "--set", f"train.model_out={json.dumps(str(tmp_path / name) + '.h5')}",
            *[x for kv in sets for x in ("--set", kv)], "--summary-json", str(tmp_path / f"{name}.json")]

@@ -16,7 +16,7 @@ def test_plot_draws_runs_side_by_side_and_rejects_what_is_not_metrics(tmp_path):
     paths = []
     for name, alpha in (("a", 0.1), ("b", 0.3)):  # two short one-process runs
         m = tmp_path / f"{name}.jsonl"
-        proc = subprocess.run(HPCPS + ["train", "--set", "synth.rows=4000", "--set", f"synth.dir={json.dumps(str(tmp_path / 'd'))}",
+        proc = subprocess.run(HPCPS + ["train", "--set", "synth.rows=4000", "--set", "synth.test_rows=2000", "--set", f"synth.dir={json.dumps(str(tmp_path / 'd'))}",
                                        "--set", "train.progress=false", "--set", f"optimizer.alpha={alpha}",
                                        "--set", f"train.metrics={json.dumps(str(m))}"],
                               capture_output=True, text=True, timeout=300)
