@@ -64,7 +64,7 @@ class Synth:
     fields: int = 39
     interactions: bool = False       # add pairwise field interactions (FM data)
     seed: int = 1
-    dir: str = ""                    # where to write the generated files ("" = a temporary dir)
+    dir: str = ""                    # where the generated files go ("" = under HPCPS_CACHE_DIR); reused when they match
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Data readers: byte ranges, errors naming file and line, the cache, the generator."""
 
 import itertools
+import os
 
 import numpy as np
 import pytest
@@ -92,6 +93,34 @@ def test_vw_file_holds_the_same_features(dataset):
 
 def test_generator_best_metrics_are_those_of_the_true_model(dataset):
     assert 0.5 < dataset.best_test_auc < 1 and 0 < dataset.best_test_logloss < 0.69
+
+
+def test_generated_data_is_reused_while_its_parameters_and_files_stand(tmp_path):
+    a = synth.generate(str(tmp_path), 300, 50, fields=10, seed=3, formats=("libsvm",))
+    path = a.files["train_libsvm"]
+    text, mtime = open(path, "rb").read(), os.stat(path).st_mtime_ns
+    b = synth.generate(str(tmp_path), 300, 50, fields=10, seed=3, formats=("libsvm",))
+    assert b.reused and not a.reused and b.files == a.files and os.stat(path).st_mtime_ns == mtime
+    assert b.best_test_logloss == a.best_test_logloss
+    c = synth.generate(str(tmp_path), 300, 50, fields=10, seed=3, formats=("libsvm", "vw"))  # a format more
+    assert not c.reused and open(path, "rb").read() == text and os.path.isfile(c.files["train_vw"])
+    assert not synth.generate(str(tmp_path), 300, 50, fields=10, seed=4, formats=("libsvm",)).reused  # other rows
+    assert open(path, "rb").read() != text
+    synth.generate(str(tmp_path), 300, 50, fields=10, seed=3, formats=("libsvm",))
+    with open(path, "r+b") as f:  # a file cut short (a copy interrupted) is written again
+        f.truncate(1000)
+    d = synth.generate(str(tmp_path), 300, 50, fields=10, seed=3, formats=("libsvm",))
+    assert not d.reused and open(path, "rb").read() == text
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+
+
+def test_keys_are_written_in_exact_decimal_up_to_two_to_the_64():
+    from hpcps_kernels import textgen
+
+    keys = np.array([[2**53 + 1, 2**63 + 12345, 2**64 - 1, 0, 10**19, 7]], dtype=np.uint64)
+    buf = np.zeros(200, np.uint8)
+    n = textgen.write_libsvm(np.array([1.0], np.float32), keys, np.ones(keys.shape, bool), 0, buf)
+    assert bytes(buf[:n]).decode().split() == ["1", *[f"{int(k)}:1" for k in keys[0]]]
 
 
 def test_ratings_are_in_range(tmp_path):

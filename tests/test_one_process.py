@@ -125,6 +125,22 @@ def test_a_run_ends_saying_where_things_went_and_the_next_commands_work(data, tm
         assert proc.returncode == 0, (what, proc.stdout + proc.stderr)
 
 
+def test_a_job_without_data_generates_it_once_into_the_cache_and_reuses_it(tmp_path):
+    env = dict(os.environ, HPCPS_CACHE_DIR=str(tmp_path / "cache"))
+    said, metrics = [], []
+    for run in range(2):
+        proc = subprocess.run(HPCPS + ["train", "--set", "synth.rows=3000", "--set", "synth.test_rows=500",
+                                       "--set", "train.progress=false", "--summary-json", str(tmp_path / "s.json")],
+                              capture_output=True, text=True, timeout=120, env=env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        said.append(next(line for line in proc.stdout.splitlines() if line.startswith("  data ")))
+        metrics.append(json.load(open(tmp_path / "s.json"))["test_logloss"])
+    where = str(tmp_path / "cache" / synth.dir_name(3000, 500, 39, False, 1, 24))
+    assert said == [f"  data         {where} (synthetic; the next run reuses it)",
+                    f"  data         {where} (synthetic; reused from an earlier run)"]
+    assert metrics[0] == metrics[1] and sorted(os.listdir(where)) == ["info.json", "test.svm", "train.svm"]
+
+
 def test_a_regression_starts_its_bias_at_the_label_mean_and_beats_predicting_the_mean(tmp_path):
     d = tmp_path / "ratings"
     proc = subprocess.run(HPCPS + ["gen-data", "--ratings", "--rows", "60000", "--test-rows", "6000", str(d)],

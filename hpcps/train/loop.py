@@ -16,7 +16,6 @@ import json
 import math
 import os
 import resource
-import tempfile
 import time
 
 import numpy as np
@@ -89,18 +88,22 @@ def resolve_resume(cfg, comm) -> tuple[str, dict] | None:
 
 def resolve_data(cfg, comm) -> tuple[dict, dict | None]:
     """Collective: the data files to use. With no ``data.train``, the first rank generates a
-    synthetic data set (``[synth]``) and every rank gets its paths and known best metrics."""
+    synthetic data set (``[synth]``), or reuses the one it generated before with the same
+    parameters (in ``synth.dir``, else under :func:`synth.cache_dir`), and every rank gets its
+    paths and known best metrics."""
     paths = {"train": cfg.data.train, "test": cfg.data.test}
     if cfg.data.train:
         return paths, None
     info = None
     if comm.Get_rank() == 0:
-        out = cfg.synth.dir or tempfile.mkdtemp(prefix="hpcps-synth-")
+        out = cfg.synth.dir or os.path.join(synth.cache_dir(), synth.dir_name(
+            cfg.synth.rows, cfg.synth.test_rows, cfg.synth.fields, cfg.synth.interactions, cfg.synth.seed,
+            cfg.data.hash_bits))
         s = synth.generate(out, cfg.synth.rows, cfg.synth.test_rows, cfg.synth.fields, cfg.synth.interactions,
                            cfg.synth.seed, cfg.data.hash_bits, formats=("libsvm",))
         info = {"train": s.files["train_libsvm"], "test": s.files["test_libsvm"],
                 "best_test_logloss": float(s.best_test_logloss), "best_test_auc": float(s.best_test_auc),
-                "dir": out}
+                "dir": out, "reused": s.reused}
     info = transport.bcast_object(comm, info, 0, cfg.cluster.stall_timeout_s, "broadcast of the synthetic data's paths")
     return {"train": info["train"], "test": info["test"]}, info
 
@@ -673,7 +676,8 @@ class Trainer:
         """On the first worker: the summary table, where things went and what to try next."""
         ck = self.cfg.checkpoint
         print(summary_table(self.summary_rows(summary, elapsed, wait, key_counts)), flush=True)
-        print(next_steps(self.cfg, self.paths, newest_checkpoint(ck.dir) if ck.dir else None), flush=True)
+        print(next_steps(self.cfg, self.paths, newest_checkpoint(ck.dir) if ck.dir else None, self.synth_info),
+              flush=True)
 
     def summary_rows(self, summary: dict, elapsed: float, wait: float, key_counts: dict) -> list[tuple]:
         examples, layout, f = summary["examples"], self.ctx.layout, self.cfg.features
@@ -698,16 +702,19 @@ def newest_checkpoint(root: str) -> str | None:
     return found[-1] if found else None
 
 
-def next_steps(cfg, paths: dict, ckpt: str | None) -> str:
+def next_steps(cfg, paths: dict, ckpt: str | None, synth_info: dict | None = None) -> str:
     """Where a run's outputs went, and the commands to try next with them."""
     tr = cfg.train
     test = paths.get("test") or "TEST_FILE"
     model = tr.model_out or "MODEL.h5"
-    out = ["where things went:",
-           "  model        " + (tr.model_out or 'not written (set train.model_out = "model.h5")'),
-           "  checkpoints  " + (ckpt or 'none (set checkpoint.dir = "ckpt")'),
-           "  metrics      " + (tr.metrics or 'not written (set train.metrics = "run.jsonl")'),
-           "next:"]
+    out = ["where things went:"]
+    if synth_info:
+        out.append(f"  data         {synth_info['dir']} (synthetic; "
+                   + ("reused from an earlier run)" if synth_info.get("reused") else "the next run reuses it)"))
+    out += ["  model        " + (tr.model_out or 'not written (set train.model_out = "model.h5")'),
+            "  checkpoints  " + (ckpt or 'none (set checkpoint.dir = "ckpt")'),
+            "  metrics      " + (tr.metrics or 'not written (set train.metrics = "run.jsonl")'),
+            "next:"]
     if ckpt:
         out.append("  resume       the same command with --resume auto (continues from the newest checkpoint)")
         out.append(f"  export       hpcps export {ckpt} --out model.h5")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -44,10 +44,50 @@ class SynthInfo:
     best_test_auc: float
     positive_rate: float
     files: dict
+    bytes: dict = field(default_factory=dict)  # each file's size when it was written
+    reused: bool = False  # (not saved) generate found it already written
 
     def save(self, path: str) -> None:
-        with open(path, "w") as f:
-            json.dump(asdict(self), f, indent=1)
+        facts = asdict(self)
+        del facts["reused"]
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(facts, f, indent=1)
+        os.replace(tmp, path)
+
+
+def cache_dir() -> str:
+    """Where a training job without data and without ``synth.dir`` keeps its generated data:
+    ``$HPCPS_CACHE_DIR``, else ``$XDG_CACHE_HOME/hpcps``, else ``~/.cache/hpcps``."""
+    root = os.environ.get("HPCPS_CACHE_DIR")
+    if not root:
+        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+                            "hpcps")
+    return root
+
+
+def dir_name(rows: int, test_rows: int, fields: int, interactions: bool, seed: int, hash_bits: int) -> str:
+    """The cache directory's name of one data set: its parameters, readable."""
+    return f"synth-{rows}-{test_rows}-f{fields}{'-fm' if interactions else ''}-s{seed}-b{hash_bits}"
+
+
+def _existing(out_dir: str, params: dict, formats) -> SynthInfo | None:
+    """The data set already in ``out_dir`` if it has these parameters and every file of
+    ``formats``, each of the size it was written with; None otherwise."""
+    try:
+        with open(os.path.join(out_dir, "info.json")) as f:
+            info = SynthInfo(**json.load(f))
+    except (OSError, ValueError, TypeError):
+        return None
+    if any(getattr(info, k) != v for k, v in params.items()):
+        return None
+    for name in ("train", "test"):
+        for fmt in formats:
+            path = info.files.get(f"{name}_{fmt}")
+            if not path or not os.path.isfile(path) or os.path.getsize(path) != info.bytes.get(path):
+                return None
+    info.reused = True
+    return info
 
 
 def _layout(fields: int):
@@ -93,10 +133,14 @@ def _rows(n: int, fields: int, seed: int, hash_bits: int, interactions: bool):
 
 
 def _write(path: str, writer, size_hint: int) -> None:
+    """Write to a temporary name, then rename: a job reading the file (another job generating
+    the same data at the same time) sees it whole or not at all."""
     buf = np.empty(size_hint, dtype=np.uint8)
     n = writer(buf)
-    with open(path, "wb") as f:
-        f.write(buf[:n].tobytes())
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(buf[:n].data)
+    os.replace(tmp, path)
 
 
 def _write_all(prefix: str, labels, ints, cats, present, keys, formats) -> dict:
@@ -116,8 +160,17 @@ def _write_all(prefix: str, labels, ints, cats, present, keys, formats) -> dict:
 
 def generate(out_dir: str, rows: int, test_rows: int, fields: int = 39, interactions: bool = False,
              seed: int = 1, hash_bits: int = 24, formats=("libsvm", "criteo")) -> SynthInfo:
-    """Write ``train.*`` and ``test.*`` in ``formats`` and ``info.json``; returns the info."""
+    """Write ``train.*`` and ``test.*`` in ``formats`` and ``info.json``; returns the info.
+
+    When ``out_dir`` already holds this data set (same parameters, every file of ``formats`` whole),
+    it is reused (``info.reused``) instead of written again: the rows depend only on the parameters.
+    """
     os.makedirs(out_dir, exist_ok=True)
+    params = {"rows": rows, "test_rows": test_rows, "fields": fields, "interactions": interactions,
+              "hash_bits": hash_bits, "seed": seed}
+    found = _existing(out_dir, params, formats)
+    if found is not None:
+        return found
     files = {}
     for name, n, s in (("train", rows, seed), ("test", test_rows, seed + 1_000_003)):
         labels, p, ints, cats, present, keys = _rows(n, fields, s, hash_bits, interactions)
@@ -128,8 +181,9 @@ def generate(out_dir: str, rows: int, test_rows: int, fields: int = 39, interact
             best_ll = metrics.logloss(labels, margins)
             best_auc = metrics.auc(labels, p)
             pos_rate = float(labels.mean())
-    info = SynthInfo(rows, test_rows, fields, interactions, hash_bits, seed, best_ll, best_auc, pos_rate, files)
-    info.save(os.path.join(out_dir, "info.json"))
+    info = SynthInfo(rows, test_rows, fields, interactions, hash_bits, seed, best_ll, best_auc, pos_rate, files,
+                     {p: os.path.getsize(p) for p in files.values()})
+    info.save(os.path.join(out_dir, "info.json"))  # last: it marks the files whole
     return info
 
 
