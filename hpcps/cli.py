@@ -200,7 +200,8 @@ def _cmd_gen_data(args) -> int:
         return 0
     info = synth.generate(args.out_dir, args.rows, args.test_rows, args.fields, args.interactions, args.seed,
                           args.hash_bits, formats=tuple(args.formats.split(",")))
-    print(f"hpcps gen-data: {info.rows} train + {info.test_rows} test rows in {args.out_dir}; best achievable "
+    print(f"hpcps gen-data: {info.rows} train + {info.test_rows} test rows in {args.out_dir}"
+          f"{' (already there: reused)' if info.reused else ''}; best achievable "
           f"test logloss {info.best_test_logloss:.5f}, AUC {info.best_test_auc:.5f}")
     return 0
 
