@@ -139,9 +139,12 @@ class ServerTable:
     def pull(self, keys: np.ndarray, out: np.ndarray, worker: int = -1) -> None:
         """Values of ``keys`` into ``out`` (n, dim); ``worker``: who pulls, whose next push of
         the same keys reuses their slots (see :meth:`_push_slots`)."""
-        slots = self.index.lookup(keys)
         s = self.spec
-        kinit.pull_rows(self.rows, slots, keys, s.dim, self.kind, s.init_scale, s.seed, out)
+        if isinstance(self.index, DirectKeyIndex):  # lookup and gather in one pass
+            slots = self.index.pull(keys, self.rows, s.dim, self.kind, s.init_scale, s.seed, out)
+        else:
+            slots = self.index.lookup(keys)
+            kinit.pull_rows(self.rows, slots, keys, s.dim, self.kind, s.init_scale, s.seed, out)
         for key, values in self.init_keys:  # absent keys with given initial values
             out[(keys == key) & (slots < 0)] = values
         if worker >= 0 and self.counts is None and not self.max_keys:

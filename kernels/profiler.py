@@ -305,7 +305,26 @@ def bench_hashtable(rows, repeat, roof):
     table_bytes = grown.index.nbytes + grown.key_capacity * payload
     extra = {"bytes_per_key": table_bytes / grown.size, "payload_bytes": payload,
              "bytes_ratio": table_bytes / grown.size / payload}
-    return [_row("hash lookup_or_insert/grow 0->10M", n, "keys", t_grow, t_dict, "Python dict", None, extra),
+    # a server's pull on a direct index (hashed keys): lookup and row gather fused, against the two
+    # kernels one after the other; 1 M keys of 2**24 stored, Zipf batches of ~18 k distinct keys
+    di = directindex.DirectKeyIndex(24)
+    di.lookup_or_insert(np.sort(rng.choice(2**24, 1_000_000, replace=False)).astype(np.uint64))
+    rows_ = np.zeros((di.key_capacity, 3), np.float32)
+    zb = [np.unique(rng.zipf(1.1, 39_000) % (1 << 24)).astype(np.uint64) for _ in range(50)]
+    nz = sum(q.size for q in zb)
+
+    def pull_fused():
+        for q in zb:
+            di.pull(q, rows_, 1, init.ZEROS, 0.0, 0, np.empty((q.size, 1), np.float32))
+
+    def pull_two():
+        for q in zb:
+            init.pull_rows(rows_, di.lookup(q), q, 1, init.ZEROS, 0.0, 0, np.empty((q.size, 1), np.float32))
+
+    t_pf, t_p2 = median_time(pull_fused, repeat), median_time(pull_two, repeat)
+    return [_row("direct pull (lookup + gather)/Zipf", nz, "keys", t_pf, t_p2, "direct_lookup then pull_rows",
+                 nz / t_pf / 1e6 / roof["random_access_m_s"]),
+            _row("hash lookup_or_insert/grow 0->10M", n, "keys", t_grow, t_dict, "Python dict", None, extra),
             _row("hash lookup_or_insert/at 10M", 1_000_000, "keys", t_steady, t_dict_look / 2, "Python dict",
                  1e6 / t_steady / 1e6 / roof["random_access_m_s"]),
             _row("hash lookup/10M", probe.size, "keys", t_look, t_dict_look, "Python dict",
@@ -430,6 +449,9 @@ def warmup() -> None:
     di = directindex.DirectKeyIndex.from_keys(np.array([1, 2**40], dtype=np.uint64), 4)
     di.lookup(np.array([1, 3, 2**40], dtype=np.uint64))
     di.lookup_or_insert(np.array([5, 2**41], dtype=np.uint64))
+    for dim in (1, 3):  # a server's pull: LR and FM/embedding rows
+        di.pull(np.array([1, 3, 2**40], dtype=np.uint64), np.zeros((di.key_capacity, 3 * dim), np.float32), dim,
+                init.NORMAL, 0.01, 0, np.empty((3, dim), np.float32))
     hashing.feature_key(1, b"x")
     # parsing, as the data loader calls it: on writable buffers (a bytearray's view)
     text = np.frombuffer(bytearray(b"1 1:1\n"), dtype=np.uint8)

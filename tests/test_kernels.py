@@ -563,6 +563,29 @@ def test_direct_index_gives_the_slots_a_hash_index_gives(batches):
     np.testing.assert_array_equal(again.lookup(allq), h.lookup(allq))
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, 2**12 - 1), st.integers(2**12, 2**64 - 1)), max_size=300),
+       st.lists(st.one_of(st.integers(0, 2**12 - 1), st.integers(2**12, 2**64 - 1)), max_size=300),
+       st.sampled_from([(1, "zeros"), (3, "normal"), (2, "uniform")]))
+def test_direct_pull_is_lookup_then_pull_rows_in_one_pass(stored, asked, dim_kind):
+    """The fused pull of a direct index: the same slots and the same bits as the two kernels,
+    present keys (direct and overflow) and absent ones (their initial values) alike."""
+    from hpcps_kernels import init
+
+    dim, kind = dim_kind
+    d = directindex.DirectKeyIndex(12)
+    d.lookup_or_insert(np.unique(np.array(stored, dtype=np.uint64)))
+    rows = np.random.default_rng(len(stored)).normal(size=(d.key_capacity, 3 * dim)).astype(np.float32)
+    q = np.array(asked + stored[:50], dtype=np.uint64)
+    out = np.full((q.size, dim), np.nan, np.float32)
+    slots = d.pull(q, rows, dim, init.KINDS[kind], 0.1, 7, out)
+    want_slots = d.lookup(q)
+    want = np.empty((q.size, dim), np.float32)
+    init.pull_rows(rows, want_slots, q, dim, init.KINDS[kind], 0.1, 7, want)
+    np.testing.assert_array_equal(slots, want_slots)
+    np.testing.assert_array_equal(out, want)
+
+
 def test_direct_index_overflow_grows_past_its_load():
     d = directindex.DirectKeyIndex(8)
     big = np.arange(2**40, 2**40 + 5000, dtype=np.uint64)   # all above 2**8: all overflow
