@@ -17,17 +17,18 @@ SCRIPT = textwrap.dedent("""
     from numba.core.registry import CPUDispatcher
     from hpcps_kernels import profiler
 
+    KERNELS = {}  # "module.name" -> dispatcher, each kernel where it is defined
+    for m in pkgutil.iter_modules(hpcps_kernels.__path__):
+        if m.name in ("profiler", "reference", "__main__"):
+            continue
+        mod = importlib.import_module(f"hpcps_kernels.{m.name}")
+        for name, obj in vars(mod).items():
+            if isinstance(obj, CPUDispatcher) and obj.__module__ == mod.__name__ \\
+                    and obj.targetoptions.get("inline") != "always":
+                KERNELS[f"{m.name}.{name}"] = obj
+
     def signatures():
-        out = {}
-        for m in pkgutil.iter_modules(hpcps_kernels.__path__):
-            if m.name in ("profiler", "reference", "__main__"):
-                continue
-            mod = importlib.import_module(f"hpcps_kernels.{m.name}")
-            for name, obj in vars(mod).items():
-                if isinstance(obj, CPUDispatcher) and obj.__module__ == mod.__name__ \\
-                        and obj.targetoptions.get("inline") != "always":
-                    out[f"{m.name}.{name}"] = sorted(map(str, obj.signatures))
-        return out
+        return {k: sorted(map(str, obj.signatures)) for k, obj in KERNELS.items()}
 
     def callees(fn, seen):  # the kernels fn calls, directly or through others (names in its code)
         codes = [fn.py_func.__code__]
@@ -45,15 +46,11 @@ SCRIPT = textwrap.dedent("""
     before = signatures()
     # A kernel called only from other kernels is compiled into them: from a warm cache its own
     # dispatcher never loads, so it counts as warmed up when a warmed-up kernel calls it.
-    dispatchers = {f"{m.name}.{name}": obj for m in pkgutil.iter_modules(hpcps_kernels.__path__)
-                   if m.name not in ("profiler", "reference", "__main__")
-                   for name, obj in vars(importlib.import_module(f"hpcps_kernels.{m.name}")).items()
-                   if isinstance(obj, CPUDispatcher)}
     called = set()
     for k, v in before.items():
         if v:
-            callees(dispatchers[k], called)
-    missing = sorted(k for k, v in before.items() if not v and dispatchers[k] not in called)
+            callees(KERNELS[k], called)
+    missing = sorted(k for k, v in before.items() if not v and KERNELS[k] not in called)
 
     from hpcps.checkpoint import checksum
     from hpcps.placement import Placement
