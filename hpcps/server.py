@@ -156,14 +156,17 @@ class ServerTable:
         rebuilt: eviction, loading), its slots stand and only the keys absent then are looked
         up again (another worker's push may have inserted them since)."""
         got = self.resolved.pop(worker, None) if worker >= 0 else None
-        if got is None or got[2] is not self.index or not np.array_equal(got[0], keys):
+        if got is None or got[2] is not self.index:
             return self.index.lookup_or_insert(keys)
-        slots = got[1]
-        absent = np.flatnonzero(slots < 0)
-        if absent.size:
-            slots = slots.copy()
+        absent = np.empty(keys.shape[0], dtype=np.int64)
+        m = kkeys.reusable_slots(got[0], got[1], keys, absent)
+        if m < 0:
+            return self.index.lookup_or_insert(keys)
+        slots = got[1]  # the pull's own array, used by nothing else now: completed in place
+        if m:
+            absent = absent[:m]
             slots[absent] = self.index.lookup_or_insert(keys[absent])
-        self.reused += keys.shape[0] - absent.size
+        self.reused += keys.shape[0] - m
         return slots
 
     def partial_margins(self, keys: np.ndarray, values: np.ndarray, row_ids: np.ndarray, n_rows: int,

@@ -434,6 +434,7 @@ def warmup() -> None:
     keys.segment_reduce(idx, np.ones((idx.size, 1), dtype=np.float32))
     keys.merge_sorted([(uniq, np.ones((uniq.size, 1), np.float32))] * 2)
     keys.is_sorted_unique(uniq)
+    keys.reusable_slots(uniq, np.zeros(uniq.size, np.int64), uniq, np.empty(uniq.size, np.int64))
     sl = np.array([0, 2], dtype=np.int64)
     g = np.ones((2, 1), dtype=np.float32)
     for rule in optim.REGISTRY.values():  # every registered update rule

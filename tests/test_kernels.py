@@ -62,6 +62,23 @@ def test_segment_reduce_matches_numpy_and_loses_no_mass(k, dim):
 
 
 @SETTINGS
+@given(key_arrays(), st.data())
+def test_reusable_slots_is_array_equal_then_flatnonzero(k, data):
+    slots = np.array(data.draw(st.lists(st.integers(-1, 9), min_size=k.size, max_size=k.size)), dtype=np.int64)
+    other = k.copy()
+    if k.size and data.draw(st.booleans()):  # one key differs, anywhere
+        other[data.draw(st.integers(0, k.size - 1))] ^= np.uint64(1 << data.draw(st.integers(0, 63)))
+    if data.draw(st.booleans()):  # or the lengths differ
+        other = other[:data.draw(st.integers(0, k.size))]
+    absent = np.full(k.size, -7, dtype=np.int64)
+    m = keys.reusable_slots(k, slots, other, absent)
+    if not np.array_equal(k, other):
+        assert m == -1
+    else:
+        np.testing.assert_array_equal(absent[:m], np.flatnonzero(slots < 0))
+
+
+@SETTINGS
 @given(st.lists(key_arrays(), min_size=1, max_size=7), st.sampled_from([1, 4]))
 def test_merge_sorted_equals_segment_reduce_of_the_concatenation(lists, dim):
     parts = []
