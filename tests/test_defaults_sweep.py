@@ -26,3 +26,21 @@ def test_the_sweep_reports_what_its_jobs_measured(tmp_path):
     assert 0.3 < r["defaults"] < 0.7 and 0.3 < r["tuned"] < 0.7
     row = [line for line in p.stdout.splitlines() if line.startswith("| s3k-f6")]
     assert row and f"{r['defaults']:.4f}" in row[0] and f"{r['gap']:+.4f}" in row[0]
+
+
+def test_a_candidate_default_is_measured_against_the_stored_best(tmp_path):
+    """--candidate: the job's own test loss, minus the stored best, counted against 0.002."""
+    stored = {"s3k-f10": {"grid_best": 0.60, "tuned": 0.59, "gap": 0.01, "metric": "test_logloss"}}
+    out = tmp_path / "stored.json"
+    out.write_text(json.dumps(stored))
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "docs", "defaults-sweep.py"), "--only", "s3k-f10",
+                        "--out", str(out), "--candidate", "train.epochs=1", "optimizer.l2=10"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert json.loads(out.read_text()) == stored  # nothing written
+    row = [line for line in p.stdout.splitlines() if line.startswith("| s3k-f10")][0].split("|")
+    loss = float(row[3].split()[0])
+    assert 0.3 < loss < 0.8 and row[3].split()[1] == "(-)"  # no early stopping: no best epoch
+    assert row[5].strip() == f"{loss - 0.59:+.4f}" and row[6].strip() == "+0.0100"
+    within = int(loss - 0.59 <= 0.002)
+    assert f"within 0.002 of the best: {within} of 1 (the defaults: 0)" in p.stdout
