@@ -73,6 +73,14 @@ def make(kind, rows, test_rows, kw, out):
     return d["train"], d["test"]
 
 
+def prepare(tmp: str, name: str, kind: str, rows: int, test_rows: int, kw: dict, settings: list[str]):
+    """Generate one set into ``tmp/name``; returns (that folder, its metric, the settings of a job on it)."""
+    d = os.path.join(tmp, name)
+    train, test = make(kind, rows, test_rows, kw, d)
+    metric = "test_rmse" if kind == "ratings" else "test_logloss"
+    return d, metric, [f'data.train="{train}"', f'data.test="{test}"', "train.progress=false", *settings]
+
+
 def job(ranks: int, args: list[str], what: str) -> str:
     cmd = [_mpiexec(), "-n", str(ranks), sys.executable, "-m", "hpcps.cli", *args]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
@@ -104,10 +112,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="hpcps-sweep-") as tmp:
         for name, used_by, (kind, rows, test_rows, kw), model, grid in chosen:
             t0 = time.time()
-            d = os.path.join(tmp, name)
-            train, test = make(kind, rows, test_rows, kw, d)
-            common = [f'data.train="{train}"', f'data.test="{test}"', "train.progress=false", *model]
-            metric = "test_rmse" if kind == "ratings" else "test_logloss"
+            d, metric, common = prepare(tmp, name, kind, rows, test_rows, kw, model)
             job(a.ranks, ["train", *sets_args(common), "--summary-json", f"{d}/defaults.json"], f"{name}: defaults")
             defaults = json.load(open(f"{d}/defaults.json"))[metric]
             job(a.ranks, ["train", *sets_args([*common, "train.holdout=10", "train.early_stop=2",
@@ -150,10 +155,7 @@ def candidate(chosen: list, settings: list[str], results: dict, ranks: int) -> N
         for name, _, (kind, rows, test_rows, kw), model, _ in chosen:
             if name not in results:
                 sys.exit(f"defaults-sweep: {name} has no results to compare with; run the sweep for it first")
-            d = os.path.join(tmp, name)
-            train, test = make(kind, rows, test_rows, kw, d)
-            metric = "test_rmse" if kind == "ratings" else "test_logloss"
-            common = [f'data.train="{train}"', f'data.test="{test}"', "train.progress=false", *model, *settings]
+            d, metric, common = prepare(tmp, name, kind, rows, test_rows, kw, [*model, *settings])
             job(ranks, ["train", *sets_args(common), "--summary-json", f"{d}/candidate.json"], f"{name}: candidate")
             got = json.load(open(f"{d}/candidate.json"))
             r = results[name]

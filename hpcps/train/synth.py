@@ -50,10 +50,7 @@ class SynthInfo:
     def save(self, path: str) -> None:
         facts = asdict(self)
         del facts["reused"]
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(facts, f, indent=1)
-        os.replace(tmp, path)
+        _write_whole(path, json.dumps(facts, indent=1).encode())
 
 
 def cache_dir() -> str:
@@ -132,15 +129,19 @@ def _rows(n: int, fields: int, seed: int, hash_bits: int, interactions: bool):
     return labels, p, ints, cats, present, keys
 
 
-def _write(path: str, writer, size_hint: int) -> None:
-    """Write to a temporary name, then rename: a job reading the file (another job generating
-    the same data at the same time) sees it whole or not at all."""
-    buf = np.empty(size_hint, dtype=np.uint8)
-    n = writer(buf)
+def _write_whole(path: str, data) -> None:
+    """Write ``data`` (bytes-like) to a temporary name, then rename: a job reading the file
+    (another job generating the same data at the same time) sees it whole or not at all."""
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "wb") as f:
-        f.write(buf[:n].data)
+        f.write(data)
     os.replace(tmp, path)
+
+
+def _write(path: str, writer, size_hint: int) -> None:
+    buf = np.empty(size_hint, dtype=np.uint8)
+    n = writer(buf)
+    _write_whole(path, buf[:n].data)
 
 
 def _write_all(prefix: str, labels, ints, cats, present, keys, formats) -> dict:
