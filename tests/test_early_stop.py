@@ -60,3 +60,16 @@ def test_holdout_settings_are_checked():
         config.from_dict({"train": {"early_stop": 2}})
     with pytest.raises(config.ConfigError, match="train.holdout = 1 would hold out every row"):
         config.from_dict({"train": {"holdout": 1}})
+
+
+def test_a_held_out_run_keeps_its_batches_compacted_and_trains_the_same(tmp_path):
+    # kept: each batch split once, its training rows kept compacted for the next epochs; streamed
+    # (a memory budget): every epoch parses and splits the part again. The same model, bit for bit.
+    sets = ("train.epochs=4", "train.holdout=5", "train.early_stop=3", "train.batch_size=500")
+    kept, kept_epochs, _, _ = _run(tmp_path / "kept", 2, *sets)
+    streamed, streamed_epochs, _, _ = _run(tmp_path / "streamed", 2, *sets, "data.memory_mb=1")
+    assert kept["kept_batches_mb"] > 0 and "kept_batches_mb" not in streamed
+    assert kept["examples"] == streamed["examples"] == 4 * (16000 - 16000 // 5)
+    for a, b in zip(kept_epochs, streamed_epochs, strict=True):
+        assert (a["holdout_logloss"], a["test_logloss"], a["train_loss"]) == \
+            (b["holdout_logloss"], b["test_logloss"], b["train_loss"])

@@ -420,11 +420,12 @@ class Trainer:
         # Batches kept for the next epochs, by step of an epoch, compacted (Dataset.compact: their
         # unique keys and int32 positions, deduplicated once) when the part is kept in memory
         # anyway and a step needs nothing else of the keys; once every step's batch is kept the
-        # stream's parsed slices go. Not with a holdout (its rows are split off each epoch) nor for
-        # the computation on the servers (it sends the keys).
-        self.kept: dict[int, tdata.Dataset] | None = (
+        # stream's parsed slices go. With a holdout a batch is split once: its training rows are
+        # kept compacted, its held-out rows until the holdout set is built. Not for the
+        # computation on the servers (it sends the keys).
+        self.kept: dict[int, tuple] | None = (
             {} if tr.epochs > 1 and isinstance(self.train, tdata.PartStream) and self.train.keep
-            and not tr.holdout and cfg.model.compute == "workers" and not self.model.reads_keys else None)
+            and cfg.model.compute == "workers" and not self.model.reads_keys else None)
         if self.kept is not None:
             self.train.keep_no_slices()
         # train.holdout = N: every Nth row of the part never trains; the rows of the first whole
@@ -446,20 +447,24 @@ class Trainer:
         tr = self.cfg.train
         if i not in self.made:
             j = i % self.steps
-            b = self.kept.get(j) if self.kept is not None else None
-            if b is None:
-                b = self._from_feed(j)
+            got = self.kept.get(j) if self.kept is not None else None
+            if got is not None:
+                b, held = got
+            else:
+                b, held = self._from_feed(j), None
+                if tr.holdout:
+                    b, held = b.split_every(tr.holdout, j * tr.batch_size)
                 if self.kept is not None:
                     b.keep_prepared = True
-                    self.kept[j] = b
+                    self.kept[j] = (b, held)
                     if len(self.kept) == self.steps:  # every batch kept: the stream's slices go
                         self._close_feed()
                         try:
                             self.train.forget()
                         except tdata.DataError as e:
                             transport.abort(f"error: {e}", code=2)
-            if tr.holdout:
-                b, self.held_out[i] = b.split_every(tr.holdout, j * tr.batch_size)
+            if held is not None:
+                self.held_out[i] = held
             self.made[i] = b
         return self.made[i]
 
@@ -567,6 +572,8 @@ class Trainer:
             pieces = [(p.labels, p.indptr, p.indices, p.values) for p in self.holdout_pieces]
             self.holdout = tdata.Dataset(*tdata._concat(pieces))
             self.holdout_pieces = []
+            if self.kept is not None:  # the kept batches' held-out rows are in the holdout set now
+                self.kept = {j: (b, None) for j, (b, _) in self.kept.items()}
         if self.holdout is not None:
             self.stopped_at = epoch if self.watch_holdout(epoch, record) else 0
         self.history.append(record)
@@ -659,7 +666,8 @@ class Trainer:
         if ctx.hosts:
             summary["hosts"] = ctx.layout.by_host(ctx.hosts)
         if self.kept is not None:  # the first worker's batches kept across epochs, compacted
-            summary["kept_batches_mb"] = round(sum(b.nbytes for b in self.kept.values()) / 2**20, 1)
+            summary["kept_batches_mb"] = round(sum(b.nbytes + (h.nbytes if h is not None else 0)
+                                                   for b, h in self.kept.values()) / 2**20, 1)
         if self.holdout is not None:
             summary["best_epoch"] = self.best["epoch"]
             summary["epochs_trained"] = self.stopped_at or tr.epochs
