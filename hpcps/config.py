@@ -93,7 +93,7 @@ class Optimizer:
 @dataclass(frozen=True)
 class Train:
     epochs: int = 2
-    batch_size: int = 1000           # rows per worker per step
+    batch_size: int = 0              # rows per worker per step (0 = auto: see AUTO_BATCH)
     gradient: str = "sum"            # sum | mean of the rows' gradients per key in a step
     aggregate: bool = True           # merge a worker group's pushes before sending
     eval_every: int = 0              # steps between evaluations (0 = at the end of each epoch)
@@ -278,7 +278,7 @@ RANGES = {
     ("model", "dense_lr"): (0, INF, False),
     ("model", "dense_sync_steps"): (1, INF, False),
     ("train", "epochs"): (1, INF, False),
-    ("train", "batch_size"): (1, INF, False),
+    ("train", "batch_size"): (0, INF, False),
     ("train", "eval_every"): (0, INF, False),
     ("train", "holdout"): (0, INF, False),
     ("train", "early_stop"): (0, INF, False),

@@ -171,6 +171,32 @@ def test_batches_kept_across_epochs_train_what_a_streamed_part_trains(small_data
     np.testing.assert_array_equal(a.values, b.values)
 
 
+def test_auto_batch_size_takes_at_least_64_steps_an_epoch_between_100_and_1000_rows(tmp_path):
+    from hpcps.train.loop import auto_batch_size
+    assert [auto_batch_size(r, w) for r, w in [(3000, 2), (30_000, 2), (64_000, 1), (64_001, 1), (1_500_000, 1),
+                                               (0, 1), (500_000, 4)]] == [100, 235, 1000, 1000, 1000, 100, 1000]
+    # the rows are counted as far as it matters: a last line without a newline counts
+    path = tmp_path / "t.txt"
+    for text, enough, want in [(b"a\nb\nc\n", 10, 3), (b"a\nb\nc", 10, 3), (b"a\nb\nc\n", 2, 2), (b"", 5, 0)]:
+        path.write_bytes(text)
+        assert tdata.rows_at_least(str(path), enough) == want
+    assert tdata.rows_at_least(str(tmp_path / "missing"), 5) == 0
+
+
+def test_a_small_set_trains_better_in_the_automatic_batches_than_in_1000_rows(tmp_path):
+    """4,000 rows on one worker: 4 steps an epoch of 1000 rows undertrain in 2 epochs (FTRL moves
+    a key about once a step); the automatic size takes 40 steps of 100 rows."""
+    d = synth.generate(str(tmp_path / "d"), 4000, 1001, fields=8, seed=2, formats=("libsvm",))
+    data = sets(data__train=d.files["train_libsvm"], data__test=d.files["test_libsvm"], train__progress=False)
+    got = {}
+    for batch in (0, 1000):
+        out = tmp_path / f"{batch}.json"
+        _, text, _ = hpcps_job(2, ["train", *data, *sets(train__batch_size=batch), "--summary-json", str(out)])
+        got[batch] = json.loads(out.read_text())["test_logloss"]
+        assert ("40 steps/epoch of 100 rows (auto)" if batch == 0 else "4 steps/epoch of 1000 rows\n") in text
+    assert got[0] < got[1000] - 0.005, got
+
+
 def test_pull_early_is_bit_identical_under_bsp_and_within_the_staleness_under_ssp(small_data, tmp_path):
     """train.pull_early sends the next batch's pull before the step computes, for the next clock:
     under BSP the servers answer it after every worker's clock, so an FM in a worker group of 2

@@ -287,6 +287,22 @@ def load_part(path: str, part: int, parts: int, fmt: str = "auto", hash_bits: in
     return ds
 
 
+def rows_at_least(path: str, enough: int) -> int:
+    """The lines of ``path``, counted until ``enough`` (then ``enough``; 0 for a missing file):
+    reads at most as far as the ``enough``-th line."""
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        return 0
+    n, at, piece = 0, 0, 16 << 20
+    while at < size and n < enough:
+        got, last = _count_newlines(path, at, min(at + piece, size))
+        n, at = n + got, at + piece
+    if at >= size and size and last != b"\n":
+        n += 1
+    return min(n, enough)
+
+
 def rows_bound(path: str, start: int, end: int) -> int:
     """At most how many rows ``path[start:end]`` holds (its lines; blank, comment and skipped
     lines make it an upper bound)."""

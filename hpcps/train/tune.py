@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+from dataclasses import replace
 
 from hpcps import config
 from hpcps.train.loop import Trainer, evaluate_columns
@@ -100,6 +101,10 @@ class Tuner(Trainer):
         n = len(self.cfgs)
         self.member_best = [{"loss": math.inf, "epoch": 0, "test": {}} for _ in range(n)]
         self.member_stopped = [0] * n
+
+    def set_batch_size(self, rows: int) -> None:
+        super().set_batch_size(rows)
+        self.cfgs = [replace(c, train=replace(c.train, batch_size=rows)) for c in self.cfgs]
 
     def build_model(self, bias: float, fields: int):
         return Grid(self.ctx, self.cfgs, bias, fields)
