@@ -180,7 +180,7 @@ def test_auto_batch_size_takes_at_least_64_steps_an_epoch_between_100_and_1000_r
     for text, enough, want in [(b"a\nb\nc\n", 10, 3), (b"a\nb\nc", 10, 3), (b"a\nb\nc\n", 2, 2), (b"", 5, 0)]:
         path.write_bytes(text)
         assert tdata.rows_at_least(str(path), enough) == want
-    assert tdata.rows_at_least(str(tmp_path / "missing"), 5) == 0
+    assert tdata.rows_at_least(str(tmp_path / "missing"), 5) == tdata.rows_at_least(str(tmp_path), 5) == 0
 
 
 def test_a_small_set_trains_better_in_the_automatic_batches_than_in_1000_rows(tmp_path):

@@ -288,16 +288,16 @@ def load_part(path: str, part: int, parts: int, fmt: str = "auto", hash_bits: in
 
 
 def rows_at_least(path: str, enough: int) -> int:
-    """The lines of ``path``, counted until ``enough`` (then ``enough``; 0 for a missing file):
+    """The lines of ``path``, counted until ``enough`` (then ``enough``; 0 for a file it cannot read):
     reads at most as far as the ``enough``-th line."""
+    n, at, piece = 0, 0, 16 << 20
     try:
         size = os.path.getsize(path)
-    except OSError:
+        while at < size and n < enough:
+            got, last = _count_newlines(path, at, min(at + piece, size))
+            n, at = n + got, at + piece
+    except OSError:  # (loading the part says what is wrong with it, on every rank)
         return 0
-    n, at, piece = 0, 0, 16 << 20
-    while at < size and n < enough:
-        got, last = _count_newlines(path, at, min(at + piece, size))
-        n, at = n + got, at + piece
     if at >= size and size and last != b"\n":
         n += 1
     return min(n, enough)

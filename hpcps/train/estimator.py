@@ -28,7 +28,7 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 from hpcps import config
 from hpcps.context import LocalContext
 from hpcps.train.data import BIAS_KEY, Dataset
-from hpcps.train.loop import BIAS_ROWS
+from hpcps.train.loop import BIAS_ROWS, auto_batch_size
 from hpcps.train.models import make_model, margins_from_params
 from hpcps_kernels import optim
 
@@ -130,7 +130,8 @@ class _SparseModel(BaseEstimator):
                 ctx.clock_value = self.clock_
                 server.clocks[:] = self.clock_
             data = _rows(X, labels)
-            batches = [data.batch(lo, lo + tr.batch_size) for lo in range(0, data.rows, tr.batch_size)] * epochs
+            size = tr.batch_size or auto_batch_size(data.rows, 1)
+            batches = [data.batch(lo, lo + size) for lo in range(0, data.rows, size)] * epochs
             losses = [model.step(batch, 1.0, batches[i + 1:i + 3]) for i, batch in enumerate(batches)]
             model.finish()
             self.train_loss_ = float(np.sum(losses[-(len(batches) // epochs):]) / data.rows)  # the last epoch's
@@ -182,7 +183,7 @@ class SparseClassifier(ClassifierMixin, _SparseModel):
         l1, l2: regularisation (l1: FTRL only) [optimizer.l1, optimizer.l2].
         factors, init_scale: an FM's factors per feature and their initial std.
         epochs: passes over the data; batch_size: rows per step (the gradient of a step is the sum
-            over its rows, as ``train.gradient = "sum"``).
+            over its rows, as ``train.gradient = "sum"``; 0: automatic, as ``train.batch_size = 0``).
         random_state: the seed of the factors' initializer [model.seed].
 
     More than two classes: wrap it, ``sklearn.multiclass.OneVsRestClassifier(SparseClassifier())``.
