@@ -26,6 +26,16 @@ def test_the_sweep_reports_what_its_jobs_measured(tmp_path):
     assert 0.3 < r["defaults"] < 0.7 and 0.3 < r["tuned"] < 0.7
     row = [line for line in p.stdout.splitlines() if line.startswith("| s3k-f6")]
     assert row and f"{r['defaults']:.4f}" in row[0] and f"{r['gap']:+.4f}" in row[0]
+    # --paired: the same two models again (the same numbers), scored row by row on the test set
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "docs", "defaults-sweep.py"), "--only", "s3k-f6",
+                        "--paired", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    cells = [c.strip() for c in [line for line in p.stdout.splitlines() if line.startswith("| s3k-f6")][0].split("|")]
+    assert cells[2] == "300"  # (scores are written with 6 decimals: the losses agree to about 1e-6)
+    for got, want in zip(map(float, cells[3:6]), (r["defaults"], r["tuned"], r["defaults"] - r["tuned"])):
+        assert abs(got - want) <= 1.5e-4, (cells, r["defaults"], r["tuned"])
+    se, (lo, hi) = float(cells[6]), map(float, cells[7].strip("[]").split(", "))
+    assert 0 < se < 0.05 and lo < r["defaults"] - r["tuned"] < hi
 
 
 def test_a_candidate_default_is_measured_against_the_stored_best(tmp_path):
