@@ -49,3 +49,12 @@ def test_fingerprint_changes_with_any_value():
     a = config.from_dict({})
     b = config.from_dict({"train": {"epochs": 5}})
     assert a.fingerprint() != b.fingerprint() and a.fingerprint() == config.from_dict({}).fingerprint()
+
+
+def test_ftrl_l2_defaults_to_10_for_the_factor_models_under_the_logistic_loss():
+    def l2(**sections):
+        return config.from_dict(sections).optimizer.params.get("l2")
+    assert l2() is None and l2(model={"type": "fm", "loss": "squared"}) is None  # the registry's 0
+    assert l2(model={"type": "fm"}) == l2(model={"type": "wdl"}) == l2(model={"type": "deepfm"}) == 10.0
+    assert l2(model={"type": "fm"}, optimizer={"l2": 0}) == 0.0  # a setting wins
+    assert l2(model={"type": "fm"}, optimizer={"name": "adagrad"}) is None

@@ -60,7 +60,7 @@ class _SparseModel(BaseEstimator):
     _loss = "logistic"
 
     def __init__(self, model: str = "lr", optimizer: str = "ftrl", learning_rate: float | None = None,
-                 l1: float = 0.0, l2: float = 0.0, factors: int = 8, init_scale: float = 0.01, epochs: int = 5,
+                 l1: float = 0.0, l2: float | None = None, factors: int = 8, init_scale: float = 0.01, epochs: int = 5,
                  batch_size: int = 100, random_state: int = 0):
         self.model = model
         self.optimizer = optimizer
@@ -91,6 +91,8 @@ class _SparseModel(BaseEstimator):
                 if name not in takes:
                     raise ValueError(f"{name} = {value}: the {self.optimizer} optimizer has no {name} "
                                      f"(it takes {sorted(takes)})")
+                params[name] = value
+            elif value is not None and name in takes:  # an explicit 0 (None: hpcps train's default)
                 params[name] = value
         seed = self.random_state if isinstance(self.random_state, (int, np.integer)) else 0
         raw = {"model": {"type": self.model, "loss": self._loss, "factors": self.factors,
@@ -180,7 +182,8 @@ class SparseClassifier(ClassifierMixin, _SparseModel):
         optimizer: the server optimizer, ``"ftrl"`` (default), ``"adagrad"``, ``"adam"``, ``"sgd"``
             [optimizer.name].
         learning_rate: FTRL's alpha or the others' lr; None = the optimizer's default.
-        l1, l2: regularisation (l1: FTRL only) [optimizer.l1, optimizer.l2].
+        l1, l2: regularisation (l1: FTRL only) [optimizer.l1, optimizer.l2]; l2 None: hpcps train's
+            default (10 for an FM classifier with FTRL, else 0).
         factors, init_scale: an FM's factors per feature and their initial std.
         epochs: passes over the data; batch_size: rows per step (the gradient of a step is the sum
             over its rows, as ``train.gradient = "sum"``; 0: automatic, as ``train.batch_size = 0``).
