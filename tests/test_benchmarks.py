@@ -46,7 +46,9 @@ def test_ps_benchmark_reports_throughput_beside_raw_mpi():
     assert {("push+apply", 1000), ("pull", 20000), ("waiting", None)} <= ops
     assert all(0 < r["roofline_ratio"] and 0 < r["ratio"] for r in rows if r["op"] != "waiting")
     waiting = [r for r in rows if r["op"] == "waiting"][0]
-    assert waiting["hpcps wait"] < 0.5 < waiting["blocking Recv"]  # the polling wait does not burn a core
+    # the polling wait does not burn a core; a blocking Recv does, as much as it gets of one (on a
+    # loaded machine it shares it: 36 % once here), so the two are compared within this run
+    assert waiting["hpcps wait"] < 0.2 and 5 * waiting["hpcps wait"] < waiting["blocking Recv"], waiting
     assert "idle server CPU" in proc.stdout
 
 
