@@ -73,7 +73,7 @@ def data(tmp_path_factory):
 def test_the_same_model_as_hpcps_train_in_one_process(data, tmp_path, model, batch):
     """Column j is key j, rows end with the bias, the same batches and steps: the estimator's
     parameters are those of the model file `hpcps train` writes (one process, no mpiexec rank).
-    Batch size 0: both pick the automatic size (100 rows a step for these 6,000 rows)."""
+    Batch size 0: both pick the automatic size (50 rows a step for these 6,000 rows)."""
     est = hpcps.SparseClassifier(model=model, epochs=2, batch_size=batch, learning_rate=0.2, l2=0.5)
     est.fit(data["X"], data["y"])
     out = tmp_path / "model.h5"
@@ -81,7 +81,7 @@ def test_the_same_model_as_hpcps_train_in_one_process(data, tmp_path, model, bat
                                               optimizer__alpha=0.2, optimizer__l2=0.5, train__epochs=2,
                                               train__model_out=str(out), train__progress=False),
                                *(sets(train__batch_size=batch) if batch else [])])
-    assert f"of {batch or 100} rows" in text
+    assert f"of {batch or 50} rows" in text
     served = ServingModel(str(out))
     params = served.pull(np.arange(1 << 14, dtype=np.uint64))
     np.testing.assert_allclose(est.coef_[0], params[:, 0], rtol=1e-5, atol=1e-6)

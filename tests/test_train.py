@@ -171,10 +171,10 @@ def test_batches_kept_across_epochs_train_what_a_streamed_part_trains(small_data
     np.testing.assert_array_equal(a.values, b.values)
 
 
-def test_auto_batch_size_takes_at_least_64_steps_an_epoch_between_100_and_1000_rows(tmp_path):
+def test_auto_batch_size_takes_at_least_128_steps_an_epoch_between_50_and_1000_rows(tmp_path):
     from hpcps.train.loop import auto_batch_size
-    assert [auto_batch_size(r, w) for r, w in [(3000, 2), (30_000, 2), (64_000, 1), (64_001, 1), (1_500_000, 1),
-                                               (0, 1), (500_000, 4)]] == [100, 235, 1000, 1000, 1000, 100, 1000]
+    assert [auto_batch_size(r, w) for r, w in [(3000, 2), (30_000, 2), (64_000, 1), (128_001, 1), (1_500_000, 1),
+                                               (0, 1), (500_000, 4)]] == [50, 118, 500, 1000, 1000, 50, 977]
     # the rows are counted as far as it matters: a last line without a newline counts
     path = tmp_path / "t.txt"
     for text, enough, want in [(b"a\nb\nc\n", 10, 3), (b"a\nb\nc", 10, 3), (b"a\nb\nc\n", 2, 2), (b"", 5, 0)]:
@@ -185,7 +185,7 @@ def test_auto_batch_size_takes_at_least_64_steps_an_epoch_between_100_and_1000_r
 
 def test_a_small_set_trains_better_in_the_automatic_batches_than_in_1000_rows(tmp_path):
     """4,000 rows on one worker: 4 steps an epoch of 1000 rows undertrain in 2 epochs (FTRL moves
-    a key about once a step); the automatic size takes 40 steps of 100 rows."""
+    a key about once a step); the automatic size takes 80 steps of 50 rows."""
     d = synth.generate(str(tmp_path / "d"), 4000, 1001, fields=8, seed=2, formats=("libsvm",))
     data = sets(data__train=d.files["train_libsvm"], data__test=d.files["test_libsvm"], train__progress=False)
     got = {}
@@ -193,7 +193,7 @@ def test_a_small_set_trains_better_in_the_automatic_batches_than_in_1000_rows(tm
         out = tmp_path / f"{batch}.json"
         _, text, _ = hpcps_job(2, ["train", *data, *sets(train__batch_size=batch), "--summary-json", str(out)])
         got[batch] = json.loads(out.read_text())["test_logloss"]
-        assert ("40 steps/epoch of 100 rows (auto)" if batch == 0 else "4 steps/epoch of 1000 rows\n") in text
+        assert ("80 steps/epoch of 50 rows (auto)" if batch == 0 else "4 steps/epoch of 1000 rows\n") in text
     assert got[0] < got[1000] - 0.005, got
 
 
