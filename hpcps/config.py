@@ -140,11 +140,33 @@ class Config:
     def model_fingerprint(self) -> str:
         """What a checkpoint must match to be resumed: model, optimizer and key space (not the
         data paths, epochs or layout, which may change between runs)."""
-        d = self.to_dict()
-        keep = {"model": d["model"], "optimizer": d["optimizer"], "hash_bits": d["data"]["hash_bits"],
-                **({"features": d["features"]} if self.features != Features() else {}),
-                "num_shards": d["cluster"]["num_shards"], "gradient": d["train"]["gradient"]}
+        keep = fingerprinted(self.to_dict())
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def fingerprinted(d: dict) -> dict:
+    """The parts of a configuration (as :meth:`Config.to_dict` writes it) that
+    :meth:`Config.model_fingerprint` hashes."""
+    features = d.get("features", {})
+    return {"model": d.get("model"), "optimizer": d.get("optimizer"), "hash_bits": d.get("data", {}).get("hash_bits"),
+            **({"features": features} if features != dataclasses.asdict(Features()) else {}),
+            "num_shards": d.get("cluster", {}).get("num_shards"), "gradient": d.get("train", {}).get("gradient")}
+
+
+def fingerprint_differences(then: dict, now: dict) -> list[str]:
+    """``key was X, now Y`` for each fingerprinted setting that differs between two configurations
+    (as :meth:`Config.to_dict` writes them: a checkpoint's and this run's)."""
+    def flat(d: dict) -> dict:
+        out = {}
+        for part, value in fingerprinted(d).items():
+            names = {"hash_bits": "data.hash_bits", "num_shards": "cluster.num_shards", "gradient": "train.gradient"}
+            if isinstance(value, dict):
+                out.update({f"{part}.{k}": v for k, v in value.items()})
+            else:
+                out[names.get(part, part)] = value
+        return out
+    a, b = (flat(json.loads(json.dumps(d))) for d in (then, now))  # as stored: tuples are lists
+    return [f"{k} was {a.get(k, 'unset')}, now {b.get(k, 'unset')}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}

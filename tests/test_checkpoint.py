@@ -220,3 +220,18 @@ def test_inspect_and_export(job_data, reference, tmp_path):
     subprocess.run([*HPCPS, "export", final, "--out", str(tmp_path / "exported.h5")], check=True,
                    capture_output=True, timeout=120)
     assert_same_model(tmp_path / "exported.h5", reference)
+
+
+def test_resuming_with_another_model_names_the_settings_that_differ(tmp_path):
+    # an FM checkpointed with FTRL's l2 at 0, resumed with the factor models' default l2 of 10
+    common = ["train", "--set", "synth.rows=3000", "--set", "synth.test_rows=300", "--set",
+              f"synth.dir={json.dumps(str(tmp_path / 'd'))}", "--set", 'model.type="fm"', "--set",
+              f"checkpoint.dir={json.dumps(str(tmp_path / 'ck'))}", "--set", "train.progress=false"]
+    first = subprocess.run([*mpiexec(), "-n", "2", *HPCPS, *common, "--set", "optimizer.l2=0", "--set", "train.epochs=1"],
+                           capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = subprocess.run([*mpiexec(), "-n", "2", *HPCPS, *common, "--set", 'checkpoint.resume="auto"'],
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode != 0
+    assert "written for another model, optimizer or key space" in again.stderr
+    assert "optimizer.l2 was 0.0, now 10.0)" in again.stderr  # the only difference, named

@@ -58,3 +58,11 @@ def test_ftrl_l2_defaults_to_10_for_the_factor_models_under_the_logistic_loss():
     assert l2(model={"type": "fm"}) == l2(model={"type": "wdl"}) == l2(model={"type": "deepfm"}) == 10.0
     assert l2(model={"type": "fm"}, optimizer={"l2": 0}) == 0.0  # a setting wins
     assert l2(model={"type": "fm"}, optimizer={"name": "adagrad"}) is None
+
+
+def test_fingerprint_differences_name_the_settings():
+    a = config.from_dict({"model": {"type": "fm"}, "optimizer": {"l2": 0}, "data": {"hash_bits": 20}})
+    b = config.from_dict({"model": {"type": "fm", "factors": 4}, "data": {"hash_bits": 22}, "train": {"epochs": 9}})
+    assert config.fingerprint_differences(a.to_dict(), b.to_dict()) == [
+        "data.hash_bits was 20, now 22", "model.factors was 8, now 4", "optimizer.l2 was 0.0, now 10.0"]
+    assert config.fingerprint_differences(a.to_dict(), a.to_dict()) == []  # epochs, paths: not fingerprinted

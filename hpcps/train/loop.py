@@ -77,8 +77,10 @@ def resolve_resume(cfg, comm) -> tuple[str, dict] | None:
             except checkpoint.CheckpointError as e:
                 error = str(e)
         if found and found[1].get("model_fingerprint") != cfg.model_fingerprint():
+            changed = config.fingerprint_differences(found[1].get("config") or {}, cfg.to_dict())
             error = (f"{found[0]} was written for another model, optimizer or key space "
-                     f"(model fingerprint {found[1].get('model_fingerprint')} != {cfg.model_fingerprint()})")
+                     f"(model fingerprint {found[1].get('model_fingerprint')} != {cfg.model_fingerprint()}"
+                     + (f": {'; '.join(changed)}" if changed else "") + ")")
     found, error = transport.bcast_object(comm, (found, error), 0, cfg.cluster.stall_timeout_s,
                                           "broadcast of the checkpoint to resume")
     if error:
