@@ -75,7 +75,7 @@ class Model:
     init_scale: float = 0.01         # fm, wdl, deepfm: std of the initial factors/embeddings (lr: zeros)
     seed: int = 0                    # seed of the initializer
     compute: str = "workers"         # "servers": the servers compute margins and gradients
-    bias_init: str = "auto"          # auto: the label mean under the squared loss (0 under logistic); zero
+    bias_init: str = "auto"          # auto: the first labels' mean (squared loss) or its log-odds (logistic; lr, fm); zero
     hidden: tuple = (64, 32)         # wdl, deepfm: the MLP's hidden layer sizes
     activation: str = "relu"         # wdl, deepfm: relu | tanh
     fields: int = 0                  # wdl, deepfm: fields per row; 0 = the format's (Criteo 39, libsvm/vw 1)

@@ -4,6 +4,7 @@ continue training exactly, and quality against scikit-learn's linear models."""
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import sys
@@ -102,6 +103,14 @@ def test_an_fm_classifier_is_regularised_by_default(data):
     assert "l2" not in hpcps.SparseClassifier(model="lr")._config(16).optimizer.params  # FTRL's 0
     assert "l2" not in hpcps.SparseRegressor(model="fm")._config(16).optimizer.params
     assert hpcps.SparseClassifier(model="fm", l2=0.0)._config(16).optimizer.params["l2"] == 0.0
+
+
+def test_a_classifier_starts_its_bias_at_the_base_rates_log_odds(data):
+    """As model.bias_init = "auto" in hpcps train: SGD at a negligible rate leaves the start."""
+    est = hpcps.SparseClassifier(optimizer="sgd", learning_rate=1e-12, epochs=1).fit(data["X"], data["y"])
+    p = float(np.mean(data["y"][:4096] == est.classes_[1]))
+    assert est.intercept_[0] == pytest.approx(math.log(p / (1 - p)), abs=1e-6)
+    assert np.abs(est.coef_).max() < 1e-6
 
 
 def test_partial_fit_and_pickle_continue_training_exactly(data):

@@ -5,6 +5,7 @@ and checkpoint, resume, export, eval and predict must work as they do under mpie
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -139,6 +140,26 @@ def test_a_job_without_data_generates_it_once_into_the_cache_and_reuses_it(tmp_p
     assert said == [f"  data         {where} (synthetic; the next run reuses it)",
                     f"  data         {where} (synthetic; reused from an earlier run)"]
     assert metrics[0] == metrics[1] and sorted(os.listdir(where)) == ["info.json", "test.svm", "train.svm"]
+
+
+def test_a_classifier_starts_its_bias_at_the_base_rates_log_odds(data, tmp_path):
+    """model.bias_init = "auto": the bias starts at the log-odds of the first 4096 labels' mean.
+    SGD at a negligible rate leaves every weight where it started, so the model file shows the
+    start and every test row is predicted at the base rate."""
+    from hpcps.train.data import BIAS_KEY
+    first = np.array([float(line.split(None, 1)[0]) for _, line in zip(range(4096), open(data[0]))])
+    test_y = np.array([float(line.split(None, 1)[0]) for line in open(data[1])])
+    p = float(first.mean())
+    assert 0.05 < p < 0.45  # a base rate away from a half, so the two starts differ
+    for init, want in (("auto", math.log(p / (1 - p))), ("zero", 0.0)):
+        s, model, _ = train(data, tmp_path, init, 'optimizer.name="sgd"', "optimizer.lr=1e-12",
+                            f'model.bias_init="{init}"')
+        bias = float(model.values[model.keys == np.uint64(BIAS_KEY)][0, 0])
+        assert bias == pytest.approx(want, abs=1e-6), (init, bias, want)
+        q = 1 / (1 + math.exp(-want))
+        base = -float(np.mean(test_y * math.log(q) + (1 - test_y) * math.log(1 - q)))
+        assert s["test_logloss"] == pytest.approx(base, abs=1e-5), (init, s["test_logloss"], base)
+        assert np.abs(model.values[model.keys != np.uint64(BIAS_KEY)]).max() < 1e-6
 
 
 def test_a_regression_starts_its_bias_at_the_label_mean_and_beats_predicting_the_mean(tmp_path):

@@ -7,6 +7,7 @@ of different sizes in subprocesses (with timeouts) and compare what they write.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -181,6 +182,15 @@ def test_auto_batch_size_takes_at_least_128_steps_an_epoch_between_50_and_1000_r
         path.write_bytes(text)
         assert tdata.rows_at_least(str(path), enough) == want
     assert tdata.rows_at_least(str(tmp_path / "missing"), 5) == tdata.rows_at_least(str(tmp_path), 5) == 0
+
+
+def test_the_bias_starts_where_it_predicts_the_mean_label():
+    from hpcps.train.loop import BIAS_P, bias_for
+    assert bias_for(0.25, "logistic") == pytest.approx(math.log(1 / 3))
+    assert bias_for(0.5, "logistic") == 0.0
+    edge = math.log(BIAS_P / (1 - BIAS_P))  # a part of one class: clipped, finite
+    assert bias_for(0.0, "logistic") == pytest.approx(edge) and bias_for(1.0, "logistic") == pytest.approx(-edge)
+    assert bias_for(3.5, "squared") == 3.5 and bias_for(-2.0, "squared") == -2.0
 
 
 def test_a_small_set_trains_better_in_the_automatic_batches_than_in_1000_rows(tmp_path):

@@ -28,7 +28,7 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 from hpcps import config
 from hpcps.context import LocalContext
 from hpcps.train.data import BIAS_KEY, Dataset
-from hpcps.train.loop import BIAS_ROWS, auto_batch_size
+from hpcps.train.loop import BIAS_ROWS, auto_batch_size, bias_for
 from hpcps.train.models import make_model, margins_from_params
 from hpcps_kernels import optim
 
@@ -122,8 +122,8 @@ class _SparseModel(BaseEstimator):
         try:
             resumed = getattr(self, "tables_", None)
             bias = 0.0
-            if self._loss == "squared" and not resumed:  # a regression starts at the label mean
-                bias = float(np.mean(labels[:BIAS_ROWS], dtype=np.float64))
+            if not resumed:  # the bias that predicts the first labels' mean (model.bias_init = "auto")
+                bias = bias_for(np.mean(labels[:BIAS_ROWS], dtype=np.float64), self._loss)
             model = make_model(ctx, cfg, bias)
             server = ctx._local_server()
             if resumed:
@@ -189,7 +189,8 @@ class SparseClassifier(ClassifierMixin, _SparseModel):
             over its rows, as ``train.gradient = "sum"``; 0: automatic, as ``train.batch_size = 0``).
         random_state: the seed of the factors' initializer [model.seed].
 
-    More than two classes: wrap it, ``sklearn.multiclass.OneVsRestClassifier(SparseClassifier())``.
+    The bias starts at the log-odds of the first 4096 labels' base rate, as ``model.bias_init =
+    "auto"`` does. More than two classes: wrap it, ``sklearn.multiclass.OneVsRestClassifier(SparseClassifier())``.
     """
 
     def fit(self, X, y):
