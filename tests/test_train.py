@@ -138,7 +138,10 @@ def test_bsp_group_of_two_equals_single_process_on_the_same_data_order(tmp_path,
     single = str(tmp_path / "single.svm")
     interleave_for_one_worker(train, 2, batch, single)
     params = {"ftrl": dict(optimizer__alpha=0.3), "adagrad": dict(optimizer__lr=0.1)}[optimizer]
-    common = sets(train__epochs=2, train__progress=False, optimizer__name=optimizer, cluster__staleness=0, **params)
+    # the bias starts at 0 in both: "auto" starts it from the first rows of each worker's part,
+    # which are not the same rows in the two layouts
+    common = sets(train__epochs=2, train__progress=False, optimizer__name=optimizer, cluster__staleness=0,
+                  model__bias_init="zero", **params)
     hpcps_job(3, ["train", *common, *sets(data__train=train, cluster__worker_groups=1,
                                           train__batch_size=batch, train__model_out=str(tmp_path / "multi.h5"))])
     hpcps_job(2, ["train", *common, *sets(data__train=single, train__batch_size=2 * batch,
@@ -204,7 +207,7 @@ def test_a_small_set_trains_better_in_the_automatic_batches_than_in_1000_rows(tm
         _, text, _ = hpcps_job(2, ["train", *data, *sets(train__batch_size=batch), "--summary-json", str(out)])
         got[batch] = json.loads(out.read_text())["test_logloss"]
         assert ("80 steps/epoch of 50 rows (auto)" if batch == 0 else "4 steps/epoch of 1000 rows\n") in text
-    assert got[0] < got[1000] - 0.005, got
+    assert got[0] < got[1000] - 0.003, got  # 0.0049 here since the bias starts at the log-odds
 
 
 def test_pull_early_is_bit_identical_under_bsp_and_within_the_staleness_under_ssp(small_data, tmp_path):
