@@ -200,7 +200,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("dim", [1, 16])
+@pytest.mark.parametrize("dim", [1, 16, 64])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_update_rule_against_its_transcription(name, dim):
     args, kernel, reference = CASES[name]
@@ -220,6 +220,18 @@ def test_sgd_lr1_integer_gradients_are_exact_sums():
     g = np.array([[1, 2], [3, 4], [5, 6], [-7, 8]], dtype=np.float32)
     optim.sgd(p, slots, g, 1.0, 0.0)
     np.testing.assert_array_equal(p, [[1, -16], [0, 0], [-3, -4]])
+
+
+@pytest.mark.parametrize("dim", [1, 16])
+def test_ftrl_without_beta_leaves_a_row_of_zero_gradients_at_zero(dim):
+    """beta = 0 and l2 = 0 are allowed; a new row whose gradients are all 0 has n = 0 and z = 0:
+    its weight is 0 (it raised ZeroDivisionError on the server, 0 / 0)."""
+    rows = np.zeros((4, optim.width("ftrl", dim)), dtype=np.float32)
+    grads = np.zeros((2, dim), dtype=np.float32)
+    grads[1, 0] = 0.5  # and a row with a gradient moves as usual
+    optim.ftrl(rows, np.array([0, 1]), grads, 0.1, 0.0, 0.0, 0.0)
+    assert np.all(rows[0] == 0) and np.all(np.isfinite(rows))
+    assert rows[1, 0] == pytest.approx(-0.1)  # -z alpha / sqrt(n) = -0.5 * 0.1 / 0.5
 
 
 @pytest.mark.parametrize("l1", [0.0, 5.0])
