@@ -8,7 +8,7 @@ kernels of ``hpcps train``. A column ``j`` of the matrix is the key ``j``; every
 the bias key, as in the training files.
 
     from hpcps import SparseClassifier
-    clf = SparseClassifier(model="fm", epochs=5).fit(X_train, y_train)
+    clf = SparseClassifier(model="fm").fit(X_train, y_train)
     clf.predict_proba(X_test)[:, 1]
 
 After ``fit`` the model is plain NumPy: ``coef_``, ``intercept_`` (and ``factors_`` for an FM);
@@ -60,8 +60,8 @@ class _SparseModel(BaseEstimator):
     _loss = "logistic"
 
     def __init__(self, model: str = "lr", optimizer: str = "ftrl", learning_rate: float | None = None,
-                 l1: float = 0.0, l2: float | None = None, factors: int = 8, init_scale: float = 0.01, epochs: int = 5,
-                 batch_size: int = 100, random_state: int = 0):
+                 l1: float = 0.0, l2: float | None = None, factors: int = 8, init_scale: float = 0.01, epochs: int = 2,
+                 batch_size: int = 0, random_state: int = 0):
         self.model = model
         self.optimizer = optimizer
         self.learning_rate = learning_rate
@@ -185,8 +185,9 @@ class SparseClassifier(ClassifierMixin, _SparseModel):
         l1, l2: regularisation (l1: FTRL only) [optimizer.l1, optimizer.l2]; l2 None: hpcps train's
             default (10 for an FM classifier with FTRL, else 0).
         factors, init_scale: an FM's factors per feature and their initial std.
-        epochs: passes over the data; batch_size: rows per step (the gradient of a step is the sum
-            over its rows, as ``train.gradient = "sum"``; 0: automatic, as ``train.batch_size = 0``).
+        epochs: passes over the data (2, as hpcps train); batch_size: rows per step (the gradient
+            of a step is the sum over its rows, as ``train.gradient = "sum"``; 0, the default:
+            automatic, as ``train.batch_size = 0``).
         random_state: the seed of the factors' initializer [model.seed].
 
     The bias starts at the log-odds of the first 4096 labels' base rate, as ``model.bias_init =
