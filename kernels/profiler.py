@@ -264,6 +264,14 @@ def bench_optim(rows, repeat, roof):
     t = median_time(lambda: rule.apply(table, sw, gw, params), repeat)
     tr = median_time(lambda: ref.ftrl_vectorized(ww, zw, nw, sw, gw, 0.1, 1.0, 1.0, 1.0), repeat)
     out.append(_row(f"ftrl dim {dim}/{n_wide} rows", sw.size * dim, "coords", t, tr, "vectorised NumPy, separate arrays"))
+    rule = optim.get("adagrad")
+    params = {**rule.params, "lr": 0.1, "eps": 1e-8, "l2": 0.0}
+    table = np.zeros((n_wide, rule.width(dim)), dtype=np.float32)
+    table[:, dim:] = rule.new_state(dim, params)
+    t = median_time(lambda: rule.apply(table, sw, gw, params), repeat)
+    wa, acc = np.zeros((n_wide, dim), dtype=np.float32), np.full((n_wide, dim), 0.1, dtype=np.float32)
+    tr = median_time(lambda: ref.adagrad_vectorized(wa, acc, sw, gw, 0.1, 1e-8, 0.0), repeat)
+    out.append(_row(f"adagrad dim {dim}/{n_wide} rows", sw.size * dim, "coords", t, tr, "vectorised NumPy, separate arrays"))
     return out
 
 
