@@ -272,6 +272,15 @@ def bench_optim(rows, repeat, roof):
     wa, acc = np.zeros((n_wide, dim), dtype=np.float32), np.full((n_wide, dim), 0.1, dtype=np.float32)
     tr = median_time(lambda: ref.adagrad_vectorized(wa, acc, sw, gw, 0.1, 1e-8, 0.0), repeat)
     out.append(_row(f"adagrad dim {dim}/{n_wide} rows", sw.size * dim, "coords", t, tr, "vectorised NumPy, separate arrays"))
+    rule = optim.get("adam")
+    params = {**rule.params, "lr": 0.01, "l2": 0.0}
+    table = np.zeros((n_wide, rule.width(dim)), dtype=np.float32)
+    table[:, dim:] = rule.new_state(dim, params)
+    t = median_time(lambda: rule.apply(table, sw, gw, params), repeat)
+    wa, m1, m2 = (np.zeros((n_wide, dim), dtype=np.float32) for _ in range(3))
+    steps = np.zeros(n_wide, dtype=np.float32)
+    tr = median_time(lambda: ref.adam_vectorized(wa, m1, m2, steps, sw, gw, 0.01, 0.9, 0.999, 1e-8, 0.0), repeat)
+    out.append(_row(f"adam dim {dim}/{n_wide} rows", sw.size * dim, "coords", t, tr, "vectorised NumPy, separate arrays"))
     return out
 
 
