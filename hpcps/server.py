@@ -44,6 +44,9 @@ from hpcps_kernels import models as kmodels
 from hpcps_kernels.directindex import DirectKeyIndex
 from hpcps_kernels.hashtable import KeyIndex
 
+# a checkpoint write that fails late, in HDF5's release of the file's objects, says so in one line
+transport.EXPLAINERS.append(checkpoint.explain_write_failure)
+
 
 class ServerTable:
     """One table's shard on this server."""

@@ -116,6 +116,22 @@ def abort(message: str, code: int = 1, comm: MPI.Comm | None = None) -> None:
     comm.Abort(code)
 
 
+# Functions that may turn an exception into a clearer (type name, first line) for the abort
+# message, registered by higher layers (this module imports none of them); None: no opinion.
+EXPLAINERS: list[Callable[[BaseException], tuple[str, str] | None]] = []
+
+
+def _explain(exc: BaseException) -> tuple[str, str]:
+    for explain in EXPLAINERS:
+        try:
+            got = explain(exc)
+        except Exception:  # noqa: BLE001 - an explainer never hides the error it explains
+            got = None
+        if got:
+            return got
+    return type(exc).__name__, (str(exc).splitlines()[0] if str(exc) else "")
+
+
 def install_abort_handler() -> None:
     """Make an unhandled exception on this rank (main or any thread) abort the whole job.
 
@@ -135,8 +151,8 @@ def install_abort_handler() -> None:
             previous(exc_type, exc, tb)
             return
         text = "".join(traceback.format_exception(exc_type, exc, tb))
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        abort(f"error: {exc_type.__name__}: {first}\n{text}")
+        name, first = _explain(exc)
+        abort(f"error: {name}: {first}\n{text}")
 
     def thread_hook(args):
         if args.exc_type is SystemExit:
