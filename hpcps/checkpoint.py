@@ -122,7 +122,6 @@ def _write_tables(path: str, server: int, servers: int, num_shards: int, tables:
                     g.create_dataset(k, data=np.ascontiguousarray(v))
                 else:
                     g.attrs[k] = v
-            del g  # no object of the file outlives its close, where a failed flush is reported
 
 
 def write_server_file(path: str, server: int, servers: int, num_shards: int, tables: list[tuple]) -> tuple[int, str]:
@@ -144,15 +143,11 @@ def write_server_file(path: str, server: int, servers: int, num_shards: int, tab
     failure = None
     try:
         _write_tables(path, server, servers, num_shards, tables)
-        gc.collect()  # releases of the file's objects that flush to the disk fail here, not later
     except (OSError, RuntimeError) as e:
         code = getattr(e, "errno", None) or re.search(r"errno = (\d+)", str(e))
         failure = (code if isinstance(code, int) else int(code.group(1)) if code else errno.EIO,
                    str(e).splitlines()[0] if str(e) else type(e).__name__)
-        # free the failed file's objects (their frames) while errors are caught: a collection
-        # stops at the first object whose release raises, so collect until one goes through
-        # (with 3 tries a later release raised elsewhere, as a bare RuntimeError: seen once in CI)
-        for _ in range(100):
+        for _ in range(3):  # free the failed file's objects (their frames) while errors are caught
             try:
                 traceback.clear_frames(e.__traceback__)
                 gc.collect()

@@ -20,7 +20,7 @@ Every rule takes ``slots`` (int64) and ``grads`` (float32, ``(n, dim)``); ``grad
 anywhere in a table far larger than the cache (2.5-2.9x faster on random slots here). A slot
 listed twice is updated twice, in order (merge duplicates first with
 :func:`hpcps_kernels.keys.segment_reduce`). Arithmetic is float64, stored as float32, except FTRL,
-AdaGrad and Adam on rows of 8 values and wider, whose vectorised loops compute in float32.
+AdaGrad and Adam on rows of ``TWO_PASS_DIM`` values and wider, whose vectorised loops compute in float32.
 
 **The registry.** Everything about an optimizer is one :class:`Optimizer` in :data:`REGISTRY`: its
 hyper-parameters with defaults and allowed ranges, its state width, how a new row's state starts,
@@ -74,7 +74,10 @@ def sgd(rows, slots, grads, lr, l2):
             r[d] = w - lr * (grads[i, d] + l2 * w)
 
 
-ADAGRAD_TWO_PASS_DIM = 8  # from this width up the two-pass loop (below): 2.4x at 8, 2.6x at 64; 0.8x at 2
+# From this row width up, FTRL, AdaGrad and Adam run their two-pass float32 loops (below), which
+# vectorise: against the one-pass float64 loops, FTRL 1.7x at 8 (1.2x at 4), AdaGrad 2.4x at 8 and
+# 2.6x at 64 (0.8x at 2), Adam 3.2x at 16, 2.3x at 64 and 4.3x at 1024.
+TWO_PASS_DIM = 8
 
 
 @njit(cache=True, error_model="numpy")  # no zero check on the division (eps > 0): the loop vectorises
@@ -105,7 +108,7 @@ def _adagrad_two_pass(rows, slots, grads, lr, eps, l2):
 @njit(cache=True)
 def adagrad(rows, slots, grads, lr, eps, l2):
     dim = grads.shape[1]
-    if dim >= ADAGRAD_TWO_PASS_DIM:
+    if dim >= TWO_PASS_DIM:
         _adagrad_two_pass(rows, slots, grads, lr, eps, l2)
         return
     flat, width, n = rows.reshape(-1), rows.shape[1], slots.shape[0]
@@ -125,7 +128,6 @@ def adagrad(rows, slots, grads, lr, eps, l2):
 # whose gradients so far are all 0 has n = 0 and z = 0, and its weight is 0, not 0 / 0 (which
 # raised ZeroDivisionError on the server, or, without the check, made a NaN).
 FTRL_FLOOR = 1e-30
-FTRL_TWO_PASS_DIM = 8  # from this width up the two-pass loop (below): 1.7x at 8, 1.2x at 4 (float32 against float64)
 
 
 @njit(cache=True, error_model="numpy")  # no zero check on the division (it kept the loop scalar)
@@ -167,7 +169,7 @@ def _ftrl_two_pass(rows, slots, grads, inv_alpha, beta, l1, l2):
 def ftrl(rows, slots, grads, alpha, beta, l1, l2):
     dim = grads.shape[1]
     inv_alpha = 1.0 / alpha
-    if dim >= FTRL_TWO_PASS_DIM:
+    if dim >= TWO_PASS_DIM:
         _ftrl_two_pass(rows, slots, grads, inv_alpha, beta, l1, l2)
         return
     flat, width, n = rows.reshape(-1), rows.shape[1], slots.shape[0]
@@ -187,9 +189,6 @@ def ftrl(rows, slots, grads, alpha, beta, l1, l2):
             # w = 0 when |z| <= l1, written without a branch (it mispredicts on real data)
             shrink = max(abs(z) - l1, 0.0)
             rows[s, d] = -math.copysign(shrink, z) / max((beta + sqrt_new) * inv_alpha + l2, FTRL_FLOOR) + 0.0
-
-
-ADAM_TWO_PASS_DIM = 8  # from this width up the two-pass loop (below): 3.2x at 16, 2.3x at 64, 4.3x at 1024
 
 
 @njit(cache=True, error_model="numpy")  # no zero check on the divisions (eps > 0): the loops vectorise
@@ -232,7 +231,7 @@ def _adam_two_pass(rows, slots, grads, lr, beta1, beta2, eps, l2):
 @njit(cache=True)
 def adam(rows, slots, grads, lr, beta1, beta2, eps, l2):
     dim = grads.shape[1]
-    if dim >= ADAM_TWO_PASS_DIM:
+    if dim >= TWO_PASS_DIM:
         _adam_two_pass(rows, slots, grads, lr, beta1, beta2, eps, l2)
         return
     flat, width, n = rows.reshape(-1), rows.shape[1], slots.shape[0]

@@ -252,35 +252,29 @@ def bench_optim(rows, repeat, roof):
         tr = median_time(rfn, repeat)
         out.append(_row(f"{name}/10M rows", slots.size, "keys", t, tr, "vectorised NumPy, separate arrays",
                         slots.size / t / 1e6 / roof["random_access_m_s"]))
-    # FTRL on wide rows (an embedding or FM table): the two-pass loop, per coordinate
+    # the rules on wide rows (an embedding or FM table, a dense chunk): their two-pass loops, per coordinate
     dim, n_wide = 64, 1 << 17
-    rule = optim.get("ftrl")
-    params = {**rule.params, "alpha": 0.1, "beta": 1.0, "l1": 1.0, "l2": 1.0}
     sw = np.unique(rng.integers(0, n_wide, min(rows * 8, 100_000)))
     gw = rng.normal(size=(sw.size, dim)).astype(np.float32)
-    table = np.zeros((n_wide, rule.width(dim)), dtype=np.float32)
-    table[:, dim:] = rule.new_state(dim, params)
-    ww, zw, nw = (np.zeros((n_wide, dim), dtype=np.float32) for _ in range(3))
-    t = median_time(lambda: rule.apply(table, sw, gw, params), repeat)
-    tr = median_time(lambda: ref.ftrl_vectorized(ww, zw, nw, sw, gw, 0.1, 1.0, 1.0, 1.0), repeat)
-    out.append(_row(f"ftrl dim {dim}/{n_wide} rows", sw.size * dim, "coords", t, tr, "vectorised NumPy, separate arrays"))
-    rule = optim.get("adagrad")
-    params = {**rule.params, "lr": 0.1, "eps": 1e-8, "l2": 0.0}
-    table = np.zeros((n_wide, rule.width(dim)), dtype=np.float32)
-    table[:, dim:] = rule.new_state(dim, params)
-    t = median_time(lambda: rule.apply(table, sw, gw, params), repeat)
-    wa, acc = np.zeros((n_wide, dim), dtype=np.float32), np.full((n_wide, dim), 0.1, dtype=np.float32)
-    tr = median_time(lambda: ref.adagrad_vectorized(wa, acc, sw, gw, 0.1, 1e-8, 0.0), repeat)
-    out.append(_row(f"adagrad dim {dim}/{n_wide} rows", sw.size * dim, "coords", t, tr, "vectorised NumPy, separate arrays"))
-    rule = optim.get("adam")
-    params = {**rule.params, "lr": 0.01, "l2": 0.0}
-    table = np.zeros((n_wide, rule.width(dim)), dtype=np.float32)
-    table[:, dim:] = rule.new_state(dim, params)
-    t = median_time(lambda: rule.apply(table, sw, gw, params), repeat)
-    wa, m1, m2 = (np.zeros((n_wide, dim), dtype=np.float32) for _ in range(3))
+    ww, s1, s2 = (np.zeros((n_wide, dim), dtype=np.float32) for _ in range(3))
+    acc = np.full((n_wide, dim), 0.1, dtype=np.float32)
     steps = np.zeros(n_wide, dtype=np.float32)
-    tr = median_time(lambda: ref.adam_vectorized(wa, m1, m2, steps, sw, gw, 0.01, 0.9, 0.999, 1e-8, 0.0), repeat)
-    out.append(_row(f"adam dim {dim}/{n_wide} rows", sw.size * dim, "coords", t, tr, "vectorised NumPy, separate arrays"))
+    wide = [
+        ("ftrl", {"alpha": 0.1, "beta": 1.0, "l1": 1.0, "l2": 1.0},
+         lambda: ref.ftrl_vectorized(ww, s1, s2, sw, gw, 0.1, 1.0, 1.0, 1.0)),
+        ("adagrad", {"lr": 0.1, "eps": 1e-8, "l2": 0.0}, lambda: ref.adagrad_vectorized(ww, acc, sw, gw, 0.1, 1e-8, 0.0)),
+        ("adam", {"lr": 0.01, "l2": 0.0},
+         lambda: ref.adam_vectorized(ww, s1, s2, steps, sw, gw, 0.01, 0.9, 0.999, 1e-8, 0.0)),
+    ]
+    for name, params, rfn in wide:
+        rule = optim.get(name)
+        params = {**rule.params, **params}
+        table = np.zeros((n_wide, rule.width(dim)), dtype=np.float32)
+        table[:, dim:] = rule.new_state(dim, params)
+        t = median_time(lambda: rule.apply(table, sw, gw, params), repeat)
+        tr = median_time(rfn, repeat)
+        out.append(_row(f"{name} dim {dim}/{n_wide} rows", sw.size * dim, "coords", t, tr,
+                        "vectorised NumPy, separate arrays"))
     return out
 
 

@@ -211,7 +211,7 @@ def auto_batch_size(rows: int, workers: int) -> int:
     return min(AUTO_BATCH_MAX, max(AUTO_BATCH_MIN, math.ceil(rows / max(workers, 1) / AUTO_BATCH_STEPS)))
 
 
-BIAS_ROWS = 4096  # rows per worker whose labels set a regression's initial bias
+BIAS_ROWS = 4096  # rows per worker whose labels set the initial bias (model.bias_init = "auto")
 
 
 # The logistic bias starts within the log-odds of [BIAS_P, 1 - BIAS_P]. It does for LR and FM,
