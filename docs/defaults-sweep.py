@@ -19,6 +19,12 @@ tuned model (the issue's goal: at most 0.002 logloss), and tune's pick against t
 tuned model (the stored pick, for its epochs) again, scores the test rows with both, and prints the
 gap with its paired bootstrap standard error over the test rows (2,000 resamples).
 
+``--picks`` measures tune's pick on a test set large enough to judge it (on 300–5,000 test rows
+the grid's best on test is partly the luck of those rows): each logloss set's training rows again
+with 20,000 test rows, ``hpcps tune`` with ``--folds 1`` (one holdout) and with ``--folds auto``
+(cross-validation folds), each pick's test loss against the grid's best (the one-holdout run's
+members, scored on the 20,000 rows).
+
 ``--candidate KEY=VALUE ...`` tries other defaults instead: one job per set with those settings
 added, each compared with the grid's best and tuned model already in ``--out`` (nothing is
 written), and a count of the logloss sets within 0.002. For example, early stopping with an L2 of
@@ -105,12 +111,17 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(HERE, "defaults-sweep.json"))
     ap.add_argument("--candidate", nargs="+", metavar="KEY=VALUE",
                     help="try these settings as the defaults against the results in --out (writes nothing)")
+    ap.add_argument("--picks", action="store_true",
+                    help="tune's pick with one holdout and with folds, judged on --pick-test-rows test rows")
+    ap.add_argument("--pick-test-rows", type=int, default=20_000)
     ap.add_argument("--paired", action="store_true",
                     help="the gap between the defaults and the tuned model in --out, with its bootstrap error")
     a = ap.parse_args()
     chosen = [s for s in SETS if not a.only or s[0] in a.only]
     if a.paired:
         return paired(chosen, json.load(open(a.out)), a.ranks)
+    if a.picks:
+        return picks(chosen, a.ranks, a.epochs, a.pick_test_rows)
     if a.candidate:
         return candidate(chosen, a.candidate, json.load(open(a.out)), a.ranks)
     results = json.load(open(a.out)) if a.only and os.path.exists(a.out) else {}
@@ -176,6 +187,31 @@ def candidate(chosen: list, settings: list[str], results: dict, ranks: int) -> N
             print(f"| {name} | {metric.split('_')[1]} | {got[metric]:.4f} ({got.get('best_epoch') or '-'}) | {best:.4f} "
                   f"| {gap:+.4f} | {r['gap']:+.4f} |", flush=True)
     print(f"\nlogloss sets within 0.002 of the best: {within} of {total} (the defaults: {before})")
+
+
+def picks(chosen: list, ranks: int, epochs: int, test_rows: int = 20_000) -> None:
+    """Each logloss set with ``test_rows`` test rows: tune's pick with one holdout and with folds,
+    each against the grid's best on those rows."""
+    print(f"| data set | folds (auto) | grid's best on {test_rows:,} test rows | one holdout: pick − best "
+          f"| folds: pick − best | time: one holdout / folds |")
+    print("|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory(prefix="hpcps-sweep-") as tmp:
+        for name, _, (kind, rows, _, kw), model, grid in chosen:
+            if kind == "ratings":
+                continue
+            d, metric, common = prepare(tmp, name, kind, rows, test_rows, kw, model)
+            got, times = {}, {}
+            for folds in ("1", "auto"):
+                t0 = time.time()
+                job(ranks, ["tune", *sets_args([*common, f"train.epochs={epochs}"]),
+                            *[g for item in grid for g in ("--grid", item)], "--folds", folds,
+                            "--summary-json", f"{d}/tune-{folds}.json"], f"{name}: tune --folds {folds}")
+                got[folds], times[folds] = json.load(open(f"{d}/tune-{folds}.json")), time.time() - t0
+            one = {r["member"]: r[metric] for r in got["1"]["ranking"]}  # each member's model on fold 0
+            best = min(one.values())
+            gaps = [one[got[f]["ranking"][0]["member"]] - best for f in ("1", "auto")]
+            print(f"| {name} | {got['auto']['folds']} | {best:.4f} | {gaps[0]:+.4f} | {gaps[1]:+.4f} "
+                  f"| {times['1']:.0f} / {times['auto']:.0f} s |", flush=True)
 
 
 def paired(chosen: list, results: dict, ranks: int) -> None:

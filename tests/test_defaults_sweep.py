@@ -54,3 +54,17 @@ def test_a_candidate_default_is_measured_against_the_stored_best(tmp_path):
     assert row[5].strip() == f"{loss - 0.59:+.4f}" and row[6].strip() == "+0.0100"
     within = int(loss - 0.59 <= 0.002)
     assert f"within 0.002 of the best: {within} of 1 (the defaults: 0)" in p.stdout
+
+
+def test_picks_judge_tunes_pick_on_a_larger_test_set(tmp_path):
+    """--picks: tune with one holdout and with folds on the set's rows, each pick against the
+    grid's best on a test set of --pick-test-rows rows (gaps are never negative: the best is the
+    minimum over the same members)."""
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "docs", "defaults-sweep.py"), "--only", "s3k-f6",
+                        "--picks", "--pick-test-rows", "2000", "--epochs", "2"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "grid's best on 2,000 test rows" in p.stdout
+    cells = [c.strip() for c in [line for line in p.stdout.splitlines() if line.startswith("| s3k-f6")][0].split("|")]
+    assert cells[2] == "10"  # 300 held-out rows a fold: all ten phases
+    assert 0.3 < float(cells[3]) < 0.7 and float(cells[4]) >= 0 and float(cells[5]) >= 0

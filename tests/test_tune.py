@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 
 import pytest
 
 from hpcps import config
-from hpcps.train import synth
+from hpcps.train import synth, tune
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -32,7 +33,8 @@ def test_grid_ranks_its_members_and_the_best_trains_again_identically(tune_data,
     common = sets(data__train=train, data__test=test, data__hash_bits=16, cluster__worker_groups=1,
                   train__progress=False, train__batch_size=500, train__epochs=6)
     _, out, _ = hpcps_job(3, ["tune", *common, "--grid", "optimizer.alpha=0.03,0.1,0.5", "--grid", "model.type=lr,fm",
-                              "--out", str(tmp_path / "best.toml"), "--summary-json", str(tmp_path / "tune.json")])
+                              "--folds", "1", "--out", str(tmp_path / "best.toml"),
+                              "--summary-json", str(tmp_path / "tune.json")])
     ranking = json.loads((tmp_path / "tune.json").read_text())["ranking"]
     assert len(ranking) == 6 and "6 models in one pass" in out
     losses = [r["holdout_logloss"] for r in ranking]
@@ -53,6 +55,7 @@ def test_grid_ranks_its_members_and_the_best_trains_again_identically(tune_data,
 
 @pytest.mark.parametrize("grid, extra, message", [
     (["optimizer.alpha=0.1,-1"], [], "grid point alpha=-1: optimizer.alpha"),
+    (["optimizer.alpha=0.1"], ["--folds", "11"], "--folds 11: between 1 and train.holdout (10)"),
     (["model.type=lr,deepfm"], [], "a grid's models are all lr/fm or all wdl/deepfm"),
     (["data.hash_bits=10,12"], [], "--grid data.hash_bits: a grid varies optimizer.*"),
     (["optimizer.alpha=" + ",".join(str(0.01 * i) for i in range(1, 10)),
@@ -77,7 +80,7 @@ def test_deep_members_train_as_they_would_alone(tmp_path):
     common = sets(data__train=d["train"], data__test=d["test"], data__hash_bits=16, cluster__worker_groups=1,
                   model__type="deepfm", model__fields=8, model__factors=4, model__hidden=[16],
                   train__progress=False, train__epochs=2, train__early_stop=0)
-    _, out, _ = hpcps_job(3, ["tune", *common, "--grid", "model.dense_lr=0.001,0.01",
+    _, out, _ = hpcps_job(3, ["tune", *common, "--grid", "model.dense_lr=0.001,0.01", "--folds", "1",
                               "--summary-json", str(tmp_path / "tune.json")])
     ranking = json.loads((tmp_path / "tune.json").read_text())["ranking"]
     assert "2 models in one pass" in out and len(ranking) == 2
@@ -87,6 +90,39 @@ def test_deep_members_train_as_they_would_alone(tmp_path):
         hpcps_job(3, ["train", *common, *sets(model__dense_lr=r["model.dense_lr"], train__holdout=10,
                                               train__epochs=r["best_epoch"]), "--summary-json", str(alone)])
         assert json.loads(alone.read_text())["test_logloss"] == r["test_logloss"]
+
+
+def test_folds_hold_out_every_row_once_and_rank_by_their_mean(tmp_path):
+    """On 3,000 rows --folds auto trains the grid 10 times, each holding out another tenth: the
+    held-out rows of all folds are the file's rows, each member's holdout loss is the mean of its
+    folds', its epoch their median, and the first fold is the one pass of --folds 1 exactly."""
+    s = synth.generate(str(tmp_path / "d"), 3000, 500, fields=6, seed=4, formats=("libsvm",))
+    common = sets(data__train=s.files["train_libsvm"], data__test=s.files["test_libsvm"], train__progress=False,
+                  train__epochs=3)
+    grid = ["--grid", "optimizer.alpha=0.05,0.5"]
+    _, out, _ = hpcps_job(2, ["tune", *common, *grid, "--out", str(tmp_path / "best.toml"),
+                              "--summary-json", str(tmp_path / "cv.json")])
+    cv = json.loads((tmp_path / "cv.json").read_text())
+    assert cv["folds"] == 10 and cv["holdout_rows"] == 3000, out
+    assert "2 models in 10 passes" in out and out.count("hpcps tune: fold ") == 10
+    _, _, _ = hpcps_job(2, ["tune", *common, *grid, "--folds", "1", "--summary-json", str(tmp_path / "one.json")])
+    one = {r["member"]: r for r in json.loads((tmp_path / "one.json").read_text())["ranking"]}
+    for r in cv["ranking"]:
+        folds = r["holdout_logloss_folds"]
+        assert len(folds) == 10 and len(set(folds)) == 10  # other rows held out each time
+        assert r["holdout_logloss"] == pytest.approx(sum(folds) / 10, abs=1e-12)
+        assert r["best_epoch"] == max(1, round(statistics.median(r["best_epoch_folds"])))
+        assert folds[0] == one[r["member"]]["holdout_logloss"]
+    assert [r["holdout_logloss"] for r in cv["ranking"]] == sorted(r["holdout_logloss"] for r in cv["ranking"])
+    written = config.load_raw(str(tmp_path / "best.toml"), [])
+    assert written["optimizer"]["alpha"] == cv["ranking"][0]["optimizer.alpha"]
+    assert written["train"]["epochs"] == cv["ranking"][0]["best_epoch"]
+
+
+@pytest.mark.parametrize("held, holdout, folds", [(300, 10, 10), (3000, 10, 7), (6000, 10, 4), (20_000, 10, 1),
+                                                  (250_000, 10, 1), (5, 3, 3), (0, 10, 10)])
+def test_auto_folds_aim_at_20000_held_out_rows(held, holdout, folds):
+    assert tune.auto_folds(held, holdout) == folds
 
 
 def test_toml_written_reads_back(tmp_path):

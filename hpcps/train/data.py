@@ -157,11 +157,12 @@ class Dataset:
         at = np.repeat(starts - indptr[:-1], lengths) + np.arange(indptr[-1])
         return Dataset(self.labels[rows], indptr, self.indices[at], self.values[at], 0, self.source)
 
-    def split_every(self, n: int, first_row: int) -> tuple["Dataset", "Dataset"]:
+    def split_every(self, n: int, first_row: int, phase: int | None = None) -> tuple["Dataset", "Dataset"]:
         """(the rows kept, every ``n``-th row held out), counting rows from ``first_row`` (this
-        batch's first row's number in its part): row r is held out when ``r % n == n - 1``."""
+        batch's first row's number in its part): row r is held out when ``r % n == phase``
+        (``n - 1`` unless given; ``hpcps tune``'s folds use the other phases)."""
         r = np.arange(first_row, first_row + self.rows)
-        held = (r % n) == n - 1
+        held = (r % n) == (n - 1 if phase is None else phase)
         return self.take_rows(np.flatnonzero(~held)), self.take_rows(np.flatnonzero(held))
 
     @property

@@ -327,6 +327,7 @@ class Trainer:
         self.synth_info: dict | None = None
         self.history: list[dict] = []
         self.preempted = False
+        self.holdout_phase: int | None = None  # train.holdout's rows r % N == phase (None: N - 1)
 
     # -- 1-3: every rank ---------------------------------------------------------------------------
 
@@ -499,7 +500,7 @@ class Trainer:
             else:
                 b, held = self._from_feed(j), None
                 if tr.holdout:
-                    b, held = b.split_every(tr.holdout, j * tr.batch_size)
+                    b, held = b.split_every(tr.holdout, j * tr.batch_size, self.holdout_phase)
                 if self.kept is not None:
                     b.keep_prepared = True
                     self.kept[j] = (b, held)
