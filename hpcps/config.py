@@ -53,6 +53,8 @@ class Data:
     cache_dir: str = ""              # binary cache of parsed data ("" = none; then the part is loaded whole)
     memory_mb: float = 0.0           # 0: keep the parsed training part in memory; > 0: hold at most this
                                      # much parsed data, reading the file again each epoch
+    shuffle_rows: int = 0            # > 0: each worker's rows shuffled in windows of this many (0 = file order)
+    shuffle_seed: int = 0            # the windows' permutations (the same every epoch)
     predict: str = ""                # after training, score this file ...
     predict_out: str = ""            # ... into this file, one score per row in input order
 
@@ -297,6 +299,8 @@ RANGES = {
     ("cluster", "stall_timeout_s"): (0, INF, True),
     ("data", "hash_bits"): (1, 64, False),
     ("data", "memory_mb"): (0, INF, False),
+    ("data", "shuffle_rows"): (0, INF, False),
+    ("data", "shuffle_seed"): (0, INF, False),
     ("synth", "rows"): (1, INF, False),
     ("synth", "test_rows"): (1, INF, False),
     ("synth", "fields"): (2, 39, False),

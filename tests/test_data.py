@@ -176,6 +176,45 @@ def test_stream_batches_equal_the_loaded_part(dataset, fmt, block_bytes, memory_
     assert (stream.kept is not None) == (memory_mb == 0)
 
 
+@pytest.mark.parametrize("block_bytes,memory_mb", [(1 << 12, 0), (1 << 14, 4.0), (1 << 30, 0)])
+def test_a_shuffled_stream_is_the_loaded_part_shuffled_in_the_same_windows(dataset, block_bytes, memory_mb):
+    """data.shuffle_rows: each window of 250 consecutive rows permuted, the same order every pass
+    and whichever reader (a stream in blocks of any size, within a budget or not; the part loaded
+    whole), and a resumed pass (skipped batches, inside a window too) goes on in that order."""
+    path = dataset.files["train_libsvm"]
+    whole = data.load_part(path, 1, 3, binary=True)
+    window, seed = 250, 7
+    order = data.window_order(whole.rows, window, seed)
+    for lo in range(0, whole.rows, window):
+        assert sorted(order[lo:lo + window]) == list(range(lo, min(lo + window, whole.rows)))
+    assert (order != np.arange(whole.rows)).mean() > 0.9
+    assert not np.array_equal(order, data.window_order(whole.rows, window, seed + 1))
+    loaded = data.LoadedPart(whole, window, seed).ds
+    np.testing.assert_array_equal(loaded.labels, whole.labels[order])
+    stream = data.PartStream(path, 1, 3, binary=True, memory_mb=memory_mb, block_bytes=block_bytes,
+                             shuffle_rows=window, shuffle_seed=seed).open()
+    np.testing.assert_array_equal(stream.head_labels(300), loaded.labels[:300])  # (the initial bias's rows)
+    bs = 97
+    steps = -(-whole.rows // bs)
+    for epoch in range(2):
+        for skip in (0, 5, 8) if epoch == 0 else (0,):  # 485 and 776 rows: inside windows 1 and 3
+            it = stream.batches(bs, skip=skip)
+            for i in range(skip, steps):
+                b, ref = next(it), loaded.batch(i * bs, (i + 1) * bs)
+                for name in ("labels", "indptr", "indices", "values"):
+                    np.testing.assert_array_equal(getattr(b, name), getattr(ref, name))
+            assert next(it).rows == 0
+            it.close()
+
+
+def test_a_shuffle_window_over_the_memory_budget_is_one_clear_error(dataset):
+    path = dataset.files["train_libsvm"]
+    stream = data.PartStream(path, 0, 1, memory_mb=0.05, block_bytes=1 << 12, shuffle_rows=2000).open()
+    with pytest.raises(data.DataError, match=r"train.svm: data.shuffle_rows = 2000: a window of 2000 rows takes "
+                                             r"[\d.]+ MB here, more than data.memory_mb \(0.05 MB\)"):
+        next(stream.batches(100))
+
+
 def test_a_compacted_batch_keeps_its_keys_as_unique_keys_and_int32_positions(dataset):
     from hpcps_kernels import keys as kkeys
     whole = data.load_part(dataset.files["train_criteo"], 0, 1, binary=True)

@@ -72,6 +72,42 @@ def test_one_process_checkpoints_resume_and_interchange_with_mpiexec(data, tmp_p
         same(resumed, whole)
 
 
+def test_a_label_sorted_file_trains_well_shuffled_and_resumes_in_its_order(data, tmp_path):
+    """A training file sorted by label (every negative row, then every positive one): in file
+    order one epoch ends fitted to the last rows; with data.shuffle_rows it trains as well as on
+    the shuffled file. The part loaded whole (data.cache_dir) shuffles it the same; a run resumed
+    from a checkpoint inside a window ends with the same model; resuming with another shuffle is
+    refused, naming it."""
+    lines = open(data[0], "rb").readlines()
+    (tmp_path / "sorted.svm").write_bytes(b"".join(sorted(lines, key=lambda line: float(line.split()[0]))))
+    sorted_data = (str(tmp_path / "sorted.svm"), data[1])
+    plain, _, _ = train(sorted_data, tmp_path, "plain", "train.epochs=1")
+    given, _, _ = train(data, tmp_path, "given", "train.epochs=1")
+    mixed, m_mixed, _ = train(sorted_data, tmp_path, "mixed", "train.epochs=1", "data.shuffle_rows=20000")
+    assert plain["test_logloss"] > given["test_logloss"] + 0.05  # the sorted file's damage
+    assert mixed["test_logloss"] < given["test_logloss"] + 0.005
+    cached, m_cached, _ = train(sorted_data, tmp_path, "cached", "train.epochs=1", "data.shuffle_rows=20000",
+                                f"data.cache_dir={json.dumps(str(tmp_path / 'cache'))}")
+    same(m_mixed, m_cached)
+    sets = ("train.epochs=2", "data.shuffle_rows=3000", "checkpoint.every_steps=70", "checkpoint.keep=10")
+    ck = json.dumps(str(tmp_path / "ck"))
+    _, whole, _ = train(sorted_data, tmp_path, "whole", f"checkpoint.dir={ck}", *sets)
+    again = tmp_path / "again"
+    again.mkdir()
+    src = checkpoint.step_dir(str(tmp_path / "ck"), 70)  # 7,000 rows: inside the third window
+    shutil.copytree(src, again / os.path.basename(src))
+    _, resumed, out = train(sorted_data, tmp_path, "resumed", f"checkpoint.dir={json.dumps(str(again))}", *sets,
+                            extra=("--resume", "auto"))
+    assert "resuming from" in out
+    same(resumed, whole)
+    proc = subprocess.run(HPCPS + ["train", "--set", f"data.train={json.dumps(sorted_data[0])}",
+                                   "--set", "train.batch_size=100", "--set", "train.progress=false",
+                                   "--set", f"checkpoint.dir={json.dumps(str(again))}", "--set", "data.shuffle_rows=500",
+                                   "--resume", "auto"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and ("data.shuffle_rows/shuffle_seed were shuffle_rows 3000, seed 0, now "
+                                     "shuffle_rows 500, seed 0") in proc.stderr, proc.stdout + proc.stderr
+
+
 def test_export_eval_and_predict_after_a_one_process_run(data, tmp_path):
     summary, _, _ = train(data, tmp_path, "m", f"checkpoint.dir={json.dumps(str(tmp_path / 'ck'))}")
     newest, _ = checkpoint.newest_good(str(tmp_path / "ck"))

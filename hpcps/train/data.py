@@ -149,7 +149,7 @@ class Dataset:
         return Dataset(self.labels[lo:hi], self.indptr[lo:hi + 1] - a, self.indices[a:b], self.values[a:b])
 
     def take_rows(self, rows: np.ndarray) -> "Dataset":
-        """A copy of the rows ``rows`` (ascending row numbers)."""
+        """A copy of the rows ``rows`` (row numbers, in any order)."""
         lengths = np.diff(self.indptr)[rows]
         indptr = np.zeros(rows.shape[0] + 1, dtype=np.int64)
         np.cumsum(lengths, out=indptr[1:])
@@ -349,7 +349,7 @@ class PartStream:
 
     def __init__(self, path: str, part: int, parts: int, fmt: str = "auto", hash_bits: int = 24,
                  skip_bad: bool = False, binary: bool = False, memory_mb: float = 0.0, block_bytes: int = 0,
-                 fields: bool = False):
+                 fields: bool = False, shuffle_rows: int = 0, shuffle_seed: int = 0):
         if not os.path.isfile(path):
             raise DataError(f"data file {path} not found")
         self.path, self.fmt = path, detect_format(path, fmt)
@@ -364,6 +364,8 @@ class PartStream:
         self.block_bytes = block_bytes or (self.PUMP_BYTES if self.keep else
                                            max(1 << 16, min(self.PUMP_BYTES, int(budget) // 10)))
         self.ahead_limit = float("inf") if self.keep else budget / 2
+        self.budget = budget
+        self.shuffle_rows, self.shuffle_seed = shuffle_rows, shuffle_seed
         self.kept: list[Dataset] | None = None
         self.skipped = 0          # lines skipped so far (all of them after a whole pass)
         self._first: Dataset | None = None
@@ -390,19 +392,22 @@ class PartStream:
         return self
 
     def head_labels(self, n: int) -> np.ndarray:
-        """The labels of the part's first ``n`` rows (fewer if it has fewer), parsed apart from
-        the training's pass."""
+        """The labels of the first ``n`` rows a pass gives (fewer if the part has fewer; shuffled,
+        the first rows of the shuffled windows), parsed apart from the training's pass."""
+        w = self.shuffle_rows
+        want = -(-n // w) * w if w else n  # the whole windows that hold the first n rows
         got, have = [], 0
         blocks = self._generator()
         try:
             for out in blocks:
                 got.append(out[0])
                 have += out[0].shape[0]
-                if have >= n:
+                if have >= want:
                     break
         finally:
             blocks.close()
-        return np.concatenate(got)[:n] if got else np.zeros(0, np.float32)
+        labels = np.concatenate(got)[:want] if got else np.zeros(0, np.float32)
+        return (labels[window_order(labels.shape[0], w, self.shuffle_seed)] if w else labels)[:n]
 
     def pump(self, force: bool = False) -> bool:
         """Parse one more slice of the current pass, if there is one and (unless ``force``) the
@@ -475,11 +480,16 @@ class PartStream:
 
     def batches(self, batch_size: int, skip: int = 0):
         """One pass over the part as batches of ``batch_size`` consecutive rows (the last may be
-        shorter; then empty batches for ever), after skipping the first ``skip`` batches."""
+        shorter; then empty batches for ever), after skipping the first ``skip`` batches; the
+        rows shuffled in windows first with ``shuffle_rows`` (:func:`shuffled`)."""
         pending: list[Dataset] = []   # the rows not yet batched, in order
         have = 0
         to_skip = skip * batch_size
-        for block in self._epoch_blocks():
+        blocks = self._epoch_blocks()
+        if self.shuffle_rows:
+            blocks = shuffled(blocks, self.shuffle_rows, self.shuffle_seed, to_skip, self.budget, self.path)
+            to_skip = 0
+        for block in blocks:
             if to_skip:
                 cut = min(to_skip, block.rows)
                 to_skip -= cut
@@ -518,13 +528,65 @@ def _take(pending: list, n: int, have: int):
     return Dataset(*_concat(pieces)), rest, have - n
 
 
-class LoadedPart:
-    """A part loaded whole (:func:`load_part`) behind the interface of :class:`PartStream`."""
+def window_order(rows: int, window: int, seed: int, first: int = 0) -> np.ndarray:
+    """The order of ``rows`` consecutive rows starting at row ``first`` (a multiple of
+    ``window``) shuffled in windows: window ``k`` of the part (rows ``k * window`` on) is permuted
+    by ``numpy.random.default_rng((seed, k))``, the last one by its own length."""
+    out = np.empty(rows, dtype=np.int64)
+    for lo in range(0, rows, window):
+        n = min(window, rows - lo)
+        out[lo:lo + n] = lo + np.random.default_rng((seed, (first + lo) // window)).permutation(n)
+    return out
 
-    def __init__(self, ds: Dataset):
+
+def shuffled(blocks, window: int, seed: int, skip_rows: int = 0, budget: float = 0.0, source: str = ""):
+    """The rows of ``blocks`` (Datasets in order: a pass over a part) in windows of ``window``
+    consecutive rows, each window's rows permuted (:func:`window_order`: the same order every
+    pass, on every reader of the part), less the first ``skip_rows`` rows of the result (a
+    resumed epoch: the windows before them are skipped unpermuted). A window is held whole: with a
+    ``budget`` (bytes, ``data.memory_mb``) a window larger than it raises :class:`DataError`."""
+    skip_whole, skip_in = divmod(skip_rows, window)
+    raw_skip, k = skip_whole * window, skip_whole
+    pending: list[Dataset] = []
+    have = 0
+
+    def permute(win: Dataset, drop: int) -> Dataset:
+        if budget and win.nbytes > budget:
+            raise DataError(f"{source}: data.shuffle_rows = {window}: a window of {win.rows} rows takes "
+                            f"{win.nbytes / 2**20:.1f} MB here, more than data.memory_mb "
+                            f"({budget / 2**20:g} MB); shuffle fewer rows or raise the budget")
+        out = win.take_rows(window_order(win.rows, window, seed, k * window))
+        return out.batch(drop, out.rows) if drop else out
+
+    for block in blocks:
+        if raw_skip:
+            cut = min(raw_skip, block.rows)
+            raw_skip -= cut
+            block = block.batch(cut, block.rows)
+        if not block.rows:
+            continue
+        pending.append(block)
+        have += block.rows
+        while have >= window:
+            win, pending, have = _take(pending, window, have)
+            yield permute(win, skip_in)
+            skip_in, k = 0, k + 1
+    if have:
+        win, pending, have = _take(pending, have, have)
+        yield permute(win, skip_in)
+
+
+class LoadedPart:
+    """A part loaded whole (:func:`load_part`) behind the interface of :class:`PartStream`
+    (its rows shuffled in windows as a stream's are, with ``shuffle_rows``)."""
+
+    def __init__(self, ds: Dataset, shuffle_rows: int = 0, shuffle_seed: int = 0):
+        skipped = ds.skipped
+        if shuffle_rows:
+            ds = ds.take_rows(window_order(ds.rows, shuffle_rows, shuffle_seed))
         self.ds = ds
         self.rows_bound = ds.rows
-        self.skipped = ds.skipped
+        self.skipped = skipped
 
     def head_labels(self, n: int) -> np.ndarray:
         return self.ds.labels[:n]

@@ -111,9 +111,12 @@ def resolve_data(cfg, comm) -> tuple[dict, dict | None]:
 
 
 def data_position_meaning(cfg, train_path: str, workers: int) -> dict:
-    """What a checkpoint's data position refers to: the training file, the batch size and the
-    number of workers (each reads its own byte range)."""
-    return {"train": tdata.fingerprint(train_path), "batch_size": cfg.train.batch_size, "workers": workers}
+    """What a checkpoint's data position refers to: the training file, the batch size, the
+    number of workers (each reads its own byte range) and the shuffle of their rows, if any."""
+    meaning = {"train": tdata.fingerprint(train_path), "batch_size": cfg.train.batch_size, "workers": workers}
+    if cfg.data.shuffle_rows:  # (absent when off: checkpoints written before the key resume as before)
+        meaning["shuffle"] = [cfg.data.shuffle_rows, cfg.data.shuffle_seed]
+    return meaning
 
 
 def check_same_data(manifest: dict, now: dict) -> str | None:
@@ -130,6 +133,9 @@ def check_same_data(manifest: dict, now: dict) -> str | None:
     for key, what in (("batch_size", "train.batch_size"), ("workers", "the number of workers")):
         if then.get(key) != now[key]:
             problems.append(f"{what} was {then.get(key)}, now {now[key]}")
+    if then.get("shuffle") != now.get("shuffle"):
+        show = lambda v: f"shuffle_rows {v[0]}, seed {v[1]}" if v else "off"  # noqa: E731
+        problems.append(f"data.shuffle_rows/shuffle_seed were {show(then.get('shuffle'))}, now {show(now.get('shuffle'))}")
     if not problems:
         return None
     return ("the checkpoint's data position would point at other rows: " + "; ".join(problems)
@@ -148,7 +154,7 @@ def _load(ctx, cfg, path: str, what: str, stream: bool = False):
             if stream and not d.cache_dir:
                 ds = tdata.PartStream(path, ctx.worker_index, ctx.layout.workers, d.format, d.hash_bits,
                                       d.skip_bad_lines, cfg.model.loss == "logistic", d.memory_mb,
-                                      fields=fields).open()
+                                      fields=fields, shuffle_rows=d.shuffle_rows, shuffle_seed=d.shuffle_seed).open()
                 rows = ds.rows_bound
             else:
                 ds = tdata.load_part(path, ctx.worker_index, ctx.layout.workers, d.format, d.hash_bits,
@@ -156,7 +162,7 @@ def _load(ctx, cfg, path: str, what: str, stream: bool = False):
                                      fields=fields)
                 rows = ds.rows
                 if stream:
-                    ds = tdata.LoadedPart(ds)
+                    ds = tdata.LoadedPart(ds, d.shuffle_rows, d.shuffle_seed)
             if rows == 0:
                 error = (f"{what} file {path}: this worker's byte range holds no rows "
                          f"({ctx.layout.workers} workers for a file of {os.path.getsize(path)} bytes); "
