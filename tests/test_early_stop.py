@@ -73,3 +73,19 @@ def test_a_held_out_run_keeps_its_batches_compacted_and_trains_the_same(tmp_path
     for a, b in zip(kept_epochs, streamed_epochs, strict=True):
         assert (a["holdout_logloss"], a["test_logloss"], a["train_loss"]) == \
             (b["holdout_logloss"], b["test_logloss"], b["train_loss"])
+
+
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_a_holdout_with_no_rows_stops_the_job_in_one_line(tmp_path, ranks):
+    """A part too small for train.holdout holds out nothing: the job stops saying so, where the
+    holdout loss of no row would read 0 (and early stopping would trust it)."""
+    path = tmp_path / "tiny.svm"
+    path.write_text("".join(f"{i % 2} {i + 1}:1\n" for i in range(15)))
+    cmd = ["train", "--set", f"data.train={json.dumps(str(path))}", "--set", "train.progress=false",
+           "--set", "train.holdout=20", "--set", "train.early_stop=1"]
+    proc = subprocess.run(HPCPS + cmd if ranks == 1 else [*mpiexec(), "-n", str(ranks), *HPCPS, *cmd],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "train.holdout = 20 holds out no row: every worker's part has fewer than 20 rows" \
+        in errors[0], proc.stderr

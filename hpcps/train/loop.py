@@ -625,6 +625,14 @@ class Trainer:
             pieces = [(p.labels, p.indptr, p.indices, p.values) for p in self.holdout_pieces]
             self.holdout = tdata.Dataset(*tdata._concat(pieces))
             self.holdout_pieces = []
+            self.holdout_rows = self._allreduce(self.holdout.rows, "sum", "sum of the holdout rows")
+            if not self.holdout_rows:  # (its loss would read 0: a silently wrong number)
+                n = self.cfg.train.holdout
+                if self.first:
+                    transport.abort(f"error: train.holdout = {n} holds out no row: every worker's part has fewer "
+                                    f"than {n} rows ({self.examples} rows trained an epoch); use a smaller "
+                                    f"train.holdout or more data", code=2)
+                transport.barrier(self.wcomm, self.ctx.stall_timeout_s, "stop on an empty holdout")
             if self.kept is not None:  # the kept batches' held-out rows are in the holdout set now
                 self.kept = {j: (b, None) for j, (b, _) in self.kept.items()}
         if self.holdout is not None:

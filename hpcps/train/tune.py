@@ -147,8 +147,6 @@ class Tuner(Trainer):
 
     def watch_holdout(self, epoch: int, record: dict) -> bool:
         name, n = self.holdout_metric, len(self.cfgs)
-        if not hasattr(self, "holdout_rows"):
-            self.holdout_rows = self._allreduce(self.holdout.rows, "sum", "sum of the holdout rows")
         got = self.evaluate_members(self.holdout)
         tests = self.test_metrics if self.test is not None else [{}] * n  # from this epoch's record
         for i, (g, t) in enumerate(zip(got, tests)):
@@ -251,7 +249,7 @@ def report(summary: dict, tuner: Tuner, out: str, elapsed: float) -> None:
     widths = [max(len(line[c]) for line in lines) for c in range(len(head))]
     how = (f"holdout: every {holdout}th row" if folds == 1 else
            f"{folds} folds, each holding out another phase of every {holdout}th row: {summary['holdout_rows']:,} "
-           f"held-out rows in all; the mean over the folds, the median best epoch, the first fold's test)")
+           f"held-out rows in all; the mean over the folds, the median best epoch, the first fold's test")
     print(f"hpcps tune: {len(ranked)} models in {'one pass' if folds == 1 else f'{folds} passes'} over the data, "
           f"{summary['examples']:,} examples in {elapsed:.1f} s ({how})", flush=True)
     print("\n".join("  ".join(x.rjust(w) for x, w in zip(line, widths)) for line in lines), flush=True)
