@@ -4,8 +4,9 @@ A server rank owns, for every declared table, the keys of the virtual shards pla
 (:mod:`hpcps.placement`). Each table shard is a key → slot index plus a float32 array of slot rows
 ``[parameters | optimizer state]``. The index is a
 :class:`~hpcps_kernels.directindex.DirectKeyIndex` (one array lookup per key) when the table's
-keys are bounded (``key_bits`` <= 26: hashed features), else a
-:class:`~hpcps_kernels.hashtable.KeyIndex` (any uint64 keys).
+keys are bounded (``key_bits`` <= 26: hashed features) and the shard holds enough of them
+(from 2**(key_bits - 8) keys: the same slots), else a :class:`~hpcps_kernels.hashtable.KeyIndex`
+(any uint64 keys).
 
 Semantics a worker can rely on:
 
@@ -36,7 +37,7 @@ import numpy as np
 
 from hpcps import checkpoint, protocol, signals, transport
 from hpcps.placement import Placement
-from hpcps.tables import TableSpec
+from hpcps.tables import DIRECT_AT_ONCE_BITS, DIRECT_FROM_SHIFT, TableSpec
 from hpcps_kernels import admission as kadmit
 from hpcps_kernels import init as kinit
 from hpcps_kernels import keys as kkeys
@@ -83,7 +84,7 @@ class ServerTable:
         and a hash index entry's share."""
         budget = self.features.server_memory_mb * 2**20
         fixed = (self.counts.nbytes if self.counts is not None else 0) + (
-            self.index.direct.nbytes if self.spec.direct else 0)
+            4 << self.spec.key_bits if self.spec.direct else 0)  # (the direct index it will have)
         per_key = 1.5 * (4 * self.spec.width + 8 + 8) + 24
         n = int((budget - fixed) / per_key)
         if n < 1024:
@@ -130,10 +131,27 @@ class ServerTable:
         return gone
 
     def _new_index(self, keys: np.ndarray):
-        """Direct addressing for a bounded key space, else a hash index."""
-        if self.spec.direct:
+        """Direct addressing for a bounded key space once the table holds enough keys to pay for
+        it (:meth:`_direct_now`), else a hash index."""
+        if self._direct_now(keys.shape[0]):
             return DirectKeyIndex.from_keys(keys, self.spec.key_bits)
         return KeyIndex.from_keys(keys)
+
+    def _direct_now(self, n: int) -> bool:
+        """Whether a table of ``n`` keys is addressed directly: a bounded key space whose direct
+        array is small (at most ``DIRECT_AT_ONCE_BITS``), or one that holds ``2**key_bits /
+        2**DIRECT_FROM_SHIFT`` keys (64 k at 24 bits). Below that a hash index costs less: the
+        direct array (64 MiB at 24 bits) is written through when made, 2 s of a 10 s ``hpcps
+        tune`` of 18 members on 3,000 rows (an index per member and per fold), and 1.2 GiB."""
+        bits = self.spec.key_bits
+        return self.spec.direct and (bits <= DIRECT_AT_ONCE_BITS or n >= 1 << (bits - DIRECT_FROM_SHIFT))
+
+    def _go_direct_when_due(self) -> None:
+        """A hash-indexed table of a bounded key space that has grown enough goes direct: the
+        same slots (the rows stay where they are)."""
+        if not isinstance(self.index, DirectKeyIndex) and self._direct_now(self.index.size):
+            n = self.index.size
+            self.index = DirectKeyIndex.from_keys(self.index.keys[:n].copy(), self.spec.key_bits)
 
     @property
     def size(self) -> int:
@@ -251,6 +269,8 @@ class ServerTable:
         self.opt.apply(self.rows, slots, grads, s.params)
         if self.last is not None:
             self.last[slots] = clock
+        if self.index.size > first_new:
+            self._go_direct_when_due()
 
     def evict(self, clock: int) -> int:
         """Drop the rows not updated in the last ``evict_after_steps`` clocks and those whose

@@ -94,6 +94,8 @@ def register_server_function(name: str, fn, out_width: int, in_width: int = 0, p
 
 
 DIRECT_MAX_BITS = 26  # direct addressing costs 4 * 2**key_bits bytes per server: 256 MiB at 26 bits
+DIRECT_AT_ONCE_BITS = 18  # up to here (1 MiB of index) a shard is addressed directly from its first key ...
+DIRECT_FROM_SHIFT = 8     # ... above, once it holds 2**(key_bits - 8) keys (64 k at 24 bits); a hash index before
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,8 @@ class TableSpec:
     hyper-parameters (see the optimizer registry, :mod:`hpcps_kernels.optim`, for names, defaults
     and ranges; user code can register its own update rule there). ``key_bits``: the keys are
     (mostly) below ``2**key_bits``, as hashed features are; up to ``DIRECT_MAX_BITS`` the servers
-    address rows directly by key instead of through a hash table (any key still works).
+    address rows directly by key instead of through a hash table (any key still works), once a
+    shard holds enough keys to pay for the direct array (``DIRECT_FROM_SHIFT``).
     """
 
     name: str

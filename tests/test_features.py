@@ -15,6 +15,8 @@ import pytest
 
 from hpcps.server import ServerTable
 from hpcps.tables import Features, TableSpec
+from hpcps_kernels.directindex import DirectKeyIndex
+from hpcps_kernels.hashtable import KeyIndex
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -166,14 +168,41 @@ def test_resume_after_admission_and_eviction_is_bit_identical(tmp_path):
     assert (resumed["admitted_keys"], resumed["evicted_keys"]) == (whole["admitted_keys"], whole["evicted_keys"])
 
 
-@pytest.mark.parametrize("key_bits", [20, 64])  # direct index; hash index
+def test_a_bounded_shard_goes_from_a_hash_to_a_direct_index_keeping_its_rows():
+    """key_bits 20: a hash index up to 4,096 keys (2**(20 - 8)), then direct, with the same slots;
+    every value, pulled and pushed through the switch (a push-pull's reused slots included),
+    equals that of a shard hash-indexed throughout (64-bit keys). At 16 bits: direct at once."""
+    rng = np.random.default_rng(1)
+    bounded, hashed = shard(20), shard(64)
+    assert isinstance(bounded.index, KeyIndex) and isinstance(shard(16).index, DirectKeyIndex)
+    seen = np.zeros(0, dtype=np.uint64)
+    for clock in range(12):
+        keys = np.unique(rng.integers(0, 1 << 20, 700)).astype(np.uint64)
+        g = rng.normal(size=(keys.size, 1)).astype(np.float32)
+        bounded.pull(keys, np.empty((keys.size, 1), np.float32), worker=0)
+        bounded.push(keys, g, clock, worker=0)
+        hashed.push(keys, g, clock)
+        seen = np.union1d(seen, keys)
+        assert isinstance(bounded.index, DirectKeyIndex) == (bounded.size >= 4096), (clock, bounded.size)
+        np.testing.assert_array_equal(pull(bounded, seen), pull(hashed, seen))
+    assert isinstance(bounded.index, DirectKeyIndex)
+    for a, b in zip(bounded.items(), hashed.items()):
+        np.testing.assert_array_equal(a, b)
+    k, r = bounded.items()
+    bounded.load(k.copy(), r.copy())  # a restore of as many keys: direct again
+    assert isinstance(bounded.index, DirectKeyIndex)
+    bounded.load(k[:100].copy(), r[:100].copy())
+    assert isinstance(bounded.index, KeyIndex)
+
+
+@pytest.mark.parametrize("key_bits", [16, 64])  # direct index; hash index
 def test_a_push_after_a_pull_of_the_same_keys_takes_their_slots_and_updates_what_a_lookup_would(key_bits):
     """A push-pull's next push is of the keys its pull resolved: the push takes those slots and
     looks up only the keys absent at the pull (another worker may have inserted them since);
     after the rows move (the index rebuilt) nothing is reused."""
     rng = np.random.default_rng(0)
-    keys = np.unique(rng.integers(0, 1 << 19, 500)).astype(np.uint64)
-    other = np.unique(rng.integers(0, 1 << 19, 300)).astype(np.uint64)
+    keys = np.unique(rng.integers(0, 1 << 16, 500)).astype(np.uint64)
+    other = np.unique(rng.integers(0, 1 << 16, 300)).astype(np.uint64)
     g = rng.normal(size=(keys.size, 1)).astype(np.float32)
     reusing, fresh = shard(key_bits), shard(key_bits)
     for t in (reusing, fresh):
