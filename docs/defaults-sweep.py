@@ -22,8 +22,9 @@ gap with its paired bootstrap standard error over the test rows (2,000 resamples
 ``--picks`` measures tune's pick on a test set large enough to judge it (on 300–5,000 test rows
 the grid's best on test is partly the luck of those rows): each logloss set's training rows again
 with 20,000 test rows, ``hpcps tune`` with ``--folds 1`` (one holdout) and with ``--folds auto``
-(cross-validation folds), each pick's test loss against the grid's best (the one-holdout run's
-members, scored on the 20,000 rows).
+(cross-validation folds); every member trained on every row for the epochs the folds chose for it,
+and each pick trained as its ``best.toml`` would be, scored on the 20,000 rows against the best
+member.
 
 ``--candidate KEY=VALUE ...`` tries other defaults instead: one job per set with those settings
 added, each compared with the grid's best and tuned model already in ``--out`` (nothing is
@@ -190,10 +191,11 @@ def candidate(chosen: list, settings: list[str], results: dict, ranks: int) -> N
 
 
 def picks(chosen: list, ranks: int, epochs: int, test_rows: int = 20_000) -> None:
-    """Each logloss set with ``test_rows`` test rows: tune's pick with one holdout and with folds,
-    each against the grid's best on those rows."""
-    print(f"| data set | folds (auto) | grid's best on {test_rows:,} test rows | one holdout: pick − best "
-          f"| folds: pick − best | time: one holdout / folds |")
+    """Each logloss set with ``test_rows`` test rows: ``hpcps tune`` with one holdout and with folds;
+    then every member of the grid trained on every row for the epochs the folds chose for it (as
+    ``best.toml`` would train it), and each pick trained the same way, against the best of those."""
+    print(f"| data set | folds (auto) | the grid's best, trained on every row, on {test_rows:,} test rows "
+          f"| one holdout: its pick − best | folds: its pick − best | time: tunes (one holdout / folds), members |")
     print("|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="hpcps-sweep-") as tmp:
         for name, _, (kind, rows, _, kw), model, grid in chosen:
@@ -207,11 +209,22 @@ def picks(chosen: list, ranks: int, epochs: int, test_rows: int = 20_000) -> Non
                             *[g for item in grid for g in ("--grid", item)], "--folds", folds,
                             "--summary-json", f"{d}/tune-{folds}.json"], f"{name}: tune --folds {folds}")
                 got[folds], times[folds] = json.load(open(f"{d}/tune-{folds}.json")), time.time() - t0
-            one = {r["member"]: r[metric] for r in got["1"]["ranking"]}  # each member's model on fold 0
-            best = min(one.values())
-            gaps = [one[got[f]["ranking"][0]["member"]] - best for f in ("1", "auto")]
-            print(f"| {name} | {got['auto']['folds']} | {best:.4f} | {gaps[0]:+.4f} | {gaps[1]:+.4f} "
-                  f"| {times['1']:.0f} / {times['auto']:.0f} s |", flush=True)
+
+            def trained(row: dict) -> float:  # that member, its epochs, every row
+                point = [f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in row.items() if "." in k]
+                out = f"{d}/member.json"
+                job(ranks, ["train", *sets_args([*common, *point, f"train.epochs={row['best_epoch']}"]),
+                            "--summary-json", out], f"{name}: a member")
+                return json.load(open(out))[metric]
+
+            t0 = time.time()
+            members = {r["member"]: trained(r) for r in got["auto"]["ranking"]}
+            best = min(members.values())
+            one = got["1"]["ranking"][0]
+            one_loss = members[one["member"]] if got["auto"]["folds"] == 1 else trained(one)
+            cv = members[got["auto"]["ranking"][0]["member"]]
+            print(f"| {name} | {got['auto']['folds']} | {best:.4f} | {one_loss - best:+.4f} | {cv - best:+.4f} "
+                  f"| {times['1']:.0f} / {times['auto']:.0f} s, {time.time() - t0:.0f} s |", flush=True)
 
 
 def paired(chosen: list, results: dict, ranks: int) -> None:

@@ -390,7 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--out", default="", help="write the best configuration here (TOML)")
     u.add_argument("--folds", default="auto", type=lambda v: v if v == "auto" else int(v), metavar="K|auto",
                    help="train the grid K times, each holding out another phase of train.holdout's rows, and "
-                        "rank by the mean (auto: enough folds for 20,000 held-out rows; 1 from 200,000 rows)")
+                        "rank by the mean (auto: about enough folds for 20,000 held-out rows; 1 from about 135,000 rows)")
     u.add_argument("--summary-json", default="", help="write the summary with the ranking here (first worker)")
     u.set_defaults(func=_cmd_tune)
 

@@ -57,14 +57,14 @@ def test_a_candidate_default_is_measured_against_the_stored_best(tmp_path):
 
 
 def test_picks_judge_tunes_pick_on_a_larger_test_set(tmp_path):
-    """--picks: tune with one holdout and with folds on the set's rows, each pick against the
-    grid's best on a test set of --pick-test-rows rows (gaps are never negative: the best is the
-    minimum over the same members)."""
+    """--picks: tune with one holdout and with folds on the set's rows; every member trained on
+    every row for its folds' epochs, and each pick trained so, against the best of them on a test
+    set of --pick-test-rows rows (the folds' pick is one of the members: never below the best)."""
     p = subprocess.run([sys.executable, os.path.join(ROOT, "docs", "defaults-sweep.py"), "--only", "s3k-f6",
-                        "--picks", "--pick-test-rows", "2000", "--epochs", "2"],
+                        "--picks", "--pick-test-rows", "2000", "--epochs", "2", "--ranks", "1"],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "grid's best on 2,000 test rows" in p.stdout
+    assert "the grid's best, trained on every row, on 2,000 test rows" in p.stdout
     cells = [c.strip() for c in [line for line in p.stdout.splitlines() if line.startswith("| s3k-f6")][0].split("|")]
     assert cells[2] == "10"  # 300 held-out rows a fold: all ten phases
-    assert 0.3 < float(cells[3]) < 0.7 and float(cells[4]) >= 0 and float(cells[5]) >= 0
+    assert 0.3 < float(cells[3]) < 0.7 and float(cells[4]) >= -0.05 and float(cells[5]) >= 0

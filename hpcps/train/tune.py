@@ -14,8 +14,8 @@ without ``train.holdout`` it trains on every row.
 
 On a small data set a tenth of the rows is a noisy judge (300 held-out rows rank members 0.002 apart
 by chance), so the grid is trained again with other phases of ``train.holdout`` held out, as
-cross-validation folds (``--folds``; auto: as many as it takes for 20,000 held-out rows in all, all
-ten phases for a few thousand rows, one pass from 200,000 rows), and ranked by the mean holdout loss.
+cross-validation folds (``--folds``; auto: about as many as it takes for 20,000 held-out rows in
+all, all ten phases up to 20,000 rows, one pass from about 135,000), ranked by the mean holdout loss.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from hpcps.train.progress import summary_table
 GRID_KEYS = ("model.type", "model.factors", "model.init_scale", "model.dense_lr")
 MAX_MEMBERS = 64
 TUNE_DEFAULTS = {"holdout": 10, "early_stop": 2, "epochs": 10}
-EVAL_ROWS = 20_000  # --folds auto: enough folds for this many held-out rows in all
+EVAL_ROWS = 20_000  # --folds auto: about enough folds for this many held-out rows in all
 
 
 def parse_grid(items: list[str]) -> list[tuple[str, list]]:
@@ -179,10 +179,10 @@ class Tuner(Trainer):
 
 
 def auto_folds(holdout_rows: int, holdout: int) -> int:
-    """``--folds auto``: as many of the ``holdout`` phases as it takes to score the grid on
-    :data:`EVAL_ROWS` held-out rows in all (every phase for a small set, one from
-    ``EVAL_ROWS`` held-out rows a phase)."""
-    return max(1, min(holdout, math.ceil(EVAL_ROWS / max(holdout_rows, 1))))
+    """``--folds auto``: about as many of the ``holdout`` phases as it takes to score the grid on
+    :data:`EVAL_ROWS` held-out rows in all (the nearest count: every phase for a small set, one
+    from about ``EVAL_ROWS`` held-out rows a phase)."""
+    return max(1, min(holdout, round(EVAL_ROWS / max(holdout_rows, 1))))
 
 
 def combine(rankings: list[list[dict]], name: str) -> list[dict]:
