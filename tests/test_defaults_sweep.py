@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_the_sweep_reports_what_its_jobs_measured(tmp_path):
     out = tmp_path / "sweep.json"
     p = subprocess.run([sys.executable, os.path.join(ROOT, "docs", "defaults-sweep.py"), "--only", "s3k-f6",
-                        "--epochs", "6", "--out", str(out)], capture_output=True, text=True, timeout=300)
+                        "--epochs", "6", "--ranks", "1", "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     r = json.load(open(out))["s3k-f6"]
     ranking = r["ranking"]
@@ -28,7 +28,7 @@ def test_the_sweep_reports_what_its_jobs_measured(tmp_path):
     assert row and f"{r['defaults']:.4f}" in row[0] and f"{r['gap']:+.4f}" in row[0]
     # --paired: the same two models again (the same numbers), scored row by row on the test set
     p = subprocess.run([sys.executable, os.path.join(ROOT, "docs", "defaults-sweep.py"), "--only", "s3k-f6",
-                        "--paired", "--out", str(out)], capture_output=True, text=True, timeout=300)
+                        "--paired", "--ranks", "1", "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     cells = [c.strip() for c in [line for line in p.stdout.splitlines() if line.startswith("| s3k-f6")][0].split("|")]
     assert cells[2] == "300"  # (scores are written with 6 decimals: the losses agree to about 1e-6)
