@@ -104,6 +104,7 @@ def test_folds_hold_out_every_row_once_and_rank_by_their_mean(tmp_path):
                               "--summary-json", str(tmp_path / "cv.json")])
     cv = json.loads((tmp_path / "cv.json").read_text())
     assert cv["folds"] == 10 and cv["holdout_rows"] == 3000, out
+    assert cv["test_logloss"] > 0 and cv["examples"] > 10 * 2700  # the first fold's test; every fold's rows
     assert "2 models in 10 passes" in out and out.count("hpcps tune: fold ") == 10
     _, _, _ = hpcps_job(2, ["tune", *common, *grid, "--folds", "1", "--summary-json", str(tmp_path / "one.json")])
     one = {r["member"]: r for r in json.loads((tmp_path / "one.json").read_text())["ranking"]}

@@ -226,13 +226,15 @@ def run(members: list[tuple[dict, dict]], out: str = "", comm=None, folds: int |
         fold += 1
     if summaries[0] is None:  # not the first worker
         return Result(None, False)
-    summary = dict(summaries[-1])
+    elapsed = time.perf_counter() - t0
+    summary = dict(summaries[0])  # the first fold's record: its test metrics (the others score none)
     summary["examples"] = sum(s["examples"] for s in summaries)
+    summary["time_s"], summary["examples_per_s"] = elapsed, summary["examples"] / elapsed
     summary["folds"] = total
     summary["ranking"] = combine([s["ranking"] for s in summaries], tuner.holdout_metric) if total > 1 \
         else summaries[0]["ranking"]
     summary["holdout_rows"] = sum(s["holdout_rows"] for s in summaries)
-    report(summary, tuner, out, time.perf_counter() - t0)
+    report(summary, tuner, out, elapsed)
     return Result(summary, False)
 
 
