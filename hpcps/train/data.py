@@ -157,12 +157,12 @@ class Dataset:
         at = np.repeat(starts - indptr[:-1], lengths) + np.arange(indptr[-1])
         return Dataset(self.labels[rows], indptr, self.indices[at], self.values[at], 0, self.source)
 
-    def split_every(self, n: int, first_row: int, phase: int | None = None) -> tuple["Dataset", "Dataset"]:
+    def split_every(self, n: int, first_row: int, phase: int = -1) -> tuple["Dataset", "Dataset"]:
         """(the rows kept, every ``n``-th row held out), counting rows from ``first_row`` (this
-        batch's first row's number in its part): row r is held out when ``r % n == phase``
+        batch's first row's number in its part): row r is held out when ``r % n == phase % n``
         (``n - 1`` unless given; ``hpcps tune``'s folds use the other phases)."""
         r = np.arange(first_row, first_row + self.rows)
-        held = (r % n) == (n - 1 if phase is None else phase)
+        held = (r % n) == phase % n
         return self.take_rows(np.flatnonzero(~held)), self.take_rows(np.flatnonzero(held))
 
     @property
@@ -482,29 +482,42 @@ class PartStream:
         """One pass over the part as batches of ``batch_size`` consecutive rows (the last may be
         shorter; then empty batches for ever), after skipping the first ``skip`` batches; the
         rows shuffled in windows first with ``shuffle_rows`` (:func:`shuffled`)."""
-        pending: list[Dataset] = []   # the rows not yet batched, in order
-        have = 0
-        to_skip = skip * batch_size
-        blocks = self._epoch_blocks()
+        blocks, to_skip = self._epoch_blocks(), skip * batch_size
         if self.shuffle_rows:
             blocks = shuffled(blocks, self.shuffle_rows, self.shuffle_seed, to_skip, self.budget, self.path)
-            to_skip = 0
-        for block in blocks:
-            if to_skip:
-                cut = min(to_skip, block.rows)
-                to_skip -= cut
-                block = block.batch(cut, block.rows)
-            pending.append(block)
-            have += block.rows
-            while have >= batch_size:
-                b, pending, have = _take(pending, batch_size, have)
-                yield b
-        if have:
-            b, pending, have = _take(pending, have, have)
-            yield b
+        else:
+            blocks = _skip_rows(blocks, to_skip)
+        yield from _pieces(blocks, batch_size)
         empty = Dataset(*_concat([]))
         while True:
             yield empty
+
+
+def _skip_rows(blocks, n: int):
+    """``blocks`` (Datasets in order) less their first ``n`` rows."""
+    for block in blocks:
+        if n:
+            cut = min(n, block.rows)
+            n -= cut
+            block = block.batch(cut, block.rows)
+        yield block
+
+
+def _pieces(blocks, n: int):
+    """The rows of ``blocks`` (Datasets in order) as consecutive pieces of ``n`` rows, the last
+    one shorter if the rows run out (:func:`_take`: views where a piece lies in one block)."""
+    pending: list[Dataset] = []   # the rows not yet given, in order
+    have = 0
+    for block in blocks:
+        if not block.rows:
+            continue
+        pending.append(block)
+        have += block.rows
+        while have >= n:
+            piece, pending, have = _take(pending, n, have)
+            yield piece
+    if have:
+        yield _take(pending, have, have)[0]
 
 
 def _take(pending: list, n: int, have: int):
@@ -546,34 +559,14 @@ def shuffled(blocks, window: int, seed: int, skip_rows: int = 0, budget: float =
     resumed epoch: the windows before them are skipped unpermuted). A window is held whole: with a
     ``budget`` (bytes, ``data.memory_mb``) a window larger than it raises :class:`DataError`."""
     skip_whole, skip_in = divmod(skip_rows, window)
-    raw_skip, k = skip_whole * window, skip_whole
-    pending: list[Dataset] = []
-    have = 0
-
-    def permute(win: Dataset, drop: int) -> Dataset:
+    for k, win in enumerate(_pieces(_skip_rows(blocks, skip_whole * window), window), skip_whole):
         if budget and win.nbytes > budget:
             raise DataError(f"{source}: data.shuffle_rows = {window}: a window of {win.rows} rows takes "
                             f"{win.nbytes / 2**20:.1f} MB here, more than data.memory_mb "
                             f"({budget / 2**20:g} MB); shuffle fewer rows or raise the budget")
         out = win.take_rows(window_order(win.rows, window, seed, k * window))
-        return out.batch(drop, out.rows) if drop else out
-
-    for block in blocks:
-        if raw_skip:
-            cut = min(raw_skip, block.rows)
-            raw_skip -= cut
-            block = block.batch(cut, block.rows)
-        if not block.rows:
-            continue
-        pending.append(block)
-        have += block.rows
-        while have >= window:
-            win, pending, have = _take(pending, window, have)
-            yield permute(win, skip_in)
-            skip_in, k = 0, k + 1
-    if have:
-        win, pending, have = _take(pending, have, have)
-        yield permute(win, skip_in)
+        yield out.batch(skip_in, out.rows) if skip_in else out
+        skip_in = 0
 
 
 class LoadedPart:

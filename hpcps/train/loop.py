@@ -333,7 +333,7 @@ class Trainer:
         self.synth_info: dict | None = None
         self.history: list[dict] = []
         self.preempted = False
-        self.holdout_phase: int | None = None  # train.holdout's rows r % N == phase (None: N - 1)
+        self.holdout_phase = -1  # train.holdout holds out the rows r % N == phase % N (the last of N)
 
     # -- 1-3: every rank ---------------------------------------------------------------------------
 

@@ -107,9 +107,8 @@ class Tuner(Trainer):
         self.raws = [r for _, r in members]
         self.cfgs = [config.from_dict(r) for r in self.raws]
         super().__init__(self.cfgs[0], comm)
-        holdout = self.cfg.train.holdout
         self.fold, self.folds = fold, folds
-        self.holdout_phase = (holdout - 1 - fold) % holdout  # fold 0: the rows hpcps train holds out
+        self.holdout_phase = -1 - fold  # fold 0: the rows hpcps train holds out
         n = len(self.cfgs)
         self.member_best = [{"loss": math.inf, "epoch": 0, "test": {}} for _ in range(n)]
         self.member_stopped = [0] * n
@@ -143,7 +142,8 @@ class Tuner(Trainer):
         super().begin()
         if self.first and self.folds != 1:
             print(f"hpcps tune: fold {self.fold + 1}{f' of {self.folds}' if self.folds else ''}: holding out "
-                  f"the rows r with r % {self.cfg.train.holdout} == {self.holdout_phase}", flush=True)
+                  f"the rows r with r % {self.cfg.train.holdout} == {self.holdout_phase % self.cfg.train.holdout}",
+                  flush=True)
 
     def watch_holdout(self, epoch: int, record: dict) -> bool:
         name, n = self.holdout_metric, len(self.cfgs)
