@@ -49,6 +49,12 @@ from hpcps_kernels.hashtable import KeyIndex
 transport.EXPLAINERS.append(checkpoint.explain_write_failure)
 
 
+# Pulls whose slots a server keeps per worker and table for the pushes of the same keys: 2, the
+# last pull and the one before it, which train.pull_early's push follows (the next batch's pull
+# goes before this batch's push).
+RESOLVED_PULLS = 2
+
+
 class ServerTable:
     """One table's shard on this server."""
 
@@ -73,9 +79,10 @@ class ServerTable:
         self.max_keys = self._budget_keys() if f.server_memory_mb > 0 else 0
         # keys whose initial values are given (a regression's bias at the label mean)
         self.init_keys = [(np.uint64(k), np.asarray(v, dtype=np.float32)) for k, v in spec.init_keys]
-        # worker -> (keys, slots, index) of its last pull: the push of the same keys that follows
-        # (the next step of a push-pull) takes those slots instead of looking the keys up again
-        self.resolved: dict[int, tuple] = {}
+        # worker -> [(keys, slots, index)] of its last RESOLVED_PULLS pulls, newest first: the push
+        # of the same keys that follows (the next step of a push-pull, or with train.pull_early the
+        # step after the next batch's pull) takes those slots instead of looking the keys up again
+        self.resolved: dict[int, list] = {}
         self.reused = 0  # keys of pushes whose slots came from the pull before
 
     def _budget_keys(self) -> int:
@@ -169,21 +176,22 @@ class ServerTable:
         for key, values in self.init_keys:  # absent keys with given initial values
             out[(keys == key) & (slots < 0)] = values
         if worker >= 0 and self.counts is None and not self.max_keys:
-            self.resolved[worker] = (keys, slots, self.index)
+            self.resolved[worker] = [(keys, slots, self.index)] + self.resolved.get(worker, [])[:RESOLVED_PULLS - 1]
 
     def _push_slots(self, keys: np.ndarray, worker: int) -> np.ndarray:
-        """The slots of a push's keys, inserting the absent ones. When ``worker``'s last pull
-        was of the same keys and no row has moved since (rows move only when the index is
+        """The slots of a push's keys, inserting the absent ones. When one of ``worker``'s last
+        pulls was of the same keys and no row has moved since (rows move only when the index is
         rebuilt: eviction, loading), its slots stand and only the keys absent then are looked
-        up again (another worker's push may have inserted them since)."""
-        got = self.resolved.pop(worker, None) if worker >= 0 else None
-        if got is None or got[2] is not self.index:
-            return self.index.lookup_or_insert(keys)
+        up again (a push since, this worker's or another's, may have inserted them)."""
         absent = np.empty(keys.shape[0], dtype=np.int64)
-        m = kkeys.reusable_slots(got[0], got[1], keys, absent)
-        if m < 0:
+        for i, (got_keys, got_slots, index) in enumerate(self.resolved.get(worker, []) if worker >= 0 else []):
+            m = kkeys.reusable_slots(got_keys, got_slots, keys, absent) if index is self.index else -1
+            if m >= 0:
+                del self.resolved[worker][i]
+                break
+        else:
             return self.index.lookup_or_insert(keys)
-        slots = got[1]  # the pull's own array, used by nothing else now: completed in place
+        slots = got_slots  # the pull's own array, used by nothing else now: completed in place
         if m:
             absent = absent[:m]
             slots[absent] = self.index.lookup_or_insert(keys[absent])
@@ -475,7 +483,7 @@ class Server:
         r = protocol.unpack_request(buf, self.dims)
         worker = source - self.worker_rank0
         self.stats["requests"] += 1
-        if r.op == protocol.PUSHPULL:  # push at clock c, clock c + 1, pull at clock c + 1
+        if r.op == protocol.PUSHPULL:  # push at clock c, clock c + 1, pull at clock c + 1 (+ ahead)
             self._push(worker, r)
             self._advance(worker, r.clock + 1)
             self._serve_or_defer(source, r)

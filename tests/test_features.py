@@ -228,5 +228,37 @@ def test_a_push_after_a_pull_of_the_same_keys_takes_their_slots_and_updates_what
     reusing.push(keys[10:20], g[:10], 4, worker=0)
     fresh.push(keys[10:20], g[:10], 4)
     assert reusing.reused == present
+
+
+@pytest.mark.parametrize("key_bits", [16, 64])
+def test_a_push_takes_the_slots_of_the_pull_before_the_last_as_train_pull_early_sends_them(key_bits):
+    """With train.pull_early a worker pulls batch t + 1 before it pushes batch t: the push takes
+    the slots of the pull before the last one. A server keeps RESOLVED_PULLS = 2 pulls a worker:
+    a third pull pushes the oldest out, and its keys are looked up again."""
+    rng = np.random.default_rng(1)
+    batches = [np.unique(rng.integers(0, 1 << 16, 400)).astype(np.uint64) for _ in range(4)]
+    grads = [np.full((b.size, 1), 0.25 * (i + 1), np.float32) for i, b in enumerate(batches)]
+    reusing, fresh = shard(key_bits), shard(key_bits)
+    for t in (reusing, fresh):
+        push(t, np.concatenate(batches)[::2], 0)
+    reusing.pull(batches[0], np.empty((batches[0].size, 1), np.float32), worker=0)
+    for t in range(3):  # pull t + 1, then push t: the pull before the last one's keys
+        reusing.pull(batches[t + 1], np.empty((batches[t + 1].size, 1), np.float32), worker=0)
+        before = reusing.reused
+        reusing.push(batches[t], grads[t], t + 1, worker=0)
+        fresh.push(batches[t], grads[t], t + 1)
+        # the keys there at its pull (one step before: pushed then, batches 0..t-2 and the first)
+        there = np.concatenate([np.concatenate(batches)[::2], *batches[:max(t - 1, 0)]])
+        assert reusing.reused - before == np.isin(batches[t], there).sum() > 0
+        for a, b in zip(reusing.items(), fresh.items()):
+            np.testing.assert_array_equal(a, b)
+    for k in (1, 2):  # two later pulls push batch 3's out
+        reusing.pull(batches[k], np.empty((batches[k].size, 1), np.float32), worker=0)
+    before = reusing.reused
+    reusing.push(batches[3], grads[3], 5, worker=0)
+    fresh.push(batches[3], grads[3], 5)
+    assert reusing.reused == before
+    for a, b in zip(reusing.items(), fresh.items()):
+        np.testing.assert_array_equal(a, b)
     for a, b in zip(reusing.items(), fresh.items()):
         np.testing.assert_array_equal(a, b)
