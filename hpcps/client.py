@@ -38,6 +38,7 @@ class _Request:
     clock: int = 0
     started: float = 0.0
     function: object = None                         # CALL: the ServerFunction
+    ahead: int = 0                                  # PUSHPULL: its pull reads this many clocks later
 
 
 class SparseTable:
@@ -88,7 +89,7 @@ class SparseTable:
         n_pull = 0 if pull_keys is None else pull_keys.shape[0]
         self._post(req, server, pulled, protocol.reply_bytes(req.op, n_pull, self.dim),
                    lambda req_id: protocol.pack_request(req.op, self.id, req_id, req.clock, self.ctx.worker_index,
-                                                        push_keys, grads, pull_keys, self.dim))
+                                                        push_keys, grads, pull_keys, self.dim, req.ahead))
 
     def _post(self, req: _Request, server: int, pulled, reply_bytes: int, pack) -> None:
         """Post the receive of a reply of ``reply_bytes``, then send ``pack(req_id)`` to ``server``."""
@@ -106,14 +107,16 @@ class SparseTable:
         self._requests[ts] = req
         return ts
 
-    def ipushpull(self, push_keys, grads, pull_keys, aggregate: bool = False, unique: bool = False) -> int:
+    def ipushpull(self, push_keys, grads, pull_keys, aggregate: bool = False, unique: bool = False,
+                  ahead: int = 0) -> int:
         """Push a step's gradients, end the step (the clock), and start pulling the next step's
         keys, in one message to each server (ps-lite's ZPushPull). Returns a timestamp for
         :meth:`wait`, which returns the pulled rows.
 
-        Equivalent to ``push(push_keys, grads, aggregate); ctx.clock(); ipull(pull_keys)``, with
-        one round trip instead of three messages and a reply per server. Under BSP the pull is
-        answered once every worker has passed the clock, so it sees every push of the step.
+        Equivalent to ``push(push_keys, grads, aggregate); ctx.clock(); ipull(pull_keys, ahead=ahead)``,
+        with one round trip instead of three messages and a reply per server. Under BSP the pull
+        is answered once every worker has passed the clock (``ahead`` more clocks: a pull for a
+        later step), so it sees every push before that step.
         ``unique``: both key arrays are already distinct (in any order): no dedup.
         """
         ctx = self.ctx
@@ -125,9 +128,9 @@ class SparseTable:
         if max(push_keys.shape[0], pull_keys.shape[0]) > self.max_keys:  # too big for one message
             self.wait(self._send(protocol.PUSH, push_keys, grads))
             ctx.clock()
-            return self.ipull(pull_keys[expand] if expand is not None else pull_keys)
+            return self.ipull(pull_keys[expand] if expand is not None else pull_keys, ahead=ahead)
         req = _Request(protocol.PUSHPULL, self, n_unique=pull_keys.shape[0], clock=ctx.clock_value,
-                       started=time.monotonic(), expand=expand)
+                       started=time.monotonic(), expand=expand, ahead=ahead)
         if ctx.layout.servers == 1:  # nothing to slice: no hashing of keys, no copies
             self._message(req, 0, np.arange(pull_keys.shape[0]), push_keys, grads, pull_keys)
         else:
@@ -275,7 +278,7 @@ class SparseTable:
         self.last_min_clock = min_clock
         if min_clock is not None:
             ctx.stats["max_staleness"] = max(ctx.stats["max_staleness"],
-                                             protocol.pull_clock(req.op, req.clock) - min_clock)
+                                             protocol.pull_clock(req.op, req.clock, req.ahead) - min_clock)
         if req.op == protocol.CALL:
             f = req.function
             parts = [(sel, reply[protocol.REPLY_BYTES:].view(np.float32)) for sel, reply in req.parts]

@@ -104,7 +104,7 @@ class Train:
     model_out: str = ""              # write the trained model (HDF5) here
     holdout: int = 0                 # hold out every Nth row of each worker's part from training (0 = none)
     early_stop: int = 0              # stop after N epochs without a better holdout loss, keeping the best model
-    pull_early: bool = False         # pull the next batch's rows before computing this one (overlap under SSP/ASP)
+    pull_early: bool = False         # SSP/ASP: pull the rows of the batch after the next with each step (overlap)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ Operations:
   then the worker's clock advances to ``clock + 1``, then a pull of the next step's keys at that
   clock. Exactly PUSH(clock), CLOCK(clock + 1), PULL(clock + 1) in one message; its reply is also
   the push's acknowledgement. Sent to every server (each gets the clock), with empty parts where a
-  server owns none of the keys.
+  server owns none of the keys. ``reserved`` = ``ahead``: the pull reads at ``clock + 1 + ahead``
+  (``train.pull_early`` pulls the batch after the next one, ``ahead`` = 1).
 * ``CHECKPOINT``: the directory's path, UTF-8, in the pull-key area (``n_pull`` words); its reply
   carries the size and checksum of the file the server wrote.
 * ``MARGINS`` (computation on the servers): a batch's nonzeros that this server owns, ``n_push``
@@ -85,15 +86,17 @@ class Request:
     n_rows: int = 0                       # MARGINS, RESIDUALS: the batch's rows
     residuals: np.ndarray | None = None   # RESIDUALS: d loss / d margin per row
     function: int = 0                     # CALL: the server function's number
+    ahead: int = 0                        # PUSHPULL: its pull reads this many clocks after the next
 
     @property
     def pull_clock(self) -> int:
-        return pull_clock(self.op, self.clock)
+        return pull_clock(self.op, self.clock, self.ahead)
 
 
-def pull_clock(op: int, clock: int) -> int:
-    """The clock a request's pull part is read at (a push-pull pulls after its clock advance)."""
-    return clock + 1 if op == PUSHPULL else clock
+def pull_clock(op: int, clock: int, ahead: int = 0) -> int:
+    """The clock a request's pull part is read at (a push-pull pulls after its clock advance,
+    ``ahead`` clocks later still)."""
+    return clock + 1 + ahead if op == PUSHPULL else clock
 
 
 def pack_margins(table: int, req_id: int, clock: int, worker: int, keys: np.ndarray, values: np.ndarray,
@@ -155,11 +158,12 @@ def reply_bytes(op: int, n_pull: int, dim: int) -> int:
 
 
 def pack_request(op: int, table: int, req_id: int, clock: int, worker: int, push_keys: np.ndarray | None = None,
-                 grads: np.ndarray | None = None, pull_keys: np.ndarray | None = None, dim: int = 0) -> np.ndarray:
+                 grads: np.ndarray | None = None, pull_keys: np.ndarray | None = None, dim: int = 0,
+                 ahead: int = 0) -> np.ndarray:
     n_push = 0 if push_keys is None else push_keys.shape[0]
     n_pull = 0 if pull_keys is None else pull_keys.shape[0]
     buf = np.empty(request_bytes(n_push, n_pull, dim), dtype=np.uint8)
-    buf[:HEADER_BYTES].view(REQUEST)[0] = (op, table, req_id, n_push, n_pull, clock, worker, 0)
+    buf[:HEADER_BYTES].view(REQUEST)[0] = (op, table, req_id, n_push, n_pull, clock, worker, ahead)
     at = HEADER_BYTES
     if n_push:
         buf[at:at + 8 * n_push].view(np.uint64)[:] = push_keys
@@ -204,7 +208,7 @@ def unpack_request(buf: np.ndarray, dims: list[int]) -> Request:
     grads = buf[at:at + 4 * n_push * dim].view(np.float32).reshape(n_push, dim) if n_push else None
     at += 4 * n_push * dim
     pull_keys = buf[at:at + 8 * n_pull].view(np.uint64)
-    return Request(op, table, req_id, clock, worker, push_keys, grads, pull_keys)
+    return Request(op, table, req_id, clock, worker, push_keys, grads, pull_keys, ahead=reserved)
 
 
 def pack_reply(req_id: int, status: int, min_clock: int, server: int, payload_bytes: int,

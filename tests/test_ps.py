@@ -352,3 +352,36 @@ def test_push_pull_pulls_exactly_what_push_clock_pull_would(layout, aggregate):
                                                         dtype=np.float32).reshape(-1, dim))
             keys, grads = nxt, push_plan(me, it + 1, dim)[1]
     ctx.finalize()
+
+
+@pytest.mark.mpi(min_size=3)
+def test_a_push_pull_ahead_reads_at_the_clock_after_the_next():
+    """``ipushpull(..., ahead=1)`` (train.pull_early's step) pulls for the clock after the next:
+    under BSP its rows hold every worker's pushes up to the next iteration, exactly, though it was
+    sent one iteration before them; the worker waits for it after its next push-pull."""
+    if world_size() != 3:
+        pytest.skip("1 server + 2 workers")
+    ctx = hpcps.init(servers=1, staleness=0, stall_timeout_s=60)
+    dim, iters = 2, 8
+    w = ctx.sparse_table("w", dim=dim, optimizer="sgd", params={"lr": 1.0}, key_bits=6)
+    if ctx.is_server:
+        ctx.serve()
+    else:
+        me, workers = ctx.worker_index, ctx.layout.workers
+        in_flight = []  # (iteration whose rows, timestamp)
+        for it in range(iters):
+            keys, grads = push_plan(me, it, dim)
+            later = push_plan(me, it + 2, dim)[0]
+            in_flight.append((it + 2, later, w.ipushpull(keys, -grads, later, ahead=1)))
+            if len(in_flight) == 2:  # the pull sent one iteration ago: answered after this clock
+                step, pulled, ts = in_flight.pop(0)
+                got = w.wait(ts)
+                seen = expected_sums(workers, step, dim)  # every worker's pushes of iterations 0..step-1
+                np.testing.assert_array_equal(got, np.array([seen.get(k, np.zeros(dim)) for k in pulled.tolist()],
+                                                            dtype=np.float32).reshape(-1, dim))
+        ctx.clock()  # the last pull's clock
+        step, pulled, ts = in_flight.pop(0)
+        seen = expected_sums(workers, step - 1, dim)
+        np.testing.assert_array_equal(w.wait(ts), np.array([seen.get(k, np.zeros(dim)) for k in pulled.tolist()],
+                                                           dtype=np.float32).reshape(-1, dim))
+    ctx.finalize()

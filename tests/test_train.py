@@ -211,10 +211,10 @@ def test_a_small_set_trains_better_in_the_automatic_batches_than_in_1000_rows(tm
 
 
 def test_pull_early_is_bit_identical_under_bsp_and_within_the_staleness_under_ssp(small_data, tmp_path):
-    """train.pull_early sends the next batch's pull before the step computes, for the next clock:
-    under BSP the servers answer it after every worker's clock, so an FM in a worker group of 2
-    trains the same model bit for bit; under SSP it is answered at once, and no read is staler
-    than the staleness allows."""
+    """train.pull_early: under SSP a step's push-pull pulls the batch after the next one, for the
+    clock after the next, so one worker's reads are exactly one clock stale (none without it); no
+    read is staler than the staleness allows. Under BSP it changes nothing: an FM in a worker
+    group of 2 trains the same model bit for bit."""
     data = sets(data__train=small_data.files["train_libsvm"], data__test=small_data.files["test_libsvm"],
                 train__progress=False, train__batch_size=200)
     for early in (False, True):
@@ -229,6 +229,12 @@ def test_pull_early_is_bit_identical_under_bsp_and_within_the_staleness_under_ss
         hpcps_job(3, ["train", *data, *sets(cluster__staleness=2, train__pull_early=early), "--summary-json", str(out)])
         got[early] = json.loads(out.read_text())
     assert got[True]["max_staleness"] <= 2
+    assert abs(got[True]["test_logloss"] - got[False]["test_logloss"]) < 0.02, got
+    for early in (False, True):
+        out = tmp_path / f"one_{early}.json"
+        hpcps_job(2, ["train", *data, *sets(cluster__staleness=1, train__pull_early=early), "--summary-json", str(out)])
+        got[early] = json.loads(out.read_text())
+    assert (got[False]["max_staleness"], got[True]["max_staleness"]) == (0, 1), got
     assert abs(got[True]["test_logloss"] - got[False]["test_logloss"]) < 0.02, got
     with pytest.raises(config.ConfigError, match="train.pull_early"):
         config.from_dict({"train": {"pull_early": True}, "model": {"compute": "servers"}})

@@ -140,13 +140,15 @@ class Model:
         ``upcoming``: the batches this worker trains on next (the same objects will be passed to
         the next steps). With them the step pipelines (the seeds' pipelining, one level down): the
         push of this step, the clock and the pull of the next batch's rows go in one push-pull
-        round trip, and the keys of the batch after it are deduplicated while the servers work.
+        round trip, and the keys of a later batch are deduplicated while the servers work.
         Under BSP the numbers are those of the unpipelined step, bit for bit.
 
-        With ``train.pull_early`` the next batch's rows are pulled before this step computes, for
-        the next clock: under SSP and ASP the servers answer at once, so the pull overlaps the
-        compute (a step may then miss its own last push, which SSP allows); under BSP they answer
-        after every worker's clock, and the numbers stay those of the unpipelined step.
+        With ``train.pull_early`` under SSP and ASP the push-pull pulls the rows of the batch
+        after the next one, for the clock after the next (the next batch's rows came with the
+        step before): the servers apply this step's push and gather those rows while the worker
+        computes the next step, and a step reads rows that miss the push of the step just before
+        it (staleness 1). Under BSP it changes nothing: the servers could answer such a pull only
+        after the next step.
         """
         if self.cfg.model.compute == "servers":
             return self._step_on_servers(batch, scale)
@@ -157,13 +159,6 @@ class Model:
         self._fetch(cur)
         self._ahead = [p for p in self._ahead if p is not cur]
         t = self._time("pull", t)
-        # (one process: its in-process server answers each request when sent, nothing to overlap)
-        early = self.cfg.train.pull_early and upcoming and not self.ctx.local
-        if early:  # the next batch's rows, read at the next clock, on their way during this step
-            nxt = self._prepare(upcoming[0])
-            if nxt.ts is None and nxt.params is None:
-                nxt.ts = [tb.ipull(nxt.uniq, unique=True, ahead=1) for tb in self.sparse]
-            self._ahead = [nxt]
         grads = [np.empty_like(p) for p in cur.params]
         loss = self._forward_backward(batch, cur.pos, cur.params, grads, scale) \
             if batch.rows or self.compute_empty else 0.0
@@ -171,22 +166,36 @@ class Model:
         self._before_clock()
         keys, grads, aggregate = self._merge_tables(cur.uniq, grads)
         head, rest = self.sparse[0], list(zip(self.sparse[1:], grads[1:]))
-        if upcoming and not early:
+        if upcoming:
             nxt = self._prepare(upcoming[0])
+            # (one process: its in-process server answers each request when sent; under BSP the
+            # servers answer a pull only after every worker's clock before it: nothing to overlap,
+            # and a pull two clocks ahead would wait on this worker's own next step)
+            early = (self.cfg.train.pull_early and self.cfg.cluster.staleness != 0 and not self.ctx.local
+                     and len(upcoming) > 1)
+            pulls = [(nxt, 0)] if nxt.ts is None and nxt.params is None else []
+            if early:  # the batch after the next, for the clock after the next
+                pulls.append((self._prepare(upcoming[1]), 1))
             # the other tables' pushes go before the clock that the first table's push-pull carries,
             # and their pulls after it (so under BSP they see every push of the step)
             self._pending += [(tb, tb.push(keys, g, aggregate=aggregate, unique=True)) for tb, g in rest]
-            ts = head.ipushpull(keys, grads[0], nxt.uniq, aggregate=aggregate, unique=True)
-            nxt.ts = [ts] + [tb.ipull(nxt.uniq, unique=True) for tb, _ in rest]
-            self._ahead = [nxt]
-            if len(upcoming) > 1:  # overlaps the servers' work on the push-pull just sent
-                self._ahead.append(self._prepare(upcoming[1]))
+            if pulls:
+                got, ahead = pulls[0]
+                ts = head.ipushpull(keys, grads[0], got.uniq, aggregate=aggregate, unique=True, ahead=ahead)
+                got.ts = [ts] + [tb.ipull(got.uniq, unique=True, ahead=ahead) for tb, _ in rest]
+                for got, ahead in pulls[1:]:  # (the pipeline filling up: its first step)
+                    got.ts = [tb.ipull(got.uniq, unique=True, ahead=ahead) for tb in self.sparse]
+            else:  # the rows of every batch left are on their way
+                self._pending.append((head, head.push(keys, grads[0], aggregate=aggregate, unique=True)))
+                self.ctx.clock()
+            self._ahead = [nxt] + [got for got, _ in pulls if got is not nxt]
+            later = upcoming[1 + early] if len(upcoming) > 1 + early else None
+            if later is not None:  # overlaps the servers' work on the push-pull just sent
+                self._ahead.append(self._prepare(later))
         else:
             self._pending += [(tb, tb.push(keys, g, aggregate=aggregate, unique=True))
                               for tb, g in zip(self.sparse, grads)]
             self.ctx.clock()
-            if early and len(upcoming) > 1:  # overlaps the servers' work on the pushes just sent
-                self._ahead.append(self._prepare(upcoming[1]))
         self._after_clock()
         self._time("push", t)
         return loss
