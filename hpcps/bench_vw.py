@@ -5,8 +5,10 @@ hpcps reads) and VW text (the same features, what VW reads), then times, as whol
 input to a trained model and a test evaluation:
 
 * ``mpiexec -n R hpcps train`` with FTRL for each R in ``--ranks`` (a job is 1 server + R-1
-  workers, so R = 2 is the smallest: one worker) and each epoch count in ``--epochs``; the summary
-  gives its training loop's rate, the share of the loop the workers waited, and peak memory;
+  workers, so R = 2 is the smallest: one worker), each epoch count in ``--epochs`` and each
+  staleness in ``--staleness`` (0: BSP, the default consistency; s > 0: SSP s with
+  ``train.pull_early``, the pipelined step); the summary gives its training loop's rate, the
+  share of the loop the workers waited, and peak memory;
 * ``python -m vowpalwabbit --ftrl`` on one core, 1 pass, and 3 passes over its cache file.
 
 Examples/s = rows x epochs / wall time of the job (startup, parsing and evaluation included; the
@@ -73,16 +75,20 @@ def _timed_rss(cmd: list[str], timeout: float) -> tuple[float, float]:
     return wall, peak
 
 
-def run_hpcps(files: dict, ranks: int, epochs: int, alpha: float, hash_bits: int, out_dir: str) -> dict:
-    summary = os.path.join(out_dir, f"hpcps-{ranks}-{epochs}.json")
+def run_hpcps(files: dict, ranks: int, epochs: int, alpha: float, hash_bits: int, out_dir: str,
+              staleness: int = 0) -> dict:
+    summary = os.path.join(out_dir, f"hpcps-{ranks}-{epochs}{f'-ssp{staleness}' if staleness else ''}.json")
     cmd = [_mpiexec(), "-n", str(ranks), sys.executable, "-m", "hpcps.cli", "train",
            "--set", f'data.train="{files["train_criteo"]}"', "--set", f'data.test="{files["test_criteo"]}"',
            "--set", 'data.format="criteo"', "--set", f"data.hash_bits={hash_bits}",
            "--set", f"train.epochs={epochs}", "--set", "train.progress=false",
            "--set", 'optimizer.name="ftrl"', "--set", f"optimizer.alpha={alpha}", "--summary-json", summary]
+    if staleness:
+        cmd += ["--set", f"cluster.staleness={staleness}", "--set", "train.pull_early=true"]
     wall, _ = _timed(cmd, 1800)
     s = json.load(open(summary))
-    return {"system": "hpcps", "ranks": ranks, "workers": ranks - 1, "epochs": epochs, "wall_s": wall,
+    return {"system": "hpcps", "ranks": ranks, "workers": ranks - 1, "epochs": epochs, "staleness": staleness,
+            "wall_s": wall,
             "examples_per_s": s["examples"] / wall, "loop_examples_per_s": s["examples_per_s"],
             "loop_wait_fraction": s["max_wait_s"] / s["time_s"] if s["time_s"] else None,
             "peak_rss_mb": max(s.get("peak_rss_mb_worker", 0), s.get("peak_rss_mb_server", 0)),
@@ -113,14 +119,15 @@ def run_vw(files: dict, rows: int, passes: int, alpha: float, hash_bits: int, ou
 
 
 def run(out_dir: str, rows: int, test_rows: int, ranks: list[int], epochs: list[int], alpha: float,
-        vw_alpha: float, hash_bits: int = 24) -> list[dict]:
+        vw_alpha: float, hash_bits: int = 24, staleness: list[int] = (0,)) -> list[dict]:
     os.makedirs(out_dir, exist_ok=True)
     info = synth.generate(out_dir, rows, test_rows, 39, False, 1, hash_bits, formats=("criteo", "vw"))
     results = []
     for e in epochs:
-        for r in ranks:
-            results.append(run_hpcps(info.files, r, e, alpha, hash_bits, out_dir))
-            print(json.dumps(results[-1]), flush=True)
+        for s in staleness:
+            for r in ranks:
+                results.append(run_hpcps(info.files, r, e, alpha, hash_bits, out_dir, s))
+                print(json.dumps(results[-1]), flush=True)
         try:
             results.append(run_vw(info.files, rows, e, vw_alpha, hash_bits, out_dir))
             print(json.dumps(results[-1]), flush=True)
@@ -132,8 +139,8 @@ def run(out_dir: str, rows: int, test_rows: int, ranks: list[int], epochs: list[
 
 def format_results(results: list[dict], rows: int) -> str:
     out = [f"{rows:,} training rows, 39 fields, FTRL; examples/s = rows x epochs / job wall time; "
-           f"RSS = the largest process's peak",
-           f"{'system':<7} {'ranks':>5} {'epochs':>6} {'wall s':>7} {'ex/s':>10} {'loop ex/s':>10} {'wait':>5} "
+           f"RSS = the largest process's peak; sync: BSP, or SSP s with train.pull_early",
+           f"{'system':<7} {'ranks':>5} {'sync':>6} {'epochs':>6} {'wall s':>7} {'ex/s':>10} {'loop ex/s':>10} {'wait':>5} "
            f"{'RSS MB':>7} {'logloss':>8} {'AUC':>7} {'ex/s vs VW':>10} {'dlogloss':>9}"]
     vw = {r["epochs"]: r for r in results if r["system"] == "vw"}
     for r in results:
@@ -142,7 +149,8 @@ def format_results(results: list[dict], rows: int) -> str:
         dll = f"{r['test_logloss'] - ref['test_logloss']:+.4f}" if ref and r["system"] != "vw" else ""
         loop = f"{r['loop_examples_per_s']:,.0f}" if r["loop_examples_per_s"] else "-"
         wait = f"{100 * r['loop_wait_fraction']:.0f}%" if r.get("loop_wait_fraction") is not None else "-"
-        out.append(f"{r['system']:<7} {r['ranks']:>5} {r['epochs']:>6} {r['wall_s']:>7.1f} {r['examples_per_s']:>10,.0f} "
+        sync = "" if r["system"] == "vw" else f"SSP {r['staleness']}" if r.get("staleness") else "BSP"
+        out.append(f"{r['system']:<7} {r['ranks']:>5} {sync:>6} {r['epochs']:>6} {r['wall_s']:>7.1f} {r['examples_per_s']:>10,.0f} "
                    f"{loop:>10} {wait:>5} {r.get('peak_rss_mb', 0):>7.0f} {r['test_logloss']:>8.4f} {r['test_auc']:>7.4f} "
                    f"{ratio:>10} {dll:>9}")
     return "\n".join(out)

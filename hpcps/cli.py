@@ -246,7 +246,8 @@ def _cmd_bench_vw(args) -> int:
     from hpcps import bench_vw
 
     results = bench_vw.run(args.dir, args.rows, args.test_rows, [int(x) for x in args.ranks.split(",")],
-                           [int(x) for x in args.epochs.split(",")], args.alpha, args.vw_alpha, args.hash_bits)
+                           [int(x) for x in args.epochs.split(",")], args.alpha, args.vw_alpha, args.hash_bits,
+                           [int(x) for x in args.staleness.split(",")])
     print(bench_vw.format_results(results, args.rows))
     if args.json:
         with open(args.json, "w") as f:
@@ -463,6 +464,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--alpha", type=float, default=0.1, help="hpcps FTRL alpha")
     b.add_argument("--vw-alpha", type=float, default=0.05, help="VW --ftrl_alpha (0.05 was VW's best of 0.005/0.05/0.5 here)")
     b.add_argument("--hash-bits", type=int, default=24)
+    b.add_argument("--staleness", default="0,1",
+                   help="hpcps consistency per job: 0 = BSP, s > 0 = SSP s with train.pull_early (the pipelined step)")
     b.add_argument("--json", default="", help="also write the results here")
     b.set_defaults(func=_cmd_bench_vw)
     b = bsub.add_parser("margins", help="computing on the servers (model.compute) vs pulling weights: bytes and speed")

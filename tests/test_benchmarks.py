@@ -62,6 +62,8 @@ def test_vw_benchmark_runs_both_systems(tmp_path):
     assert any(line.startswith("hpcps ") for line in table) and any(line.startswith("vw ") for line in table)
     header = next(line for line in table if line.startswith("system"))
     assert "wait" in header and "RSS MB" in header
+    # both consistency models by default: BSP, and SSP 1 with the pipelined step (train.pull_early)
+    assert {line.split()[2] for line in table if line.startswith("hpcps ")} == {"BSP", "SSP"}
 
 
 def test_margins_benchmark_compares_bytes_and_speed_of_both_paths(tmp_path):
