@@ -236,6 +236,15 @@ def test_pull_early_is_bit_identical_under_bsp_and_within_the_staleness_under_ss
         got[early] = json.loads(out.read_text())
     assert (got[False]["max_staleness"], got[True]["max_staleness"]) == (0, 1), got
     assert abs(got[True]["test_logloss"] - got[False]["test_logloss"]) < 0.02, got
+    # pulls two clocks ahead in flight through what waits for every request: checkpoints within
+    # and between epochs, the holdout's evaluation and an early stop, two workers
+    out = tmp_path / "stops.json"
+    _, text, _ = hpcps_job(3, ["train", *data, *sets(cluster__staleness=1, train__pull_early=True, train__epochs=30,
+                                                     train__holdout=5, train__early_stop=1,
+                                                     checkpoint__dir=str(tmp_path / "ck"), checkpoint__every_steps=3),
+                               "--summary-json", str(out)], timeout=120)
+    s = json.loads(out.read_text())
+    assert s["max_staleness"] <= 1 and "(periodic)" in text and s["examples"] < 30 * 3000, s
     with pytest.raises(config.ConfigError, match="train.pull_early"):
         config.from_dict({"train": {"pull_early": True}, "model": {"compute": "servers"}})
 
