@@ -9,3 +9,48 @@ forward/backward), ``optim`` (SGD, AdaGrad, FTRL, Adam on slot rows), ``hashtabl
 index), ``hashing`` (XXH64 feature hashing), ``parse`` (libsvm, Criteo TSV), ``metrics`` (AUC,
 logloss), ``reference`` (NumPy/SciPy references), ``profiler``.
 """
+
+import importlib.util
+import os
+
+
+def _answer_numba_blas_probe_from_files() -> bool:
+    """Let numba learn that SciPy's BLAS exists without importing it at start-up.
+
+    When numba's CPU target first loads (the first compiled call of any kernel, cached or not) it
+    asks whether a BLAS is there by importing ``scipy.linalg.cython_blas`` (``ensure_blas``, called
+    as ``numba.np.arraymath`` is imported). With SciPy 1.17 that import pulls in its array-API
+    layer: 0.2-0.3 s of every hpcps process here, for kernels that mostly use no BLAS (only the deep
+    models' matrix products do). This answers the probe from SciPy's files instead, keeping
+    numba's check that SciPy's BLAS integer width is the one numba was built for; numba's C helper
+    still imports the module itself at the first BLAS call. Nothing is changed when numba has
+    already loaded that module, when its ``ensure_blas`` is not where this expects it (another
+    numba), or with ``HPCPS_LAZY_BLAS=0``. Returns whether the probe is now answered here."""
+    if os.environ.get("HPCPS_LAZY_BLAS", "1") == "0":
+        return False
+    import sys
+
+    try:
+        import numba.np.linalg as nl
+    except ImportError:
+        return False
+    real = getattr(nl, "ensure_blas", None)
+    if "numba.np.arraymath" in sys.modules or real is None or getattr(real, "hpcps_lazy", False):
+        return False
+
+    def ensure_blas():
+        spec = importlib.util.find_spec("scipy")
+        where = list(spec.submodule_search_locations or []) if spec else []
+        linalg = os.path.join(where[0], "linalg") if where else ""
+        if not (os.path.isdir(linalg) and any(f.startswith("cython_blas") for f in os.listdir(linalg))):
+            return real()  # raises numba's own ImportError
+        check = getattr(nl, "_check_lapack_int_width", None)
+        if check is not None:
+            check()
+
+    ensure_blas.hpcps_lazy = True
+    nl.ensure_blas = ensure_blas
+    return True
+
+
+_answer_numba_blas_probe_from_files()

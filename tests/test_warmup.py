@@ -4,6 +4,7 @@ Run in a fresh process: warm up, list every kernel's compiled signatures, do wha
 the data generator, evaluation and the server do on small inputs, and list them again.
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -114,3 +115,37 @@ def test_warmup_compiles_every_kernel_a_job_uses(tmp_path):
     import json
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result == {"never_compiled": [], "compiled_after_warmup": {}}, result
+
+
+LAZY_BLAS = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    from numba import njit
+    from hpcps_kernels import keys
+
+    keys.dedup_keys(np.arange(10, dtype=np.uint64))  # numba's CPU target loads here
+    before = "scipy.linalg" in sys.modules
+
+    @njit(cache=False)
+    def dot(a, b):
+        return np.dot(a, b)
+
+    a = np.arange(6.0).reshape(2, 3)
+    ok = bool(np.allclose(dot(a, a.T), a @ a.T))
+    print(json.dumps({"scipy_linalg_at_start": before, "blas_works": ok}))
+""")
+
+
+def test_numbas_blas_probe_imports_no_scipy_linalg_at_start_up_and_blas_still_works():
+    """numba asks for a BLAS as its CPU target first loads (any kernel's first call) by importing
+    scipy.linalg.cython_blas: 0.2-0.3 s of every process with SciPy 1.17. hpcps_kernels answers that
+    probe from SciPy's files; a numba function that needs BLAS still compiles and runs (numba's
+    C helper imports the module at the first call). HPCPS_LAZY_BLAS=0 leaves numba as it is."""
+    got = {}
+    for lazy in ("1", "0"):
+        out = subprocess.run([sys.executable, "-c", LAZY_BLAS], capture_output=True, text=True, timeout=300,
+                             env=dict(os.environ, HPCPS_LAZY_BLAS=lazy))
+        assert out.returncode == 0, out.stderr[-2000:]
+        got[lazy] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["1"] == {"scipy_linalg_at_start": False, "blas_works": True}, got
+    assert got["0"] == {"scipy_linalg_at_start": True, "blas_works": True}, got
