@@ -361,10 +361,11 @@ class DenseTable:
         padded[: self.size] = total
         return self.sparse.push(self.keys, padded.reshape(self.chunks, self.CHUNK), unique=True)
 
-    def ipull(self) -> int | None:
-        """The group's first rank starts pulling the vector (its timestamp, None elsewhere);
-        :meth:`finish_pull` completes it on every member."""
-        return self.sparse.ipull(self.keys, unique=True) if self.ctx.group_comm.Get_rank() == 0 else None
+    def ipull(self, ahead: int = 0) -> int | None:
+        """The group's first rank starts pulling the vector (its timestamp, None elsewhere), for
+        the step ``ahead`` clocks later (see :meth:`SparseTable.ipull`); :meth:`finish_pull`
+        completes it on every member."""
+        return self.sparse.ipull(self.keys, unique=True, ahead=ahead) if self.ctx.group_comm.Get_rank() == 0 else None
 
     def finish_pull(self, ts: int | None, out: np.ndarray | None = None) -> np.ndarray:
         """Group collective: the vector pulled by :meth:`ipull`, broadcast from the first rank."""
