@@ -12,6 +12,7 @@ logloss), ``reference`` (NumPy/SciPy references), ``profiler``.
 
 import importlib.util
 import os
+import sys
 
 
 def _answer_numba_blas_probe_from_files() -> bool:
@@ -20,16 +21,14 @@ def _answer_numba_blas_probe_from_files() -> bool:
     When numba's CPU target first loads (the first compiled call of any kernel, cached or not) it
     asks whether a BLAS is there by importing ``scipy.linalg.cython_blas`` (``ensure_blas``, called
     as ``numba.np.arraymath`` is imported). With SciPy 1.17 that import pulls in its array-API
-    layer: 0.2-0.3 s of every hpcps process here, for kernels that mostly use no BLAS (only the deep
-    models' matrix products do). This answers the probe from SciPy's files instead, keeping
+    layer: 0.2-0.3 s of every hpcps process here, though no hpcps kernel calls a BLAS (the deep
+    models' matrix products are NumPy's). This answers the probe from SciPy's files instead, keeping
     numba's check that SciPy's BLAS integer width is the one numba was built for; numba's C helper
     still imports the module itself at the first BLAS call. Nothing is changed when numba has
     already loaded that module, when its ``ensure_blas`` is not where this expects it (another
     numba), or with ``HPCPS_LAZY_BLAS=0``. Returns whether the probe is now answered here."""
     if os.environ.get("HPCPS_LAZY_BLAS", "1") == "0":
         return False
-    import sys
-
     try:
         import numba.np.linalg as nl
     except ImportError:

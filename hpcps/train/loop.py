@@ -558,9 +558,8 @@ class Trainer:
         held = self.held_out.pop(i, None)
         if self.collecting and held is not None and held.rows:
             self.holdout_pieces.append(held)
-        # the batches the step pipelines (see Model.step): one more with train.pull_early
-        ahead = self.cfg.train.pull_early and self.cfg.cluster.staleness != 0
-        upcoming = [self.batch_at(j) for j in range(i + 1, min(i + 3 + ahead, self.last_index))]
+        # the batches the step pipelines (see Model.step): one more when it pulls two ahead
+        upcoming = [self.batch_at(j) for j in range(i + 1, min(i + 3 + self.model.pulls_ahead, self.last_index))]
         loss = self.model.step(batch, self.scale, upcoming)
         self.global_step += 1
         self.loss_sum += loss

@@ -68,6 +68,10 @@ class Model:
         self._sorted = ctx.is_worker and self.aggregate and ctx.group_comm.Get_size() > 1
         self._pending: list = []             # (table, timestamp) of pushes in flight
         self._ahead: list[_Prepared] = []    # the next batches, prepared (see step)
+        # train.pull_early's pipelined step (see step): under SSP/ASP only (under BSP a pull two
+        # clocks ahead would wait on this worker's own next step) and with servers to overlap
+        # (one process: its in-process server answers each request when sent)
+        self.pulls_ahead = cfg.train.pull_early and cfg.cluster.staleness != 0 and not ctx.local
         self.stages: dict[str, float] = {}   # seconds per stage of the step (see stage_times)
 
     def _declare(self, ctx, cfg) -> list:
@@ -168,11 +172,7 @@ class Model:
         head, rest = self.sparse[0], list(zip(self.sparse[1:], grads[1:]))
         if upcoming:
             nxt = self._prepare(upcoming[0])
-            # (one process: its in-process server answers each request when sent; under BSP the
-            # servers answer a pull only after every worker's clock before it: nothing to overlap,
-            # and a pull two clocks ahead would wait on this worker's own next step)
-            early = (self.cfg.train.pull_early and self.cfg.cluster.staleness != 0 and not self.ctx.local
-                     and len(upcoming) > 1)
+            early = self.pulls_ahead and len(upcoming) > 1
             pulls = [(nxt, 0)] if nxt.ts is None and nxt.params is None else []
             if early:  # the batch after the next, for the clock after the next
                 pulls.append((self._prepare(upcoming[1]), 1))
