@@ -61,6 +61,22 @@ def state_init(name: str, dim: int, adagrad_init: float | None = None) -> np.nda
     return opt.new_state(dim, params)
 
 
+# the built-in one-pass rules' codes in a push's fused lookup and update (Optimizer.fused)
+FUSED_SGD, FUSED_ADAGRAD, FUSED_FTRL, FUSED_ADAM = 0, 1, 2, 3
+
+# The one-pass rules update a row with a row function (``_<rule>_row(rows, s, grads, i, dim, ...)``:
+# ``grads[i]`` into ``rows[s]``), inlined at numba's level into the rule's loop and into the fused
+# lookup-and-update of a push (:func:`hpcps_kernels.directindex.direct_push`): one definition of
+# each rule's arithmetic. Inlined, not called: in the fused push a call per row (a compiled
+# function) ran at half the speed of the inlined row.
+
+@njit(inline="always")
+def _sgd_row(rows, s, grads, i, dim, lr, l2):
+    for d in range(dim):
+        w = np.float64(rows[s, d])
+        rows[s, d] = w - lr * (grads[i, d] + l2 * w)
+
+
 @njit(cache=True)
 def sgd(rows, slots, grads, lr, l2):
     dim = grads.shape[1]
@@ -68,10 +84,7 @@ def sgd(rows, slots, grads, lr, l2):
     for i in range(n):
         if i + AHEAD < n:  # (written out in each rule: as an inline helper it ran at half speed)
             prefetch(flat, slots[i + AHEAD] * width)
-        r = rows[slots[i]]
-        for d in range(dim):
-            w = np.float64(r[d])
-            r[d] = w - lr * (grads[i, d] + l2 * w)
+        _sgd_row(rows, slots[i], grads, i, dim, lr, l2)
 
 
 # From this row width up, FTRL, AdaGrad and Adam run their two-pass float32 loops (below), which
@@ -105,6 +118,16 @@ def _adagrad_two_pass(rows, slots, grads, lr, eps, l2):
             r[dim + d] = at[d]
 
 
+@njit(inline="always")
+def _adagrad_row(rows, s, grads, i, dim, lr, eps, l2):
+    for d in range(dim):
+        w = np.float64(rows[s, d])
+        g = grads[i, d] + l2 * w
+        a = rows[s, dim + d] + g * g
+        rows[s, dim + d] = a
+        rows[s, d] = w - lr * g / (math.sqrt(a) + eps)
+
+
 @njit(cache=True)
 def adagrad(rows, slots, grads, lr, eps, l2):
     dim = grads.shape[1]
@@ -115,13 +138,7 @@ def adagrad(rows, slots, grads, lr, eps, l2):
     for i in range(n):
         if i + AHEAD < n:  # (written out in each rule: as an inline helper it ran at half speed)
             prefetch(flat, slots[i + AHEAD] * width)
-        r = rows[slots[i]]
-        for d in range(dim):
-            w = np.float64(r[d])
-            g = grads[i, d] + l2 * w
-            a = r[dim + d] + g * g
-            r[dim + d] = a
-            r[d] = w - lr * g / (math.sqrt(a) + eps)
+        _adagrad_row(rows, slots[i], grads, i, dim, lr, eps, l2)
 
 
 # The denominator of FTRL's weight is at least this: with beta = 0 (allowed) and l2 = 0, a new row
@@ -165,6 +182,22 @@ def _ftrl_two_pass(rows, slots, grads, inv_alpha, beta, l1, l2):
             r[d] = -math.copysign(shrink, z) / max((beta + st[d]) * inv_alpha + l2, floor) + zero
 
 
+@njit(inline="always")
+def _ftrl_row(rows, s, grads, i, dim, inv_alpha, beta, l1, l2):
+    for d in range(dim):
+        g = np.float64(grads[i, d])
+        w = np.float64(rows[s, d])
+        n_old = np.float64(rows[s, 2 * dim + d])
+        n_new = n_old + g * g
+        sqrt_new = math.sqrt(n_new)
+        z = np.float64(rows[s, dim + d]) + g - (sqrt_new - math.sqrt(n_old)) * inv_alpha * w
+        rows[s, dim + d] = z
+        rows[s, 2 * dim + d] = n_new
+        # w = 0 when |z| <= l1, written without a branch (it mispredicts on real data)
+        shrink = max(abs(z) - l1, 0.0)
+        rows[s, d] = -math.copysign(shrink, z) / max((beta + sqrt_new) * inv_alpha + l2, FTRL_FLOOR) + 0.0
+
+
 @njit(cache=True)
 def ftrl(rows, slots, grads, alpha, beta, l1, l2):
     dim = grads.shape[1]
@@ -176,19 +209,7 @@ def ftrl(rows, slots, grads, alpha, beta, l1, l2):
     for i in range(n):
         if i + AHEAD < n:  # (written out in each rule: as an inline helper it ran at half speed)
             prefetch(flat, slots[i + AHEAD] * width)
-        s = slots[i]
-        for d in range(dim):
-            g = np.float64(grads[i, d])
-            w = np.float64(rows[s, d])
-            n_old = np.float64(rows[s, 2 * dim + d])
-            n_new = n_old + g * g
-            sqrt_new = math.sqrt(n_new)
-            z = np.float64(rows[s, dim + d]) + g - (sqrt_new - math.sqrt(n_old)) * inv_alpha * w
-            rows[s, dim + d] = z
-            rows[s, 2 * dim + d] = n_new
-            # w = 0 when |z| <= l1, written without a branch (it mispredicts on real data)
-            shrink = max(abs(z) - l1, 0.0)
-            rows[s, d] = -math.copysign(shrink, z) / max((beta + sqrt_new) * inv_alpha + l2, FTRL_FLOOR) + 0.0
+        _ftrl_row(rows, slots[i], grads, i, dim, inv_alpha, beta, l1, l2)
 
 
 @njit(cache=True, error_model="numpy")  # no zero check on the divisions (eps > 0): the loops vectorise
@@ -228,6 +249,24 @@ def _adam_two_pass(rows, slots, grads, lr, beta1, beta2, eps, l2):
             r[2 * dim + d] = vt[d]
 
 
+@njit(inline="always")
+def _adam_row(rows, s, grads, i, dim, lr, beta1, beta2, eps, l2):
+    p1 = rows[s, 3 * dim] * beta1       # beta1**t, kept as a running product: no pow/exp
+    p2 = rows[s, 3 * dim + 1] * beta2
+    rows[s, 3 * dim] = p1
+    rows[s, 3 * dim + 1] = p2
+    c1 = 1.0 - np.float64(p1)
+    c2 = 1.0 - np.float64(p2)
+    for d in range(dim):
+        w = np.float64(rows[s, d])
+        g = grads[i, d] + l2 * w
+        m = beta1 * rows[s, dim + d] + (1.0 - beta1) * g
+        v = beta2 * rows[s, 2 * dim + d] + (1.0 - beta2) * g * g
+        rows[s, dim + d] = m
+        rows[s, 2 * dim + d] = v
+        rows[s, d] = w - lr * (m / c1) / (math.sqrt(v / c2) + eps)
+
+
 @njit(cache=True)
 def adam(rows, slots, grads, lr, beta1, beta2, eps, l2):
     dim = grads.shape[1]
@@ -238,21 +277,7 @@ def adam(rows, slots, grads, lr, beta1, beta2, eps, l2):
     for i in range(n):
         if i + AHEAD < n:  # (written out in each rule: as an inline helper it ran at half speed)
             prefetch(flat, slots[i + AHEAD] * width)
-        s = slots[i]
-        p1 = rows[s, 3 * dim] * beta1       # beta1**t, kept as a running product: no pow/exp
-        p2 = rows[s, 3 * dim + 1] * beta2
-        rows[s, 3 * dim] = p1
-        rows[s, 3 * dim + 1] = p2
-        c1 = 1.0 - np.float64(p1)
-        c2 = 1.0 - np.float64(p2)
-        for d in range(dim):
-            w = np.float64(rows[s, d])
-            g = grads[i, d] + l2 * w
-            m = beta1 * rows[s, dim + d] + (1.0 - beta1) * g
-            v = beta2 * rows[s, 2 * dim + d] + (1.0 - beta2) * g * g
-            rows[s, dim + d] = m
-            rows[s, 2 * dim + d] = v
-            rows[s, d] = w - lr * (m / c1) / (math.sqrt(v / c2) + eps)
+        _adam_row(rows, slots[i], grads, i, dim, lr, beta1, beta2, eps, l2)
 
 
 # -- the registry --------------------------------------------------------------------------------
@@ -280,6 +305,18 @@ class Optimizer:
     state_width: Callable[[int], int] = lambda dim: 0
     init_state: Callable[[int, dict], np.ndarray] | None = None
     ranges: dict = field(default_factory=dict)
+    fused: int = -1  # a built-in one-pass rule's code (FUSED_*) for a push's fused lookup and update
+
+    def fused_rule(self, dim: int) -> int:
+        """The code under which :func:`hpcps_kernels.directindex.direct_push` applies this rule to
+        rows of ``dim`` values with the same bits as :attr:`kernel`, or -1: a rule registered from
+        user code, or a row wide enough for the two-pass loops."""
+        return self.fused if dim < TWO_PASS_DIM else -1
+
+    def fused_params(self, params: dict) -> np.ndarray:
+        """The hyper-parameters :func:`~hpcps_kernels.directindex.direct_push` takes: the kernel's
+        arguments in order, as float64 (as the kernel receives them)."""
+        return np.array([float(params[a]) for a in self.args], dtype=np.float64)
 
     def width(self, dim: int) -> int:
         return dim + self.state_width(dim)
@@ -359,11 +396,12 @@ def _adam_state(dim: int, params: dict) -> np.ndarray:
     return state
 
 
-register(Optimizer("sgd", {"lr": 0.01, "l2": 0.0}, sgd, ("lr", "l2"), ranges={"lr": POSITIVE}))
+register(Optimizer("sgd", {"lr": 0.01, "l2": 0.0}, sgd, ("lr", "l2"), ranges={"lr": POSITIVE}, fused=FUSED_SGD))
 register(Optimizer("adagrad", {"lr": 0.01, "eps": 1e-8, "l2": 0.0, "initial_accumulator": 0.1}, adagrad,
-                   ("lr", "eps", "l2"), lambda dim: dim, _adagrad_state, {"lr": POSITIVE, "eps": POSITIVE}))
+                   ("lr", "eps", "l2"), lambda dim: dim, _adagrad_state, {"lr": POSITIVE, "eps": POSITIVE},
+                   fused=FUSED_ADAGRAD))
 register(Optimizer("ftrl", {"alpha": 0.1, "beta": 1.0, "l1": 0.0, "l2": 0.0}, ftrl, ("alpha", "beta", "l1", "l2"),
-                   lambda dim: 2 * dim, ranges={"alpha": POSITIVE}))
+                   lambda dim: 2 * dim, ranges={"alpha": POSITIVE}, fused=FUSED_FTRL))
 register(Optimizer("adam", {"lr": 0.001, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "l2": 0.0}, adam,
                    ("lr", "beta1", "beta2", "eps", "l2"), lambda dim: 2 * dim + 2, _adam_state,
-                   {"lr": POSITIVE, "eps": POSITIVE, "beta1": UNIT, "beta2": UNIT}))
+                   {"lr": POSITIVE, "eps": POSITIVE, "beta1": UNIT, "beta2": UNIT}, fused=FUSED_ADAM))
