@@ -6,7 +6,10 @@ A server rank owns, for every declared table, the keys of the virtual shards pla
 :class:`~hpcps_kernels.directindex.DirectKeyIndex` (one array lookup per key) when the table's
 keys are bounded (``key_bits`` <= 26: hashed features) and the shard holds enough of them
 (from 2**(key_bits - 8) keys: the same slots), else a :class:`~hpcps_kernels.hashtable.KeyIndex`
-(any uint64 keys).
+(any uint64 keys). A push finds its keys' slots in one of three ways: the slots a pull of the
+same keys by the same worker resolved (a push-pull's next push); on a direct index with a
+built-in one-pass rule, one kernel that looks each key up and updates its row (up to the first
+key without a row); else a lookup (inserting new keys) and then the rule's kernel.
 
 Semantics a worker can rely on:
 
@@ -65,6 +68,10 @@ class ServerTable:
         self.kind = kinit.KINDS[spec.init]
         self.opt = spec.opt
         self.state = self.opt.new_state(spec.dim, spec.params)
+        # a push whose slots no pull resolved looks its keys up and updates their rows in one pass
+        # when the index is direct and the rule is a built-in one-pass rule (-1: two kernels)
+        self.fused = self.opt.fused_rule(spec.dim)
+        self.fused_params = self.opt.fused_params(spec.params)
         f = self.features = spec.features
         # admission: push counts of keys without a row (one exact counter per key when keys are
         # addressed directly, else counters shared by hash; see hpcps_kernels.admission)
@@ -166,7 +173,7 @@ class ServerTable:
 
     def pull(self, keys: np.ndarray, out: np.ndarray, worker: int = -1) -> None:
         """Values of ``keys`` into ``out`` (n, dim); ``worker``: who pulls, whose next push of
-        the same keys reuses their slots (see :meth:`_push_slots`)."""
+        the same keys reuses their slots (see :meth:`_reused_slots`)."""
         s = self.spec
         if isinstance(self.index, DirectKeyIndex):  # lookup and gather in one pass
             slots = self.index.pull(keys, self.rows, s.dim, self.kind, s.init_scale, s.seed, out)
@@ -178,11 +185,12 @@ class ServerTable:
         if worker >= 0 and self.counts is None and not self.max_keys:
             self.resolved[worker] = [(keys, slots, self.index)] + self.resolved.get(worker, [])[:RESOLVED_PULLS - 1]
 
-    def _push_slots(self, keys: np.ndarray, worker: int) -> np.ndarray:
-        """The slots of a push's keys, inserting the absent ones. When one of ``worker``'s last
-        pulls was of the same keys and no row has moved since (rows move only when the index is
-        rebuilt: eviction, loading), its slots stand and only the keys absent then are looked
-        up again (a push since, this worker's or another's, may have inserted them)."""
+    def _reused_slots(self, keys: np.ndarray, worker: int) -> np.ndarray | None:
+        """The slots of a push's keys that one of ``worker``'s last pulls resolved, inserting the
+        keys absent then; None when none of those pulls was of the same keys. Its slots stand
+        when no row has moved since (rows move only when the index is rebuilt: eviction,
+        loading); only the keys absent then are looked up again (a push since, this worker's or
+        another's, may have inserted them)."""
         absent = np.empty(keys.shape[0], dtype=np.int64)
         for i, (got_keys, got_slots, index) in enumerate(self.resolved.get(worker, []) if worker >= 0 else []):
             m = kkeys.reusable_slots(got_keys, got_slots, keys, absent) if index is self.index else -1
@@ -190,7 +198,7 @@ class ServerTable:
                 del self.resolved[worker][i]
                 break
         else:
-            return self.index.lookup_or_insert(keys)
+            return None
         slots = got_slots  # the pull's own array, used by nothing else now: completed in place
         if m:
             absent = absent[:m]
@@ -250,7 +258,7 @@ class ServerTable:
 
     def push(self, keys: np.ndarray, grads: np.ndarray, clock: int = 0, worker: int = -1) -> None:
         """Apply one update per key (keys unique within a push) at ``clock``; ``worker``: who
-        pushes (see :meth:`_push_slots`)."""
+        pushes (see :meth:`_reused_slots`)."""
         s = self.spec
         if self.counts is not None:
             keys, grads = self._admit(keys, grads, clock)
@@ -259,7 +267,18 @@ class ServerTable:
         if self.max_keys:
             keys, grads = self._make_room(keys, grads, clock)
         first_new = self.index.size
-        slots = self._push_slots(keys, worker)
+        slots = self._reused_slots(keys, worker)
+        if slots is None and self.fused >= 0 and isinstance(self.index, DirectKeyIndex):
+            # lookups and updates in one pass, up to the first absent key (the rest go below)
+            slots = np.empty(keys.shape[0], dtype=np.int64)
+            done = self.index.push(keys, self.rows, grads, self.fused, self.fused_params, slots)
+            if self.last is not None:
+                self.last[slots[:done]] = clock
+            if done == keys.shape[0]:
+                return
+            keys, grads, slots = keys[done:], grads[done:], None
+        if slots is None:
+            slots = self.index.lookup_or_insert(keys)
         if self.index.key_capacity > self.rows.shape[0]:
             rows = np.zeros((self.index.key_capacity, s.width), dtype=np.float32)
             rows[:first_new] = self.rows[:first_new]

@@ -22,6 +22,7 @@ from ._prefetch import prefetch
 from .hashing import mix64
 from .hashtable import MAX_LOAD, _entry, _probe, _tag, build_index, entry_format, index_capacity
 from .init import init_values
+from .optim import FUSED_ADAGRAD, FUSED_FTRL, FUSED_SGD, _adagrad_row, _adam_row, _ftrl_row, _sgd_row
 
 AHEAD = 16  # prefetch distance, in queries
 MAX_DIRECT_BITS = 31  # int32 slots
@@ -85,6 +86,59 @@ def direct_pull(direct, index, keys, queries, tag_bits, rows, dim, kind, scale, 
             init_values(queries[i:i + 1], dim, kind, scale, seed, one)
             for d in range(dim):
                 out[i, d] = one[0, d]
+
+
+@njit(cache=True)
+def direct_push(direct, index, keys, queries, tag_bits, rows, grads, rule, hp, slots):
+    """A push's lookups and its update rule in one pass: ``slots[i]`` = the slot of
+    ``queries[i]``, and ``grads[i]`` applied to that row by the built-in one-pass rule ``rule``
+    (:data:`hpcps_kernels.optim.FUSED_SGD` ...) with hyper-parameters ``hp`` (the rule kernel's
+    arguments in order): the same bits as :func:`direct_lookup` then the rule's kernel.
+
+    Stops at the first absent key and returns its position (``n`` when every key is present):
+    the keys before it are updated, the others untouched (the caller inserts the rest). The
+    prefetching is :func:`direct_pull`'s, so the lookups' cache misses overlap the arithmetic of
+    the rows before them. FTRL, dim 1, keys of a 2**24 space: 10.4 against 12.2 ns a key for the
+    two kernels on 100 k keys and 10.5 against 13.5 on 1 M in slot order, 13.5 against 14.7 on
+    100 k shuffled (one quiet run of 15 each; within the noise on busier ones)."""
+    nd = np.uint64(direct.shape[0])
+    mask = np.uint64(index.shape[0] - 1)
+    flat, width, n, dim = rows.reshape(-1), rows.shape[1], queries.shape[0], grads.shape[1]
+    h0 = 1.0 / hp[0] if rule == FUSED_FTRL else hp[0]  # (the FTRL kernel takes 1 / alpha first)
+    h1 = hp[1]
+    h2 = hp[2] if hp.shape[0] > 2 else 0.0
+    h3 = hp[3] if hp.shape[0] > 3 else 0.0
+    h4 = hp[4] if hp.shape[0] > 4 else 0.0
+    for i in range(-2 * AHEAD, n):  # (negative i: the stages filling up)
+        # direct_pull's two stages, written out: as an inline helper both kernels ran 2-4x slower
+        j = i + 2 * AHEAD
+        if j < n and queries[j] < nd:
+            prefetch(direct, queries[j])
+        j = i + AHEAD
+        if 0 <= j < n:
+            k = queries[j]
+            if k < nd:
+                s = np.int64(direct[k])
+            else:
+                h = mix64(k)
+                s = _probe(index, keys, k, _tag(h, tag_bits), h & mask, mask, tag_bits)[0]
+            slots[j] = s
+            if s >= 0:
+                prefetch(flat, s * width)
+        if i < 0:
+            continue
+        s = slots[i]
+        if s < 0:
+            return i
+        if rule == FUSED_FTRL:
+            _ftrl_row(rows, s, grads, i, dim, h0, h1, h2, h3)
+        elif rule == FUSED_SGD:
+            _sgd_row(rows, s, grads, i, dim, h0, h1)
+        elif rule == FUSED_ADAGRAD:
+            _adagrad_row(rows, s, grads, i, dim, h0, h1, h2)
+        else:
+            _adam_row(rows, s, grads, i, dim, h0, h1, h2, h3, h4)
+    return n
 
 
 @njit(cache=True)
@@ -202,6 +256,13 @@ class DirectKeyIndex:
         direct_pull(self.direct, self.index, self.keys, queries, self.tag_bits, rows, dim, kind, scale, seed,
                     slots, out)
         return slots
+
+    def push(self, queries: np.ndarray, rows: np.ndarray, grads: np.ndarray, rule: int, hp: np.ndarray,
+             slots: np.ndarray) -> int:
+        """Look up ``queries`` and apply ``grads`` to their rows in one pass (:func:`direct_push`),
+        up to the first absent key; returns how many keys were done (their slots in ``slots``)."""
+        return int(direct_push(self.direct, self.index, self.keys, queries, self.tag_bits, rows, grads, rule, hp,
+                               slots))
 
     def lookup_or_insert(self, queries: np.ndarray) -> np.ndarray:
         """Slots of ``queries``, inserting the absent ones."""

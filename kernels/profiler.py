@@ -333,8 +333,28 @@ def bench_hashtable(rows, repeat, roof):
             init.pull_rows(rows_, di.lookup(q), q, 1, init.ZEROS, 0.0, 0, np.empty((q.size, 1), np.float32))
 
     t_pf, t_p2 = median_time(pull_fused, repeat), median_time(pull_two, repeat)
+    # a server's push of keys no pull resolved: lookups and FTRL in one pass against the two kernels
+    # (the batches' keys stored first: the fused pass stops at an absent key)
+    for q in zb:
+        di.lookup_or_insert(q)
+    ftrl = optim.get("ftrl")
+    hp, rule = ftrl.fused_params(ftrl.params), ftrl.fused_rule(1)
+    frows = np.zeros((di.key_capacity, ftrl.width(1)), np.float32)
+    zg = [np.ones((q.size, 1), np.float32) for q in zb]
+
+    def push_fused():
+        for q, gq in zip(zb, zg):
+            di.push(q, frows, gq, rule, hp, np.empty(q.size, np.int64))
+
+    def push_two():
+        for q, gq in zip(zb, zg):
+            ftrl.apply(frows, di.lookup(q), gq, ftrl.params)
+
+    t_uf, t_u2 = median_time(push_fused, repeat), median_time(push_two, repeat)
     return [_row("direct pull (lookup + gather)/Zipf", nz, "keys", t_pf, t_p2, "direct_lookup then pull_rows",
                  nz / t_pf / 1e6 / roof["random_access_m_s"]),
+            _row("direct push (lookup + FTRL)/Zipf", nz, "keys", t_uf, t_u2, "direct_lookup then ftrl",
+                 nz / t_uf / 1e6 / roof["random_access_m_s"]),
             _row("hash lookup_or_insert/grow 0->10M", n, "keys", t_grow, t_dict, "Python dict", None, extra),
             _row("hash lookup_or_insert/at 10M", 1_000_000, "keys", t_steady, t_dict_look / 2, "Python dict",
                  1e6 / t_steady / 1e6 / roof["random_access_m_s"]),
@@ -464,6 +484,10 @@ def warmup() -> None:
     for dim in (1, 3):  # a server's pull: LR and FM/embedding rows
         di.pull(np.array([1, 3, 2**40], dtype=np.uint64), np.zeros((di.key_capacity, 3 * dim), np.float32), dim,
                 init.NORMAL, 0.01, 0, np.empty((3, dim), np.float32))
+    for rule in optim.REGISTRY.values():  # a server's push without a pull before it (one kernel)
+        if rule.fused_rule(1) >= 0:
+            di.push(np.array([1, 2**40], dtype=np.uint64), np.ones((di.key_capacity, rule.width(1)), np.float32), g,
+                    rule.fused_rule(1), rule.fused_params(rule.params), np.empty(2, np.int64))
     hashing.feature_key(1, b"x")
     # parsing, as the data loader calls it: on writable buffers (a bytearray's view)
     text = np.frombuffer(bytearray(b"1 1:1\n"), dtype=np.uint8)

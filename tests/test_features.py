@@ -195,6 +195,34 @@ def test_a_bounded_shard_goes_from_a_hash_to_a_direct_index_keeping_its_rows():
     assert isinstance(bounded.index, KeyIndex)
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "ftrl", "adam"])
+def test_a_push_without_a_pull_before_looks_up_and_updates_in_one_pass_with_the_same_bits(optimizer, monkeypatch):
+    """A direct index takes a push of keys no pull resolved in one pass (lookups and the rule,
+    up to the first absent key; the rest inserted and updated as before): every row, and each
+    row's last update (eviction), equals that of a hash-indexed shard given the same pushes."""
+    calls = []
+    fused = DirectKeyIndex.push
+    monkeypatch.setattr(DirectKeyIndex, "push", lambda self, *a: calls.append(fused(self, *a)) or calls[-1])
+    rng = np.random.default_rng(3)
+    spec = dict(optimizer=optimizer, init="normal", features=Features(evict_after_steps=100))
+    direct, hashed = ServerTable(TableSpec("w", key_bits=16, **spec)), ServerTable(TableSpec("w", **spec))
+    assert isinstance(direct.index, DirectKeyIndex) and direct.fused >= 0
+    seen, known = np.zeros(0, np.uint64), []
+    for clock in range(6):
+        old = rng.permutation(seen)[:300]  # keys with rows first, then new ones (none at the end)
+        new = np.setdiff1d(np.unique(rng.integers(0, 1 << 16, 300)), seen).astype(np.uint64)
+        keys = np.concatenate([old, new[:0] if clock == 5 else new])
+        known.append(old.size)
+        g = rng.normal(size=(keys.size, 1)).astype(np.float32)
+        for t in (direct, hashed):
+            t.push(keys, g, clock)
+        seen = np.union1d(seen, keys)
+        for a, b in zip(direct.items(), hashed.items()):
+            np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(direct.last[:direct.size], hashed.last[:hashed.size])
+    assert calls == known and known[0] == 0 and known[-1] == 300  # the fused pass stopped at the first new key
+
+
 @pytest.mark.parametrize("key_bits", [16, 64])  # direct index; hash index
 def test_a_push_after_a_pull_of_the_same_keys_takes_their_slots_and_updates_what_a_lookup_would(key_bits):
     """A push-pull's next push is of the keys its pull resolved: the push takes those slots and

@@ -615,6 +615,41 @@ def test_direct_pull_is_lookup_then_pull_rows_in_one_pass(stored, asked, dim_kin
     np.testing.assert_array_equal(out, want)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, 2**12 - 1), st.integers(2**12, 2**64 - 1)), max_size=300),
+       st.lists(st.one_of(st.integers(0, 2**12 - 1), st.integers(2**12, 2**64 - 1)), max_size=300),
+       st.sampled_from(["sgd", "adagrad", "ftrl", "adam"]), st.sampled_from([1, 3]))
+def test_direct_push_is_lookup_then_the_rule_in_one_pass(stored, asked, rule_name, dim):
+    """The fused push of a direct index: up to the first absent key, the slots of a lookup and
+    the bits of the rule's own kernel on them; the rows of the keys from there on are untouched."""
+    rule = optim.get(rule_name)
+    params = {**rule.params, "l2": 0.01}  # a non-zero of each argument the rules take
+    d = directindex.DirectKeyIndex(12)
+    d.lookup_or_insert(np.unique(np.array(stored, dtype=np.uint64)))
+    rng = np.random.default_rng(len(stored) + 7 * len(asked))
+    rows = np.abs(rng.normal(size=(d.key_capacity, rule.width(dim)))).astype(np.float32) + 0.1
+    q = np.unique(np.array(asked + stored[:40], dtype=np.uint64))
+    rng.shuffle(q)
+    g = rng.normal(size=(q.size, dim)).astype(np.float32)
+    want_slots = d.lookup(q)
+    first_absent = int(np.argmax(want_slots < 0)) if (want_slots < 0).any() else q.size
+    want = rows.copy()
+    rule.apply(want, want_slots[:first_absent], g[:first_absent], params)
+    slots = np.full(q.size, -2, np.int64)
+    done = d.push(q, rows, g, rule.fused_rule(dim), rule.fused_params(params), slots)
+    assert done == first_absent
+    np.testing.assert_array_equal(slots[:done], want_slots[:done])
+    np.testing.assert_array_equal(rows.view(np.uint32), want.view(np.uint32))
+
+
+def test_only_the_built_in_one_pass_rules_are_fused():
+    assert [optim.get(n).fused_rule(1) for n in ("sgd", "adagrad", "ftrl", "adam")] == [
+        optim.FUSED_SGD, optim.FUSED_ADAGRAD, optim.FUSED_FTRL, optim.FUSED_ADAM]
+    assert optim.get("ftrl").fused_rule(optim.TWO_PASS_DIM) == -1  # the two-pass float32 loops
+    mine = optim.Optimizer("mine", {"lr": 0.1}, optim.sgd, ("lr", "lr"))
+    assert mine.fused_rule(1) == -1
+
+
 def test_direct_index_overflow_grows_past_its_load():
     d = directindex.DirectKeyIndex(8)
     big = np.arange(2**40, 2**40 + 5000, dtype=np.uint64)   # all above 2**8: all overflow
