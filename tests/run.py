@@ -88,13 +88,14 @@ def main(argv: list[str]) -> int:
         waiting = None
         if not any(os.path.exists(os.path.join(ROOT, a.split("::")[0])) for a in argv if not a.startswith("-")):
             wdir, wlog = os.path.join(tmp, "serial-slurm"), open(os.path.join(tmp, "serial-slurm.log"), "w+")
-            cmd = [py, "-m", "pytest", "-m", "not mpi", *argv, *WAITING]
+            cmd = [py, "-m", "pytest", "-m", "not mpi", "--durations=10", *argv, *WAITING]
             print("+ (beside the rest)", " ".join(shlex.quote(c) for c in cmd), flush=True)
             waiting = (subprocess.Popen(cmd, env=dict(env, HPCPS_TEST_REPORT_DIR=wdir), cwd=ROOT, stdout=wlog,
                                         stderr=subprocess.STDOUT), wdir, wlog)
         rdir = os.path.join(tmp, "serial")
         ignore = [f"--ignore={w}" for w in WAITING] if waiting else []
-        rc = run([py, "-m", "pytest", "-m", "not mpi", *argv, *ignore], dict(env, HPCPS_TEST_REPORT_DIR=rdir))
+        rc = run([py, "-m", "pytest", "-m", "not mpi", "--durations=25", *argv, *ignore],  # the slowest, for the log
+                 dict(env, HPCPS_TEST_REPORT_DIR=rdir))
         add_serial(rdir, rc, "serial pytest", totals, problems)
 
         # 3. MPI tests, grouped by world size.
