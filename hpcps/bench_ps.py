@@ -74,12 +74,13 @@ def run(sizes=SIZES, reps: int = 5, dim: int = 1, optimizer: str = "ftrl", key_b
     # 2. the parameter server: 1 server, the first worker drives, others idle
     ctx = init(servers=1, staleness=-1, stall_timeout_s=600)
     table = ctx.sparse_table("bench", dim=dim, optimizer=optimizer, key_bits=key_bits)
-    rows = None
+    rows, inside = None, None
     if ctx.is_server:
-        stats = ctx.serve()
+        stats = ctx.serve(trace=True)
         # idle spells (the worker sleeps 2 s below) tell what an idle server costs
         idle = stats["idle_gap_cpu_s"] / max(stats["idle_gap_wall_s"], 1e-9)
         print(f"idle server CPU (over {stats['idle_gap_wall_s']:.1f} s without requests): {idle:.1%}", flush=True)
+        inside = _server_times(stats["trace"])
     elif ctx.worker_index == 0:
         rows = []
         rng = np.random.default_rng(0)
@@ -103,23 +104,47 @@ def run(sizes=SIZES, reps: int = 5, dim: int = 1, optimizer: str = "ftrl", key_b
         time.sleep(2.0)  # let the server idle
         rows.append({"op": "waiting", **waiting})
     ctx.finalize()
+    # the server's own time per request (from its receipt to the reply queued), for the worker's table
+    world = transport.dup()
+    inside = transport.bcast_object(world, inside, root=server, timeout=60, what="the server's request times")
+    transport.free(world)
+    for r in rows or []:
+        t = inside.get((r["op"], r.get("keys")))
+        if t:
+            r.update(server_s=t, server_keys_per_s=r["keys"] / t, server_roofline_ratio=r["keys"] / t / r["roofline_keys_per_s"])
     return rows
+
+
+def _server_times(trace: list) -> dict:
+    """Median seconds the server spent on a push, and on a pull, of each size: ``{(op, keys): s}``
+    with the op named as in the result rows."""
+    times: dict = {}
+    for op, n_push, n_pull, seconds in trace:
+        if op == protocol.PUSH:
+            times.setdefault(("push+apply", n_push), []).append(seconds)
+        elif op == protocol.PULL:
+            times.setdefault(("pull", n_pull), []).append(seconds)
+    return {k: float(np.median(v)) for k, v in times.items()}
 
 
 def format_rows(rows: list[dict], optimizer: str) -> str:
     out = [f"{'op':<11} {'keys':>9} {'ms':>9} {'Mkeys/s':>9} {'vs roofline':>11} {'GB/s':>7} {'raw MPI GB/s':>13} "
-           f"{'ratio':>6}"]
+           f"{'ratio':>6} {'server ms':>10} {'server vs roofline':>19}"]
     for r in rows:
         if r["op"] == "waiting":
             continue
+        inside = (f" {r['server_s'] * 1e3:>10.2f} {r['server_roofline_ratio']:>19.0%}" if "server_s" in r
+                  else f" {'-':>10} {'-':>19}")
         out.append(f"{r['op']:<11} {r['keys']:>9} {r['time_s'] * 1e3:>9.2f} {r['keys_per_s'] / 1e6:>9.2f} "
-                   f"{r['roofline_ratio']:>11.0%} {r['gb_per_s']:>7.3f} {r['raw_mpi_gb_per_s']:>13.3f} {r['ratio']:>6.0%}")
+                   f"{r['roofline_ratio']:>11.0%} {r['gb_per_s']:>7.3f} {r['raw_mpi_gb_per_s']:>13.3f} {r['ratio']:>6.0%}"
+                   + inside)
     w = [r for r in rows if r["op"] == "waiting"]
     if w:
         w = w[0]
         out.append(f"(optimizer {optimizer}; push+apply = push round trip with the update applied on the server; "
                    f"roofline = one core's random accesses/s, {rows[0]['roofline_keys_per_s'] / 1e6:.0f} M/s here; "
-                   f"ratio = bytes/s against a raw MPI ping-pong (blocking calls) at the same size)")
+                   f"ratio = bytes/s against a raw MPI ping-pong (blocking calls) at the same size; "
+                   f"server ms = the server's own median time on such a request, from its receipt to the reply queued)")
         out.append(f"waiting 1 s for a message, worker CPU: blocking MPI Recv {w['blocking Recv']:.0%}, "
                    f"hpcps wait {w['hpcps wait']:.0%}")
         out.append(f"8-byte round trip: blocking {w['rtt_blocking_us']:.1f} us, hpcps wait {w['rtt_wait_us']:.1f} us")

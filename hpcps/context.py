@@ -145,11 +145,13 @@ class Context:
 
     # -- server ------------------------------------------------------------------------------
 
-    def serve(self, restore: tuple[str, dict] | None = None) -> dict:
+    def serve(self, restore: tuple[str, dict] | None = None, trace: bool = False) -> dict:
         """Server ranks: answer requests until every worker has finalized; returns statistics.
 
         Args:
             restore: (checkpoint directory, its manifest): load this server's shards first.
+            trace: the statistics get ``trace``, a list of ``(op, keys pushed, keys pulled,
+                seconds)`` per request handled (from its receipt to its reply queued).
         """
         if not self.is_server:
             raise RuntimeError("serve() is for server ranks (ctx.is_server)")
@@ -158,6 +160,7 @@ class Context:
         self.server = server
         if restore is not None:
             server.restore(*restore)
+        server.trace = [] if trace else None
         self.server_stats = server.serve()
         return self.server_stats
 

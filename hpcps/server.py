@@ -410,6 +410,9 @@ class Server:
         self.sending: list[transport.Pending] = []
         self.tag_ub = transport.tag_upper_bound(comm)
         self.stats = {"requests": 0, "idle_s": 0.0, "busy_s": 0.0, "deferred": 0}
+        # (op, keys pushed, keys pulled, seconds handling it) of every request, when a list
+        # (``hpcps bench ps``: the server's own time beside the round trip)
+        self.trace: list | None = None
         self.evicting = any(t.features.eviction for t in self.tables)
         self.fragments: dict = {}  # (worker, table) -> the nonzeros of its last MARGINS
         self.evict_round = {t.spec.name: 0 for t in self.tables}
@@ -633,12 +636,18 @@ class Server:
                 self.stats["idle_gap_cpu_s"] += cpu - last_request[1]
             source, buf = got
             self.handle(source, buf)
-            self.stats["busy_s"] += time.perf_counter() - t
+            busy = time.perf_counter() - t
+            self.stats["busy_s"] += busy
+            if self.trace is not None:
+                op, n_push, n_pull = buf[:protocol.HEADER_BYTES].view(np.int64)[[0, 3, 4]].tolist()
+                self.trace.append((op, n_push, n_pull, busy))
             # keep polling without sleep while the replies just queued should be in transfer
             poll.reset(sum(p.nbytes for p in self.sending))
             last_request = (time.perf_counter(), time.process_time())
         transport.wait(self.sending, timeout=300)
         self.sending = []
+        if self.trace is not None:
+            self.stats["trace"] = self.trace
         return self.final_stats()
 
     def final_stats(self) -> dict:

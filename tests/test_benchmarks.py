@@ -45,6 +45,8 @@ def test_ps_benchmark_reports_throughput_beside_raw_mpi():
     ops = {(r["op"], r.get("keys")) for r in rows}
     assert {("push+apply", 1000), ("pull", 20000), ("waiting", None)} <= ops
     assert all(0 < r["roofline_ratio"] and 0 < r["ratio"] for r in rows if r["op"] != "waiting")
+    # the server's own time on each request is part of its round trip
+    assert all(0 < r["server_s"] < r["time_s"] for r in rows if r["op"] != "waiting"), rows
     waiting = [r for r in rows if r["op"] == "waiting"][0]
     # the polling wait does not burn a core; a blocking Recv does, as much as it gets of one (on a
     # loaded machine it shares it: 36 % once here), so the two are compared within this run
