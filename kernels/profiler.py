@@ -427,6 +427,7 @@ def warmup() -> None:
     indptr, idx, vals, labels = criteo_batch(4, 24)
     uniq, pos = keys.unique_keys(idx)
     keys.dedup_keys(idx)
+    keys.dedup_keys(idx, True)  # hashed features' keys
     w = np.zeros(len(uniq), dtype=np.float32)
     V = np.zeros((len(uniq), 2), dtype=np.float32)
     models.lr_forward_backward(indptr, pos, vals, labels, w, np.empty_like(w), 1.0, 0.0, 0)

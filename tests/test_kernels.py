@@ -660,6 +660,25 @@ def test_direct_index_overflow_grows_past_its_load():
     np.testing.assert_array_equal(d.lookup(big[::-1].copy()), np.arange(256, 256 + 5000)[::-1])
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, 30), st.integers(0, 2**64 - 1), st.integers(0, 50).map(lambda i: i << 20)),
+                max_size=400))
+def test_dedup_of_hashed_keys_gives_what_the_mixed_dedup_gives(xs):
+    """``hashed`` only changes where a key sits in the scratch table, never the result: the same
+    unique keys in the same order, the same positions, for any keys (structured ones too)."""
+    k = np.array(xs, dtype=np.uint64)
+    for got, want in zip(keys.dedup_keys(k, True), keys.dedup_keys(k)):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_dedup_of_hashed_keys_grows_its_table_the_same_way():
+    k = np.random.default_rng(5).integers(0, 2**24, 300_000).astype(np.uint64)  # > 64 k distinct: two doublings
+    (u1, p1), (u2, p2) = keys.dedup_keys(k, True), keys.dedup_keys(k)
+    assert u1.size > 2**16
+    np.testing.assert_array_equal(u1, u2)
+    np.testing.assert_array_equal(p1, p2)
+
+
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.one_of(st.integers(0, 30), st.integers(0, 2**64 - 1)), max_size=400))
 def test_dedup_keys_is_unique_keys_up_to_order(xs):

@@ -315,3 +315,21 @@ def test_missing_file_and_empty_byte_range_are_errors_on_every_rank(small_data, 
 def test_bad_config_key_is_named_on_every_rank():
     rc, out, _ = hpcps_job(2, ["train", "--set", "train.epochz=2"], check=False)
     assert rc == 2 and out.count("unknown config key train.epochz") == 2
+
+
+def test_a_trainer_dedups_hashed_formats_keys_without_remixing_them(tmp_path):
+    """Criteo and VW keys are hash values: the trainer tells its model so (its batches' dedup
+    skips remixing them, the same result); libsvm's raw indices are mixed."""
+    from hpcps.train.loop import Trainer
+
+    d = synth.generate(str(tmp_path / "d"), 300, 30, fields=4, seed=1, formats=("libsvm", "criteo"))
+    for fmt, hashed in (("criteo", True), ("libsvm", False)):
+        cfg = config.from_dict({"data": {"train": d.files[f"train_{fmt}"]}, "train": {"progress": False}})
+        t = Trainer(cfg)
+        t.prepare()
+        t.start()  # the context, the data streams and the model
+        try:
+            assert t.train.fmt == fmt and t.model.hashed_keys is hashed
+        finally:
+            t.ctx.finalize()
+    assert tdata.HASHED_FORMATS == ("criteo", "vw")

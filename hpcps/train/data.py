@@ -31,6 +31,11 @@ class DataError(ValueError):
     """Bad or missing input data; the message names the file (and line)."""
 
 
+# formats whose keys are hash values (XXH64 of a token, masked to data.hash_bits, with a field's
+# bits above them when asked): uniform in their low bits
+HASHED_FORMATS = ("criteo", "vw")
+
+
 def detect_format(path: str, fmt: str) -> str:
     if fmt != "auto":
         return fmt

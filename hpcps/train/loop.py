@@ -392,6 +392,7 @@ class Trainer:
         self.to_predict = _load(ctx, cfg, cfg.data.predict, "prediction")
         bias, fields = initial_bias(ctx, cfg, self.train), model_fields(ctx, cfg, self.paths["train"])
         self.model = self.build_model(bias, fields)
+        self.model.hashed_keys = getattr(self.train, "fmt", "") in tdata.HASHED_FORMATS
         self.keep_best_functions = (ctx.server_function("hpcps.snapshot"), ctx.server_function("hpcps.restore")) \
             if cfg.train.early_stop else None
 

@@ -66,6 +66,9 @@ class Model:
         self.table = self.sparse[0]
         # a batch's keys need sorting only where a worker group merges its pushes
         self._sorted = ctx.is_worker and self.aggregate and ctx.group_comm.Get_size() > 1
+        # the training data's keys are hash values (Criteo, VW): their dedup skips remixing them
+        # (set by the trainer from the data's format; see hpcps_kernels.keys.dedup_keys)
+        self.hashed_keys = False
         self._pending: list = []             # (table, timestamp) of pushes in flight
         self._ahead: list[_Prepared] = []    # the next batches, prepared (see step)
         # train.pull_early's pipelined step (see step): under SSP/ASP only (under BSP a pull two
@@ -111,7 +114,8 @@ class Model:
                 return p
         if batch.prepared is not None:  # a batch kept from an earlier epoch: deduplicated then
             return _Prepared(batch, *batch.prepared)
-        uniq, pos = (kkeys.unique_keys if self._sorted else kkeys.dedup_keys)(batch.indices)
+        uniq, pos = (kkeys.unique_keys(batch.indices) if self._sorted else
+                     kkeys.dedup_keys(batch.indices, self.hashed_keys))
         if batch.keep_prepared:  # kept for the next epochs: compact from now on
             uniq, pos = batch.compact(uniq, pos)
         return _Prepared(batch, uniq, pos)
