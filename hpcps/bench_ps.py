@@ -111,20 +111,22 @@ def run(sizes=SIZES, reps: int = 5, dim: int = 1, optimizer: str = "ftrl", key_b
     for r in rows or []:
         t = inside.get((r["op"], r.get("keys")))
         if t:
-            r.update(server_s=t, server_keys_per_s=r["keys"] / t, server_roofline_ratio=r["keys"] / t / r["roofline_keys_per_s"])
+            rate = r["keys"] / t
+            r.update(server_s=t, server_keys_per_s=rate, server_roofline_ratio=rate / r["roofline_keys_per_s"])
     return rows
 
 
 def _server_times(trace: list) -> dict:
     """Median seconds the server spent on a push, and on a pull, of each size: ``{(op, keys): s}``
-    with the op named as in the result rows."""
+    with the op named as in the result rows. The first push of each size, which creates its keys
+    and is not timed on the worker either, is left out."""
     times: dict = {}
     for op, n_push, n_pull, seconds in trace:
         if op == protocol.PUSH:
             times.setdefault(("push+apply", n_push), []).append(seconds)
         elif op == protocol.PULL:
             times.setdefault(("pull", n_pull), []).append(seconds)
-    return {k: float(np.median(v)) for k, v in times.items()}
+    return {k: float(np.median(v[1:] if k[0] == "push+apply" and len(v) > 1 else v)) for k, v in times.items()}
 
 
 def format_rows(rows: list[dict], optimizer: str) -> str:

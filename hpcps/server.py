@@ -639,8 +639,8 @@ class Server:
             busy = time.perf_counter() - t
             self.stats["busy_s"] += busy
             if self.trace is not None:
-                op, n_push, n_pull = buf[:protocol.HEADER_BYTES].view(np.int64)[[0, 3, 4]].tolist()
-                self.trace.append((op, n_push, n_pull, busy))
+                h = protocol.header(buf)
+                self.trace.append((int(h["op"]), int(h["n_push"]), int(h["n_pull"]), busy))
             # keep polling without sleep while the replies just queued should be in transfer
             poll.reset(sum(p.nbytes for p in self.sending))
             last_request = (time.perf_counter(), time.process_time())
