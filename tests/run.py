@@ -3,7 +3,8 @@
 
     python tests/run.py [pytest options, e.g. -k name or a path]
 
-1. Compiles the numba kernels once into the cache (so ranks do not compile them concurrently).
+1. Compiles the numba kernels once into the cache (so ranks do not compile them concurrently), in
+   two processes at once (``warmup``'s default).
 2. Runs the tests not marked ``mpi`` with plain pytest; the Slurm tests (``WAITING``), which mostly
    wait on Slurm, in a second pytest beside the others unless a path was given.
 3. Lists the tests marked ``@pytest.mark.mpi(min_size=N)`` and runs each group of equal N as

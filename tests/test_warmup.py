@@ -149,3 +149,33 @@ def test_numbas_blas_probe_imports_no_scipy_linalg_at_start_up_and_blas_still_wo
         got[lazy] = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["1"] == {"scipy_linalg_at_start": False, "blas_works": True}, got
     assert got["0"] == {"scipy_linalg_at_start": True, "blas_works": True}, got
+
+
+PART = textwrap.dedent("""
+    import json, sys
+    from hpcps_kernels import profiler
+
+    getattr(profiler, "warmup_" + sys.argv[1])() if sys.argv[1] != "all" else profiler.warmup()
+    kernels = profiler._kernel_dispatchers()
+    # from an empty cache a kernel called by others compiles (and shows signatures) in each process
+    # that compiles a caller; it is compiled into its callers, and its own index is not what
+    # the processes share. Only the kernels the warm-up calls itself count.
+    ids = {id(d) for d in kernels}
+    called = {id(g) for d in kernels for name in d.py_func.__code__.co_names
+              for g in [d.py_func.__globals__.get(name)] if g is not d and id(g) in ids}
+    print(json.dumps({f"{d.__module__}.{d.__name__}": sorted(map(str, d.signatures))
+                      for d in kernels if d.signatures and id(d) not in called}))
+""")
+
+
+def test_warmups_two_processes_compile_disjoint_kernels_that_make_up_the_whole():
+    """`warmup --jobs 2` runs its parts in two processes at once: no kernel is in both (two
+    processes would write one cache index), and together they load what the whole warm-up does."""
+    got = {}
+    for part in ("models", "data", "all"):
+        out = subprocess.run([sys.executable, "-c", PART, part], capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        got[part] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not set(got["models"]) & set(got["data"]), set(got["models"]) & set(got["data"])
+    assert {**got["models"], **got["data"]} == got["all"]
+    assert len(got["all"]) > 50  # 58 kernels today
