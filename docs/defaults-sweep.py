@@ -117,8 +117,10 @@ def main() -> None:
     ap.add_argument("--pick-test-rows", type=int, default=20_000)
     ap.add_argument("--paired", action="store_true",
                     help="the gap between the defaults and the tuned model in --out, with its bootstrap error")
+    ap.add_argument("--grid", nargs="+", metavar="KEY=V1,V2",
+                    help="this grid instead of each set's own (the tests use a smaller one)")
     a = ap.parse_args()
-    chosen = [s for s in SETS if not a.only or s[0] in a.only]
+    chosen = [s if not a.grid else (*s[:4], a.grid) for s in SETS if not a.only or s[0] in a.only]
     if a.paired:
         return paired(chosen, json.load(open(a.out)), a.ranks)
     if a.picks:
