@@ -5,8 +5,9 @@
 
 1. Compiles the numba kernels once into the cache (so ranks do not compile them concurrently), in
    two processes at once (``warmup``'s default).
-2. Runs the tests not marked ``mpi`` with plain pytest; the Slurm tests (``WAITING``), which mostly
-   wait on Slurm, in a second pytest beside the others unless a path was given.
+2. Runs the tests not marked ``mpi`` with pytest, in as many processes as cores (pytest-xdist, see
+   :func:`streams`); the Slurm tests (``WAITING``), which mostly wait on Slurm, in a second pytest
+   beside the others unless a path was given.
 3. Lists the tests marked ``@pytest.mark.mpi(min_size=N)`` and runs each group of equal N as
    ``mpiexec -n N python -m pytest --with-mpi ...`` under a timeout, so a hung job cannot outlast
    its budget (and the harness in ``mpi_harness.py`` aborts a job whose rank failed).
@@ -15,11 +16,13 @@
 
 Environment: ``HPCPS_MPIEXEC`` (launcher, default: the ``mpiexec`` beside this Python, then the one
 on PATH), ``HPCPS_MPIEXEC_ARGS`` (extra launcher arguments, e.g. ``--oversubscribe`` for Open MPI),
-``HPCPS_MPI_GROUP_TIMEOUT`` (seconds per mpiexec run, default 900).
+``HPCPS_MPI_GROUP_TIMEOUT`` (seconds per mpiexec run, default 900), ``HPCPS_TEST_STREAMS`` (pytest-xdist
+processes for the serial tests, default the cores up to 4; 1 for one pytest).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shlex
@@ -42,6 +45,19 @@ def mpiexec() -> list[str]:
     if not exe:
         sys.exit("tests/run.py: no mpiexec found; install the 'mpi' extra or set HPCPS_MPIEXEC")
     return [exe, *shlex.split(os.environ.get("HPCPS_MPIEXEC_ARGS", ""))]
+
+
+def streams(argv: list[str]) -> list[str]:
+    """pytest-xdist options running the serial tests in ``HPCPS_TEST_STREAMS`` processes (default:
+    the cores, at most 4), each module's tests in one of them (its module-scoped data made once).
+    Most of these tests wait on jobs they start, each job's ranks importing numpy, numba and mpi4py
+    one after the other: one stream kept 1.4 of 2 cores busy here, two keep both."""
+    n = int(os.environ.get("HPCPS_TEST_STREAMS", min(4, os.cpu_count() or 1)))
+    if n <= 1 or any(a.startswith(("-n", "--numprocesses")) or a.endswith("no:xdist") for a in argv):
+        return []
+    if importlib.util.find_spec("xdist") is None:
+        return []
+    return ["-n", str(n), "--dist", "loadscope"]
 
 
 def run(cmd: list[str], env: dict, timeout: float | None = None) -> int:
@@ -95,8 +111,8 @@ def main(argv: list[str]) -> int:
                                         stderr=subprocess.STDOUT), wdir, wlog)
         rdir = os.path.join(tmp, "serial")
         ignore = [f"--ignore={w}" for w in WAITING] if waiting else []
-        rc = run([py, "-m", "pytest", "-m", "not mpi", "--durations=25", *argv, *ignore],  # the slowest, for the log
-                 dict(env, HPCPS_TEST_REPORT_DIR=rdir))
+        rc = run([py, "-m", "pytest", "-m", "not mpi", "--durations=25", *streams(argv), *argv, *ignore],
+                 dict(env, HPCPS_TEST_REPORT_DIR=rdir))  # (the slowest tests, for the log)
         add_serial(rdir, rc, "serial pytest", totals, problems)
 
         # 3. MPI tests, grouped by world size.
