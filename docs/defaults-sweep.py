@@ -57,7 +57,7 @@ SETS = [
     ("s6k-f10", "test_train", ("synth", 6000, 500, dict(fields=10, seed=9)), [], LR_GRID),
     ("s6k-f8", "test_reliability", ("synth", 6000, 2000, dict(fields=8, seed=3)), [], LR_GRID),
     ("s20k-f10", "test_one_process", ("synth", 20_000, 2000, dict(fields=10, seed=4)), [], LR_GRID),
-    ("s30k-f10", "test_chaos", ("synth", 30_000, 3000, dict(fields=10, seed=11)), [], LR_GRID),
+    ("s30k-f10", "test_chaos (its 20,000 rows since 2026-11-23)", ("synth", 30_000, 3000, dict(fields=10, seed=11)), [], LR_GRID),
     ("s30k-f39", "test_one_process (criteo)", ("synth", 30_000, 3000, dict(fields=39, seed=6)), [], LR_GRID),
     ("s60k-f10", "test_checkpoint, Slurm tests", ("synth", 60_000, 5000, dict(fields=10, seed=8)), [], LR_GRID),
     ("fm6k", "test_estimator (FM)", ("synth", 6000, 3000, dict(fields=10, interactions=True, seed=3, hash_bits=14)),

@@ -40,17 +40,17 @@ def train_args(data, ckpt_dir, model_out):
 
 
 def test_supervised_run_survives_three_random_kill_9s_bit_identical(tmp_path):
-    info = synth.generate(str(tmp_path / "data"), 30_000, 3_000, fields=10, seed=11, formats=("libsvm",))
+    info = synth.generate(str(tmp_path / "data"), 20_000, 2_000, fields=10, seed=11, formats=("libsvm",))
     data = info.files["train_libsvm"], info.files["test_libsvm"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     ref = subprocess.run([*mpiexec(), "-n", str(RANKS), *HPCPS, *train_args(data, tmp_path / "ref-ck", tmp_path / "ref.h5")],
                          capture_output=True, text=True, timeout=300, env=env)
     assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-2000:]
 
-    # 2 workers x 15,000 rows / 10 = 1,500 steps an epoch, 4,500 in all (a few seconds): one kill
-    # in each of three windows, the last ending 1,800 steps before the run does
+    # 2 workers x 10,000 rows / 10 = 1,000 steps an epoch, 3,000 in all (a few seconds): one kill
+    # in each of three windows, the last ending 1,000 steps before the run does
     rng = np.random.default_rng(SEED)
-    schedule = [(int(rng.integers(lo, lo + 300)), int(rng.integers(0, RANKS))) for lo in (400, 1400, 2400)]
+    schedule = [(int(rng.integers(lo, lo + 300)), int(rng.integers(0, RANKS))) for lo in (300, 1000, 1700)]
     ck = tmp_path / "ck"
     status = tmp_path / "status.json"
     cmd = [*HPCPS, "supervise", "--max-restarts", "5", "--backoff", "0.5", "--",

@@ -24,6 +24,12 @@ def deep_data(tmp_path_factory):
     return synth.deep(str(tmp_path_factory.mktemp("deep")), 200_000, 20_000, seed=5)
 
 
+@pytest.fixture(scope="module")
+def small_deep(tmp_path_factory):
+    """For the model's life (checkpoint, resume, eval, predict), not its quality."""
+    return synth.deep(str(tmp_path_factory.mktemp("small_deep")), 30_000, 3_000, seed=5)
+
+
 def common(d, **kv):
     base = dict(data__train=d["train"], data__test=d["test"], data__hash_bits=16, model__fields=d["fields"],
                 optimizer__name="adagrad", optimizer__lr=0.05, model__init_scale=0.05, train__epochs=2,
@@ -100,12 +106,12 @@ def test_two_groups_sync_through_the_servers_like_one_process_with_sgd(deep_data
     assert_same_model(ServingModel(str(tmp_path / "groups.h5")), ServingModel(str(tmp_path / "single.h5")))
 
 
-def test_deep_model_file_checkpoint_resume_eval_and_predict_agree(deep_data, tmp_path):
+def test_deep_model_file_checkpoint_resume_eval_and_predict_agree(small_deep, tmp_path):
     """Train DeepFM 2 epochs with a checkpoint after the first; resuming that checkpoint gives the
     same model, also on 2 servers; `hpcps eval` on the model file gives the training's test metrics; `hpcps export`
     of the final checkpoint gives the model file's tables; predictions are one per row."""
     ck = tmp_path / "ck"
-    c = common(deep_data, model__type="deepfm", model__dense_sync_steps=3, cluster__worker_groups=1)
+    c = common(small_deep, model__type="deepfm", model__dense_sync_steps=3, cluster__worker_groups=1, train__batch_size=500)
     _, out, _ = hpcps_job(3, ["train", *c, *sets(checkpoint__dir=str(ck), train__model_out=str(tmp_path / "full.h5"),
                                                  train__metrics=str(tmp_path / "m.jsonl")),
                               "--summary-json", str(tmp_path / "full.json")])
@@ -115,7 +121,7 @@ def test_deep_model_file_checkpoint_resume_eval_and_predict_agree(deep_data, tmp
         assert epochs[-1][f"stage_{stage}_s"] >= 0.0
     assert epochs[-1]["stage_mlp_s"] > 0.0
     # the model file's test metrics, served without servers
-    _, ev, _ = hpcps_job(1, ["eval", "--model", str(tmp_path / "full.h5"), "--data", deep_data["test"]])
+    _, ev, _ = hpcps_job(1, ["eval", "--model", str(tmp_path / "full.h5"), "--data", small_deep["test"]])
     got = json.loads(ev.strip().splitlines()[-1])
     assert got["logloss"] == pytest.approx(summary["test_logloss"], abs=2e-6)
     assert got["auc"] == pytest.approx(summary["test_auc"], abs=2e-6)
@@ -130,10 +136,10 @@ def test_deep_model_file_checkpoint_resume_eval_and_predict_agree(deep_data, tmp
     hpcps_job(4, ["train", *c, *sets(checkpoint__dir=str(ck2), checkpoint__resume="auto", cluster__servers=2,
                                      train__model_out=str(tmp_path / "resumed.h5"))])
     assert_same_model(ServingModel(str(tmp_path / "resumed.h5")), ServingModel(str(tmp_path / "full.h5")), 0, 0)
-    _, pr, _ = hpcps_job(1, ["predict", "--model", str(tmp_path / "full.h5"), "--data", deep_data["test"],
+    _, pr, _ = hpcps_job(1, ["predict", "--model", str(tmp_path / "full.h5"), "--data", small_deep["test"],
                              "--out", str(tmp_path / "scores.txt")])
     scores = np.loadtxt(tmp_path / "scores.txt")
-    assert scores.shape == (20_000,) and ((scores > 0) & (scores < 1)).all()
+    assert scores.shape == (3_000,) and ((scores > 0) & (scores < 1)).all()
 
 
 def test_libffm_without_model_fields_and_a_field_beyond_them_are_clear_errors(tmp_path):
