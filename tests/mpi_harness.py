@@ -126,8 +126,8 @@ def pytest_runtest_makereport(item, call):
 
 def pytest_sessionfinish(session, exitstatus):
     report_dir = os.environ.get("HPCPS_TEST_REPORT_DIR")
-    if not report_dir or os.environ.get("PYTEST_XDIST_WORKER"):
-        return  # under pytest-xdist the controller, which saw every worker's reports, writes it
+    if not report_dir or hasattr(session.config, "workerinput"):
+        return  # a pytest-xdist worker: the controller, which saw every worker's reports, writes it
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     stats = reporter.stats if reporter is not None else {}
     counts = {k: len(stats.get(k, [])) for k in ("passed", "failed", "skipped", "error", "xfailed", "xpassed")}
