@@ -256,6 +256,17 @@ def _gather_on_first(ctx, array: np.ndarray) -> np.ndarray | None:
     return transport.gatherv(comm, np.ascontiguousarray(array), counts, 0, t, "gather of evaluation results")
 
 
+EVAL_ROWS = 4096  # rows a worker scores at once at least, whatever the training's batch
+
+
+def eval_batch(batch_size: int) -> int:
+    """Rows per request when scoring (evaluation, prediction): the training's batch, but at least
+    ``EVAL_ROWS``. A row's margin does not depend on the rows beside it, so this changes no score,
+    only the number of round trips: a 2,000-row job trains in batches of 25, and scoring its
+    50,000 test rows 25 at a time took 2,000 pulls, 0.57 s an evaluation here."""
+    return max(batch_size, EVAL_ROWS)
+
+
 def evaluate(ctx, model, ds: tdata.Dataset | None, batch_size: int, loss: str) -> dict:
     """Collective over the workers: exact metrics of the whole held-out set (on every worker)."""
     return evaluate_columns(ctx, model, lambda b: model.margins(b)[:, None], 1, ds, batch_size, loss)[0]
@@ -611,7 +622,7 @@ class Trainer:
         transport.barrier(self.wcomm, ctx.stall_timeout_s, "checkpoint barrier")
 
     def evaluate(self, ds) -> dict:
-        return evaluate(self.ctx, self.model, ds, self.cfg.train.batch_size, self.cfg.model.loss)
+        return evaluate(self.ctx, self.model, ds, eval_batch(self.cfg.train.batch_size), self.cfg.model.loss)
 
     def evaluate_if_due(self, epoch: int, step: int) -> None:
         tr = self.cfg.train
@@ -700,7 +711,8 @@ class Trainer:
             print(f"hpcps train: {skipped} bad lines skipped", flush=True)
         predicted = 0
         if self.to_predict is not None and not self.preempted:
-            predicted = predict(ctx, self.model, self.to_predict, tr.batch_size, cfg.model.loss, cfg.data.predict_out)
+            predicted = predict(ctx, self.model, self.to_predict, eval_batch(tr.batch_size), cfg.model.loss,
+                                cfg.data.predict_out)
         self.progress.close()
         wait = self._allreduce(float(ctx.stats["wait_s"]), "max")
         traffic = transport.allreduce(self.wcomm, np.array([ctx.stats["bytes_sent"], ctx.stats["bytes_received"]],
