@@ -52,6 +52,10 @@ class Context:
         self.stall_warn_s = stall_warn_s
         self.stall_timeout_s = stall_timeout_s
         self._init_state()
+        # Every rank here before the splits, which block and spin in MPI: a rank still importing
+        # would have to share its core with ranks spinning in the first split (0.2-0.6 s of CPU
+        # each on an oversubscribed node); this barrier sleeps, and names who never came.
+        transport.barrier(comm, stall_timeout_s, "start-up of every rank (communicators)")
         # Worker groups: one communicator per group (servers get none).
         self.group_comm = transport.split(comm, self.group, self.rank)
         # All workers together (evaluation, data checks), and all servers together (export).
