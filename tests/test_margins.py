@@ -31,8 +31,7 @@ def _job(tmp_path, ranks, compute, *sets):
     return json.load(open(tmp_path / f"{name}.json")), ServingModel(str(tmp_path / f"{name}.h5"))
 
 
-@pytest.mark.parametrize("model", ["lr", "fm"])
-@pytest.mark.parametrize("ranks,servers", [(3, 1), (4, 2)])
+@pytest.mark.parametrize("model,ranks,servers", [("lr", 3, 1), ("fm", 4, 2)])  # each model, each sum
 def test_margins_on_the_servers_train_the_model_the_pull_path_trains(tmp_path, ranks, servers, model):
     sets = (f"cluster.servers={servers}", "cluster.staleness=0", 'optimizer.name="ftrl"', f'model.type="{model}"',
             "model.factors=4", "model.init_scale=0.05")

@@ -79,7 +79,7 @@ def test_deep_members_train_as_they_would_alone(tmp_path):
     d = synth.deep(str(tmp_path / "d"), 20_000, 2_000, seed=3)
     common = sets(data__train=d["train"], data__test=d["test"], data__hash_bits=16, cluster__worker_groups=1,
                   model__type="deepfm", model__fields=8, model__factors=4, model__hidden=[16],
-                  train__progress=False, train__epochs=2, train__early_stop=0)
+                  train__progress=False, train__epochs=2, train__early_stop=0, train__batch_size=500)
     _, out, _ = hpcps_job(3, ["tune", *common, "--grid", "model.dense_lr=0.001,0.01", "--folds", "1",
                               "--summary-json", str(tmp_path / "tune.json")])
     ranking = json.loads((tmp_path / "tune.json").read_text())["ranking"]
