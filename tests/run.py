@@ -49,7 +49,10 @@ def mpiexec() -> list[str]:
 
 def streams(argv: list[str]) -> list[str]:
     """pytest-xdist options running the serial tests in ``HPCPS_TEST_STREAMS`` processes (default:
-    the cores, at most 4), each module's tests in one of them (its module-scoped data made once).
+    the cores, at most 4), each module's tests in one of them (its module-scoped data made once),
+    the modules in the order ``tests/conftest.py`` gives them (the costliest first; xdist's own
+    order, by number of tests, had started the cheap modules first and left one stream alone at
+    the end with ``test_train``).
     Most of these tests wait on jobs they start, each job's ranks importing numpy, numba and mpi4py
     one after the other: one stream kept 1.4 of 2 cores busy here, two keep both."""
     n = int(os.environ.get("HPCPS_TEST_STREAMS", min(4, os.cpu_count() or 1)))
@@ -57,7 +60,7 @@ def streams(argv: list[str]) -> list[str]:
         return []
     if importlib.util.find_spec("xdist") is None:
         return []
-    return ["-n", str(n), "--dist", "loadscope"]
+    return ["-n", str(n), "--dist", "loadscope", "--no-loadscope-reorder"]  # tests/conftest.py orders the modules
 
 
 def run(cmd: list[str], env: dict, timeout: float | None = None) -> int:
