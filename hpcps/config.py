@@ -55,6 +55,7 @@ class Data:
                                      # much parsed data, reading the file again each epoch
     shuffle_rows: int = 0            # > 0: each worker's rows shuffled in windows of this many (0 = file order)
     shuffle_seed: int = 0            # the windows' permutations (the same every epoch)
+    parse_thread: bool = False       # parse the part ahead on a thread of its own, not in the steps' waits
     predict: str = ""                # after training, score this file ...
     predict_out: str = ""            # ... into this file, one score per row in input order
 

@@ -36,7 +36,7 @@ def _dedup_table(uniq, u, cap, hashed):
     return table
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)  # a parse thread (data.parse_thread) runs beside it
 def _dedup(keys, hashed=False):
     """First-seen order dedup: returns (unique keys unsorted, id of each key in them).
 
@@ -115,7 +115,7 @@ def radix_argsort(keys):
     return cur_k, cur_o
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)  # a parse thread (data.parse_thread) runs beside it
 def unique_keys(keys):
     """Sorted unique keys and ``pos`` with ``uniq[pos[i]] == keys[i]`` (pos as int32 if small)."""
     uniq, ids = _dedup(keys)
@@ -129,7 +129,7 @@ def unique_keys(keys):
     return sorted_uniq, pos
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)  # a parse thread (data.parse_thread) runs beside it
 def dedup_keys(keys, hashed=False):
     """Unique keys in first-seen order and ``pos`` with ``uniq[pos[i]] == keys[i]``: what a batch
     needs when nothing asks for sorted keys (no radix sort: about twice as fast as

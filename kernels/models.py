@@ -45,7 +45,7 @@ def _loss_and_dmargin(m, y, loss):
     return 0.5 * d * d, d
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)  # a parse thread (data.parse_thread) runs beside it
 def lr_forward_backward(indptr, pos, vals, labels, w, grad, scale, l2, loss):
     """Logistic/linear regression: one fused pass over the nonzeros.
 
@@ -79,7 +79,7 @@ def lr_predict(indptr, pos, vals, w, out):
         out[r] = m
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)  # a parse thread (data.parse_thread) runs beside it
 def fm_forward_backward(indptr, pos, vals, labels, w, V, gw, gV, scale, l2, loss, margins):
     """Second-order factorization machine in O(nnz * k); gradients overwrite ``gw``, ``gV``.
 

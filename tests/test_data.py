@@ -2,6 +2,7 @@
 
 import itertools
 import os
+import time
 
 import numpy as np
 import pytest
@@ -153,12 +154,15 @@ def test_parsing_in_small_blocks_gives_the_same_rows_and_line_numbers(dataset, t
 
 # -- streaming: batches while the next block parses in the background ---------------------------------
 
+@pytest.mark.parametrize("thread", [False, True], ids=["pumped", "parse_thread"])
 @pytest.mark.parametrize("block_bytes,memory_mb", [(1 << 12, 0), (1 << 14, 1.0), (1 << 30, 0)])
 @pytest.mark.parametrize("fmt", ["libsvm", "criteo"])
-def test_stream_batches_equal_the_loaded_part(dataset, fmt, block_bytes, memory_mb):
+def test_stream_batches_equal_the_loaded_part(dataset, fmt, block_bytes, memory_mb, thread):
     path = dataset.files[f"train_{fmt}"]
     whole = data.load_part(path, 1, 3, binary=True)
     stream = data.PartStream(path, 1, 3, binary=True, memory_mb=memory_mb, block_bytes=block_bytes).open()
+    if thread:  # parsing ahead on its own thread (data.parse_thread): the same batches
+        stream.start_thread()
     assert stream.rows_bound == whole.rows
     bs = 97
     steps = -(-whole.rows // bs)
@@ -173,11 +177,13 @@ def test_stream_batches_equal_the_loaded_part(dataset, fmt, block_bytes, memory_
                 np.testing.assert_array_equal(b.indices, ref.indices)
                 np.testing.assert_array_equal(b.values, ref.values)
             it.close()
+    stream.stop_thread()
     assert (stream.kept is not None) == (memory_mb == 0)
 
 
+@pytest.mark.parametrize("thread", [False, True], ids=["pumped", "parse_thread"])
 @pytest.mark.parametrize("block_bytes,memory_mb", [(1 << 12, 0), (1 << 14, 4.0), (1 << 30, 0)])
-def test_a_shuffled_stream_is_the_loaded_part_shuffled_in_the_same_windows(dataset, block_bytes, memory_mb):
+def test_a_shuffled_stream_is_the_loaded_part_shuffled_in_the_same_windows(dataset, block_bytes, memory_mb, thread):
     """data.shuffle_rows: each window of 250 consecutive rows permuted, the same order every pass
     and whichever reader (a stream in blocks of any size, within a budget or not; the part loaded
     whole), and a resumed pass (skipped batches, inside a window too) goes on in that order."""
@@ -193,6 +199,8 @@ def test_a_shuffled_stream_is_the_loaded_part_shuffled_in_the_same_windows(datas
     np.testing.assert_array_equal(loaded.labels, whole.labels[order])
     stream = data.PartStream(path, 1, 3, binary=True, memory_mb=memory_mb, block_bytes=block_bytes,
                              shuffle_rows=window, shuffle_seed=seed).open()
+    if thread:
+        stream.start_thread()
     np.testing.assert_array_equal(stream.head_labels(300), loaded.labels[:300])  # (the initial bias's rows)
     bs = 97
     steps = -(-whole.rows // bs)
@@ -205,6 +213,7 @@ def test_a_shuffled_stream_is_the_loaded_part_shuffled_in_the_same_windows(datas
                     np.testing.assert_array_equal(getattr(b, name), getattr(ref, name))
             assert next(it).rows == 0
             it.close()
+    stream.stop_thread()
 
 
 def test_a_shuffle_window_over_the_memory_budget_is_one_clear_error(dataset):
@@ -280,12 +289,41 @@ def test_a_bad_line_met_by_a_pump_is_raised_when_the_training_reaches_it(dataset
     assert 1000 < rows <= 1500  # the rows before the bad line's slice were all trained
 
 
-def test_a_bad_line_in_a_later_block_stops_the_stream_naming_it(dataset, tmp_path):
+@pytest.mark.parametrize("thread", [False, True], ids=["pumped", "parse_thread"])
+def test_a_bad_line_in_a_later_block_stops_the_stream_naming_it(dataset, tmp_path, thread):
     lines = open(dataset.files["train_libsvm"], "rb").read().splitlines(keepends=True)
     lines[1500] = b"1 4:zz\n"
     path = tmp_path / "bad.svm"
     path.write_bytes(b"".join(lines))
     stream = data.PartStream(str(path), 0, 1, block_bytes=1 << 14).open()  # the first block is fine
+    if thread:
+        stream.start_thread()
+    rows = 0
     with pytest.raises(data.DataError, match=rf"{path}:1501: bad number"):
-        for _ in stream.batches(100):
-            pass
+        for b in stream.batches(100):
+            rows += b.rows
+    assert 1000 < rows <= 1500  # the rows before the bad line's slice, all of them
+    stream.stop_thread()
+
+
+def test_a_parse_thread_parses_ahead_within_half_the_budget(dataset):
+    """data.parse_thread: the thread parses while the training is elsewhere, stops at half the
+    budget (plus the slice that crossed it), and goes on as the training takes slices."""
+    path = dataset.files["train_criteo"]
+    whole = data.load_part(path, 0, 1, binary=True)
+    stream = data.PartStream(path, 0, 1, binary=True, memory_mb=0.25, block_bytes=1 << 13).open()
+    stream.start_thread()
+    it = stream.batches(50)
+    got = [next(it)]
+    p = stream._pass
+    deadline = time.monotonic() + 30
+    while p.ahead_bytes < stream.ahead_limit and not p.done:  # the thread fills the budget by itself
+        assert time.monotonic() < deadline, (p.ahead_bytes, stream.ahead_limit)
+        time.sleep(0.01)
+    time.sleep(0.2)  # and then stops
+    block = max(b.nbytes for b in p.ahead)
+    assert stream.ahead_limit <= p.ahead_bytes <= stream.ahead_limit + block
+    got += [next(it) for _ in range(-(-whole.rows // 50) - 1)]
+    stream.stop_thread()
+    np.testing.assert_array_equal(np.concatenate([b.labels for b in got]), whole.labels)
+    np.testing.assert_array_equal(np.concatenate([b.indices for b in got]), whole.indices)

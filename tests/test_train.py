@@ -158,21 +158,23 @@ def test_bsp_group_of_two_equals_single_process_on_the_same_data_order(tmp_path,
 def test_batches_kept_across_epochs_train_what_a_streamed_part_trains(small_data, tmp_path, model):
     """With the part in memory and several epochs, a worker keeps each batch after its first
     epoch as unique keys and int32 positions (deduplicated once); under a memory budget it parses
-    and deduplicates every epoch. Both train the same model, bit for bit."""
+    and deduplicates every epoch, also on a thread of its own (data.parse_thread, slices of 64 kB).
+    All train the same model, bit for bit."""
     data = sets(data__train=small_data.files["train_libsvm"], data__test=small_data.files["test_libsvm"],
                 train__progress=False, train__batch_size=200, train__epochs=3, model__type=model)
     got = {}
-    for memory_mb in (0, 64):
+    for memory_mb, thread in ((0, False), (64, False), (0.5, True)):
         out = tmp_path / f"{memory_mb}.json"
-        hpcps_job(3, ["train", *data, *sets(data__memory_mb=memory_mb,
+        hpcps_job(3, ["train", *data, *sets(data__memory_mb=memory_mb, data__parse_thread=thread,
                                             train__model_out=str(tmp_path / f"{memory_mb}.h5")),
                       "--summary-json", str(out)])
         got[memory_mb] = json.loads(out.read_text())
     assert got[0]["kept_batches_mb"] > 0 and "kept_batches_mb" not in got[64]
-    assert got[0]["test_logloss"] == got[64]["test_logloss"] and got[0]["train_loss"] == got[64]["train_loss"]
-    a, b = ServingModel(str(tmp_path / "0.h5")), ServingModel(str(tmp_path / "64.h5"))
-    np.testing.assert_array_equal(a.keys, b.keys)
-    np.testing.assert_array_equal(a.values, b.values)
+    for other in (64, 0.5):
+        assert (got[0]["test_logloss"], got[0]["train_loss"]) == (got[other]["test_logloss"], got[other]["train_loss"])
+        a, b = ServingModel(str(tmp_path / "0.h5")), ServingModel(str(tmp_path / f"{other}.h5"))
+        np.testing.assert_array_equal(a.keys, b.keys)
+        np.testing.assert_array_equal(a.values, b.values)
 
 
 def test_auto_batch_size_takes_at_least_128_steps_an_epoch_between_50_and_1000_rows(tmp_path):

@@ -433,7 +433,10 @@ class Trainer:
             ctx.restore(*self.restore)
         self.wcomm = ctx.workers_comm
         if isinstance(self.train, tdata.PartStream):
-            ctx.background = self.train.pump  # parse ahead while steps wait for the servers
+            if cfg.data.parse_thread:
+                self.train.start_thread()  # parse ahead on a thread (stopped in finish)
+            else:
+                ctx.background = self.train.pump  # parse ahead while steps wait for the servers
         self.first = first = self.wcomm.Get_rank() == 0
         # every worker takes the same number of steps: enough for the largest part (its lines: blank,
         # comment or skipped lines only add empty steps at the end)
@@ -703,6 +706,8 @@ class Trainer:
         summary (printed and returned on the first worker)."""
         cfg, ctx, ck, tr = self.cfg, self.ctx, self.cfg.checkpoint, self.cfg.train
         elapsed = time.perf_counter() - self.t0
+        if isinstance(self.train, tdata.PartStream):
+            self.train.stop_thread()
         if ck.dir and ck.final and not self.preempted and self.saved_at != self.global_step:
             self.save(tr.epochs + 1, 1, "end of training")
         skipped = self._allreduce(self.train.skipped + (self.test.skipped if self.test else 0), "sum",
