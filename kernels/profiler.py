@@ -429,8 +429,6 @@ def warmup() -> None:
     warmup_data()
 
 
-WARMUP_PARTS = ("models", "data")  # disjoint sets of kernels, for `warmup --jobs 2`
-
 
 def warmup_models() -> None:
     """The training's and the server's kernels: keys, models, deep, optimizer rows in the index."""
@@ -552,6 +550,9 @@ def warmup_data() -> None:
     hashing.hash_tokens(tokens, np.array([0, 3], np.int64), np.array([3, 6], np.int64), np.array([0, 1], np.uint64))
 
 
+WARMUP_PARTS = {"models": warmup_models, "data": warmup_data}  # disjoint sets of kernels, for `warmup --jobs 2`
+
+
 def _kernel_dispatchers() -> list:
     """Every kernel's dispatcher in this package (the compiled functions its modules define)."""
     from numba.core.registry import CPUDispatcher
@@ -568,7 +569,7 @@ def _warmup_command(part: str | None, jobs: int) -> int:
     whatever a process missed (a kernel called from both parts, say), and says how many."""
     t = time.perf_counter()
     if part:
-        {"models": warmup_models, "data": warmup_data}[part]()
+        WARMUP_PARTS[part]()
         return 0
     if jobs > 1:
         import subprocess

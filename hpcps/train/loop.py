@@ -260,10 +260,10 @@ EVAL_ROWS = 4096  # rows a worker scores at once at least, whatever the training
 
 
 def eval_batch(batch_size: int) -> int:
-    """Rows per request when scoring (evaluation, prediction): the training's batch, but at least
-    ``EVAL_ROWS``. A row's margin does not depend on the rows beside it, so this changes no score,
-    only the number of round trips: a 2,000-row job trains in batches of 25, and scoring its
-    50,000 test rows 25 at a time took 2,000 pulls, 0.57 s an evaluation here."""
+    """Rows per request when scoring (:func:`evaluate_columns`, :func:`predict`): the training's
+    batch, but at least ``EVAL_ROWS``. A row's margin does not depend on the rows beside it, so
+    this changes no score, only the number of round trips: a 2,000-row job trains in batches of
+    25, and scoring its 50,000 test rows 25 at a time took 2,000 pulls, 0.57 s an evaluation here."""
     return max(batch_size, EVAL_ROWS)
 
 
@@ -277,6 +277,7 @@ def evaluate_columns(ctx, model, margins, columns: int, ds: tdata.Dataset | None
     """Collective over the workers: the metrics of ``columns`` models whose margins of a batch
     are ``margins(batch)``, ``(rows, columns)`` (a :class:`~hpcps.train.models.Grid`'s members)."""
     model.finish()
+    batch_size = eval_batch(batch_size)
     n = ds.rows if ds is not None else 0
     m = np.concatenate([margins(ds.batch(lo, lo + batch_size)) for lo in range(0, n, batch_size)] or
                        [np.zeros((0, columns))])
@@ -300,6 +301,7 @@ def predict(ctx, model, ds: tdata.Dataset, batch_size: int, loss: str, out_path:
     """Collective over the workers: one score per row of every worker's part, in input order,
     written by the first worker. Returns the number of scores written."""
     model.finish()
+    batch_size = eval_batch(batch_size)
     margins = np.concatenate([model.margins(ds.batch(lo, lo + batch_size)) for lo in range(0, ds.rows, batch_size)]
                              or [np.zeros(0)])
     scores = 1.0 / (1.0 + np.exp(-margins)) if loss == "logistic" else margins
@@ -625,7 +627,7 @@ class Trainer:
         transport.barrier(self.wcomm, ctx.stall_timeout_s, "checkpoint barrier")
 
     def evaluate(self, ds) -> dict:
-        return evaluate(self.ctx, self.model, ds, eval_batch(self.cfg.train.batch_size), self.cfg.model.loss)
+        return evaluate(self.ctx, self.model, ds, self.cfg.train.batch_size, self.cfg.model.loss)
 
     def evaluate_if_due(self, epoch: int, step: int) -> None:
         tr = self.cfg.train
@@ -716,8 +718,7 @@ class Trainer:
             print(f"hpcps train: {skipped} bad lines skipped", flush=True)
         predicted = 0
         if self.to_predict is not None and not self.preempted:
-            predicted = predict(ctx, self.model, self.to_predict, eval_batch(tr.batch_size), cfg.model.loss,
-                                cfg.data.predict_out)
+            predicted = predict(ctx, self.model, self.to_predict, tr.batch_size, cfg.model.loss, cfg.data.predict_out)
         self.progress.close()
         wait = self._allreduce(float(ctx.stats["wait_s"]), "max")
         traffic = transport.allreduce(self.wcomm, np.array([ctx.stats["bytes_sent"], ctx.stats["bytes_received"]],

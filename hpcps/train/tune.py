@@ -30,7 +30,7 @@ from dataclasses import replace
 import numpy as np
 
 from hpcps import config, transport
-from hpcps.train.loop import Result, Trainer, eval_batch, evaluate_columns
+from hpcps.train.loop import Result, Trainer, evaluate_columns
 from hpcps.train.models import Grid
 from hpcps.train.progress import summary_table
 
@@ -128,7 +128,7 @@ class Tuner(Trainer):
     def evaluate_members(self, ds) -> list[dict]:
         """Collective over the workers: every member's metrics on ``ds``."""
         return evaluate_columns(self.ctx, self.model, self.model.member_margins, len(self.cfgs), ds,
-                                eval_batch(self.cfg.train.batch_size), self.cfg.model.loss)
+                                self.cfg.train.batch_size, self.cfg.model.loss)
 
     def evaluate(self, ds) -> dict:
         """The first member's metrics (the epoch's record); every member's on the test set are
