@@ -12,7 +12,7 @@ import math
 import numpy as np
 from numba import njit
 
-from ._prefetch import prefetch
+from ._prefetch import NARROW, prefetch, prefetch_lines
 from .hashing import mix64
 
 AHEAD = 16  # prefetch distance of pull_rows, in keys
@@ -54,7 +54,11 @@ def pull_rows(rows, slots, keys, dim, kind, scale, seed, out):
     flat, width, n = rows.reshape(-1), rows.shape[1], slots.shape[0]
     for i in range(n):
         if i + AHEAD < n and slots[i + AHEAD] >= 0:
-            prefetch(flat, slots[i + AHEAD] * width)
+            p = slots[i + AHEAD] * width
+            if dim > NARROW:  # every line of the values pulled (a dim-64 pull: 4)
+                prefetch_lines(flat, p, p + dim)
+            else:
+                prefetch(flat, p)
         s = slots[i]
         if s >= 0:
             for d in range(dim):

@@ -276,6 +276,12 @@ def bench_optim(rows, repeat, roof):
         tr = median_time(rfn, repeat)
         out.append(_row(f"{name} dim {dim}/{n_wide} rows", sw.size * dim, "coords", t, tr,
                         "vectorised NumPy, separate arrays"))
+        if name == "ftrl":  # a server's slots in a batch's key order: anywhere in the table
+            shuffled = rng.permutation(sw)
+            t = median_time(lambda: rule.apply(table, shuffled, gw, params), repeat)
+            tr = median_time(lambda: ref.ftrl_vectorized(ww, s1, s2, shuffled, gw, 0.1, 1.0, 1.0, 1.0), repeat)
+            out.append(_row(f"{name} dim {dim}/random slots", sw.size * dim, "coords", t, tr,
+                            "vectorised NumPy, separate arrays"))
     return out
 
 
