@@ -410,14 +410,124 @@ def _bucket_table(n: int) -> np.ndarray:
 _BUCKETS = _bucket_table(4096)
 
 
+# the bytes of a word: 0x01 and 0x80 in each, and a tab and a newline in each
+_LOW_BITS, _HIGH_BITS = np.uint64(0x0101010101010101), np.uint64(0x8080808080808080)
+_TABS, _NEWLINES = np.uint64(0x0909090909090909), np.uint64(0x0A0A0A0A0A0A0A0A)
+
+
+@njit(inline="always")
+def _tab_or_newline_in(w):
+    """Nonzero when one of the 8 bytes of ``w`` is a tab or a newline (the zero-byte test on
+    ``w ^ 0x0909...`` and ``w ^ 0x0A0A...``)."""
+    x, y = w ^ _TABS, w ^ _NEWLINES
+    return (((x - _LOW_BITS) & ~x) | ((y - _LOW_BITS) & ~y)) & _HIGH_BITS
+
+
+@njit(cache=True, nogil=True)
+def _criteo_fast_lines(buf, i, labels, indptr, indices, rows, nnz, mask, with_bias, bias, field_shift):
+    """Parse lines of the common Criteo shape from ``i`` on, as :func:`criteo_kernel` would: a
+    label 0 or 1, 13 integer columns (empty or ``-?digits``), 26 categories, the last ending at a
+    newline with no CR before it. Stops at the first line of any other kind (malformed, a CR,
+    the file's last line without a newline, a blank line), which :func:`criteo_kernel`'s general
+    loop then parses, so errors and odd lines keep that loop's exact handling. Returns ``(i,
+    rows, nnz, lines)``: where it stopped, the counts so far, and the lines it parsed.
+
+    The same keys as the general loop, about twice as fast: no search for each column's end nor a
+    branch on the column's kind per column, and a category of 8 bytes is one word read, checked
+    for a tab or newline in one test, with its end byte at a known place."""
+    n = buf.shape[0]
+    buckets = _BUCKETS
+    nb = buckets.shape[0]
+    lines = 0
+    # Known non-negative, the indices need no wrap-around test for negative values: without
+    # this the loop ran at 0.6x (numba's indexing of a value that might be negative)
+    i, rows, nnz = max(i, 0), max(rows, 0), max(nnz, 0)
+    while i < n:
+        if i + 1 >= n or not (buf[i] == 48 or buf[i] == 49) or buf[i + 1] != TAB:
+            break
+        j = i + 2
+        row_nnz = nnz
+        ok = True
+        for f in range(13):  # the integers: fields 0-12
+            if j >= n:
+                ok = False
+                break
+            c = buf[j]
+            if c == TAB:  # missing
+                j += 1
+                continue
+            k = j + 1 if c == 45 else j
+            start = k
+            v = 0
+            while k < n and _is_digit(buf[k]):
+                if v < 10**17:
+                    v = v * 10 + (buf[k] - 48)
+                k += 1
+            if k == start or k >= n or buf[k] != TAB:
+                ok = False
+                break
+            if c == 45:
+                bucket = -v
+            elif v < nb:
+                bucket = buckets[v]
+            else:
+                bucket = _int_bucket(v)
+            key = xxh64_u64(np.uint64(bucket), np.uint64(f)) & mask
+            if field_shift >= 0:
+                key |= np.uint64(f) << np.uint64(field_shift)
+            indices[row_nnz] = key
+            row_nnz += 1
+            j = k + 1
+        if not ok:
+            break
+        for f in range(13, 39):  # the categories: fields 13-38
+            stop = TAB if f < 38 else NL
+            if j + 8 < n:
+                w = read64(buf, j)
+                if buf[j + 8] == stop and _tab_or_newline_in(w) == 0 and (f < 38 or buf[j + 7] != CR):
+                    key = xxh64_u64(w, np.uint64(f)) & mask
+                    if field_shift >= 0:
+                        key |= np.uint64(f) << np.uint64(field_shift)
+                    indices[row_nnz] = key
+                    row_nnz += 1
+                    j += 9
+                    continue
+            a = j
+            while j < n and buf[j] != TAB and buf[j] != NL:
+                j += 1
+            if j >= n or buf[j] != stop or (f == 38 and j > a and buf[j - 1] == CR):
+                ok = False
+                break
+            if j > a:
+                key = xxh64(buf, a, j, np.uint64(f)) & mask
+                if field_shift >= 0:
+                    key |= np.uint64(f) << np.uint64(field_shift)
+                indices[row_nnz] = key
+                row_nnz += 1
+            j += 1
+        if not ok:
+            break
+        if with_bias:
+            indices[row_nnz] = bias
+            row_nnz += 1
+        labels[rows] = np.float32(buf[i] - 48)
+        nnz = row_nnz
+        rows += 1
+        indptr[rows] = nnz
+        lines += 1
+        i = j
+    return i, rows, nnz, lines
+
+
 @njit(cache=True, nogil=True)
 def criteo_kernel(buf, labels, indptr, indices, skip_bad, mask, with_bias, bias, field_shift=-1):
     """Parse Criteo TSV lines into hashed keys. Returns like :func:`libsvm_kernel`.
     ``field_shift >= 0``: a key carries its column (field 0..38) above that bit, ``(col - 1) <<
     field_shift | hash & mask``.
 
-    One pass over the bytes: a column ends at a tab or at the line's end (a CR before the newline
-    is not part of the line), so the line is not searched for its end first."""
+    Lines of the common shape go through :func:`_criteo_fast_lines`; any other, and every
+    error, through the general loop below: one pass over the bytes, a column ending at a tab or
+    at the line's end (a CR before the newline is not part of the line)."""
     n = buf.shape[0]
     buckets = _BUCKETS
     nb = buckets.shape[0]
@@ -428,6 +538,11 @@ def criteo_kernel(buf, labels, indptr, indices, skip_bad, mask, with_bias, bias,
     skipped = 0
     indptr[0] = 0
     while i < n:
+        i, rows, nnz, lines = _criteo_fast_lines(buf, i, labels, indptr, indices, rows, nnz, mask, with_bias, bias,
+                                                 field_shift)
+        line += lines
+        if i >= n:
+            break
         c0 = buf[i]
         if c0 == NL or (c0 == CR and (i + 1 == n or buf[i + 1] == NL)):  # blank line
             i += 1 if c0 == NL else 2

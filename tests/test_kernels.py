@@ -411,6 +411,21 @@ def test_criteo_matches_python_parser(bits):
     assert indices.max() < 2**bits if bits < 64 else True
 
 
+def test_criteo_fields_and_bias_match_python_parser():
+    # a key with its field above the hash bits, and the bias key after each row's own
+    rng = np.random.default_rng(11)
+    lines = [criteo_line(rng) for _ in range(200)]
+    text = ("\n".join(lines) + "\n").encode()
+    bits, bias = 20, 2**40 + 5
+    labels, indptr, indices, _, _ = parse.parse_criteo(text, bits=bits, fields=True, bias=bias)
+    _, rp, ri = ref.parse_criteo(text, bits=bits)
+    fields = [c - 1 for line in lines for c, col in enumerate(line.split("\t")) if c and col]
+    expect = ri | (np.array(fields, dtype=np.uint64) << np.uint64(bits))
+    got = np.delete(indices, indptr[1:] - 1)  # each row's last key is the bias
+    np.testing.assert_array_equal(got, expect)
+    assert np.all(indices[indptr[1:] - 1] == bias) and np.array_equal(indptr - np.arange(201), rp)
+
+
 def test_criteo_crlf_blank_lines_and_tokens_of_any_length_match_python_parser():
     # the kernel reads a line in one pass (a column ends at a tab or the line's end), hashes
     # 8-byte tokens as one word, and looks small integers' buckets up in a table
