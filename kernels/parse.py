@@ -184,17 +184,34 @@ def _finish_row(indices, values, labels, indptr, row_nnz, rows, with_bias, bias,
 
 @njit(inline="always")
 def _parse_uint(buf, j, stop):
-    """A decimal uint64 at ``buf[j]``: (value, position after it, ok: digits and no overflow)."""
+    """A decimal uint64 at ``buf[j]``: (value, position after it, ok: digits and no overflow).
+    Up to 19 digits cannot pass 2**64 - 1, so only longer numbers (or leading zeros) are read
+    again with the test for overflow on each digit."""
+    key = np.uint64(0)
+    start = j
+    while j < stop and _is_digit(buf[j]):
+        key = key * np.uint64(10) + np.uint64(buf[j] - 48)
+        j += 1
+    if j - start <= 19:
+        return key, j, j > start
     key = np.uint64(0)
     overflow = False
-    start = j
+    j = start
     while j < stop and _is_digit(buf[j]):
         d = np.uint64(buf[j] - 48)
         if key > np.uint64(1844674407370955161) or (key == np.uint64(1844674407370955161) and d > np.uint64(5)):
             overflow = True
         key = key * np.uint64(10) + d
         j += 1
-    return key, j, j > start and not overflow
+    return key, j, not overflow
+
+
+@njit(inline="always")
+def _parse_value(buf, j, stop):
+    """:func:`_parse_float` with the common value ``1`` (hashed features) read without a call."""
+    if buf[j] == 49 and (j + 1 == stop or buf[j + 1] == SPACE or buf[j + 1] == TAB):
+        return 1.0, j + 1, OK
+    return _parse_float(buf, j, stop)
 
 
 @njit(cache=True, nogil=True)
@@ -218,12 +235,17 @@ def libsvm_kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen, 
     skipped = 0
     indptr[0] = 0
     while i < n:
-        end, stop = _line_bounds(buf, i, n)
-        # comment
-        for c in range(i, stop):
-            if buf[c] == HASH:
-                stop = c
-                break
+        # the line's end, and where a comment starts (one pass)
+        end, comment = i, -1
+        while end < n and buf[end] != NL:
+            if buf[end] == HASH and comment < 0:
+                comment = end
+            end += 1
+        stop = end
+        if stop > i and buf[stop - 1] == CR:
+            stop -= 1
+        if comment >= 0:
+            stop = comment
         j = _skip_blanks(buf, i, stop)
         status = OK
         which = -1  # binary labels: 0 for a label 0, 1 for a label -1
@@ -268,7 +290,10 @@ def libsvm_kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen, 
                     key = (key & mask) | (field << np.uint64(field_shift))
                 else:
                     key = key & mask
-                v, j, st = _parse_float(buf, j, stop)
+                if j >= stop:
+                    status = BAD_VALUE
+                    break
+                v, j, st = _parse_value(buf, j, stop)
                 if st != OK:
                     status = st
                     break
