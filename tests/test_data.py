@@ -32,6 +32,27 @@ def test_byte_ranges_cover_every_line_exactly_once(tmp_path_factory, lengths, pa
     assert got == lines
 
 
+def test_a_stream_counts_its_lines_on_a_thread_and_knows_an_empty_part(tmp_path, monkeypatch):
+    # the count runs beside the start-up; has_rows needs it only when the first slice is empty
+    path = tmp_path / "two.svm"
+    path.write_bytes(b"1 3:1\n\n0 4:1\n")
+    whole = data.PartStream(str(path), 0, 1, binary=True).open()
+    assert whole.has_rows and whole.rows_bound == 3  # lines, the blank one included
+    sizes = [data.PartStream(str(path), i, 5, binary=True).open() for i in range(5)]
+    empty = [s for s in sizes if s.start == s.end]
+    assert empty and all(not s.has_rows and s.rows_bound == 0 for s in empty)
+    assert sum(s.rows_bound for s in sizes) == 3
+
+    def unreadable(*args):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(data, "rows_bound", unreadable)  # a count that fails is raised where it is read
+    broken = data.PartStream(str(path), 0, 1, binary=True).open()
+    assert broken.has_rows  # the first slice says so, without the count
+    with pytest.raises(OSError, match="disk gone"):
+        broken.rows_bound
+
+
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
     d = tmp_path_factory.mktemp("syn")
@@ -163,7 +184,7 @@ def test_stream_batches_equal_the_loaded_part(dataset, fmt, block_bytes, memory_
     stream = data.PartStream(path, 1, 3, binary=True, memory_mb=memory_mb, block_bytes=block_bytes).open()
     if thread:  # parsing ahead on its own thread (data.parse_thread): the same batches
         stream.start_thread()
-    assert stream.rows_bound == whole.rows
+    assert stream.has_rows and stream.rows_bound == whole.rows  # (counted on a thread)
     bs = 97
     steps = -(-whole.rows // bs)
     for epoch in range(2):  # kept blocks (memory_mb 0) or read again (a budget)

@@ -155,7 +155,7 @@ def _load(ctx, cfg, path: str, what: str, stream: bool = False):
                 ds = tdata.PartStream(path, ctx.worker_index, ctx.layout.workers, d.format, d.hash_bits,
                                       d.skip_bad_lines, cfg.model.loss == "logistic", d.memory_mb,
                                       fields=fields, shuffle_rows=d.shuffle_rows, shuffle_seed=d.shuffle_seed).open()
-                rows = ds.rows_bound
+                rows = int(ds.has_rows)  # (the part's count goes on, on a thread, until steps are agreed)
             else:
                 ds = tdata.load_part(path, ctx.worker_index, ctx.layout.workers, d.format, d.hash_bits,
                                      d.skip_bad_lines, d.cache_dir, binary=cfg.model.loss == "logistic",
