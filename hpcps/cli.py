@@ -498,5 +498,26 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
+def entry() -> None:
+    """The ``hpcps`` command: :func:`main`, then a quick exit once it has returned.
+
+    Everything a command writes is written and closed by then (models, checkpoints, metrics,
+    summaries), so what the interpreter's own teardown would add is freeing every object and
+    module one by one: 0.3 s of a 2-rank training job's wall time here (each rank's, measured
+    as the job's wall time minus its loop, 1.99-2.01 against 1.68 s). The standard streams are
+    flushed and MPI is finalized first (when this command started it); an exception still
+    goes the normal way (a traceback, or the abort handler's message). ``HPCPS_QUICK_EXIT=0``
+    exits the normal way."""
+    code = main()
+    if os.environ.get("HPCPS_QUICK_EXIT", "1") == "0":
+        sys.exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
+    os._exit(code if isinstance(code, int) else 0 if code is None else 1)
+
+
 if __name__ == "__main__":
     sys.exit(main())
