@@ -506,10 +506,12 @@ def entry() -> None:
     module one by one: 0.3 s of a 2-rank training job's wall time here (each rank's, measured
     as the job's wall time minus its loop, 1.99-2.01 against 1.68 s). The standard streams are
     flushed and MPI is finalized first (when this command started it); an exception still
-    goes the normal way (a traceback, or the abort handler's message). ``HPCPS_QUICK_EXIT=0``
-    exits the normal way."""
+    goes the normal way (a traceback, or the abort handler's message). So does every exit
+    under a profiler or a tracer (``python -m cProfile``, coverage), which write their results
+    at the interpreter's exit, and with ``HPCPS_QUICK_EXIT=0``."""
     code = main()
-    if os.environ.get("HPCPS_QUICK_EXIT", "1") == "0":
+    if (os.environ.get("HPCPS_QUICK_EXIT", "1") == "0" or sys.getprofile() is not None
+            or sys.gettrace() is not None):
         sys.exit(code)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -520,4 +522,4 @@ def entry() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -124,6 +124,22 @@ def test_export_eval_and_predict_after_a_one_process_run(data, tmp_path):
     assert len(open(tmp_path / "p.txt").read().split()) == 2_000
 
 
+def test_the_command_exits_quickly_with_its_code_and_output_but_not_under_a_profiler(tmp_path):
+    # hpcps.cli.entry: os._exit after main returns; the code and the flushed output survive it,
+    # and a profiler (which writes at the interpreter's exit) still gets to write
+    bad = HPCPS + ["eval", "--model", str(tmp_path / "none.h5"), "--data", str(tmp_path / "none.svm")]
+    for quick in ("1", "0"):
+        proc = subprocess.run(bad, capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ, HPCPS_QUICK_EXIT=quick))
+        assert proc.returncode == 2 and "none.h5 not found" in proc.stderr, (quick, proc.stderr)
+    prof = tmp_path / "gen.prof"
+    proc = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(prof), "-m", "hpcps.cli", "gen-data",
+                           "--rows", "200", "--test-rows", "50", str(tmp_path / "g")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and prof.stat().st_size > 0, proc.stderr
+    assert open(tmp_path / "g" / "train.svm").read().count("\n") == 200
+
+
 def test_one_process_asked_for_more_servers_says_how_in_one_line(data, tmp_path):
     proc = subprocess.run(HPCPS + ["train", "--set", "cluster.servers=2", "--set", "synth.rows=100"],
                           capture_output=True, text=True, timeout=120)
