@@ -16,6 +16,7 @@ value is reported on every rank, naming the key, and the job exits with status 2
 from __future__ import annotations
 
 import argparse
+import ctypes
 import hashlib
 import json
 import os
@@ -505,7 +506,11 @@ def entry() -> None:
     summaries), so what the interpreter's own teardown would add is freeing every object and
     module one by one: 0.3 s of a 2-rank training job's wall time here (each rank's, measured
     as the job's wall time minus its loop, 1.99-2.01 against 1.68 s). The standard streams are
-    flushed and MPI is finalized first (when this command started it); an exception still
+    flushed and MPI is finalized first (when this command started it), then C's ``exit`` runs
+    the C libraries' exit handlers, not Python's teardown. Not ``os._exit``, which skips those
+    too: MPICH ends a process's part in the job with ``mpiexec`` in one of them, and without it
+    ``mpiexec`` took the first rank to leave for a failure and killed the others (SIGKILL, in 1
+    of 4-8 runs of a 4-rank resumed job). An exception still
     goes the normal way (a traceback, or the abort handler's message). So does every exit
     under a profiler or a tracer (``python -m cProfile``, coverage), which write their results
     at the interpreter's exit, and with ``HPCPS_QUICK_EXIT=0``."""
@@ -518,7 +523,7 @@ def entry() -> None:
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
         mpi.Finalize()
-    os._exit(code if isinstance(code, int) else 0 if code is None else 1)
+    ctypes.CDLL(None).exit(code if isinstance(code, int) else 0 if code is None else 1)
 
 
 if __name__ == "__main__":
