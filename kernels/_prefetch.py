@@ -3,7 +3,8 @@
 * ``prefetch(array, i)``: the cache line of ``array[i]``.
 * ``prefetch_lines(array, start, stop)``: every cache line that ``array[start:stop]`` touches (a
   flat array), for rows wider than one line: a dim-64 FTRL row is 768 bytes, twelve lines, and
-  fetching only its first left the other eleven to miss one after another.
+  fetching only its first left the other eleven to miss one after another. A span of at most
+  ``NARROW`` values gets its first line only, as ``prefetch(array, start)``.
 
 Hash-table probes are chains of dependent cache misses; prefetching the entries of queries a few
 iterations ahead lets those misses overlap. A prefetch is only a hint: it never faults and never
@@ -16,9 +17,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 LINE = 64  # bytes
-# Rows of at most this many float32 values get ``prefetch`` of their first line, wider ones
-# ``prefetch_lines``: on dim-1 rules (12-byte rows, which straddle two lines 1 time in 16) the
-# loop over lines cost 10-25 %.
+# Spans of at most this many values get their first line only (``prefetch_lines``): on dim-1
+# rules (12-byte rows, which straddle two lines 1 time in 16) the loop over lines cost 10-25 %.
 NARROW = 8
 
 
@@ -62,6 +62,8 @@ def prefetch_lines(typingctx, arr, start, stop):
             mask = intp(~(LINE - 1))
             first_line = builder.and_(first, mask)
             count = builder.add(builder.lshr(builder.sub(builder.and_(last, mask), first_line), intp(6)), intp(1))
+            narrow = builder.icmp_signed("<=", builder.sub(stop, start), intp(NARROW))
+            count = builder.select(narrow, intp(1), count)
             byte_ptr = ir.IntType(8).as_pointer()
             with cgutils.for_range(builder, count, intp=intp) as loop:
                 addr = builder.add(first_line, builder.mul(loop.index, intp(LINE)))

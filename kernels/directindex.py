@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ._prefetch import NARROW, prefetch, prefetch_lines
+from ._prefetch import prefetch, prefetch_lines
 from .hashing import mix64
 from .hashtable import MAX_LOAD, _entry, _probe, _tag, build_index, entry_format, index_capacity
 from .init import init_values
@@ -74,11 +74,8 @@ def direct_pull(direct, index, keys, queries, tag_bits, rows, dim, kind, scale, 
                 h = mix64(k)
                 s = _probe(index, keys, k, _tag(h, tag_bits), h & mask, mask, tag_bits)[0]
             slots[j] = s
-            if s >= 0:
-                if dim > NARROW:  # every line of the values pulled (a dim-64 pull: 4)
-                    prefetch_lines(flat, s * width, s * width + dim)
-                else:
-                    prefetch(flat, s * width)
+            if s >= 0:  # the lines of the values pulled (a dim-64 pull: 4)
+                prefetch_lines(flat, s * width, s * width + dim)
         if i < 0:
             continue
         s = slots[i]  # (pull_rows's row copy, written out: as an inline helper both ran 1.4-2x slower)

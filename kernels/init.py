@@ -12,7 +12,7 @@ import math
 import numpy as np
 from numba import njit
 
-from ._prefetch import NARROW, prefetch, prefetch_lines
+from ._prefetch import prefetch_lines
 from .hashing import mix64
 
 AHEAD = 16  # prefetch distance of pull_rows, in keys
@@ -55,10 +55,7 @@ def pull_rows(rows, slots, keys, dim, kind, scale, seed, out):
     for i in range(n):
         if i + AHEAD < n and slots[i + AHEAD] >= 0:
             p = slots[i + AHEAD] * width
-            if dim > NARROW:  # every line of the values pulled (a dim-64 pull: 4)
-                prefetch_lines(flat, p, p + dim)
-            else:
-                prefetch(flat, p)
+            prefetch_lines(flat, p, p + dim)  # the lines of the values pulled (a dim-64 pull: 4)
         s = slots[i]
         if s >= 0:
             for d in range(dim):

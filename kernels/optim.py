@@ -93,10 +93,7 @@ def sgd(rows, slots, grads, lr, l2):
     for i in range(n):
         if i + ahead < n:  # (written out in each rule: as an inline helper it ran at half speed)
             p = slots[i + ahead] * width
-            if width > NARROW:
-                prefetch_lines(flat, p, p + width)
-            else:
-                prefetch(flat, p)
+            prefetch_lines(flat, p, p + width)
         _sgd_row(rows, slots[i], grads, i, dim, lr, l2)
 
 

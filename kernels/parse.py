@@ -474,6 +474,7 @@ def _criteo_fast_lines(buf, i, labels, indptr, indices, rows, nnz, mask, with_bi
         row_nnz = nnz
         ok = True
         for f in range(13):  # the integers: fields 0-12
+            fbits = np.uint64(f) << np.uint64(field_shift) if field_shift >= 0 else np.uint64(0)
             if j >= n:
                 ok = False
                 break
@@ -497,23 +498,18 @@ def _criteo_fast_lines(buf, i, labels, indptr, indices, rows, nnz, mask, with_bi
                 bucket = buckets[v]
             else:
                 bucket = _int_bucket(v)
-            key = xxh64_u64(np.uint64(bucket), np.uint64(f)) & mask
-            if field_shift >= 0:
-                key |= np.uint64(f) << np.uint64(field_shift)
-            indices[row_nnz] = key
+            indices[row_nnz] = xxh64_u64(np.uint64(bucket), np.uint64(f)) & mask | fbits
             row_nnz += 1
             j = k + 1
         if not ok:
             break
         for f in range(13, 39):  # the categories: fields 13-38
             stop = TAB if f < 38 else NL
+            fbits = np.uint64(f) << np.uint64(field_shift) if field_shift >= 0 else np.uint64(0)
             if j + 8 < n:
                 w = read64(buf, j)
                 if buf[j + 8] == stop and _tab_or_newline_in(w) == 0 and (f < 38 or buf[j + 7] != CR):
-                    key = xxh64_u64(w, np.uint64(f)) & mask
-                    if field_shift >= 0:
-                        key |= np.uint64(f) << np.uint64(field_shift)
-                    indices[row_nnz] = key
+                    indices[row_nnz] = xxh64_u64(w, np.uint64(f)) & mask | fbits
                     row_nnz += 1
                     j += 9
                     continue
@@ -524,10 +520,7 @@ def _criteo_fast_lines(buf, i, labels, indptr, indices, rows, nnz, mask, with_bi
                 ok = False
                 break
             if j > a:
-                key = xxh64(buf, a, j, np.uint64(f)) & mask
-                if field_shift >= 0:
-                    key |= np.uint64(f) << np.uint64(field_shift)
-                indices[row_nnz] = key
+                indices[row_nnz] = xxh64(buf, a, j, np.uint64(f)) & mask | fbits
                 row_nnz += 1
             j += 1
         if not ok:

@@ -695,7 +695,6 @@ class LoadedPart:
             ds = ds.take_rows(window_order(ds.rows, shuffle_rows, shuffle_seed))
         self.ds = ds
         self.rows_bound = ds.rows
-        self.has_rows = ds.rows > 0
         self.skipped = skipped
 
     def head_labels(self, n: int) -> np.ndarray:
