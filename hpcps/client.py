@@ -83,13 +83,14 @@ class SparseTable:
                     self._message(req, server, None, keys[chunk], grads[chunk], None)
         return self._register(req)
 
-    def _message(self, req: _Request, server: int, pulled: np.ndarray | None, push_keys, grads, pull_keys) -> None:
+    def _message(self, req: _Request, server: int, pulled: np.ndarray | None, push_keys, grads, pull_keys,
+                 in_pull: np.ndarray | None = None) -> None:
         """Post the reply's receive, then send one request to ``server``. ``pulled``: the
         positions of ``pull_keys`` among the request's unique pull keys."""
         n_pull = 0 if pull_keys is None else pull_keys.shape[0]
         self._post(req, server, pulled, protocol.reply_bytes(req.op, n_pull, self.dim),
                    lambda req_id: protocol.pack_request(req.op, self.id, req_id, req.clock, self.ctx.worker_index,
-                                                        push_keys, grads, pull_keys, self.dim, req.ahead))
+                                                        push_keys, grads, pull_keys, self.dim, req.ahead, in_pull))
 
     def _post(self, req: _Request, server: int, pulled, reply_bytes: int, pack) -> None:
         """Post the receive of a reply of ``reply_bytes``, then send ``pack(req_id)`` to ``server``."""
@@ -108,7 +109,7 @@ class SparseTable:
         return ts
 
     def ipushpull(self, push_keys, grads, pull_keys, aggregate: bool = False, unique: bool = False,
-                  ahead: int = 0) -> int:
+                  ahead: int = 0, in_pull: np.ndarray | None = None) -> int:
         """Push a step's gradients, end the step (the clock), and start pulling the next step's
         keys, in one message to each server (ps-lite's ZPushPull). Returns a timestamp for
         :meth:`wait`, which returns the pulled rows.
@@ -118,8 +119,14 @@ class SparseTable:
         is answered once every worker has passed the clock (``ahead`` more clocks: a pull for a
         later step), so it sees every push before that step.
         ``unique``: both key arrays are already distinct (in any order): no dedup.
+        ``in_pull`` (with ``unique``): a bool per pushed key, whether it is among ``pull_keys``
+        (:func:`hpcps_kernels.keys.member_mask`, best computed while the worker waits anyway):
+        the servers then update the other keys after they have replied, which shortens the wait
+        by that part of the push, with the same numbers. Ignored where a group merges its pushes.
         """
         ctx = self.ctx
+        if not unique or (aggregate and ctx.group_comm.Get_size() > 1):
+            in_pull = None  # (the keys sent are not those given)
         push_keys, grads = self._prepare_push(push_keys, grads, aggregate, unique)
         pull_keys = np.ascontiguousarray(pull_keys, dtype=np.uint64).reshape(-1)
         expand = None
@@ -132,14 +139,15 @@ class SparseTable:
         req = _Request(protocol.PUSHPULL, self, n_unique=pull_keys.shape[0], clock=ctx.clock_value,
                        started=time.monotonic(), expand=expand, ahead=ahead)
         if ctx.layout.servers == 1:  # nothing to slice: no hashing of keys, no copies
-            self._message(req, 0, np.arange(pull_keys.shape[0]), push_keys, grads, pull_keys)
+            self._message(req, 0, np.arange(pull_keys.shape[0]), push_keys, grads, pull_keys, in_pull)
         else:
             push_order, push_offsets = ctx.placement.slice(push_keys)
             pull_order, pull_offsets = ctx.placement.slice(pull_keys)
             for server in range(ctx.layout.servers):  # every server: each needs the clock
                 sp = push_order[push_offsets[server]:push_offsets[server + 1]]
                 sl = pull_order[pull_offsets[server]:pull_offsets[server + 1]]
-                self._message(req, server, sl, push_keys[sp], grads[sp], pull_keys[sl])
+                self._message(req, server, sl, push_keys[sp], grads[sp], pull_keys[sl],
+                              None if in_pull is None else in_pull[sp])
         ctx.advance_clock()
         return self._register(req)
 

@@ -18,7 +18,11 @@ Operations:
   clock. Exactly PUSH(clock), CLOCK(clock + 1), PULL(clock + 1) in one message; its reply is also
   the push's acknowledgement. Sent to every server (each gets the clock), with empty parts where a
   server owns none of the keys. ``reserved`` = ``ahead``: the pull reads at ``clock + 1 + ahead``
-  (``train.pull_early`` pulls the batch after the next one, ``ahead`` = 1).
+  (``train.pull_early`` pulls the batch after the next one, ``ahead`` = 1). With ``flags`` bit
+  ``IN_PULL``, ``ceil(n_push / 8)`` bytes follow the pull keys: bit ``i`` (little-endian within a
+  byte) says whether pushed key ``i`` is among this request's pulled keys. The server may then
+  apply the push's other keys after it has replied (nothing it replies reads them), so the
+  worker's wait is shorter by that part of the push.
 * ``CHECKPOINT``: the directory's path, UTF-8, in the pull-key area (``n_pull`` words); its reply
   carries the size and checksum of the file the server wrote.
 * ``MARGINS`` (computation on the servers): a batch's nonzeros that this server owns, ``n_push``
@@ -55,7 +59,8 @@ OP_NAMES = {PULL: "pull", PUSH: "push", CLOCK: "clock", DONE: "done", CHECKPOINT
             PUSHPULL: "push-pull", MARGINS: "margins", RESIDUALS: "residuals", CALL: "call"}
 
 REQUEST = np.dtype([("op", "<i8"), ("table", "<i8"), ("req_id", "<i8"), ("n_push", "<i8"),
-                    ("n_pull", "<i8"), ("clock", "<i8"), ("worker", "<i8"), ("reserved", "<i8")])
+                    ("n_pull", "<i8"), ("clock", "<i8"), ("worker", "<i8"), ("reserved", "<i8"),
+                    ("flags", "<i8")])
 REPLY = np.dtype([("req_id", "<i8"), ("status", "<i8"), ("min_clock", "<i8"), ("server", "<i8"),
                   ("table_keys", "<i8"), ("admitted", "<i8"), ("evicted", "<i8")])
 CHECKPOINT_RESULT = np.dtype([("file_bytes", "<i8"), ("xxh64", "S64")])
@@ -66,6 +71,7 @@ _NO_KEYS = np.zeros(0, dtype=np.uint64)
 
 TAG_REQUEST = 1
 TAG_REPLY_BASE = 16
+IN_PULL = 1      # request flag: a push-pull's in-pull bits follow its pull keys
 OK = 0
 STOP = 2         # status bit: this server received a stop signal (SIGUSR1/SIGTERM)
 
@@ -87,6 +93,7 @@ class Request:
     residuals: np.ndarray | None = None   # RESIDUALS: d loss / d margin per row
     function: int = 0                     # CALL: the server function's number
     ahead: int = 0                        # PUSHPULL: its pull reads this many clocks after the next
+    in_pull: np.ndarray | None = None     # PUSHPULL: a bit per pushed key, set if it is pulled too
 
     @property
     def pull_clock(self) -> int:
@@ -104,7 +111,7 @@ def pack_margins(table: int, req_id: int, clock: int, worker: int, keys: np.ndar
     """A ``MARGINS`` request: keys, values and row numbers of ``keys.shape[0]`` nonzeros."""
     n = keys.shape[0]
     buf = np.empty(HEADER_BYTES + 16 * n, dtype=np.uint8)
-    buf[:HEADER_BYTES].view(REQUEST)[0] = (MARGINS, table, req_id, n, n_rows, clock, worker, 0)
+    buf[:HEADER_BYTES].view(REQUEST)[0] = (MARGINS, table, req_id, n, n_rows, clock, worker, 0, 0)
     at = HEADER_BYTES
     buf[at:at + 8 * n].view(np.uint64)[:] = keys
     buf[at + 8 * n:at + 12 * n].view(np.float32)[:] = values
@@ -117,7 +124,7 @@ def pack_call(table: int, req_id: int, clock: int, worker: int, function: int, k
     """A ``CALL`` request: keys and their float32 argument rows (``(n, width)``, width may be 0)."""
     n, width = keys.shape[0], args.shape[1]
     buf = np.empty(HEADER_BYTES + 8 * n + 4 * n * width, dtype=np.uint8)
-    buf[:HEADER_BYTES].view(REQUEST)[0] = (CALL, table, req_id, n, width, clock, worker, function)
+    buf[:HEADER_BYTES].view(REQUEST)[0] = (CALL, table, req_id, n, width, clock, worker, function, 0)
     buf[HEADER_BYTES:HEADER_BYTES + 8 * n].view(np.uint64)[:] = keys
     buf[HEADER_BYTES + 8 * n:].view(np.float32)[:] = args.reshape(-1)
     return buf
@@ -127,7 +134,7 @@ def pack_residuals(table: int, req_id: int, clock: int, worker: int, residuals: 
     """A ``RESIDUALS`` request: a float64 row per batch row (``(n_rows, dim)``)."""
     n = residuals.shape[0]
     buf = np.empty(HEADER_BYTES + 8 * residuals.size, dtype=np.uint8)
-    buf[:HEADER_BYTES].view(REQUEST)[0] = (RESIDUALS, table, req_id, 0, n, clock, worker, 0)
+    buf[:HEADER_BYTES].view(REQUEST)[0] = (RESIDUALS, table, req_id, 0, n, clock, worker, 0, 0)
     buf[HEADER_BYTES:].view(np.float64)[:] = residuals.reshape(-1)
     return buf
 
@@ -137,8 +144,8 @@ def reply_tag(req_id: int, tag_ub: int) -> int:
     return TAG_REPLY_BASE + req_id % (tag_ub - TAG_REPLY_BASE)
 
 
-def request_bytes(n_push: int, n_pull: int, dim: int) -> int:
-    return HEADER_BYTES + (8 + 4 * dim) * n_push + 8 * n_pull
+def request_bytes(n_push: int, n_pull: int, dim: int, in_pull: bool = False) -> int:
+    return HEADER_BYTES + (8 + 4 * dim) * n_push + 8 * n_pull + (-(-n_push // 8) if in_pull else 0)
 
 
 def margin_width(dim: int) -> int:
@@ -159,11 +166,14 @@ def reply_bytes(op: int, n_pull: int, dim: int) -> int:
 
 def pack_request(op: int, table: int, req_id: int, clock: int, worker: int, push_keys: np.ndarray | None = None,
                  grads: np.ndarray | None = None, pull_keys: np.ndarray | None = None, dim: int = 0,
-                 ahead: int = 0) -> np.ndarray:
+                 ahead: int = 0, in_pull: np.ndarray | None = None) -> np.ndarray:
+    """A request message; ``in_pull`` (PUSHPULL): a bool per pushed key, whether it is among
+    ``pull_keys`` (sent as bits, see the module docstring)."""
     n_push = 0 if push_keys is None else push_keys.shape[0]
     n_pull = 0 if pull_keys is None else pull_keys.shape[0]
-    buf = np.empty(request_bytes(n_push, n_pull, dim), dtype=np.uint8)
-    buf[:HEADER_BYTES].view(REQUEST)[0] = (op, table, req_id, n_push, n_pull, clock, worker, ahead)
+    flags = IN_PULL if in_pull is not None and n_push else 0
+    buf = np.empty(request_bytes(n_push, n_pull, dim, flags & IN_PULL), dtype=np.uint8)
+    buf[:HEADER_BYTES].view(REQUEST)[0] = (op, table, req_id, n_push, n_pull, clock, worker, ahead, flags)
     at = HEADER_BYTES
     if n_push:
         buf[at:at + 8 * n_push].view(np.uint64)[:] = push_keys
@@ -172,6 +182,9 @@ def pack_request(op: int, table: int, req_id: int, clock: int, worker: int, push
         at += 4 * n_push * dim
     if n_pull:
         buf[at:at + 8 * n_pull].view(np.uint64)[:] = pull_keys
+        at += 8 * n_pull
+    if flags & IN_PULL:
+        buf[at:] = np.packbits(in_pull, bitorder="little")
     return buf
 
 
@@ -186,7 +199,7 @@ assert all(REQUEST.fields[n][0] == np.dtype("<i8") for n in REQUEST.names)  # re
 def unpack_request(buf: np.ndarray, dims: list[int]) -> Request:
     # the fields in REQUEST's order, in one call (reading a structured scalar field by field costs
     # about 30 us a request on the server's critical path)
-    op, table, req_id, n_push, n_pull, clock, worker, reserved = buf[:HEADER_BYTES].view(np.int64).tolist()
+    op, table, req_id, n_push, n_pull, clock, worker, reserved, flags = buf[:HEADER_BYTES].view(np.int64).tolist()
     at = HEADER_BYTES
     if op == CALL:
         n = n_push
@@ -208,7 +221,9 @@ def unpack_request(buf: np.ndarray, dims: list[int]) -> Request:
     grads = buf[at:at + 4 * n_push * dim].view(np.float32).reshape(n_push, dim) if n_push else None
     at += 4 * n_push * dim
     pull_keys = buf[at:at + 8 * n_pull].view(np.uint64)
-    return Request(op, table, req_id, clock, worker, push_keys, grads, pull_keys, ahead=reserved)
+    at += 8 * n_pull
+    in_pull = buf[at:at + (n_push + 7) // 8] if flags & IN_PULL else None
+    return Request(op, table, req_id, clock, worker, push_keys, grads, pull_keys, ahead=reserved, in_pull=in_pull)
 
 
 def pack_reply(req_id: int, status: int, min_clock: int, server: int, payload_bytes: int,

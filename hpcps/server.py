@@ -256,9 +256,17 @@ class ServerTable:
         keep[np.flatnonzero(absent)[admit]] = True
         return keys[keep], grads[keep]
 
-    def push(self, keys: np.ndarray, grads: np.ndarray, clock: int = 0, worker: int = -1) -> None:
+    def push(self, keys: np.ndarray, grads: np.ndarray, clock: int = 0, worker: int = -1,
+             in_pull: np.ndarray | None = None) -> tuple | None:
         """Apply one update per key (keys unique within a push) at ``clock``; ``worker``: who
-        pushes (see :meth:`_reused_slots`)."""
+        pushes (see :meth:`_reused_slots`).
+
+        ``in_pull``: a bit per key (``protocol.IN_PULL``), set where the key is read by the pull
+        served next. The keys whose bit is set are updated now, the others are returned, as
+        ``(slots, grads)`` for :meth:`apply_later`, when the push takes its slots from a pull
+        before it and the table neither ages nor admits rows (else everything is applied now and
+        None returned). A rule updates each row on its own, so the rows end the same, bit for bit,
+        once the rest is applied before anything else reads or updates the table."""
         s = self.spec
         if self.counts is not None:
             keys, grads = self._admit(keys, grads, clock)
@@ -268,6 +276,7 @@ class ServerTable:
             keys, grads = self._make_room(keys, grads, clock)
         first_new = self.index.size
         slots = self._reused_slots(keys, worker)
+        reused = slots is not None
         if slots is None and self.fused >= 0 and isinstance(self.index, DirectKeyIndex):
             # lookups and updates in one pass, up to the first absent key (the rest go below)
             slots = np.empty(keys.shape[0], dtype=np.int64)
@@ -293,11 +302,20 @@ class ServerTable:
                 self.rows[slots[(keys == key) & (slots >= first_new)], :s.dim] = values
             if self.counts is None:
                 self.admitted += self.index.size - first_new
+        later = None
+        if in_pull is not None and reused and self.last is None:
+            slots, grads, rest_slots, rest_grads = kkeys.split_by_bits(in_pull, slots, grads)
+            later = (rest_slots, rest_grads) if rest_slots.shape[0] else None
         self.opt.apply(self.rows, slots, grads, s.params)
         if self.last is not None:
             self.last[slots] = clock
         if self.index.size > first_new:
-            self._go_direct_when_due()
+            self._go_direct_when_due()  # (the same slots: the rows stay where they are)
+        return later
+
+    def apply_later(self, later: tuple) -> None:
+        """Apply the part of a push that :meth:`push` returned."""
+        self.opt.apply(self.rows, *later, self.spec.params)
 
     def evict(self, clock: int) -> int:
         """Drop the rows not updated in the last ``evict_after_steps`` clocks and those whose
@@ -505,7 +523,15 @@ class Server:
         r = protocol.unpack_request(buf, self.dims)
         worker = source - self.worker_rank0
         self.stats["requests"] += 1
-        if r.op == protocol.PUSHPULL:  # push at clock c, clock c + 1, pull at clock c + 1 (+ ahead)
+        if r.op == protocol.PUSHPULL and r.in_pull is not None and self._alone(worker, r):
+            # the push's keys the pull reads, the pull, then (the reply gone) the push's other keys
+            self.clocks[worker] = max(self.clocks[worker], r.clock + 1)
+            table = self.tables[r.table]
+            later = table.push(r.push_keys, r.grads, r.clock, worker, in_pull=r.in_pull)
+            self._serve_pull(source, r)
+            if later is not None:
+                table.apply_later(later)
+        elif r.op == protocol.PUSHPULL:  # push at clock c, clock c + 1, pull at clock c + 1 (+ ahead)
             self._push(worker, r)
             self._advance(worker, r.clock + 1)
             self._serve_or_defer(source, r)
@@ -533,6 +559,21 @@ class Server:
             self._release_deferred()
         else:
             raise RuntimeError(f"server {self.index}: unknown request op {r.op} from rank {source}")
+
+    def _alone(self, worker: int, r: protocol.Request) -> bool:
+        """Whether a push-pull's push is applied now and its pull answered now, and nothing else
+        is served or applied in between (then part of its push may wait until after the reply):
+        no push kept for its turn, no pull waiting, no eviction due, and under BSP this
+        worker's clock advance leaves every worker past the push's clock."""
+        if self.buffered or self.deferred or self.evicting or r.push_keys.shape[0] == 0:
+            return False
+        clocks = self.clocks.tolist()
+        clocks[worker] = max(clocks[worker], r.clock + 1)
+        live = [c for c, d in zip(clocks, self.done.tolist()) if not d]
+        low = min(live) if live else max(clocks)
+        if self.staleness == 0:
+            return r.clock < low and r.pull_clock <= low
+        return self.staleness < 0 or r.pull_clock - self.staleness <= low
 
     def _serve_or_defer(self, source: int, r: protocol.Request) -> None:
         if self._ready(r) or (r.op == protocol.PUSHPULL and r.pull_keys.shape[0] == 0):  # a bare push + clock

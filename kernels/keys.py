@@ -177,6 +177,70 @@ def reusable_slots(saved_keys, saved_slots, keys, absent):
 
 
 @njit(cache=True)
+def member_mask(keys, members, hashed=False):
+    """``out[i]``: whether ``keys[i]`` is among ``members`` (``np.isin``, without its sort): a
+    scratch table over the members as in :func:`_dedup` (``hashed``: place keys by their own low
+    bits), then one probe per key. A worker marks which of a step's pushed keys its next pull
+    reads, so that the server can apply the others after its reply (see
+    :func:`split_by_bits`)."""
+    m = members.shape[0]
+    cap = DEDUP_MIN_SLOTS
+    while cap < 2 * m:
+        cap *= 2
+    table = np.full(cap, -1, dtype=np.int32)
+    mask = np.uint64(cap - 1)
+    for t in range(m):
+        k = members[t]
+        j = (k if hashed else mix64(k)) & mask
+        while table[j] != -1 and members[table[j]] != k:
+            j = (j + np.uint64(1)) & mask
+        table[j] = t
+    out = np.empty(keys.shape[0], dtype=np.bool_)
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        j = (k if hashed else mix64(k)) & mask
+        found = False
+        while True:
+            t = table[j]
+            if t == -1:
+                break
+            if members[t] == k:
+                found = True
+                break
+            j = (j + np.uint64(1)) & mask
+        out[i] = found
+    return out
+
+
+@njit(cache=True)
+def split_by_bits(bits, slots, grads):
+    """(slots, gradients) of the positions whose bit is set in ``bits`` (one bit a position,
+    little-endian within a byte: ``np.packbits(..., bitorder="little")``), then those of the
+    others, each in order."""
+    n, dim = slots.shape[0], grads.shape[1]
+    m = 0
+    for i in range(n):
+        m += (bits[i >> 3] >> (i & 7)) & 1
+    s_out = np.empty(n, dtype=slots.dtype)
+    g_out = np.empty((n, dim), dtype=grads.dtype)
+    gi, go = np.ascontiguousarray(grads).reshape(-1), g_out.reshape(-1)
+    a, b = 0, m
+    for i in range(n):  # without a branch (the bits are as good as random)
+        bit = (bits[i >> 3] >> (i & 7)) & 1
+        j = a if bit else b
+        a += bit
+        b += 1 - bit
+        s_out[j] = slots[i]
+        if dim == 1:
+            go[j] = gi[i]
+        else:
+            for d in range(dim):
+                go[j * dim + d] = gi[i * dim + d]
+    s_set, g_set, s_rest, g_rest = s_out[:m], g_out[:m], s_out[m:], g_out[m:]
+    return s_set, g_set, s_rest, g_rest
+
+
+@njit(cache=True)
 def is_sorted_unique(keys):
     for i in range(1, keys.shape[0]):
         if keys[i] <= keys[i - 1]:

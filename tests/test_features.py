@@ -290,3 +290,44 @@ def test_a_push_takes_the_slots_of_the_pull_before_the_last_as_train_pull_early_
         np.testing.assert_array_equal(a, b)
     for a, b in zip(reusing.items(), fresh.items()):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("key_bits", [16, 64])  # direct index; hash index
+@pytest.mark.parametrize("optimizer,params", [("ftrl", {"alpha": 0.1, "l1": 0.01}), ("adam", {"lr": 0.05})])
+def test_a_push_split_by_the_next_pull_reads_and_ends_what_a_whole_push_does(key_bits, optimizer, params):
+    """A push-pull whose push marks the keys its pull reads (protocol.IN_PULL): the server
+    updates those, answers the pull, then updates the others (keys new to the table on both
+    sides). The pull reads what it reads after the whole push, and the rows end the same, bit for
+    bit; without slots from a pull before it, the push is applied whole."""
+    rng = np.random.default_rng(2)
+    spec = dict(dim=2, optimizer=optimizer, params=params, init="uniform", init_scale=0.1, seed=3,
+                key_bits=key_bits)
+    split, whole = ServerTable(TableSpec("w", **spec)), ServerTable(TableSpec("w", **spec))
+    batches = [rng.permutation(np.unique(rng.integers(0, 3000, 900)).astype(np.uint64)) for _ in range(5)]
+    for t in (split, whole):
+        t.push(batches[0][::2], np.ones((batches[0][::2].size, 2), np.float32), 0)
+    split.pull(batches[0], np.empty((batches[0].size, 2), np.float32), worker=0)
+    deferred = 0
+    for i in range(4):
+        cur, nxt = batches[i], batches[i + 1]
+        g = rng.normal(size=(cur.size, 2)).astype(np.float32)
+        mask = np.isin(cur, nxt)
+        assert 0 < mask.sum() < cur.size
+        later = split.push(cur, g, i + 1, worker=0, in_pull=np.packbits(mask, bitorder="little"))
+        assert later is not None and later[0].shape[0] == (~mask).sum()
+        deferred += later[0].shape[0]
+        got, want = np.empty((nxt.size, 2), np.float32), np.empty((nxt.size, 2), np.float32)
+        split.pull(nxt, got, worker=0)
+        whole.push(cur, g, i + 1)
+        whole.pull(nxt, want)
+        np.testing.assert_array_equal(got, want)
+        split.apply_later(later)
+        for a, b in zip(split.items(), whole.items()):
+            np.testing.assert_array_equal(a, b)
+    assert deferred > 0
+    fresh = rng.permutation(np.arange(5000, 5100, dtype=np.uint64))  # no pull before: no slots to split
+    g = np.ones((fresh.size, 2), np.float32)
+    assert split.push(fresh, g, 9, worker=0, in_pull=np.packbits(np.zeros(fresh.size, bool), bitorder="little")) is None
+    whole.push(fresh, g, 9)
+    for a, b in zip(split.items(), whole.items()):
+        np.testing.assert_array_equal(a, b)

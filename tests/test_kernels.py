@@ -707,3 +707,28 @@ def test_dedup_keys_is_unique_keys_up_to_order(xs):
         for i, x in enumerate(xs):
             first.setdefault(x, i)
         assert uniq.tolist() == sorted(first, key=first.get)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, 30), st.integers(0, 2**64 - 1), st.integers(0, 50).map(lambda i: i << 20)),
+                max_size=300),
+       st.lists(st.one_of(st.integers(0, 30), st.integers(0, 2**64 - 1), st.integers(0, 50).map(lambda i: i << 20)),
+                max_size=3000))
+def test_member_mask_is_isin(xs, ys):
+    """Keys (any, repeated) among members (any, repeated, more than a first scratch table holds),
+    mixed or placed by their low bits: what ``np.isin`` says."""
+    k, m = np.array(xs, dtype=np.uint64), np.array(ys, dtype=np.uint64)
+    for hashed in (False, True):
+        np.testing.assert_array_equal(keys.member_mask(k, m, hashed), np.isin(k, m))
+
+
+@pytest.mark.parametrize("dim", [1, 3])
+def test_split_by_bits_keeps_each_part_in_order(dim):
+    rng = np.random.default_rng(dim)
+    for n in (0, 1, 7, 8, 9, 1000):
+        mask = rng.random(n) < 0.4
+        slots = rng.permutation(5 * n + 1)[:n].astype(np.int64)
+        grads = rng.normal(size=(n, dim)).astype(np.float32)
+        got = keys.split_by_bits(np.packbits(mask, bitorder="little"), slots, grads)
+        for a, b in zip(got, (slots[mask], grads[mask], slots[~mask], grads[~mask])):
+            np.testing.assert_array_equal(a, b)

@@ -354,6 +354,40 @@ def test_push_pull_pulls_exactly_what_push_clock_pull_would(layout, aggregate):
     ctx.finalize()
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_push_pull_marking_the_keys_its_pull_reads_equals_the_sequential_reference():
+    """``ipushpull(..., in_pull=...)``: one worker (every other rank a server) marks which pushed
+    keys its pull reads; each server updates those, replies, then updates the rest. Every pull,
+    and the table at the end, are those of a sequential pull-then-push, exactly (FTRL; new keys
+    on both sides of the mark)."""
+    ctx = hpcps.init(servers=world_size() - 1, staleness=0, stall_timeout_s=60)
+    spec = dict(dim=2, optimizer="ftrl", params={"alpha": 0.1, "l1": 0.01}, init="uniform", init_scale=0.1, seed=3)
+    t = ctx.sparse_table("w", **spec, key_bits=12)
+    rng = np.random.default_rng(4)
+    batches = [rng.permutation(np.unique(rng.integers(0, 600, 200)).astype(np.uint64)) for _ in range(9)]
+    if ctx.is_server:
+        ctx.serve()
+    else:
+        ref = ServerTable(TableSpec("w", **spec))
+
+        def ref_pull(keys):
+            out = np.empty((keys.size, 2), np.float32)
+            ref.pull(keys, out)
+            return out
+
+        got = t.pull(batches[0])
+        for it in range(len(batches) - 1):
+            cur, nxt = batches[it], batches[it + 1]
+            np.testing.assert_array_equal(got, ref_pull(cur))
+            g = _grad_from(got, 0, it)
+            ref.push(cur, g)
+            got = t.wait(t.ipushpull(cur, g, nxt, unique=True, in_pull=np.isin(cur, nxt)))
+        np.testing.assert_array_equal(got, ref_pull(batches[-1]))
+        everything = np.arange(600, dtype=np.uint64)
+        np.testing.assert_array_equal(t.pull(everything), ref_pull(everything))
+    ctx.finalize()
+
+
 @pytest.mark.mpi(min_size=3)
 def test_a_push_pull_ahead_reads_at_the_clock_after_the_next():
     """``ipushpull(..., ahead=1)`` (train.pull_early's step) pulls for the clock after the next:
