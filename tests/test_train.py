@@ -159,9 +159,10 @@ def test_batches_kept_across_epochs_train_what_a_streamed_part_trains(small_data
     """With the part in memory and several epochs, a worker keeps each batch after its first
     epoch as unique keys and int32 positions (deduplicated once); under a memory budget it parses
     and deduplicates every epoch, also on a thread of its own (data.parse_thread, slices of 64 kB).
-    All train the same model, bit for bit."""
+    All train the same model, bit for bit. (One worker and two servers: with kept batches the
+    worker marks the keys each pull reads, and the servers update the others after replying.)"""
     data = sets(data__train=small_data.files["train_libsvm"], data__test=small_data.files["test_libsvm"],
-                train__progress=False, train__batch_size=200, train__epochs=3, model__type=model)
+                train__progress=False, train__batch_size=200, train__epochs=3, model__type=model, cluster__servers=2)
     got = {}
     for memory_mb, thread in ((0, False), (64, False), (0.5, True)):
         out = tmp_path / f"{memory_mb}.json"
