@@ -481,6 +481,11 @@ def warmup_models() -> None:
     keys.merge_sorted([(uniq, np.ones((uniq.size, 1), np.float32))] * 2)
     keys.is_sorted_unique(uniq)
     keys.reusable_slots(uniq, np.zeros(uniq.size, np.int64), uniq, np.empty(uniq.size, np.int64))
+    keys.member_mask(uniq, uniq[::2].copy())
+    keys.member_mask(uniq, uniq[::2].copy(), True)  # hashed features' keys
+    for dim in (1, 3):  # a push split by the keys its pull reads
+        keys.split_by_bits(np.packbits(np.ones(uniq.size, np.bool_)), np.zeros(uniq.size, np.int64),
+                           np.ones((uniq.size, dim), np.float32))
     few = np.array([1, 2**40], dtype=np.uint64)
     admission.bump_counts(np.zeros(16, np.uint8), few, np.uint64(16), np.empty(2, np.uint8))
     admission.clear_counts(np.zeros(16, np.uint8), few, np.uint64(16))
