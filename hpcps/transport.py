@@ -38,9 +38,13 @@ from mpi4py import MPI
 # that of MPI), then sleeps that double from POLL_MIN_SLEEP_S up to POLL_MAX_SLEEP_S. A wait for
 # large messages polls without sleeping for as long as their transfer should take at
 # SPIN_BYTES_PER_S: MPICH moves a large message only while both sides call into MPI, so sleeping
-# during a transfer stretches it.
+# during a transfer stretches it. Once a large message of a wait (SPIN_RESET_BYTES) is done (a
+# request's send), it spins only for the rest's transfer from then: a worker that has sent a large push then sleeps
+# while the server works on it, which leaves the core to a server's second thread
+# (hpcps_kernels.parallel).
 POLL_SPIN_S = 50e-6
 SPIN_BYTES_PER_S = 2e9
+SPIN_RESET_BYTES = 1 << 20
 POLL_MIN_SLEEP_S = 20e-6
 POLL_MAX_SLEEP_S = 1e-3
 POLL_SHORT_MAX_SLEEP_S = 2e-4  # waits for replies in the training loop (sub-millisecond answers)
@@ -234,9 +238,13 @@ def wait(
     sleep = POLL_MIN_SLEEP_S
     warned = False
     while todo:
-        todo = [p for p in todo if not p.request.Test()]
-        if not todo:
+        left = [p for p in todo if not p.request.Test()]
+        if not left:
             return
+        if len(left) < len(todo) and sum(p.nbytes for p in todo) - sum(p.nbytes for p in left) >= SPIN_RESET_BYTES:
+            # a large message done (a push's send): spin for the rest's transfer from now on
+            spin = time.perf_counter() - start + spin_budget(sum(p.nbytes for p in left))
+        todo = left
         elapsed = time.perf_counter() - start
         if warn_after is not None and not warned and elapsed > warn_after:
             warned = True
