@@ -33,6 +33,7 @@ back-off (:mod:`hpcps.transport`), so an idle server costs almost no CPU.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -47,6 +48,7 @@ from hpcps_kernels import keys as kkeys
 from hpcps_kernels import models as kmodels
 from hpcps_kernels.directindex import DirectKeyIndex
 from hpcps_kernels.hashtable import KeyIndex
+from hpcps_kernels.parallel import Halves
 
 # a checkpoint write that fails late, in HDF5's release of the file's objects, says so in one line
 transport.EXPLAINERS.append(checkpoint.explain_write_failure)
@@ -91,6 +93,7 @@ class ServerTable:
         # step after the next batch's pull) takes those slots instead of looking the keys up again
         self.resolved: dict[int, list] = {}
         self.reused = 0  # keys of pushes whose slots came from the pull before
+        self.halves: Halves | None = None  # large requests' halves at once (set by the Server)
 
     def _budget_keys(self) -> int:
         """How many rows fit ``server_memory_mb``: the fixed arrays (direct index, counters)
@@ -176,7 +179,7 @@ class ServerTable:
         the same keys reuses their slots (see :meth:`_reused_slots`)."""
         s = self.spec
         if isinstance(self.index, DirectKeyIndex):  # lookup and gather in one pass
-            slots = self.index.pull(keys, self.rows, s.dim, self.kind, s.init_scale, s.seed, out)
+            slots = self.index.pull(keys, self.rows, s.dim, self.kind, s.init_scale, s.seed, out, self.halves)
         else:
             slots = self.index.lookup(keys)
             kinit.pull_rows(self.rows, slots, keys, s.dim, self.kind, s.init_scale, s.seed, out)
@@ -280,12 +283,14 @@ class ServerTable:
         if slots is None and self.fused >= 0 and isinstance(self.index, DirectKeyIndex):
             # lookups and updates in one pass, up to the first absent key (the rest go below)
             slots = np.empty(keys.shape[0], dtype=np.int64)
-            done = self.index.push(keys, self.rows, grads, self.fused, self.fused_params, slots)
+            todo = self.index.push(keys, self.rows, grads, self.fused, self.fused_params, slots, self.halves)
             if self.last is not None:
-                self.last[slots[:done]] = clock
-            if done == keys.shape[0]:
+                done = np.ones(keys.shape[0], dtype=np.bool_)
+                done[todo] = False
+                self.last[slots[done]] = clock
+            if todo.shape[0] == 0:
                 return
-            keys, grads, slots = keys[done:], grads[done:], None
+            keys, grads, slots = keys[todo], grads[todo], None
         if slots is None:
             slots = self.index.lookup_or_insert(keys)
         if self.index.key_capacity > self.rows.shape[0]:
@@ -306,7 +311,7 @@ class ServerTable:
         if in_pull is not None and reused and self.last is None:
             slots, grads, rest_slots, rest_grads = kkeys.split_by_bits(in_pull, slots, grads)
             later = (rest_slots, rest_grads) if rest_slots.shape[0] else None
-        self.opt.apply(self.rows, slots, grads, s.params)
+        self.opt.apply(self.rows, slots, grads, s.params, self.halves)
         if self.last is not None:
             self.last[slots] = clock
         if self.index.size > first_new:
@@ -315,7 +320,7 @@ class ServerTable:
 
     def apply_later(self, later: tuple) -> None:
         """Apply the part of a push that :meth:`push` returned."""
-        self.opt.apply(self.rows, *later, self.spec.params)
+        self.opt.apply(self.rows, *later, self.spec.params, self.halves)
 
     def evict(self, clock: int) -> int:
         """Drop the rows not updated in the last ``evict_after_steps`` clocks and those whose
@@ -402,6 +407,15 @@ class ServerTable:
         return self.index.nbytes() + self.rows.nbytes + extra
 
 
+def server_halves() -> Halves | None:
+    """Whether a server runs the halves of a large request at once (``HPCPS_SERVER_THREADS``: 2,
+    the default, or 1; see :mod:`hpcps_kernels.parallel`)."""
+    value = os.environ.get("HPCPS_SERVER_THREADS", "2").strip()
+    if value not in ("1", "2"):
+        raise ValueError(f"HPCPS_SERVER_THREADS must be 1 or 2 (got {value!r})")
+    return Halves() if value == "2" else None
+
+
 class Server:
     """The serving loop of one server rank."""
 
@@ -414,6 +428,9 @@ class Server:
         self.num_workers = num_workers
         self.worker_rank0 = worker_rank0
         self.tables = [ServerTable(s) for s in specs]
+        self.halves = server_halves()
+        for table in self.tables:
+            table.halves = self.halves
         self.dims = [s.dim for s in specs]
         self.placement = placement
         self.staleness = staleness
@@ -687,6 +704,8 @@ class Server:
             last_request = (time.perf_counter(), time.process_time())
         transport.wait(self.sending, timeout=300)
         self.sending = []
+        if self.halves is not None:
+            self.halves.close()
         if self.trace is not None:
             self.stats["trace"] = self.trace
         return self.final_stats()

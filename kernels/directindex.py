@@ -22,6 +22,7 @@ from ._prefetch import prefetch, prefetch_lines
 from .hashing import mix64
 from .hashtable import MAX_LOAD, _entry, _probe, _tag, build_index, entry_format, index_capacity
 from .init import init_values
+from .parallel import Halves, worth
 from .optim import FUSED_ADAGRAD, FUSED_FTRL, FUSED_SGD, _adagrad_row, _adam_row, _ftrl_row, _sgd_row
 
 AHEAD = 16  # prefetch distance, in queries
@@ -48,7 +49,7 @@ def direct_lookup(direct, index, keys, queries, out, tag_bits):
             out[i] = _probe(index, keys, k, _tag(h, tag_bits), h & mask, mask, tag_bits)[0]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)  # (see hpcps_kernels.parallel)
 def direct_pull(direct, index, keys, queries, tag_bits, rows, dim, kind, scale, seed, slots, out):
     """A pull in one pass: ``slots[i]`` = the slot of ``queries[i]`` (-1 if absent) and
     ``out[i]`` = its row's first ``dim`` values, or its initial values if absent: what
@@ -88,7 +89,7 @@ def direct_pull(direct, index, keys, queries, tag_bits, rows, dim, kind, scale, 
                 out[i, d] = one[0, d]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)  # (see hpcps_kernels.parallel)
 def direct_push(direct, index, keys, queries, tag_bits, rows, grads, rule, hp, slots):
     """A push's lookups and its update rule in one pass: ``slots[i]`` = the slot of
     ``queries[i]``, and ``grads[i]`` applied to that row by the built-in one-pass rule ``rule``
@@ -249,20 +250,36 @@ class DirectKeyIndex:
         return out
 
     def pull(self, queries: np.ndarray, rows: np.ndarray, dim: int, kind: int, scale: float, seed: int,
-             out: np.ndarray) -> np.ndarray:
+             out: np.ndarray, halves: Halves | None = None) -> np.ndarray:
         """:meth:`lookup` and the rows' values (or the initializer's) into ``out``, in one pass
-        (:func:`direct_pull`); returns the slots."""
+        (:func:`direct_pull`; with ``halves``, a large pull's halves at once); returns the slots."""
         slots = np.empty(queries.shape[0], dtype=np.int64)
-        direct_pull(self.direct, self.index, self.keys, queries, self.tag_bits, rows, dim, kind, scale, seed,
-                    slots, out)
+        if not worth(halves, queries.shape[0], dim):
+            direct_pull(self.direct, self.index, self.keys, queries, self.tag_bits, rows, dim, kind, scale, seed,
+                        slots, out)
+            return slots
+        halves.run(queries.shape[0], lambda lo, hi: direct_pull(
+            self.direct, self.index, self.keys, queries[lo:hi], self.tag_bits, rows, dim, kind, scale, seed,
+            slots[lo:hi], out[lo:hi]), dim)
         return slots
 
     def push(self, queries: np.ndarray, rows: np.ndarray, grads: np.ndarray, rule: int, hp: np.ndarray,
-             slots: np.ndarray) -> int:
-        """Look up ``queries`` and apply ``grads`` to their rows in one pass (:func:`direct_push`),
-        up to the first absent key; returns how many keys were done (their slots in ``slots``)."""
-        return int(direct_push(self.direct, self.index, self.keys, queries, self.tag_bits, rows, grads, rule, hp,
-                               slots))
+             slots: np.ndarray, halves: Halves | None = None) -> np.ndarray:
+        """Look up ``queries`` and apply ``grads`` to their rows in one pass (:func:`direct_push`;
+        with ``halves``, a large push's halves at once), each half up to its first absent key;
+        returns the positions not done (the others' slots are in ``slots``)."""
+        n = queries.shape[0]
+        if not worth(halves, n, grads.shape[1]):
+            return np.arange(direct_push(self.direct, self.index, self.keys, queries, self.tag_bits, rows, grads,
+                                         rule, hp, slots), n)
+        ranges = []
+
+        def half(lo, hi):
+            ranges.append((lo + int(direct_push(self.direct, self.index, self.keys, queries[lo:hi], self.tag_bits,
+                                                   rows, grads[lo:hi], rule, hp, slots[lo:hi])), hi))
+
+        halves.run(n, half, grads.shape[1])
+        return np.concatenate([np.arange(lo, hi) for lo, hi in sorted(ranges)])
 
     def lookup_or_insert(self, queries: np.ndarray) -> np.ndarray:
         """Slots of ``queries``, inserting the absent ones."""

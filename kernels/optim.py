@@ -43,6 +43,7 @@ import numpy as np
 from numba import njit
 
 from ._prefetch import NARROW, prefetch, prefetch_lines
+from .parallel import Halves, worth
 
 AHEAD = 16  # prefetch distance, in keys: a row's cache lines are fetched this many keys early
 WIDE_AHEAD_BYTES = 4096  # ... or, for wide rows, this many bytes of rows early (at least 4 keys)
@@ -85,7 +86,7 @@ def _sgd_row(rows, s, grads, i, dim, lr, l2):
         rows[s, d] = w - lr * (grads[i, d] + l2 * w)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)  # (see hpcps_kernels.parallel)
 def sgd(rows, slots, grads, lr, l2):
     dim = grads.shape[1]
     flat, width, n = rows.reshape(-1), rows.shape[1], slots.shape[0]
@@ -103,7 +104,7 @@ def sgd(rows, slots, grads, lr, l2):
 TWO_PASS_DIM = 8
 
 
-@njit(cache=True, error_model="numpy")  # no zero check on the division (eps > 0): the loop vectorises
+@njit(cache=True, nogil=True, error_model="numpy")  # no zero check on the division (eps > 0): the loop vectorises
 def _adagrad_two_pass(rows, slots, grads, lr, eps, l2):
     """AdaGrad on wide rows: the new weights and accumulators into float32 scratch, then both
     stores, so the loops vectorise (see :func:`_ftrl_two_pass`): 2.5-2.7x the one-pass float64
@@ -140,7 +141,7 @@ def _adagrad_row(rows, s, grads, i, dim, lr, eps, l2):
         rows[s, d] = w - lr * g / (math.sqrt(a) + eps)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)  # (see hpcps_kernels.parallel)
 def adagrad(rows, slots, grads, lr, eps, l2):
     dim = grads.shape[1]
     if dim >= TWO_PASS_DIM:
@@ -159,7 +160,7 @@ def adagrad(rows, slots, grads, lr, eps, l2):
 FTRL_FLOOR = 1e-30
 
 
-@njit(cache=True, error_model="numpy")  # no zero check on the division (it kept the loop scalar)
+@njit(cache=True, nogil=True, error_model="numpy")  # no zero check on the division (it kept the loop scalar)
 def _ftrl_two_pass(rows, slots, grads, inv_alpha, beta, l1, l2):
     """FTRL on wide rows in two passes per row: z, n and sqrt(n) into scratch, then the three
     stores. One pass reads and writes the row's three parts at once, which LLVM cannot prove
@@ -212,7 +213,7 @@ def _ftrl_row(rows, s, grads, i, dim, inv_alpha, beta, l1, l2):
         rows[s, d] = -math.copysign(shrink, z) / max((beta + sqrt_new) * inv_alpha + l2, FTRL_FLOOR) + 0.0
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)  # (see hpcps_kernels.parallel)
 def ftrl(rows, slots, grads, alpha, beta, l1, l2):
     dim = grads.shape[1]
     inv_alpha = 1.0 / alpha
@@ -226,7 +227,7 @@ def ftrl(rows, slots, grads, alpha, beta, l1, l2):
         _ftrl_row(rows, slots[i], grads, i, dim, inv_alpha, beta, l1, l2)
 
 
-@njit(cache=True, error_model="numpy")  # no zero check on the divisions (eps > 0): the loops vectorise
+@njit(cache=True, nogil=True, error_model="numpy")  # no zero check on the divisions (eps > 0): the loops vectorise
 def _adam_two_pass(rows, slots, grads, lr, beta1, beta2, eps, l2):
     """Adam on wide rows (embeddings, and the dense tables' 1024-value chunks: an MLP's weights):
     the new weights and moments into float32 scratch, then the stores, so the loops vectorise
@@ -283,7 +284,7 @@ def _adam_row(rows, s, grads, i, dim, lr, beta1, beta2, eps, l2):
         rows[s, d] = w - lr * (m / c1) / (math.sqrt(v / c2) + eps)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)  # (see hpcps_kernels.parallel)
 def adam(rows, slots, grads, lr, beta1, beta2, eps, l2):
     dim = grads.shape[1]
     if dim >= TWO_PASS_DIM:
@@ -347,8 +348,15 @@ class Optimizer:
             raise ValueError(f"optimizer {self.name!r}: init_state gave {state.shape[0]} values, state width is {n}")
         return state
 
-    def apply(self, rows, slots, grads, params: dict) -> None:
-        self.kernel(rows, slots, grads, *[params[a] for a in self.args])
+    def apply(self, rows, slots, grads, params: dict, halves: Halves | None = None) -> None:
+        """Update ``rows[slots[i]]`` with ``grads[i]``; with ``halves``, a large push's two halves at
+        once (the slots are distinct and a rule updates each row from its own gradient only)."""
+        args = [params[a] for a in self.args]
+        if worth(halves, slots.shape[0], grads.shape[1]):
+            halves.run(slots.shape[0], lambda lo, hi: self.kernel(rows, slots[lo:hi], grads[lo:hi], *args),
+                       grads.shape[1])
+        else:
+            self.kernel(rows, slots, grads, *args)
 
     def range_error(self, key: str, value: float) -> str | None:
         """Why ``value`` is not allowed for hyper-parameter ``key`` (None if it is)."""

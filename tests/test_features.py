@@ -200,9 +200,15 @@ def test_a_push_without_a_pull_before_looks_up_and_updates_in_one_pass_with_the_
     """A direct index takes a push of keys no pull resolved in one pass (lookups and the rule,
     up to the first absent key; the rest inserted and updated as before): every row, and each
     row's last update (eviction), equals that of a hash-indexed shard given the same pushes."""
-    calls = []
+    calls = []  # where each one-pass push stopped (its first position not done)
     fused = DirectKeyIndex.push
-    monkeypatch.setattr(DirectKeyIndex, "push", lambda self, *a: calls.append(fused(self, *a)) or calls[-1])
+
+    def recorded(self, queries, *a):
+        todo = fused(self, queries, *a)
+        calls.append(int(todo[0]) if todo.size else queries.shape[0])
+        return todo
+
+    monkeypatch.setattr(DirectKeyIndex, "push", recorded)
     rng = np.random.default_rng(3)
     spec = dict(optimizer=optimizer, init="normal", features=Features(evict_after_steps=100))
     direct, hashed = ServerTable(TableSpec("w", key_bits=16, **spec)), ServerTable(TableSpec("w", **spec))
@@ -331,3 +337,35 @@ def test_a_push_split_by_the_next_pull_reads_and_ends_what_a_whole_push_does(key
     whole.push(fresh, g, 9)
     for a, b in zip(split.items(), whole.items()):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("key_bits,dim,optimizer", [(21, 1, "ftrl"), (21, 70, "ftrl"), (21, 4, "adam"), (64, 8, "adagrad")])
+def test_large_requests_in_two_halves_at_once_give_what_one_thread_gives(key_bits, dim, optimizer):
+    """A server runs a large request's halves on two threads (hpcps_kernels.parallel): lookups
+    and updates in one pass (a direct index, keys absent in both halves), a rule's kernel
+    (a hash index, rows too wide for one pass, reused slots), pulls. The rows and every pulled
+    value are those of one thread, bit for bit."""
+    from hpcps_kernels.parallel import PARALLEL_MIN_VALUES, Halves
+
+    rng = np.random.default_rng(dim)
+    n = PARALLEL_MIN_VALUES // dim + 1001
+    spec = TableSpec("w", dim=dim, optimizer=optimizer, key_bits=key_bits, init="uniform", init_scale=0.1, seed=1)
+    one, two = ServerTable(spec), ServerTable(spec)
+    two.halves = Halves()
+    space = rng.permutation(1 << 21)[: 2 * n].astype(np.uint64)
+    for t in (one, two):
+        t.push(space[::3].copy(), np.ones((space[::3].size, dim), np.float32), 0)
+    for step in range(3):
+        keys = rng.permutation(space)[:n]  # about a third present at first: absent keys in both halves
+        g = rng.normal(size=(n, dim)).astype(np.float32)
+        got = []
+        for t in (one, two):
+            out = np.empty((n, dim), np.float32)
+            t.pull(keys, out, worker=0)
+            got.append(out)
+            t.push(keys, g, step + 1, worker=0 if step else -1)  # reused slots, or the one-pass push
+        np.testing.assert_array_equal(*got)
+        for a, b in zip(one.items(), two.items()):
+            np.testing.assert_array_equal(a, b)
+    assert two.halves.pool is not None
+    two.halves.close()
