@@ -179,7 +179,7 @@ class ServerTable:
         the same keys reuses their slots (see :meth:`_reused_slots`)."""
         s = self.spec
         if isinstance(self.index, DirectKeyIndex):  # lookup and gather in one pass
-            slots = self.index.pull(keys, self.rows, s.dim, self.kind, s.init_scale, s.seed, out, self.halves)
+            slots = self.index.pull(keys, self.rows, s.dim, self.kind, s.init_scale, s.seed, out)
         else:
             slots = self.index.lookup(keys)
             kinit.pull_rows(self.rows, slots, keys, s.dim, self.kind, s.init_scale, s.seed, out)

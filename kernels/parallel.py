@@ -1,14 +1,16 @@
-"""Large requests in two threads: the kernels a server runs on a request's keys (lookups, pulls,
-update rules) release the GIL (``nogil=True``) and touch only the rows of their own keys, which
-are distinct within a request, so the halves of a request's keys can run at once.
+"""Large pushes in two threads: the kernels a server updates rows with (the one-pass lookup and
+update, the rules' kernels) release the GIL (``nogil=True``) and touch only the rows of their own
+keys, which are distinct within a request, so the halves of a push's keys can run at once.
 
 A server rank has a second core only while its workers wait for it without polling (see
-``hpcps.transport.wait``), as they do on a large request. Requests of fewer than
-``PARALLEL_MIN_VALUES`` values (keys x values a key) stay on one thread: handing a half to another
-thread costs about 0.1-0.3 ms here (gVisor), so on this 2-core machine a push of 100 k keys at
-dim 1 (1 ms of the server's work) gained nothing in 3 alternating runs of ``hpcps bench ps``,
-while at 1 M keys the push took 9.7-10.0 against 14.1-14.7 ms (the server's own time 5.3
-against 9.7 ms), and at dim 64 a push of 100 k keys 11.3-13.3 against 15.2-15.4 ms.
+``hpcps.transport.wait``), as they do on a large request. Handing a half to another thread costs
+about 0.1-0.3 ms here (gVisor), so pushes of fewer than ``PARALLEL_MIN_KEYS`` keys and
+``PARALLEL_MIN_VALUES`` values (keys x values a key: a training step's pushes) stay on one thread.
+``hpcps bench ps`` on this 2-core machine, alternating one thread and two: a push of 100 k keys
+at dim 1 1.25-1.29 against 1.53-1.55 ms (3 pairs, quiet machine), of 1 M keys 9.7-10.0 against
+14.1-14.7 ms, of 100 k keys at dim 64 11.3-13.3 against 15.2-15.4 ms. Pulls stay on one thread:
+two gained nothing (100 k keys at dim 1: 1.12-1.57 against 1.04-1.29 ms; dim 64 the same within
+the noise).
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
-PARALLEL_MIN_VALUES = 1 << 19  # requests of fewer values (keys x width) run on one thread
+PARALLEL_MIN_KEYS = 1 << 16  # pushes of fewer keys ...
+PARALLEL_MIN_VALUES = 1 << 19  # ... and fewer values (keys x width) run on one thread
 
 
 class Halves:
     """Runs ``call(lo, hi)`` over the two halves of ``range(n)``: one on a helper thread, one on
-    the caller's, when ``n * width >= PARALLEL_MIN_VALUES``; else ``call(0, n)`` alone."""
+    the caller's, when :func:`worth` says so; else ``call(0, n)`` alone."""
 
     def __init__(self):
         self.pool: ThreadPoolExecutor | None = None  # started by the first large request
@@ -46,4 +49,4 @@ class Halves:
 def worth(halves: Halves | None, n: int, width: int = 1) -> bool:
     """Whether :meth:`Halves.run` would split a request of ``n`` keys of ``width`` values (the
     callers call their kernel directly otherwise, without the closure)."""
-    return halves is not None and n >= 2 and n * width >= PARALLEL_MIN_VALUES
+    return halves is not None and n >= 2 and (n >= PARALLEL_MIN_KEYS or n * width >= PARALLEL_MIN_VALUES)

@@ -341,14 +341,14 @@ def test_a_push_split_by_the_next_pull_reads_and_ends_what_a_whole_push_does(key
 
 @pytest.mark.parametrize("key_bits,dim,optimizer", [(21, 1, "ftrl"), (21, 70, "ftrl"), (21, 4, "adam"), (64, 8, "adagrad")])
 def test_large_requests_in_two_halves_at_once_give_what_one_thread_gives(key_bits, dim, optimizer):
-    """A server runs a large request's halves on two threads (hpcps_kernels.parallel): lookups
-    and updates in one pass (a direct index, keys absent in both halves), a rule's kernel
-    (a hash index, rows too wide for one pass, reused slots), pulls. The rows and every pulled
-    value are those of one thread, bit for bit."""
-    from hpcps_kernels.parallel import PARALLEL_MIN_VALUES, Halves
+    """A server runs a large push's halves on two threads (hpcps_kernels.parallel): lookups and
+    updates in one pass (a direct index, keys absent in both halves), a rule's kernel (a hash
+    index, rows too wide for one pass, reused slots). The rows and every value pulled between
+    the pushes are those of one thread, bit for bit."""
+    from hpcps_kernels.parallel import PARALLEL_MIN_KEYS, PARALLEL_MIN_VALUES, Halves
 
     rng = np.random.default_rng(dim)
-    n = PARALLEL_MIN_VALUES // dim + 1001
+    n = min(PARALLEL_MIN_KEYS, PARALLEL_MIN_VALUES // dim) + 1001
     spec = TableSpec("w", dim=dim, optimizer=optimizer, key_bits=key_bits, init="uniform", init_scale=0.1, seed=1)
     one, two = ServerTable(spec), ServerTable(spec)
     two.halves = Halves()
