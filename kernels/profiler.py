@@ -123,6 +123,17 @@ def bench_unique(rows, repeat, roof):
         out.append(_row(f"unique_keys/2^{bits}", idx.size, "keys", t, tr, "np.unique(return_inverse)"))
         t = median_time(lambda: keys.dedup_keys(idx), repeat)
         out.append(_row(f"dedup_keys/2^{bits}", idx.size, "keys", t, tr, "np.unique(return_inverse)"))
+    # a push's keys among the next pull's (two consecutive 1000-row batches), and its split by them
+    a, b = (keys.dedup_keys(criteo_batch(1000, 24, seed)[1], True)[0] for seed in (1, 2))
+    t = median_time(lambda: keys.member_mask(a, b, True), repeat)
+    tr = median_time(lambda: np.isin(a, b), repeat)
+    out.append(_row(f"member_mask (u={a.size})", a.size, "keys", t, tr, "np.isin"))
+    mask = keys.member_mask(a, b, True)
+    bits, slots = np.packbits(mask, bitorder="little"), np.arange(a.size, dtype=np.int64)
+    g = np.ones((a.size, 1), np.float32)
+    t = median_time(lambda: keys.split_by_bits(bits, slots, g), repeat)
+    tr = median_time(lambda: (slots[mask], g[mask], slots[~mask], g[~mask]), repeat)
+    out.append(_row(f"split_by_bits (u={a.size})", a.size, "keys", t, tr, "boolean indexing"))
     return out
 
 
