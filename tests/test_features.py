@@ -369,3 +369,15 @@ def test_large_requests_in_two_halves_at_once_give_what_one_thread_gives(key_bit
             np.testing.assert_array_equal(a, b)
     assert two.halves.pool is not None
     two.halves.close()
+
+
+def test_server_threads_come_from_the_environment_and_a_bad_value_names_the_variable(monkeypatch):
+    from hpcps.server import server_halves
+
+    monkeypatch.delenv("HPCPS_SERVER_THREADS", raising=False)
+    assert server_halves() is not None
+    monkeypatch.setenv("HPCPS_SERVER_THREADS", "1")
+    assert server_halves() is None
+    monkeypatch.setenv("HPCPS_SERVER_THREADS", "4")
+    with pytest.raises(ValueError, match=r"HPCPS_SERVER_THREADS must be 1 or 2 \(got '4'\)"):
+        server_halves()
