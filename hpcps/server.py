@@ -542,7 +542,6 @@ class Server:
         self.stats["requests"] += 1
         if r.op == protocol.PUSHPULL and r.in_pull is not None and self._alone(worker, r):
             # the push's keys the pull reads, the pull, then (the reply gone) the push's other keys
-            self.clocks[worker] = max(self.clocks[worker], r.clock + 1)
             table = self.tables[r.table]
             later = table.push(r.push_keys, r.grads, r.clock, worker, in_pull=r.in_pull)
             self._serve_pull(source, r)
@@ -578,19 +577,14 @@ class Server:
             raise RuntimeError(f"server {self.index}: unknown request op {r.op} from rank {source}")
 
     def _alone(self, worker: int, r: protocol.Request) -> bool:
-        """Whether a push-pull's push is applied now and its pull answered now, and nothing else
-        is served or applied in between (then part of its push may wait until after the reply):
-        no push kept for its turn, no pull waiting, no eviction due, and under BSP this
-        worker's clock advance leaves every worker past the push's clock."""
+        """Advance ``worker``'s clock past a push-pull's push and say whether its push is applied
+        now and its pull answered now, with nothing else served or applied in between (then part
+        of its push may wait until after the reply): no push kept for its turn, no pull waiting,
+        no eviction due, under BSP every worker past the push's clock, and the pull ready."""
+        self.clocks[worker] = max(self.clocks[worker], r.clock + 1)  # (as _advance does)
         if self.buffered or self.deferred or self.evicting or r.push_keys.shape[0] == 0:
             return False
-        clocks = self.clocks.tolist()
-        clocks[worker] = max(clocks[worker], r.clock + 1)
-        live = [c for c, d in zip(clocks, self.done.tolist()) if not d]
-        low = min(live) if live else max(clocks)
-        if self.staleness == 0:
-            return r.clock < low and r.pull_clock <= low
-        return self.staleness < 0 or r.pull_clock - self.staleness <= low
+        return (self.staleness != 0 or r.clock < self.min_clock()) and self._ready(r)
 
     def _serve_or_defer(self, source: int, r: protocol.Request) -> None:
         if self._ready(r) or (r.op == protocol.PUSHPULL and r.pull_keys.shape[0] == 0):  # a bare push + clock

@@ -267,14 +267,10 @@ class DirectKeyIndex:
         if not worth(halves, n, grads.shape[1]):
             return np.arange(direct_push(self.direct, self.index, self.keys, queries, self.tag_bits, rows, grads,
                                          rule, hp, slots), n)
-        ranges = []
-
-        def half(lo, hi):
-            ranges.append((lo + int(direct_push(self.direct, self.index, self.keys, queries[lo:hi], self.tag_bits,
-                                                   rows, grads[lo:hi], rule, hp, slots[lo:hi])), hi))
-
-        halves.run(n, half, grads.shape[1])
-        return np.concatenate([np.arange(lo, hi) for lo, hi in sorted(ranges)])
+        left = halves.run(n, lambda lo, hi: (lo + direct_push(self.direct, self.index, self.keys, queries[lo:hi],
+                                                                self.tag_bits, rows, grads[lo:hi], rule, hp,
+                                                                slots[lo:hi]), hi))
+        return np.concatenate([np.arange(lo, hi) for lo, hi in left])
 
     def lookup_or_insert(self, queries: np.ndarray) -> np.ndarray:
         """Slots of ``queries``, inserting the absent ones."""

@@ -183,18 +183,11 @@ def member_mask(keys, members, hashed=False):
     bits), then one probe per key. A worker marks which of a step's pushed keys its next pull
     reads, so that the server can apply the others after its reply (see
     :func:`split_by_bits`)."""
-    m = members.shape[0]
     cap = DEDUP_MIN_SLOTS
-    while cap < 2 * m:
+    while cap < 2 * members.shape[0]:
         cap *= 2
-    table = np.full(cap, -1, dtype=np.int32)
+    table = _dedup_table(members, members.shape[0], cap, hashed)  # (a repeated member: two entries)
     mask = np.uint64(cap - 1)
-    for t in range(m):
-        k = members[t]
-        j = (k if hashed else mix64(k)) & mask
-        while table[j] != -1 and members[table[j]] != k:
-            j = (j + np.uint64(1)) & mask
-        table[j] = t
     out = np.empty(keys.shape[0], dtype=np.bool_)
     for i in range(keys.shape[0]):
         k = keys[i]

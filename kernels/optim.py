@@ -353,8 +353,7 @@ class Optimizer:
         once (the slots are distinct and a rule updates each row from its own gradient only)."""
         args = [params[a] for a in self.args]
         if worth(halves, slots.shape[0], grads.shape[1]):
-            halves.run(slots.shape[0], lambda lo, hi: self.kernel(rows, slots[lo:hi], grads[lo:hi], *args),
-                       grads.shape[1])
+            halves.run(slots.shape[0], lambda lo, hi: self.kernel(rows, slots[lo:hi], grads[lo:hi], *args))
         else:
             self.kernel(rows, slots, grads, *args)
 

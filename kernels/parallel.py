@@ -24,15 +24,13 @@ PARALLEL_MIN_VALUES = 1 << 19  # ... and fewer values (keys x width) run on one 
 
 class Halves:
     """Runs ``call(lo, hi)`` over the two halves of ``range(n)``: one on a helper thread, one on
-    the caller's, when :func:`worth` says so; else ``call(0, n)`` alone."""
+    the caller's (for requests that :func:`worth` says are large enough)."""
 
     def __init__(self):
         self.pool: ThreadPoolExecutor | None = None  # started by the first large request
 
-    def run(self, n: int, call: Callable[[int, int], object], width: int = 1) -> list:
-        """The results of the calls, in the order of the ranges (one or two)."""
-        if not worth(self, n, width):
-            return [call(0, n)]
+    def run(self, n: int, call: Callable[[int, int], object]) -> list:
+        """The two calls' results, in the order of the halves."""
         m = n // 2
         if self.pool is None:
             self.pool = ThreadPoolExecutor(1, thread_name_prefix="hpcps-half")
@@ -47,6 +45,6 @@ class Halves:
 
 
 def worth(halves: Halves | None, n: int, width: int = 1) -> bool:
-    """Whether :meth:`Halves.run` would split a request of ``n`` keys of ``width`` values (the
-    callers call their kernel directly otherwise, without the closure)."""
+    """Whether a push of ``n`` keys of ``width`` values goes to :meth:`Halves.run` (else its
+    kernel runs once, on the caller's thread)."""
     return halves is not None and n >= 2 and (n >= PARALLEL_MIN_KEYS or n * width >= PARALLEL_MIN_VALUES)
