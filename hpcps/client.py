@@ -90,13 +90,14 @@ class SparseTable:
         n_pull = 0 if pull_keys is None else pull_keys.shape[0]
         self._post(req, server, pulled, protocol.reply_bytes(req.op, n_pull, self.dim),
                    lambda req_id: protocol.pack_request(req.op, self.id, req_id, req.clock, self.ctx.worker_index,
-                                                        push_keys, grads, pull_keys, self.dim, req.ahead, in_pull))
+                                                        push_keys, grads, pull_keys, self.dim, req.ahead, in_pull,
+                                                        self.ctx.pool.take))
 
     def _post(self, req: _Request, server: int, pulled, reply_bytes: int, pack) -> None:
         """Post the receive of a reply of ``reply_bytes``, then send ``pack(req_id)`` to ``server``."""
         ctx = self.ctx
         req_id = ctx.next_request_id()
-        reply = np.empty(reply_bytes, dtype=np.uint8)
+        reply = ctx.pool.take(reply_bytes)
         msg = pack(req_id)
         ctx.stats["bytes_sent"] += msg.nbytes
         ctx.stats["bytes_received"] += reply_bytes

@@ -67,6 +67,7 @@ class Context:
     def _init_state(self) -> None:
         """What a rank keeps apart from its layout and communicators (shared with LocalContext)."""
         self.tag_ub = transport.tag_upper_bound(self.comm)
+        self.pool = transport.BufferPool()  # large requests and replies
         self.specs: list[TableSpec] = []
         self.functions: list[ServerFunction] = []  # declared server functions, in order
         self.tables: dict[str, SparseTable | DenseTable] = {}
@@ -185,8 +186,11 @@ class Context:
         ``server``; returns the pending transfers (for :func:`hpcps.transport.wait`), described
         by the operation and table for stall messages."""
         of = f" of table {table!r}" if table else ""
-        pending = transport.start_recv(self.comm, reply, server, protocol.reply_tag(req_id, self.tag_ub),
-                                       f"{protocol.OP_NAMES[op]} reply{of} (request {req_id}) from server")
+        tag, what = protocol.reply_tag(req_id, self.tag_ub), f"{protocol.OP_NAMES[op]} reply{of} (request {req_id}) from server"
+        if protocol.announced(reply.nbytes):
+            pending = transport.start_recv_announced(self.comm, reply, protocol.REPLY_BYTES, server, tag, what)
+        else:
+            pending = transport.start_recv(self.comm, reply, server, tag, what)
         return pending + transport.start_send(self.comm, msg, server, protocol.TAG_REQUEST,
                                               f"{protocol.OP_NAMES[op]} request to server")
 

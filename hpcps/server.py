@@ -48,7 +48,7 @@ from hpcps_kernels import keys as kkeys
 from hpcps_kernels import models as kmodels
 from hpcps_kernels.directindex import DirectKeyIndex
 from hpcps_kernels.hashtable import KeyIndex
-from hpcps_kernels.parallel import Halves
+from hpcps_kernels.parallel import Halves, worth
 
 # a checkpoint write that fails late, in HDF5's release of the file's objects, says so in one line
 transport.EXPLAINERS.append(checkpoint.explain_write_failure)
@@ -179,10 +179,14 @@ class ServerTable:
         the same keys reuses their slots (see :meth:`_reused_slots`)."""
         s = self.spec
         if isinstance(self.index, DirectKeyIndex):  # lookup and gather in one pass
-            slots = self.index.pull(keys, self.rows, s.dim, self.kind, s.init_scale, s.seed, out)
+            slots = self.index.pull(keys, self.rows, s.dim, self.kind, s.init_scale, s.seed, out, self.halves)
         else:
             slots = self.index.lookup(keys)
-            kinit.pull_rows(self.rows, slots, keys, s.dim, self.kind, s.init_scale, s.seed, out)
+            if worth(self.halves, keys.shape[0], s.dim):
+                self.halves.run(keys.shape[0], lambda lo, hi: kinit.pull_rows(
+                    self.rows, slots[lo:hi], keys[lo:hi], s.dim, self.kind, s.init_scale, s.seed, out[lo:hi]))
+            else:
+                kinit.pull_rows(self.rows, slots, keys, s.dim, self.kind, s.init_scale, s.seed, out)
         for key, values in self.init_keys:  # absent keys with given initial values
             out[(keys == key) & (slots < 0)] = values
         if worker >= 0 and self.counts is None and not self.max_keys:
@@ -443,6 +447,7 @@ class Server:
         self.buffered: list[tuple[int, int, int, protocol.Request]] = []
         self.seq = 0
         self.sending: list[transport.Pending] = []
+        self.pool = transport.BufferPool()  # large requests and replies
         self.tag_ub = transport.tag_upper_bound(comm)
         self.stats = {"requests": 0, "idle_s": 0.0, "busy_s": 0.0, "deferred": 0}
         # (op, keys pushed, keys pulled, seconds handling it) of every request, when a list
@@ -494,10 +499,15 @@ class Server:
         status = protocol.STOP if signals.requested() else protocol.OK
         t = self.tables[table] if table >= 0 else None
         counts = (t.size, t.admitted, t.evicted) if t is not None else (0, 0, 0)
-        return protocol.pack_reply(req_id, status, self.min_clock(), self.index, payload_bytes, counts)
+        return protocol.pack_reply(req_id, status, self.min_clock(), self.index, payload_bytes, counts,
+                                   self.pool.take)
 
     def _send(self, buf: np.ndarray, dest: int, req_id: int, what: str) -> None:
-        self.sending.extend(transport.start_send(self.comm, buf, dest, protocol.reply_tag(req_id, self.tag_ub), what))
+        tag = protocol.reply_tag(req_id, self.tag_ub)
+        if protocol.announced(buf.nbytes):
+            self.sending.extend(transport.start_send_announced(self.comm, buf, protocol.REPLY_BYTES, dest, tag, what))
+        else:
+            self.sending.extend(transport.start_send(self.comm, buf, dest, tag, what))
 
     def _serve_pull(self, source: int, r: protocol.Request) -> None:
         """Answer a pull, or a push-pull (whose reply is also its push's acknowledgement)."""
@@ -671,7 +681,7 @@ class Server:
         last_request = (time.perf_counter(), time.process_time())
         self.stats.update(idle_gap_wall_s=0.0, idle_gap_cpu_s=0.0)
         while self.n_done < self.num_workers or self.deferred or self.buffered:
-            got = transport.probe_request(self.comm, protocol.TAG_REQUEST)
+            got = transport.probe_request(self.comm, protocol.TAG_REQUEST, self.pool.take)
             if got is None:
                 if self.sending:
                     self.sending = transport.completed(self.sending)

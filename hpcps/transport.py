@@ -9,6 +9,9 @@ imports mpi4py itself. Rules kept here:
   ranks that do compute. :func:`wait` polls nonblocking requests and sleeps between polls with an
   exponential back-off (see ``POLL_*`` below), or does the caller's background work instead of
   sleeping, and takes a timeout after which it says which peer never answered.
+* Large messages go into buffers that are reused once nothing refers to them (:class:`BufferPool`),
+  and a large reply can go as its header then its payload, so that the waiting rank sleeps until
+  the payload is ready (:func:`start_send_announced`).
 * An unhandled exception on any rank aborts the whole job, printing the rank and the error
   (:func:`install_abort_handler`), so that no rank waits forever for a dead peer.
 * Every wait of the library goes through here, collectives included: each takes a timeout, and
@@ -59,6 +62,11 @@ POLL_ACTIVE_WINDOW_S = 2e-3
 # Largest element count sent in one MPI message: counts are C ints, and MPICH has trouble with
 # messages over 2 GiB. 2**31 - 1 bytes, rounded down to a multiple of 8.
 MAX_MESSAGE_BYTES = (2**31 - 1) // 8 * 8
+
+# Messages of POOL_MIN_BYTES and more go into buffers of a BufferPool, which keeps up to
+# POOL_MAX_BYTES of them for reuse (see BufferPool).
+POOL_MIN_BYTES = 16 << 20
+POOL_MAX_BYTES = 1 << 30
 
 
 class StallError(RuntimeError):
@@ -187,6 +195,7 @@ class Pending:
     peer: int = -1
     buffers: tuple = ()
     nbytes: int = 0
+    after: "Pending | None" = None  # its transfer starts only once this one is done (see wait)
 
 
 def spin_budget(nbytes: int) -> float:
@@ -233,7 +242,7 @@ def wait(
     if isinstance(pending, Pending):
         pending = [pending]
     todo = [p for p in pending if p.request != MPI.REQUEST_NULL]
-    spin = spin_budget(sum(p.nbytes for p in todo))
+    spin = spin_budget(sum(p.nbytes for p in _due(todo)))
     start = time.perf_counter()
     sleep = POLL_MIN_SLEEP_S
     warned = False
@@ -241,9 +250,13 @@ def wait(
         left = [p for p in todo if not p.request.Test()]
         if not left:
             return
-        if len(left) < len(todo) and sum(p.nbytes for p in todo) - sum(p.nbytes for p in left) >= SPIN_RESET_BYTES:
-            # a large message done (a push's send): spin for the rest's transfer from now on
-            spin = time.perf_counter() - start + spin_budget(sum(p.nbytes for p in left))
+        if len(left) < len(todo):
+            due, was_due = _due(left), {id(p) for p in _due(todo)}
+            if (sum(p.nbytes for p in todo) - sum(p.nbytes for p in left) >= SPIN_RESET_BYTES
+                    or any(id(p) not in was_due for p in due)):
+                # a large message done (a push's send), or a large reply announced: spin for the
+                # transfers due from now on
+                spin = time.perf_counter() - start + spin_budget(sum(p.nbytes for p in due))
         todo = left
         elapsed = time.perf_counter() - start
         if warn_after is not None and not warned and elapsed > warn_after:
@@ -259,6 +272,12 @@ def wait(
                 continue
             background = None
         sleep = _sleep_backoff(start, sleep, spin, max_sleep)
+
+
+def _due(todo: Sequence[Pending]) -> list[Pending]:
+    """The requests whose transfer may be under way: not those ``after`` one still to complete."""
+    waiting = {id(p) for p in todo}
+    return [p for p in todo if p.after is None or id(p.after) not in waiting]
 
 
 def describe(todo: Sequence[Pending]) -> str:
@@ -347,6 +366,27 @@ def start_recv(comm: MPI.Comm, out: np.ndarray, source: int, tag: int, what: str
     return [Pending(comm.Irecv(c, source=source, tag=tag), what, source, (out, c), c.nbytes) for c in _chunks(out)]
 
 
+def start_send_announced(comm: MPI.Comm, array: np.ndarray, head: int, dest: int, tag: int,
+                         what: str = "send") -> list[Pending]:
+    """Send ``array`` as two messages of ``tag``: its first ``head`` bytes, then the rest, which
+    MPI delivers in that order; the receiver posts :func:`start_recv_announced`."""
+    flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    return start_send(comm, flat[:head], dest, tag, what) + start_send(comm, flat[head:], dest, tag, what)
+
+
+def start_recv_announced(comm: MPI.Comm, out: np.ndarray, head: int, source: int, tag: int,
+                         what: str = "receive") -> list[Pending]:
+    """Receive what :func:`start_send_announced` sends into ``out``. A :func:`wait` on them sleeps
+    until the head has come, and spins (see ``POLL_*``) for the rest's transfer only from then:
+    a sender that sends the head once the rest is ready (a server's reply to a large pull) then
+    has the waiting rank's core while it computes the rest."""
+    heads = start_recv(comm, out[:head], source, tag, what)
+    rest = start_recv(comm, out[head:], source, tag, what)
+    for p in rest:
+        p.after = heads[-1]
+    return heads + rest
+
+
 def tag_upper_bound(comm: MPI.Comm) -> int:
     """The largest usable tag (``MPI_TAG_UB``; at least 32767 by the standard)."""
     ub = comm.Get_attr(MPI.TAG_UB)
@@ -388,8 +428,62 @@ class Poller:
         return time.perf_counter() - t
 
 
-def probe_request(comm: MPI.Comm, tag: int) -> tuple[int, np.ndarray] | None:
-    """Receive one whole pending message of ``tag`` from any rank, if there is one.
+class BufferPool:
+    """Byte buffers for large messages, each reused once nothing refers to it any more.
+
+    glibc serves an allocation of more than 32 MiB with a fresh mapping and returns it to the
+    kernel when freed, so each large message faulted its pages in again (and the kernel zeroed
+    them): 20 ms of a 256 MB message here (gVisor), on each side of each transfer, about as long
+    as the transfer itself. :meth:`take` hands out a view of a kept buffer that is free (no array,
+    view of it or pending MPI request refers to it: its reference count says so, as views of
+    views refer to the buffer itself), else a new buffer, kept while the pool holds less than
+    ``max_bytes``. Requests below ``min_bytes`` get plain ``np.empty`` (the heap reuses those).
+    The pool is not thread-safe: one per process, used by its MPI thread.
+    """
+
+    def __init__(self, min_bytes: int = POOL_MIN_BYTES, max_bytes: int = POOL_MAX_BYTES):
+        self.min_bytes, self.max_bytes = min_bytes, max_bytes
+        self._buffers: list[np.ndarray] = []
+        self.reused = 0
+
+    def _free(self, i: int) -> bool:
+        return sys.getrefcount(self._buffers[i]) == 2  # the list's reference and the argument's
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """An uninitialised uint8 array of ``nbytes``."""
+        if nbytes < self.min_bytes:
+            return np.empty(nbytes, dtype=np.uint8)
+        best = -1
+        for i in range(len(self._buffers)):  # the smallest free buffer that fits, at most twice the size
+            size = self._buffers[i].nbytes
+            if nbytes <= size <= 2 * nbytes and (best < 0 or size < self._buffers[best].nbytes) and self._free(i):
+                best = i
+        if best >= 0:
+            self.reused += 1
+            return self._buffers[best][:nbytes]
+        # room for the new buffer: forget free buffers while over the budget
+        held, i = sum(b.nbytes for b in self._buffers), 0
+        while held + nbytes > self.max_bytes and i < len(self._buffers):
+            if self._free(i):
+                held -= self._buffers.pop(i).nbytes
+            else:
+                i += 1
+        # an eighth more than asked for (pages never touched cost nothing), so that a slightly
+        # larger message later reuses it
+        buf = np.empty(nbytes + nbytes // 8, dtype=np.uint8)
+        if held + buf.nbytes <= self.max_bytes:
+            self._buffers.append(buf)
+        return buf[:nbytes]
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(b.nbytes for b in self._buffers)
+
+
+def probe_request(comm: MPI.Comm, tag: int, take: Callable[[int], np.ndarray] | None = None
+                  ) -> tuple[int, np.ndarray] | None:
+    """Receive one whole pending message of ``tag`` from any rank, if there is one, into
+    ``take(nbytes)`` (a :meth:`BufferPool.take`; default ``np.empty``).
 
     Returns ``(source, bytes)`` or ``None`` without waiting. Uses a matched probe, so the message
     found is the one received even with several threads.
@@ -398,7 +492,8 @@ def probe_request(comm: MPI.Comm, tag: int) -> tuple[int, np.ndarray] | None:
     msg = comm.Improbe(source=MPI.ANY_SOURCE, tag=tag, status=status)
     if msg is None:
         return None
-    buf = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
+    n = status.Get_count(MPI.BYTE)
+    buf = np.empty(n, dtype=np.uint8) if take is None else take(n)
     msg.Recv(buf)
     return status.Get_source(), buf
 

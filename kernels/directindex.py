@@ -49,7 +49,7 @@ def direct_lookup(direct, index, keys, queries, out, tag_bits):
             out[i] = _probe(index, keys, k, _tag(h, tag_bits), h & mask, mask, tag_bits)[0]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)  # (see hpcps_kernels.parallel)
 def direct_pull(direct, index, keys, queries, tag_bits, rows, dim, kind, scale, seed, slots, out):
     """A pull in one pass: ``slots[i]`` = the slot of ``queries[i]`` (-1 if absent) and
     ``out[i]`` = its row's first ``dim`` values, or its initial values if absent: what
@@ -250,12 +250,17 @@ class DirectKeyIndex:
         return out
 
     def pull(self, queries: np.ndarray, rows: np.ndarray, dim: int, kind: int, scale: float, seed: int,
-             out: np.ndarray) -> np.ndarray:
+             out: np.ndarray, halves: Halves | None = None) -> np.ndarray:
         """:meth:`lookup` and the rows' values (or the initializer's) into ``out``, in one pass
-        (:func:`direct_pull`); returns the slots."""
-        slots = np.empty(queries.shape[0], dtype=np.int64)
-        direct_pull(self.direct, self.index, self.keys, queries, self.tag_bits, rows, dim, kind, scale, seed,
-                    slots, out)
+        (:func:`direct_pull`; with ``halves``, a large pull's halves at once); returns the slots."""
+        n = queries.shape[0]
+        slots = np.empty(n, dtype=np.int64)
+        if not worth(halves, n, dim):
+            direct_pull(self.direct, self.index, self.keys, queries, self.tag_bits, rows, dim, kind, scale, seed,
+                        slots, out)
+        else:
+            halves.run(n, lambda lo, hi: direct_pull(self.direct, self.index, self.keys, queries[lo:hi], self.tag_bits,
+                                                     rows, dim, kind, scale, seed, slots[lo:hi], out[lo:hi]))
         return slots
 
     def push(self, queries: np.ndarray, rows: np.ndarray, grads: np.ndarray, rule: int, hp: np.ndarray,

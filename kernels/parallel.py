@@ -1,6 +1,7 @@
-"""Large pushes in two threads: the kernels a server updates rows with (the one-pass lookup and
-update, the rules' kernels) release the GIL (``nogil=True``) and touch only the rows of their own
-keys, which are distinct within a request, so the halves of a push's keys can run at once.
+"""Large requests in two threads: the kernels a server updates and reads rows with (the one-pass
+lookup and update, the rules' kernels, the one-pass lookup and gather of a pull, the gather after a
+hash lookup) release the GIL (``nogil=True``) and touch only the rows of their own keys, which
+are distinct within a request, so the halves of a request's keys can run at once.
 
 A server rank has a second core only while its workers wait for it without polling (see
 ``hpcps.transport.wait``), as they do on a large request. Handing a half to another thread costs
@@ -8,9 +9,11 @@ about 0.1-0.3 ms here (gVisor), so pushes of fewer than ``PARALLEL_MIN_KEYS`` ke
 ``PARALLEL_MIN_VALUES`` values (keys x values a key: a training step's pushes) stay on one thread.
 ``hpcps bench ps`` on this 2-core machine, alternating one thread and two: a push of 100 k keys
 at dim 1 1.25-1.29 against 1.53-1.55 ms (3 pairs, quiet machine), of 1 M keys 9.7-10.0 against
-14.1-14.7 ms, of 100 k keys at dim 64 11.3-13.3 against 15.2-15.4 ms. Pulls stay on one thread:
-two gained nothing (100 k keys at dim 1: 1.12-1.57 against 1.04-1.29 ms; dim 64 the same within
-the noise).
+14.1-14.7 ms, of 100 k keys at dim 64 11.3-13.3 against 15.2-15.4 ms. Pulls gained only once the
+worker slept through the server's work instead of spinning for the reply's transfer from the
+start (``hpcps.protocol.ANNOUNCE_BYTES``): the server's own pull of 1 M keys at dim 64 then took
+23-28 against 61 ms (the reply's pages no longer faulted in anew, too), of 100 k 2.8-3.0 against
+4.2-4.7 ms, of 1 M keys at dim 1 2.9-3.2 against 5.0-5.4 ms (3 alternating pairs).
 """
 
 from __future__ import annotations

@@ -1,0 +1,127 @@
+"""Large messages: the buffer pool that reuses them, the packing of a request's gradients, and
+replies sent as header then payload (``hpcps.transport``, ``hpcps.protocol``)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from hpcps import protocol, transport
+
+
+def test_a_pool_reuses_a_buffer_only_once_nothing_refers_to_it():
+    from mpi4py import MPI
+
+    pool = transport.BufferPool(min_bytes=1 << 10, max_bytes=1 << 20)
+    small = pool.take(100)
+    assert pool.held_bytes == 0 and small.nbytes == 100  # below min_bytes: not pooled
+    a = pool.take(4000)
+    a[:] = 1
+    rows = a[:64].view(np.float32).reshape(4, 4)  # a view of a view still holds the buffer
+    del a
+    b = pool.take(4000)
+    assert not np.shares_memory(b, rows) and pool.reused == 0
+    del b, rows
+    c = pool.take(3000)  # a free buffer of at most twice the size
+    other = pool.take(3000)
+    assert pool.reused == 2 and c.nbytes == 3000 and not np.shares_memory(c, other)
+    # a pending MPI receive holds its buffer too
+    req = MPI.COMM_SELF.Irecv(c, source=0, tag=5)
+    at = c.ctypes.data
+    del c
+    d = pool.take(3000)
+    assert pool.reused == 2 and d.ctypes.data != at
+    req.Cancel()
+    req.Wait()
+    del req
+    assert pool.take(3000).ctypes.data == at and pool.reused == 3
+    # too small or too large a free buffer is not used; the budget holds
+    del other, d
+    assert pool.take(20000).nbytes == 20000 and pool.reused == 3
+    big = [pool.take(300_000) for _ in range(4)]
+    assert pool.held_bytes <= 1 << 20 and all(x.nbytes == 300_000 for x in big)
+    assert len({x.ctypes.data for x in big}) == 4
+
+
+def test_large_gradients_are_packed_at_their_own_offset_in_a_page_and_unpack_unchanged():
+    rng = np.random.default_rng(0)
+    pool = transport.BufferPool(min_bytes=1 << 10)
+    for n, dim in ((3, 4), (9000, 8), (20011, 3)):
+        keys = rng.integers(0, 2**63, n, dtype=np.uint64)
+        grads = rng.normal(size=(n, dim)).astype(np.float32)
+        pull = rng.integers(0, 2**63, 7, dtype=np.uint64)
+        for alloc in (None, pool.take):
+            msg = protocol.pack_request(protocol.PUSHPULL, 2, 11, 5, 1, keys, grads, pull, dim, alloc=alloc)
+            r = protocol.unpack_request(msg, [1, 1, dim])
+            np.testing.assert_array_equal(r.push_keys, keys)
+            np.testing.assert_array_equal(r.grads, grads)
+            np.testing.assert_array_equal(r.pull_keys, pull)
+            assert (r.op, r.table, r.req_id, r.clock, r.worker) == (protocol.PUSHPULL, 2, 11, 5, 1)
+            if grads.nbytes >= protocol.SAME_PAGE_OFFSET_BYTES:
+                assert (r.grads.ctypes.data - grads.ctypes.data) % protocol.PAGE == 0
+            assert msg.nbytes == protocol.request_bytes(n, 7, dim)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("announced", [True, False])
+def test_an_announced_reply_is_waited_for_asleep_until_its_header_comes(announced, monkeypatch):
+    """A wait on a reply sent as header then payload sleeps while the sender prepares it and
+    spins only for the payload's transfer; a reply in one message is spun for as long as its
+    size says (the spin rate is lowered here so that this is most of the sender's delay)."""
+    from mpi4py import MPI
+
+    monkeypatch.setattr(transport, "SPIN_BYTES_PER_S", 8e6)  # 8 MiB: spin for 1 s
+    comm = MPI.COMM_WORLD.Dup()
+    n = 8 << 20
+    if comm.rank == 0:
+        out = transport.BufferPool().take(n)
+        start = (transport.start_recv_announced(comm, out, 64, 1, 3, "reply") if announced
+                 else transport.start_recv(comm, out, 1, 3, "reply"))
+        wall, cpu = time.perf_counter(), time.process_time()
+        transport.wait(start, timeout=60)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        np.testing.assert_array_equal(out[::4096], (np.arange(n, dtype=np.int64)[::4096] % 251).astype(np.uint8))
+        share = cpu / wall
+        assert wall > 0.8, wall
+        if announced:
+            assert share < 0.3, share
+        else:
+            assert share > 0.5, share
+    elif comm.rank == 1:
+        buf = (np.arange(n, dtype=np.int64) % 251).astype(np.uint8)
+        time.sleep(1.0)  # the server's work
+        sends = (transport.start_send_announced(comm, buf, 64, 0, 3, "reply") if announced
+                 else transport.start_send(comm, buf, 0, 3, "reply"))
+        transport.wait(sends, timeout=60)
+    comm.Barrier()
+    comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_large_pushes_and_pulls_through_pooled_buffers_carry_exact_values():
+    """Pushes and pulls of 19 MB each way (pooled buffers on both sides, the gradients packed
+    at their page offset, the replies announced, the server's two threads): every pull holds the
+    exact sums so far, including the pulls kept while later ones reuse the pool's buffers."""
+    import hpcps
+
+    ctx = hpcps.init(servers=1, staleness=0, stall_timeout_s=120)
+    n, dim = 150_000, 32
+    w = ctx.sparse_table("w", dim=dim, optimizer="sgd", params={"lr": 1.0}, key_bits=24)
+    if ctx.is_server:
+        ctx.serve()
+        assert ctx.server.pool.reused > 0
+    elif ctx.worker_index == 0:
+        rng = np.random.default_rng(3)
+        keys = np.sort(rng.choice(1 << 24, n, replace=False)).astype(np.uint64)
+        pattern = rng.integers(-3, 4, (n, dim)).astype(np.float32)
+        kept = []
+        for r in range(4):
+            w.wait(w.push(keys, -(r + 1) * pattern))  # SGD, lr 1: w = the sum of what was pushed
+            ctx.clock()
+            kept.append(w.pull(keys))
+        for r, got in enumerate(kept):
+            np.testing.assert_array_equal(got, pattern * ((r + 1) * (r + 2) // 2))
+        assert ctx.pool.reused > 0
+    ctx.finalize()
