@@ -164,19 +164,31 @@ def reply_bytes(op: int, n_pull: int, dim: int) -> int:
     return REPLY_BYTES + 4 * n_pull * dim
 
 
-# Large copies (glibc's memcpy, ``rep movsb``) ran at a quarter of their speed here (AMD EPYC)
-# when the destination lay 16-512 bytes past the source's offset within a 4 KiB page: 55-69 against
-# 14-15 ms for 256 MB. A request's gradients of at least this many bytes go at the same offset.
-SAME_PAGE_OFFSET_BYTES = 1 << 16
+# Where a large request is placed in memory. Two copies of 256 MB ran at a quarter of their
+# speed here (AMD EPYC, glibc's ``rep movsb``) depending only on addresses modulo a 4 KiB page:
+# glibc's memcpy when its destination lay 16-512 bytes past its source's offset in a page (55-69
+# against 13-15 ms; 0 and 1024-4080 bytes past were fast), and MPICH's copy of a message into
+# shared memory when the message began within 8 bytes of a page's start (95-99 against 22-29 ms;
+# 32-4080 bytes in were fast): a 1,000,440-key dim-64 push took 158 against 89 ms. So a request
+# whose gradients take at least PLACED_BYTES is placed with them COPY_SHIFT bytes past their
+# source's offset in a page, or COPY_SHIFT_ALT bytes where that would start the message within
+# EDGE_BYTES of a page's start or end.
+PLACED_BYTES = 1 << 16
 PAGE = 4096
+COPY_SHIFT, COPY_SHIFT_ALT = 2048, 3072
+EDGE_BYTES = 64
 
 
-def same_page_offset(alloc, nbytes: int, at: int, like: np.ndarray) -> np.ndarray:
-    """``nbytes`` from ``alloc`` (default ``np.empty``) whose byte ``at`` has the same offset
-    within a 4 KiB page as ``like``'s first byte."""
+def place(alloc, nbytes: int, at: int, like: np.ndarray) -> np.ndarray:
+    """``nbytes`` from ``alloc`` (default ``np.empty``) whose byte ``at`` lies :data:`COPY_SHIFT`
+    (or :data:`COPY_SHIFT_ALT`) bytes past ``like``'s first byte's offset in a page, and whose first
+    byte is at least :data:`EDGE_BYTES` from a page's edges."""
     buf = np.empty(nbytes + PAGE, dtype=np.uint8) if alloc is None else alloc(nbytes + PAGE)
-    shift = (like.ctypes.data - (buf.ctypes.data + at)) % PAGE
-    return buf[shift:shift + nbytes]
+    for shift in (COPY_SHIFT, COPY_SHIFT_ALT):
+        lo = (like.ctypes.data + shift - (buf.ctypes.data + at)) % PAGE
+        if EDGE_BYTES <= (buf.ctypes.data + lo) % PAGE <= PAGE - EDGE_BYTES:
+            break
+    return buf[lo:lo + nbytes]
 
 
 def pack_request(op: int, table: int, req_id: int, clock: int, worker: int, push_keys: np.ndarray | None = None,
@@ -189,8 +201,8 @@ def pack_request(op: int, table: int, req_id: int, clock: int, worker: int, push
     n_pull = 0 if pull_keys is None else pull_keys.shape[0]
     flags = IN_PULL if in_pull is not None and n_push else 0
     nbytes = request_bytes(n_push, n_pull, dim, flags & IN_PULL)
-    if n_push * dim * 4 >= SAME_PAGE_OFFSET_BYTES:  # the gradients' copy is most of the packing
-        buf = same_page_offset(alloc, nbytes, HEADER_BYTES + 8 * n_push, grads)
+    if n_push * dim * 4 >= PLACED_BYTES:  # the gradients' copy is most of the packing
+        buf = place(alloc, nbytes, HEADER_BYTES + 8 * n_push, grads)
     else:
         buf = np.empty(nbytes, dtype=np.uint8) if alloc is None else alloc(nbytes)
     buf[:HEADER_BYTES].view(REQUEST)[0] = (op, table, req_id, n_push, n_pull, clock, worker, ahead, flags)

@@ -42,13 +42,15 @@ def test_a_pool_reuses_a_buffer_only_once_nothing_refers_to_it():
     assert pool.take(20000).nbytes == 20000 and pool.reused == 3
     big = [pool.take(300_000) for _ in range(4)]
     assert pool.held_bytes <= 1 << 20 and all(x.nbytes == 300_000 for x in big)
+    assert all(x.ctypes.data % 4096 == transport.POOL_PAGE_OFFSET for x in big)  # away from a page's edges
     assert len({x.ctypes.data for x in big}) == 4
 
 
-def test_large_gradients_are_packed_at_their_own_offset_in_a_page_and_unpack_unchanged():
+def test_large_gradients_are_packed_where_copies_run_fast_and_unpack_unchanged():
     rng = np.random.default_rng(0)
     pool = transport.BufferPool(min_bytes=1 << 10)
-    for n, dim in ((3, 4), (9000, 8), (20011, 3)):
+    shifts = set()
+    for n, dim in ((3, 4), (9000, 8), (20011, 3), *((n, 32) for n in range(600, 1112))):  # (a page's worth of 8n)
         keys = rng.integers(0, 2**63, n, dtype=np.uint64)
         grads = rng.normal(size=(n, dim)).astype(np.float32)
         pull = rng.integers(0, 2**63, 7, dtype=np.uint64)
@@ -59,9 +61,11 @@ def test_large_gradients_are_packed_at_their_own_offset_in_a_page_and_unpack_unc
             np.testing.assert_array_equal(r.grads, grads)
             np.testing.assert_array_equal(r.pull_keys, pull)
             assert (r.op, r.table, r.req_id, r.clock, r.worker) == (protocol.PUSHPULL, 2, 11, 5, 1)
-            if grads.nbytes >= protocol.SAME_PAGE_OFFSET_BYTES:
-                assert (r.grads.ctypes.data - grads.ctypes.data) % protocol.PAGE == 0
+            if grads.nbytes >= protocol.PLACED_BYTES:
+                shifts.add((r.grads.ctypes.data - grads.ctypes.data) % protocol.PAGE)
+                assert 64 <= msg.ctypes.data % protocol.PAGE <= protocol.PAGE - 64
             assert msg.nbytes == protocol.request_bytes(n, 7, dim)
+    assert shifts == {2048, 3072}  # the second where the first would start the message at a page's edge
 
 
 @pytest.mark.mpi(min_size=2)
@@ -102,7 +106,7 @@ def test_an_announced_reply_is_waited_for_asleep_until_its_header_comes(announce
 @pytest.mark.mpi(min_size=2)
 def test_large_pushes_and_pulls_through_pooled_buffers_carry_exact_values():
     """Pushes and pulls of 19 MB each way (pooled buffers on both sides, the gradients packed
-    at their page offset, the replies announced, the server's two threads): every pull holds the
+    where copies run fast, the replies announced, the server's two threads): every pull holds the
     exact sums so far, including the pulls kept while later ones reuse the pool's buffers."""
     import hpcps
 
