@@ -60,17 +60,17 @@ class SparseTable:
 
     # -- requests ----------------------------------------------------------------------------
 
-    def _send(self, op: int, keys: np.ndarray, grads: np.ndarray | None, ahead: int = 0) -> int:
+    def _send(self, op: int, keys: np.ndarray, grads: np.ndarray | None, ahead: int = 0, lent: bool = False) -> int:
         """Send a pull (``grads`` None) or a push of sorted unique ``keys``, sliced by server and
         split so that no message passes 2 GiB; returns its timestamp. ``ahead``: added to the
-        request's clock (a pull for a later step)."""
+        request's clock (a pull for a later step); ``lent``: see :meth:`_message`."""
         ctx = self.ctx
         req = _Request(op, self, n_unique=keys.shape[0], clock=ctx.clock_value + ahead, started=time.monotonic())
         if ctx.layout.servers == 1 and keys.shape[0] <= self.max_keys:  # no hashing of keys, no copies
             if op == protocol.PULL:
                 self._message(req, 0, np.arange(keys.shape[0]), None, None, keys)
             else:
-                self._message(req, 0, None, keys, grads, None)
+                self._message(req, 0, None, keys, grads, None, lent=lent)
             return self._register(req)
         order, offsets = ctx.placement.slice(keys)
         for server in range(ctx.layout.servers):
@@ -84,25 +84,35 @@ class SparseTable:
         return self._register(req)
 
     def _message(self, req: _Request, server: int, pulled: np.ndarray | None, push_keys, grads, pull_keys,
-                 in_pull: np.ndarray | None = None) -> None:
+                 in_pull: np.ndarray | None = None, lent: bool = False) -> None:
         """Post the reply's receive, then send one request to ``server``. ``pulled``: the
-        positions of ``pull_keys`` among the request's unique pull keys."""
+        positions of ``pull_keys`` among the request's unique pull keys. Large gradients go as a
+        message of their own, from their array (``protocol.GRADS_APART``); ``lent``: the array is
+        the caller's, who may change it once the push returns, so it returns once they are sent
+        (the transfer the wait for the reply would otherwise have done)."""
         n_pull = 0 if pull_keys is None else pull_keys.shape[0]
+        apart = grads is not None and not self.ctx.local and protocol.grads_apart(grads)
         self._post(req, server, pulled, protocol.reply_bytes(req.op, n_pull, self.dim),
                    lambda req_id: protocol.pack_request(req.op, self.id, req_id, req.clock, self.ctx.worker_index,
                                                         push_keys, grads, pull_keys, self.dim, req.ahead, in_pull,
-                                                        self.ctx.pool.take))
+                                                        self.ctx.pool.take, apart),
+                   grads if apart else None, lent)
 
-    def _post(self, req: _Request, server: int, pulled, reply_bytes: int, pack) -> None:
-        """Post the receive of a reply of ``reply_bytes``, then send ``pack(req_id)`` to ``server``."""
+    def _post(self, req: _Request, server: int, pulled, reply_bytes: int, pack, grads=None, lent=False) -> None:
+        """Post the receive of a reply of ``reply_bytes``, then send ``pack(req_id)`` to ``server``
+        (and ``grads`` after it, when they go apart; ``lent``: see :meth:`_message`)."""
         ctx = self.ctx
         req_id = ctx.next_request_id()
         reply = ctx.pool.take(reply_bytes)
         msg = pack(req_id)
-        ctx.stats["bytes_sent"] += msg.nbytes
+        ctx.stats["bytes_sent"] += msg.nbytes + (0 if grads is None else grads.nbytes)
         ctx.stats["bytes_received"] += reply_bytes
         req.parts.append((pulled, reply))
-        req.pending += ctx.exchange(server, msg, reply, req_id, req.op, self.name)
+        pending = ctx.exchange(server, msg, reply, req_id, req.op, self.name, grads)
+        if grads is not None and lent:
+            sent = pending[-1:]
+            transport.wait(sent, ctx.stall_timeout_s, warn_after=ctx.stall_warn_s)
+        req.pending += pending
 
     def _register(self, req: _Request) -> int:
         ts = self.ctx.next_timestamp()
@@ -110,7 +120,7 @@ class SparseTable:
         return ts
 
     def ipushpull(self, push_keys, grads, pull_keys, aggregate: bool = False, unique: bool = False,
-                  ahead: int = 0, in_pull: np.ndarray | None = None) -> int:
+                  ahead: int = 0, in_pull: np.ndarray | None = None, donate: bool = False) -> int:
         """Push a step's gradients, end the step (the clock), and start pulling the next step's
         keys, in one message to each server (ps-lite's ZPushPull). Returns a timestamp for
         :meth:`wait`, which returns the pulled rows.
@@ -124,6 +134,7 @@ class SparseTable:
         (:func:`hpcps_kernels.keys.member_mask`, best computed while the worker waits anyway):
         the servers then update the other keys after they have replied, which shortens the wait
         by that part of the push, with the same numbers. Ignored where a group merges its pushes.
+        ``donate``: as for :meth:`push`.
         """
         ctx = self.ctx
         if not unique or (aggregate and ctx.group_comm.Get_size() > 1):
@@ -134,13 +145,13 @@ class SparseTable:
         if not unique and not kkeys.is_sorted_unique(pull_keys):
             pull_keys, expand = kkeys.unique_keys(pull_keys)
         if max(push_keys.shape[0], pull_keys.shape[0]) > self.max_keys:  # too big for one message
-            self.wait(self._send(protocol.PUSH, push_keys, grads))
+            self.wait(self._send(protocol.PUSH, push_keys, grads, lent=not donate))
             ctx.clock()
             return self.ipull(pull_keys[expand] if expand is not None else pull_keys, ahead=ahead)
         req = _Request(protocol.PUSHPULL, self, n_unique=pull_keys.shape[0], clock=ctx.clock_value,
                        started=time.monotonic(), expand=expand, ahead=ahead)
         if ctx.layout.servers == 1:  # nothing to slice: no hashing of keys, no copies
-            self._message(req, 0, np.arange(pull_keys.shape[0]), push_keys, grads, pull_keys, in_pull)
+            self._message(req, 0, np.arange(pull_keys.shape[0]), push_keys, grads, pull_keys, in_pull, lent=not donate)
         else:
             push_order, push_offsets = ctx.placement.slice(push_keys)
             pull_order, pull_offsets = ctx.placement.slice(pull_keys)
@@ -236,7 +247,7 @@ class SparseTable:
         """The rows (float32, ``(len(keys), dim)``) of ``keys``, waiting for them."""
         return self.wait(self.ipull(keys, unique), timeout)
 
-    def push(self, keys, grads, aggregate: bool = False, unique: bool = False) -> int:
+    def push(self, keys, grads, aggregate: bool = False, unique: bool = False, donate: bool = False) -> int:
         """Send gradients; returns a timestamp for :meth:`wait`.
 
         Args:
@@ -245,9 +256,13 @@ class SparseTable:
             aggregate: collective over the worker group: the members' pushes are merged on the
                 group's first rank (sum per key) and sent once.
             unique: the keys are distinct already (any order): no summing of duplicates.
+            donate: the caller will not write ``grads`` again. Gradients of 2 MiB or more
+                (``protocol.GRADS_APART_BYTES``) go to a server from the array itself, with no copy;
+                without ``donate`` the call returns once they are sent (the transfer that
+                :meth:`wait` would otherwise do), so the caller may then change the array.
         """
         keys, grads = self._prepare_push(keys, grads, aggregate, unique)
-        return self._send(protocol.PUSH, keys, grads)
+        return self._send(protocol.PUSH, keys, grads, lent=not donate)
 
     def _prepare_push(self, keys, grads, aggregate: bool, unique: bool = False):
         """Unique keys with summed gradients (sorted when a group merges them), merged over the

@@ -23,6 +23,11 @@ Operations:
   byte) says whether pushed key ``i`` is among this request's pulled keys. The server may then
   apply the push's other keys after it has replied (nothing it replies reads them), so the
   worker's wait is shorter by that part of the push.
+* Large gradients (:data:`GRADS_APART_BYTES`, a ``PUSH`` or ``PUSHPULL`` to a server rank) go
+  apart: with ``flags`` bit ``GRADS_APART`` the message holds no gradients, and they follow from
+  the same rank as a second message of exactly ``n_push x dim`` float32 under ``TAG_GRADS``, sent
+  from the worker's own array, without a copy into the request. A server receives them right
+  after the request, so each request's gradients are the next ``TAG_GRADS`` message from its rank.
 * ``CHECKPOINT``: the directory's path, UTF-8, in the pull-key area (``n_pull`` words); its reply
   carries the size and checksum of the file the server wrote.
 * ``MARGINS`` (computation on the servers): a batch's nonzeros that this server owns, ``n_push``
@@ -70,8 +75,10 @@ REPLY_BYTES = REPLY.itemsize
 _NO_KEYS = np.zeros(0, dtype=np.uint64)
 
 TAG_REQUEST = 1
+TAG_GRADS = 2
 TAG_REPLY_BASE = 16
 IN_PULL = 1      # request flag: a push-pull's in-pull bits follow its pull keys
+GRADS_APART = 2  # request flag: its gradients follow as a message of their own (TAG_GRADS)
 OK = 0
 STOP = 2         # status bit: this server received a stop signal (SIGUSR1/SIGTERM)
 
@@ -144,8 +151,10 @@ def reply_tag(req_id: int, tag_ub: int) -> int:
     return TAG_REPLY_BASE + req_id % (tag_ub - TAG_REPLY_BASE)
 
 
-def request_bytes(n_push: int, n_pull: int, dim: int, in_pull: bool = False) -> int:
-    return HEADER_BYTES + (8 + 4 * dim) * n_push + 8 * n_pull + (-(-n_push // 8) if in_pull else 0)
+def request_bytes(n_push: int, n_pull: int, dim: int, in_pull: bool = False, grads_apart: bool = False) -> int:
+    """The bytes of a request message (without its gradients when they go apart)."""
+    return (HEADER_BYTES + (8 + (0 if grads_apart else 4 * dim)) * n_push + 8 * n_pull
+            + (-(-n_push // 8) if in_pull else 0))
 
 
 def margin_width(dim: int) -> int:
@@ -169,14 +178,14 @@ def reply_bytes(op: int, n_pull: int, dim: int) -> int:
 # glibc's memcpy when its destination lay 16-512 bytes past its source's offset in a page (55-69
 # against 13-15 ms; 0 and 1024-4080 bytes past were fast), and MPICH's copy of a message into
 # shared memory when the message began within 8 bytes of a page's start (95-99 against 22-29 ms;
-# 32-4080 bytes in were fast): a 1,000,440-key dim-64 push took 158 against 89 ms. So a request
+# 16-4080 bytes in were fast): a 1,000,440-key dim-64 push took 158 against 89 ms. So a request
 # whose gradients take at least PLACED_BYTES is placed with them COPY_SHIFT bytes past their
 # source's offset in a page, or COPY_SHIFT_ALT bytes where that would start the message within
 # EDGE_BYTES of a page's start or end.
 PLACED_BYTES = 1 << 16
 PAGE = 4096
 COPY_SHIFT, COPY_SHIFT_ALT = 2048, 3072
-EDGE_BYTES = 64
+EDGE_BYTES = 16
 
 
 def place(alloc, nbytes: int, at: int, like: np.ndarray) -> np.ndarray:
@@ -191,17 +200,30 @@ def place(alloc, nbytes: int, at: int, like: np.ndarray) -> np.ndarray:
     return buf[lo:lo + nbytes]
 
 
+# Gradients of this many bytes or more go as a message of their own (GRADS_APART), from the
+# worker's array, unless the array starts where MPICH's copy is slow (see place).
+GRADS_APART_BYTES = 1 << 21
+
+
+def grads_apart(grads: np.ndarray) -> bool:
+    """Whether a request's ``grads`` (contiguous float32) go as a message of their own."""
+    if grads.nbytes < GRADS_APART_BYTES:
+        return False
+    return EDGE_BYTES <= grads.ctypes.data % PAGE <= PAGE - EDGE_BYTES
+
+
 def pack_request(op: int, table: int, req_id: int, clock: int, worker: int, push_keys: np.ndarray | None = None,
                  grads: np.ndarray | None = None, pull_keys: np.ndarray | None = None, dim: int = 0,
-                 ahead: int = 0, in_pull: np.ndarray | None = None, alloc=None) -> np.ndarray:
+                 ahead: int = 0, in_pull: np.ndarray | None = None, alloc=None, apart: bool = False) -> np.ndarray:
     """A request message; ``in_pull`` (PUSHPULL): a bool per pushed key, whether it is among
     ``pull_keys`` (sent as bits, see the module docstring). ``alloc(nbytes)``: where the message
-    goes (a :class:`hpcps.transport.BufferPool`'s ``take``; default ``np.empty``)."""
+    goes (a :class:`hpcps.transport.BufferPool`'s ``take``; default ``np.empty``). ``apart``:
+    the gradients go as a message of their own (:data:`GRADS_APART`), not in this one."""
     n_push = 0 if push_keys is None else push_keys.shape[0]
     n_pull = 0 if pull_keys is None else pull_keys.shape[0]
-    flags = IN_PULL if in_pull is not None and n_push else 0
-    nbytes = request_bytes(n_push, n_pull, dim, flags & IN_PULL)
-    if n_push * dim * 4 >= PLACED_BYTES:  # the gradients' copy is most of the packing
+    flags = (IN_PULL if in_pull is not None and n_push else 0) | (GRADS_APART if apart and n_push else 0)
+    nbytes = request_bytes(n_push, n_pull, dim, flags & IN_PULL, flags & GRADS_APART)
+    if n_push * dim * 4 >= PLACED_BYTES and not flags & GRADS_APART:  # the gradients' copy is most of the packing
         buf = place(alloc, nbytes, HEADER_BYTES + 8 * n_push, grads)
     else:
         buf = np.empty(nbytes, dtype=np.uint8) if alloc is None else alloc(nbytes)
@@ -210,8 +232,9 @@ def pack_request(op: int, table: int, req_id: int, clock: int, worker: int, push
     if n_push:
         buf[at:at + 8 * n_push].view(np.uint64)[:] = push_keys
         at += 8 * n_push
-        buf[at:at + 4 * n_push * dim].view(np.float32)[:] = grads.reshape(-1)
-        at += 4 * n_push * dim
+        if not flags & GRADS_APART:
+            buf[at:at + 4 * n_push * dim].view(np.float32)[:] = grads.reshape(-1)
+            at += 4 * n_push * dim
     if n_pull:
         buf[at:at + 8 * n_pull].view(np.uint64)[:] = pull_keys
         at += 8 * n_pull
@@ -228,7 +251,15 @@ def header(buf: np.ndarray):
 assert all(REQUEST.fields[n][0] == np.dtype("<i8") for n in REQUEST.names)  # read as one int64 array below
 
 
-def unpack_request(buf: np.ndarray, dims: list[int]) -> Request:
+def apart_grads_bytes(buf: np.ndarray, dims: list[int]) -> int:
+    """The size of the gradients message that follows request ``buf`` (0: none)."""
+    op, table, _, n_push, _, _, _, _, flags = buf[:HEADER_BYTES].view(np.int64).tolist()
+    return 4 * n_push * dims[table] if flags & GRADS_APART and op in (PUSH, PUSHPULL) else 0
+
+
+def unpack_request(buf: np.ndarray, dims: list[int], grads: np.ndarray | None = None) -> Request:
+    """A request's fields and arrays (views into ``buf``); ``grads``: the bytes of the gradients
+    that followed it (:data:`GRADS_APART`)."""
     # the fields in REQUEST's order, in one call (reading a structured scalar field by field costs
     # about 30 us a request on the server's critical path)
     op, table, req_id, n_push, n_pull, clock, worker, reserved, flags = buf[:HEADER_BYTES].view(np.int64).tolist()
@@ -250,8 +281,11 @@ def unpack_request(buf: np.ndarray, dims: list[int]) -> Request:
     dim = dims[table] if n_push else 0
     push_keys = buf[at:at + 8 * n_push].view(np.uint64)
     at += 8 * n_push
-    grads = buf[at:at + 4 * n_push * dim].view(np.float32).reshape(n_push, dim) if n_push else None
-    at += 4 * n_push * dim
+    if flags & GRADS_APART:
+        grads = grads.view(np.float32).reshape(n_push, dim)
+    else:
+        grads = buf[at:at + 4 * n_push * dim].view(np.float32).reshape(n_push, dim) if n_push else None
+        at += 4 * n_push * dim
     pull_keys = buf[at:at + 8 * n_pull].view(np.uint64)
     at += 8 * n_pull
     in_pull = buf[at:at + (n_push + 7) // 8] if flags & IN_PULL else None

@@ -546,8 +546,22 @@ class Server:
                 self.evict_round[table.spec.name] = now // f.evict_every_steps
                 table.evict(now)
 
-    def handle(self, source: int, buf: np.ndarray) -> None:
-        r = protocol.unpack_request(buf, self.dims)
+    def _apart_grads(self, source: int, buf: np.ndarray) -> np.ndarray | None:
+        """The gradients that follow a request from ``source`` as a message of their own
+        (``protocol.GRADS_APART``: the next ``TAG_GRADS`` message from that rank), or None."""
+        nbytes = protocol.apart_grads_bytes(buf, self.dims)
+        if not nbytes:
+            return None
+        grads = self.pool.take(nbytes)
+        transport.wait(transport.start_recv(self.comm, grads, source, protocol.TAG_GRADS,
+                                            f"gradients of request {protocol.header(buf)['req_id']} from rank {source}"),
+                       timeout=300, warn_after=self.stall_warn_s)
+        return grads
+
+    def handle(self, source: int, buf: np.ndarray, grads: np.ndarray | None = None) -> None:
+        """Serve request ``buf`` from rank ``source`` (``grads``: its gradients, when they came
+        apart)."""
+        r = protocol.unpack_request(buf, self.dims, grads)
         worker = source - self.worker_rank0
         self.stats["requests"] += 1
         if r.op == protocol.PUSHPULL and r.in_pull is not None and self._alone(worker, r):
@@ -691,13 +705,14 @@ class Server:
                     last_check = now
                 self.stats["idle_s"] += poll.idle()
                 continue
+            source, buf = got
+            grads = self._apart_grads(source, buf)  # (a transfer: before the request's own time)
             t = time.perf_counter()
             cpu = time.process_time()
             if t - last_request[0] > 0.5:  # a quiet spell: what did waiting cost?
                 self.stats["idle_gap_wall_s"] += t - last_request[0]
                 self.stats["idle_gap_cpu_s"] += cpu - last_request[1]
-            source, buf = got
-            self.handle(source, buf)
+            self.handle(source, buf, grads)
             busy = time.perf_counter() - t
             self.stats["busy_s"] += busy
             if self.trace is not None:

@@ -63,7 +63,7 @@ def test_large_gradients_are_packed_where_copies_run_fast_and_unpack_unchanged()
             assert (r.op, r.table, r.req_id, r.clock, r.worker) == (protocol.PUSHPULL, 2, 11, 5, 1)
             if grads.nbytes >= protocol.PLACED_BYTES:
                 shifts.add((r.grads.ctypes.data - grads.ctypes.data) % protocol.PAGE)
-                assert 64 <= msg.ctypes.data % protocol.PAGE <= protocol.PAGE - 64
+                assert 16 <= msg.ctypes.data % protocol.PAGE <= protocol.PAGE - 16
             assert msg.nbytes == protocol.request_bytes(n, 7, dim)
     assert shifts == {2048, 3072}  # the second where the first would start the message at a page's edge
 
@@ -105,9 +105,9 @@ def test_an_announced_reply_is_waited_for_asleep_until_its_header_comes(announce
 
 @pytest.mark.mpi(min_size=2)
 def test_large_pushes_and_pulls_through_pooled_buffers_carry_exact_values():
-    """Pushes and pulls of 19 MB each way (pooled buffers on both sides, the gradients packed
-    where copies run fast, the replies announced, the server's two threads): every pull holds the
-    exact sums so far, including the pulls kept while later ones reuse the pool's buffers."""
+    """Pushes and pulls of 19 MB each way (pooled buffers on both sides, the gradients sent
+    apart, the replies announced, the server's two threads): every pull holds the exact sums so
+    far, including the pulls kept while later ones reuse the pool's buffers."""
     import hpcps
 
     ctx = hpcps.init(servers=1, staleness=0, stall_timeout_s=120)
@@ -125,7 +125,87 @@ def test_large_pushes_and_pulls_through_pooled_buffers_carry_exact_values():
             w.wait(w.push(keys, -(r + 1) * pattern))  # SGD, lr 1: w = the sum of what was pushed
             ctx.clock()
             kept.append(w.pull(keys))
+            np.testing.assert_array_equal(w.pull(keys), kept[-1])  # (its buffer is free again at once)
         for r, got in enumerate(kept):
             np.testing.assert_array_equal(got, pattern * ((r + 1) * (r + 2) // 2))
         assert ctx.pool.reused > 0
     ctx.finalize()
+
+
+def test_a_request_with_its_gradients_apart_unpacks_to_the_same_arrays():
+    rng = np.random.default_rng(0)
+    keys, pull = np.arange(7, dtype=np.uint64) * 5, np.arange(3, dtype=np.uint64)
+    grads = rng.normal(size=(7, 4)).astype(np.float32)
+    in_pull = np.isin(keys, pull)
+    whole = protocol.pack_request(protocol.PUSHPULL, 1, 9, 4, 0, keys, grads, pull, 4, 0, in_pull)
+    apart = protocol.pack_request(protocol.PUSHPULL, 1, 9, 4, 0, keys, grads, pull, 4, 0, in_pull, apart=True)
+    dims = [2, 4]
+    assert apart.nbytes == whole.nbytes - grads.nbytes
+    assert protocol.apart_grads_bytes(whole, dims) == 0 and protocol.apart_grads_bytes(apart, dims) == grads.nbytes
+    a = protocol.unpack_request(whole, dims)
+    b = protocol.unpack_request(apart, dims, grads.view(np.uint8).reshape(-1).copy())
+    for x, y in ((a.push_keys, b.push_keys), (a.grads, b.grads), (a.pull_keys, b.pull_keys), (a.in_pull, b.in_pull)):
+        np.testing.assert_array_equal(x, y)
+    assert (a.op, a.table, a.req_id, a.clock) == (b.op, b.table, b.req_id, b.clock) == (protocol.PUSHPULL, 1, 9, 4)
+
+
+def test_only_large_gradients_away_from_a_page_edge_go_apart():
+    raw = np.empty(protocol.GRADS_APART_BYTES + 2 * protocol.PAGE, np.uint8)
+    base = (-raw.ctypes.data) % protocol.PAGE  # the first page boundary in raw
+    n = protocol.GRADS_APART_BYTES
+    assert protocol.grads_apart(raw[base + 16:base + 16 + n].view(np.float32))
+    assert protocol.grads_apart(raw[base + 2048:base + 2048 + n].view(np.float32))
+    assert not protocol.grads_apart(raw[base:base + n].view(np.float32))  # where MPICH's copy is slow
+    assert not protocol.grads_apart(raw[base + 8:base + 8 + n].view(np.float32))
+    assert not protocol.grads_apart(raw[base + 16:base + 16 + n - 4].view(np.float32))  # too small
+
+
+def _apart_sums(servers: int):
+    """Two tables' large pushes (their gradients apart) with a small one between them, then a
+    large push-pull, in flight together from every worker, sum exactly on the servers (BSP). A
+    push that is not donated has sent its gradients when it returns: overwriting them then
+    changes nothing; donated ones are left alone."""
+    import hpcps
+
+    ctx = hpcps.init(servers=servers, staleness=0, stall_timeout_s=60)
+    dim, n = 64, 10000 * servers  # 2.56 MB of gradients a server
+    assert n // servers * dim * 4 >= protocol.GRADS_APART_BYTES
+    tables = [ctx.sparse_table(name, dim=dim, optimizer="sgd", params={"lr": 1.0}) for name in ("a", "b")]
+    if ctx.is_server:
+        ctx.serve()
+        assert ctx.server.stats["requests"] > 0
+    else:
+        me, workers = ctx.worker_index, ctx.layout.workers
+        keys = np.arange(n, dtype=np.uint64) * 7 + 3
+        small = np.arange(10, dtype=np.uint64) + 10**9
+
+        def grads(w, t, it):
+            return np.full((n, dim), (w + 1) * (t + 1) * (it + 1), np.float32)
+
+        def total(t, iters):  # sgd, lr 1: minus the sum of every worker's gradients
+            return -float(sum((w + 1) * (t + 1) * (it + 1) for w in range(workers) for it in range(iters)))
+
+        for it in range(3):
+            lent = grads(me, 0, it)
+            ts = [(tables[0], tables[0].push(keys, lent))]
+            lent[:] = 1e9  # after push returned: not what was sent
+            ts += [(tables[1], tables[1].push(small, np.ones((10, dim), np.float32))),
+                   (tables[1], tables[1].push(keys, grads(me, 1, it), donate=True))]
+            for t, x in ts:
+                t.wait(x)
+            ctx.clock()
+        got = tables[0].wait(tables[0].ipushpull(keys, grads(me, 0, 3), keys, unique=True, donate=True))
+        np.testing.assert_array_equal(got, np.full((n, dim), total(0, 4), np.float32))
+        np.testing.assert_array_equal(tables[1].pull(keys), np.full((n, dim), total(1, 3), np.float32))
+        np.testing.assert_array_equal(tables[1].pull(small), np.full((10, dim), -3.0 * workers, np.float32))
+    ctx.finalize()
+
+
+@pytest.mark.mpi(min_size=3)
+def test_large_gradients_sent_apart_sum_exactly_with_one_server():
+    _apart_sums(1)
+
+
+@pytest.mark.mpi(min_size=4)
+def test_large_gradients_sent_apart_sum_exactly_with_two_servers():
+    _apart_sums(2)

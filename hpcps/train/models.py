@@ -189,18 +189,18 @@ class Model:
                 pulls.append((self._prepare(upcoming[1]), 1))
             # the other tables' pushes go before the clock that the first table's push-pull carries,
             # and their pulls after it (so under BSP they see every push of the step)
-            self._pending += [(tb, tb.push(keys, g, aggregate=aggregate, unique=True)) for tb, g in rest]
+            self._pending += [(tb, tb.push(keys, g, aggregate=aggregate, unique=True, donate=True)) for tb, g in rest]
             if pulls:
                 got, ahead = pulls[0]
                 in_pull = cur.in_pull[1] if cur.in_pull is not None and cur.in_pull[0] is got and keys is cur.uniq \
                     else None
                 ts = head.ipushpull(keys, grads[0], got.uniq, aggregate=aggregate, unique=True, ahead=ahead,
-                                    in_pull=in_pull)
+                                    in_pull=in_pull, donate=True)
                 got.ts = [ts] + [tb.ipull(got.uniq, unique=True, ahead=ahead) for tb, _ in rest]
                 for got, ahead in pulls[1:]:  # (the pipeline filling up: its first step)
                     got.ts = [tb.ipull(got.uniq, unique=True, ahead=ahead) for tb in self.sparse]
             else:  # the rows of every batch left are on their way
-                self._pending.append((head, head.push(keys, grads[0], aggregate=aggregate, unique=True)))
+                self._pending.append((head, head.push(keys, grads[0], aggregate=aggregate, unique=True, donate=True)))
                 self.ctx.clock()
             self._ahead = [nxt] + [got for got, _ in pulls if got is not nxt]
             later = upcoming[1 + early] if len(upcoming) > 1 + early else None
@@ -210,7 +210,7 @@ class Model:
                     nxt.in_pull = (self._ahead[-1], kkeys.member_mask(nxt.uniq, self._ahead[-1].uniq,
                                                                       self.hashed_keys))
         else:
-            self._pending += [(tb, tb.push(keys, g, aggregate=aggregate, unique=True))
+            self._pending += [(tb, tb.push(keys, g, aggregate=aggregate, unique=True, donate=True))
                               for tb, g in zip(self.sparse, grads)]
             self.ctx.clock()
         self._after_clock()
