@@ -59,6 +59,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hpcps_kernels.parallel import PARALLEL_MIN_VALUES
+
 PULL, PUSH, CLOCK, DONE, CHECKPOINT, PUSHPULL, MARGINS, RESIDUALS, CALL = 1, 2, 3, 4, 5, 6, 7, 8, 9
 OP_NAMES = {PULL: "pull", PUSH: "push", CLOCK: "clock", DONE: "done", CHECKPOINT: "checkpoint",
             PUSHPULL: "push-pull", MARGINS: "margins", RESIDUALS: "residuals", CALL: "call"}
@@ -305,9 +307,9 @@ def pack_reply(req_id: int, status: int, min_clock: int, server: int, payload_by
 # Replies with a payload of this many bytes or more go as two messages: the header, sent once the
 # payload is ready, then the payload (hpcps.transport.start_send_announced). The waiting worker
 # sleeps until the header comes rather than spinning through the server's work, which leaves
-# the core to the server's second thread (hpcps_kernels.parallel); 2 MiB is the payload of a
-# pull the server splits in two (PARALLEL_MIN_VALUES float32 values).
-ANNOUNCE_BYTES = 1 << 21
+# the core to the server's second thread (hpcps_kernels.parallel); 2 MiB is the smallest payload
+# of a pull the server splits in two (PARALLEL_MIN_VALUES float32 values).
+ANNOUNCE_BYTES = 4 * PARALLEL_MIN_VALUES
 
 
 def announced(reply_nbytes: int) -> bool:

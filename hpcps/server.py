@@ -182,7 +182,7 @@ class ServerTable:
             slots = self.index.pull(keys, self.rows, s.dim, self.kind, s.init_scale, s.seed, out, self.halves)
         else:
             slots = self.index.lookup(keys)
-            if worth(self.halves, keys.shape[0], s.dim):
+            if worth(self.halves, keys.shape[0], s.dim, pull=True):
                 self.halves.run(keys.shape[0], lambda lo, hi: kinit.pull_rows(
                     self.rows, slots[lo:hi], keys[lo:hi], s.dim, self.kind, s.init_scale, s.seed, out[lo:hi]))
             else:

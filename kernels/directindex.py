@@ -255,7 +255,7 @@ class DirectKeyIndex:
         (:func:`direct_pull`; with ``halves``, a large pull's halves at once); returns the slots."""
         n = queries.shape[0]
         slots = np.empty(n, dtype=np.int64)
-        if not worth(halves, n, dim):
+        if not worth(halves, n, dim, pull=True):
             direct_pull(self.direct, self.index, self.keys, queries, self.tag_bits, rows, dim, kind, scale, seed,
                         slots, out)
         else:
