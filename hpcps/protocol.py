@@ -2,12 +2,13 @@
 
 Every request is one message of bytes: a header (:data:`REQUEST`, a NumPy structured dtype) and
 then, in order, the pushed keys (uint64, ``n_push``), their gradients (float32, ``n_push x dim``)
-and the pulled keys (uint64, ``n_pull``). Every reply is one message: a header (:data:`REPLY`)
-followed by the pulled values (float32, ``n_pull x dim``) or, for a checkpoint, by
-:data:`CHECKPOINT_RESULT`. One message per request keeps matching trivial (a server receives whole
-requests with ``ANY_SOURCE``; a worker pre-posts the receive of each reply under a tag unique to
-that request) and needs no pickling. Requests are split by the client so that no message exceeds
-2 GiB.
+and the pulled keys (uint64, ``n_pull``); large gradients follow as a second message
+(``GRADS_APART``, below). Every reply is one message: a header (:data:`REPLY`) followed by the
+pulled values (float32, ``n_pull x dim``) or, for a checkpoint, by :data:`CHECKPOINT_RESULT`; a
+large one goes as its header, then its payload (:data:`ANNOUNCE_BYTES`). One message per request
+keeps matching trivial (a server receives whole requests with ``ANY_SOURCE``; a worker pre-posts
+the receive of each reply under a tag unique to that request) and needs no pickling. Requests are
+split by the client so that no message exceeds 2 GiB.
 
 Operations:
 
