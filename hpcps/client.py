@@ -108,11 +108,12 @@ class SparseTable:
         ctx.stats["bytes_sent"] += msg.nbytes + (0 if grads is None else grads.nbytes)
         ctx.stats["bytes_received"] += reply_bytes
         req.parts.append((pulled, reply))
-        pending = ctx.exchange(server, msg, reply, req_id, req.op, self.name, grads)
-        if grads is not None and lent:
-            sent = pending[-1:]
-            transport.wait(sent, ctx.stall_timeout_s, warn_after=ctx.stall_warn_s)
-        req.pending += pending
+        req.pending += ctx.exchange(server, msg, reply, req_id, req.op, self.name)
+        if grads is not None:
+            sends = ctx.send_grads(server, grads, req.op)
+            if lent:
+                transport.wait(sends, ctx.stall_timeout_s, warn_after=ctx.stall_warn_s)
+            req.pending += sends
 
     def _register(self, req: _Request) -> int:
         ts = self.ctx.next_timestamp()

@@ -181,24 +181,24 @@ class Context:
         self._ts += 1
         return self._ts
 
-    def exchange(self, server: int, msg: np.ndarray, reply: np.ndarray, req_id: int, op: int, table: str = "",
-                 grads: np.ndarray | None = None) -> list:
+    def exchange(self, server: int, msg: np.ndarray, reply: np.ndarray, req_id: int, op: int, table: str = "") -> list:
         """Post the receive of request ``req_id``'s reply into ``reply``, then send ``msg`` to
-        ``server`` (and ``grads`` right after it: ``protocol.GRADS_APART``, the last of the pending
-        transfers returned, for :func:`hpcps.transport.wait`), described by the operation and
-        table for stall messages."""
+        ``server``; returns the pending transfers (for :func:`hpcps.transport.wait`), described
+        by the operation and table for stall messages."""
         of = f" of table {table!r}" if table else ""
         tag, what = protocol.reply_tag(req_id, self.tag_ub), f"{protocol.OP_NAMES[op]} reply{of} (request {req_id}) from server"
         if protocol.announced(reply.nbytes):
             pending = transport.start_recv_announced(self.comm, reply, protocol.REPLY_BYTES, server, tag, what)
         else:
             pending = transport.start_recv(self.comm, reply, server, tag, what)
-        pending += transport.start_send(self.comm, msg, server, protocol.TAG_REQUEST,
-                                        f"{protocol.OP_NAMES[op]} request to server")
-        if grads is not None:
-            pending += transport.start_send(self.comm, grads, server, protocol.TAG_GRADS,
-                                            f"{protocol.OP_NAMES[op]} gradients to server")
-        return pending
+        return pending + transport.start_send(self.comm, msg, server, protocol.TAG_REQUEST,
+                                              f"{protocol.OP_NAMES[op]} request to server")
+
+    def send_grads(self, server: int, grads: np.ndarray, op: int) -> list:
+        """Send the gradients of the request just sent to ``server`` as a message of their own
+        (``protocol.GRADS_APART``); returns the pending sends."""
+        return transport.start_send(self.comm, grads, server, protocol.TAG_GRADS,
+                                    f"{protocol.OP_NAMES[op]} gradients to server")
 
     def _notify_servers(self, op: int) -> None:
         self._clock_sends = transport.completed(self._clock_sends)
@@ -333,9 +333,7 @@ class LocalContext(Context):
             raise RuntimeError("declare every table and server function before the first request")
         return self.server
 
-    def exchange(self, server: int, msg: np.ndarray, reply: np.ndarray, req_id: int, op: int, table: str = "",
-                 grads: np.ndarray | None = None) -> list:
-        assert grads is None, "gradients go apart only to server ranks"
+    def exchange(self, server: int, msg: np.ndarray, reply: np.ndarray, req_id: int, op: int, table: str = "") -> list:
         srv = self._local_server()
         srv.handle(1, msg)
         out = srv.outbox.pop(req_id, None)

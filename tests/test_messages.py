@@ -69,8 +69,7 @@ def test_large_gradients_are_packed_where_copies_run_fast_and_unpack_unchanged()
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("announced", [True, False])
-def test_an_announced_reply_is_waited_for_asleep_until_its_header_comes(announced, monkeypatch):
+def test_an_announced_reply_is_waited_for_asleep_until_its_header_comes(monkeypatch):
     """A wait on a reply sent as header then payload sleeps while the sender prepares it and
     spins only for the payload's transfer; a reply in one message is spun for as long as its
     size says (the spin rate is lowered here so that this is most of the sender's delay)."""
@@ -79,27 +78,27 @@ def test_an_announced_reply_is_waited_for_asleep_until_its_header_comes(announce
     monkeypatch.setattr(transport, "SPIN_BYTES_PER_S", 8e6)  # 8 MiB: spin for 1 s
     comm = MPI.COMM_WORLD.Dup()
     n = 8 << 20
-    if comm.rank == 0:
-        out = transport.BufferPool().take(n)
-        start = (transport.start_recv_announced(comm, out, 64, 1, 3, "reply") if announced
-                 else transport.start_recv(comm, out, 1, 3, "reply"))
-        wall, cpu = time.perf_counter(), time.process_time()
-        transport.wait(start, timeout=60)
-        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-        np.testing.assert_array_equal(out[::4096], (np.arange(n, dtype=np.int64)[::4096] % 251).astype(np.uint8))
-        share = cpu / wall
-        assert wall > 0.8, wall
-        if announced:
-            assert share < 0.3, share
-        else:
-            assert share > 0.5, share
-    elif comm.rank == 1:
-        buf = (np.arange(n, dtype=np.int64) % 251).astype(np.uint8)
-        time.sleep(1.0)  # the server's work
-        sends = (transport.start_send_announced(comm, buf, 64, 0, 3, "reply") if announced
-                 else transport.start_send(comm, buf, 0, 3, "reply"))
-        transport.wait(sends, timeout=60)
-    comm.Barrier()
+    share = {}
+    for announced in (True, False):
+        if comm.rank == 0:
+            out = transport.BufferPool().take(n)
+            start = (transport.start_recv_announced(comm, out, 64, 1, 3, "reply") if announced
+                     else transport.start_recv(comm, out, 1, 3, "reply"))
+            wall, cpu = time.perf_counter(), time.process_time()
+            transport.wait(start, timeout=60)
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            np.testing.assert_array_equal(out[::4096], (np.arange(n, dtype=np.int64)[::4096] % 251).astype(np.uint8))
+            assert wall > 0.8, wall
+            share[announced] = cpu / wall
+        elif comm.rank == 1:
+            buf = (np.arange(n, dtype=np.int64) % 251).astype(np.uint8)
+            time.sleep(1.0)  # the server's work
+            sends = (transport.start_send_announced(comm, buf, 64, 0, 3, "reply") if announced
+                     else transport.start_send(comm, buf, 0, 3, "reply"))
+            transport.wait(sends, timeout=60)
+        comm.Barrier()
+    if comm.rank == 0:  # (the spinning wait's share depends on the machine's load: compared, not fixed)
+        assert share[True] < 0.25 and share[True] < share[False] / 2, share
     comm.Free()
 
 
