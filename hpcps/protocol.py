@@ -181,24 +181,25 @@ def reply_bytes(op: int, n_pull: int, dim: int) -> int:
 # glibc's memcpy when its destination lay 16-512 bytes past its source's offset in a page (55-69
 # against 13-15 ms; 0 and 1024-4080 bytes past were fast), and MPICH's copy of a message into
 # shared memory when the message began within 8 bytes of a page's start (95-99 against 22-29 ms;
-# 16-4080 bytes in were fast): a 1,000,440-key dim-64 push took 158 against 89 ms. So a request
-# whose gradients take at least PLACED_BYTES is placed with them COPY_SHIFT bytes past their
-# source's offset in a page, or COPY_SHIFT_ALT bytes where that would start the message within
-# EDGE_BYTES of a page's start or end.
+# 16-4080 bytes in were fast, 2048 the fastest): a 1,000,440-key dim-64 push took 158 against
+# 89 ms. So a request whose gradients take at least PLACED_BYTES starts MESSAGE_AT bytes into a
+# page, or 1024 bytes further where that would put the gradients 1-1023 bytes past their
+# source's offset.
 PLACED_BYTES = 1 << 16
 PAGE = 4096
-COPY_SHIFT, COPY_SHIFT_ALT = 2048, 3072
+MESSAGE_AT = 2048
 EDGE_BYTES = 16
 
 
 def place(alloc, nbytes: int, at: int, like: np.ndarray) -> np.ndarray:
-    """``nbytes`` from ``alloc`` (default ``np.empty``) whose byte ``at`` lies :data:`COPY_SHIFT`
-    (or :data:`COPY_SHIFT_ALT`) bytes past ``like``'s first byte's offset in a page, and whose first
-    byte is at least :data:`EDGE_BYTES` from a page's edges."""
+    """``nbytes`` from ``alloc`` (default ``np.empty``) starting :data:`MESSAGE_AT` (or 1024 bytes
+    further) into a page, with byte ``at`` 0 or at least 1024 bytes past ``like``'s first byte's
+    offset in a page (see above)."""
     buf = np.empty(nbytes + PAGE, dtype=np.uint8) if alloc is None else alloc(nbytes + PAGE)
-    for shift in (COPY_SHIFT, COPY_SHIFT_ALT):
-        lo = (like.ctypes.data + shift - (buf.ctypes.data + at)) % PAGE
-        if EDGE_BYTES <= (buf.ctypes.data + lo) % PAGE <= PAGE - EDGE_BYTES:
+    for start in (MESSAGE_AT, MESSAGE_AT + 1024):
+        lo = (start - buf.ctypes.data) % PAGE
+        past = (buf.ctypes.data + lo + at - like.ctypes.data) % PAGE
+        if past == 0 or past >= 1024:
             break
     return buf[lo:lo + nbytes]
 
