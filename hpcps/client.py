@@ -384,7 +384,7 @@ class DenseTable:
             return None
         padded = np.zeros(self.chunks * self.CHUNK, dtype=np.float32)
         padded[: self.size] = total
-        return self.sparse.push(self.keys, padded.reshape(self.chunks, self.CHUNK), unique=True)
+        return self.sparse.push(self.keys, padded.reshape(self.chunks, self.CHUNK), unique=True, donate=True)
 
     def ipull(self, ahead: int = 0) -> int | None:
         """The group's first rank starts pulling the vector (its timestamp, None elsewhere), for
