@@ -13,6 +13,7 @@ import numpy as np
 
 from hpcps import bench_mpi, protocol, transport
 from hpcps.context import init
+from hpcps_kernels import optim
 from hpcps_kernels.profiler import rooflines
 
 SIZES = [1_000, 10_000, 100_000, 1_000_000]
@@ -108,12 +109,21 @@ def run(sizes=SIZES, reps: int = 5, dim: int = 1, optimizer: str = "ftrl", key_b
     world = transport.dup()
     inside = transport.bcast_object(world, inside, root=server, timeout=60, what="the server's request times")
     transport.free(world)
+    width = optim.width(optimizer, dim)
     for r in rows or []:
         t = inside.get((r["op"], r.get("keys")))
         if t:
             rate = r["keys"] / t
-            r.update(server_s=t, server_keys_per_s=rate, server_roofline_ratio=rate / r["roofline_keys_per_s"])
+            r.update(server_s=t, server_keys_per_s=rate, server_roofline_ratio=rate / r["roofline_keys_per_s"],
+                     server_gb_per_s=r["keys"] * _moved_bytes(r["op"], dim, width) / t / 1e9)
     return rows
+
+
+def _moved_bytes(op: str, dim: int, width: int) -> int:
+    """Bytes of memory the server's kernels read and write per key: a push reads the gradient and
+    reads and writes the key's row (parameters and the rule's state); a pull reads the row's
+    parameters and writes them into the reply."""
+    return 4 * dim + 2 * 4 * width if op == "push+apply" else 2 * 4 * dim
 
 
 def _server_times(trace: list) -> dict:
@@ -131,12 +141,12 @@ def _server_times(trace: list) -> dict:
 
 def format_rows(rows: list[dict], optimizer: str) -> str:
     out = [f"{'op':<11} {'keys':>9} {'ms':>9} {'Mkeys/s':>9} {'vs roofline':>11} {'GB/s':>7} {'raw MPI GB/s':>13} "
-           f"{'ratio':>6} {'server ms':>10} {'server vs roofline':>19}"]
+           f"{'ratio':>6} {'server ms':>10} {'server vs roofline':>19} {'server GB/s':>12}"]
     for r in rows:
         if r["op"] == "waiting":
             continue
-        inside = (f" {r['server_s'] * 1e3:>10.2f} {r['server_roofline_ratio']:>19.0%}" if "server_s" in r
-                  else f" {'-':>10} {'-':>19}")
+        inside = (f" {r['server_s'] * 1e3:>10.2f} {r['server_roofline_ratio']:>19.0%} {r['server_gb_per_s']:>12.1f}"
+                  if "server_s" in r else f" {'-':>10} {'-':>19} {'-':>12}")
         out.append(f"{r['op']:<11} {r['keys']:>9} {r['time_s'] * 1e3:>9.2f} {r['keys_per_s'] / 1e6:>9.2f} "
                    f"{r['roofline_ratio']:>11.0%} {r['gb_per_s']:>7.3f} {r['raw_mpi_gb_per_s']:>13.3f} {r['ratio']:>6.0%}"
                    + inside)
@@ -146,7 +156,9 @@ def format_rows(rows: list[dict], optimizer: str) -> str:
         out.append(f"(optimizer {optimizer}; push+apply = push round trip with the update applied on the server; "
                    f"roofline = one core's random accesses/s, {rows[0]['roofline_keys_per_s'] / 1e6:.0f} M/s here; "
                    f"ratio = bytes/s against a raw MPI ping-pong (blocking calls) at the same size; "
-                   f"server ms = the server's own median time on such a request, from its receipt to the reply queued)")
+                   f"server ms = the server's own median time on such a request, from its receipt to the reply queued; "
+                   f"server GB/s = the memory its kernels read and write in that time: a push's gradients and each "
+                   f"row read and written whole (parameters and the rule's state), a pull's values read and written)")
         out.append(f"waiting 1 s for a message, worker CPU: blocking MPI Recv {w['blocking Recv']:.0%}, "
                    f"hpcps wait {w['hpcps wait']:.0%}")
         out.append(f"8-byte round trip: blocking {w['rtt_blocking_us']:.1f} us, hpcps wait {w['rtt_wait_us']:.1f} us")

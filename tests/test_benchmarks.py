@@ -47,6 +47,11 @@ def test_ps_benchmark_reports_throughput_beside_raw_mpi():
     assert all(0 < r["roofline_ratio"] and 0 < r["ratio"] for r in rows if r["op"] != "waiting")
     # the server's own time on each request is part of its round trip
     assert all(0 < r["server_s"] < r["time_s"] for r in rows if r["op"] != "waiting"), rows
+    # FTRL dim 1: a push moves 4 + 2 * 12 bytes a key, a pull 2 * 4
+    for r in rows:
+        if r["op"] != "waiting":
+            per_key = 28 if r["op"] == "push+apply" else 8
+            assert abs(r["server_gb_per_s"] - r["keys"] * per_key / r["server_s"] / 1e9) < 1e-9, r
     waiting = [r for r in rows if r["op"] == "waiting"][0]
     # the polling wait does not burn a core; a blocking Recv does, as much as it gets of one (on a
     # loaded machine it shares it: 36 % once here), so the two are compared within this run
