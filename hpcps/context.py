@@ -181,13 +181,15 @@ class Context:
         self._ts += 1
         return self._ts
 
-    def exchange(self, server: int, msg: np.ndarray, reply: np.ndarray, req_id: int, op: int, table: str = "") -> list:
-        """Post the receive of request ``req_id``'s reply into ``reply``, then send ``msg`` to
-        ``server``; returns the pending transfers (for :func:`hpcps.transport.wait`), described
-        by the operation and table for stall messages."""
+    def exchange(self, server: int, msg: np.ndarray, reply: np.ndarray, req_id: int, op: int, table: str = "",
+                 announced: bool = False) -> list:
+        """Post the receive of request ``req_id``'s reply into ``reply`` (``announced``: as header
+        then payload, ``protocol.announced``), then send ``msg`` to ``server``; returns the pending
+        transfers (for :func:`hpcps.transport.wait`), described by the operation and table for
+        stall messages."""
         of = f" of table {table!r}" if table else ""
         tag, what = protocol.reply_tag(req_id, self.tag_ub), f"{protocol.OP_NAMES[op]} reply{of} (request {req_id}) from server"
-        if protocol.announced(reply.nbytes):
+        if announced:
             pending = transport.start_recv_announced(self.comm, reply, protocol.REPLY_BYTES, server, tag, what)
         else:
             pending = transport.start_recv(self.comm, reply, server, tag, what)
@@ -333,7 +335,8 @@ class LocalContext(Context):
             raise RuntimeError("declare every table and server function before the first request")
         return self.server
 
-    def exchange(self, server: int, msg: np.ndarray, reply: np.ndarray, req_id: int, op: int, table: str = "") -> list:
+    def exchange(self, server: int, msg: np.ndarray, reply: np.ndarray, req_id: int, op: int, table: str = "",
+                 announced: bool = False) -> list:
         srv = self._local_server()
         srv.handle(1, msg)
         out = srv.outbox.pop(req_id, None)

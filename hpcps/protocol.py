@@ -5,7 +5,7 @@ then, in order, the pushed keys (uint64, ``n_push``), their gradients (float32, 
 and the pulled keys (uint64, ``n_pull``); large gradients follow as a second message
 (``GRADS_APART``, below). Every reply is one message: a header (:data:`REPLY`) followed by the
 pulled values (float32, ``n_pull x dim``) or, for a checkpoint, by :data:`CHECKPOINT_RESULT`; a
-large one goes as its header, then its payload (:data:`ANNOUNCE_BYTES`). One message per request
+large pull's goes as its header, then its payload (:func:`announced`). One message per request
 keeps matching trivial (a server receives whole requests with ``ANY_SOURCE``; a worker pre-posts
 the receive of each reply under a tag unique to that request) and needs no pickling. Requests are
 split by the client so that no message exceeds 2 GiB.
@@ -60,7 +60,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hpcps_kernels.parallel import PARALLEL_MIN_VALUES
+from hpcps_kernels.parallel import splits_pull
+
 
 PULL, PUSH, CLOCK, DONE, CHECKPOINT, PUSHPULL, MARGINS, RESIDUALS, CALL = 1, 2, 3, 4, 5, 6, 7, 8, 9
 OP_NAMES = {PULL: "pull", PUSH: "push", CLOCK: "clock", DONE: "done", CHECKPOINT: "checkpoint",
@@ -306,17 +307,15 @@ def pack_reply(req_id: int, status: int, min_clock: int, server: int, payload_by
     return buf, buf[REPLY_BYTES:]
 
 
-# Replies with a payload of this many bytes or more go as two messages: the header, sent once the
-# payload is ready, then the payload (hpcps.transport.start_send_announced). The waiting worker
-# sleeps until the header comes rather than spinning through the server's work, which leaves
-# the core to the server's second thread (hpcps_kernels.parallel); 2 MiB is the smallest payload
-# of a pull the server splits in two (PARALLEL_MIN_VALUES float32 values).
-ANNOUNCE_BYTES = 4 * PARALLEL_MIN_VALUES
-
-
-def announced(reply_nbytes: int) -> bool:
-    """Whether a reply of ``reply_nbytes`` (header included) goes as header then payload."""
-    return reply_nbytes - REPLY_BYTES >= ANNOUNCE_BYTES
+# A pull's reply (PULL, PUSHPULL) goes as two messages when the server runs the pull on two
+# threads (hpcps_kernels.parallel.splits_pull): the header, sent once the payload is ready, then
+# the payload (hpcps.transport.start_send_announced). The waiting worker sleeps until the header
+# comes rather than spinning through the server's work, which leaves the core to the server's
+# second thread. Both sides tell from the request's pull keys and the table's dim.
+def announced(op: int, n_pull: int, dim: int) -> bool:
+    """Whether the reply to a request ``op`` pulling ``n_pull`` keys of ``dim`` values goes as
+    header then payload."""
+    return op in (PULL, PUSHPULL) and splits_pull(n_pull, dim)
 
 
 def reply_header(buf: np.ndarray):

@@ -502,9 +502,10 @@ class Server:
         return protocol.pack_reply(req_id, status, self.min_clock(), self.index, payload_bytes, counts,
                                    self.pool.take)
 
-    def _send(self, buf: np.ndarray, dest: int, req_id: int, what: str) -> None:
+    def _send(self, buf: np.ndarray, dest: int, req_id: int, what: str, announced: bool = False) -> None:
+        """Send a reply (``announced``: as header then payload, see ``protocol.announced``)."""
         tag = protocol.reply_tag(req_id, self.tag_ub)
-        if protocol.announced(buf.nbytes):
+        if announced:
             self.sending.extend(transport.start_send_announced(self.comm, buf, protocol.REPLY_BYTES, dest, tag, what))
         else:
             self.sending.extend(transport.start_send(self.comm, buf, dest, tag, what))
@@ -516,7 +517,7 @@ class Server:
         if n:
             self.tables[r.table].pull(r.pull_keys, payload.view(np.float32).reshape(n, dim),
                                       source - self.worker_rank0)
-        self._send(reply, source, r.req_id, f"{protocol.OP_NAMES[r.op]} reply")
+        self._send(reply, source, r.req_id, f"{protocol.OP_NAMES[r.op]} reply", protocol.announced(r.op, n, dim))
 
     def _push(self, worker: int, r: protocol.Request) -> None:
         """Apply a push now (SSP/ASP), or keep it for its turn (BSP, see the module docstring)."""
@@ -746,5 +747,5 @@ class LocalServer(Server):
         super().__init__(transport.self_comm(), 0, 1, 1, specs, placement, staleness, functions=functions)
         self.outbox: dict[int, np.ndarray] = {}
 
-    def _send(self, buf: np.ndarray, dest: int, req_id: int, what: str) -> None:
+    def _send(self, buf: np.ndarray, dest: int, req_id: int, what: str, announced: bool = False) -> None:
         self.outbox[req_id] = buf

@@ -11,7 +11,7 @@ about 0.1-0.3 ms here (gVisor), so pushes of fewer than ``PARALLEL_MIN_KEYS`` ke
 at dim 1 1.25-1.29 against 1.53-1.55 ms (3 pairs, quiet machine), of 1 M keys 9.7-10.0 against
 14.1-14.7 ms, of 100 k keys at dim 64 11.3-13.3 against 15.2-15.4 ms. Pulls gained only once the
 worker slept through the server's work instead of spinning for the reply's transfer from the
-start (``hpcps.protocol.ANNOUNCE_BYTES``): the server's own pull of 1 M keys at dim 64 then took
+start (``hpcps.protocol.announced``): the server's own pull of 1 M keys at dim 64 then took
 23-28 against 61 ms (the reply's pages no longer faulted in anew, too), of 100 k 2.8-3.0 against
 4.2-4.7 ms, of 1 M keys at dim 1 2.9-3.2 against 5.0-5.4 ms (3 alternating pairs).
 """
@@ -23,6 +23,12 @@ from typing import Callable
 
 PARALLEL_MIN_KEYS = 1 << 16  # pushes of fewer keys ...
 PARALLEL_MIN_VALUES = 1 << 19  # ... and fewer values (keys x width) run on one thread
+# A pull runs its halves at once from PARALLEL_MIN_PULL_WORK of ``keys x (values a key +
+# PULL_KEY_VALUES)``: a server's pull took here about 5 ns a key plus 0.45 ns a value (a key's
+# lookup costs as much as copying 11 values), and two threads paid from about 1.5 ms of it
+# (dim 64: 40 k keys 2.9-3.4 against 3.9-4.1 ms; 20 k keys 1.6-1.7 against 1.2-1.3 ms split).
+PARALLEL_MIN_PULL_WORK = 1 << 21
+PULL_KEY_VALUES = 8
 
 
 class Halves:
@@ -47,12 +53,19 @@ class Halves:
             self.pool = None
 
 
+def splits_pull(n: int, width: int) -> bool:
+    """Whether a server (with two threads) runs a pull of ``n`` keys of ``width`` values in two
+    halves; its reply is then announced (``hpcps.protocol.announced``), so that the worker sleeps
+    through it rather than spinning (a pull split while the worker spun, 100 k keys at dim 1:
+    0.64-0.91 against 0.57-0.58 ms)."""
+    return n * (width + PULL_KEY_VALUES) >= PARALLEL_MIN_PULL_WORK
+
+
 def worth(halves: Halves | None, n: int, width: int = 1, pull: bool = False) -> bool:
-    """Whether a push (or a ``pull``) of ``n`` keys of ``width`` values goes to :meth:`Halves.run`
-    (else its kernel runs once, on the caller's thread). A pull is split only from
-    ``PARALLEL_MIN_VALUES`` values: a smaller reply is not announced (``hpcps.protocol.
-    ANNOUNCE_BYTES``), so the worker spins through the pull and the second thread finds no core
-    (100 k keys at dim 1, 3 alternating pairs: the server's pull 0.64-0.91 against 0.57-0.58 ms)."""
+    """Whether a push (or a ``pull``, see :func:`splits_pull`) of ``n`` keys of ``width`` values
+    goes to :meth:`Halves.run` (else its kernel runs once, on the caller's thread)."""
     if halves is None or n < 2:
         return False
-    return n * width >= PARALLEL_MIN_VALUES or (not pull and n >= PARALLEL_MIN_KEYS)
+    if pull:
+        return splits_pull(n, width)
+    return n * width >= PARALLEL_MIN_VALUES or n >= PARALLEL_MIN_KEYS

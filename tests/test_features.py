@@ -343,12 +343,14 @@ def test_a_push_split_by_the_next_pull_reads_and_ends_what_a_whole_push_does(key
 def test_large_requests_in_two_halves_at_once_give_what_one_thread_gives(key_bits, dim, optimizer):
     """A server runs a large push's halves on two threads (hpcps_kernels.parallel): lookups and
     updates in one pass (a direct index, keys absent in both halves), a rule's kernel (a hash
-    index, rows too wide for one pass, reused slots). The rows and every value pulled between
-    the pushes are those of one thread, bit for bit."""
-    from hpcps_kernels.parallel import PARALLEL_MIN_KEYS, PARALLEL_MIN_VALUES, Halves
+    index, rows too wide for one pass, reused slots); and a large pull's (keys absent in both
+    halves). The rows and every value pulled between the pushes are those of one thread, bit for
+    bit."""
+    from hpcps_kernels.parallel import PARALLEL_MIN_PULL_WORK, PULL_KEY_VALUES, Halves, splits_pull, worth
 
     rng = np.random.default_rng(dim)
-    n = min(PARALLEL_MIN_KEYS, PARALLEL_MIN_VALUES // dim) + 1001
+    n = PARALLEL_MIN_PULL_WORK // (dim + PULL_KEY_VALUES) + 1001
+    assert splits_pull(n, dim) and worth(Halves(), n, dim)  # pulls and pushes both in halves
     spec = TableSpec("w", dim=dim, optimizer=optimizer, key_bits=key_bits, init="uniform", init_scale=0.1, seed=1)
     one, two = ServerTable(spec), ServerTable(spec)
     two.halves = Halves()
