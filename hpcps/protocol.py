@@ -183,10 +183,11 @@ def reply_bytes(op: int, n_pull: int, dim: int) -> int:
 # against 13-15 ms; 0 and 1024-4080 bytes past were fast), and MPICH's copy of a message into
 # shared memory when the message began within 8 bytes of a page's start (95-99 against 22-29 ms;
 # 16-4080 bytes in were fast, 2048 the fastest): a 1,000,440-key dim-64 push took 158 against
-# 89 ms. So a request whose gradients take at least PLACED_BYTES starts MESSAGE_AT bytes into a
-# page, or 1024 bytes further where that would put the gradients 1-1023 bytes past their
-# source's offset.
-PLACED_BYTES = 1 << 16
+# 89 ms. (The memcpy of 64 MB and less ran at one speed wherever it went.) So a request whose
+# gradients take at least PLACED_BYTES starts MESSAGE_AT bytes into a page, or 1024 bytes
+# further where that would put the gradients 1-1023 bytes past their source's offset. (Gradients
+# of GRADS_APART_BYTES and more mostly go apart, from their own array.)
+PLACED_BYTES = 32 << 20
 PAGE = 4096
 MESSAGE_AT = 2048
 EDGE_BYTES = 16
@@ -256,10 +257,15 @@ def header(buf: np.ndarray):
 assert all(REQUEST.fields[n][0] == np.dtype("<i8") for n in REQUEST.names)  # read as one int64 array below
 
 
+_FLAGS_AT = REQUEST.fields["flags"][1]
+
+
 def apart_grads_bytes(buf: np.ndarray, dims: list[int]) -> int:
     """The size of the gradients message that follows request ``buf`` (0: none)."""
+    if not buf[_FLAGS_AT] & GRADS_APART:  # (one byte read: this runs on every request)
+        return 0
     op, table, _, n_push, _, _, _, _, flags = buf[:HEADER_BYTES].view(np.int64).tolist()
-    return 4 * n_push * dims[table] if flags & GRADS_APART and op in (PUSH, PUSHPULL) else 0
+    return 4 * n_push * dims[table] if op in (PUSH, PUSHPULL) else 0
 
 
 def unpack_request(buf: np.ndarray, dims: list[int], grads: np.ndarray | None = None) -> Request:

@@ -247,7 +247,8 @@ def wait(
     if isinstance(pending, Pending):
         pending = [pending]
     todo = [p for p in pending if p.request != MPI.REQUEST_NULL]
-    spin = spin_budget(sum(p.nbytes for p in _due(todo)))
+    ordered = any(p.after is not None for p in todo)  # (else every transfer is due from the start)
+    spin = spin_budget(sum(p.nbytes for p in (_due(todo) if ordered else todo)))
     start = time.perf_counter()
     sleep = POLL_MIN_SLEEP_S
     warned = False
@@ -256,9 +257,10 @@ def wait(
         if not left:
             return
         if len(left) < len(todo):
-            due, was_due = _due(left), {id(p) for p in _due(todo)}
+            due = _due(left) if ordered else left
+            was_due = {id(p) for p in _due(todo)} if ordered else ()
             if (sum(p.nbytes for p in todo) - sum(p.nbytes for p in left) >= SPIN_RESET_BYTES
-                    or any(id(p) not in was_due for p in due)):
+                    or ordered and any(id(p) not in was_due for p in due)):
                 # a large message done (a push's send), or a large reply announced: spin for the
                 # transfers due from now on
                 spin = time.perf_counter() - start + spin_budget(sum(p.nbytes for p in due))

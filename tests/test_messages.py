@@ -46,10 +46,11 @@ def test_a_pool_reuses_a_buffer_only_once_nothing_refers_to_it():
     assert len({x.ctypes.data for x in big}) == 4
 
 
-def test_large_gradients_are_packed_where_copies_run_fast_and_unpack_unchanged():
+def test_large_gradients_are_packed_where_copies_run_fast_and_unpack_unchanged(monkeypatch):
     rng = np.random.default_rng(0)
     pool = transport.BufferPool(min_bytes=1 << 10)
     shifts = set()
+    monkeypatch.setattr(protocol, "PLACED_BYTES", 1 << 16)  # (placed from 32 MiB: small arrays here)
     for n, dim in ((3, 4), (9000, 8), (20011, 3), *((n, 32) for n in range(600, 1112))):  # (a page's worth of 8n)
         keys = rng.integers(0, 2**63, n, dtype=np.uint64)
         grads = rng.normal(size=(n, dim)).astype(np.float32)
