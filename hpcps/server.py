@@ -93,7 +93,7 @@ class ServerTable:
         # step after the next batch's pull) takes those slots instead of looking the keys up again
         self.resolved: dict[int, list] = {}
         self.reused = 0  # keys of pushes whose slots came from the pull before
-        self.halves: Halves | None = None  # large pushes' halves at once (set by the Server)
+        self.halves: Halves | None = None  # large requests' halves at once (set by the Server)
 
     def _budget_keys(self) -> int:
         """How many rows fit ``server_memory_mb``: the fixed arrays (direct index, counters)
@@ -412,8 +412,8 @@ class ServerTable:
 
 
 def server_halves() -> Halves | None:
-    """Whether a server runs the halves of a large push at once (``HPCPS_SERVER_THREADS``: 2, the
-    default, or 1; see :mod:`hpcps_kernels.parallel`)."""
+    """Whether a server runs the halves of a large push or pull at once (``HPCPS_SERVER_THREADS``:
+    2, the default, or 1; see :mod:`hpcps_kernels.parallel`)."""
     value = os.environ.get("HPCPS_SERVER_THREADS", "2").strip()
     if value not in ("1", "2"):
         raise ValueError(f"HPCPS_SERVER_THREADS must be 1 or 2 (got {value!r})")
