@@ -193,11 +193,16 @@ MESSAGE_AT = 2048
 EDGE_BYTES = 16
 
 
+def _take(alloc, nbytes: int) -> np.ndarray:
+    """``nbytes`` of a message buffer from ``alloc`` (a ``BufferPool.take``), or ``np.empty``."""
+    return np.empty(nbytes, dtype=np.uint8) if alloc is None else alloc(nbytes)
+
+
 def place(alloc, nbytes: int, at: int, like: np.ndarray) -> np.ndarray:
     """``nbytes`` from ``alloc`` (default ``np.empty``) starting :data:`MESSAGE_AT` (or 1024 bytes
     further) into a page, with byte ``at`` 0 or at least 1024 bytes past ``like``'s first byte's
     offset in a page (see above)."""
-    buf = np.empty(nbytes + PAGE, dtype=np.uint8) if alloc is None else alloc(nbytes + PAGE)
+    buf = _take(alloc, nbytes + PAGE)
     for start in (MESSAGE_AT, MESSAGE_AT + 1024):
         lo = (start - buf.ctypes.data) % PAGE
         past = (buf.ctypes.data + lo + at - like.ctypes.data) % PAGE
@@ -232,7 +237,7 @@ def pack_request(op: int, table: int, req_id: int, clock: int, worker: int, push
     if n_push * dim * 4 >= PLACED_BYTES and not flags & GRADS_APART:  # the gradients' copy is most of the packing
         buf = place(alloc, nbytes, HEADER_BYTES + 8 * n_push, grads)
     else:
-        buf = np.empty(nbytes, dtype=np.uint8) if alloc is None else alloc(nbytes)
+        buf = _take(alloc, nbytes)
     buf[:HEADER_BYTES].view(REQUEST)[0] = (op, table, req_id, n_push, n_pull, clock, worker, ahead, flags)
     at = HEADER_BYTES
     if n_push:
@@ -307,8 +312,7 @@ def pack_reply(req_id: int, status: int, min_clock: int, server: int, payload_by
                counts: tuple[int, int, int] = (0, 0, 0), alloc=None) -> tuple[np.ndarray, np.ndarray]:
     """A reply message and a view of its payload (to be filled); ``counts``: the table's
     (rows held, keys admitted, rows evicted) on this server; ``alloc``: as for :func:`pack_request`."""
-    nbytes = REPLY_BYTES + payload_bytes
-    buf = np.empty(nbytes, dtype=np.uint8) if alloc is None else alloc(nbytes)
+    buf = _take(alloc, REPLY_BYTES + payload_bytes)
     buf[:REPLY_BYTES].view(REPLY)[0] = (req_id, status, min_clock, server, *counts)
     return buf, buf[REPLY_BYTES:]
 

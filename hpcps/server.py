@@ -48,7 +48,7 @@ from hpcps_kernels import keys as kkeys
 from hpcps_kernels import models as kmodels
 from hpcps_kernels.directindex import DirectKeyIndex
 from hpcps_kernels.hashtable import KeyIndex
-from hpcps_kernels.parallel import Halves, worth
+from hpcps_kernels.parallel import Halves, over
 
 # a checkpoint write that fails late, in HDF5's release of the file's objects, says so in one line
 transport.EXPLAINERS.append(checkpoint.explain_write_failure)
@@ -182,11 +182,9 @@ class ServerTable:
             slots = self.index.pull(keys, self.rows, s.dim, self.kind, s.init_scale, s.seed, out, self.halves)
         else:
             slots = self.index.lookup(keys)
-            if worth(self.halves, keys.shape[0], s.dim, pull=True):
-                self.halves.run(keys.shape[0], lambda lo, hi: kinit.pull_rows(
-                    self.rows, slots[lo:hi], keys[lo:hi], s.dim, self.kind, s.init_scale, s.seed, out[lo:hi]))
-            else:
-                kinit.pull_rows(self.rows, slots, keys, s.dim, self.kind, s.init_scale, s.seed, out)
+            over(self.halves, keys.shape[0], lambda lo, hi: kinit.pull_rows(
+                self.rows, slots[lo:hi], keys[lo:hi], s.dim, self.kind, s.init_scale, s.seed, out[lo:hi]),
+                 s.dim, pull=True)
         for key, values in self.init_keys:  # absent keys with given initial values
             out[(keys == key) & (slots < 0)] = values
         if worker >= 0 and self.counts is None and not self.max_keys:

@@ -72,6 +72,7 @@ POOL_MAX_BYTES = 1 << 30
 # in the middle, where 264 MB went fastest each way: 23.5-24.4 ms sent or received at 2048 bytes
 # in, 26.5-28.0 at 16 (numpy's own) and 26.6-30.0 at 256 (two runs, alternating).
 POOL_PAGE_OFFSET = 2048
+PAGE_BYTES = 4096
 
 
 class StallError(RuntimeError):
@@ -462,8 +463,8 @@ class BufferPool:
             return np.empty(nbytes, dtype=np.uint8)
         best = -1
         for i in range(len(self._buffers)):  # the smallest free buffer that fits, at most twice the size
-            size = self._buffers[i].nbytes - 4096
-            if nbytes <= size <= 2 * nbytes and (best < 0 or size < self._buffers[best].nbytes - 4096) \
+            size = self._buffers[i].nbytes - PAGE_BYTES  # (a page to start it at POOL_PAGE_OFFSET)
+            if nbytes <= size <= 2 * nbytes and (best < 0 or size < self._buffers[best].nbytes - PAGE_BYTES) \
                     and self._free(i):
                 best = i
         if best >= 0:
@@ -471,8 +472,8 @@ class BufferPool:
             return self._start(self._buffers[best], nbytes)
         # an eighth more than asked for (pages never touched cost nothing), so that a slightly
         # larger message later reuses it, and a page to start it at POOL_PAGE_OFFSET
-        want = nbytes + nbytes // 8 + 4096
-        held, i = sum(b.nbytes for b in self._buffers), 0
+        want = nbytes + nbytes // 8 + PAGE_BYTES
+        held, i = self.held_bytes, 0
         while held + want > self.max_bytes and i < len(self._buffers):  # forget free buffers while over
             if self._free(i):
                 held -= self._buffers.pop(i).nbytes
@@ -485,7 +486,7 @@ class BufferPool:
 
     @staticmethod
     def _start(buf: np.ndarray, nbytes: int) -> np.ndarray:
-        lo = (POOL_PAGE_OFFSET - buf.ctypes.data) % 4096
+        lo = (POOL_PAGE_OFFSET - buf.ctypes.data) % PAGE_BYTES
         return buf[lo:lo + nbytes]
 
     @property

@@ -43,7 +43,7 @@ import numpy as np
 from numba import njit
 
 from ._prefetch import NARROW, prefetch, prefetch_lines
-from .parallel import Halves, worth
+from .parallel import Halves, over
 
 AHEAD = 16  # prefetch distance, in keys: a row's cache lines are fetched this many keys early
 WIDE_AHEAD_BYTES = 4096  # ... or, for wide rows, this many bytes of rows early (at least 4 keys)
@@ -352,10 +352,8 @@ class Optimizer:
         """Update ``rows[slots[i]]`` with ``grads[i]``; with ``halves``, a large push's two halves at
         once (the slots are distinct and a rule updates each row from its own gradient only)."""
         args = [params[a] for a in self.args]
-        if worth(halves, slots.shape[0], grads.shape[1]):
-            halves.run(slots.shape[0], lambda lo, hi: self.kernel(rows, slots[lo:hi], grads[lo:hi], *args))
-        else:
-            self.kernel(rows, slots, grads, *args)
+        over(halves, slots.shape[0], lambda lo, hi: self.kernel(rows, slots[lo:hi], grads[lo:hi], *args),
+             grads.shape[1])
 
     def range_error(self, key: str, value: float) -> str | None:
         """Why ``value`` is not allowed for hyper-parameter ``key`` (None if it is)."""

@@ -53,6 +53,13 @@ class Halves:
             self.pool = None
 
 
+def over(halves: Halves | None, n: int, call: Callable[[int, int], object], width: int = 1,
+         pull: bool = False) -> list:
+    """``call(lo, hi)`` over ``range(n)``: on its two halves at once where :func:`worth` says so,
+    else once; the results, in order."""
+    return halves.run(n, call) if worth(halves, n, width, pull) else [call(0, n)]
+
+
 def splits_pull(n: int, width: int) -> bool:
     """Whether a server (with two threads) runs a pull of ``n`` keys of ``width`` values in two
     halves; its reply is then announced (``hpcps.protocol.announced``), so that the worker sleeps
