@@ -3,8 +3,11 @@
 import atexit
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
+
+import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -31,3 +34,15 @@ def pytest_collection_modifyitems(session, config, items):
         return
     rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(HEAVY_FIRST)))  # stable: the rest in order
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MiB tmpfs (needs root; skipped with the reason elsewhere)."""
+    where = tmp_path / "disk"
+    where.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(where)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.strip()}")
+    yield where
+    subprocess.run(["umount", "-l", str(where)], capture_output=True)

@@ -317,18 +317,6 @@ def test_restore_onto_a_server_that_owns_no_shard(tmp_path):
 
 # -- disk full during a checkpoint -------------------------------------------------------------------
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 16 MiB tmpfs (needs root; skipped with the reason elsewhere)."""
-    where = tmp_path / "disk"
-    where.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(where)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.strip()}")
-    yield where
-    subprocess.run(["umount", "-l", str(where)], capture_output=True)
-
-
 def test_disk_full_during_a_checkpoint_loses_nothing_committed(small, tmp_path, small_disk):
     ck = small_disk / "ck"
     args = ["train", *sets(data__train=small[0], train__epochs=2, train__progress=False, train__batch_size=20,
