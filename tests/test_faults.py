@@ -79,7 +79,10 @@ def small(tmp_path_factory):
 # -- signals: SIGINT and SIGTERM mid-run ------------------------------------------------------------
 
 
-# -- a full disk: during a model write, during a checkpoint -----------------------------------------
+# -- a full disk during a model write -------------------------------------------------------------
+
+
+# -- a full disk during a checkpoint --------------------------------------------------------------
 
 
 # -- files that change under a running job ---------------------------------------------------------
