@@ -14,7 +14,15 @@ A checkpoint is a directory ``<dir>/ckpt-<step, 10 digits>/`` holding:
   non-cryptographic hash that detects truncation and damage at memory speed).
 
 It is first written as ``ckpt-<step>.tmp`` and renamed when the manifest is in place, so a
-checkpoint directory without ``.tmp`` is complete. Durability: every server file is fsync'ed by
+checkpoint directory without ``.tmp`` is complete.
+
+Checkpoints belong to a run: the manifest's ``run_id`` is drawn when a run starts fresh and
+inherited by every run resumed from one of its checkpoints (its lineage). A checkpoint directory
+holds one lineage (:func:`claim`, before training), and retention (:func:`prune`) only ever
+deletes complete checkpoints of the lineage that writes, older than the newest ``keep`` good ones.
+Nothing else is deleted: a damaged checkpoint is moved under ``damaged/``, another run's under
+``replaced/`` (``checkpoint.existing = "replace"``), and the checkpoints of the lineage past the
+one a run resumes from under ``superseded/``. Durability: every server file is fsync'ed by
 its writer, the manifest is fsync'ed, and so are the checkpoint directory before the rename and
 its parent after it, so a committed checkpoint survives a power loss or node crash, not only a
 process crash. The manifest carries its own XXH64 (``manifest_xxh64``, over its canonical JSON),
@@ -34,7 +42,9 @@ import mmap
 import os
 import re
 import shutil
+import time
 import traceback
+import uuid
 from dataclasses import dataclass
 
 import h5py
@@ -47,14 +57,62 @@ VERSION = 2            # 2: the manifest carries its own checksum (version 1 is 
 READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 _NAME = re.compile(r"^ckpt-(\d{10})$")
+# where checkpoints that are not deleted go, inside a checkpoint directory
+DAMAGED, REPLACED, SUPERSEDED = "damaged", "replaced", "superseded"
+UNNAMED_RUN = "unnamed"  # the lineage of checkpoints written before manifests named their run
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or damaged; the message says which and why."""
 
 
+def say(line: str) -> None:
+    """The default ``report`` of this module's functions: a line on standard output, at once."""
+    print(line, flush=True)
+
+
+def new_run_id() -> str:
+    """A fresh run's id (16 hex digits), written in every checkpoint of its lineage."""
+    return uuid.uuid4().hex[:16]
+
+
+def run_of(manifest: dict) -> str:
+    """The run (lineage) a manifest belongs to."""
+    return manifest.get("run_id") or UNNAMED_RUN
+
+
+def step_of(ckpt: str) -> int:
+    """The step in a checkpoint directory's name."""
+    return int(os.path.basename(os.path.normpath(ckpt))[5:15])
+
+
+def move_aside(path: str, under: str) -> str:
+    """Move ``path`` into the directory ``under`` (made if missing) under a name not taken there
+    yet, durably; returns its new path. A rename: nothing is copied and nothing deleted."""
+    os.makedirs(under, exist_ok=True)
+    name = os.path.basename(os.path.normpath(path))
+    target, n = os.path.join(under, name), 1
+    while os.path.exists(target):
+        n += 1
+        target = os.path.join(under, f"{name}.{n}")
+    os.replace(path, target)
+    fsync_path(under)
+    fsync_path(os.path.dirname(os.path.abspath(path)))
+    return target
+
+
 def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"ckpt-{step:010d}")
+
+
+def begin(root: str, step: int) -> str:
+    """The empty directory ``root/ckpt-<step>.tmp`` that a checkpoint is written into (what an
+    interrupted write left under that name is removed: it was never a checkpoint)."""
+    tmp = step_dir(root, step) + ".tmp"
+    if os.path.isdir(tmp):
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    return tmp
 
 
 def server_file(ckpt: str, server: int) -> str:
@@ -167,9 +225,10 @@ def manifest_digest(manifest: dict) -> str:
     return f"{int(xxh64(raw, 0, raw.shape[0], np.uint64(0))):016x}"
 
 
-def commit(tmp_dir: str, manifest: dict, keep: int) -> str:
+def commit(tmp_dir: str, manifest: dict, keep: int, report=say) -> str:
     """Write the manifest into ``tmp_dir`` (``.../ckpt-N.tmp``), rename it to ``ckpt-N`` and prune
-    older checkpoints beyond ``keep``. Returns the final path."""
+    the run's older checkpoints beyond ``keep`` (:func:`prune`, for the manifest's ``run_id``).
+    A checkpoint already named ``ckpt-N`` is moved under ``superseded/``. Returns the final path."""
     final = tmp_dir[:-4] if tmp_dir.endswith(".tmp") else tmp_dir
     path = os.path.join(tmp_dir, MANIFEST)
     manifest = {**manifest, "manifest_xxh64": manifest_digest(manifest)}
@@ -179,11 +238,14 @@ def commit(tmp_dir: str, manifest: dict, keep: int) -> str:
         os.fsync(f.fileno())
     os.replace(path + ".part", path)
     fsync_path(tmp_dir)  # the server files' and the manifest's directory entries
+    root = os.path.dirname(os.path.abspath(final))
     if os.path.exists(final):
-        shutil.rmtree(final)
+        moved = move_aside(final, os.path.join(root, SUPERSEDED))
+        report(f"hpcps: checkpoint {final} existed already: moved to {moved}")
     os.replace(tmp_dir, final)
-    fsync_path(os.path.dirname(os.path.abspath(final)))  # the rename itself
-    prune(os.path.dirname(final), keep)
+    fsync_path(root)  # the rename itself
+    _remember_verified(final, manifest)  # its writers checksummed the files as they are
+    prune(os.path.dirname(final), keep, run_of(manifest), report)
     return final
 
 
@@ -195,13 +257,91 @@ def complete_checkpoints(root: str) -> list[str]:
     return [os.path.join(root, n) for n in found]
 
 
-def prune(root: str, keep: int) -> None:
-    done = complete_checkpoints(root)
-    for old in done[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
-    for n in os.listdir(root):  # leftovers of interrupted writes, older than the newest complete one
-        if n.endswith(".tmp") and done and n[:-4] < os.path.basename(done[-1]):
-            shutil.rmtree(os.path.join(root, n), ignore_errors=True)
+def quarantine(ckpt: str, why: str, report=say) -> str:
+    """Move a damaged checkpoint under ``damaged/`` of its directory, saying so; its new path."""
+    moved = move_aside(ckpt, os.path.join(os.path.dirname(os.path.abspath(ckpt)), DAMAGED))
+    report(f"hpcps: checkpoint {ckpt} is damaged ({why}): moved to {moved}")
+    return moved
+
+
+def prune(root: str, keep: int, run_id: str, report=say) -> list[str]:
+    """Retention: of the complete checkpoints of the run ``run_id`` in ``root``, keep the newest
+    ``keep`` that are good and delete the older ones; returns those deleted. Checkpoints of other
+    runs are never touched. Only when there is something to delete are the kept ones verified
+    (:func:`verify`, once per checkpoint as long as its files are unchanged): a damaged one is
+    moved under ``damaged/`` and does not count. Unfinished writes (``.tmp``) older than the run's
+    newest checkpoint are removed."""
+    ours, unreadable = [], []
+    for ckpt in complete_checkpoints(root):
+        try:
+            if run_of(read_manifest(ckpt)) == run_id:
+                ours.append(ckpt)
+        except CheckpointError as e:
+            unreadable.append((ckpt, str(e)))
+    deleted: list[str] = []
+    if len(ours) > keep:
+        for ckpt, why in unreadable:  # (in a directory a run has claimed: damaged, not another run's)
+            quarantine(ckpt, why.split(": ", 1)[-1], report)
+        kept = 0
+        for ckpt in reversed(ours):
+            if kept >= keep:
+                shutil.rmtree(ckpt, ignore_errors=True)
+                deleted.append(ckpt)
+                continue
+            try:
+                verify(ckpt, trust_unchanged=True)
+                kept += 1
+            except CheckpointError as e:
+                quarantine(ckpt, str(e).split(": ", 1)[-1], report)
+    if ours:
+        newest = os.path.basename(ours[-1])
+        for n in os.listdir(root):
+            if n.endswith(".tmp") and _NAME.match(n[:-4]) and n[:-4] < newest:
+                shutil.rmtree(os.path.join(root, n), ignore_errors=True)
+    return deleted
+
+
+def claim(root: str, run_id: str, resumed_step: int | None, existing: str = "error", report=say) -> str | None:
+    """Before a run writes into ``root``: make it hold checkpoints of the run ``run_id`` only.
+    Returns why it cannot (None when it can): ``root`` holds checkpoints of another run, and
+    ``existing`` is not ``"replace"``, which moves them under ``replaced/<time>/`` instead.
+    A resumed run (``resumed_step``, the step it resumes from) moves its own lineage's checkpoints
+    past that step under ``superseded/`` (they would be mistaken for its newest), and damaged
+    checkpoints (an unreadable manifest) under ``damaged/``; for a fresh run those are another
+    run's. Nothing is deleted."""
+    others, later = [], []
+    for ckpt in complete_checkpoints(root):
+        try:
+            lineage = run_of(read_manifest(ckpt))
+        except CheckpointError as e:
+            if resumed_step is not None:
+                quarantine(ckpt, str(e).split(": ", 1)[-1], report)
+            else:
+                others.append((ckpt, "damaged"))
+            continue
+        if lineage != run_id:
+            others.append((ckpt, lineage))
+        elif resumed_step is not None and step_of(ckpt) > resumed_step:
+            later.append(ckpt)
+    if others and existing != "replace":
+        runs = sorted({r for _, r in others if r != "damaged"})
+        damaged = sum(r == "damaged" for _, r in others)
+        what = (f"run {', '.join(runs)}" if runs else "") + (" and " if runs and damaged else "") + (
+            f"{damaged} damaged" if damaged else "")
+        return (f"checkpoint.dir {root} holds {len(others)} checkpoint(s) of another run ({what}; newest "
+                f"{os.path.basename(others[-1][0])}): continue that run with --resume auto, write to another "
+                f"checkpoint.dir, or set checkpoint.existing = \"replace\" to move them aside (to "
+                f"{os.path.join(root, REPLACED)}/); nothing was deleted")
+    if others:
+        where = os.path.join(root, REPLACED, time.strftime("%Y%m%dT%H%M%S"))
+        for ckpt, _ in others:
+            move_aside(ckpt, where)
+        report(f"hpcps train: moved {len(others)} checkpoint(s) of another run from {root} to {where} "
+               f"(checkpoint.existing = \"replace\")")
+    for ckpt in later:
+        moved = move_aside(ckpt, os.path.join(root, SUPERSEDED))
+        report(f"hpcps train: {ckpt} is past the step resumed from ({resumed_step}): moved to {moved}")
+    return None
 
 
 def read_manifest(ckpt: str) -> dict:
@@ -220,9 +360,36 @@ def read_manifest(ckpt: str) -> dict:
     return m
 
 
-def verify(ckpt: str) -> dict:
-    """The manifest, after checking its own checksum and every server file's size and XXH64."""
+# checkpoint path -> its files' (name, size, mtime, inode) when they last verified
+_verified: dict[str, tuple] = {}
+
+
+def _signature(ckpt: str, manifest: dict) -> tuple:
+    sig = []
+    for name in [MANIFEST, *(e["name"] for e in manifest.get("files", []))]:
+        st = os.stat(os.path.join(ckpt, name))
+        sig.append((name, st.st_size, st.st_mtime_ns, st.st_ino))
+    return tuple(sig)
+
+
+def _remember_verified(ckpt: str, manifest: dict) -> None:
+    try:
+        _verified[os.path.abspath(ckpt)] = _signature(ckpt, manifest)
+    except OSError:
+        pass
+
+
+def verify(ckpt: str, trust_unchanged: bool = False) -> dict:
+    """The manifest, after checking its own checksum and every server file's size and XXH64.
+    ``trust_unchanged``: skip the files' checksums when this process has verified (or written)
+    them and none of them has changed since (size, modification time, inode)."""
     m = read_manifest(ckpt)
+    if trust_unchanged:
+        try:
+            if _verified.get(os.path.abspath(ckpt)) == _signature(ckpt, m):
+                return m
+        except (OSError, KeyError, TypeError):
+            pass
     for entry in m["files"]:
         path = os.path.join(ckpt, entry["name"])
         if not os.path.exists(path):
@@ -232,16 +399,19 @@ def verify(ckpt: str) -> dict:
             raise CheckpointError(f"{ckpt}: {entry['name']} has {size} bytes, the manifest says {entry['bytes']} (truncated?)")
         if checksum(path) != entry["xxh64"]:
             raise CheckpointError(f"{ckpt}: {entry['name']} fails its XXH64 checksum (damaged)")
+    _remember_verified(ckpt, m)
     return m
 
 
-def newest_good(root: str, report=print) -> tuple[str, dict] | None:
-    """The newest checkpoint under ``root`` that verifies; damaged ones are reported and skipped."""
+def newest_good(root: str, report=say, move_damaged: bool = False) -> tuple[str, dict] | None:
+    """The newest checkpoint under ``root`` that verifies; damaged ones are reported and skipped,
+    and with ``move_damaged`` moved under ``damaged/`` (:func:`quarantine`)."""
     for ckpt in reversed(complete_checkpoints(root)):
         try:
             return ckpt, verify(ckpt)
         except CheckpointError as e:
-            report(f"hpcps: checkpoint skipped: {e}")
+            moved = quarantine(ckpt, "", lambda line: None) if move_damaged else ""
+            report(f"hpcps: checkpoint skipped: {e}" + (f"; moved to {moved}" if moved else ""))
     return None
 
 

@@ -273,7 +273,7 @@ def _cmd_inspect(args) -> int:
             pos = m.get("position", {})
             lay = m.get("layout", {})
             print(f"  step {pos.get('global_step')} (next: epoch {pos.get('epoch')}, step {pos.get('step')}), "
-                  f"clock {m.get('clock')}, reason {m.get('reason')!r}")
+                  f"clock {m.get('clock')}, reason {m.get('reason')!r}, run {checkpoint.run_of(m)}")
             print(f"  written by {lay.get('servers')} server(s), {lay.get('workers')} worker(s); "
                   f"{lay.get('num_shards')} virtual shards; {s.bytes / 1e6:.1f} MB in {len(m.get('files', []))} file(s)")
             for t in m.get("tables", []):

@@ -118,6 +118,7 @@ class Checkpoint:
     final: bool = True               # checkpoint at the end of training
     resume: str = ""                 # "" = start fresh | auto = newest good checkpoint in dir | a path
     allow_other_data: bool = False   # resume even if the training file, batch size or workers changed
+    existing: str = "error"          # a fresh run into a dir holding another run's checkpoints: error | replace (move them aside)
 
 
 @dataclass(frozen=True)
@@ -229,6 +230,7 @@ CHOICES = {
     ("model", "bias_init"): ("auto", "zero"),
     ("train", "gradient"): ("sum", "mean"),
     ("checkpoint", "on_signal"): ("exit", "continue"),
+    ("checkpoint", "existing"): ("error", "replace"),
 }
 
 

@@ -220,7 +220,7 @@ class Context:
         files' checksums and rename the directory. Returns the checkpoint's path."""
         tmp = checkpoint.step_dir(root, step) + ".tmp"
         try:
-            os.makedirs(tmp, exist_ok=True)
+            checkpoint.begin(root, step)
         except OSError as e:
             raise checkpoint.write_failure(tmp, e, "the first worker") from None
         words = protocol.encode_path(tmp)

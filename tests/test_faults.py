@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from hpcps import checkpoint
@@ -74,6 +75,109 @@ def small(tmp_path_factory):
 
 
 # -- checkpoints belong to a run: lineage and retention ---------------------------------------------
+
+def _train(small, ck, *extra, epochs=1, n=2, **kv):
+    return job(n, ["train", *sets(data__train=small[0], data__test=small[1], train__epochs=epochs,
+                                  train__progress=False, checkpoint__dir=str(ck), **kv), *extra])
+
+
+def _listing(ck) -> list[str]:
+    return [os.path.basename(p) for p in checkpoint.complete_checkpoints(str(ck))]
+
+
+def test_a_fresh_run_into_another_runs_checkpoints_stops_and_deletes_nothing(small, tmp_path):
+    ck = tmp_path / "ck"
+    rc, out = _train(small, ck, epochs=3, checkpoint__every_steps=50)
+    assert rc == 0, out[-3000:]
+    before = _listing(ck)
+    assert len(before) == 3 and all(checkpoint.verify(str(ck / n)) for n in before)
+    first_run = checkpoint.run_of(checkpoint.read_manifest(str(ck / before[-1])))
+    # a fresh 1-epoch run into the same directory: its steps are lower than the other run's
+    rc, out = _train(small, ck, "--summary-json", str(tmp_path / "s.json"))
+    assert rc == 2, out[-3000:]
+    errors = [ln for ln in out.splitlines() if ": error: " in ln]
+    assert errors and all(f"checkpoint.dir {ck} holds 3 checkpoint(s) of another run (run {first_run}" in ln
+                          and "--resume auto" in ln and 'checkpoint.existing = "replace"' in ln for ln in errors), out
+    assert "Traceback" not in out and not (tmp_path / "s.json").exists()
+    assert _listing(ck) == before  # nothing deleted, nothing written
+    # moved aside on request, never deleted; the summary names the checkpoint this run wrote
+    rc, out = _train(small, ck, "--summary-json", str(tmp_path / "s.json"), checkpoint__existing="replace")
+    assert rc == 0, out[-3000:]
+    moved = [os.path.join(r, d) for r, ds, _ in os.walk(ck / checkpoint.REPLACED) for d in ds if d.startswith("ckpt-")]
+    assert sorted(map(os.path.basename, moved)) == before and all(checkpoint.verify(m) for m in moved)
+    summary = json.load(open(tmp_path / "s.json"))
+    mine = _listing(ck)
+    assert len(mine) == 1 and summary["checkpoint"] == str(ck / mine[0]), (summary.get("checkpoint"), mine)
+    assert checkpoint.run_of(checkpoint.read_manifest(str(ck / mine[0]))) != first_run
+    assert f"  checkpoints  {ck / mine[0]}" in out and f"hpcps export {ck / mine[0]}" in out
+
+
+def test_resume_over_only_damaged_checkpoints_keeps_them_and_the_new_run(small, tmp_path):
+    ck = tmp_path / "ck"
+    rc, out = _train(small, ck, epochs=3, checkpoint__every_steps=50)
+    assert rc == 0, out[-3000:]
+    before = _listing(ck)
+    for name in before:  # every checkpoint damaged: a byte flipped in the middle of its server file
+        with open(ck / name / "server-0.h5", "r+b") as f:
+            f.seek(os.path.getsize(f.name) // 2)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0xFF]))
+    rc, out = _train(small, ck, "--resume", "auto", "--summary-json", str(tmp_path / "s.json"))
+    assert rc == 0, out[-3000:]
+    assert out.count("fails its XXH64 checksum") == 3 and "starting from scratch" in out, out[-3000:]
+    assert sorted(os.listdir(ck / checkpoint.DAMAGED)) == before  # moved, said so, not deleted
+    mine = _listing(ck)  # the new run's checkpoint is kept (its steps are lower than the damaged ones')
+    assert len(mine) == 1 and json.load(open(tmp_path / "s.json"))["checkpoint"] == str(ck / mine[0])
+    checkpoint.verify(str(ck / mine[0]))
+
+
+def _fake(root, step, run_id, keep=2):
+    """A one-server checkpoint of ``run_id`` at ``step``, committed with ``keep``."""
+    tmp = checkpoint.begin(str(root), step)
+    keys = np.arange(step, step + 100, dtype=np.uint64)
+    rows = np.full((100, 2), step, dtype=np.float32)
+    size, digest = checkpoint.write_server_file(checkpoint.server_file(tmp, 0), 0, 1, 8, [("w", keys, rows)])
+    manifest = {"format": checkpoint.FORMAT, "version": checkpoint.VERSION, "run_id": run_id,
+                "position": {"global_step": step}, "layout": {"num_shards": 8, "servers": 1},
+                "tables": [{"name": "w", "dim": 1, "width": 2}],
+                "files": [{"name": "server-0.h5", "bytes": size, "xxh64": digest}]}
+    return checkpoint.commit(tmp, manifest, keep, report=lambda m: None)
+
+
+def test_retention_keeps_good_checkpoints_of_its_own_run_only(tmp_path):
+    _fake(tmp_path, 500, "other")  # another run's, with higher steps
+    for step in (10, 20):
+        _fake(tmp_path, step, "mine")
+    with open(tmp_path / "ckpt-0000000020" / "server-0.h5", "r+b") as f:  # the newer of mine is damaged
+        f.seek(3000)
+        f.write(b"\xff" * 8)
+    path = _fake(tmp_path, 30, "mine", keep=2)  # two good ones of mine kept: 30 and 10; 20 moved aside
+    assert path.endswith("ckpt-0000000030")
+    assert _listing(tmp_path) == ["ckpt-0000000010", "ckpt-0000000030", "ckpt-0000000500"]
+    assert os.listdir(tmp_path / checkpoint.DAMAGED) == ["ckpt-0000000020"]
+    _fake(tmp_path, 40, "mine", keep=2)  # now 10 is the oldest of mine beyond keep: deleted
+    assert _listing(tmp_path) == ["ckpt-0000000030", "ckpt-0000000040", "ckpt-0000000500"]
+    checkpoint.verify(str(tmp_path / "ckpt-0000000500"))  # the other run's, untouched throughout
+
+
+def test_a_run_resumed_from_an_older_checkpoint_moves_the_later_ones_aside(tmp_path):
+    for step in (10, 20, 30):
+        _fake(tmp_path, step, "mine", keep=5)
+    lines = []
+    assert checkpoint.claim(str(tmp_path), "mine", 10, report=lines.append) is None
+    assert _listing(tmp_path) == ["ckpt-0000000010"]
+    assert sorted(os.listdir(tmp_path / checkpoint.SUPERSEDED)) == ["ckpt-0000000020", "ckpt-0000000030"]
+    assert len(lines) == 2 and all("past the step resumed from (10)" in ln for ln in lines)
+    _fake(tmp_path, 20, "mine", keep=1)  # the resumed run's step 20 is its newest, kept
+    assert _listing(tmp_path) == ["ckpt-0000000020"]
+    assert checkpoint.read_manifest(str(tmp_path / "ckpt-0000000020"))["position"]["global_step"] == 20
+    # another run's checkpoints stop a fresh run, and are moved aside whole on request
+    error = checkpoint.claim(str(tmp_path), "new", None)
+    assert error and "holds 1 checkpoint(s) of another run (run mine; newest ckpt-0000000020)" in error
+    assert checkpoint.claim(str(tmp_path), "new", None, "replace", report=lines.append) is None
+    assert _listing(tmp_path) == [] and "moved 1 checkpoint(s) of another run" in lines[-1]
+
 
 
 # -- signals: SIGINT and SIGTERM mid-run ------------------------------------------------------------

@@ -68,7 +68,7 @@ def resolve_resume(cfg, comm) -> tuple[str, dict] | None:
     found, error = None, None
     if comm.Get_rank() == 0:
         if ck.resume == "auto":
-            found = checkpoint.newest_good(ck.dir, report=lambda m: print(m, flush=True))
+            found = checkpoint.newest_good(ck.dir, report=checkpoint.say, move_damaged=True)
             if found is None:
                 print(f"hpcps: no checkpoint to resume in {ck.dir}: starting from scratch", flush=True)
         else:
@@ -86,6 +86,26 @@ def resolve_resume(cfg, comm) -> tuple[str, dict] | None:
     if error:
         raise TrainError(f"cannot resume: {error}")
     return found
+
+
+def claim_checkpoints(cfg, comm, restore: tuple[str, dict] | None) -> str:
+    """Collective: this run's id, inherited from the checkpoint it resumes (its lineage) or new,
+    once the first rank has made ``checkpoint.dir`` hold this run's checkpoints only
+    (:func:`hpcps.checkpoint.claim`: another run's stop the job, unless ``checkpoint.existing =
+    "replace"`` moves them aside)."""
+    run_id, error = None, None
+    if comm.Get_rank() == 0:
+        run_id = checkpoint.run_of(restore[1]) if restore else checkpoint.new_run_id()
+        if cfg.checkpoint.dir:
+            resumed_step = restore[1].get("position", {}).get("global_step", checkpoint.step_of(restore[0])) \
+                if restore else None
+            error = checkpoint.claim(cfg.checkpoint.dir, run_id, resumed_step, cfg.checkpoint.existing,
+                                     report=checkpoint.say)
+    run_id, error = transport.bcast_object(comm, (run_id, error), 0, cfg.cluster.stall_timeout_s,
+                                           "broadcast of the run's id")
+    if error:
+        raise TrainError(error)
+    return run_id
 
 
 def resolve_data(cfg, comm) -> tuple[dict, dict | None]:
@@ -343,6 +363,8 @@ class Trainer:
         self.batch_size_set = bool(cfg.train.batch_size)  # else auto, resolved in prepare
         self.world = comm or transport.world()
         self.restore: tuple[str, dict] | None = None
+        self.run_id = ""  # the lineage of the checkpoints this run writes (set in prepare)
+        self.written: str | None = None  # the newest checkpoint this run wrote (first worker)
         self.synth_info: dict | None = None
         self.history: list[dict] = []
         self.preempted = False
@@ -375,6 +397,7 @@ class Trainer:
             signals.install()
             if world.Get_rank() == 0:
                 os.makedirs(ck.dir, exist_ok=True)
+        self.run_id = claim_checkpoints(cfg, world, self.restore)
         self.paths, self.synth_info = resolve_data(cfg, world)
         workers = world.Get_size() - cfg.cluster.servers if world.Get_size() > 1 else 1  # one process: one worker
         if not cfg.train.batch_size:  # auto: from the training file's rows (counted as far as it matters)
@@ -619,10 +642,12 @@ class Trainer:
         self.model.finish()  # every worker: its pushes acknowledged
         if self.first:
             path = ctx.save_checkpoint(cfg.checkpoint.dir, self.global_step, {
-                "model_fingerprint": cfg.model_fingerprint(), "config": cfg.to_dict(), "reason": reason,
+                "run_id": self.run_id, "model_fingerprint": cfg.model_fingerprint(), "config": cfg.to_dict(),
+                "reason": reason,
                 "position": {"epoch": epoch_next, "step": step_next, "global_step": self.global_step},
                 "data": {**self.data_meaning, "random_state": "none: the loop draws no random numbers"},
                 "fields": self.model.fields}, cfg.checkpoint.keep)
+            self.written = path
             print(f"hpcps train: checkpoint {path} ({reason})", flush=True)
         transport.barrier(self.wcomm, ctx.stall_timeout_s, "checkpoint barrier")
 
@@ -749,6 +774,8 @@ class Trainer:
         if self.kept is not None:  # the first worker's batches kept across epochs, compacted
             summary["kept_batches_mb"] = round(sum(b.nbytes + (h.nbytes if h is not None else 0)
                                                    for b, h in self.kept.values()) / 2**20, 1)
+        if cfg.checkpoint.dir:
+            summary["checkpoint"] = self.written  # this run's newest (None: it wrote none)
         if self.holdout is not None:
             summary["best_epoch"] = self.best["epoch"]
             summary["epochs_trained"] = self.stopped_at or tr.epochs
@@ -765,8 +792,7 @@ class Trainer:
         """On the first worker: the summary table, where things went and what to try next."""
         ck = self.cfg.checkpoint
         print(summary_table(self.summary_rows(summary, elapsed, wait, key_counts)), flush=True)
-        print(next_steps(self.cfg, self.paths, newest_checkpoint(ck.dir) if ck.dir else None, self.synth_info),
-              flush=True)
+        print(next_steps(self.cfg, self.paths, self.written if ck.dir else None, self.synth_info), flush=True)
 
     def summary_rows(self, summary: dict, elapsed: float, wait: float, key_counts: dict) -> list[tuple]:
         examples, layout, f = summary["examples"], self.ctx.layout, self.cfg.features
@@ -786,11 +812,6 @@ class Trainer:
         return rows
 
 
-def newest_checkpoint(root: str) -> str | None:
-    found = checkpoint.complete_checkpoints(root)
-    return found[-1] if found else None
-
-
 def next_steps(cfg, paths: dict, ckpt: str | None, synth_info: dict | None = None) -> str:
     """Where a run's outputs went, and the commands to try next with them."""
     tr = cfg.train
@@ -801,7 +822,8 @@ def next_steps(cfg, paths: dict, ckpt: str | None, synth_info: dict | None = Non
         out.append(f"  data         {synth_info['dir']} (synthetic; "
                    + ("reused from an earlier run)" if synth_info.get("reused") else "the next run reuses it)"))
     out += ["  model        " + (tr.model_out or 'not written (set train.model_out = "model.h5")'),
-            "  checkpoints  " + (ckpt or 'none (set checkpoint.dir = "ckpt")'),
+            "  checkpoints  " + (ckpt or (f"none written by this run (checkpoint.dir = {cfg.checkpoint.dir!r})"
+                                          if cfg.checkpoint.dir else 'none (set checkpoint.dir = "ckpt")')),
             "  metrics      " + (tr.metrics or 'not written (set train.metrics = "run.jsonl")'),
             "next:"]
     if ckpt:
