@@ -22,6 +22,7 @@ import json
 import os
 import sys
 
+from hpcps import signals
 from hpcps.malloc import keep_freed_memory
 
 
@@ -114,7 +115,7 @@ def _cmd_train(args) -> int:
     except loop.TrainError as e:
         return _fail(str(e), world.Get_rank())
     _write_summary(result, args.summary_json)
-    return loop.EXIT_PREEMPTED if result.preempted else 0
+    return result.preempted  # 0, or the exit status of a stop by a signal after its checkpoint
 
 
 def _cmd_tune(args) -> int:
@@ -132,7 +133,7 @@ def _cmd_tune(args) -> int:
     except (loop.TrainError, ValueError) as e:
         return _fail(str(e), world.Get_rank())
     _write_summary(result, args.summary_json)
-    return loop.EXIT_PREEMPTED if result.preempted else 0
+    return result.preempted  # 0, or the exit status of a stop by a signal after its checkpoint
 
 
 def _load_for_serving(args):
@@ -356,6 +357,10 @@ def _cmd_supervise(args) -> int:
     if not command:
         return _fail("hpcps supervise needs the job's command after --, e.g. "
                      "hpcps supervise -- mpiexec -n 4 hpcps train run.toml")
+    for name, value in (("--max-restarts", args.max_restarts), ("--backoff", args.backoff),
+                        ("--backoff-max", args.backoff_max)):
+        if not value >= 0:  # (NaN too)
+            return _fail(f"hpcps supervise {name} must be at least 0 (got {value:g})")
     return supervise.run(command, args.max_restarts, args.backoff, args.backoff_max, args.log)
 
 
@@ -491,12 +496,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()
     args = build_parser().parse_args(argv)
+    if args.command in ("train", "tune"):
+        signals.install()  # a stop signal before training starts is kept for its first step
     try:
         return args.func(args)
+    except KeyboardInterrupt:  # (the commands without signals.install: one line, no traceback)
+        _fail("interrupted (SIGINT)")
+        return signals.EXIT_INTERRUPTED
     except (OSError, ValueError, RuntimeError) as e:
         if args.command in ("eval", "predict", "gen-data", "export", "inspect"):
             return _fail(str(e))
         raise
+
 
 
 def entry() -> None:

@@ -17,6 +17,7 @@ stderr naming the servers and the request; after ``stall_timeout_s`` the wait ra
 
 from __future__ import annotations
 
+import signal
 import time
 from dataclasses import dataclass, field
 
@@ -297,7 +298,7 @@ class SparseTable:
         for _, reply in req.parts:
             h = protocol.reply_header(reply)
             if h["status"] & protocol.STOP:
-                ctx.server_stop = True
+                ctx.server_stop = signal.SIGINT if h["status"] & protocol.INTERRUPT else (ctx.server_stop or signal.SIGTERM)
             self.server_counts[int(h["server"])] = (int(h["table_keys"]), int(h["admitted"]), int(h["evicted"]))
             min_clock = int(h["min_clock"]) if min_clock is None else min(min_clock, int(h["min_clock"]))
         if req.op in (protocol.PUSH, protocol.RESIDUALS):

@@ -15,6 +15,7 @@ worker group (aggregated pushes, dense tables). Nothing happens at import.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import Callable
 
@@ -79,7 +80,7 @@ class Context:
         # during those waits (not counted as waiting)
         self.stats = {"wait_s": 0.0, "max_staleness": 0, "background_s": 0.0, "bytes_sent": 0, "bytes_received": 0}
         self.server_stats: dict | None = None
-        self.server_stop = False   # a server reported a stop signal
+        self.server_stop = 0       # the stop signal a server reported (SIGINT or SIGTERM for the others), or 0
         # work a worker does while it waits for the servers instead of sleeping (the training loop
         # parses its next rows): returns whether it did any (see transport.wait)
         self.background: Callable[[], bool] | None = None
@@ -211,8 +212,14 @@ class Context:
 
     @property
     def stop_requested(self) -> bool:
-        """This rank got SIGUSR1/SIGTERM, or a server reported one."""
-        return bool(signals.requested()) or self.server_stop
+        """This rank got a stop signal (SIGINT, SIGTERM or SIGUSR1), or a server reported one."""
+        return self.stop_signal is not None
+
+    @property
+    def stop_signal(self) -> int | None:
+        """The stop signal this rank got or a server reported (SIGINT before the others), or None."""
+        mine, theirs = signals.requested(), self.server_stop or None
+        return signal.SIGINT if signal.SIGINT in (mine, theirs) else (mine or theirs)
 
     def save_checkpoint(self, root: str, step: int, manifest: dict, keep: int) -> str:
         """First worker only: ask every server to write its shards into ``root/ckpt-<step>.tmp``

@@ -50,12 +50,13 @@ Operations:
 (the staleness a pull observed is ``clock - min_clock``). ``table_keys``, ``admitted`` and
 ``evicted``: the request's table on that server (rows held, keys admitted and rows evicted so far),
 which the worker's progress line and metrics report while training. ``status`` bit ``STOP``: the server got a
-stop signal. There is no error status: a server that fails aborts the whole job
+stop signal, and ``INTERRUPT`` with it: that signal was SIGINT. There is no error status: a server that fails aborts the whole job
 (``hpcps.transport.install_abort_handler``), so no worker waits for an answer that will not come.
 """
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
 
 import numpy as np
@@ -84,7 +85,13 @@ TAG_REPLY_BASE = 16
 IN_PULL = 1      # request flag: a push-pull's in-pull bits follow its pull keys
 GRADS_APART = 2  # request flag: its gradients follow as a message of their own (TAG_GRADS)
 OK = 0
-STOP = 2         # status bit: this server received a stop signal (SIGUSR1/SIGTERM)
+STOP = 2         # status bit: this server received a stop signal (SIGINT, SIGTERM or SIGUSR1)
+INTERRUPT = 4    # status bit, with STOP: the signal was SIGINT (the job stops with status 130, not 75)
+
+
+def stop_status(signum: int | None) -> int:
+    """A reply's status bits for the stop signal a server received (None: none)."""
+    return OK if signum is None else STOP | (INTERRUPT if signum == signal.SIGINT else 0)
 
 
 @dataclass

@@ -494,7 +494,7 @@ class Server:
     # -- requests ----------------------------------------------------------------------------
 
     def _reply(self, req_id: int, payload_bytes: int, table: int = -1) -> tuple[np.ndarray, np.ndarray]:
-        status = protocol.STOP if signals.requested() else protocol.OK
+        status = protocol.stop_status(signals.requested())
         t = self.tables[table] if table >= 0 else None
         counts = (t.size, t.admitted, t.evicted) if t is not None else (0, 0, 0)
         return protocol.pack_reply(req_id, status, self.min_clock(), self.index, payload_bytes, counts,

@@ -1,32 +1,87 @@
-"""Stop signals: SIGUSR1 and SIGTERM set a flag that the training loop polls at step boundaries
-(where the ranks agree to checkpoint together). Pure Python, no MPI."""
+"""Stop signals: SIGINT, SIGTERM and SIGUSR1. Pure Python, no MPI.
+
+Where a checkpoint can be written (``defer``), the first signal only sets a flag, which the
+training loop polls at its step boundaries, where the ranks agree to checkpoint together and stop
+(exit status 75 after SIGTERM or SIGUSR1, to be requeued; 130 after SIGINT, interrupted). A second
+SIGINT or SIGTERM, or any of them where there is nothing to save, stops this process at once with
+one line and the exit status 128 + the signal's number, ending the other ranks with it. When ``mpiexec`` forwards a signal to every rank (as it does with Ctrl-C), the
+first rank speaks for the job: the others wait a second before they say anything, and are gone
+by then.
+"""
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
+import threading
+import time
 
-_state = {"signal": None, "installed": False}
+STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130
+_PRIORITY = {signal.SIGINT: 3, signal.SIGTERM: 2, signal.SIGUSR1: 1}  # which one a stop reports
+QUIET_S = 1.0  # how long a rank other than the first waits before it speaks for itself
+
+_state: dict = {"signal": None, "installed": False, "defer": True, "prefix": "hpcps: ", "first": True,
+                "why": "", "end": os._exit}
 
 
-def install() -> None:
-    """Catch SIGUSR1 and SIGTERM (main thread only); a second SIGTERM still stops at once."""
-    if _state["installed"]:
+def install(defer: bool = True, prefix: str = "hpcps: ", first: bool | None = None, why: str = "",
+            end=None) -> None:
+    """Catch SIGINT, SIGTERM and SIGUSR1 (main thread only); may be called again to change the
+    settings. ``defer``: a checkpoint can be written, so the first signal sets the flag
+    (:func:`requested`); else, and for a second SIGINT or SIGTERM, :func:`stop_now`. ``prefix``
+    starts the line printed (the rank); ``first``: this is the rank that speaks for the job (by
+    default the one whose ``PMI_RANK`` is 0, or a process outside MPI); ``why``: what the line
+    adds when stopping at once (e.g. that no checkpoint is configured); ``end(status)``: ends the
+    process, or the whole job (default ``os._exit``: a launcher may report another rank's status,
+    as it kills the others)."""
+    if first is None:
+        first = int(os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or 0) == 0
+    _state.update(defer=defer, prefix=prefix, first=first, why=why, end=end or os._exit)
+    if threading.current_thread() is not threading.main_thread():
+        return  # (only the main thread can catch signals: a training run inside a thread of a program)
+    if not _state["installed"]:
+        for s in STOPPING:
+            signal.signal(s, _handler)
+        _state["installed"] = True
+    if not defer and _state["signal"] is not None:  # a signal came while that was not known yet
+        stop_now(_state["signal"])
+
+
+def _handler(signum, frame) -> None:
+    got = _state["signal"]
+    if _state["defer"] and (got is None or signum == signal.SIGUSR1):
+        if got is None or _PRIORITY[signum] > _PRIORITY[got]:
+            _state["signal"] = signum
         return
+    stop_now(signum, again=got is not None)
 
-    def handler(signum, frame):
-        if _state["signal"] == signum == signal.SIGTERM:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            signal.raise_signal(signal.SIGTERM)
-        _state["signal"] = signum
 
-    signal.signal(signal.SIGUSR1, handler)
-    signal.signal(signal.SIGTERM, handler)
-    _state["installed"] = True
+def stop_now(signum: int, again: bool = False) -> None:
+    """Print one line and end the process (or job, see :func:`install`) with the exit status
+    128 + ``signum``, without Python's teardown."""
+    if not _state["first"]:
+        time.sleep(QUIET_S)
+    name = signal.Signals(signum).name
+    why = "again before the checkpoint was written" if again else _state["why"]
+    sys.stdout.flush()
+    sys.stderr.write(f"{_state['prefix']}stopped by {name}{': ' + why if why else ''} "
+                     f"(exit status {128 + signum})\n")
+    sys.stderr.flush()
+    _state["end"](128 + signum)
+    os._exit(128 + signum)  # (if ``end`` returned)
 
 
 def requested() -> int | None:
-    """The signal received (SIGUSR1 or SIGTERM), or None."""
+    """The stop signal received (the one a stop reports: SIGINT before SIGTERM before SIGUSR1), or None."""
     return _state["signal"]
+
+
+def exit_status(signum: int | None) -> int:
+    """The exit status of a run stopped after its checkpoint by ``signum``: 130 after SIGINT
+    (interrupted), else 75 (EX_TEMPFAIL: stopped, to be requeued and resumed)."""
+    return EXIT_INTERRUPTED if signum == signal.SIGINT else 75
 
 
 def clear() -> None:

@@ -10,9 +10,12 @@ steps trained since that checkpoint, from the status file the first worker keeps
 :func:`hpcps.train.progress.write_status`). Back-off between attempts doubles from ``--backoff`` up to ``--backoff-max``.
 
 Not restarted: success (0), a usage or configuration error (2: it would fail the same way again),
-and a stop after a signal's checkpoint (75: the job was asked to stop; under Slurm the batch script
-requeues it). SIGUSR1 and SIGTERM sent to the supervisor are passed on to the job (``mpiexec``
-forwards them to every rank), and after one the supervisor does not restart.
+a stop after a signal's checkpoint (75: the job was asked to stop; under Slurm the batch script
+requeues it) and an interrupted job (130, SIGINT). SIGINT, SIGTERM and SIGUSR1 sent to the
+supervisor are passed on to the job (``mpiexec`` forwards them to every rank); the supervisor
+then waits for the job to end, exits with its status and does not restart it. The job runs in a
+process group of its own, so that a Ctrl-C in the terminal reaches it once, through the
+supervisor, not twice (a second Ctrl-C makes ``mpiexec`` kill the ranks at once).
 
 No MPI here: the supervisor is a plain process around the launcher.
 """
@@ -29,7 +32,9 @@ import time
 from hpcps import checkpoint
 from hpcps.train.progress import STATUS_ENV, read_status, write_status
 
-NO_RESTART = {0: "finished", 2: "usage or configuration error", 75: "stopped by a signal after a checkpoint"}
+NO_RESTART = {0: "finished", 2: "usage or configuration error", 75: "stopped by a signal after a checkpoint",
+              130: "interrupted (SIGINT)"}
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
 def _log(message: str, log_file: str = "") -> None:
@@ -82,15 +87,22 @@ def run(command: list[str], max_restarts: int = 3, backoff: float = 5.0, backoff
         if child and child[0].poll() is None:
             child[0].send_signal(signum)
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGUSR1, signal.SIGTERM)}
+    previous = {s: signal.signal(s, forward) for s in FORWARDED}
     try:
         attempt = 0
         while True:
             cmd = command if attempt == 0 else _with_resume(command)
             write_status(status_path)
             started = time.monotonic()
-            proc = subprocess.Popen(cmd, env=dict(os.environ, **{STATUS_ENV: status_path}))
+            try:
+                proc = subprocess.Popen(cmd, env=dict(os.environ, **{STATUS_ENV: status_path}),
+                                        stdin=subprocess.DEVNULL, process_group=0)
+            except OSError as e:  # no such launcher, not executable
+                _log(f"cannot start the job: {cmd[0]}: {e.strerror or e}", log_file)
+                return 2
             child[:] = [proc]
+            if received:  # a signal came while it started: it is passed on now
+                proc.send_signal(received[-1])
             rc = proc.wait()
             child.clear()
             if rc in NO_RESTART:

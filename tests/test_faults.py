@@ -37,11 +37,12 @@ def job(n: int, args: list[str], timeout: float = 180, cwd: str | None = None) -
     return proc.returncode, proc.stdout + proc.stderr
 
 
-def start(n: int, args: list[str], cwd: str | None = None) -> subprocess.Popen:
-    """Start ``hpcps args`` in ``n`` ranks in the background (its output on ``.stdout``), in a
-    session of its own so that a test can signal the launcher alone."""
+def start(n: int, args: list[str], cwd: str | None = None, log=None) -> subprocess.Popen:
+    """Start ``hpcps args`` in ``n`` ranks in the background (its output on ``.stdout``, or in the
+    file ``log``), in a session of its own so that a test can signal the launcher alone."""
     cmd = [*mpiexec(), "-n", str(n), *HPCPS, *args] if n else [*HPCPS, *args]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=cwd,
+    out = open(log, "w") if log else subprocess.PIPE
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=cwd,
                             start_new_session=True)
 
 
@@ -181,6 +182,115 @@ def test_a_run_resumed_from_an_older_checkpoint_moves_the_later_ones_aside(tmp_p
 
 
 # -- signals: SIGINT and SIGTERM mid-run ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def long_run(tmp_path_factory):
+    """A training file for jobs that run long enough to be interrupted (tens of seconds)."""
+    d = tmp_path_factory.mktemp("long")
+    info = synth.generate(str(d), 20_000, 1_000, fields=8, seed=6, formats=("libsvm",))
+    return info.files["train_libsvm"]
+
+
+def _long_args(train, ck=None, **kv):
+    settings = {"data__train": train, "train__epochs": 200, "train__batch_size": 50, "train__progress": False}
+    if ck:
+        settings["checkpoint__dir"] = str(ck)
+    return ["train", *sets(**{**settings, **kv})]
+
+
+def _rank_pids(marker: str) -> dict[int, int]:
+    """The PIDs of the hpcps ranks whose command line holds ``marker``, by MPI rank."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0") if marker in cmd and "hpcps.cli" in cmd else []
+        except OSError:
+            continue
+        for kv in env:
+            if kv.startswith(b"PMI_RANK="):
+                found[int(kv.split(b"=")[1])] = int(pid)
+    return found
+
+
+def _started(log) -> bool:
+    return os.path.exists(log) and "steps/epoch" in open(log).read()
+
+
+@pytest.mark.parametrize("with_checkpoint", [True, False])
+def test_sigint_to_mpiexec_stops_the_job_with_one_line_and_status_130(long_run, tmp_path, with_checkpoint):
+    ck, log = (tmp_path / "ck" if with_checkpoint else None), tmp_path / "log"
+    proc = start(3, _long_args(long_run, ck), log=log)
+    assert wait_for(lambda: _started(log), proc=proc), open(log).read()[-3000:]
+    time.sleep(1.0)  # mid-run
+    os.kill(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends mpiexec
+    rc = proc.wait(timeout=60)
+    out = open(log).read()
+    assert rc == 130, out[-3000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    said = [ln for ln in out.splitlines() if "stopped by SIGINT" in ln]
+    assert len(said) == 1, out[-3000:]
+    if with_checkpoint:
+        newest, manifest = checkpoint.newest_good(str(ck))
+        assert manifest["reason"] == "signal" and f"after checkpoint {newest};" in said[0], out[-3000:]
+        rc, out = job(3, _long_args(long_run, ck, train__epochs=2) + ["--resume", "auto"])
+        assert rc == 0 and f"resuming from {newest}" in out, out[-3000:]
+    else:
+        assert said[0].startswith("hpcps: rank ") and "no checkpoint to write" in said[0]
+
+
+def test_sigint_to_one_worker_rank_stops_the_whole_job(long_run, tmp_path):
+    ck, log = tmp_path / "ck", tmp_path / "log"
+    proc = start(3, _long_args(long_run, ck), log=log)
+    assert wait_for(lambda: _started(log), proc=proc), open(log).read()[-3000:]
+    pids = _rank_pids(str(ck))
+    assert set(pids) == {0, 1, 2}, pids
+    os.kill(pids[2], signal.SIGINT)  # a worker alone, not the launcher
+    rc = proc.wait(timeout=60)
+    out = open(log).read()
+    assert rc == 130 and "Traceback" not in out, out[-3000:]
+    assert checkpoint.newest_good(str(ck))[1]["reason"] == "signal"
+
+
+def test_sigterm_to_mpiexec_checkpoints_and_exits_75(long_run, tmp_path):
+    ck, log = tmp_path / "ck", tmp_path / "log"
+    proc = start(3, _long_args(long_run, ck), log=log)
+    assert wait_for(lambda: _started(log), proc=proc), open(log).read()[-3000:]
+    time.sleep(1.0)
+    os.kill(proc.pid, signal.SIGTERM)
+    rc = proc.wait(timeout=60)
+    out = open(log).read()
+    assert rc == 75 and "Traceback" not in out, out[-3000:]
+    assert checkpoint.newest_good(str(ck))[1]["reason"] == "signal"
+
+
+def test_sigint_to_supervise_reaches_the_job_once_and_leaves_no_process(long_run, tmp_path):
+    ck, log = tmp_path / "ck", tmp_path / "log"
+    proc = subprocess.Popen([*HPCPS, "supervise", "--", *mpiexec(), "-n", "3", *HPCPS, *_long_args(long_run, ck)],
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True, env=ENV,
+                            start_new_session=True)
+    assert wait_for(lambda: _started(log), proc=proc), open(log).read()[-3000:]
+    time.sleep(1.0)
+    os.kill(proc.pid, signal.SIGINT)
+    rc = proc.wait(timeout=60)
+    out = open(log).read()
+    assert rc == 130, out[-3000:]
+    assert "hpcps supervise: job interrupted (SIGINT) (exit status 130)" in out, out[-3000:]
+    assert out.count("Sending Ctrl-C to processes") <= 1  # (MPICH says it) one SIGINT reached mpiexec, not two
+    assert checkpoint.newest_good(str(ck))[1]["reason"] == "signal"
+    assert not _rank_pids(str(ck))  # no rank left behind
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--", "no-such-launcher-xyz", "-n", "2"], "cannot start the job: no-such-launcher-xyz: No such file or directory"),
+    (["--max-restarts", "-1", "--", "true"], "--max-restarts must be at least 0 (got -1)"),
+    (["--backoff", "nan", "--", "true"], "--backoff must be at least 0 (got nan)"),
+])
+def test_supervise_refuses_what_it_cannot_run_in_one_line(args, match):
+    rc, out = job(0, ["supervise", *args], timeout=60)
+    assert rc == 2 and match in out and "Traceback" not in out, out
+    assert len(out.strip().splitlines()) == 1, out
+
 
 
 # -- a full disk during a model write -------------------------------------------------------------

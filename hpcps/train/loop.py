@@ -16,6 +16,7 @@ import json
 import math
 import os
 import resource
+import signal
 import time
 
 import numpy as np
@@ -32,6 +33,7 @@ from hpcps_kernels import metrics
 
 
 EXIT_PREEMPTED = 75  # the job stopped on SIGUSR1/SIGTERM after writing a checkpoint (EX_TEMPFAIL)
+EXIT_INTERRUPTED = signals.EXIT_INTERRUPTED  # 130: the job stopped on SIGINT (after its checkpoint, if any)
 
 
 def _snapshot(shard, keys, args):
@@ -56,7 +58,8 @@ class TrainError(RuntimeError):
 @dataclass
 class Result:
     summary: dict | None      # on the first worker
-    preempted: bool           # on every rank: stopped by a signal after checkpointing
+    preempted: int            # on every rank: the exit status of a stop by a signal after its checkpoint
+                              # (75 after SIGTERM or SIGUSR1, 130 after SIGINT), else 0
     resumed_from: str = ""
 
 
@@ -367,7 +370,7 @@ class Trainer:
         self.written: str | None = None  # the newest checkpoint this run wrote (first worker)
         self.synth_info: dict | None = None
         self.history: list[dict] = []
-        self.preempted = False
+        self.preempted = 0  # the exit status of a stop by a signal after its checkpoint (Result.preempted)
         self.holdout_phase = -1  # train.holdout holds out the rows r % N == phase % N (the last of N)
 
     # -- 1-3: every rank ---------------------------------------------------------------------------
@@ -392,11 +395,14 @@ class Trainer:
         errors = transport.all_ok(world, problem, timeout, "check of the output paths")
         if errors:
             raise TrainError(errors[0].split(": ", 1)[1])
+        # SIGINT, SIGTERM and SIGUSR1: with a checkpoint to write, at the next step (a checkpoint,
+        # then exit 130 or 75); without one, at once (exit 128 + the signal)
+        signals.install(defer=bool(ck.dir), prefix=f"hpcps: {transport.rank_prefix(world)}: ",
+                        first=world.Get_rank() == 0, why="" if ck.dir else "no checkpoint to write (checkpoint.dir "
+                        "is not set)", end=transport.end_job)
         self.restore = resolve_resume(cfg, world)
-        if ck.dir:
-            signals.install()
-            if world.Get_rank() == 0:
-                os.makedirs(ck.dir, exist_ok=True)
+        if ck.dir and world.Get_rank() == 0:
+            os.makedirs(ck.dir, exist_ok=True)
         self.run_id = claim_checkpoints(cfg, world, self.restore)
         self.paths, self.synth_info = resolve_data(cfg, world)
         workers = world.Get_size() - cfg.cluster.servers if world.Get_size() > 1 else 1  # one process: one worker
@@ -439,7 +445,7 @@ class Trainer:
         """A server rank: answer requests until every worker is done, then write the model."""
         ctx = self.ctx
         ctx.serve(self.restore)
-        preempted = _agree_preempted(ctx, False)[0]
+        preempted = _agree_preempted(ctx, 0)[0]
         if self.cfg.train.model_out and not preempted:
             export_model(ctx, self.cfg, self.model)
         ctx.finalize()
@@ -619,21 +625,22 @@ class Trainer:
         ck = self.cfg.checkpoint
         if not ck.dir:
             return False
-        # 2 = a stop signal somewhere, 1 = a periodic checkpoint is due; all workers agree
-        want = 2 if self.ctx.stop_requested else int(
+        # 3 = SIGINT somewhere, 2 = another stop signal, 1 = a periodic checkpoint is due; all workers agree
+        sig = self.ctx.stop_signal
+        want = (3 if sig == signal.SIGINT else 2) if sig else int(
             bool(ck.every_steps and self.global_step % ck.every_steps == 0)
             or bool(self.first and ck.every_s and time.monotonic() - self.last_save >= ck.every_s))
         want = self._allreduce(want, "max", "agreement on checkpointing")
         if not want:
             return False
-        self.save(epoch, step + 1, "signal" if want == 2 else "periodic")
+        self.save(epoch, step + 1, "signal" if want >= 2 else "periodic")
         self.saved_at, self.last_save = self.global_step, time.monotonic()
-        if want == 2:
-            if ck.on_signal == "exit":
-                self.preempted = True
+        if want >= 2:
+            if ck.on_signal == "exit" or want == 3:  # (SIGINT always stops)
+                self.preempted = EXIT_INTERRUPTED if want == 3 else EXIT_PREEMPTED
                 return True
             signals.clear()
-            self.ctx.server_stop = False
+            self.ctx.server_stop = 0
         return False
 
     def save(self, epoch_next: int, step_next: int, reason: str) -> None:
@@ -750,18 +757,19 @@ class Trainer:
                                                            dtype=np.int64),
                                       "sum", ctx.stall_timeout_s, "sum of the bytes sent and received")
         if self.preempted:  # stopped by a signal after checkpointing
-            _agree_preempted_worker(ctx, True)
+            _agree_preempted_worker(ctx, self.preempted)
             ctx.finalize()
             if self.first:
-                print(f"hpcps train: stopped by a signal after a checkpoint; rerun with --resume auto "
-                      f"(exit status {EXIT_PREEMPTED})", flush=True)
-            return Result(None, True, self.resumed)
-        _, worker_rss, server_rss, key_counts = _agree_preempted_worker(ctx, False)
+                name = "SIGINT" if self.preempted == EXIT_INTERRUPTED else "a signal"
+                print(f"hpcps train: stopped by {name} after checkpoint {self.written}; rerun with --resume auto "
+                      f"to continue (exit status {self.preempted})", flush=True)
+            return Result(None, self.preempted, self.resumed)
+        _, worker_rss, server_rss, key_counts = _agree_preempted_worker(ctx, 0)
         if ctx.local and tr.model_out:  # one process: no server rank to write the model
             export_model(ctx, cfg, self.model)
         ctx.finalize()
         if not self.first:
-            return Result(None, False, self.resumed)
+            return Result(None, 0, self.resumed)
         examples = self.examples
         summary = {"examples": examples, "time_s": elapsed, "examples_per_s": examples / elapsed,
                    "workers": ctx.layout.workers, "servers": ctx.layout.servers,
@@ -786,7 +794,7 @@ class Trainer:
         if predicted:
             summary["predictions"] = predicted
         self.report(summary, elapsed, wait, key_counts)
-        return Result(summary, False, self.resumed)
+        return Result(summary, 0, self.resumed)
 
     def report(self, summary: dict, elapsed: float, wait: float, key_counts: dict) -> None:
         """On the first worker: the summary table, where things went and what to try next."""
@@ -841,9 +849,9 @@ def _peak_rss_mb() -> float:
     return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def _agree_preempted(ctx, mine: bool) -> tuple[bool, float, float, dict]:
-    """Collective over the world (servers after serving, workers before finalizing): whether any
-    rank stopped on a signal, the largest peak memory of a worker and of a server (MiB), and the
+def _agree_preempted(ctx, mine: int) -> tuple[int, float, float, dict]:
+    """Collective over the world (servers after serving, workers before finalizing): the exit
+    status of a stop on a signal (the largest of the ranks', 0 for none), the largest peak memory of a worker and of a server (MiB), and the
     servers' key counts summed (rows held, keys admitted, rows evicted)."""
     rss = _peak_rss_mb()
     flag = transport.allreduce(ctx.comm, np.array([float(mine), rss if ctx.is_worker else 0.0,
@@ -853,10 +861,10 @@ def _agree_preempted(ctx, mine: bool) -> tuple[bool, float, float, dict]:
     counts = np.array([sum(st.get(k, [])) for k in ("keys", "admitted", "evicted")], dtype=np.int64)
     counts = transport.allreduce(ctx.comm, counts, "sum", ctx.stall_timeout_s, "sum of the servers' key counts")
     keys = {"table_keys": int(counts[0]), "admitted_keys": int(counts[1]), "evicted_keys": int(counts[2])}
-    return bool(flag[0]), float(flag[1]), float(flag[2]), keys
+    return int(flag[0]), float(flag[1]), float(flag[2]), keys
 
 
-def _agree_preempted_worker(ctx, mine: bool) -> tuple[bool, float, float, dict]:
+def _agree_preempted_worker(ctx, mine: int) -> tuple[int, float, float, dict]:
     # workers send DONE first (after their requests complete) so that the servers leave their
     # loop and join the agreement
     ctx.finish_serving()

@@ -225,7 +225,7 @@ def run(members: list[tuple[dict, dict]], out: str = "", comm=None, folds: int |
             total = auto_folds(int(rows), holdout)
         fold += 1
     if summaries[0] is None:  # not the first worker
-        return Result(None, False)
+        return Result(None, 0)
     elapsed = time.perf_counter() - t0
     summary = dict(summaries[0])  # the first fold's record: its test metrics (the others score none)
     summary["examples"] = sum(s["examples"] for s in summaries)
@@ -235,7 +235,7 @@ def run(members: list[tuple[dict, dict]], out: str = "", comm=None, folds: int |
         else summaries[0]["ranking"]
     summary["holdout_rows"] = sum(s["holdout_rows"] for s in summaries)
     report(summary, tuner, out, elapsed)
-    return Result(summary, False)
+    return Result(summary, 0)
 
 
 def report(summary: dict, tuner: Tuner, out: str, elapsed: float) -> None:
