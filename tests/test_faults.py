@@ -25,6 +25,7 @@ from hpcps.train import synth
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from run import mpiexec  # noqa: E402
+from test_checkpoint import rank_pids  # noqa: E402
 
 HPCPS = [sys.executable, "-m", "hpcps.cli"]
 ENV = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -198,36 +199,27 @@ def _long_args(train, ck=None, **kv):
     return ["train", *sets(**{**settings, **kv})]
 
 
-def _rank_pids(marker: str) -> dict[int, int]:
-    """The PIDs of the hpcps ranks whose command line holds ``marker``, by MPI rank."""
-    found = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
-            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0") if marker in cmd and "hpcps.cli" in cmd else []
-        except OSError:
-            continue
-        for kv in env:
-            if kv.startswith(b"PMI_RANK="):
-                found[int(kv.split(b"=")[1])] = int(pid)
-    return found
-
-
 def _started(log) -> bool:
     return os.path.exists(log) and "steps/epoch" in open(log).read()
+
+
+def _interrupt(proc, log, signum, pid=None) -> tuple[int, str]:
+    """Once ``proc``'s job trains, send ``signum`` to ``pid()`` (default: ``proc`` itself, the
+    launcher); (exit status, output), checked for tracebacks."""
+    assert wait_for(lambda: _started(log), proc=proc), open(log).read()[-3000:]
+    time.sleep(1.0)  # mid-run
+    os.kill(pid() if pid else proc.pid, signum)
+    rc = proc.wait(timeout=60)
+    out = open(log).read()
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    return rc, out
 
 
 @pytest.mark.parametrize("with_checkpoint", [True, False])
 def test_sigint_to_mpiexec_stops_the_job_with_one_line_and_status_130(long_run, tmp_path, with_checkpoint):
     ck, log = (tmp_path / "ck" if with_checkpoint else None), tmp_path / "log"
-    proc = start(3, _long_args(long_run, ck), log=log)
-    assert wait_for(lambda: _started(log), proc=proc), open(log).read()[-3000:]
-    time.sleep(1.0)  # mid-run
-    os.kill(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends mpiexec
-    rc = proc.wait(timeout=60)
-    out = open(log).read()
+    rc, out = _interrupt(start(3, _long_args(long_run, ck), log=log), log, signal.SIGINT)  # what Ctrl-C sends
     assert rc == 130, out[-3000:]
-    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
     said = [ln for ln in out.splitlines() if "stopped by SIGINT" in ln]
     assert len(said) == 1, out[-3000:]
     if with_checkpoint:
@@ -241,26 +233,16 @@ def test_sigint_to_mpiexec_stops_the_job_with_one_line_and_status_130(long_run, 
 
 def test_sigint_to_one_worker_rank_stops_the_whole_job(long_run, tmp_path):
     ck, log = tmp_path / "ck", tmp_path / "log"
-    proc = start(3, _long_args(long_run, ck), log=log)
-    assert wait_for(lambda: _started(log), proc=proc), open(log).read()[-3000:]
-    pids = _rank_pids(str(ck))
-    assert set(pids) == {0, 1, 2}, pids
-    os.kill(pids[2], signal.SIGINT)  # a worker alone, not the launcher
-    rc = proc.wait(timeout=60)
-    out = open(log).read()
-    assert rc == 130 and "Traceback" not in out, out[-3000:]
+    rc, out = _interrupt(start(3, _long_args(long_run, ck), log=log), log, signal.SIGINT,
+                         pid=lambda: rank_pids(str(ck))[2])  # a worker alone, not the launcher
+    assert rc == 130, out[-3000:]
     assert checkpoint.newest_good(str(ck))[1]["reason"] == "signal"
 
 
 def test_sigterm_to_mpiexec_checkpoints_and_exits_75(long_run, tmp_path):
     ck, log = tmp_path / "ck", tmp_path / "log"
-    proc = start(3, _long_args(long_run, ck), log=log)
-    assert wait_for(lambda: _started(log), proc=proc), open(log).read()[-3000:]
-    time.sleep(1.0)
-    os.kill(proc.pid, signal.SIGTERM)
-    rc = proc.wait(timeout=60)
-    out = open(log).read()
-    assert rc == 75 and "Traceback" not in out, out[-3000:]
+    rc, out = _interrupt(start(3, _long_args(long_run, ck), log=log), log, signal.SIGTERM)
+    assert rc == 75, out[-3000:]
     assert checkpoint.newest_good(str(ck))[1]["reason"] == "signal"
 
 
@@ -269,16 +251,12 @@ def test_sigint_to_supervise_reaches_the_job_once_and_leaves_no_process(long_run
     proc = subprocess.Popen([*HPCPS, "supervise", "--", *mpiexec(), "-n", "3", *HPCPS, *_long_args(long_run, ck)],
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True, env=ENV,
                             start_new_session=True)
-    assert wait_for(lambda: _started(log), proc=proc), open(log).read()[-3000:]
-    time.sleep(1.0)
-    os.kill(proc.pid, signal.SIGINT)
-    rc = proc.wait(timeout=60)
-    out = open(log).read()
+    rc, out = _interrupt(proc, log, signal.SIGINT)
     assert rc == 130, out[-3000:]
     assert "hpcps supervise: job interrupted (SIGINT) (exit status 130)" in out, out[-3000:]
     assert out.count("Sending Ctrl-C to processes") <= 1  # (MPICH says it) one SIGINT reached mpiexec, not two
     assert checkpoint.newest_good(str(ck))[1]["reason"] == "signal"
-    assert not _rank_pids(str(ck))  # no rank left behind
+    assert not rank_pids(str(ck))  # no rank left behind
 
 
 @pytest.mark.parametrize("args,match", [
