@@ -361,6 +361,11 @@ def _cmd_supervise(args) -> int:
                         ("--backoff-max", args.backoff_max)):
         if not value >= 0:  # (NaN too)
             return _fail(f"hpcps supervise {name} must be at least 0 (got {value:g})")
+    if args.log:
+        try:
+            open(args.log, "a").close()
+        except OSError as e:
+            return _fail(f"hpcps supervise --log {args.log}: cannot write there: {e.strerror or e}")
     return supervise.run(command, args.max_restarts, args.backoff, args.backoff_max, args.log)
 
 

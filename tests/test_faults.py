@@ -263,6 +263,7 @@ def test_sigint_to_supervise_reaches_the_job_once_and_leaves_no_process(long_run
     (["--", "no-such-launcher-xyz", "-n", "2"], "cannot start the job: no-such-launcher-xyz: No such file or directory"),
     (["--max-restarts", "-1", "--", "true"], "--max-restarts must be at least 0 (got -1)"),
     (["--backoff", "nan", "--", "true"], "--backoff must be at least 0 (got nan)"),
+    (["--log", "/nonexistent-dir/log", "--", "true"], "--log /nonexistent-dir/log: cannot write there: No such file"),
 ])
 def test_supervise_refuses_what_it_cannot_run_in_one_line(args, match):
     rc, out = job(0, ["supervise", *args], timeout=60)
