@@ -346,6 +346,9 @@ def claim(root: str, run_id: str, resumed_step: int | None, existing: str = "err
 
 def read_manifest(ckpt: str) -> dict:
     path = os.path.join(ckpt, MANIFEST)
+    if not os.path.isdir(ckpt):
+        raise CheckpointError(f"{ckpt}: no such checkpoint directory" if not os.path.exists(ckpt)
+                              else f"{ckpt}: not a checkpoint (a file; a checkpoint is a directory ckpt-<step>)")
     if not os.path.exists(path):
         raise CheckpointError(f"{ckpt}: no {MANIFEST} (incomplete checkpoint)")
     try:
