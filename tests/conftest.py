@@ -12,10 +12,11 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 # Jobs without data generate (and then reuse) synthetic data under HPCPS_CACHE_DIR: one directory
-# per test session, not the user's ~/.cache
-if "HPCPS_CACHE_DIR" not in os.environ:
-    os.environ["HPCPS_CACHE_DIR"] = tempfile.mkdtemp(prefix="hpcps-test-cache-")
-    atexit.register(shutil.rmtree, os.environ["HPCPS_CACHE_DIR"], True)
+# per test session (its pytest-xdist workers share it), never the user's own (~/.cache or theirs)
+if "HPCPS_TEST_CACHE_DIR" not in os.environ:
+    os.environ["HPCPS_TEST_CACHE_DIR"] = tempfile.mkdtemp(prefix="hpcps-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["HPCPS_TEST_CACHE_DIR"], True)
+os.environ["HPCPS_CACHE_DIR"] = os.environ["HPCPS_TEST_CACHE_DIR"]
 
 pytest_plugins = ["mpi_harness"]
 

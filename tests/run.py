@@ -22,6 +22,10 @@ on PATH), ``HPCPS_MPIEXEC_ARGS`` (extra launcher arguments, e.g. ``--oversubscri
 processes for the serial tests, default the cores up to 4; 1 for one pytest),
 ``HPCPS_REQUIRE_CLUSTER`` (``1``, as CI sets it: a Slurm, multi-host or disk-full test that cannot
 run here fails, saying why, instead of skipping; see :func:`cannot_run`).
+
+Everything the tests and their jobs write through the system's temporary directory (``TMPDIR``:
+pytest's ``tmp_path``, the synthetic data of jobs without data, files of ``hpcps supervise``)
+goes under one directory of this run, removed at its end unless something failed.
 """
 
 from __future__ import annotations
@@ -128,6 +132,7 @@ def main(argv: list[str]) -> int:
     if run([py, "-m", "hpcps_kernels", "warmup"], env, timeout=900) != 0:
         problems.append("kernel warm-up failed")
 
+    env["TMPDIR"] = scratch = tempfile.mkdtemp(prefix="hpcps-tests-tmp-")  # (see the module's docstring)
     with tempfile.TemporaryDirectory(prefix="hpcps-tests-") as tmp:
         # 2. Serial tests. The Slurm ones mostly wait on Slurm (16% of a core over their 3 minutes
         # here) and start their own clusters, so unless a path was asked for they run beside the
@@ -201,6 +206,10 @@ def main(argv: list[str]) -> int:
         failed = 1
     if sum(totals.values()) == 0:
         print("no tests collected")
+    if failed or problems:
+        print(f"what the tests wrote is kept in {scratch}")
+    else:
+        shutil.rmtree(scratch, ignore_errors=True)
     print(f"{totals['passed']} passed, {failed} failed, {totals['skipped']} skipped")
     return 1 if failed or problems else 0
 
