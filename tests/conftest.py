@@ -48,7 +48,7 @@ def small_disk(tmp_path):
     try:
         r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(where)], capture_output=True,
                            text=True, timeout=60)
-        error = r.stderr.strip() or f"mount exited {r.returncode}"
+        error = (r.stderr.strip().splitlines() or [f"mount exited {r.returncode}"])[0]
     except OSError as e:  # no mount(8)
         r, error = None, str(e)
     if r is None or r.returncode != 0:

@@ -198,7 +198,7 @@ def main(argv: list[str]) -> int:
     if skipped:
         print(f"{len(skipped)} skipped:")
         for test, reason in sorted(skipped):
-            print(f"  SKIPPED {test}: {reason}")
+            print(f"  SKIPPED {test}: {' '.join(reason.split())}")  # (one line each)
     for p in problems:
         print("problem:", p)
     failed = totals["failed"] + totals["error"]
