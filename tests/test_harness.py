@@ -145,7 +145,8 @@ def test_the_runner_lists_every_skip_and_ci_fails_what_it_needs(tmp_path):
         def test_needs_a_cluster():
             cannot_run("no cluster here")
     """))
-    env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""), HPCPS_TEST_STREAMS="1")
+    env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""), HPCPS_TEST_STREAMS="1",
+               TMPDIR=str(tmp_path))  # (where the runner keeps what a failed run wrote)
     env.pop("HPCPS_TEST_REPORT_DIR", None)
     proc = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), str(tmp_path / "test_some.py")],
                           env=dict(env, HPCPS_REQUIRE_CLUSTER="1"), capture_output=True, text=True, timeout=300)
@@ -155,6 +156,7 @@ def test_the_runner_lists_every_skip_and_ci_fails_what_it_needs(tmp_path):
     tail = out[out.index("=== whole suite in"):].splitlines()
     assert tail[1:3] == ["1 skipped:", "  SKIPPED test_some.py::test_skips_saying_why: no widget here"], tail
     assert tail[-1] == "1 passed, 1 failed, 1 skipped", tail
+    assert tail[-2].startswith(f"what the tests wrote is kept in {tmp_path}/hpcps-tests-tmp-"), tail
     # without it, the same test skips, and says why
     proc = subprocess.run([sys.executable, "-m", "pytest", "-rs", "-p", "no:cacheprovider", "test_some.py"],
                           cwd=tmp_path, env=dict(env, HPCPS_REQUIRE_CLUSTER=""), capture_output=True, text=True,
