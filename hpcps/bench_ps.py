@@ -2,7 +2,9 @@
 of the sleeping waits. Run with 1 server and 1 worker: ``mpiexec -n 2 hpcps bench ps``.
 
 All figures come from one run: medians over repetitions; ratios against the raw MPI ping-pong
-bandwidth at the same message size, measured between the same two ranks just before.
+bandwidth at the same message size, measured between the same two ranks just before. Each row
+also says how many bytes the server received for one such request and sent in reply, counted
+from the messages (``request_bytes``, ``reply_bytes``; its GB/s counts the wire format's sizes).
 """
 
 from __future__ import annotations
@@ -111,11 +113,12 @@ def run(sizes=SIZES, reps: int = 5, dim: int = 1, optimizer: str = "ftrl", key_b
     transport.free(world)
     width = optim.width(optimizer, dim)
     for r in rows or []:
-        t = inside.get((r["op"], r.get("keys")))
-        if t:
+        if (r["op"], r.get("keys")) in inside:
+            t, received, sent = inside[r["op"], r.get("keys")]
             rate = r["keys"] / t
             r.update(server_s=t, server_keys_per_s=rate, server_roofline_ratio=rate / r["roofline_keys_per_s"],
-                     server_gb_per_s=r["keys"] * _moved_bytes(r["op"], dim, width) / t / 1e9)
+                     server_gb_per_s=r["keys"] * _moved_bytes(r["op"], dim, width) / t / 1e9,
+                     request_bytes=received, reply_bytes=sent)
     return rows
 
 
@@ -127,16 +130,21 @@ def _moved_bytes(op: str, dim: int, width: int) -> int:
 
 
 def _server_times(trace: list) -> dict:
-    """Median seconds the server spent on a push, and on a pull, of each size: ``{(op, keys): s}``
-    with the op named as in the result rows. The first push of each size, which creates its keys
-    and is not timed on the worker either, is left out."""
-    times: dict = {}
-    for op, n_push, n_pull, seconds in trace:
+    """Per push, and per pull, of each size, with the op named as in the result rows: the median
+    seconds the server spent on one, and the median bytes it received for one and sent in reply,
+    as the messages carried them: ``{(op, keys): (s, bytes received, bytes sent)}``. The first
+    push of each size, which creates its keys and is not timed on the worker either, is left out."""
+    seen: dict = {}
+    for op, n_push, n_pull, *measured in trace:
         if op == protocol.PUSH:
-            times.setdefault(("push+apply", n_push), []).append(seconds)
+            seen.setdefault(("push+apply", n_push), []).append(measured)
         elif op == protocol.PULL:
-            times.setdefault(("pull", n_pull), []).append(seconds)
-    return {k: float(np.median(v[1:] if k[0] == "push+apply" and len(v) > 1 else v)) for k, v in times.items()}
+            seen.setdefault(("pull", n_pull), []).append(measured)
+    out = {}
+    for k, v in seen.items():
+        m = np.median(v[1:] if k[0] == "push+apply" and len(v) > 1 else v, axis=0)
+        out[k] = (float(m[0]), int(m[1]), int(m[2]))
+    return out
 
 
 def format_rows(rows: list[dict], optimizer: str) -> str:

@@ -157,7 +157,9 @@ class Context:
         Args:
             restore: (checkpoint directory, its manifest): load this server's shards first.
             trace: the statistics get ``trace``, a list of ``(op, keys pushed, keys pulled,
-                seconds)`` per request handled (from its receipt to its reply queued).
+                seconds, bytes received, bytes sent)`` per request handled: seconds from its
+                receipt to its reply queued; the bytes of its messages (their size as received)
+                and of the replies queued meanwhile.
         """
         if not self.is_server:
             raise RuntimeError("serve() is for server ranks (ctx.is_server)")

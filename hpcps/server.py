@@ -711,12 +711,15 @@ class Server:
             if t - last_request[0] > 0.5:  # a quiet spell: what did waiting cost?
                 self.stats["idle_gap_wall_s"] += t - last_request[0]
                 self.stats["idle_gap_cpu_s"] += cpu - last_request[1]
+            queued = len(self.sending)
             self.handle(source, buf, grads)
             busy = time.perf_counter() - t
             self.stats["busy_s"] += busy
-            if self.trace is not None:
+            if self.trace is not None:  # (the bytes as MPI carried them: the probed size, the sends queued)
                 h = protocol.header(buf)
-                self.trace.append((int(h["op"]), int(h["n_push"]), int(h["n_pull"]), busy))
+                self.trace.append((int(h["op"]), int(h["n_push"]), int(h["n_pull"]), busy,
+                                   buf.nbytes + (0 if grads is None else grads.nbytes),
+                                   sum(p.nbytes for p in self.sending[queued:])))
             # keep polling without sleep while the replies just queued should be in transfer
             poll.reset(sum(p.nbytes for p in self.sending))
             last_request = (time.perf_counter(), time.process_time())

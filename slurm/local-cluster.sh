@@ -31,7 +31,8 @@
 # ranks on the same host still use MPICH's shared memory.
 #
 # Exit status 3 = Slurm cannot be had here (not root, packages or namespaces unavailable): tests
-# skip, saying why. Exit status 1 = it was installed but did not start: a failure.
+# skip, saying why, or fail saying it under HPCPS_REQUIRE_CLUSTER=1 (as CI runs them). Exit
+# status 1 = it was installed but did not start: a failure.
 set -euo pipefail
 
 DIR=${HPCPS_SLURM_DIR:-/tmp/hpcps-slurm}
@@ -204,6 +205,8 @@ wait_idle() {  # every node idle (a drained one is resumed: its reason survives 
 
 start() {
   local i n
+  # the daemons run as root (SlurmUser=root above), whether or not the packages are there
+  [ "$(id -u)" = 0 ] || cannot "a local cluster runs its daemons as root, and this is user $(id -un)"
   mkdir -p "$DIR"/{state,spool,munge}
   install
   if [ "$NODES" != 0 ]; then

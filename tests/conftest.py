@@ -12,10 +12,11 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 # Jobs without data generate (and then reuse) synthetic data under HPCPS_CACHE_DIR: one directory
-# per test session, not the user's ~/.cache
-if "HPCPS_CACHE_DIR" not in os.environ:
-    os.environ["HPCPS_CACHE_DIR"] = tempfile.mkdtemp(prefix="hpcps-test-cache-")
-    atexit.register(shutil.rmtree, os.environ["HPCPS_CACHE_DIR"], True)
+# per test session (its pytest-xdist workers share it), never the user's own (~/.cache or theirs)
+if "HPCPS_TEST_CACHE_DIR" not in os.environ:
+    os.environ["HPCPS_TEST_CACHE_DIR"] = tempfile.mkdtemp(prefix="hpcps-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["HPCPS_TEST_CACHE_DIR"], True)
+os.environ["HPCPS_CACHE_DIR"] = os.environ["HPCPS_TEST_CACHE_DIR"]
 
 pytest_plugins = ["mpi_harness"]
 
@@ -38,11 +39,19 @@ def pytest_collection_modifyitems(session, config, items):
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 16 MiB tmpfs (needs root; skipped with the reason elsewhere)."""
+    """A 16 MiB tmpfs (needs root). Where none can be mounted the test skips, saying why, or
+    under HPCPS_REQUIRE_CLUSTER=1 (CI) fails (``run.cannot_run``)."""
+    from run import cannot_run
+
     where = tmp_path / "disk"
     where.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(where)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.strip()}")
+    try:
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(where)], capture_output=True,
+                           text=True, timeout=60)
+        error = (r.stderr.strip().splitlines() or [f"mount exited {r.returncode}"])[0]
+    except OSError as e:  # no mount(8)
+        r, error = None, str(e)
+    if r is None or r.returncode != 0:
+        cannot_run(f"cannot mount a small tmpfs here: {error}")
     yield where
     subprocess.run(["umount", "-l", str(where)], capture_output=True)

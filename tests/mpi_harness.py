@@ -15,8 +15,9 @@ nonblocking allreduce on a private communicator:
 
 Environment:
     HPCPS_TEST_REPORT_DIR: each rank writes ``rank<R>.json`` there at the end of the session (the
-        counts and the failed test ids). ``tests/rank_output.py`` sends the stdout of ranks > 0 to
-        ``rank<R>.log`` there, so the console shows rank 0's report and every rank's errors.
+        counts, the failed test ids, and each skipped test's id and reason).
+        ``tests/rank_output.py`` sends the stdout of ranks > 0 to ``rank<R>.log`` there, so the
+        console shows rank 0's report and every rank's errors.
     HPCPS_LIST_MPI_TESTS: with ``--collect-only``, write the MPI tests and their world sizes
         (the marker's ``min_size``) as JSON to this file (used by ``tests/run.py``).
 """
@@ -124,6 +125,12 @@ def pytest_runtest_makereport(item, call):
         rep.longrepr = f"failed on rank(s) {ranks} in {call.when}:\n{detail}"
 
 
+def _skip_reason(rep) -> str:
+    """The reason of a skip report: pytest keeps it as (file, line, "Skipped: reason")."""
+    text = rep.longrepr[2] if isinstance(rep.longrepr, tuple) and len(rep.longrepr) == 3 else str(rep.longrepr)
+    return text[len("Skipped: "):] if text.startswith("Skipped: ") else text
+
+
 def pytest_sessionfinish(session, exitstatus):
     report_dir = os.environ.get("HPCPS_TEST_REPORT_DIR")
     if not report_dir or hasattr(session.config, "workerinput"):
@@ -132,7 +139,8 @@ def pytest_sessionfinish(session, exitstatus):
     stats = reporter.stats if reporter is not None else {}
     counts = {k: len(stats.get(k, [])) for k in ("passed", "failed", "skipped", "error", "xfailed", "xpassed")}
     failed_ids = sorted({r.nodeid for k in ("failed", "error") for r in stats.get(k, [])})
+    skipped = sorted({(r.nodeid, _skip_reason(r)) for r in stats.get("skipped", [])})
     rank = _state["comm"].Get_rank() if _state["comm"] is not None else _world_rank()
     os.makedirs(report_dir, exist_ok=True)
     with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"counts": counts, "failed": failed_ids, "exitstatus": int(exitstatus)}, f)
+        json.dump({"counts": counts, "failed": failed_ids, "skipped": skipped, "exitstatus": int(exitstatus)}, f)

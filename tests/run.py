@@ -11,13 +11,21 @@
 3. Lists the tests marked ``@pytest.mark.mpi(min_size=N)`` and runs each group of equal N as
    ``mpiexec -n N python -m pytest --with-mpi ...`` under a timeout, so a hung job cannot outlast
    its budget (and the harness in ``mpi_harness.py`` aborts a job whose rank failed).
-4. Prints one closing line ``N passed, N failed, N skipped`` over everything and exits non-zero if
-   anything failed. pytest's "no tests collected" (exit 5) counts as zero tests, not as a failure.
+4. Lists every skipped test with its reason (from each pytest above, every MPI rank 0 included),
+   then prints one closing line ``N passed, N failed, N skipped`` over everything and exits
+   non-zero if anything failed. pytest's "no tests collected" (exit 5) counts as zero tests, not as
+   a failure.
 
 Environment: ``HPCPS_MPIEXEC`` (launcher, default: the ``mpiexec`` beside this Python, then the one
 on PATH), ``HPCPS_MPIEXEC_ARGS`` (extra launcher arguments, e.g. ``--oversubscribe`` for Open MPI),
 ``HPCPS_MPI_GROUP_TIMEOUT`` (seconds per mpiexec run, default 900), ``HPCPS_TEST_STREAMS`` (pytest-xdist
-processes for the serial tests, default the cores up to 4; 1 for one pytest).
+processes for the serial tests, default the cores up to 4; 1 for one pytest),
+``HPCPS_REQUIRE_CLUSTER`` (``1``, as CI sets it: a Slurm, multi-host or disk-full test that cannot
+run here fails, saying why, instead of skipping; see :func:`cannot_run`).
+
+Everything the tests and their jobs write through the system's temporary directory (``TMPDIR``:
+pytest's ``tmp_path``, the synthetic data of jobs without data, files of ``hpcps supervise``)
+goes under one directory of this run, removed at its end unless something failed.
 """
 
 from __future__ import annotations
@@ -35,6 +43,19 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WAITING = ["tests/test_slurm.py", "tests/test_nodes.py"]  # run beside the other serial tests (see main)
 KEYS = ("passed", "failed", "skipped", "error", "xfailed", "xpassed")
+REQUIRE_CLUSTER = "HPCPS_REQUIRE_CLUSTER"
+
+
+def cannot_run(reason: str) -> None:
+    """What a test does when what it needs cannot be had here (Slurm, network namespaces, a tmpfs
+    to fill): skip, saying why; under ``HPCPS_REQUIRE_CLUSTER=1`` (CI) fail, saying why, so that a
+    run cannot pass with these tests skipped."""
+    import pytest
+
+    if os.environ.get(REQUIRE_CLUSTER, "") not in ("", "0"):
+        pytest.fail(f"{REQUIRE_CLUSTER}={os.environ[REQUIRE_CLUSTER]} and this test cannot run here: {reason}",
+                    pytrace=False)
+    pytest.skip(reason)
 
 
 def mpiexec() -> list[str]:
@@ -72,18 +93,23 @@ def run(cmd: list[str], env: dict, timeout: float | None = None) -> int:
         return 124
 
 
-def read_counts(report_dir: str) -> dict:
+def read_report(report_dir: str) -> dict:
+    """Rank 0's report (``tests/mpi_harness.py``): counts and skipped tests; {} if none was written."""
     path = os.path.join(report_dir, "rank0.json")
     if not os.path.exists(path):
         return {}
     with open(path) as f:
-        return json.load(f)["counts"]
+        return json.load(f)
 
 
-def add_serial(rdir: str, rc: int, what: str, totals: dict, problems: list) -> None:
-    counts = read_counts(rdir)
+def add_report(report: dict, totals: dict, skipped: list) -> None:
     for k in KEYS:
-        totals[k] += counts.get(k, 0)
+        totals[k] += report.get("counts", {}).get(k, 0)
+    skipped += [tuple(s) for s in report.get("skipped", [])]
+
+
+def add_serial(rdir: str, rc: int, what: str, totals: dict, problems: list, skipped: list) -> None:
+    add_report(read_report(rdir), totals, skipped)
     if rc not in (0, 5):
         problems.append(f"{what} exited {rc}")
 
@@ -99,12 +125,14 @@ def main(argv: list[str]) -> int:
     py = sys.executable
     totals = dict.fromkeys(KEYS, 0)
     problems: list[str] = []
+    skipped: list[tuple[str, str]] = []  # (test id, reason)
     t0 = time.time()
 
     # 1. Compile the kernels once, serially, into the shared cache.
     if run([py, "-m", "hpcps_kernels", "warmup"], env, timeout=900) != 0:
         problems.append("kernel warm-up failed")
 
+    env["TMPDIR"] = scratch = tempfile.mkdtemp(prefix="hpcps-tests-tmp-")  # (see the module's docstring)
     with tempfile.TemporaryDirectory(prefix="hpcps-tests-") as tmp:
         # 2. Serial tests. The Slurm ones mostly wait on Slurm (16% of a core over their 3 minutes
         # here) and start their own clusters, so unless a path was asked for they run beside the
@@ -120,7 +148,7 @@ def main(argv: list[str]) -> int:
         ignore = [f"--ignore={w}" for w in WAITING] if waiting else []
         rc = run([py, "-m", "pytest", "-m", "not mpi", "--durations=25", *streams(argv), *argv, *ignore],
                  dict(env, HPCPS_TEST_REPORT_DIR=rdir))  # (the slowest tests, for the log)
-        add_serial(rdir, rc, "serial pytest", totals, problems)
+        add_serial(rdir, rc, "serial pytest", totals, problems, skipped)
 
         # 3. MPI tests, grouped by world size.
         listing = os.path.join(tmp, "mpi-tests.json")
@@ -141,12 +169,11 @@ def main(argv: list[str]) -> int:
             print(f"\n=== {len(ids)} MPI test(s) at {size} ranks ===", flush=True)
             cmd = [*mpiexec(), "-n", str(size), py, os.path.join(ROOT, "tests", "rank_output.py"), "-m", "pytest", "--with-mpi", "-q", "-p", "no:cacheprovider", *ids]
             rc = run(cmd, dict(env, HPCPS_TEST_REPORT_DIR=rdir), timeout=timeout)
-            counts = read_counts(rdir)
-            for k in KEYS:
-                totals[k] += counts.get(k, 0)
+            report = read_report(rdir)
+            add_report(report, totals, skipped)
             if rc not in (0, 5):
                 problems.append(f"MPI tests at {size} ranks exited {rc}")
-                if not counts:
+                if not report:
                     totals["failed"] += len(ids)  # the job died before it could report
                 for r in range(1, size):
                     log = os.path.join(rdir, f"rank{r}.log")
@@ -165,9 +192,13 @@ def main(argv: list[str]) -> int:
             wlog.seek(0)
             print(f"\n=== the Slurm tests, run beside the rest ===\n{wlog.read()}", flush=True)
             wlog.close()
-            add_serial(wdir, rc, "Slurm tests' pytest", totals, problems)
+            add_serial(wdir, rc, "Slurm tests' pytest", totals, problems, skipped)
 
     print(f"\n=== whole suite in {time.time() - t0:.0f} s ===")
+    if skipped:
+        print(f"{len(skipped)} skipped:")
+        for test, reason in sorted(skipped):
+            print(f"  SKIPPED {test}: {' '.join(reason.split())}")  # (one line each)
     for p in problems:
         print("problem:", p)
     failed = totals["failed"] + totals["error"]
@@ -175,6 +206,10 @@ def main(argv: list[str]) -> int:
         failed = 1
     if sum(totals.values()) == 0:
         print("no tests collected")
+    if failed or problems:
+        print(f"what the tests wrote is kept in {scratch}")
+    else:
+        shutil.rmtree(scratch, ignore_errors=True)
     print(f"{totals['passed']} passed, {failed} failed, {totals['skipped']} skipped")
     return 1 if failed or problems else 0
 

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -25,15 +26,69 @@ def test_kernel_profiler_reports_speedups_and_rooflines():
         assert r["time_s"] > 0 and (r["speedup"] is None or r["speedup"] > 0)
 
 
-def test_mpi_benchmark_reports_blocking_and_sleeping_waits_side_by_side():
+# Rank 0 runs the MPI benchmark's measurement against rank 1, the test's own peer: it counts the
+# bytes of every message from MPI's status, holds each ping DELAY_S before it answers, and rank 0
+# times each size on its own clock. (The peer follows bench_mpi.run's exchanges: a warm-up and
+# REPS ping-pongs with blocking calls, tags 5/6, then with the sleeping wait, tags 1/2; a barrier.
+# Any other exchange ends in the subprocess's timeout.)
+PEER_SCRIPT = textwrap.dedent("""
+    import json, sys, time
+    import numpy as np
+    from mpi4py import MPI
+    from hpcps import bench_mpi
+
+    sizes, reps, delay = json.loads(sys.argv[1])
+    comm = MPI.COMM_WORLD
+    if comm.rank == 0:
+        rows = []
+        for n in sizes:
+            t = time.perf_counter()
+            rows += bench_mpi.run(comm, sizes=[n], reps=reps)
+            rows[-1]["elapsed_s"] = time.perf_counter() - t
+        print("ROWS", json.dumps(rows), flush=True)
+    else:
+        counted, status = [], MPI.Status()
+        for n in sizes:
+            buf = np.empty(n + 4096, np.uint8)  # room for more than the size asked for
+            for ping, pong in ((5, 6), (1, 2)):
+                for _ in range(reps + 1):
+                    comm.Recv(buf, source=0, tag=ping, status=status)
+                    counted.append(status.Get_count(MPI.BYTE))
+                    time.sleep(delay)
+                    comm.Send(buf[:counted[-1]], dest=0, tag=pong)
+            comm.Ibarrier().Wait()  # (a nonblocking barrier matches only a nonblocking one)
+        print("COUNTED", json.dumps(counted), flush=True)
+""")
+DELAY_S = 0.005
+
+
+def test_mpi_benchmark_reports_blocking_and_sleeping_waits_side_by_side(tmp_path):
     proc = subprocess.run([*mpiexec(), "-n", "2", sys.executable, "-m", "hpcps.cli", "bench", "mpi", "--json"],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [r["bytes"] for r in rows] == [8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 23, 1 << 26]
+    assert all(r["one_way_s"] > 0 and r["wait_one_way_s"] > 0 for r in rows)
+    # its figures against what an independent peer counts, and a clock of the test's own
+    sizes, reps = [1 << 10, 1 << 20, 1 << 23], 3
+    (tmp_path / "peer.py").write_text(PEER_SCRIPT)
+    proc = subprocess.run([*mpiexec(), "-n", "2", sys.executable, str(tmp_path / "peer.py"),
+                           json.dumps([sizes, reps, DELAY_S])], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    said = {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines()
+            if line.startswith(("ROWS ", "COUNTED "))}
+    rows, counted = said["ROWS"], said["COUNTED"]
+    assert counted == [n for n in sizes for _ in range(2 * (reps + 1))]  # every message, exactly its size
+    assert [r["bytes"] for r in rows] == sizes and all(r["reps"] == reps for r in rows)
+    at_least_median = reps // 2 + 1  # of the ping-pongs of each kind, these take their median or more
     for r in rows:
-        assert r["one_way_s"] > 0 and r["wait_one_way_s"] > 0
-        assert abs(r["gb_per_s"] - r["bytes"] / r["one_way_s"] / 1e9) < 1e-9
+        for speed in ("gb_per_s", "wait_gb_per_s"):
+            # at most the bytes over half the peer's delay, which every round trip holds ...
+            assert r[speed] <= r["bytes"] / (DELAY_S / 2) / 1e9, (speed, r)
+            # ... and at least the bytes over the part of the time measured here that its median
+            # one-way time can take (half a round trip; those of both kinds all fit in it)
+            assert r[speed] >= r["bytes"] / (r["elapsed_s"] / (2 * at_least_median)) / 1e9, (speed, r)
 
 
 def test_ps_benchmark_reports_throughput_beside_raw_mpi():
@@ -45,13 +100,25 @@ def test_ps_benchmark_reports_throughput_beside_raw_mpi():
     ops = {(r["op"], r.get("keys")) for r in rows}
     assert {("push+apply", 1000), ("pull", 20000), ("waiting", None)} <= ops
     assert all(0 < r["roofline_ratio"] and 0 < r["ratio"] for r in rows if r["op"] != "waiting")
-    # the server's own time on each request is part of its round trip
+    # the server's own time on each request (its clock, another process) is part of its round trip
     assert all(0 < r["server_s"] < r["time_s"] for r in rows if r["op"] != "waiting"), rows
-    # FTRL dim 1: a push moves 4 + 2 * 12 bytes a key, a pull 2 * 4
-    for r in rows:
-        if r["op"] != "waiting":
-            per_key = 28 if r["op"] == "push+apply" else 8
-            assert abs(r["server_gb_per_s"] - r["keys"] * per_key / r["server_s"] / 1e9) < 1e-9, r
+    # GB/s: the bytes of a request and of its reply, as the server received and sent them
+    by = {(r["op"], r["keys"]): r for r in rows if r["op"] != "waiting"}
+    for r in by.values():
+        assert r["gb_per_s"] * r["time_s"] * 1e9 == pytest.approx(r["request_bytes"] + r["reply_bytes"], rel=1e-9), r
+    # and those are the wire format's sizes (dim 1): a push carries a key (8 bytes) and a gradient
+    # (4) a key, acknowledged by a reply of one size; a pull sends keys and gets 4-byte rows back
+    push, pull, more = by["push+apply", 20000], by["pull", 20000], 20000 - 1000
+    assert push["request_bytes"] - by["push+apply", 1000]["request_bytes"] == 12 * more
+    assert push["reply_bytes"] == by["push+apply", 1000]["reply_bytes"] > 0
+    assert pull["request_bytes"] - by["pull", 1000]["request_bytes"] == 8 * more
+    assert pull["reply_bytes"] - by["pull", 1000]["reply_bytes"] == 4 * more
+    assert push["request_bytes"] - 12 * 20000 == pull["request_bytes"] - 8 * 20000 > 0  # one header's size
+    # server GB/s: the memory its kernels move a key (FTRL dim 1: a push reads a 4-byte gradient
+    # and reads and writes a row of w, z and n; a pull reads a 4-byte value and writes it out)
+    for r in by.values():
+        per_key = 4 + 2 * 3 * 4 if r["op"] == "push+apply" else 2 * 4
+        assert r["server_gb_per_s"] * r["server_s"] * 1e9 == pytest.approx(r["keys"] * per_key, rel=1e-9), r
     waiting = [r for r in rows if r["op"] == "waiting"][0]
     # the polling wait does not burn a core; a blocking Recv does, as much as it gets of one (on a
     # loaded machine it shares it: 36 % once here), so the two are compared within this run

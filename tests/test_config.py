@@ -65,4 +65,7 @@ def test_fingerprint_differences_name_the_settings():
     b = config.from_dict({"model": {"type": "fm", "factors": 4}, "data": {"hash_bits": 22}, "train": {"epochs": 9}})
     assert config.fingerprint_differences(a.to_dict(), b.to_dict()) == [
         "data.hash_bits was 20, now 22", "model.factors was 8, now 4", "optimizer.l2 was 0.0, now 10.0"]
-    assert config.fingerprint_differences(a.to_dict(), a.to_dict()) == []  # epochs, paths: not fingerprinted
+    # the data paths, the epochs and the layout are not fingerprinted: a run may go on with others
+    c = config.from_dict({"model": {"type": "fm"}, "optimizer": {"l2": 0}, "cluster": {"servers": 3},
+                          "data": {"hash_bits": 20, "train": "other.svm"}, "train": {"epochs": 9, "model_out": "x.h5"}})
+    assert a.to_dict() != c.to_dict() and config.fingerprint_differences(a.to_dict(), c.to_dict()) == []

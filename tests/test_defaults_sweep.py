@@ -11,10 +11,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRID = ["--grid", "optimizer.alpha=0.05,0.2", "optimizer.l2=0,10"]  # 4 members, not the set's 18
 
 
+def sweep(tmp_path, *args):
+    """docs/defaults-sweep.py with ``args``, its data sets and jobs in the test's own temporary
+    directory (the script makes them in the system's: TMPDIR)."""
+    work = tmp_path / "work"
+    work.mkdir(exist_ok=True)
+    return subprocess.run([sys.executable, os.path.join(ROOT, "docs", "defaults-sweep.py"), *args],
+                          capture_output=True, text=True, timeout=300, cwd=work, env=dict(os.environ, TMPDIR=str(work)))
+
+
 def test_the_sweep_reports_what_its_jobs_measured(tmp_path):
     out = tmp_path / "sweep.json"
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "docs", "defaults-sweep.py"), "--only", "s3k-f6",
-                        "--epochs", "6", "--ranks", "1", "--out", str(out), *GRID], capture_output=True, text=True, timeout=300)
+    p = sweep(tmp_path, "--only", "s3k-f6", "--epochs", "6", "--ranks", "1", "--out", str(out), *GRID)
     assert p.returncode == 0, p.stdout + p.stderr
     r = json.load(open(out))["s3k-f6"]
     ranking = r["ranking"]
@@ -28,8 +36,7 @@ def test_the_sweep_reports_what_its_jobs_measured(tmp_path):
     row = [line for line in p.stdout.splitlines() if line.startswith("| s3k-f6")]
     assert row and f"{r['defaults']:.4f}" in row[0] and f"{r['gap']:+.4f}" in row[0]
     # --paired: the same two models again (the same numbers), scored row by row on the test set
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "docs", "defaults-sweep.py"), "--only", "s3k-f6",
-                        "--paired", "--ranks", "1", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    p = sweep(tmp_path, "--only", "s3k-f6", "--paired", "--ranks", "1", "--out", str(out))
     assert p.returncode == 0, p.stdout + p.stderr
     cells = [c.strip() for c in [line for line in p.stdout.splitlines() if line.startswith("| s3k-f6")][0].split("|")]
     assert cells[2] == "300"  # (scores are written with 6 decimals: the losses agree to about 1e-6)
@@ -44,9 +51,7 @@ def test_a_candidate_default_is_measured_against_the_stored_best(tmp_path):
     stored = {"s3k-f10": {"grid_best": 0.60, "tuned": 0.59, "gap": 0.01, "metric": "test_logloss"}}
     out = tmp_path / "stored.json"
     out.write_text(json.dumps(stored))
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "docs", "defaults-sweep.py"), "--only", "s3k-f10",
-                        "--out", str(out), "--candidate", "train.epochs=1", "optimizer.l2=10"],
-                       capture_output=True, text=True, timeout=300)
+    p = sweep(tmp_path, "--only", "s3k-f10", "--out", str(out), "--candidate", "train.epochs=1", "optimizer.l2=10")
     assert p.returncode == 0, p.stdout + p.stderr
     assert json.loads(out.read_text()) == stored  # nothing written
     row = [line for line in p.stdout.splitlines() if line.startswith("| s3k-f10")][0].split("|")
@@ -61,9 +66,8 @@ def test_picks_judge_tunes_pick_on_a_larger_test_set(tmp_path):
     """--picks: tune with one holdout and with folds on the set's rows; every member trained on
     every row for its folds' epochs, and each pick trained so, against the best of them on a test
     set of --pick-test-rows rows (the folds' pick is one of the members: never below the best)."""
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "docs", "defaults-sweep.py"), "--only", "s3k-f6",
-                        "--picks", "--pick-test-rows", "2000", "--epochs", "2", "--ranks", "1", *GRID],
-                       capture_output=True, text=True, timeout=300)
+    p = sweep(tmp_path, "--only", "s3k-f6", "--picks", "--pick-test-rows", "2000", "--epochs", "2", "--ranks", "1",
+              *GRID)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "the grid's best, trained on every row, on 2,000 test rows" in p.stdout
     cells = [c.strip() for c in [line for line in p.stdout.splitlines() if line.startswith("| s3k-f6")][0].split("|")]

@@ -40,8 +40,12 @@ def test_early_stopping_keeps_the_best_epochs_model(tmp_path, ranks):
                                   "optimizer.alpha=1.0")
     assert s["stopped_early"] and s["epochs_trained"] == len(epochs) < 10
     losses = [e["holdout_logloss"] for e in epochs]
-    assert s["best_epoch"] == 1 + losses.index(min(losses)) < s["epochs_trained"]
-    assert losses[-1] >= min(losses)  # the epoch after the best did not improve
+    best_at = s["best_epoch"]
+    assert best_at == 1 + losses.index(min(losses)) < s["epochs_trained"]
+    # early_stop = 1: every epoch up to the best improved on the one before; the first that did
+    # not (the one after the best) was the last
+    assert all(a > b for a, b in zip(losses[:best_at - 1], losses[1:best_at])), losses
+    assert s["epochs_trained"] == best_at + 1 and losses[best_at] >= losses[best_at - 1], losses
     best = epochs[s["best_epoch"] - 1]
     assert s["test_logloss"] == pytest.approx(best["test_logloss"], abs=1e-12)  # the summary is the kept model's
     proc = subprocess.run(HPCPS + ["eval", "--model", str(model), "--data", str(test)], capture_output=True, text=True,

@@ -294,8 +294,6 @@ def test_a_push_takes_the_slots_of_the_pull_before_the_last_as_train_pull_early_
     assert reusing.reused == before
     for a, b in zip(reusing.items(), fresh.items()):
         np.testing.assert_array_equal(a, b)
-    for a, b in zip(reusing.items(), fresh.items()):
-        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("key_bits", [16, 64])  # direct index; hash index

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -107,6 +108,10 @@ def test_ranks_agree_on_verdict_and_the_session_goes_on(tmp_path):
         @pytest.mark.mpi(min_size=2)
         def test_passes_everywhere():
             assert MPI.COMM_WORLD.allreduce(1) == MPI.COMM_WORLD.size
+
+        @pytest.mark.mpi(min_size=2)
+        def test_skips_saying_why():
+            pytest.skip("nothing to see on rank %d" % MPI.COMM_WORLD.rank)
     """))
     report = tmp_path / "report"
     proc, elapsed, out = launch(
@@ -118,7 +123,46 @@ def test_ranks_agree_on_verdict_and_the_session_goes_on(tmp_path):
         assert result["counts"]["failed"] == 1, (rank, result)
         assert result["counts"]["passed"] == 1, (rank, result)
         assert result["failed"] == ["test_agree.py::test_fails_on_rank_one_only"]
+        assert result["skipped"] == [["test_agree.py::test_skips_saying_why", f"nothing to see on rank {rank}"]]
     assert "failed on rank(s) 1" in out and "only rank one disagrees" in out
+
+
+def test_the_runner_lists_every_skip_and_ci_fails_what_it_needs(tmp_path):
+    """tests/run.py ends with each skipped test and its reason. A test that cannot have what it
+    needs (``run.cannot_run``: Slurm, namespaces, a tmpfs) skips saying why, or, under
+    HPCPS_REQUIRE_CLUSTER=1 as CI runs, fails saying why."""
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["mpi_harness"]\n')
+    (tmp_path / "test_some.py").write_text(textwrap.dedent("""
+        import pytest
+        from run import cannot_run
+
+        def test_runs():
+            pass
+
+        def test_skips_saying_why():
+            pytest.skip("no widget here")
+
+        def test_needs_a_cluster():
+            cannot_run("no cluster here")
+    """))
+    env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""), HPCPS_TEST_STREAMS="1",
+               TMPDIR=str(tmp_path))  # (where the runner keeps what a failed run wrote)
+    env.pop("HPCPS_TEST_REPORT_DIR", None)
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), str(tmp_path / "test_some.py")],
+                          env=dict(env, HPCPS_REQUIRE_CLUSTER="1"), capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert "HPCPS_REQUIRE_CLUSTER=1 and this test cannot run here: no cluster here" in out, out
+    tail = out[out.index("=== whole suite in"):].splitlines()
+    assert tail[1:3] == ["1 skipped:", "  SKIPPED test_some.py::test_skips_saying_why: no widget here"], tail
+    assert tail[-1] == "1 passed, 1 failed, 1 skipped", tail
+    assert tail[-2].startswith(f"what the tests wrote is kept in {tmp_path}/hpcps-tests-tmp-"), tail
+    # without it, the same test skips, and says why
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-rs", "-p", "no:cacheprovider", "test_some.py"],
+                          cwd=tmp_path, env=dict(env, HPCPS_REQUIRE_CLUSTER=""), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "1 passed, 2 skipped" in proc.stdout, proc.stdout
+    assert re.search(r"SKIPPED \[1\] \S+: no cluster here", proc.stdout), proc.stdout
 
 
 @pytest.mark.mpi(min_size=2)

@@ -1,5 +1,9 @@
 """Key placement and rank layout: pure functions, no MPI."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -38,10 +42,25 @@ def test_slice_keeps_sorted_keys_sorted_and_covers_every_key():
         assert np.all(np.diff(keys[part].astype(np.float64)) >= 0)
 
 
+PLACE = """
+import sys
+import numpy as np
+from hpcps.placement import Placement
+p, keys = Placement(4), np.frombuffer(bytes.fromhex(sys.argv[1]), dtype=np.uint64)
+print(p.shard_server.tolist(), p.server_of(keys).tolist())
+"""
+
+
 def test_placement_is_the_same_in_every_process():
-    assert Placement(4).shard_server.tolist() == Placement(4).shard_server.tolist()
-    assert Placement(4).server_of(np.array([0, 2**64 - 1], dtype=np.uint64)).tolist() == \
-        Placement(4).server_of(np.array([0, 2**64 - 1], dtype=np.uint64)).tolist()
+    """Each rank computes the placement itself: other processes (with other hash seeds) agree."""
+    keys = np.concatenate([np.array([0, 1, 2**63, 2**64 - 1], dtype=np.uint64),
+                           np.random.default_rng(2).integers(0, 2**64, 1000, dtype=np.uint64)])
+    here = Placement(4)
+    assert set(here.server_of(keys).tolist()) == {0, 1, 2, 3}
+    said = [subprocess.run([sys.executable, "-c", PLACE, keys.tobytes().hex()], capture_output=True, text=True,
+                           timeout=120, check=True, env=dict(os.environ, PYTHONHASHSEED=seed)).stdout
+            for seed in ("1", "2")]
+    assert said[0] == said[1] == f"{here.shard_server.tolist()} {here.server_of(keys).tolist()}\n"
 
 
 def test_layout_splits_workers_into_contiguous_groups():

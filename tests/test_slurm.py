@@ -13,7 +13,20 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from slurm_jobs import assert_same_as_reference, cluster, reference_job, run_interrupted, sbatch  # noqa: E402
+from slurm_jobs import (CLUSTER, assert_same_as_reference, cluster, reference_job, run_interrupted,  # noqa: E402
+                        sbatch)
+
+
+def test_a_local_cluster_needs_root_and_says_so_before_starting_anything(tmp_path):
+    """Run by another user, slurm/local-cluster.sh exits 3 (Slurm cannot run here: the tests skip,
+    or fail under HPCPS_REQUIRE_CLUSTER=1) saying why, whether or not the packages are there."""
+    user = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.getuid() == 0 else []
+    state = tmp_path / "state"
+    proc = subprocess.run([*user, CLUSTER, "start"], env=dict(os.environ, HPCPS_SLURM_DIR=str(state)),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "Slurm cannot run here: a local cluster runs its daemons as root" in proc.stderr, proc.stderr
+    assert not state.exists()
 
 
 @pytest.fixture(scope="module")

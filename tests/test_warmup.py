@@ -12,7 +12,7 @@ import sys
 import textwrap
 
 SCRIPT = textwrap.dedent("""
-    import importlib, json, pkgutil, sys, tempfile
+    import importlib, json, pkgutil, sys
     import numpy as np
     import hpcps_kernels
     from numba.core.registry import CPUDispatcher
@@ -62,7 +62,7 @@ SCRIPT = textwrap.dedent("""
     from hpcps.train.models import margins_from_params
     from hpcps_kernels import keys as kkeys, metrics, models as kmodels
 
-    d = tempfile.mkdtemp()
+    d = sys.argv[1]  # the test's own temporary directory
     info = synth.generate(d, 300, 100, 39, True, 1, 24, formats=("libsvm", "criteo", "vw"))
     synth.ratings(d + "/r", 200, 50)
     parts = [data.load_part(info.files["train_libsvm"], 0, 2, binary=True),
@@ -110,7 +110,10 @@ def test_warmup_compiles_every_kernel_a_job_uses(tmp_path):
     if shared and os.path.isdir(shared):
         shutil.copytree(shared, cache)
     env = dict(os.environ, NUMBA_CACHE_DIR=str(cache))
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=900, env=env)
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(work)], capture_output=True, text=True, timeout=900,
+                          env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     import json
     result = json.loads(proc.stdout.strip().splitlines()[-1])
