@@ -52,6 +52,8 @@ _NAME = re.compile(r"^ckpt-(\d{10})$")
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or damaged; the message says which and why."""
 
+    exit_status = 1  # (a write that failed: a run-time failure; see hpcps.errors)
+
 
 def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"ckpt-{step:010d}")
