@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -83,6 +84,40 @@ def small(tmp_path_factory):
 
 
 # -- a full disk during a checkpoint --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ranks", [2, 0])
+def test_disk_full_during_a_checkpoint_loses_nothing_committed(small, tmp_path, small_disk, ranks):
+    """The disk fills up while a job checkpoints: the job ends with one line (who could not write
+    what, how much it needed where known), no traceback (one process too: it printed Python's),
+    exit 1; every committed checkpoint still verifies and the job resumes from the newest."""
+    ck = small_disk / "ck"
+    args = ["train", *sets(data__train=small[0], train__epochs=2, train__progress=False, train__batch_size=20,
+                           checkpoint__dir=str(ck), checkpoint__every_steps=40, checkpoint__keep=100)]
+    proc = start(ranks, args)
+    first = checkpoint.step_dir(str(ck), 40)
+    assert wait_for(lambda: os.path.exists(first), 120, proc), proc.communicate()[0][-2000:]
+    with open(small_disk / "filler", "wb") as f:  # the disk fills up while training goes on
+        try:
+            while True:
+                f.write(b"\0" * (1 << 16))
+                f.flush()
+        except OSError:
+            pass
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1, out[-2000:]
+    # the server's file or the first worker's manifest meets the full disk first: either says so
+    lines = [ln for ln in out.splitlines() if ": error: " in ln]
+    assert len(lines) == 1 and re.match(r"hpcps: rank (0/1|[01]/2): error: CheckpointError: (server 0|the first "
+                                        r"worker) cannot write ", lines[0]), out[-3000:]
+    assert re.search(r"No space left on device( \(\d+\.\d MiB needed, \d+\.\d MiB free\))?; the checkpoints "
+                     r"committed before it are intact$", lines[0]), lines[0]
+    assert "Traceback" not in out and "HPCPS_DEBUG" not in out, out[-3000:]
+    good = checkpoint.newest_good(str(ck), report=lambda m: None)
+    assert good is not None and good[0] >= first  # every committed checkpoint still verifies
+    os.unlink(small_disk / "filler")
+    rc, out = job(ranks, args + ["--resume", "auto"])
+    assert rc == 0 and "resuming from" in out, out[-2000:]
 
 
 # -- files that change under a running job ---------------------------------------------------------
