@@ -123,4 +123,63 @@ def test_disk_full_during_a_checkpoint_loses_nothing_committed(small, tmp_path, 
 # -- files that change under a running job ---------------------------------------------------------
 
 
+def _change(path: str, how: str) -> None:
+    """Change a data file as a user might while a job reads it."""
+    if how == "truncated":
+        subprocess.run(["truncate", "-s", str(os.path.getsize(path) // 2), path], check=True)
+    elif how == "grown":
+        with open(path, "ab") as f:
+            f.write(b"1 3:1 5:1\n" * 2000)
+    elif how == "replaced":  # another file renamed over it (a new inode, the same size)
+        data = open(path, "rb").read()
+        with open(path + ".new", "wb") as f:
+            f.write(data)
+        os.replace(path + ".new", path)
+    else:  # "rewritten" in place: the same size, other bytes
+        with open(path, "r+b") as f:
+            f.seek(0)
+            first = f.readline()
+            f.seek(0)
+            f.write(b"1" + first[1:] if first[:1] == b"0" else b"0" + first[1:])
+
+
+@pytest.mark.parametrize("how,settings", [
+    ("truncated", {"data__memory_mb": 1}),                             # read again each epoch: the repro
+    ("truncated", {"data__memory_mb": 1, "data__parse_thread": True}),  # read on the parse thread
+    ("grown", {"data__memory_mb": 1}),
+    ("replaced", {"data__memory_mb": 1}),
+    ("rewritten", {"data__memory_mb": 0}),                              # in memory: checked each epoch
+    ("truncated", {"data__memory_mb": 0, "data__cache_dir": "CACHE"}),  # a loaded (cached) part
+])
+def test_a_data_file_changed_under_a_running_job_ends_it_in_one_line(small, tmp_path, how, settings):
+    """A training file truncated while a job reads it made the reader spin a core for ever (a
+    read of 0 bytes, again and again), past the stall timeout. A file that shrinks, grows or is
+    replaced or rewritten now ends the job within an epoch: one line naming the file, exit 2."""
+    path = str(tmp_path / "train.svm")
+    with open(small[0], "rb") as src, open(path, "wb") as dst:
+        dst.write(src.read())
+    metrics = tmp_path / "m.jsonl"
+    settings = {k: (str(tmp_path / "cache") if v == "CACHE" else v) for k, v in settings.items()}
+    proc = start(2, ["train", *sets(data__train=path, train__epochs=100_000, train__progress=False,
+                                    train__metrics=str(metrics), cluster__stall_timeout_s=20,
+                                    cluster__stall_warn_s=10, **settings)])
+    try:
+        assert wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 120, proc), \
+            proc.communicate(timeout=10)[0][-2000:]
+        changed = time.monotonic()
+        _change(path, how)
+        out, _ = proc.communicate(timeout=60)
+        took = time.monotonic() - changed
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 2, out[-2000:]
+    lines = [ln for ln in out.splitlines() if ": error: " in ln]
+    assert lines and all(re.fullmatch(r"hpcps: rank 1/2: error: data file \S+train\.svm changed while this job read "
+                                      r"it \(.+\); a job reads its training file again each epoch, so it must stay "
+                                      r"as it was: copy it before changing it", ln) for ln in lines), out[-2000:]
+    assert "Traceback" not in out
+    assert took < 20, f"{took:.1f} s: not within the stall timeout"
+
+
 # -- non-finite numbers --------------------------------------------------------------------------------

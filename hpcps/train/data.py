@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import stat
 import sys
 import threading
 from collections import deque
@@ -32,6 +33,69 @@ BLOCK = 1 << 30  # a worker's part is parsed in blocks of at most this many byte
 
 class DataError(ValueError):
     """Bad or missing input data; the message names the file (and line)."""
+
+    exit_status = 2  # the user must change something (see hpcps.errors)
+
+
+class DataChanged(DataError):
+    """A data file changed (its size, modification time or inode) while a job reads it."""
+
+
+def check_file(path: str, what: str = "data") -> None:
+    """Raise :class:`DataError` unless ``path`` is a regular file: say what it is instead (missing,
+    a directory, a FIFO...). A FIFO is never opened: that would wait for a writer for ever, and a
+    part is read in byte ranges, by several ranks, once an epoch."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise DataError(f"{what} file {path} not found") from None
+    except OSError as e:
+        raise DataError(f"{what} file {path}: {e.strerror}") from None
+    if stat.S_ISREG(mode):
+        return
+    if stat.S_ISDIR(mode):
+        raise DataError(f"{what} file {path} is a directory, not a file")
+    kind = ("a FIFO (a named pipe)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
+            else "not a regular file")
+    raise DataError(f"{what} file {path} is {kind}, not a regular file: a job reads its data in byte ranges, "
+                    f"once an epoch")
+
+
+def file_state(path: str) -> tuple[int, int, int, int]:
+    """(size, modification time in ns, inode, device) of ``path``: what tells that it changed."""
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev
+
+
+def check_unchanged(path: str, then: tuple) -> None:
+    """Raise :class:`DataChanged` when ``path`` is no longer the file of :func:`file_state` ``then``
+    (one ``stat``: cheap enough for every slice read)."""
+    try:
+        now = file_state(path)
+    except FileNotFoundError:
+        how = "removed"
+    except OSError as e:
+        how = f"unreadable: {e.strerror or e}"
+    else:
+        if now == then:
+            return
+        how = (f"{then[0]} bytes when the job started, {now[0]} now" if now[0] != then[0] else
+               "replaced by another file" if now[2:] != then[2:] else "rewritten: a new modification time")
+    raise DataChanged(f"data file {path} changed while this job read it ({how}); a job reads its training file "
+                      f"again each epoch, so it must stay as it was: copy it before changing it")
+
+
+def _short_read(path: str, at: int, end: int) -> DataChanged:
+    """The error of a read that met the end of ``path`` at byte ``at``, before ``end``: the file
+    shrank since its byte ranges were cut."""
+    try:
+        size = f"{os.path.getsize(path)} bytes now"
+    except OSError:
+        size = "removed"
+    return DataChanged(f"data file {path} changed while this job read it (it ends before byte {end}: {size}); "
+                       f"a job reads its training file again each epoch, so it must stay as it was: copy it "
+                       f"before changing it")
 
 
 # formats whose keys are hash values (XXH64 of a token, masked to data.hash_bits, with a field's
@@ -53,9 +117,10 @@ def detect_format(path: str, fmt: str) -> str:
     return "libffm" if path.endswith(".ffm") or (len(tokens) > 1 and tokens[1].count(b":") == 2) else "libsvm"
 
 
-def byte_range(path: str, part: int, parts: int) -> tuple[int, int]:
-    """Bytes ``[start, end)`` of part ``part`` of ``parts``, both at line starts."""
-    size = os.path.getsize(path)
+def byte_range(path: str, part: int, parts: int, size: int | None = None) -> tuple[int, int]:
+    """Bytes ``[start, end)`` of part ``part`` of ``parts``, both at line starts (of a file of
+    ``size`` bytes: its size now unless given)."""
+    size = os.path.getsize(path) if size is None else size
 
     def line_start(pos: int) -> int:
         if pos <= 0:
@@ -103,8 +168,8 @@ def _count_newlines(path: str, start: int, end: int, kernel: bool = True) -> tup
         left = end - start
         while left > 0:
             got = f.readinto(view[:min(len(buf), left)])
-            if not got:
-                break
+            if not got:  # the file shrank since ``end`` was known
+                raise _short_read(path, end - left, end)
             if kernel:
                 chunk = np.frombuffer(view[:got], dtype=np.uint8)
                 n += int(parse.count_byte(chunk, 10))
@@ -139,6 +204,7 @@ class Dataset:
     # among them), set by compact(), which then drops ``indices``
     prepared: tuple | None = None
     keep_prepared: bool = False
+    state: tuple | None = None  # the file's file_state when it was read (a loaded part)
 
     def compact(self, uniq: np.ndarray, pos: np.ndarray) -> tuple:
         """Keep the batch's keys as its unique keys and each nonzero's int32 position among them
@@ -190,17 +256,27 @@ class Dataset:
 
 
 def _parse_blocks(path: str, start: int, end: int, fmt: str, hash_bits: int, skip_bad: bool, binary: bool,
-                  block_bytes: int = 0, fields: bool = False):
+                  block_bytes: int = 0, fields: bool = False, state: tuple | None = None):
     """Parse ``path[start:end]`` block by block: each block is read into one reusable buffer after
     the previous block's unfinished line, and parsed in place (no copies of the text). Yields
-    ``(labels, indptr, indices, values, skipped)`` per block (new arrays: the buffer is reused)."""
+    ``(labels, indptr, indices, values, skipped)`` per block (new arrays: the buffer is reused).
+
+    A read that ends before ``end`` (the file shrank) raises :class:`DataChanged`; so does, with
+    ``state`` (:func:`file_state` when the ranges were cut), a file changed in any way, checked
+    before each block (one ``stat``)."""
     block_bytes = block_bytes or BLOCK
     buf = bytearray(min(block_bytes, end - start) + (1 << 16))
     view = memoryview(buf)
     seen = np.zeros(2, dtype=np.int64)  # binary labels: a 0 / a -1 met in an earlier block
     carry = 0          # bytes of an unfinished line at the front of buf
     block_start = start  # file offset of buf[0]
-    with open(path, "rb") as f:
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        if state is not None:
+            check_unchanged(path, state)  # (removed or replaced: says so)
+        raise DataError(f"data file {path}: {e.strerror or e}") from None
+    with f:
         f.seek(start)
         pos = start
         while pos < end or carry:
@@ -209,7 +285,11 @@ def _parse_blocks(path: str, start: int, end: int, fmt: str, hash_bits: int, ski
                 del view
                 buf = buf + bytearray(carry + want - len(buf))
                 view = memoryview(buf)
+            if state is not None:
+                check_unchanged(path, state)
             got = f.readinto(view[carry:carry + want]) if want > 0 else 0
+            if got < want:  # (a regular file reads short only at its end)
+                raise _short_read(path, pos + got, end)
             pos += got
             n = carry + got
             cut = n if pos >= end else buf.rfind(b"\n", 0, n) + 1
@@ -254,9 +334,9 @@ def _concat(pieces: list) -> tuple:
 
 
 def _parse_part(path: str, start: int, end: int, fmt: str, hash_bits: int, skip_bad: bool, binary: bool,
-                fields: bool = False):
+                fields: bool = False, state: tuple | None = None):
     """The whole of ``path[start:end]``, parsed: ((labels, indptr, indices, values), skipped)."""
-    pieces = list(_parse_blocks(path, start, end, fmt, hash_bits, skip_bad, binary, fields=fields))
+    pieces = list(_parse_blocks(path, start, end, fmt, hash_bits, skip_bad, binary, fields=fields, state=state))
     return _concat(pieces), sum(p[4] for p in pieces)
 
 
@@ -269,23 +349,22 @@ def load_part(path: str, part: int, parts: int, fmt: str = "auto", hash_bits: in
     ``fields``: keys carry their field above the hash bits (Criteo: the column; libffm keys
     always do; libsvm and VW keys are all field 0).
     """
-    if not os.path.isfile(path):
-        raise DataError(f"data file {path} not found")
+    check_file(path)
+    state = file_state(path)
     fmt = detect_format(path, fmt)
-    start, end = byte_range(path, part, parts)
+    start, end = byte_range(path, part, parts, state[0])
     cache = None
     if cache_dir:
-        st = os.stat(path)
-        tag = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{part}/{parts}|{fmt}|{hash_bits}|{skip_bad}|{binary}"
+        tag = f"{os.path.abspath(path)}|{state[0]}|{state[1]}|{part}/{parts}|{fmt}|{hash_bits}|{skip_bad}|{binary}"
         tag += "|fields" if fields and fmt == "criteo" else ""
         cache = os.path.join(cache_dir, hashlib.sha256(tag.encode()).hexdigest()[:20])
         if os.path.exists(os.path.join(cache, "done")):
             arrays = [np.load(os.path.join(cache, f"{n}.npy"), mmap_mode="r") for n in ("labels", "indptr", "indices", "values")]
             skipped = int(open(os.path.join(cache, "done")).read() or 0)
-            return Dataset(*arrays, skipped=skipped, source=path)
+            return Dataset(*arrays, skipped=skipped, source=path, state=state)
     (labels, indptr, indices, values), skipped = _parse_part(path, start, end, fmt, hash_bits, skip_bad, binary,
-                                                             fields)
-    ds = Dataset(labels, indptr, indices, values, skipped, path)
+                                                             fields, state)
+    ds = Dataset(labels, indptr, indices, values, skipped, path, state=state)
     ds.check_finite()
     if cache:
         tmp = cache + f".tmp{os.getpid()}"
@@ -367,11 +446,11 @@ class PartStream:
     def __init__(self, path: str, part: int, parts: int, fmt: str = "auto", hash_bits: int = 24,
                  skip_bad: bool = False, binary: bool = False, memory_mb: float = 0.0, block_bytes: int = 0,
                  fields: bool = False, shuffle_rows: int = 0, shuffle_seed: int = 0):
-        if not os.path.isfile(path):
-            raise DataError(f"data file {path} not found")
+        check_file(path)
+        self.state = file_state(path)  # what the byte ranges were cut from: checked at every read
         self.path, self.fmt = path, detect_format(path, fmt)
         self.hash_bits, self.skip_bad, self.binary, self.fields = hash_bits, skip_bad, binary, fields
-        self.start, self.end = byte_range(path, part, parts)
+        self.start, self.end = byte_range(path, part, parts, self.state[0])
         # the part's lines are counted on a thread (reading and counting release the GIL) while
         # the rest of the start-up goes on: 0.1-0.25 s for a 380 MB part here, needed only for the
         # number of steps (see rows_bound)
@@ -419,8 +498,14 @@ class PartStream:
     @property
     def has_rows(self) -> bool:
         """Whether the part holds a row: its first slice has one (no wait for the count), or
-        the count says so. Call after :meth:`open`."""
-        return (self._first is not None and self._first.rows > 0) or self.rows_bound > 0
+        the count says so; exactly when the first slice was the whole part (else a part of
+        blank and comment lines reads as having rows: the training counts them after a pass).
+        Call after :meth:`open`."""
+        if self._first is not None and self._first.rows > 0:
+            return True
+        if self.end - self.start <= self.block_bytes:
+            return False
+        return self.rows_bound > 0
 
     def _dataset(self, out) -> Dataset:
         labels, indptr, indices, values, sk = out
@@ -430,7 +515,12 @@ class PartStream:
 
     def _generator(self):
         return _parse_blocks(self.path, self.start, self.end, self.fmt, self.hash_bits, self.skip_bad,
-                             self.binary, self.block_bytes, self.fields)
+                             self.binary, self.block_bytes, self.fields, self.state)
+
+    def check_unchanged(self) -> None:
+        """Raise :class:`DataChanged` if the file is no longer the one the job opened (the
+        training calls it at each epoch: a part kept in memory reads no block to check)."""
+        check_unchanged(self.path, self.state)
 
     def open(self) -> "PartStream":
         """Parse the first slice now (raises DataError for a bad line in it)."""
@@ -462,7 +552,9 @@ class PartStream:
     def pump(self, force: bool = False) -> bool:
         """Parse one more slice of the current pass, if there is one and (unless ``force``) the
         rows parsed ahead are within the budget. Returns whether it parsed anything. Never
-        raises: a bad line is raised by :meth:`batches` when the training reaches it."""
+        raises (it runs inside the waits for the servers): a bad line is raised by
+        :meth:`batches` when the training reaches it, a changed file (:class:`DataChanged`) or
+        any other failure at the training's next read."""
         p = self._pass
         if p is None or p.done or (not force and p.ahead_bytes >= self.ahead_limit):
             return False
@@ -479,7 +571,7 @@ class PartStream:
                         self.kept = p.keep
                     self._state.notify_all()
                 return False
-            except DataError as e:
+            except Exception as e:  # noqa: BLE001 - kept for the training, which raises it where it reads
                 with self._state:
                     p.done, p.error = True, e
                     self._state.notify_all()
@@ -561,6 +653,8 @@ class PartStream:
         while True:
             with self._state:
                 ds = None
+                if p.error is not None and type(p.error) is not DataError:
+                    raise p.error  # at once (a bad line waits for its rows): the rows ahead may be of either file
                 if p.ahead:
                     ds = p.ahead.popleft()
                     p.ahead_bytes -= ds.nbytes
@@ -691,6 +785,7 @@ class LoadedPart:
 
     def __init__(self, ds: Dataset, shuffle_rows: int = 0, shuffle_seed: int = 0):
         skipped = ds.skipped
+        self.path, self.state = ds.source, ds.state
         if shuffle_rows:
             ds = ds.take_rows(window_order(ds.rows, shuffle_rows, shuffle_seed))
         self.ds = ds
@@ -699,6 +794,12 @@ class LoadedPart:
 
     def head_labels(self, n: int) -> np.ndarray:
         return self.ds.labels[:n]
+
+    def check_unchanged(self) -> None:
+        """As :meth:`PartStream.check_unchanged` (the part is in memory: a changed file would
+        not be read again, but the job's record of its data would be wrong)."""
+        if self.state is not None:
+            check_unchanged(self.path, self.state)
 
     def batches(self, batch_size: int, skip: int = 0):
         lo = skip * batch_size

@@ -145,8 +145,9 @@ def check_same_data(manifest: dict, now: dict) -> str | None:
 def _load(ctx, cfg, path: str, what: str, stream: bool = False):
     """Collective over the world: workers load their part of ``path`` (or open it as a
     :class:`~hpcps.train.data.PartStream`, parsing its first block); any error is raised on every
-    rank with every failing rank's message."""
-    ds, error = None, None
+    rank with every failing rank's message. A file without a row is an error; so is, for the
+    training file, a worker's part without one (a test or prediction file's rows are gathered)."""
+    ds, error, empty = None, None, np.zeros(3, dtype=np.int64)  # workers: without rows, all, of an empty file
     if ctx.is_worker and path:
         try:
             d = cfg.data
@@ -163,15 +164,22 @@ def _load(ctx, cfg, path: str, what: str, stream: bool = False):
                 rows = ds.rows
                 if stream:
                     ds = tdata.LoadedPart(ds, d.shuffle_rows, d.shuffle_seed)
-            if rows == 0:
-                error = (f"{what} file {path}: this worker's byte range holds no rows "
-                         f"({ctx.layout.workers} workers for a file of {os.path.getsize(path)} bytes); "
-                         f"use fewer workers or more data")
+            empty[:] = (rows == 0, 1, os.path.getsize(path) == 0)
         except (tdata.DataError, OSError) as e:
             error = str(e)
     errors = transport.all_ok(ctx.comm, error, ctx.stall_timeout_s, f"loading of {what} data")
     if errors:
         raise TrainError("cannot load data:\n  " + "\n  ".join(errors))
+    if path:
+        no_rows, workers, zero_bytes = transport.allreduce(ctx.comm, empty, "sum", ctx.stall_timeout_s,
+                                                           f"count of the {what} parts without rows")
+        if no_rows == workers:
+            raise TrainError(f"cannot load data: {what} file {path} holds no rows: "
+                             + ("it is empty" if zero_bytes else "its lines are all blank or comments"
+                                + (" or bad lines skipped" if cfg.data.skip_bad_lines else "")))
+        if no_rows and stream:
+            raise TrainError(f"cannot load data: {what} file {path}: a worker's byte range holds no rows ({no_rows} "
+                             f"of {workers} workers); use fewer workers or more data")
     return ds
 
 
@@ -560,7 +568,12 @@ class Trainer:
         signal ended it after a checkpoint."""
         self.loss_sum, self.rows = 0.0, 0
         first_step = self.start_step if epoch == self.start_epoch else 1
+        self.whole_epoch = first_step == 1
         self.collecting = self.cfg.train.holdout and self.holdout is None and first_step == 1
+        try:  # (a stream checks at each read too; a part in memory reads nothing)
+            self.train.check_unchanged()
+        except tdata.DataError as e:
+            transport.abort(f"error: {e}", code=2)
         for step in range(first_step, self.steps + 1):
             self.step(epoch, step)
             if self.checkpoint_if_due(epoch, step):
@@ -646,11 +659,8 @@ class Trainer:
             self.holdout_rows = self._allreduce(self.holdout.rows, "sum", "sum of the holdout rows")
             if not self.holdout_rows:  # (its loss would read 0: a silently wrong number)
                 n = self.cfg.train.holdout
-                if self.first:
-                    transport.abort(f"error: train.holdout = {n} holds out no row: every worker's part has fewer "
-                                    f"than {n} rows ({self.examples} rows trained an epoch); use a smaller "
-                                    f"train.holdout or more data", code=2)
-                transport.barrier(self.wcomm, self.ctx.stall_timeout_s, "stop on an empty holdout")
+                self.stop(f"train.holdout = {n} holds out no row: every worker's part has fewer than {n} rows "
+                          f"({self.examples} rows trained an epoch); use a smaller train.holdout or more data", 2)
             if self.kept is not None:  # the kept batches' held-out rows are in the holdout set now
                 self.kept = {j: (b, None) for j, (b, _) in self.kept.items()}
         if self.holdout is not None:
@@ -660,9 +670,15 @@ class Trainer:
         return bool(self.stopped_at)
 
     def epoch_record(self, epoch: int) -> dict:
-        """The train loss, stage times, waiting and test metrics of the epoch."""
+        """The train loss, stage times, waiting and test metrics of the epoch. Stops the job when
+        a whole epoch had no row (a training file of blank and comment lines)."""
         ctx = self.ctx
-        self.examples += self._allreduce(self.rows, "sum")
+        rows = self._allreduce(self.rows, "sum")
+        self.examples += rows
+        if not self.examples and self.whole_epoch:  # (its loss would read 0)
+            self.stop(f"the training file {self.paths['train']} holds no rows: an epoch of {self.steps} steps read "
+                      f"none (its lines are all blank or comments"
+                      + (" or bad lines skipped)" if self.cfg.data.skip_bad_lines else ")"), 2)
         total_loss = self._allreduce(float(self.loss_sum), "sum")
         record = {"train_loss": total_loss / max(self.examples / epoch, 1), "time_s": time.perf_counter() - self.t0,
                   **{f"stage_{k}": v for k, v in self.model.stage_times().items()},
@@ -671,6 +687,13 @@ class Trainer:
         if self.test is not None:
             record.update(self.evaluate(self.test))
         return record
+
+    def stop(self, message: str, code: int) -> None:
+        """Collective over the workers: end the job, the first worker saying why in one line
+        (the others wait for the abort)."""
+        if self.first:
+            transport.abort(f"error: {message}", code=code)
+        transport.barrier(self.wcomm, self.ctx.stall_timeout_s, "the stop of the job")
 
     def watch_holdout(self, epoch: int, record: dict) -> bool:
         """The holdout metric into ``record``; the servers keep a snapshot of the best model so
