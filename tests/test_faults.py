@@ -183,3 +183,90 @@ def test_a_data_file_changed_under_a_running_job_ends_it_in_one_line(small, tmp_
 
 
 # -- non-finite numbers --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ranks,settings,where,cause", [
+    (2, {"model__type": "fm", "optimizer__name": "sgd", "optimizer__lr": 1e30},
+     r"non-finite rows pulled from table\(s\) fm", r"the learning rate \(optimizer\.lr = 1e\+30 for sgd\)"),
+    (0, {"model__type": "fm", "optimizer__name": "sgd", "optimizer__lr": 1e30},  # one process: no MPI abort
+     r"non-finite rows pulled from table\(s\) fm", r"the learning rate \(optimizer\.lr = 1e\+30 for sgd\)"),
+    (2, {"model__type": "wdl", "model__dense_optimizer": "sgd", "model__dense_lr": 1e30},
+     r"the rows pulled are finite", r"the MLP's rate \(model\.dense_lr = 1e\+30\) or the learning rate"),
+])
+def test_a_diverging_model_stops_at_its_first_non_finite_loss(small, tmp_path, ranks, settings, where, cause):
+    """Too high a learning rate (the sparse tables' or the MLP's) makes the loss NaN within a few
+    steps: the job stops there, one line naming the step, what was not finite and the rate
+    (the MLP's first when the pulled rows were finite), exit 1, no model, no numpy warning."""
+    model = tmp_path / "model.h5"
+    rc, out = job(ranks, ["train", *sets(data__train=small[0], train__epochs=2, train__progress=False,
+                                         train__model_out=str(model), **settings)])
+    assert rc == 1, out[-3000:]
+    lines = [ln for ln in out.splitlines() if ln.strip() and not ln.startswith(("hpcps train:", "Abort("))]
+    rank = "0/1" if not ranks else "1/2"
+    assert bool(ranks) == ("Abort(" in out)  # (MPICH's own line: a job of one process exits without MPI_Abort)
+    assert len(lines) == 1 and re.fullmatch(
+        rf"hpcps: rank {rank}: error: non-finite numbers at step \d+ \(epoch 1, step \d+ of \d+\): the loss is "
+        rf"(nan|inf): {where} \(the batch's labels: 0 to 1\); likely cause: {cause}.*\. Training stops; no "
+        rf"checkpoint or model is written from it", lines[0]), out[-3000:]
+    assert not model.exists()
+
+
+def _with_label(src: str, dst: str, line: int, label: str) -> str:
+    """A copy of ``src`` whose line ``line`` (1-based) has the label ``label``."""
+    lines = open(src, "rb").read().split(b"\n")
+    lines[line - 1] = label.encode() + b" " + lines[line - 1].split(b" ", 1)[1]
+    with open(dst, "wb") as f:
+        f.write(b"\n".join(lines))
+    return dst
+
+
+def _finite_checkpoints(ck: str) -> list[str]:
+    """The committed checkpoints under ``ck``, each checked: it verifies and its rows are finite."""
+    import h5py
+    import numpy as np
+
+    found = checkpoint.complete_checkpoints(ck)
+    for path in found:
+        m = checkpoint.verify(path)
+        for f in m["files"]:
+            with h5py.File(os.path.join(path, f["name"]), "r") as h:
+                for name in h["tables"]:
+                    assert np.isfinite(h["tables"][name]["rows"][()]).all(), (path, name)
+    return found
+
+
+@pytest.mark.parametrize("every", [7, 10])
+def test_a_label_far_out_of_range_stops_training_with_one_line_and_keeps_the_good_checkpoints(small, tmp_path,
+                                                                                               every):
+    """Squared loss with one label of 1e30 trained to ``train loss nan``, wrote a NaN checkpoint
+    and a NaN model, and exited 0. Now the label gets a warning when it is read, and the step
+    that meets the NaN (a step after the label's: its pull) stops the job: one line naming
+    the step, the table and the likely cause, exit 1. No checkpoint and no model is written
+    from it: with a checkpoint due right after the label's step (``every`` = 10), the server
+    refuses to write it. The checkpoints before stay, all finite."""
+    path = _with_label(small[0], str(tmp_path / "big.svm"), 1990, "1e30")  # in step 40 of 50-row steps
+    ck, model = tmp_path / "ck", tmp_path / "model.h5"
+    # (model.bias_init = "zero": the auto bias, the mean of the first rows' labels, would hold the 1e30 from step 1)
+    rc, out = job(2, ["train", *sets(data__train=path, model__loss="squared", model__bias_init="zero",
+                                     train__epochs=3, train__batch_size=50,
+                                     train__progress=False, train__model_out=str(model), checkpoint__dir=str(ck),
+                                     checkpoint__every_steps=every, checkpoint__keep=100)])
+    assert rc == 1, out[-3000:]
+    assert re.search(r"^hpcps: warning: \S+big\.svm: a label of 1e\+30 is far outside the first rows' labels "
+                     r"\(1st to 99th percentile: 0 to 1\)", out, re.M), out[-3000:]
+    errors = [ln for ln in out.splitlines() if ": error: " in ln]
+    assert len(errors) == 1 and "Traceback" not in out, out[-3000:]
+    if every == 7:  # a step after the label's pulls the NaN rows (FTRL's state overflows first, then its weight)
+        assert re.fullmatch(r"hpcps: rank 1/2: error: non-finite numbers at step (4[12]) \(epoch 1, step \1 of 60\): the "
+                            r"loss is nan: non-finite rows pulled from table\(s\) w \(the batch's labels: 0 to 1\); "
+                            r"likely cause: the labels' range \(0 to 1e\+30 on this worker so far: scale them\) or the "
+                            r"learning rate \(optimizer\.alpha = 0\.1 for ftrl\)\. Training stops; no checkpoint or "
+                            r"model is written from it \(the last good checkpoint: \S+ckpt-0000000035\)", errors[0]), \
+            errors[0]
+    else:  # the checkpoint of step 40, right after the label's push
+        assert re.fullmatch(r"hpcps: rank 0/2: error: NonFiniteTable: table 'w' holds NaN or infinite numbers in \d+ "
+                            r"of its [\d,]+ rows here: no checkpoint \(step 40\) is written from it \(the last good "
+                            r"checkpoint is kept\); likely cause: .*", errors[0]), errors[0]
+    assert not model.exists() and not os.path.exists(str(model) + ".tmp")
+    found = _finite_checkpoints(str(ck))
+    assert [os.path.basename(p) for p in found][-1] == ("ckpt-0000000035" if every == 7 else "ckpt-0000000030")

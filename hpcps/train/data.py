@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import os
 import stat
 import sys
@@ -251,8 +252,62 @@ class Dataset:
         return self.labels.nbytes + self.indptr.nbytes + keys + values
 
     def check_finite(self) -> None:
-        if not np.isfinite(self.labels).all():
+        self.label_range()
+
+    def label_range(self) -> tuple[float, float]:
+        """(smallest, largest) label (0, 0 without rows); :class:`DataError` for a NaN or
+        infinite one (min and max carry it: no pass of its own)."""
+        if not self.rows:
+            return 0.0, 0.0
+        lo, hi = float(self.labels.min()), float(self.labels.max())
+        if not (math.isfinite(lo) and math.isfinite(hi)):
             raise DataError(f"{self.source}: a label is NaN or infinite")
+        return lo, hi
+
+
+# A label this many spans beyond the first rows' labels (their 1st to 99th percentile; the span
+# at least their magnitude and 1) gets a warning under the squared loss: an outlier like that
+# dominates the loss, and one of 1e19 or more overflows the optimizers' float32 state into NaN.
+FAR_LABEL_SPANS = 100
+
+
+def far_label_bounds(first: np.ndarray) -> tuple[float, float, float, float] | None:
+    """(low, high, the first rows' 1st and 99th percentile): a label below low or above high is
+    far from ``first`` (the first rows' labels); None without rows."""
+    if not first.shape[0]:
+        return None
+    lo, hi = (float(x) for x in np.percentile(first.astype(np.float64), [1, 99]))
+    span = max(hi - lo, abs(lo), abs(hi), 1.0) * FAR_LABEL_SPANS
+    return lo - span, hi + span, lo, hi
+
+
+class LabelWatch:
+    """The range of the labels read so far, and one warning for a label far from the first
+    rows' (:data:`FAR_LABEL_SPANS`), for the squared loss. Costs no pass of its own: a slice's
+    range comes from :meth:`Dataset.label_range`, which also checks the labels are finite."""
+
+    def __init__(self, source: str, warn: bool):
+        self.source, self.warn = source, warn
+        self.range: tuple[float, float] | None = None
+        self.bounds: tuple | None = None
+        self.warned = False
+
+    def see(self, ds: "Dataset") -> None:
+        """A slice's labels, in file order (the first rows with labels set what is far)."""
+        lo, hi = ds.label_range()
+        if not ds.rows:
+            return
+        self.range = (lo, hi) if self.range is None else (min(lo, self.range[0]), max(hi, self.range[1]))
+        if self.warn and self.bounds is None:
+            self.bounds = far_label_bounds(ds.labels[:4096])
+        b = self.bounds
+        if b is not None and not self.warned and (lo < b[0] or hi > b[1]):
+            self.warned = True
+            sys.stderr.write(f"hpcps: warning: {self.source}: a label of {lo if lo < b[0] else hi:g} is far outside "
+                             f"the first rows' labels (1st to 99th percentile: {b[2]:g} to {b[3]:g}); under the "
+                             f"squared loss such a label swamps the others and can overflow the training into "
+                             f"NaN: check or scale the labels\n")
+            sys.stderr.flush()
 
 
 def _parse_blocks(path: str, start: int, end: int, fmt: str, hash_bits: int, skip_bad: bool, binary: bool,
@@ -445,9 +500,10 @@ class PartStream:
 
     def __init__(self, path: str, part: int, parts: int, fmt: str = "auto", hash_bits: int = 24,
                  skip_bad: bool = False, binary: bool = False, memory_mb: float = 0.0, block_bytes: int = 0,
-                 fields: bool = False, shuffle_rows: int = 0, shuffle_seed: int = 0):
+                 fields: bool = False, shuffle_rows: int = 0, shuffle_seed: int = 0, warn_labels: bool = False):
         check_file(path)
         self.state = file_state(path)  # what the byte ranges were cut from: checked at every read
+        self.labels = LabelWatch(path, warn_labels)  # (warn_labels: the squared loss)
         self.path, self.fmt = path, detect_format(path, fmt)
         self.hash_bits, self.skip_bad, self.binary, self.fields = hash_bits, skip_bad, binary, fields
         self.start, self.end = byte_range(path, part, parts, self.state[0])
@@ -510,7 +566,7 @@ class PartStream:
     def _dataset(self, out) -> Dataset:
         labels, indptr, indices, values, sk = out
         ds = Dataset(labels, indptr, indices, values, sk, self.path)
-        ds.check_finite()
+        self.labels.see(ds)  # (finite, their range)
         return ds
 
     def _generator(self):
@@ -783,9 +839,11 @@ class LoadedPart:
     """A part loaded whole (:func:`load_part`) behind the interface of :class:`PartStream`
     (its rows shuffled in windows as a stream's are, with ``shuffle_rows``)."""
 
-    def __init__(self, ds: Dataset, shuffle_rows: int = 0, shuffle_seed: int = 0):
+    def __init__(self, ds: Dataset, shuffle_rows: int = 0, shuffle_seed: int = 0, warn_labels: bool = False):
         skipped = ds.skipped
         self.path, self.state = ds.source, ds.state
+        self.labels = LabelWatch(ds.source, warn_labels)
+        self.labels.see(ds)
         if shuffle_rows:
             ds = ds.take_rows(window_order(ds.rows, shuffle_rows, shuffle_seed))
         self.ds = ds

@@ -26,9 +26,9 @@ from hpcps import checkpoint, config, signals, tables, transport
 from hpcps.context import init
 from hpcps.train import data as tdata
 from hpcps.train import model_file, synth
-from hpcps.train.models import make_model, resolve_fields
+from hpcps.train.models import NonFiniteError, make_model, resolve_fields
 from hpcps.train.progress import STATUS_ENV, Progress, summary_table, vm_hwm_mb, write_status
-from hpcps_kernels import metrics
+from hpcps_kernels import metrics, optim
 
 
 EXIT_PREEMPTED = 75  # the job stopped on SIGUSR1/SIGTERM after writing a checkpoint (EX_TEMPFAIL)
@@ -152,10 +152,12 @@ def _load(ctx, cfg, path: str, what: str, stream: bool = False):
         try:
             d = cfg.data
             fields = cfg.model.type in config.DEEP  # keys carry their field
+            squared = cfg.model.loss == "squared"  # (labels far from the first rows' get a warning)
             if stream and not d.cache_dir:
                 ds = tdata.PartStream(path, ctx.worker_index, ctx.layout.workers, d.format, d.hash_bits,
                                       d.skip_bad_lines, cfg.model.loss == "logistic", d.memory_mb,
-                                      fields=fields, shuffle_rows=d.shuffle_rows, shuffle_seed=d.shuffle_seed).open()
+                                      fields=fields, shuffle_rows=d.shuffle_rows, shuffle_seed=d.shuffle_seed,
+                                      warn_labels=squared).open()
                 rows = int(ds.has_rows)  # (the part's count goes on, on a thread, until steps are agreed)
             else:
                 ds = tdata.load_part(path, ctx.worker_index, ctx.layout.workers, d.format, d.hash_bits,
@@ -163,7 +165,7 @@ def _load(ctx, cfg, path: str, what: str, stream: bool = False):
                                      fields=fields)
                 rows = ds.rows
                 if stream:
-                    ds = tdata.LoadedPart(ds, d.shuffle_rows, d.shuffle_seed)
+                    ds = tdata.LoadedPart(ds, d.shuffle_rows, d.shuffle_seed, warn_labels=squared)
             empty[:] = (rows == 0, 1, os.path.getsize(path) == 0)
         except (tdata.DataError, OSError) as e:
             error = str(e)
@@ -590,7 +592,10 @@ class Trainer:
             self.holdout_pieces.append(held)
         # the batches the step pipelines (see Model.step): one more when it pulls two ahead
         upcoming = [self.batch_at(j) for j in range(i + 1, min(i + 3 + self.model.pulls_ahead, self.last_index))]
-        loss = self.model.step(batch, self.scale, upcoming)
+        try:
+            loss = self.model.step(batch, self.scale, upcoming)
+        except NonFiniteError as e:
+            self.stop_non_finite(e, epoch, step, batch)
         self.global_step += 1
         self.loss_sum += loss
         self.rows += batch.rows
@@ -671,7 +676,8 @@ class Trainer:
 
     def epoch_record(self, epoch: int) -> dict:
         """The train loss, stage times, waiting and test metrics of the epoch. Stops the job when
-        a whole epoch had no row (a training file of blank and comment lines)."""
+        a whole epoch had no row (a training file of blank and comment lines) and when a metric
+        is not finite (the model is not: :meth:`stop_non_finite`)."""
         ctx = self.ctx
         rows = self._allreduce(self.rows, "sum")
         self.examples += rows
@@ -686,6 +692,11 @@ class Trainer:
         self.waited_before = ctx.stats["wait_s"]
         if self.test is not None:
             record.update(self.evaluate(self.test))
+        bad = [k for k in ("train_loss", "test_logloss", "test_rmse") if not math.isfinite(record.get(k, 0.0))]
+        if bad and self.check_finite:
+            self.stop(self.non_finite_line(f"after epoch {epoch} ({self.global_step} steps)",
+                                           f"{bad[0].replace('_', ' ')} is {record[bad[0]]}: the model holds "
+                                           f"non-finite weights"), 1)
         return record
 
     def stop(self, message: str, code: int) -> None:
@@ -694,6 +705,34 @@ class Trainer:
         if self.first:
             transport.abort(f"error: {message}", code=code)
         transport.barrier(self.wcomm, self.ctx.stall_timeout_s, "the stop of the job")
+
+    # Tune's grid trains members with other rates side by side: a member that diverges is ranked
+    # last (its holdout loss is NaN), it does not stop the others (see hpcps.train.tune)
+    check_finite = True
+
+    def non_finite_line(self, when: str, what: str, sparse_rows_finite: bool = False) -> str:
+        """The one line of a non-finite stop: when, what, the likely cause, and what is kept."""
+        cfg = self.cfg
+        labels = getattr(getattr(self.train, "labels", None), "range", None)
+        rate_key = "alpha" if "alpha" in optim.get(cfg.optimizer.name).params else "lr"
+        rate = cfg.optimizer.params.get(rate_key, optim.get(cfg.optimizer.name).params.get(rate_key))
+        causes = [f"the learning rate (optimizer.{rate_key} = {rate:g} for {cfg.optimizer.name})"]
+        if getattr(self.model, "dense_lr", None) is not None:  # first when the sparse rows were finite
+            causes.insert(len(causes) * (not sparse_rows_finite),
+                          f"the MLP's rate (model.dense_lr = {self.model.dense_lr:g})")
+        if cfg.model.loss == "squared" and labels is not None:
+            causes.insert(0, f"the labels' range ({labels[0]:g} to {labels[1]:g} on this worker so far: scale them)")
+        ck = newest_checkpoint(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
+        return (f"non-finite numbers {when}: {what}; likely cause: {' or '.join(causes)}. Training stops; no "
+                f"checkpoint or model is written from it" + (f" (the last good checkpoint: {ck})" if ck else ""))
+
+    def stop_non_finite(self, e, epoch: int, step: int, batch) -> None:
+        """This worker's step had a non-finite loss (:class:`~hpcps.train.models.NonFiniteError`):
+        it ends the job at once (exit 1), before any checkpoint or model is written from it."""
+        labels = f" (the batch's labels: {batch.labels.min():g} to {batch.labels.max():g})" if batch.rows else ""
+        line = self.non_finite_line(f"at step {self.global_step + 1} (epoch {epoch}, step {step} of {self.steps})",
+                                    f"{e}{labels}", sparse_rows_finite=not e.tables)
+        transport.abort(f"error: {line}", code=1)
 
     def watch_holdout(self, epoch: int, record: dict) -> bool:
         """The holdout metric into ``record``; the servers keep a snapshot of the best model so
