@@ -142,6 +142,44 @@ def test_a_directory_or_a_fifo_as_data_is_named_as_such(small, tmp_path, kind, k
     assert rc == 2 and f"data file {path} {what}" in out and "not found" not in out, out[-2000:]
 
 
+# -- counts of zero and numbers that are not -------------------------------------------------------------
+
+def test_a_resumed_epoch_reports_its_own_train_loss(small, tmp_path):
+    """The epoch's train loss divided its loss by the examples of this run over the epoch's
+    number: a run resumed at epoch 3 reported three times the loss of the same epoch trained
+    without a stop."""
+    common = dict(data__train=small[0], train__progress=False, train__batch_size=50)
+    whole = tmp_path / "whole.jsonl"
+    rc, out = job(2, ["train", *sets(train__epochs=3, train__metrics=str(whole), **common)])
+    assert rc == 0, out[-2000:]
+    ck, resumed = tmp_path / "ck", tmp_path / "resumed.jsonl"
+    rc, out = job(2, ["train", *sets(train__epochs=2, checkpoint__dir=str(ck), **common)])
+    assert rc == 0, out[-2000:]
+    rc, out = job(2, ["train", *sets(train__epochs=3, checkpoint__dir=str(ck), train__metrics=str(resumed), **common),
+                      "--resume", "auto"])
+    assert rc == 0, out[-2000:]
+
+    def epoch_losses(path):
+        return [r["train_loss"] for r in map(json.loads, open(path)) if "train_loss" in r]
+
+    assert epoch_losses(resumed)[-1] == pytest.approx(epoch_losses(whole)[-1], rel=1e-6)
+
+
+def test_nothing_left_to_train_says_so(small, tmp_path):
+    """Resuming a run that had finished trained nothing and printed 0 examples at 0 examples/s."""
+    ck, summary = tmp_path / "ck", tmp_path / "s.json"
+    args = ["train", *sets(data__train=small[0], train__progress=False, train__epochs=2, checkpoint__dir=str(ck))]
+    rc, out = job(2, args)
+    assert rc == 0, out[-2000:]
+    final = sorted(os.listdir(ck))[-1]
+    rc, out = job(2, args + ["--resume", "auto", "--summary-json", str(summary)])
+    assert rc == 0, out[-2000:]
+    assert re.search(rf"hpcps train: nothing left to train: \S+{final} is at the end of training \(train\.epochs = 2\); "
+                     rf"raise train\.epochs to train on from it", out), out[-2000:]
+    assert re.search(r"examples/s +none trained", out), out[-2000:]
+    assert json.loads(summary.read_text())["examples_per_s"] is None
+
+
 # -- one line, the traceback only with HPCPS_DEBUG=1 -----------------------------------------------------
 
 def _rank_pid(marker: str, rank: int) -> int | None:

@@ -491,6 +491,10 @@ class Trainer:
         self.last_save = time.monotonic()
         self.examples = 0
         self.saved_at = -1
+        if first and self.start_epoch > tr.epochs:
+            print(f"hpcps train: nothing left to train: {self.restore[0] if self.restore else 'the checkpoint'} is at "
+                  f"the end of training (train.epochs = {tr.epochs}); raise train.epochs to train on from it",
+                  flush=True)
         # The steps left, in order, and their batches: a step is given the next two batches, which
         # the model pulls and prepares ahead (see Model.step); each batch object is made once, in
         # order, from one pass over the worker's part per epoch.
@@ -686,7 +690,7 @@ class Trainer:
                       f"none (its lines are all blank or comments"
                       + (" or bad lines skipped)" if self.cfg.data.skip_bad_lines else ")"), 2)
         total_loss = self._allreduce(float(self.loss_sum), "sum")
-        record = {"train_loss": total_loss / max(self.examples / epoch, 1), "time_s": time.perf_counter() - self.t0,
+        record = {"train_loss": total_loss / max(rows, 1), "time_s": time.perf_counter() - self.t0,
                   **{f"stage_{k}": v for k, v in self.model.stage_times().items()},
                   "stage_wait_s": round(ctx.stats["wait_s"] - self.waited_before, 4)}
         self.waited_before = ctx.stats["wait_s"]
@@ -800,7 +804,7 @@ class Trainer:
         if not self.first:
             return Result(None, False, self.resumed)
         examples = self.examples
-        summary = {"examples": examples, "time_s": elapsed, "examples_per_s": examples / elapsed,
+        summary = {"examples": examples, "time_s": elapsed, "examples_per_s": examples / elapsed if examples else None,
                    "workers": ctx.layout.workers, "servers": ctx.layout.servers,
                    **(self.history[-1] if self.history else {}),
                    "max_wait_s": wait, "max_staleness": ctx.stats["max_staleness"], "bad_lines_skipped": skipped,
@@ -833,7 +837,7 @@ class Trainer:
     def summary_rows(self, summary: dict, elapsed: float, wait: float, key_counts: dict) -> list[tuple]:
         examples, layout, f = summary["examples"], self.ctx.layout, self.cfg.features
         rows = [("examples", f"{examples:,}"), ("time", f"{elapsed:.1f} s"),
-                ("examples/s", f"{examples / elapsed:,.0f}"),
+                ("examples/s", f"{examples / elapsed:,.0f}" if examples else "none trained"),
                 ("layout", f"{layout.servers} server(s), {layout.workers} worker(s)"),
                 ("waiting (max over workers)", f"{wait:.1f} s"),
                 ("keys on the servers", f"{key_counts['table_keys']:,}"
