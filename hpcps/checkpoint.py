@@ -65,6 +65,8 @@ UNNAMED_RUN = "unnamed"  # the lineage of checkpoints written before manifests n
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or damaged; the message says which and why."""
 
+    exit_status = 1  # (a write that failed: a run-time failure; see hpcps.errors)
+
 
 def say(line: str) -> None:
     """The default ``report`` of this module's functions: a line on standard output, at once."""
@@ -136,8 +138,12 @@ def checksum(path: str) -> str:
 
 
 def write_failure(path: str, e: OSError, who: str) -> CheckpointError:
-    """The one-line error of a checkpoint write that failed (a full disk, say)."""
+    """The one-line error of a checkpoint write that failed (a full disk, say: with the room it
+    needed and the room there was, where known)."""
     why = os.strerror(e.errno) if e.errno else str(e).splitlines()[0]  # h5py's own text is long
+    room = getattr(e, "room", None)
+    if room:
+        why += f" ({room[0] / 2**20:.1f} MiB needed, {room[1] / 2**20:.1f} MiB free)"
     return CheckpointError(f"{who} cannot write {path}: {why}; the checkpoints committed before it are intact")
 
 
@@ -195,9 +201,12 @@ def write_server_file(path: str, server: int, servers: int, num_shards: int, tab
     need = sum(a.nbytes for _, keys, rows, *state in tables for a in (keys, rows, *(
         v for v in (state[0] if state else {}).values() if isinstance(v, np.ndarray))))
     need += (64 << 10) + need // 100  # HDF5's metadata
-    if shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free < need:
+    free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+    if free < need:
         # refused before HDF5 meets the full disk (see below): a clean error, no partial file
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        full.room = (need, free)  # (see write_failure)
+        raise full
     failure = None
     try:
         _write_tables(path, server, servers, num_shards, tables)

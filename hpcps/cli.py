@@ -508,11 +508,24 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # (the commands without signals.install: one line, no traceback)
         _fail("interrupted (SIGINT)")
         return signals.EXIT_INTERRUPTED
-    except (OSError, ValueError, RuntimeError) as e:
-        if args.command in ("eval", "predict", "gen-data", "export", "inspect"):
+    except Exception as e:  # noqa: BLE001 - one line, not a traceback (HPCPS_DEBUG=1 shows it)
+        if args.command in ("eval", "predict", "gen-data", "export", "inspect") and \
+                isinstance(e, (OSError, ValueError, RuntimeError)):
             return _fail(str(e))
-        raise
+        if sys.excepthook is not sys.__excepthook__:  # the abort handler: it ends every rank of the job
+            raise
+        return _fail_unexpected(e)
 
+
+def _fail_unexpected(e: BaseException) -> int:
+    """An error no command caught, outside an MPI job: one line (:func:`hpcps.errors.one_line`)."""
+    from hpcps import errors
+
+    errors.print_traceback(e)
+    line, status = errors.one_line(e)
+    sys.stderr.write(f"hpcps: error: {line}\n")
+    sys.stderr.flush()
+    return status
 
 
 def entry() -> None:

@@ -60,6 +60,25 @@ transport.EXPLAINERS.append(checkpoint.explain_write_failure)
 RESOLVED_PULLS = 2
 
 
+class NonFiniteTable(RuntimeError):
+    """A table holds a NaN or infinite number where a checkpoint or a model would be written from
+    it: nothing is written (the last good checkpoint stays the newest)."""
+
+    exit_status = 1  # a run-time failure (see hpcps.errors)
+
+
+FINITE_CHUNK = 1 << 20  # numbers checked at once (no temporary array the size of a table)
+
+
+def count_non_finite_rows(rows: np.ndarray) -> int:
+    """How many rows of ``rows`` (2-d) hold a NaN or an infinity, checked in chunks."""
+    bad = 0
+    step = max(1, FINITE_CHUNK // max(rows.shape[1], 1))
+    for lo in range(0, rows.shape[0], step):
+        bad += int((~np.isfinite(rows[lo:lo + step])).any(axis=1).sum())
+    return bad
+
+
 class ServerTable:
     """One table's shard on this server."""
 
@@ -404,6 +423,17 @@ class ServerTable:
         n = self.index.size
         return self.index.keys[:n], self.rows[:n]
 
+    def check_finite(self, what: str) -> None:
+        """Raise :class:`NonFiniteTable` when a row (weights or optimizer state) is not finite,
+        before ``what`` (a checkpoint, a model) is written from it: a pass over the rows, at a
+        write only (steps check their loss; see hpcps.train.models.NonFiniteError)."""
+        bad = count_non_finite_rows(self.items()[1])
+        if bad:
+            raise NonFiniteTable(f"table {self.spec.name!r} holds NaN or infinite numbers in {bad:,} of its "
+                                 f"{self.size:,} rows here: no {what} is written from it (the last good checkpoint "
+                                 f"is kept); likely cause: labels far out of range (squared loss) or too high a "
+                                 f"learning rate")
+
     def nbytes(self) -> int:
         extra = (self.counts.nbytes if self.counts is not None else 0) + (self.last.nbytes if self.last is not None else 0)
         return self.index.nbytes() + self.rows.nbytes + extra
@@ -481,6 +511,8 @@ class Server:
 
     def _write_checkpoint(self, source: int, r: protocol.Request) -> None:
         path = checkpoint.server_file(protocol.decode_path(r.pull_keys), self.index)
+        for table in self.tables:
+            table.check_finite(f"checkpoint (step {r.clock})")
         parts = [(table.spec.name, *table.items(), table.state_arrays()) for table in self.tables]
         try:
             size, digest = checkpoint.write_server_file(path, self.index, self.placement.num_servers,

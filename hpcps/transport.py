@@ -12,8 +12,8 @@ imports mpi4py itself. Rules kept here:
 * Large messages go into buffers that are reused once nothing refers to them (:class:`BufferPool`),
   and a large reply can go as its header then its payload, so that the waiting rank sleeps until
   the payload is ready (:func:`start_send_announced`).
-* An unhandled exception on any rank aborts the whole job, printing the rank and the error
-  (:func:`install_abort_handler`), so that no rank waits forever for a dead peer.
+* An unhandled exception on any rank aborts the whole job, printing the rank and the error in
+  one line (:func:`install_abort_handler`), so that no rank waits forever for a dead peer.
 * Every wait of the library goes through here, collectives included: each takes a timeout, and
   after the stall warning time (:func:`set_stall_warning`, ``cluster.stall_warn_s``) it warns once,
   naming what it waits for and the ranks it waits on: the peer of a point-to-point message; for a
@@ -29,11 +29,12 @@ import pickle
 import sys
 import threading
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
+
+from hpcps import errors
 
 # mpi4py initialises MPI when MPI is imported; we keep its defaults (threads, finalize at exit).
 from mpi4py import MPI
@@ -78,6 +79,8 @@ PAGE_BYTES = 4096
 
 class StallError(RuntimeError):
     """A wait ran past its timeout; the message says which peers never answered."""
+
+    exit_status = 1  # a run-time failure: its message is the whole story (see hpcps.errors)
 
 
 _abort_installed = False
@@ -131,30 +134,31 @@ def rank_prefix(comm: MPI.Comm | None = None) -> str:
 
 
 def abort(message: str, code: int = 1, comm: MPI.Comm | None = None) -> None:
-    """Print ``message`` with this rank's number to stderr and abort the whole MPI job."""
+    """Print ``message`` with this rank's number to stderr (one line) and end the whole MPI job
+    with exit status ``code`` (:func:`end_job`)."""
     comm = comm or MPI.COMM_WORLD
     sys.stderr.write(f"hpcps: {rank_prefix(comm)}: {message.rstrip()}\n")
-    sys.stderr.write(f"hpcps: {rank_prefix(comm)}: aborting the MPI job\n")
-    sys.stderr.flush()
-    sys.stdout.flush()
-    time.sleep(0.3)  # let the launcher forward this output before the job is torn down
-    comm.Abort(code)
+    end_job(code, comm)
 
 
 def end_job(code: int, comm: MPI.Comm | None = None) -> None:
     """End the whole job at once with the exit status ``code``, adding nothing to what this rank
     has said: ``MPI_Abort`` with this rank's standard streams sent to /dev/null (MPICH's abort
-    prints a line of its own). The launcher ends every other rank and exits with ``code``."""
+    prints a line of its own); the launcher ends every other rank and exits with ``code``. A
+    world of one process just exits."""
     comm = comm or MPI.COMM_WORLD
     sys.stdout.flush()
     sys.stderr.flush()
-    if comm.Get_size() == 1:
+    if MPI.COMM_WORLD.Get_size() == 1:
         os._exit(code)
-    time.sleep(0.2)  # let the launcher forward what was said
+    time.sleep(0.3)  # let the launcher forward what was said before the job is torn down
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 1)
     os.dup2(null, 2)
     comm.Abort(code)
+    # MPICH's MPI_Abort returned here now and then while a parse thread ran (the launcher had the
+    # abort and tore the job down a moment later): this rank must not go on meanwhile
+    os._exit(code)
 
 
 # Functions that may turn an exception into a clearer (type name, first line) for the abort
@@ -162,7 +166,7 @@ def end_job(code: int, comm: MPI.Comm | None = None) -> None:
 EXPLAINERS: list[Callable[[BaseException], tuple[str, str] | None]] = []
 
 
-def _explain(exc: BaseException) -> tuple[str, str]:
+def _explained(exc: BaseException) -> tuple[str, str] | None:
     for explain in EXPLAINERS:
         try:
             got = explain(exc)
@@ -170,17 +174,23 @@ def _explain(exc: BaseException) -> tuple[str, str]:
             got = None
         if got:
             return got
-    return type(exc).__name__, (str(exc).splitlines()[0] if str(exc) else "")
+    return None
+
+
+def _explain(exc: BaseException) -> tuple[str, str]:
+    return _explained(exc) or (type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
 
 
 def install_abort_handler() -> None:
     """Make an unhandled exception on this rank (main or any thread) abort the whole job.
 
     Without it, the other ranks would wait forever in their next collective or receive for the
-    rank that died. The message printed names this rank and carries the traceback.
+    rank that died. The message printed is one line: this rank and the error
+    (:func:`hpcps.errors.one_line`; the traceback before it with ``HPCPS_DEBUG=1``). Installed in a
+    world of one rank too, where it prints the same line instead of a traceback.
     """
     global _abort_installed
-    if _abort_installed or MPI.COMM_WORLD.Get_size() == 1:
+    if _abort_installed:
         return
     _abort_installed = True
     previous = sys.excepthook
@@ -191,16 +201,16 @@ def install_abort_handler() -> None:
         ):
             previous(exc_type, exc, tb)
             return
-        text = "".join(traceback.format_exception(exc_type, exc, tb))
-        name, first = _explain(exc)
-        abort(f"error: {name}: {first}\n{text}")
+        errors.print_traceback(exc)
+        line, code = errors.one_line(exc, _explained(exc))
+        abort(f"error: {line}", code=code)
 
     def thread_hook(args):
         if args.exc_type is SystemExit:
             return
-        text = "".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback))
-        first = str(args.exc_value).splitlines()[0] if str(args.exc_value) else ""
-        abort(f"error in thread {args.thread.name if args.thread else '?'}: {args.exc_type.__name__}: {first}\n{text}")
+        errors.print_traceback(args.exc_value)
+        line, code = errors.one_line(args.exc_value, _explained(args.exc_value))
+        abort(f"error in thread {args.thread.name if args.thread else '?'}: {line}", code=code)
 
     sys.excepthook = hook
     threading.excepthook = thread_hook

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -278,7 +279,186 @@ def test_supervise_refuses_what_it_cannot_run_in_one_line(args, match):
 # -- a full disk during a checkpoint --------------------------------------------------------------
 
 
+@pytest.mark.parametrize("ranks", [2, 0])
+def test_disk_full_during_a_checkpoint_loses_nothing_committed(small, tmp_path, small_disk, ranks):
+    """The disk fills up while a job checkpoints: the job ends with one line (who could not write
+    what, how much it needed where known), no traceback (one process too: it printed Python's),
+    exit 1; every committed checkpoint still verifies and the job resumes from the newest."""
+    ck = small_disk / "ck"
+    args = ["train", *sets(data__train=small[0], train__epochs=2, train__progress=False, train__batch_size=20,
+                           checkpoint__dir=str(ck), checkpoint__every_steps=40, checkpoint__keep=100)]
+    proc = start(ranks, args)
+    first = checkpoint.step_dir(str(ck), 40)
+    assert wait_for(lambda: os.path.exists(first), 120, proc), proc.communicate()[0][-2000:]
+    with open(small_disk / "filler", "wb") as f:  # the disk fills up while training goes on
+        try:
+            while True:
+                f.write(b"\0" * (1 << 16))
+                f.flush()
+        except OSError:
+            pass
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1, out[-2000:]
+    # the server's file or the first worker's manifest meets the full disk first: either says so
+    lines = [ln for ln in out.splitlines() if ": error: " in ln]
+    assert len(lines) == 1 and re.match(r"hpcps: rank (0/1|[01]/2): error: CheckpointError: (server 0|the first "
+                                        r"worker) cannot write ", lines[0]), out[-3000:]
+    assert re.search(r"No space left on device( \(\d+\.\d MiB needed, \d+\.\d MiB free\))?; the checkpoints "
+                     r"committed before it are intact$", lines[0]), lines[0]
+    assert "Traceback" not in out and "HPCPS_DEBUG" not in out, out[-3000:]
+    good = checkpoint.newest_good(str(ck), report=lambda m: None)
+    assert good is not None and good[0] >= first  # every committed checkpoint still verifies
+    os.unlink(small_disk / "filler")
+    rc, out = job(ranks, args + ["--resume", "auto"])
+    assert rc == 0 and "resuming from" in out, out[-2000:]
+
+
 # -- files that change under a running job ---------------------------------------------------------
 
 
+def _change(path: str, how: str) -> None:
+    """Change a data file as a user might while a job reads it."""
+    if how == "truncated":
+        subprocess.run(["truncate", "-s", str(os.path.getsize(path) // 2), path], check=True)
+    elif how == "grown":
+        with open(path, "ab") as f:
+            f.write(b"1 3:1 5:1\n" * 2000)
+    elif how == "replaced":  # another file renamed over it (a new inode, the same size)
+        data = open(path, "rb").read()
+        with open(path + ".new", "wb") as f:
+            f.write(data)
+        os.replace(path + ".new", path)
+    else:  # "rewritten" in place: the same size, other bytes
+        with open(path, "r+b") as f:
+            f.seek(0)
+            first = f.readline()
+            f.seek(0)
+            f.write(b"1" + first[1:] if first[:1] == b"0" else b"0" + first[1:])
+
+
+@pytest.mark.parametrize("how,settings", [
+    ("truncated", {"data__memory_mb": 1}),                             # read again each epoch: the repro
+    ("truncated", {"data__memory_mb": 1, "data__parse_thread": True}),  # read on the parse thread
+    ("grown", {"data__memory_mb": 1}),
+    ("replaced", {"data__memory_mb": 1}),
+    ("rewritten", {"data__memory_mb": 0}),                              # in memory: checked each epoch
+    ("truncated", {"data__memory_mb": 0, "data__cache_dir": "CACHE"}),  # a loaded (cached) part
+])
+def test_a_data_file_changed_under_a_running_job_ends_it_in_one_line(small, tmp_path, how, settings):
+    """A training file truncated while a job reads it made the reader spin a core for ever (a
+    read of 0 bytes, again and again), past the stall timeout. A file that shrinks, grows or is
+    replaced or rewritten now ends the job within an epoch: one line naming the file, exit 2."""
+    path = str(tmp_path / "train.svm")
+    with open(small[0], "rb") as src, open(path, "wb") as dst:
+        dst.write(src.read())
+    metrics = tmp_path / "m.jsonl"
+    settings = {k: (str(tmp_path / "cache") if v == "CACHE" else v) for k, v in settings.items()}
+    proc = start(2, ["train", *sets(data__train=path, train__epochs=100_000, train__progress=False,
+                                    train__metrics=str(metrics), cluster__stall_timeout_s=20,
+                                    cluster__stall_warn_s=10, **settings)])
+    try:
+        assert wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 120, proc), \
+            proc.communicate(timeout=10)[0][-2000:]
+        changed = time.monotonic()
+        _change(path, how)
+        out, _ = proc.communicate(timeout=60)
+        took = time.monotonic() - changed
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 2, out[-2000:]
+    lines = [ln for ln in out.splitlines() if ": error: " in ln]
+    assert lines and all(re.fullmatch(r"hpcps: rank 1/2: error: data file \S+train\.svm changed while this job read "
+                                      r"it \(.+\); a job reads its training file again each epoch, so it must stay "
+                                      r"as it was: copy it before changing it", ln) for ln in lines), out[-2000:]
+    assert "Traceback" not in out
+    assert took < 20, f"{took:.1f} s: not within the stall timeout"
+
+
 # -- non-finite numbers --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ranks,settings,where,cause", [
+    (2, {"model__type": "fm", "optimizer__name": "sgd", "optimizer__lr": 1e30},
+     r"non-finite rows pulled from table\(s\) fm", r"the learning rate \(optimizer\.lr = 1e\+30 for sgd\)"),
+    (0, {"model__type": "fm", "optimizer__name": "sgd", "optimizer__lr": 1e30},  # one process: no MPI abort
+     r"non-finite rows pulled from table\(s\) fm", r"the learning rate \(optimizer\.lr = 1e\+30 for sgd\)"),
+    (2, {"model__type": "wdl", "model__dense_optimizer": "sgd", "model__dense_lr": 1e30},
+     r"the rows pulled are finite", r"the MLP's rate \(model\.dense_lr = 1e\+30\) or the learning rate"),
+])
+def test_a_diverging_model_stops_at_its_first_non_finite_loss(small, tmp_path, ranks, settings, where, cause):
+    """Too high a learning rate (the sparse tables' or the MLP's) makes the loss NaN within a few
+    steps: the job stops there, one line naming the step, what was not finite and the rate
+    (the MLP's first when the pulled rows were finite), exit 1, no model, no numpy warning."""
+    model = tmp_path / "model.h5"
+    rc, out = job(ranks, ["train", *sets(data__train=small[0], train__epochs=2, train__progress=False,
+                                         train__model_out=str(model), **settings)])
+    assert rc == 1, out[-3000:]
+    lines = [ln for ln in out.splitlines() if ln.strip() and not ln.startswith("hpcps train:")]
+    rank = "0/1" if not ranks else "1/2"
+    assert len(lines) == 1 and re.fullmatch(
+        rf"hpcps: rank {rank}: error: non-finite numbers at step \d+ \(epoch 1, step \d+ of \d+\): the loss is "
+        rf"(nan|inf): {where} \(the batch's labels: 0 to 1\); likely cause: {cause}.*\. Training stops; no "
+        rf"checkpoint or model is written from it", lines[0]), out[-3000:]
+    assert not model.exists()
+
+
+def _with_label(src: str, dst: str, line: int, label: str) -> str:
+    """A copy of ``src`` whose line ``line`` (1-based) has the label ``label``."""
+    lines = open(src, "rb").read().split(b"\n")
+    lines[line - 1] = label.encode() + b" " + lines[line - 1].split(b" ", 1)[1]
+    with open(dst, "wb") as f:
+        f.write(b"\n".join(lines))
+    return dst
+
+
+def _finite_checkpoints(ck: str) -> list[str]:
+    """The committed checkpoints under ``ck``, each checked: it verifies and its rows are finite."""
+    import h5py
+    import numpy as np
+
+    found = checkpoint.complete_checkpoints(ck)
+    for path in found:
+        m = checkpoint.verify(path)
+        for f in m["files"]:
+            with h5py.File(os.path.join(path, f["name"]), "r") as h:
+                for name in h["tables"]:
+                    assert np.isfinite(h["tables"][name]["rows"][()]).all(), (path, name)
+    return found
+
+
+@pytest.mark.parametrize("every", [7, 10])
+def test_a_label_far_out_of_range_stops_training_with_one_line_and_keeps_the_good_checkpoints(small, tmp_path,
+                                                                                               every):
+    """Squared loss with one label of 1e30 trained to ``train loss nan``, wrote a NaN checkpoint
+    and a NaN model, and exited 0. Now the label gets a warning when it is read, and the step
+    that meets the NaN (a step after the label's: its pull) stops the job: one line naming
+    the step, the table and the likely cause, exit 1. No checkpoint and no model is written
+    from it: with a checkpoint due right after the label's step (``every`` = 10), the server
+    refuses to write it. The checkpoints before stay, all finite."""
+    path = _with_label(small[0], str(tmp_path / "big.svm"), 1990, "1e30")  # in step 40 of 50-row steps
+    ck, model = tmp_path / "ck", tmp_path / "model.h5"
+    # (model.bias_init = "zero": the auto bias, the mean of the first rows' labels, would hold the 1e30 from step 1)
+    rc, out = job(2, ["train", *sets(data__train=path, model__loss="squared", model__bias_init="zero",
+                                     train__epochs=3, train__batch_size=50,
+                                     train__progress=False, train__model_out=str(model), checkpoint__dir=str(ck),
+                                     checkpoint__every_steps=every, checkpoint__keep=100)])
+    assert rc == 1, out[-3000:]
+    assert re.search(r"^hpcps: warning: \S+big\.svm: a label of 1e\+30 is far outside the first rows' labels "
+                     r"\(1st to 99th percentile: 0 to 1\)", out, re.M), out[-3000:]
+    errors = [ln for ln in out.splitlines() if ": error: " in ln]
+    assert len(errors) == 1 and "Traceback" not in out, out[-3000:]
+    if every == 7:  # a step after the label's pulls the NaN rows (FTRL's state overflows first, then its weight)
+        assert re.fullmatch(r"hpcps: rank 1/2: error: non-finite numbers at step (4[12]) \(epoch 1, step \1 of 60\): the "
+                            r"loss is nan: non-finite rows pulled from table\(s\) w \(the batch's labels: 0 to 1\); "
+                            r"likely cause: the labels' range \(0 to 1e\+30 on this worker so far: scale them\) or the "
+                            r"learning rate \(optimizer\.alpha = 0\.1 for ftrl\)\. Training stops; no checkpoint or "
+                            r"model is written from it \(the last good checkpoint: \S+ckpt-0000000035\)", errors[0]), \
+            errors[0]
+    else:  # the checkpoint of step 40, right after the label's push
+        assert re.fullmatch(r"hpcps: rank 0/2: error: NonFiniteTable: table 'w' holds NaN or infinite numbers in \d+ "
+                            r"of its [\d,]+ rows here: no checkpoint \(step 40\) is written from it \(the last good "
+                            r"checkpoint is kept\); likely cause: .*", errors[0]), errors[0]
+    assert not model.exists() and not os.path.exists(str(model) + ".tmp")
+    found = _finite_checkpoints(str(ck))
+    assert [os.path.basename(p) for p in found][-1] == ("ckpt-0000000035" if every == 7 else "ckpt-0000000030")

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import os
+import stat
 import sys
 import threading
 from collections import deque
@@ -32,6 +34,69 @@ BLOCK = 1 << 30  # a worker's part is parsed in blocks of at most this many byte
 
 class DataError(ValueError):
     """Bad or missing input data; the message names the file (and line)."""
+
+    exit_status = 2  # the user must change something (see hpcps.errors)
+
+
+class DataChanged(DataError):
+    """A data file changed (its size, modification time or inode) while a job reads it."""
+
+
+def check_file(path: str, what: str = "data") -> None:
+    """Raise :class:`DataError` unless ``path`` is a regular file: say what it is instead (missing,
+    a directory, a FIFO...). A FIFO is never opened: that would wait for a writer for ever, and a
+    part is read in byte ranges, by several ranks, once an epoch."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise DataError(f"{what} file {path} not found") from None
+    except OSError as e:
+        raise DataError(f"{what} file {path}: {e.strerror}") from None
+    if stat.S_ISREG(mode):
+        return
+    if stat.S_ISDIR(mode):
+        raise DataError(f"{what} file {path} is a directory, not a file")
+    kind = ("a FIFO (a named pipe)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
+            else "not a regular file")
+    raise DataError(f"{what} file {path} is {kind}, not a regular file: a job reads its data in byte ranges, "
+                    f"once an epoch")
+
+
+def file_state(path: str) -> tuple[int, int, int, int]:
+    """(size, modification time in ns, inode, device) of ``path``: what tells that it changed."""
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev
+
+
+def check_unchanged(path: str, then: tuple) -> None:
+    """Raise :class:`DataChanged` when ``path`` is no longer the file of :func:`file_state` ``then``
+    (one ``stat``: cheap enough for every slice read)."""
+    try:
+        now = file_state(path)
+    except FileNotFoundError:
+        how = "removed"
+    except OSError as e:
+        how = f"unreadable: {e.strerror or e}"
+    else:
+        if now == then:
+            return
+        how = (f"{then[0]} bytes when the job started, {now[0]} now" if now[0] != then[0] else
+               "replaced by another file" if now[2:] != then[2:] else "rewritten: a new modification time")
+    raise DataChanged(f"data file {path} changed while this job read it ({how}); a job reads its training file "
+                      f"again each epoch, so it must stay as it was: copy it before changing it")
+
+
+def _short_read(path: str, at: int, end: int) -> DataChanged:
+    """The error of a read that met the end of ``path`` at byte ``at``, before ``end``: the file
+    shrank since its byte ranges were cut."""
+    try:
+        size = f"{os.path.getsize(path)} bytes now"
+    except OSError:
+        size = "removed"
+    return DataChanged(f"data file {path} changed while this job read it (it ends before byte {end}: {size}); "
+                       f"a job reads its training file again each epoch, so it must stay as it was: copy it "
+                       f"before changing it")
 
 
 # formats whose keys are hash values (XXH64 of a token, masked to data.hash_bits, with a field's
@@ -53,9 +118,10 @@ def detect_format(path: str, fmt: str) -> str:
     return "libffm" if path.endswith(".ffm") or (len(tokens) > 1 and tokens[1].count(b":") == 2) else "libsvm"
 
 
-def byte_range(path: str, part: int, parts: int) -> tuple[int, int]:
-    """Bytes ``[start, end)`` of part ``part`` of ``parts``, both at line starts."""
-    size = os.path.getsize(path)
+def byte_range(path: str, part: int, parts: int, size: int | None = None) -> tuple[int, int]:
+    """Bytes ``[start, end)`` of part ``part`` of ``parts``, both at line starts (of a file of
+    ``size`` bytes: its size now unless given)."""
+    size = os.path.getsize(path) if size is None else size
 
     def line_start(pos: int) -> int:
         if pos <= 0:
@@ -103,8 +169,8 @@ def _count_newlines(path: str, start: int, end: int, kernel: bool = True) -> tup
         left = end - start
         while left > 0:
             got = f.readinto(view[:min(len(buf), left)])
-            if not got:
-                break
+            if not got:  # the file shrank since ``end`` was known
+                raise _short_read(path, end - left, end)
             if kernel:
                 chunk = np.frombuffer(view[:got], dtype=np.uint8)
                 n += int(parse.count_byte(chunk, 10))
@@ -139,6 +205,7 @@ class Dataset:
     # among them), set by compact(), which then drops ``indices``
     prepared: tuple | None = None
     keep_prepared: bool = False
+    state: tuple | None = None  # the file's file_state when it was read (a loaded part)
 
     def compact(self, uniq: np.ndarray, pos: np.ndarray) -> tuple:
         """Keep the batch's keys as its unique keys and each nonzero's int32 position among them
@@ -185,22 +252,86 @@ class Dataset:
         return self.labels.nbytes + self.indptr.nbytes + keys + values
 
     def check_finite(self) -> None:
-        if not np.isfinite(self.labels).all():
+        self.label_range()
+
+    def label_range(self) -> tuple[float, float]:
+        """(smallest, largest) label (0, 0 without rows); :class:`DataError` for a NaN or
+        infinite one (min and max carry it: no pass of its own)."""
+        if not self.rows:
+            return 0.0, 0.0
+        lo, hi = float(self.labels.min()), float(self.labels.max())
+        if not (math.isfinite(lo) and math.isfinite(hi)):
             raise DataError(f"{self.source}: a label is NaN or infinite")
+        return lo, hi
+
+
+# A label this many spans beyond the first rows' labels (their 1st to 99th percentile; the span
+# at least their magnitude and 1) gets a warning under the squared loss: an outlier like that
+# dominates the loss, and one of 1e19 or more overflows the optimizers' float32 state into NaN.
+FAR_LABEL_SPANS = 100
+
+
+def far_label_bounds(first: np.ndarray) -> tuple[float, float, float, float] | None:
+    """(low, high, the first rows' 1st and 99th percentile): a label below low or above high is
+    far from ``first`` (the first rows' labels); None without rows."""
+    if not first.shape[0]:
+        return None
+    lo, hi = (float(x) for x in np.percentile(first.astype(np.float64), [1, 99]))
+    span = max(hi - lo, abs(lo), abs(hi), 1.0) * FAR_LABEL_SPANS
+    return lo - span, hi + span, lo, hi
+
+
+class LabelWatch:
+    """The range of the labels read so far, and one warning for a label far from the first
+    rows' (:data:`FAR_LABEL_SPANS`), for the squared loss. Costs no pass of its own: a slice's
+    range comes from :meth:`Dataset.label_range`, which also checks the labels are finite."""
+
+    def __init__(self, source: str, warn: bool):
+        self.source, self.warn = source, warn
+        self.range: tuple[float, float] | None = None
+        self.bounds: tuple | None = None
+        self.warned = False
+
+    def see(self, ds: "Dataset") -> None:
+        """A slice's labels, in file order (the first rows with labels set what is far)."""
+        lo, hi = ds.label_range()
+        if not ds.rows:
+            return
+        self.range = (lo, hi) if self.range is None else (min(lo, self.range[0]), max(hi, self.range[1]))
+        if self.warn and self.bounds is None:
+            self.bounds = far_label_bounds(ds.labels[:4096])
+        b = self.bounds
+        if b is not None and not self.warned and (lo < b[0] or hi > b[1]):
+            self.warned = True
+            sys.stderr.write(f"hpcps: warning: {self.source}: a label of {lo if lo < b[0] else hi:g} is far outside "
+                             f"the first rows' labels (1st to 99th percentile: {b[2]:g} to {b[3]:g}); under the "
+                             f"squared loss such a label swamps the others and can overflow the training into "
+                             f"NaN: check or scale the labels\n")
+            sys.stderr.flush()
 
 
 def _parse_blocks(path: str, start: int, end: int, fmt: str, hash_bits: int, skip_bad: bool, binary: bool,
-                  block_bytes: int = 0, fields: bool = False):
+                  block_bytes: int = 0, fields: bool = False, state: tuple | None = None):
     """Parse ``path[start:end]`` block by block: each block is read into one reusable buffer after
     the previous block's unfinished line, and parsed in place (no copies of the text). Yields
-    ``(labels, indptr, indices, values, skipped)`` per block (new arrays: the buffer is reused)."""
+    ``(labels, indptr, indices, values, skipped)`` per block (new arrays: the buffer is reused).
+
+    A read that ends before ``end`` (the file shrank) raises :class:`DataChanged`; so does, with
+    ``state`` (:func:`file_state` when the ranges were cut), a file changed in any way, checked
+    before each block (one ``stat``)."""
     block_bytes = block_bytes or BLOCK
     buf = bytearray(min(block_bytes, end - start) + (1 << 16))
     view = memoryview(buf)
     seen = np.zeros(2, dtype=np.int64)  # binary labels: a 0 / a -1 met in an earlier block
     carry = 0          # bytes of an unfinished line at the front of buf
     block_start = start  # file offset of buf[0]
-    with open(path, "rb") as f:
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        if state is not None:
+            check_unchanged(path, state)  # (removed or replaced: says so)
+        raise DataError(f"data file {path}: {e.strerror or e}") from None
+    with f:
         f.seek(start)
         pos = start
         while pos < end or carry:
@@ -209,7 +340,11 @@ def _parse_blocks(path: str, start: int, end: int, fmt: str, hash_bits: int, ski
                 del view
                 buf = buf + bytearray(carry + want - len(buf))
                 view = memoryview(buf)
+            if state is not None:
+                check_unchanged(path, state)
             got = f.readinto(view[carry:carry + want]) if want > 0 else 0
+            if got < want:  # (a regular file reads short only at its end)
+                raise _short_read(path, pos + got, end)
             pos += got
             n = carry + got
             cut = n if pos >= end else buf.rfind(b"\n", 0, n) + 1
@@ -254,9 +389,9 @@ def _concat(pieces: list) -> tuple:
 
 
 def _parse_part(path: str, start: int, end: int, fmt: str, hash_bits: int, skip_bad: bool, binary: bool,
-                fields: bool = False):
+                fields: bool = False, state: tuple | None = None):
     """The whole of ``path[start:end]``, parsed: ((labels, indptr, indices, values), skipped)."""
-    pieces = list(_parse_blocks(path, start, end, fmt, hash_bits, skip_bad, binary, fields=fields))
+    pieces = list(_parse_blocks(path, start, end, fmt, hash_bits, skip_bad, binary, fields=fields, state=state))
     return _concat(pieces), sum(p[4] for p in pieces)
 
 
@@ -269,23 +404,22 @@ def load_part(path: str, part: int, parts: int, fmt: str = "auto", hash_bits: in
     ``fields``: keys carry their field above the hash bits (Criteo: the column; libffm keys
     always do; libsvm and VW keys are all field 0).
     """
-    if not os.path.isfile(path):
-        raise DataError(f"data file {path} not found")
+    check_file(path)
+    state = file_state(path)
     fmt = detect_format(path, fmt)
-    start, end = byte_range(path, part, parts)
+    start, end = byte_range(path, part, parts, state[0])
     cache = None
     if cache_dir:
-        st = os.stat(path)
-        tag = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{part}/{parts}|{fmt}|{hash_bits}|{skip_bad}|{binary}"
+        tag = f"{os.path.abspath(path)}|{state[0]}|{state[1]}|{part}/{parts}|{fmt}|{hash_bits}|{skip_bad}|{binary}"
         tag += "|fields" if fields and fmt == "criteo" else ""
         cache = os.path.join(cache_dir, hashlib.sha256(tag.encode()).hexdigest()[:20])
         if os.path.exists(os.path.join(cache, "done")):
             arrays = [np.load(os.path.join(cache, f"{n}.npy"), mmap_mode="r") for n in ("labels", "indptr", "indices", "values")]
             skipped = int(open(os.path.join(cache, "done")).read() or 0)
-            return Dataset(*arrays, skipped=skipped, source=path)
+            return Dataset(*arrays, skipped=skipped, source=path, state=state)
     (labels, indptr, indices, values), skipped = _parse_part(path, start, end, fmt, hash_bits, skip_bad, binary,
-                                                             fields)
-    ds = Dataset(labels, indptr, indices, values, skipped, path)
+                                                             fields, state)
+    ds = Dataset(labels, indptr, indices, values, skipped, path, state=state)
     ds.check_finite()
     if cache:
         tmp = cache + f".tmp{os.getpid()}"
@@ -366,12 +500,13 @@ class PartStream:
 
     def __init__(self, path: str, part: int, parts: int, fmt: str = "auto", hash_bits: int = 24,
                  skip_bad: bool = False, binary: bool = False, memory_mb: float = 0.0, block_bytes: int = 0,
-                 fields: bool = False, shuffle_rows: int = 0, shuffle_seed: int = 0):
-        if not os.path.isfile(path):
-            raise DataError(f"data file {path} not found")
+                 fields: bool = False, shuffle_rows: int = 0, shuffle_seed: int = 0, warn_labels: bool = False):
+        check_file(path)
+        self.state = file_state(path)  # what the byte ranges were cut from: checked at every read
+        self.labels = LabelWatch(path, warn_labels)  # (warn_labels: the squared loss)
         self.path, self.fmt = path, detect_format(path, fmt)
         self.hash_bits, self.skip_bad, self.binary, self.fields = hash_bits, skip_bad, binary, fields
-        self.start, self.end = byte_range(path, part, parts)
+        self.start, self.end = byte_range(path, part, parts, self.state[0])
         # the part's lines are counted on a thread (reading and counting release the GIL) while
         # the rest of the start-up goes on: 0.1-0.25 s for a 380 MB part here, needed only for the
         # number of steps (see rows_bound)
@@ -419,18 +554,29 @@ class PartStream:
     @property
     def has_rows(self) -> bool:
         """Whether the part holds a row: its first slice has one (no wait for the count), or
-        the count says so. Call after :meth:`open`."""
-        return (self._first is not None and self._first.rows > 0) or self.rows_bound > 0
+        the count says so; exactly when the first slice was the whole part (else a part of
+        blank and comment lines reads as having rows: the training counts them after a pass).
+        Call after :meth:`open`."""
+        if self._first is not None and self._first.rows > 0:
+            return True
+        if self.end - self.start <= self.block_bytes:
+            return False
+        return self.rows_bound > 0
 
     def _dataset(self, out) -> Dataset:
         labels, indptr, indices, values, sk = out
         ds = Dataset(labels, indptr, indices, values, sk, self.path)
-        ds.check_finite()
+        self.labels.see(ds)  # (finite, their range)
         return ds
 
     def _generator(self):
         return _parse_blocks(self.path, self.start, self.end, self.fmt, self.hash_bits, self.skip_bad,
-                             self.binary, self.block_bytes, self.fields)
+                             self.binary, self.block_bytes, self.fields, self.state)
+
+    def check_unchanged(self) -> None:
+        """Raise :class:`DataChanged` if the file is no longer the one the job opened (the
+        training calls it at each epoch: a part kept in memory reads no block to check)."""
+        check_unchanged(self.path, self.state)
 
     def open(self) -> "PartStream":
         """Parse the first slice now (raises DataError for a bad line in it)."""
@@ -462,7 +608,9 @@ class PartStream:
     def pump(self, force: bool = False) -> bool:
         """Parse one more slice of the current pass, if there is one and (unless ``force``) the
         rows parsed ahead are within the budget. Returns whether it parsed anything. Never
-        raises: a bad line is raised by :meth:`batches` when the training reaches it."""
+        raises (it runs inside the waits for the servers): a bad line is raised by
+        :meth:`batches` when the training reaches it, a changed file (:class:`DataChanged`) or
+        any other failure at the training's next read."""
         p = self._pass
         if p is None or p.done or (not force and p.ahead_bytes >= self.ahead_limit):
             return False
@@ -479,7 +627,7 @@ class PartStream:
                         self.kept = p.keep
                     self._state.notify_all()
                 return False
-            except DataError as e:
+            except Exception as e:  # noqa: BLE001 - kept for the training, which raises it where it reads
                 with self._state:
                     p.done, p.error = True, e
                     self._state.notify_all()
@@ -561,6 +709,8 @@ class PartStream:
         while True:
             with self._state:
                 ds = None
+                if p.error is not None and type(p.error) is not DataError:
+                    raise p.error  # at once (a bad line waits for its rows): the rows ahead may be of either file
                 if p.ahead:
                     ds = p.ahead.popleft()
                     p.ahead_bytes -= ds.nbytes
@@ -689,8 +839,11 @@ class LoadedPart:
     """A part loaded whole (:func:`load_part`) behind the interface of :class:`PartStream`
     (its rows shuffled in windows as a stream's are, with ``shuffle_rows``)."""
 
-    def __init__(self, ds: Dataset, shuffle_rows: int = 0, shuffle_seed: int = 0):
+    def __init__(self, ds: Dataset, shuffle_rows: int = 0, shuffle_seed: int = 0, warn_labels: bool = False):
         skipped = ds.skipped
+        self.path, self.state = ds.source, ds.state
+        self.labels = LabelWatch(ds.source, warn_labels)
+        self.labels.see(ds)
         if shuffle_rows:
             ds = ds.take_rows(window_order(ds.rows, shuffle_rows, shuffle_seed))
         self.ds = ds
@@ -699,6 +852,12 @@ class LoadedPart:
 
     def head_labels(self, n: int) -> np.ndarray:
         return self.ds.labels[:n]
+
+    def check_unchanged(self) -> None:
+        """As :meth:`PartStream.check_unchanged` (the part is in memory: a changed file would
+        not be read again, but the job's record of its data would be wrong)."""
+        if self.state is not None:
+            check_unchanged(self.path, self.state)
 
     def batches(self, batch_size: int, skip: int = 0):
         lo = skip * batch_size

@@ -27,9 +27,9 @@ from hpcps import checkpoint, config, signals, tables, transport
 from hpcps.context import init
 from hpcps.train import data as tdata
 from hpcps.train import model_file, synth
-from hpcps.train.models import make_model, resolve_fields
+from hpcps.train.models import NonFiniteError, make_model, resolve_fields
 from hpcps.train.progress import STATUS_ENV, Progress, summary_table, vm_hwm_mb, write_status
-from hpcps_kernels import metrics
+from hpcps_kernels import metrics, optim
 
 
 EXIT_PREEMPTED = 75  # the job stopped on SIGUSR1/SIGTERM after writing a checkpoint (EX_TEMPFAIL)
@@ -168,16 +168,19 @@ def check_same_data(manifest: dict, now: dict) -> str | None:
 def _load(ctx, cfg, path: str, what: str, stream: bool = False):
     """Collective over the world: workers load their part of ``path`` (or open it as a
     :class:`~hpcps.train.data.PartStream`, parsing its first block); any error is raised on every
-    rank with every failing rank's message."""
-    ds, error = None, None
+    rank with every failing rank's message. A file without a row is an error; so is, for the
+    training file, a worker's part without one (a test or prediction file's rows are gathered)."""
+    ds, error, empty = None, None, np.zeros(3, dtype=np.int64)  # workers: without rows, all, of an empty file
     if ctx.is_worker and path:
         try:
             d = cfg.data
             fields = cfg.model.type in config.DEEP  # keys carry their field
+            squared = cfg.model.loss == "squared"  # (labels far from the first rows' get a warning)
             if stream and not d.cache_dir:
                 ds = tdata.PartStream(path, ctx.worker_index, ctx.layout.workers, d.format, d.hash_bits,
                                       d.skip_bad_lines, cfg.model.loss == "logistic", d.memory_mb,
-                                      fields=fields, shuffle_rows=d.shuffle_rows, shuffle_seed=d.shuffle_seed).open()
+                                      fields=fields, shuffle_rows=d.shuffle_rows, shuffle_seed=d.shuffle_seed,
+                                      warn_labels=squared).open()
                 rows = int(ds.has_rows)  # (the part's count goes on, on a thread, until steps are agreed)
             else:
                 ds = tdata.load_part(path, ctx.worker_index, ctx.layout.workers, d.format, d.hash_bits,
@@ -185,16 +188,23 @@ def _load(ctx, cfg, path: str, what: str, stream: bool = False):
                                      fields=fields)
                 rows = ds.rows
                 if stream:
-                    ds = tdata.LoadedPart(ds, d.shuffle_rows, d.shuffle_seed)
-            if rows == 0:
-                error = (f"{what} file {path}: this worker's byte range holds no rows "
-                         f"({ctx.layout.workers} workers for a file of {os.path.getsize(path)} bytes); "
-                         f"use fewer workers or more data")
+                    ds = tdata.LoadedPart(ds, d.shuffle_rows, d.shuffle_seed, warn_labels=squared)
+            empty[:] = (rows == 0, 1, os.path.getsize(path) == 0)
         except (tdata.DataError, OSError) as e:
             error = str(e)
     errors = transport.all_ok(ctx.comm, error, ctx.stall_timeout_s, f"loading of {what} data")
     if errors:
         raise TrainError("cannot load data:\n  " + "\n  ".join(errors))
+    if path:
+        no_rows, workers, zero_bytes = transport.allreduce(ctx.comm, empty, "sum", ctx.stall_timeout_s,
+                                                           f"count of the {what} parts without rows")
+        if no_rows == workers:
+            raise TrainError(f"cannot load data: {what} file {path} holds no rows: "
+                             + ("it is empty" if zero_bytes else "its lines are all blank or comments"
+                                + (" or bad lines skipped" if cfg.data.skip_bad_lines else "")))
+        if no_rows and stream:
+            raise TrainError(f"cannot load data: {what} file {path}: a worker's byte range holds no rows ({no_rows} "
+                             f"of {workers} workers); use fewer workers or more data")
     return ds
 
 
@@ -510,6 +520,10 @@ class Trainer:
         self.last_save = time.monotonic()
         self.examples = 0
         self.saved_at = -1
+        if first and self.start_epoch > tr.epochs:
+            print(f"hpcps train: nothing left to train: {self.restore[0] if self.restore else 'the checkpoint'} is at "
+                  f"the end of training (train.epochs = {tr.epochs}); raise train.epochs to train on from it",
+                  flush=True)
         # The steps left, in order, and their batches: a step is given the next two batches, which
         # the model pulls and prepares ahead (see Model.step); each batch object is made once, in
         # order, from one pass over the worker's part per epoch.
@@ -589,7 +603,12 @@ class Trainer:
         signal ended it after a checkpoint."""
         self.loss_sum, self.rows = 0.0, 0
         first_step = self.start_step if epoch == self.start_epoch else 1
+        self.whole_epoch = first_step == 1
         self.collecting = self.cfg.train.holdout and self.holdout is None and first_step == 1
+        try:  # (a stream checks at each read too; a part in memory reads nothing)
+            self.train.check_unchanged()
+        except tdata.DataError as e:
+            transport.abort(f"error: {e}", code=2)
         for step in range(first_step, self.steps + 1):
             self.step(epoch, step)
             if self.checkpoint_if_due(epoch, step):
@@ -606,7 +625,10 @@ class Trainer:
             self.holdout_pieces.append(held)
         # the batches the step pipelines (see Model.step): one more when it pulls two ahead
         upcoming = [self.batch_at(j) for j in range(i + 1, min(i + 3 + self.model.pulls_ahead, self.last_index))]
-        loss = self.model.step(batch, self.scale, upcoming)
+        try:
+            loss = self.model.step(batch, self.scale, upcoming)
+        except NonFiniteError as e:
+            self.stop_non_finite(e, epoch, step, batch)
         self.global_step += 1
         self.loss_sum += loss
         self.rows += batch.rows
@@ -678,11 +700,8 @@ class Trainer:
             self.holdout_rows = self._allreduce(self.holdout.rows, "sum", "sum of the holdout rows")
             if not self.holdout_rows:  # (its loss would read 0: a silently wrong number)
                 n = self.cfg.train.holdout
-                if self.first:
-                    transport.abort(f"error: train.holdout = {n} holds out no row: every worker's part has fewer "
-                                    f"than {n} rows ({self.examples} rows trained an epoch); use a smaller "
-                                    f"train.holdout or more data", code=2)
-                transport.barrier(self.wcomm, self.ctx.stall_timeout_s, "stop on an empty holdout")
+                self.stop(f"train.holdout = {n} holds out no row: every worker's part has fewer than {n} rows "
+                          f"({self.examples} rows trained an epoch); use a smaller train.holdout or more data", 2)
             if self.kept is not None:  # the kept batches' held-out rows are in the holdout set now
                 self.kept = {j: (b, None) for j, (b, _) in self.kept.items()}
         if self.holdout is not None:
@@ -692,17 +711,64 @@ class Trainer:
         return bool(self.stopped_at)
 
     def epoch_record(self, epoch: int) -> dict:
-        """The train loss, stage times, waiting and test metrics of the epoch."""
+        """The train loss, stage times, waiting and test metrics of the epoch. Stops the job when
+        a whole epoch had no row (a training file of blank and comment lines) and when a metric
+        is not finite (the model is not: :meth:`stop_non_finite`)."""
         ctx = self.ctx
-        self.examples += self._allreduce(self.rows, "sum")
+        rows = self._allreduce(self.rows, "sum")
+        self.examples += rows
+        if not self.examples and self.whole_epoch:  # (its loss would read 0)
+            self.stop(f"the training file {self.paths['train']} holds no rows: an epoch of {self.steps} steps read "
+                      f"none (its lines are all blank or comments"
+                      + (" or bad lines skipped)" if self.cfg.data.skip_bad_lines else ")"), 2)
         total_loss = self._allreduce(float(self.loss_sum), "sum")
-        record = {"train_loss": total_loss / max(self.examples / epoch, 1), "time_s": time.perf_counter() - self.t0,
+        record = {"train_loss": total_loss / max(rows, 1), "time_s": time.perf_counter() - self.t0,
                   **{f"stage_{k}": v for k, v in self.model.stage_times().items()},
                   "stage_wait_s": round(ctx.stats["wait_s"] - self.waited_before, 4)}
         self.waited_before = ctx.stats["wait_s"]
         if self.test is not None:
             record.update(self.evaluate(self.test))
+        bad = [k for k in ("train_loss", "test_logloss", "test_rmse") if not math.isfinite(record.get(k, 0.0))]
+        if bad and self.check_finite:
+            self.stop(self.non_finite_line(f"after epoch {epoch} ({self.global_step} steps)",
+                                           f"{bad[0].replace('_', ' ')} is {record[bad[0]]}: the model holds "
+                                           f"non-finite weights"), 1)
         return record
+
+    def stop(self, message: str, code: int) -> None:
+        """Collective over the workers: end the job, the first worker saying why in one line
+        (the others wait for the abort)."""
+        if self.first:
+            transport.abort(f"error: {message}", code=code)
+        transport.barrier(self.wcomm, self.ctx.stall_timeout_s, "the stop of the job")
+
+    # Tune's grid trains members with other rates side by side: a member that diverges is ranked
+    # last (its holdout loss is NaN), it does not stop the others (see hpcps.train.tune)
+    check_finite = True
+
+    def non_finite_line(self, when: str, what: str, sparse_rows_finite: bool = False) -> str:
+        """The one line of a non-finite stop: when, what, the likely cause, and what is kept."""
+        cfg = self.cfg
+        labels = getattr(getattr(self.train, "labels", None), "range", None)
+        rate_key = "alpha" if "alpha" in optim.get(cfg.optimizer.name).params else "lr"
+        rate = cfg.optimizer.params.get(rate_key, optim.get(cfg.optimizer.name).params.get(rate_key))
+        causes = [f"the learning rate (optimizer.{rate_key} = {rate:g} for {cfg.optimizer.name})"]
+        if getattr(self.model, "dense_lr", None) is not None:  # first when the sparse rows were finite
+            causes.insert(len(causes) * (not sparse_rows_finite),
+                          f"the MLP's rate (model.dense_lr = {self.model.dense_lr:g})")
+        if cfg.model.loss == "squared" and labels is not None:
+            causes.insert(0, f"the labels' range ({labels[0]:g} to {labels[1]:g} on this worker so far: scale them)")
+        ck = newest_checkpoint(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
+        return (f"non-finite numbers {when}: {what}; likely cause: {' or '.join(causes)}. Training stops; no "
+                f"checkpoint or model is written from it" + (f" (the last good checkpoint: {ck})" if ck else ""))
+
+    def stop_non_finite(self, e, epoch: int, step: int, batch) -> None:
+        """This worker's step had a non-finite loss (:class:`~hpcps.train.models.NonFiniteError`):
+        it ends the job at once (exit 1), before any checkpoint or model is written from it."""
+        labels = f" (the batch's labels: {batch.labels.min():g} to {batch.labels.max():g})" if batch.rows else ""
+        line = self.non_finite_line(f"at step {self.global_step + 1} (epoch {epoch}, step {step} of {self.steps})",
+                                    f"{e}{labels}", sparse_rows_finite=not e.tables)
+        transport.abort(f"error: {line}", code=1)
 
     def watch_holdout(self, epoch: int, record: dict) -> bool:
         """The holdout metric into ``record``; the servers keep a snapshot of the best model so
@@ -771,7 +837,7 @@ class Trainer:
         if not self.first:
             return Result(None, 0, self.resumed)
         examples = self.examples
-        summary = {"examples": examples, "time_s": elapsed, "examples_per_s": examples / elapsed,
+        summary = {"examples": examples, "time_s": elapsed, "examples_per_s": examples / elapsed if examples else None,
                    "workers": ctx.layout.workers, "servers": ctx.layout.servers,
                    **(self.history[-1] if self.history else {}),
                    "max_wait_s": wait, "max_staleness": ctx.stats["max_staleness"], "bad_lines_skipped": skipped,
@@ -805,7 +871,7 @@ class Trainer:
     def summary_rows(self, summary: dict, elapsed: float, wait: float, key_counts: dict) -> list[tuple]:
         examples, layout, f = summary["examples"], self.ctx.layout, self.cfg.features
         rows = [("examples", f"{examples:,}"), ("time", f"{elapsed:.1f} s"),
-                ("examples/s", f"{examples / elapsed:,.0f}"),
+                ("examples/s", f"{examples / elapsed:,.0f}" if examples else "none trained"),
                 ("layout", f"{layout.servers} server(s), {layout.workers} worker(s)"),
                 ("waiting (max over workers)", f"{wait:.1f} s"),
                 ("keys on the servers", f"{key_counts['table_keys']:,}"

@@ -72,6 +72,7 @@ def export_from_servers(ctx, table_names, path: str, attrs: dict) -> None:
     tables = []
     for name in names:
         table = ctx.server.tables[[s.name for s in ctx.specs].index(name)]
+        table.check_finite("model")
         keys, rows = table.items()
         dim = table.spec.dim
         counts = transport.allgather_int(comm, keys.shape[0], t, f"gather of table {name!r}'s size")

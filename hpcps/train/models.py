@@ -10,6 +10,7 @@ any other. L2 regularisation is the server optimizer's ``l2``.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -23,6 +24,19 @@ from hpcps_kernels import keys as kkeys
 from hpcps_kernels import models as kmodels
 
 LOSSES = {"logistic": kmodels.LOGISTIC, "squared": kmodels.SQUARED}
+
+
+class NonFiniteError(RuntimeError):
+    """A step's loss is NaN or infinite: its gradients are not pushed. ``tables``: the tables
+    whose rows pulled for the batch hold a non-finite number (none: the batch's own numbers
+    overflowed, or a non-finite weight hid behind the MLP's activation)."""
+
+    exit_status = 1  # a run-time failure (see hpcps.errors)
+
+    def __init__(self, loss: float, tables: list[str]):
+        self.loss, self.tables = loss, tables
+        where = f"non-finite rows pulled from table(s) {', '.join(tables)}" if tables else "the rows pulled are finite"
+        super().__init__(f"the loss is {loss}: {where}")
 
 
 def _tick(stages: dict, stage: str, since: float) -> float:
@@ -135,6 +149,11 @@ class Model:
             table.wait(ts)
         self._pending = []
 
+    def _non_finite(self, params: list) -> list[str]:
+        """The names of the tables whose rows in ``params`` (pulled for a batch) are not all
+        finite (a failed step's diagnosis only: a pass over them)."""
+        return [t.name for t, p in zip(self.sparse, params) if not np.isfinite(p).all()]
+
     def _before_step(self) -> None:
         """Hook: at the start of a step (the deep models take their dense parameters here)."""
 
@@ -177,6 +196,8 @@ class Model:
         grads = [np.empty_like(p) for p in cur.params]
         loss = self._forward_backward(batch, cur.pos, cur.params, grads, scale) \
             if batch.rows or self.compute_empty else 0.0
+        if not math.isfinite(loss):  # (a number the step has anyway: the check costs nothing)
+            raise NonFiniteError(loss, self._non_finite(cur.params))
         t = time.perf_counter() if self.times_compute else self._time("compute", t)
         self._before_clock()
         keys, grads, aggregate = self._merge_tables(cur.uniq, grads)
@@ -242,6 +263,8 @@ class Model:
         partials = self.table.wait(self.table.imargins(batch.indices, batch.values, row_ids, rows))
         residuals = np.empty((rows, self.table.dim), dtype=np.float64)
         loss = self._residuals(partials, batch.labels, scale, residuals) if rows else 0.0
+        if not math.isfinite(loss):
+            raise NonFiniteError(loss, [self.table.name] if not np.isfinite(partials).all() else [])
         self._pending = [(self.table, self.table.iresiduals(residuals))]  # ends the step (the clock)
         return loss
 
@@ -379,11 +402,12 @@ class DeepNet:
         x = self._pool(batch, pos, params)
         shallow, partials = self._shallow(batch, pos, row_ids, params)
         t = _tick(self.stages, "embed", t)
-        deep, hs = kdeep.mlp_forward(mlp, self.layers, x, self.act)
-        margins = shallow + deep
-        dm = np.empty(rows, dtype=np.float64)
-        loss = kmodels.lr_residuals(margins, batch.labels, scale, self.loss, dm) if rows else 0.0
-        dx = kdeep.mlp_backward(mlp, self.layers, hs, dm.astype(np.float32), self.act, mlp_grad)
+        with np.errstate(over="ignore", invalid="ignore"):  # (an overflow is a NaN loss: the step reports it)
+            deep, hs = kdeep.mlp_forward(mlp, self.layers, x, self.act)
+            margins = shallow + deep
+            dm = np.empty(rows, dtype=np.float64)
+            loss = kmodels.lr_residuals(margins, batch.labels, scale, self.loss, dm) if rows else 0.0
+            dx = kdeep.mlp_backward(mlp, self.layers, hs, dm.astype(np.float32), self.act, mlp_grad)
         t = _tick(self.stages, "mlp", t)
         if between is not None:
             between()
@@ -480,6 +504,9 @@ class DeepModel(Model):
 
     def _before_step(self) -> None:
         self._take_dense()
+
+    def _non_finite(self, params: list) -> list[str]:
+        return super()._non_finite(params) + ([self.dense.sparse.name] if not np.isfinite(self.mlp).all() else [])
 
     def _forward_backward(self, batch, pos, params, grads, scale):
         net = self.net

@@ -113,6 +113,8 @@ class Tuner(Trainer):
         self.member_best = [{"loss": math.inf, "epoch": 0, "test": {}} for _ in range(n)]
         self.member_stopped = [0] * n
 
+    check_finite = False  # a member that diverges is ranked last, not the end of the others
+
     def set_batch_size(self, rows: int) -> None:
         super().set_batch_size(rows)
         self.cfgs = [replace(c, train=replace(c.train, batch_size=rows)) for c in self.cfgs]
