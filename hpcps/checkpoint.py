@@ -266,6 +266,18 @@ def complete_checkpoints(root: str) -> list[str]:
     return [os.path.join(root, n) for n in found]
 
 
+def newest_of(root: str, run_id: str) -> str | None:
+    """The newest complete checkpoint of the run ``run_id`` in ``root`` (its manifest read, its
+    files not verified), or None."""
+    for ckpt in reversed(complete_checkpoints(root)):
+        try:
+            if run_of(read_manifest(ckpt)) == run_id:
+                return ckpt
+        except CheckpointError:
+            continue
+    return None
+
+
 def quarantine(ckpt: str, why: str, report=say) -> str:
     """Move a damaged checkpoint under ``damaged/`` of its directory, saying so; its new path."""
     moved = move_aside(ckpt, os.path.join(os.path.dirname(os.path.abspath(ckpt)), DAMAGED))

@@ -758,7 +758,7 @@ class Trainer:
                           f"the MLP's rate (model.dense_lr = {self.model.dense_lr:g})")
         if cfg.model.loss == "squared" and labels is not None:
             causes.insert(0, f"the labels' range ({labels[0]:g} to {labels[1]:g} on this worker so far: scale them)")
-        ck = newest_checkpoint(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
+        ck = checkpoint.newest_of(cfg.checkpoint.dir, self.run_id) if cfg.checkpoint.dir else None
         return (f"non-finite numbers {when}: {what}; likely cause: {' or '.join(causes)}. Training stops; no "
                 f"checkpoint or model is written from it" + (f" (the last good checkpoint: {ck})" if ck else ""))
 
