@@ -112,6 +112,10 @@ def test_a_full_disk_during_predict_out_is_one_line(small, small_disk, tmp_path)
     rc, out = job(0, ["predict", "--model", str(tmp_path / "m.h5"), "--data", small[1], "--out", str(scores)])
     assert rc == 1 and f"cannot write {scores}: No space left on device" in out and "Traceback" not in out, out
     assert sorted(os.listdir(small_disk)) == ["fill"]
+    rc, out = job(2, ["train", *sets(data__train=small[0], train__epochs=1, train__progress=False,  # data.predict_out
+                                     data__predict=small[1], data__predict_out=str(scores))])
+    assert rc == 1 and f"cannot write {scores}: No space left on device" in out and "Traceback" not in out, out
+    assert sorted(os.listdir(small_disk)) == ["fill"]
 
 
 def test_a_model_write_that_fails_inside_hdf5_leaves_no_temporary_file(small_disk):

@@ -104,6 +104,14 @@ def test_train_outputs_that_are_its_inputs_are_refused_before_training(data, tmp
     assert not os.path.exists(tmp_path / "o") and not os.path.exists(tmp_path / "m.h5")
 
 
+def test_an_output_that_is_a_generated_input_is_refused(tmp_path):
+    gen = dict(synth__dir=str(tmp_path / "sd"), synth__rows=3000, synth__test_rows=500, train__epochs=1,
+               train__progress=False)
+    rc, out = job(0, ["train", *sets(**gen, train__model_out=str(tmp_path / "sd" / "train.svm"))])
+    assert rc == 2 and "data.train" in out and "train.model_out" in out, out
+    assert (tmp_path / "sd" / "train.svm").read_text().startswith(("0 ", "1 "))
+
+
 def test_an_input_inside_a_checkpoint_of_checkpoint_dir_is_refused(data, tmp_path):
     inside = tmp_path / "ck" / "ckpt-0000000060"
     inside.mkdir(parents=True)
