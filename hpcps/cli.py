@@ -184,9 +184,9 @@ def _load_for_serving(args):
     ds = tdata.load_part(args.data, 0, 1, fmt, hash_bits, args.skip_bad_lines,
                          binary=model.loss == "logistic", fields=model.kind in config.DEEP)
     if ds.rows == 0:
-        skipped = f" ({ds.skipped} bad lines skipped)" if ds.skipped else ""
-        raise tdata.DataError(f"{args.data}: no rows to score: the file is empty or holds only blank and "
-                              f"comment lines{skipped}")
+        why = (f"each of its {ds.skipped} lines with data was skipped as bad" if ds.skipped
+               else "the file is empty or holds only blank and comment lines")
+        raise tdata.DataError(f"{args.data}: no rows to score: {why}")
     return model, ds
 
 

@@ -339,6 +339,9 @@ def test_eval_and_predict_of_no_rows_is_one_line(data, tmp_path):
         assert rc == 2 and len(error_lines(out)) == 1 and "no rows" in out and "NaN" not in out, out
         rc, out = job(0, ["predict", "--model", data["model"], "--data", rows, "--out", str(tmp_path / "s.txt")])
         assert rc == 2 and "no rows" in out and not os.path.exists(tmp_path / "s.txt"), out
+    (tmp_path / "bad.svm").write_text("x y z\nfoo\n")
+    rc, out = job(0, ["eval", "--model", data["model"], "--data", str(tmp_path / "bad.svm"), "--skip-bad-lines"])
+    assert rc == 2 and "no rows" in out and "2 lines" in out, out
 
 
 def test_json_outputs_write_null_where_a_number_is_not_finite(data, tmp_path):
