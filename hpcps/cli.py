@@ -381,7 +381,11 @@ def _cmd_inspect(args) -> int:
     paths = [args.ckpt]
     if not os.path.exists(os.path.join(args.ckpt, checkpoint.MANIFEST)):
         paths = checkpoint.complete_checkpoints(args.ckpt) or paths  # a checkpoint.dir: list them all
-        if paths == [args.ckpt] and not re.match(r"ckpt-\d+(\.tmp)?$", os.path.basename(os.path.normpath(args.ckpt))):
+        partial = sorted(n for n in os.listdir(args.ckpt) if re.fullmatch(r"ckpt-\d+\.tmp", n))
+        if paths == [args.ckpt] and partial:  # a checkpoint.dir whose only checkpoints are unfinished
+            print(f"{args.ckpt}: DAMAGED: no complete checkpoint, only unfinished writes: {', '.join(partial)}")
+            return 1
+        if paths == [args.ckpt] and not re.fullmatch(r"ckpt-\d+(\.tmp)?", os.path.basename(os.path.normpath(args.ckpt))):
             return _fail(f"{args.ckpt} is not an hpcps checkpoint or checkpoint directory (no {checkpoint.MANIFEST}, "
                          f"no ckpt-* directories in it)")
     bad = 0

@@ -263,6 +263,9 @@ def test_inspect_describes_a_model_file_and_tells_other_files_apart(data, tmp_pa
         f["x"] = np.zeros(3)
     rc, out = job(0, ["inspect", str(tmp_path / "other.h5")])
     assert rc == 2 and "not an hpcps" in out, out
+    (tmp_path / "ck" / "ckpt-0000000005.tmp").mkdir(parents=True)  # a checkpoint.dir with an unfinished write only
+    rc, out = job(0, ["inspect", str(tmp_path / "ck")])
+    assert rc == 1 and "DAMAGED" in out and "ckpt-0000000005.tmp" in out, out
 
 
 def test_serving_commands_tell_a_wrong_path_from_a_damaged_file(data, tmp_path):
