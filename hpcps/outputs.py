@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import stat
+import time
 import traceback
 from contextlib import contextmanager
 
@@ -273,14 +274,15 @@ def write_json(path: str, obj, **kw) -> None:
 class Appender:
     """A JSON-lines file that a run appends records to, whole lines only.
 
-    Records are buffered and written together (:meth:`flush`, at the latest every ``flush_bytes``)
-    with one ``write`` on an ``O_APPEND`` descriptor; when a write fails part-way (a full disk) the
+    Records are buffered and written together (:meth:`flush`, at the latest every ``flush_bytes``
+    or ``flush_s`` seconds) with one ``write`` on an ``O_APPEND`` descriptor; when a write fails part-way (a full disk) the
     file is cut back to its length before it, so that it ends with the last whole record, and the
     failure is raised as an :class:`OutputError`. A file that an earlier, killed run left ending
     inside a line gets a line end first, so that the records written here are whole lines."""
 
-    def __init__(self, path: str, flush_bytes: int = 1 << 16):
-        self.path, self.flush_bytes = path, flush_bytes
+    def __init__(self, path: str, flush_bytes: int = 1 << 16, flush_s: float = 1.0):
+        self.path, self.flush_bytes, self.flush_s = path, flush_bytes, flush_s
+        self.flushed = time.monotonic()
         try:
             self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
             size = os.fstat(self.fd).st_size
@@ -298,14 +300,14 @@ class Appender:
         line = dumps(record) + "\n"
         self.pending.append(line)
         self.bytes += len(line)
-        if self.bytes >= self.flush_bytes:
+        if self.bytes >= self.flush_bytes or time.monotonic() - self.flushed >= self.flush_s:
             self.flush()
 
     def flush(self) -> None:
         if not self.pending:
             return
         data = "".join(self.pending).encode()
-        self.pending, self.bytes = [], 0
+        self.pending, self.bytes, self.flushed = [], 0, time.monotonic()
         start = os.fstat(self.fd).st_size
         done = 0
         try:
