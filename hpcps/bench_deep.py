@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 
+from hpcps import outputs
 from hpcps.bench_vw import _mpiexec, _timed
 from hpcps.train import synth
 
@@ -125,9 +126,9 @@ def run(out_dir: str, rows: int, batch: int = 1000) -> dict:
     for ranks, groups in ((2, 0), (4, 1), (4, 0)):
         r = run_job(train, ranks, groups, batch, out_dir)
         results["jobs"].append(r)
-        print(json.dumps(r), flush=True)
+        print(outputs.dumps(r), flush=True)
     results["numpy"] = numpy_reference(train, batch, min(rows, 300_000))
-    print(json.dumps({"numpy": results["numpy"]}), flush=True)
+    print(outputs.dumps({"numpy": results["numpy"]}), flush=True)
     return results
 
 

@@ -25,6 +25,7 @@ import sys
 
 import numpy as np
 
+from hpcps import outputs
 from hpcps.bench_vw import _mpiexec, _timed
 from hpcps.train import synth
 
@@ -66,7 +67,7 @@ def run(out_dir: str, rows: int, ranks: int = 2, batch: int = 1000) -> list[dict
         for compute in ("workers", "servers"):
             r = {"data": name, **run_job(path, fmt, compute, bits, ranks, batch, out_dir)}
             results.append(r)
-            print(json.dumps(r), flush=True)
+            print(outputs.dumps(r), flush=True)
     return results
 
 

@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 
+from hpcps import outputs
 from hpcps.train import synth
 from hpcps.train.progress import vm_hwm_mb
 from hpcps_kernels import metrics
@@ -127,10 +128,10 @@ def run(out_dir: str, rows: int, test_rows: int, ranks: list[int], epochs: list[
         for s in staleness:
             for r in ranks:
                 results.append(run_hpcps(info.files, r, e, alpha, hash_bits, out_dir, s))
-                print(json.dumps(results[-1]), flush=True)
+                print(outputs.dumps(results[-1]), flush=True)
         try:
             results.append(run_vw(info.files, rows, e, vw_alpha, hash_bits, out_dir))
-            print(json.dumps(results[-1]), flush=True)
+            print(outputs.dumps(results[-1]), flush=True)
         except (RuntimeError, FileNotFoundError) as err:
             print(f"vowpalwabbit could not run ({str(err).splitlines()[0]}); install it: pip install vowpalwabbit",
                   flush=True)

@@ -36,20 +36,19 @@ it (whole shards move; keys never change shard).
 from __future__ import annotations
 
 import errno
-import gc
 import json
 import mmap
 import os
 import re
 import shutil
 import time
-import traceback
 import uuid
 from dataclasses import dataclass
 
 import h5py
 import numpy as np
 
+from hpcps.outputs import fsync_path, h5_failure  # (fsync_path: also hpcps.checkpoint's)
 from hpcps_kernels.hashing import shard_of, xxh64, xxh64_words
 
 FORMAT = "hpcps-checkpoint"
@@ -165,15 +164,6 @@ def explain_write_failure(exc: BaseException) -> tuple[str, str] | None:
     return type(e).__name__, str(e)
 
 
-def fsync_path(path: str) -> None:
-    """Flush a file's (or a directory's entries') data to the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_tables(path: str, server: int, servers: int, num_shards: int, tables: list[tuple]) -> None:
     with h5py.File(path, "w") as f:
         f.attrs.update(format=FORMAT, version=VERSION, server=server, servers=servers, num_shards=num_shards)
@@ -211,18 +201,9 @@ def write_server_file(path: str, server: int, servers: int, num_shards: int, tab
     try:
         _write_tables(path, server, servers, num_shards, tables)
     except (OSError, RuntimeError) as e:
-        code = getattr(e, "errno", None) or re.search(r"errno = (\d+)", str(e))
-        failure = (code if isinstance(code, int) else int(code.group(1)) if code else errno.EIO,
-                   str(e).splitlines()[0] if str(e) else type(e).__name__)
-        for _ in range(3):  # free the failed file's objects (their frames) while errors are caught
-            try:
-                traceback.clear_frames(e.__traceback__)
-                gc.collect()
-                break
-            except RuntimeError:
-                continue
+        failure = h5_failure(e)  # (the failed file's objects freed here)
     if failure:
-        raise OSError(*failure)
+        raise failure
     fsync_path(path)
     return os.path.getsize(path), checksum(path)
 

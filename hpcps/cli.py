@@ -20,17 +20,22 @@ import ctypes
 import hashlib
 import json
 import os
+import re
 import sys
 
 from hpcps import signals
 from hpcps.malloc import keep_freed_memory
 
 
-def _fail(message: str, rank: int | None = None) -> int:
-    prefix = f"hpcps: rank {rank}: " if rank is not None else "hpcps: "
-    sys.stderr.write(f"{prefix}error: {message}\n")
-    sys.stderr.flush()
-    return 2
+def _fail(message: str, rank: int | None = None, status: int = 2) -> int:
+    """Report ``message`` as this command's one-line error; returns ``status`` (2: bad input or
+    configuration, 1: a run-time failure such as a full disk). An empty message is not printed
+    (another rank reported it)."""
+    if message:
+        prefix = f"hpcps: rank {rank}: " if rank is not None else "hpcps: "
+        sys.stderr.write(f"{prefix}error: {message}\n")
+        sys.stderr.flush()
+    return status
 
 
 def _collective_config(args, world, prepare=None):
@@ -57,8 +62,14 @@ def _collective_config(args, world, prepare=None):
             if getattr(args, "resume", ""):
                 overrides.append(f"checkpoint.resume={json.dumps(args.resume)}")
             raw = config.load_raw(args.config, overrides)
-            config.from_dict(raw)
+            cfg = config.from_dict(raw)
             prepared = prepare(raw) if prepare else None
+            # the outputs written: tune's members write none of the configuration's, only --out
+            checked = config.from_dict(prepared[0][1]) if args.command == "tune" else cfg
+            problem = config.check_paths(checked, args.config or "", [("--summary-json", args.summary_json),
+                                                                     ("--out", getattr(args, "out", ""))])
+            if problem:
+                raise config.ConfigError(problem)
         except config.ConfigError as e:
             error = str(e)
     raw, prepared, error = transport.bcast_object(world, (raw, prepared, error), 0, 120,
@@ -91,10 +102,16 @@ def _start_collective():
     return world, 0
 
 
-def _write_summary(result, path: str) -> None:
+def _write_summary(result, path: str, rank: int) -> int:
+    """``--summary-json`` (the first worker); the exit status of a failed write, else 0."""
+    from hpcps import outputs
+
     if result.summary is not None and path:
-        with open(path, "w") as f:
-            json.dump(result.summary, f, indent=1)
+        try:
+            outputs.write_json(path, result.summary, indent=1)
+        except outputs.OutputError as e:
+            return _fail(str(e), rank, e.exit_status)
+    return 0
 
 
 def _cmd_train(args) -> int:
@@ -113,12 +130,13 @@ def _cmd_train(args) -> int:
     try:
         result = loop.run(config.from_dict(raw), world)
     except loop.TrainError as e:
-        return _fail(str(e), world.Get_rank())
-    _write_summary(result, args.summary_json)
-    return result.preempted  # 0, or the exit status of a stop by a signal after its checkpoint
+        return _fail(str(e), world.Get_rank(), e.exit_status)
+    # 0, or the exit status of a failed summary write, or of a stop by a signal after its checkpoint
+    return _write_summary(result, args.summary_json, world.Get_rank()) or result.preempted
 
 
 def _cmd_tune(args) -> int:
+    from hpcps import outputs
     from hpcps.train import loop, tune
 
     world, status = _start_collective()
@@ -130,22 +148,45 @@ def _cmd_tune(args) -> int:
         return status
     try:
         result = tune.run(members, args.out, world, args.folds)
-    except (loop.TrainError, ValueError) as e:
-        return _fail(str(e), world.Get_rank())
-    _write_summary(result, args.summary_json)
-    return result.preempted  # 0, or the exit status of a stop by a signal after its checkpoint
+    except (loop.TrainError, ValueError, outputs.OutputError) as e:  # (OutputError: --out's write)
+        return _fail(str(e), world.Get_rank(), getattr(e, "exit_status", 2))
+    return _write_summary(result, args.summary_json, world.Get_rank()) or result.preempted
 
 
 def _load_for_serving(args):
+    """The model and the rows of ``--data``, read as the model's keys were made: refused (one
+    line, exit 2) when the data's hash bits or format would make other keys, unless
+    ``--allow-other-hashing``, and when the data holds no rows."""
     from hpcps import config
     from hpcps.train import data as tdata
-    from hpcps.train.model_file import ServingModel
+    from hpcps.train.model_file import KEY_HASHING, ServingModel
 
     model = ServingModel(args.model)
-    cfg = model.config.get("data", {})
-    ds = tdata.load_part(args.data, 0, 1, args.format or cfg.get("format", "auto"),
-                         args.hash_bits or cfg.get("hash_bits", 24), args.skip_bad_lines,
+    if not model.checked:
+        known = [f"{model.hash_bits} hash bits" if model.hash_bits is not None else "",
+                 f"{model.input_format} rows" if model.input_format else ""]
+        checks = " and ".join(k for k in known if k)
+        print(f"hpcps {args.command}: note: {args.model} was written before model files carried a checksum: its "
+              f"arrays cannot be checked" + (f"; the data is checked against its config's {checks}" if checks else ""),
+              file=sys.stderr, flush=True)
+    if not os.path.isfile(args.data):
+        raise tdata.DataError(f"data file {args.data} not found" if not os.path.exists(args.data)
+                              else f"data file {args.data} is not a regular file")
+    fmt = tdata.detect_format(args.data, args.format or "auto")
+    if fmt not in KEY_HASHING:
+        raise tdata.DataError(f"--format {fmt!r}: expected one of {sorted(KEY_HASHING)}")
+    if args.hash_bits and not 1 <= args.hash_bits <= 64:
+        raise config.ConfigError(f"--hash-bits {args.hash_bits}: must be between 1 and 64")
+    hash_bits = args.hash_bits or model.hash_bits or 24
+    problem = None if args.allow_other_hashing else model.mismatch(args.data, fmt, hash_bits)
+    if problem:
+        raise config.ConfigError(problem)
+    ds = tdata.load_part(args.data, 0, 1, fmt, hash_bits, args.skip_bad_lines,
                          binary=model.loss == "logistic", fields=model.kind in config.DEEP)
+    if ds.rows == 0:
+        why = (f"each of its {ds.skipped} lines with data was skipped as bad" if ds.skipped
+               else "the file is empty or holds only blank and comment lines")
+        raise tdata.DataError(f"{args.data}: no rows to score: {why}")
     return model, ds
 
 
@@ -155,13 +196,17 @@ def _margins(model, ds, batch=100_000):
     from hpcps.train.models import Scorer
 
     scorer = Scorer(model)
-    out = [scorer.margins(ds.batch(lo, lo + batch)) for lo in range(0, ds.rows, batch)]
+    try:
+        out = [scorer.margins(ds.batch(lo, lo + batch)) for lo in range(0, ds.rows, batch)]
+    except ValueError as e:  # rows the model cannot take (a field it has not)
+        raise ValueError(f"{ds.source}: {e}") from None
     return np.concatenate(out) if out else np.zeros(0)
 
 
 def _cmd_eval(args) -> int:
     import numpy as np
 
+    from hpcps import outputs
     from hpcps_kernels import metrics
 
     model, ds = _load_for_serving(args)
@@ -171,15 +216,19 @@ def _cmd_eval(args) -> int:
         res = {"rows": int(ds.rows), "logloss": metrics.logloss(y, m), "auc": metrics.auc(y, m)}
     else:
         res = {"rows": int(ds.rows), "rmse": float(np.sqrt(np.mean((m - y) ** 2)))}
-    print(json.dumps(res))
+    print(outputs.dumps(res))  # (an AUC of rows of one class is null, not NaN)
     return 0
 
 
 def _cmd_predict(args) -> int:
     import numpy as np
 
+    from hpcps import outputs
     from hpcps.train.loop import write_scores
 
+    problem = outputs.clash([("--out", args.out)], [("--data", args.data), ("--model", args.model)])
+    if problem:
+        return _fail(problem)
     model, ds = _load_for_serving(args)
     m = _margins(model, ds)
     write_scores(args.out, 1.0 / (1.0 + np.exp(-m)) if model.loss == "logistic" else m)
@@ -187,12 +236,52 @@ def _cmd_predict(args) -> int:
     return 0
 
 
+GEN_FORMATS = ("libsvm", "criteo", "vw")
+GEN_FIELDS = (1, 39)  # the generator's Criteo-like columns: up to 13 integer and 26 categorical
+GEN_CLICK_DEFAULTS = {"fields": 39, "hash_bits": 24, "interactions": False, "formats": "libsvm,criteo"}
+
+
+def _gen_data_problem(args) -> str | None:
+    """Why ``gen-data``'s options cannot make a data set (one line), or None."""
+    from hpcps import config
+
+    if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+        return f"{args.out_dir} exists and is not a directory"
+    if args.ratings and args.deep:
+        return "--ratings and --deep make different data sets: choose one"
+    ranges = {"--rows": (args.rows, config.RANGES[("synth", "rows")]),
+              "--test-rows": (args.test_rows, config.RANGES[("synth", "test_rows")]),
+              "--seed": (args.seed, config.RANGES[("synth", "seed")])}
+    if not (args.ratings or args.deep):
+        ranges["--fields"] = (args.fields, (*GEN_FIELDS, False))
+        ranges["--hash-bits"] = (args.hash_bits, config.RANGES[("data", "hash_bits")])
+    for flag, (v, (lo, hi, _)) in ranges.items():
+        if not lo <= v <= hi:
+            return f"{flag} {v}: must be {config._describe_range(lo, hi, False)}"
+    if args.ratings or args.deep:
+        given = [f"--{k.replace('_', '-')}" for k, v in GEN_CLICK_DEFAULTS.items() if getattr(args, k) != v]
+        if given:
+            return (f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for the click data; "
+                    f"{'--ratings writes libsvm ratings' if args.ratings else '--deep writes libffm rows of 8 fields'}")
+        return None
+    formats = [f.strip() for f in args.formats.split(",")]
+    unknown = [f for f in formats if f not in GEN_FORMATS]
+    if unknown or not args.formats.strip():
+        return (f"--formats {args.formats!r}: {'unknown format ' + ', '.join(map(repr, unknown)) if unknown else 'empty'}"
+                f"; gen-data writes {', '.join(GEN_FORMATS)} (comma-separated)")
+    return None
+
+
 def _cmd_gen_data(args) -> int:
+    from hpcps import outputs
     from hpcps.train import synth
 
+    problem = _gen_data_problem(args)
+    if problem:
+        return _fail(problem)
     if args.ratings:
         out = synth.ratings(args.out_dir, args.rows, args.test_rows, seed=args.seed)
-        print(json.dumps(out, indent=1))
+        print(outputs.dumps(out, indent=1))
         return 0
     if args.deep:
         out = synth.deep(args.out_dir, args.rows, args.test_rows, seed=args.seed)
@@ -201,7 +290,7 @@ def _cmd_gen_data(args) -> int:
               f"AUC {out['best_test_auc']:.5f}")
         return 0
     info = synth.generate(args.out_dir, args.rows, args.test_rows, args.fields, args.interactions, args.seed,
-                          args.hash_bits, formats=tuple(args.formats.split(",")))
+                          args.hash_bits, formats=tuple(dict.fromkeys(f.strip() for f in args.formats.split(","))))
     print(f"hpcps gen-data: {info.rows} train + {info.test_rows} test rows in {args.out_dir}"
           f"{' (already there: reused)' if info.reused else ''}; best achievable "
           f"test logloss {info.best_test_logloss:.5f}, AUC {info.best_test_auc:.5f}")
@@ -209,7 +298,7 @@ def _cmd_gen_data(args) -> int:
 
 
 def _cmd_bench_mpi(args) -> int:
-    from hpcps import bench_mpi, transport
+    from hpcps import bench_mpi, outputs, transport
 
     transport.install_abort_handler()
     comm = transport.dup()
@@ -217,7 +306,7 @@ def _cmd_bench_mpi(args) -> int:
     if comm.Get_rank() == 0:
         if args.json:
             for r in rows:
-                print(json.dumps(r))
+                print(outputs.dumps(r))
         else:
             print(f"{'bytes':>10} {'blocking':>12} {'GB/s':>8} {'hpcps wait':>12} {'GB/s':>8} {'ratio':>6}")
             for r in rows:
@@ -231,29 +320,54 @@ def _cmd_bench_mpi(args) -> int:
 
 
 def _cmd_bench_ps(args) -> int:
-    from hpcps import bench_ps
+    from hpcps import bench_ps, outputs
 
     sizes = [int(x) for x in args.sizes.split(",")]
     rows = bench_ps.run(sizes, args.repeat, args.dim, args.optimizer, args.key_bits)
     if rows is not None:
         if args.json:
             for r in rows:
-                print(json.dumps(r))
+                print(outputs.dumps(r))
         else:
             print(bench_ps.format_rows(rows, args.optimizer))
     return 0
 
 
 def _cmd_bench_vw(args) -> int:
-    from hpcps import bench_vw
+    from hpcps import bench_vw, outputs
 
     results = bench_vw.run(args.dir, args.rows, args.test_rows, [int(x) for x in args.ranks.split(",")],
                            [int(x) for x in args.epochs.split(",")], args.alpha, args.vw_alpha, args.hash_bits,
                            [int(x) for x in args.staleness.split(",")])
     print(bench_vw.format_results(results, args.rows))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        outputs.write_json(args.json, results, indent=1)
+    return 0
+
+
+def _inspect_model(path: str) -> int:
+    """``hpcps inspect MODEL.h5``: what a model file holds and whether it is intact (exit 1 if
+    damaged, 2 if it is no model file)."""
+    from hpcps.train.model_file import ModelFileError, ServingModel
+
+    try:
+        model = ServingModel(path)
+    except ModelFileError as e:
+        if e.exit_status == 2:
+            return _fail(f"{path} is not an hpcps checkpoint, checkpoint directory or model file ({e.reason})")
+        print(f"{path}: DAMAGED: {e}")
+        return 1
+    a = model.attrs
+    print(f"{path}: OK: an hpcps model file (version {a.get('version', 1)}; "
+          + ("checksum verified)" if model.checked else "written before model files carried a checksum: "
+             "its arrays cannot be checked)"))
+    print(f"  {model.kind} model, {model.loss} loss, {a.get('fields', 1)} field(s)")
+    trained = [f"{model.hash_bits} hash bits" if model.hash_bits is not None else "hash bits unknown",
+               f"{model.input_format} rows" if model.input_format else "input format unknown"]
+    print(f"  trained on {', '.join(trained)}"
+          + (f"; keys: {a['key_hashing']}" if a.get("key_hashing") else ""))
+    for name, t in model.tables.items():
+        print(f"  table {name!r}: dim {t.dim}, {t.keys.shape[0]} keys, init {t.attrs.get('init')}")
     return 0
 
 
@@ -261,10 +375,19 @@ def _cmd_inspect(args) -> int:
     from hpcps import checkpoint
 
     if not os.path.exists(args.ckpt):
-        return _fail(f"{args.ckpt}: no such checkpoint or checkpoint directory")
+        return _fail(f"{args.ckpt}: no such checkpoint, checkpoint directory or model file")
+    if not os.path.isdir(args.ckpt):
+        return _inspect_model(args.ckpt)
     paths = [args.ckpt]
-    if os.path.isdir(args.ckpt) and not os.path.exists(os.path.join(args.ckpt, checkpoint.MANIFEST)):
+    if not os.path.exists(os.path.join(args.ckpt, checkpoint.MANIFEST)):
         paths = checkpoint.complete_checkpoints(args.ckpt) or paths  # a checkpoint.dir: list them all
+        partial = sorted(n for n in os.listdir(args.ckpt) if re.fullmatch(r"ckpt-\d+\.tmp", n))
+        if paths == [args.ckpt] and partial:  # a checkpoint.dir whose only checkpoints are unfinished
+            print(f"{args.ckpt}: DAMAGED: no complete checkpoint, only unfinished writes: {', '.join(partial)}")
+            return 1
+        if paths == [args.ckpt] and not re.fullmatch(r"ckpt-\d+(\.tmp)?", os.path.basename(os.path.normpath(args.ckpt))):
+            return _fail(f"{args.ckpt} is not an hpcps checkpoint or checkpoint directory (no {checkpoint.MANIFEST}, "
+                         f"no ckpt-* directories in it)")
     bad = 0
     for path in paths:
         s = checkpoint.inspect(path)
@@ -283,13 +406,36 @@ def _cmd_inspect(args) -> int:
     return 1 if bad else 0
 
 
+def _export_format(manifest: dict) -> str:
+    """The format a checkpoint's training file was read as: recorded in its manifest, else its
+    config's data.format, else detected from the training file if it is still there ("" if not)."""
+    from hpcps.train import data as tdata
+
+    if manifest.get("input_format"):
+        return manifest["input_format"]
+    fmt = manifest.get("config", {}).get("data", {}).get("format", "auto")
+    train = manifest.get("data", {}).get("train")
+    if fmt == "auto" and isinstance(train, dict) and os.path.isfile(train.get("path", "")):
+        try:
+            return tdata.detect_format(train["path"], "auto")
+        except OSError:
+            return ""
+    return "" if fmt == "auto" else fmt
+
+
 def _cmd_export(args) -> int:
     import numpy as np
 
-    from hpcps import checkpoint
+    from hpcps import checkpoint, outputs
     from hpcps.train import model_file
 
-    m = checkpoint.verify(args.ckpt)
+    problem = outputs.clash([("--out", args.out)], [("the checkpoint", args.ckpt)])
+    if problem:
+        return _fail(problem)
+    try:
+        m = checkpoint.verify(args.ckpt)
+    except checkpoint.CheckpointError as e:  # damaged (1), or no checkpoint at all (2)
+        return _fail(str(e), status=1 if os.path.isfile(os.path.join(args.ckpt, checkpoint.MANIFEST)) else 2)
     tables = [t["name"] for t in m["tables"]]
     names = [args.table] if args.table else tables
     if args.table and args.table not in tables:
@@ -308,7 +454,9 @@ def _cmd_export(args) -> int:
         out.append((name, keys, rows[:, : spec["dim"]], {"dim": spec["dim"], **init}))
         total += keys.shape[0]
     model_file.write(args.out, out, attrs={"model": model_cfg.get("type", "lr"), "loss": model_cfg.get("loss", "logistic"),
-                                           "config": json.dumps(cfg), "fields": m.get("fields", 1)})
+                                           "config": json.dumps(cfg), "fields": m.get("fields", 1),
+                                           **model_file.trained_on(_export_format(m),
+                                                                   cfg.get("data", {}).get("hash_bits", 24))})
     print(f"hpcps export: {total} keys of table(s) {', '.join(map(repr, names))} from {args.ckpt} -> {args.out}")
     return 0
 
@@ -330,23 +478,23 @@ def _cmd_bench_margins(args) -> int:
 
 
 def _cmd_plot(args) -> int:
-    from hpcps import plot
+    from hpcps import outputs, plot
 
     try:
         out = plot.plot(args.metrics, args.out, args.label)
-    except (ValueError, RuntimeError, OSError) as e:
+    except (ValueError, RuntimeError, OSError, outputs.OutputError) as e:
         print(f"hpcps plot: error: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "exit_status", 2)  # (1: the image's write failed, a full disk)
     print(f"hpcps plot: wrote {out}")
     return 0
 
 
 def _cmd_bench_checkpoint(args) -> int:
-    from hpcps import bench_checkpoint
+    from hpcps import bench_checkpoint, outputs
 
     os.makedirs(args.dir, exist_ok=True)
     rows = [bench_checkpoint.measure(int(n), args.dir) for n in args.keys.split(",")]
-    print("\n".join(json.dumps(r) for r in rows) if args.json else bench_checkpoint.format_rows(rows))
+    print("\n".join(outputs.dumps(r) for r in rows) if args.json else bench_checkpoint.format_rows(rows))
     return 0
 
 
@@ -370,11 +518,14 @@ def _cmd_supervise(args) -> int:
 
 
 def _serving_args(p):
-    p.add_argument("--model", required=True, help="model file written by train (train.model_out)")
-    p.add_argument("--data", required=True, help="libsvm or Criteo TSV file")
-    p.add_argument("--format", default="", help="libsvm | criteo | vw (default: as in training, else detected)")
-    p.add_argument("--hash-bits", type=int, default=0, help="Criteo key bits (default: as in training)")
+    p.add_argument("--model", required=True, help="model file written by train (train.model_out) or export")
+    p.add_argument("--data", required=True, help="libsvm, Criteo TSV, VW or libffm file")
+    p.add_argument("--format", default="", help="libsvm | criteo | vw | libffm (default: detected from the file)")
+    p.add_argument("--hash-bits", type=int, default=0, help="key bits (default: the model's)")
     p.add_argument("--skip-bad-lines", action="store_true")
+    p.add_argument("--allow-other-hashing", action="store_true",
+                   help="score even when the data's hash bits or format make other keys than the model was "
+                        "trained on (refused otherwise: such scores are near chance)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -428,8 +579,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--label", action="append", help="a name per run, in order (default: file names)")
     pl.set_defaults(func=_cmd_plot)
 
-    i = sub.add_parser("inspect", help="what a checkpoint (or every checkpoint in a directory) holds, and its integrity")
-    i.add_argument("ckpt")
+    i = sub.add_parser("inspect", help="what a checkpoint (or every checkpoint in a directory) or a model file holds, "
+                                       "and its integrity (exit 1: damaged, 2: not an hpcps file)")
+    i.add_argument("ckpt", metavar="PATH")
     i.set_defaults(func=_cmd_inspect)
     x = sub.add_parser("export", help="a checkpoint's table as a single-file model for hpcps predict/eval")
     x.add_argument("ckpt")
@@ -441,15 +593,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("out_dir")
     g.add_argument("--rows", type=int, default=200_000)
     g.add_argument("--test-rows", type=int, default=50_000)
-    g.add_argument("--fields", type=int, default=39)
+    g.add_argument("--fields", type=int, default=GEN_CLICK_DEFAULTS["fields"], help="fields a row (1 to 39)")
     g.add_argument("--interactions", action="store_true", help="pairwise field interactions (FM data)")
     g.add_argument("--ratings", action="store_true", help="explicit ratings (squared loss) instead")
     g.add_argument("--deep", action="store_true",
                    help="libffm data with a known nonlinear truth (a three-field parity on top of pairwise "
                         "interactions), where deep models beat FM and FM beats LR")
     g.add_argument("--seed", type=int, default=1)
-    g.add_argument("--hash-bits", type=int, default=24)
-    g.add_argument("--formats", default="libsvm,criteo", help="comma-separated: libsvm, criteo, vw")
+    g.add_argument("--hash-bits", type=int, default=GEN_CLICK_DEFAULTS["hash_bits"], help="key bits (1 to 64)")
+    g.add_argument("--formats", default=GEN_CLICK_DEFAULTS["formats"], help="comma-separated: libsvm, criteo, vw")
     g.set_defaults(func=_cmd_gen_data)
 
     bench = sub.add_parser("bench", help="benchmarks (run under mpiexec)")
@@ -501,6 +653,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()
     args = build_parser().parse_args(argv)
+    from hpcps.outputs import OutputError
+
     if args.command in ("train", "tune"):
         signals.install()  # a stop signal before training starts is kept for its first step
     try:
@@ -509,9 +663,9 @@ def main(argv: list[str] | None = None) -> int:
         _fail("interrupted (SIGINT)")
         return signals.EXIT_INTERRUPTED
     except Exception as e:  # noqa: BLE001 - one line, not a traceback (HPCPS_DEBUG=1 shows it)
-        if args.command in ("eval", "predict", "gen-data", "export", "inspect") and \
-                isinstance(e, (OSError, ValueError, RuntimeError)):
-            return _fail(str(e))
+        if args.command in ("eval", "predict", "gen-data", "export", "inspect", "plot") and \
+                isinstance(e, (OSError, ValueError, RuntimeError, OutputError)):
+            return _fail(str(e), status=getattr(e, "exit_status", 2))  # (1: a damaged file, a full disk)
         if sys.excepthook is not sys.__excepthook__:  # the abort handler: it ends every rank of the job
             raise
         return _fail_unexpected(e)

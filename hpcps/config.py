@@ -25,6 +25,7 @@ try:  # Python >= 3.11
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
+from hpcps.outputs import clash
 from hpcps.tables import Features
 from hpcps_kernels import optim
 
@@ -384,21 +385,41 @@ def _writable_dir(directory: str) -> str | None:
     return None
 
 
-def check_paths(cfg: Config) -> str | None:
+def path_roles(cfg: Config, config_file: str = "", outputs=(), data: dict | None = None) -> tuple[list, list, list]:
+    """The (outputs, inputs, checkpoint directories) of a run of ``cfg``, as ``(what, path)`` pairs
+    for :func:`hpcps.outputs.clash`: ``outputs`` adds the command's own (``--summary-json``);
+    ``data``: the training and test files when they are not ``data.train`` and ``data.test``
+    (generated ones)."""
+    d = cfg.data
+    data = data or {"train": d.train, "test": d.test}
+    outs = [("train.model_out", cfg.train.model_out), ("train.metrics", cfg.train.metrics),
+            ("data.predict_out", d.predict_out), *outputs]
+    ins = [("data.train", data["train"]), ("data.test", data["test"]), ("data.predict", d.predict),
+           ("the config file", config_file or "")]
+    if cfg.checkpoint.resume not in ("", "auto"):
+        ins.append(("checkpoint.resume", cfg.checkpoint.resume))
+    return outs, ins, [("checkpoint.dir", cfg.checkpoint.dir)]
+
+
+def check_paths(cfg: Config, config_file: str = "", outputs=(), data: dict | None = None) -> str | None:
     """Why an output of ``cfg`` could not be written (the first problem, naming the key), or None.
 
-    Run before training, so that an unwritable ``train.model_out`` is not found at its end.
-    Creates ``checkpoint.dir`` (and ``synth.dir``) if missing.
+    Run before training, so that an unwritable ``train.model_out`` is not found at its end, and
+    an output that is an input (by the same file: :func:`hpcps.outputs.clash`) overwrites nothing.
+    ``config_file``, ``outputs`` and ``data``: see :func:`path_roles`. Creates ``checkpoint.dir``
+    (and ``synth.dir``) if missing.
     """
+    outs, ins, ckpt_dirs = path_roles(cfg, config_file, outputs, data)
+    problem = clash(outs, ins, ckpt_dirs)
+    if problem:
+        return problem
     dirs = [("checkpoint.dir", cfg.checkpoint.dir), ("synth.dir", cfg.synth.dir if not cfg.data.train else "")]
-    files = [("train.model_out", cfg.train.model_out), ("train.metrics", cfg.train.metrics),
-             ("data.predict_out", cfg.data.predict_out)]
     for key, d in dirs:
         if d:
             why = _writable_dir(d)
             if why:
                 return f"{key} = {d!r} is not writable: {why}"
-    for key, path in files:
+    for key, path in outs:
         if path:
             if os.path.isdir(path):
                 return f"{key} = {path!r} is a directory, not a file"

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 
+from hpcps import outputs
+
 
 def read_metrics(path: str) -> tuple[list[dict], list[dict]]:
     """(step records, evaluation records with the global step they follow)."""
@@ -42,6 +44,11 @@ def _running(values: list, weight: float = 0.98) -> list:
 
 
 def plot(paths: list[str], out: str, labels: list[str] | None = None) -> str:
+    """Draw the runs of the metrics files ``paths`` into ``out`` (replaced whole; never one of the
+    metrics files: an OutputError, status 2)."""
+    problem = outputs.clash([("-o", out)], [(f"metrics file {i + 1}", p) for i, p in enumerate(paths)])
+    if problem:
+        raise outputs.OutputError(problem, 2)
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -69,6 +76,10 @@ def plot(paths: list[str], out: str, labels: list[str] | None = None) -> str:
     for ax in (ax_loss, ax_rate, ax_wait):
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    kind = os.path.splitext(out)[1][1:].lower() or "png"  # (the temporary file's name has no extension)
+    try:
+        with outputs.replacing(out) as tmp:
+            fig.savefig(tmp, dpi=100, format=kind)
+    finally:
+        plt.close(fig)
     return out

@@ -275,6 +275,64 @@ def test_supervise_refuses_what_it_cannot_run_in_one_line(args, match):
 
 # -- a full disk during a model write -------------------------------------------------------------
 
+def _fill(disk, leave: int = 0) -> None:
+    """Fill the small disk up to ``leave`` bytes free."""
+    import shutil
+
+    with open(disk / "fill", "wb") as f:
+        f.write(b"\0" * max(0, shutil.disk_usage(disk).free - leave))
+
+
+@pytest.mark.parametrize("ranks", [0, 2])
+def test_a_full_disk_during_the_model_write_is_one_line_and_keeps_the_old_model(small, small_disk, tmp_path, ranks):
+    model = small_disk / "model.h5"
+    model.write_bytes(b"the previous model")
+    _fill(small_disk)
+    rc, out = job(ranks, ["train", *sets(data__train=small[0], data__test=small[1], train__epochs=1,
+                                         train__progress=False, train__model_out=str(model))])
+    errors = [line for line in out.splitlines() if "error:" in line]
+    assert rc == 1 and len(errors) == 1 and str(model) in errors[0] and "No space left on device" in errors[0], out
+    assert "needed about" in errors[0] and "Traceback" not in out and "where things went" not in out, out
+    assert sorted(os.listdir(small_disk)) == ["fill", "model.h5"]  # no temporary file left
+    assert model.read_bytes() == b"the previous model"
+
+
+def test_a_full_disk_during_predict_out_is_one_line(small, small_disk, tmp_path):
+    rc, out = job(0, ["train", *sets(data__train=small[0], train__epochs=1, train__progress=False,
+                                     train__model_out=str(tmp_path / "m.h5"))])
+    assert rc == 0, out
+    _fill(small_disk)
+    scores = small_disk / "scores.txt"
+    rc, out = job(0, ["predict", "--model", str(tmp_path / "m.h5"), "--data", small[1], "--out", str(scores)])
+    assert rc == 1 and f"cannot write {scores}: No space left on device" in out and "Traceback" not in out, out
+    assert sorted(os.listdir(small_disk)) == ["fill"]
+    rc, out = job(2, ["train", *sets(data__train=small[0], train__epochs=1, train__progress=False,  # data.predict_out
+                                     data__predict=small[1], data__predict_out=str(scores))])
+    assert rc == 1 and f"cannot write {scores}: No space left on device" in out and "Traceback" not in out, out
+    assert sorted(os.listdir(small_disk)) == ["fill"]
+
+
+def test_a_model_write_that_fails_inside_hdf5_leaves_no_temporary_file(small_disk):
+    """The write's own failure (not the check of the free space before it): HDF5 meets the full
+    disk part-way through the file."""
+    import numpy as np
+
+    from hpcps import outputs
+
+    model = small_disk / "model.h5"
+    model.write_bytes(b"the previous model")
+    _fill(small_disk, leave=1 << 20)
+
+    def fill(f):
+        f["values"] = np.ones(4 << 20, dtype=np.float32)  # 16 MiB
+
+    with pytest.raises(outputs.OutputError, match="No space left on device") as e:
+        outputs.write_h5(str(model), fill)  # (the model file's write, with no size to refuse before)
+    assert e.value.exit_status == 1 and "the previous" in str(e.value)
+    assert sorted(os.listdir(small_disk)) == ["fill", "model.h5"]
+    assert model.read_bytes() == b"the previous model"
+
+
 
 # -- a full disk during a checkpoint --------------------------------------------------------------
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from dataclasses import dataclass, replace
 
-from hpcps import checkpoint, config, signals, tables, transport
+from hpcps import checkpoint, config, outputs, signals, tables, transport
 from hpcps.context import init
 from hpcps.train import data as tdata
 from hpcps.train import model_file, synth
@@ -52,7 +52,13 @@ tables.register_server_function("hpcps.restore", _restore, 1, per_key=False, rep
 
 
 class TrainError(RuntimeError):
-    """A failure every rank agreed on (bad data, missing file): each rank raises the same message."""
+    """A failure every rank agreed on (bad data, missing file): each rank raises the same message
+    (or an empty one, when the rank that failed reports it). ``exit_status``: the exit status, 2 (bad
+    configuration or input) or 1 (a run-time failure, such as a full disk)."""
+
+    def __init__(self, message: str = "", status: int = 2):
+        super().__init__(message)
+        self.exit_status = status
 
 
 @dataclass
@@ -226,12 +232,26 @@ def model_fields(ctx, cfg, train_path: str) -> int:
     return fields
 
 
-def export_model(ctx, cfg, model) -> None:
-    """Collective over the servers (or the one process): write the trained model's tables."""
-    model_file.export_from_servers(ctx, [t.name for t in model.all_tables], cfg.train.model_out,
-                                   {"model": cfg.model.type, "loss": cfg.model.loss,
-                                    "config": json.dumps(cfg.to_dict()),
-                                    "fields": model.fields})
+def export_model(ctx, cfg, model, input_format: str) -> str | None:
+    """Collective over the servers (or the one process): write the trained model's tables, with
+    what it was trained on (:func:`hpcps.train.model_file.trained_on`). Returns why the write
+    failed (on the server that wrote), else None."""
+    try:
+        model_file.export_from_servers(ctx, [t.name for t in model.all_tables], cfg.train.model_out,
+                                       {"model": cfg.model.type, "loss": cfg.model.loss,
+                                        "config": json.dumps(cfg.to_dict()), "fields": model.fields,
+                                        **model_file.trained_on(input_format, cfg.data.hash_bits)})
+    except outputs.OutputError as e:
+        return str(e)
+    return None
+
+
+def agree_model_written(ctx, error: str | None) -> None:
+    """Collective over the world: raise on every rank when the model's write failed (the rank
+    that failed reports it; exit status 1), so that no rank reports a model that is not there."""
+    errors = transport.all_ok(ctx.comm, error, ctx.stall_timeout_s, "agreement on the model's write")
+    if errors:
+        raise TrainError(error or "", status=1)
 
 
 # train.batch_size = 0 (auto): rows per worker a step, at least AUTO_BATCH_MIN and at most
@@ -340,15 +360,24 @@ def predict(ctx, model, ds: tdata.Dataset, batch_size: int, loss: str, out_path:
     scores = 1.0 / (1.0 + np.exp(-margins)) if loss == "logistic" else margins
     everything = _gather_on_first(ctx, scores)
     if ctx.workers_comm.Get_rank() == 0:
-        write_scores(out_path, everything)
+        try:
+            write_scores(out_path, everything)
+        except outputs.OutputError as e:
+            _abort_on(e)
         return everything.size
     return 0
 
 
+def _abort_on(e: outputs.OutputError) -> None:
+    """An output that failed mid-run on one rank (the metrics, the predictions): its one line
+    ends the job (the other ranks are serving or stepping)."""
+    transport.abort(f"error: {e}", code=e.exit_status)
+
+
 def write_scores(path: str, scores: np.ndarray) -> None:
-    tmp = path + ".tmp"
-    np.savetxt(tmp, scores, fmt="%.6f")
-    os.replace(tmp, path)
+    """One score per line, replacing ``path`` whole (:func:`hpcps.outputs.replacing`)."""
+    with outputs.replacing(path, scores.size * 9) as tmp, open(tmp, "w") as f:
+        np.savetxt(f, scores, fmt="%.6f")  # (a file object: given a name, savetxt opens it twice, which a FIFO cannot take)
 
 
 def run(cfg, comm=None) -> Result:
@@ -415,6 +444,19 @@ class Trainer:
             os.makedirs(ck.dir, exist_ok=True)
         self.run_id = claim_checkpoints(cfg, world, self.restore)
         self.paths, self.synth_info = resolve_data(cfg, world)
+        self.input_format = ""
+        problem = None
+        if world.Get_rank() == 0:
+            if self.synth_info:  # the generated files are inputs too
+                problem = outputs.clash(*config.path_roles(cfg, data=self.paths))
+            try:  # recorded in the model file (what its keys mean)
+                self.input_format = tdata.detect_format(self.paths["train"], cfg.data.format)
+            except OSError:
+                pass  # (a missing file is reported where it is loaded)
+        problem, self.input_format = transport.bcast_object(world, (problem, self.input_format), 0, timeout,
+                                                            "broadcast of the training file's format")
+        if problem:
+            raise TrainError(problem)
         workers = world.Get_size() - cfg.cluster.servers if world.Get_size() > 1 else 1  # one process: one worker
         if not cfg.train.batch_size:  # auto: from the training file's rows (counted as far as it matters)
             enough = AUTO_BATCH_MAX * AUTO_BATCH_STEPS * workers
@@ -457,7 +499,7 @@ class Trainer:
         ctx.serve(self.restore)
         preempted = _agree_preempted(ctx, 0)[0]
         if self.cfg.train.model_out and not preempted:
-            export_model(ctx, self.cfg, self.model)
+            agree_model_written(ctx, export_model(ctx, self.cfg, self.model, self.input_format))
         ctx.finalize()
         return Result(None, preempted, self.resumed)
 
@@ -487,7 +529,8 @@ class Trainer:
         # set their own step sizes, and a mean would shrink rare keys' gradients by the batch size);
         # "mean": the gradient of the mean loss over the group's rows (the objective of plain SGD).
         self.scale = 1.0 if tr.gradient == "sum" else 1.0 / (tr.batch_size * ctx.group_comm.Get_size())
-        self.progress = Progress(first and tr.progress, steps, ctx.layout.workers, tr.metrics if first else "")
+        self.progress = Progress(first and tr.progress, steps, ctx.layout.workers, tr.metrics if first else "",
+                                 on_error=_abort_on)
         if first:
             where = "one process (a server and a worker inside it, no messages)" if ctx.local else ctx.layout.describe()
             print(f"hpcps train: {where}; {cfg.model.type} with {cfg.optimizer.name}, staleness "
@@ -637,8 +680,12 @@ class Trainer:
                            self.model.table.key_counts() if self.counting else None)
         if self.status_path and time.monotonic() - self.last_status > 0.2:  # for `hpcps supervise`
             ck = self.cfg.checkpoint
-            write_status(self.status_path, global_step=self.global_step, epoch=epoch, step=step,
-                         checkpoint_dir=os.path.abspath(ck.dir) if ck.dir else "")
+            try:
+                write_status(self.status_path, global_step=self.global_step, epoch=epoch, step=step,
+                             checkpoint_dir=os.path.abspath(ck.dir) if ck.dir else "")
+            except outputs.OutputError as e:  # (supervise then sees no progress: training goes on)
+                print(f"hpcps train: warning: {e}; supervise's status file is no longer written", flush=True)
+                self.status_path = ""
             self.last_status = time.monotonic()
 
     def checkpoint_if_due(self, epoch: int, step: int) -> bool:
@@ -675,7 +722,7 @@ class Trainer:
                 "reason": reason,
                 "position": {"epoch": epoch_next, "step": step_next, "global_step": self.global_step},
                 "data": {**self.data_meaning, "random_state": "none: the loop draws no random numbers"},
-                "fields": self.model.fields}, cfg.checkpoint.keep)
+                "fields": self.model.fields, "input_format": self.input_format}, cfg.checkpoint.keep)
             self.written = path
             print(f"hpcps train: checkpoint {path} ({reason})", flush=True)
         transport.barrier(self.wcomm, ctx.stall_timeout_s, "checkpoint barrier")
@@ -831,8 +878,8 @@ class Trainer:
                       f"to continue (exit status {self.preempted})", flush=True)
             return Result(None, self.preempted, self.resumed)
         _, worker_rss, server_rss, key_counts = _agree_preempted_worker(ctx, 0)
-        if ctx.local and tr.model_out:  # one process: no server rank to write the model
-            export_model(ctx, cfg, self.model)
+        if tr.model_out:  # (one process: no server rank writes the model; this one does)
+            agree_model_written(ctx, export_model(ctx, cfg, self.model, self.input_format) if ctx.local else None)
         ctx.finalize()
         if not self.first:
             return Result(None, 0, self.resumed)

@@ -1,18 +1,24 @@
 """A trained model in one HDF5 file, for serving without parameter servers.
 
-Schema (``format = "hpcps-model"``, ``version = 2``):
+Schema (``format = "hpcps-model"``, ``version = 3``):
 
 * attributes: ``model`` (lr | fm | wdl | deepfm), ``loss``, ``config`` (the training config,
   JSON), ``tables`` (the table names, JSON list, the first being the main one), ``fields``;
+  what its keys mean (:func:`trained_on`): ``hash_bits``, ``input_format`` (libsvm | criteo |
+  vw | libffm, as the training file was read) and ``key_hashing`` (how that format makes keys);
+  ``xxh64``, the checksum of every other attribute and every array (:func:`digest`);
 * one group per table, ``tables/<name>``, with attributes ``dim``, ``init``, ``init_scale``,
   ``seed`` (a key absent from the file has the table's initial value) and the datasets ``keys``
   (uint64, sorted ascending) and ``values`` (float32 ``(n, dim)``, each key's parameters, no
   optimizer state). A dense table (the deep models' MLP) is stored as its chunks: keys 0, 1, ...
   of ``dim`` floats each.
 
-Version 1 files (one table: ``keys``, ``values`` and its attributes at the root) are still read.
-Written by the servers at the end of training (``train.model_out``): they gather their parts on
-the first server, which writes the file. A model must fit in one process to be served this way.
+Files written before version 3 (no checksum, no ``hash_bits`` or ``input_format``) are still read:
+their hash bits and format are taken from their ``config`` where it names them (a format of
+"auto" is not known), and their arrays cannot be checked. Version 1 files (one table: ``keys``,
+``values`` and its attributes at the root) are read too. Written by the servers at the end of
+training (``train.model_out``): they gather their parts on the first server, which writes the
+file. A model must fit in one process to be served this way.
 """
 
 from __future__ import annotations
@@ -23,42 +29,98 @@ import os
 import h5py
 import numpy as np
 
-from hpcps import transport
-from hpcps.checkpoint import fsync_path
+from hpcps import outputs, transport
 from hpcps_kernels import init as kinit
 from hpcps_kernels import keys as kkeys
+from hpcps_kernels.hashing import xxh64, xxh64_words
 from hpcps_kernels.hashtable import KeyIndex
 
 FORMAT = "hpcps-model"
-VERSION = 2
+VERSION = 3
 TABLE_ATTRS = ("dim", "init", "init_scale", "seed")
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+# how each input format turns a row's features into keys: a model's keys mean nothing to data
+# whose format makes them another way
+KEY_HASHING = {"libsvm": "the feature indices as written, masked to the hash bits",
+               "criteo": "XXH64 of each column's token, seeded by its column, masked to the hash bits",
+               "vw": "XXH64 of each feature name, seeded by its namespace, masked to the hash bits",
+               "libffm": "each feature's field above the hash bits, its index below"}
+
+
+class ModelFileError(ValueError):
+    """A file that cannot be served as a model: ``exit_status`` 2 when it is not an hpcps model file
+    (the user gave the wrong file), 1 when it is one but damaged."""
+
+    def __init__(self, message: str, status: int, reason: str = ""):
+        super().__init__(message)
+        self.exit_status, self.reason = status, reason
+
+
+def trained_on(input_format: str, hash_bits: int) -> dict:
+    """The attributes that say what a model's keys mean: its hash bits and the training file's
+    format (``""`` when unknown) and key hashing."""
+    return {"hash_bits": int(hash_bits), "input_format": input_format,
+            "key_hashing": KEY_HASHING.get(input_format, "")}
+
+
+def _plain(v):
+    """An HDF5 attribute's value as a plain Python value."""
+    v = v.item() if hasattr(v, "item") else v
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def _arrays_xxh64(h: np.uint64, *arrays: np.ndarray) -> np.uint64:
+    for a in arrays:
+        raw = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        whole = raw.shape[0] // 8 * 8
+        h = np.uint64(xxh64_words(raw[:whole].view(np.uint64), raw[whole:], np.uint64(h)))
+    return h
+
+
+def digest(attrs: dict, tables: list[tuple[str, dict, np.ndarray, np.ndarray]]) -> str:
+    """XXH64 (hex) of a model file's attributes (``attrs``, without ``xxh64``; each table's) and
+    arrays (each table's keys and values, in order)."""
+    meta = json.dumps({"attrs": {k: v for k, v in attrs.items() if k != "xxh64"},
+                       "tables": [[name, t_attrs] for name, t_attrs, _, _ in tables]},
+                      sort_keys=True, separators=(",", ":"), default=str).encode()
+    raw = np.frombuffer(meta, dtype=np.uint8)
+    h = np.uint64(xxh64(raw, 0, raw.shape[0], np.uint64(0)))
+    for _, _, keys, values in tables:
+        h = _arrays_xxh64(h, keys, values)
+    return f"{int(h):016x}"
 
 
 def write(path: str, keys, values=None, attrs: dict | None = None) -> None:
-    """Write atomically (to ``path.tmp``, then rename). Either one table, ``write(path, keys,
-    values, attrs)`` with ``attrs`` holding the model's and the table's attributes (it is named
-    after ``attrs["model"]``'s main table), or several: ``write(path, [(name, keys, values,
-    table_attrs), ...], attrs=model_attrs)``."""
+    """Write atomically (:func:`hpcps.outputs.replacing`: a temporary file beside ``path``, then
+    renamed; removed on any failure, which raises an OutputError naming ``path``). Either one
+    table, ``write(path, keys, values, attrs)`` with ``attrs`` holding the model's and the table's
+    attributes (it is named after ``attrs["model"]``'s main table), or several: ``write(path,
+    [(name, keys, values, table_attrs), ...], attrs=model_attrs)``."""
     attrs = dict(attrs or {})
     if values is not None:
         table = {k: attrs.pop(k) for k in TABLE_ATTRS if k in attrs}
         keys = [(MAIN_TABLE.get(attrs.get("model"), "w"), keys, values, table)]
-    tmp = path + ".tmp"
-    with h5py.File(tmp, "w") as f:
-        f.attrs["format"] = FORMAT
-        f.attrs["version"] = VERSION
-        for k, v in attrs.items():
-            f.attrs[k] = v
-        f.attrs["tables"] = json.dumps([t[0] for t in keys])
-        for name, k, v, table_attrs in keys:
-            sk, order = kkeys.radix_argsort(np.ascontiguousarray(k, dtype=np.uint64))
-            g = f.create_group(f"tables/{name}")
-            for a, x in table_attrs.items():
-                g.attrs[a] = x
-            g.create_dataset("keys", data=sk)
-            g.create_dataset("values", data=kkeys.gather_rows(np.ascontiguousarray(v), order))
-    fsync_path(tmp)
-    os.replace(tmp, path)
+    need = sum(np.asarray(k).nbytes + np.asarray(v).nbytes for _, k, v, _ in keys)
+    outputs.write_h5(path, lambda f: _fill(f, keys, attrs), need + (64 << 10) + need // 100)  # (+ HDF5's metadata)
+
+
+def _fill(f: h5py.File, tables: list, attrs: dict) -> None:
+    f.attrs["format"] = FORMAT
+    f.attrs["version"] = VERSION
+    for k, v in attrs.items():
+        f.attrs[k] = v
+    f.attrs["tables"] = json.dumps([t[0] for t in tables])
+    written = []
+    for name, k, v, table_attrs in tables:
+        sk, order = kkeys.radix_argsort(np.ascontiguousarray(k, dtype=np.uint64))
+        sv = kkeys.gather_rows(np.ascontiguousarray(v), order)
+        g = f.create_group(f"tables/{name}")
+        for a, x in table_attrs.items():
+            g.attrs[a] = x
+        g.create_dataset("keys", data=sk)
+        g.create_dataset("values", data=sv)
+        written.append((name, {a: _plain(x) for a, x in g.attrs.items()}, sk, sv))
+    f.attrs["xxh64"] = digest({a: _plain(x) for a, x in f.attrs.items()}, written)
 
 
 MAIN_TABLE = {"lr": "w", "fm": "fm", "wdl": "wide", "deepfm": "fm"}
@@ -105,36 +167,76 @@ class ServingTable:
         return out
 
 
+def _damaged(path: str, why: str) -> ModelFileError:
+    return ModelFileError(f"{path}: damaged hpcps model file ({why}); write it again (train.model_out or "
+                          f"hpcps export)", 1)
+
+
+def _not_a_model(path: str, what: str) -> ModelFileError:
+    return ModelFileError(f"{path} is not an hpcps model file ({what}); write one with train.model_out or "
+                          f"hpcps export CHECKPOINT --out MODEL.h5", 2, what)
+
+
+def _read(path: str) -> tuple[dict, list[tuple[str, dict, np.ndarray, np.ndarray]]]:
+    """The attributes and tables ``(name, attributes, keys, values)`` of the model file at
+    ``path``; a ModelFileError when it is no model file (status 2) or a damaged one (1)."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model file {path} not found")
+    if os.path.isdir(path):
+        raise _not_a_model(path, "a checkpoint directory: hpcps export makes a model file of it"
+                           if os.path.exists(os.path.join(path, "manifest.json")) else "a directory")
+    if not os.path.isfile(path):
+        raise _not_a_model(path, "not a regular file")
+    with open(path, "rb") as fh:
+        head = fh.read(len(HDF5_SIGNATURE))
+    try:
+        f = h5py.File(path, "r")
+    except Exception as e:  # noqa: BLE001 - HDF5 fails in many ways on a file it cannot read
+        if head != HDF5_SIGNATURE:
+            raise _not_a_model(path, "not an HDF5 file") from None
+        raise _damaged(path, f"HDF5 cannot open it: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    with f:
+        try:
+            fmt = _plain(f.attrs.get("format"))
+        except Exception as e:  # noqa: BLE001
+            raise _damaged(path, f"its attributes cannot be read: {e}") from None
+        if fmt != FORMAT:
+            what = ("a server file of a checkpoint: inspect or export its directory"
+                    if fmt == "hpcps-checkpoint" else f"format {fmt!r}, expected {FORMAT!r}")
+            raise _not_a_model(path, what)
+        try:
+            attrs = {k: _plain(v) for k, v in f.attrs.items()}
+            tables = []
+            if "tables" in attrs:  # version 2 and later
+                for name in json.loads(attrs["tables"]):
+                    g = f[f"tables/{name}"]
+                    tables.append((name, {k: _plain(v) for k, v in g.attrs.items()}, g["keys"][:], g["values"][:]))
+            else:  # version 1: one table at the root
+                tables.append((MAIN_TABLE.get(attrs.get("model"), "w"), attrs, f["keys"][:], f["values"][:]))
+        except Exception as e:  # noqa: BLE001 - a damaged file may fail in any way inside HDF5
+            raise _damaged(path, str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+    if "xxh64" in attrs and digest(attrs, tables) != attrs["xxh64"]:
+        raise _damaged(path, "it fails its XXH64 checksum")
+    return attrs, tables
+
+
 class ServingModel:
-    """A model file loaded for lookups (no MPI). ``tables`` by name; ``keys``, ``values`` and
-    :meth:`pull` are the main (first) table's."""
+    """A model file loaded for lookups (no MPI), its checksum verified (files written before
+    version 3 have none). ``tables`` by name; ``keys``, ``values`` and :meth:`pull` are the main
+    (first) table's. Raises FileNotFoundError, or a ModelFileError that says whether the file is
+    no model file or a damaged one."""
 
     def __init__(self, path: str):
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"model file {path} not found")
-        try:
-            f = h5py.File(path, "r")
-        except OSError:
-            raise ValueError(f"{path} is not an hpcps model file (not an HDF5 file); write one with "
-                             f"train.model_out or hpcps export") from None
+        self.path = path
+        self.attrs, tables = _read(path)
+        self.checked = "xxh64" in self.attrs  # (written before version 3: no checksum to verify)
         self.tables: dict[str, ServingTable] = {}
-        with f:
-            if f.attrs.get("format") != FORMAT:
-                raise ValueError(f"{path} is not an hpcps model file (format {f.attrs.get('format')!r}, "
-                                 f"expected {FORMAT!r})")
-            try:
-                self.attrs = {k: (v.item() if hasattr(v, "item") else v) for k, v in f.attrs.items()}
-                if "tables" in self.attrs:  # version 2
-                    for name in json.loads(self.attrs["tables"]):
-                        g = f[f"tables/{name}"]
-                        t_attrs = {k: (v.item() if hasattr(v, "item") else v) for k, v in g.attrs.items()}
-                        self.tables[name] = ServingTable(g["keys"][:], g["values"][:], t_attrs)
-                else:  # version 1: one table at the root
-                    self.tables[MAIN_TABLE.get(self.attrs.get("model"), "w")] = ServingTable(
-                        f["keys"][:], f["values"][:], self.attrs)
-            except (KeyError, OSError, ValueError, json.JSONDecodeError) as e:
-                raise ValueError(f"{path}: damaged hpcps model file ({e})") from None
-        self.kind = self.attrs["model"]
+        try:
+            for name, t_attrs, keys, values in tables:
+                self.tables[name] = ServingTable(keys, values, t_attrs)
+            self.kind = self.attrs["model"]
+        except (KeyError, ValueError) as e:
+            raise _damaged(path, str(e)) from None
         self.loss = self.attrs.get("loss", "logistic")
         self.main = next(iter(self.tables.values()))
         self.keys, self.values, self.dim = self.main.keys, self.main.values, self.main.dim
@@ -142,6 +244,35 @@ class ServingModel:
     @property
     def config(self) -> dict:
         return json.loads(self.attrs.get("config", "{}"))
+
+    @property
+    def hash_bits(self) -> int | None:
+        """The hash bits of its keys (a file before version 3: its config's), None if unknown."""
+        bits = self.attrs.get("hash_bits", self.config.get("data", {}).get("hash_bits"))
+        return int(bits) if bits is not None else None
+
+    @property
+    def input_format(self) -> str:
+        """The format its training file was read as ("" when unknown: a file before version 3
+        whose config said "auto")."""
+        if "input_format" in self.attrs:
+            return self.attrs["input_format"]
+        fmt = self.config.get("data", {}).get("format", "auto")
+        return "" if fmt == "auto" else fmt
+
+    def mismatch(self, data: str, fmt: str, hash_bits: int) -> str | None:
+        """Why rows of ``data`` read as ``fmt`` with ``hash_bits`` would be looked up under other keys
+        than the model learned (other hash bits, another format's key hashing), or None."""
+        how = "pass --allow-other-hashing to score them anyway"
+        if self.hash_bits is not None and hash_bits != self.hash_bits:
+            return (f"{self.path} was trained with {self.hash_bits} hash bits; with {hash_bits} the rows of {data} "
+                    f"get other keys, unknown to the model. Leave out --hash-bits, or {how}")
+        mine = self.input_format
+        if mine and fmt != mine and KEY_HASHING.get(fmt) != KEY_HASHING.get(mine):
+            return (f"{self.path} was trained on {mine} rows (keys: {KEY_HASHING.get(mine, mine)}); {data} is read "
+                    f"as {fmt} (keys: {KEY_HASHING.get(fmt, fmt)}), whose keys are unknown to the model. Give the "
+                    f"rows in {mine} format, or {how}")
+        return None
 
     def pull(self, keys: np.ndarray) -> np.ndarray:
         return self.main.pull(keys)

@@ -4,19 +4,17 @@ metrics, and the final summary table."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
+
+from hpcps import outputs
 
 STATUS_ENV = "HPCPS_STATUS_FILE"  # set by `hpcps supervise`: where the first worker reports its step
 
 
 def write_status(path: str, **fields) -> None:
     """Atomically replace a job's status file (JSON: the fields and the time)."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({**fields, "time": time.time()}, f)
-    os.replace(tmp, path)
+    outputs.write_json(path, {**fields, "time": time.time()})
 
 
 def vm_hwm_mb(pid: int | str = "self") -> float | None:
@@ -42,15 +40,20 @@ def read_status(path: str) -> dict:
 
 
 class Progress:
+    """The progress line and the metrics file (``metrics_path``, JSON lines appended by whole
+    records: :class:`hpcps.outputs.Appender`; ``on_error(e)`` is called with the OutputError of a
+    failed write, which is raised when it returns)."""
+
     def __init__(self, enabled: bool, total_steps: int, workers: int, metrics_path: str = "",
-                 stream=None, interval: float = 0.5):
+                 stream=None, interval: float = 0.5, on_error=None):
         self.enabled = enabled
         self.total = total_steps
         self.workers = workers
         self.stream = stream or sys.stdout
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.interval = interval if self.tty else 10.0
-        self.metrics = open(metrics_path, "a") if metrics_path else None
+        self.on_error = on_error
+        self.metrics = self._writing(outputs.Appender, metrics_path) if metrics_path else None
         self.start = time.perf_counter()
         self.last_print = 0.0
         self.examples = 0
@@ -74,11 +77,11 @@ class Progress:
         elapsed = now - self.start
         rate = self.examples * self.workers / max(elapsed, 1e-9)
         if self.metrics:
-            self.metrics.write(json.dumps({"kind": "step", "epoch": epoch, "step": step, "rows": rows,
-                                           "loss": loss_sum / rows if rows else None, "examples_per_s": rate,
-                                           "wait_s": wait_s, "max_staleness": staleness, "time_s": elapsed,
-                                           **({"table_keys": keys[0], "admitted_keys": keys[1],
-                                               "evicted_keys": keys[2]} if keys else {})}) + "\n")
+            self._writing(self.metrics.write, {"kind": "step", "epoch": epoch, "step": step, "rows": rows,
+                                               "loss": loss_sum / rows if rows else None, "examples_per_s": rate,
+                                               "wait_s": wait_s, "max_staleness": staleness, "time_s": elapsed,
+                                               **({"table_keys": keys[0], "admitted_keys": keys[1],
+                                                   "evicted_keys": keys[2]} if keys else {})})
         if self.enabled and (now - self.last_print >= self.interval or step == self.total):
             self.last_print = now
             done = step / max(self.total, 1)
@@ -98,12 +101,20 @@ class Progress:
             self.stream.write(f"epoch {epoch} done: " + ", ".join(parts) + "\n")
             self.stream.flush()
         if self.metrics:
-            self.metrics.write(json.dumps({"kind": "epoch", "epoch": epoch, **record}) + "\n")
-            self.metrics.flush()
+            self._writing(self.metrics.write, {"kind": "epoch", "epoch": epoch, **record})
+            self._writing(self.metrics.flush)
 
     def close(self) -> None:
         if self.metrics:
-            self.metrics.close()
+            self._writing(self.metrics.close)
+
+    def _writing(self, write, *args):
+        try:
+            return write(*args)
+        except outputs.OutputError as e:
+            if self.on_error is not None:
+                self.on_error(e)
+            raise
 
 
 def summary_table(rows: list[tuple[str, str]]) -> str:

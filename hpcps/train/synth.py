@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from hpcps import outputs
 from hpcps_kernels import init as kinit
 from hpcps_kernels import metrics, textgen
 
@@ -50,7 +51,7 @@ class SynthInfo:
     def save(self, path: str) -> None:
         facts = asdict(self)
         del facts["reused"]
-        _write_whole(path, json.dumps(facts, indent=1).encode())
+        _write_whole(path, outputs.dumps(facts, indent=1).encode())
 
 
 def cache_dir() -> str:
@@ -130,12 +131,12 @@ def _rows(n: int, fields: int, seed: int, hash_bits: int, interactions: bool):
 
 
 def _write_whole(path: str, data) -> None:
-    """Write ``data`` (bytes-like) to a temporary name, then rename: a job reading the file
-    (another job generating the same data at the same time) sees it whole or not at all."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
+    """Write ``data`` (bytes-like) to a temporary name, then rename (:func:`hpcps.outputs.replacing`):
+    a job reading the file (another job generating the same data at the same time) sees it whole
+    or not at all, and a failed write leaves no temporary file."""
+    size = memoryview(data).nbytes
+    with outputs.replacing(path, size) as tmp, open(tmp, "wb") as f:
         f.write(data)
-    os.replace(tmp, path)
 
 
 def _write(path: str, writer, size_hint: int) -> None:
@@ -252,14 +253,11 @@ def deep(out_dir: str, rows: int, test_rows: int, seed: int = 1) -> dict:
         p = 1.0 / (1.0 + np.exp(-margin))
         labels = (rng.random(n) < p).astype(np.int64)
         path = os.path.join(out_dir, f"{name}.ffm")
-        with open(path, "w") as fh:
-            for r in range(n):
-                fh.write(f"{labels[r]} " + " ".join(f"{f}:{tok[r, f]}:1" for f in range(fields) if present[r, f])
-                         + "\n")
+        _write_whole(path, "".join(f"{labels[r]} " + " ".join(f"{f}:{tok[r, f]}:1" for f in range(fields)
+                                                              if present[r, f]) + "\n" for r in range(n)).encode())
         out[name] = path
         if name == "test":
             out["best_test_logloss"] = metrics.logloss(labels.astype(np.float64), margin)
             out["best_test_auc"] = metrics.auc(labels.astype(np.float64), margin)
-    with open(os.path.join(out_dir, "info.json"), "w") as fh:
-        json.dump(out, fh, indent=1)
+    _write_whole(os.path.join(out_dir, "info.json"), outputs.dumps(out, indent=1).encode())
     return out

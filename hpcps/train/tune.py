@@ -29,7 +29,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from hpcps import config, transport
+from hpcps import config, outputs, transport
 from hpcps.train.loop import Result, Trainer, evaluate_columns
 from hpcps.train.models import Grid
 from hpcps.train.progress import summary_table
@@ -261,13 +261,11 @@ def report(summary: dict, tuner: Tuner, out: str, elapsed: float) -> None:
     raw = copy.deepcopy(tuner.raws[best["member"]])
     raw["train"]["epochs"] = best["best_epoch"] or 1
     summary["best_config"] = raw
-    if out:
-        with open(out, "w") as f:
-            f.write(f"# hpcps tune: the best of {len(ranked)} ({_describe(tuner.points[best['member']])}), "
-                    f"holdout {name} {best[f'holdout_{name}']:.5f} after {best['best_epoch']} epochs"
-                    f"{'' if folds == 1 else f' (the mean and median over {folds} folds)'}.\n"
-                    f"# Without [train] holdout it trains on every row.\n")
-            f.write(config.to_toml(raw))
+    if out:  # (replaced whole: hpcps.outputs.replacing)
+        outputs.write_text(out, f"# hpcps tune: the best of {len(ranked)} ({_describe(tuner.points[best['member']])}), "
+                                f"holdout {name} {best[f'holdout_{name}']:.5f} after {best['best_epoch']} epochs"
+                                f"{'' if folds == 1 else f' (the mean and median over {folds} folds)'}.\n"
+                                f"# Without [train] holdout it trains on every row.\n" + config.to_toml(raw))
         print(f"hpcps tune: the best configuration is in {out}; train it with hpcps train {out}", flush=True)
     print(summary_table([("best", _describe(tuner.points[best["member"]])),
                          ("best epoch", str(best["best_epoch"])),
