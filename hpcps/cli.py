@@ -418,7 +418,7 @@ def _export_format(manifest: dict) -> str:
     if fmt == "auto" and isinstance(train, dict) and os.path.isfile(train.get("path", "")):
         try:
             return tdata.detect_format(train["path"], "auto")
-        except OSError:
+        except (OSError, tdata.DataError):
             return ""
     return "" if fmt == "auto" else fmt
 

@@ -45,7 +45,7 @@ PEER_SCRIPT = textwrap.dedent("""
             t = time.perf_counter()
             rows += bench_mpi.run(comm, sizes=[n], reps=reps)
             rows[-1]["elapsed_s"] = time.perf_counter() - t
-        print("ROWS", json.dumps(rows), flush=True)
+        open("rows.json", "w").write(json.dumps(rows))  # (a file each: the ranks' printed lines can interleave)
     else:
         counted, status = [], MPI.Status()
         for n in sizes:
@@ -57,7 +57,7 @@ PEER_SCRIPT = textwrap.dedent("""
                     time.sleep(delay)
                     comm.Send(buf[:counted[-1]], dest=0, tag=pong)
             comm.Ibarrier().Wait()  # (a nonblocking barrier matches only a nonblocking one)
-        print("COUNTED", json.dumps(counted), flush=True)
+        open("counted.json", "w").write(json.dumps(counted))
 """)
 DELAY_S = 0.005
 
@@ -76,9 +76,7 @@ def test_mpi_benchmark_reports_blocking_and_sleeping_waits_side_by_side(tmp_path
                            json.dumps([sizes, reps, DELAY_S])], capture_output=True, text=True, timeout=300,
                           cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    said = {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines()
-            if line.startswith(("ROWS ", "COUNTED "))}
-    rows, counted = said["ROWS"], said["COUNTED"]
+    rows, counted = (json.loads((tmp_path / name).read_text()) for name in ("rows.json", "counted.json"))
     assert counted == [n for n in sizes for _ in range(2 * (reps + 1))]  # every message, exactly its size
     assert [r["bytes"] for r in rows] == sizes and all(r["reps"] == reps for r in rows)
     at_least_median = reps // 2 + 1  # of the ping-pongs of each kind, these take their median or more

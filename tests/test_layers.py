@@ -9,7 +9,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LEVEL = {  # module -> layer
     **{f"hpcps_kernels.{m[:-3]}": 0 for m in os.listdir(os.path.join(ROOT, "kernels")) if m.endswith(".py")},
     **{f"hpcps.{m}": 1 for m in ("layout", "placement", "protocol", "tables", "config", "signals", "checkpoint", "malloc",
-                                 "errors")},
+                                 "errors", "outputs")},
     "hpcps.transport": 2,
     **{f"hpcps.{m}": 3 for m in ("server", "client", "context", "bench_mpi")},
     **{f"hpcps.train.{m[:-3]}": 4 for m in os.listdir(os.path.join(ROOT, "hpcps", "train")) if m.endswith(".py")},

@@ -105,8 +105,11 @@ HASHED_FORMATS = ("criteo", "vw")
 
 
 def detect_format(path: str, fmt: str) -> str:
+    """``fmt``, or with ``"auto"`` the format of ``path`` from its first line (raises DataError
+    for what is not a regular file, see :func:`check_file`)."""
     if fmt != "auto":
         return fmt
+    check_file(path)
     with open(path, "rb") as f:
         head = f.read(4096)
     first = head.split(b"\n", 1)[0]

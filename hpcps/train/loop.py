@@ -451,8 +451,8 @@ class Trainer:
                 problem = outputs.clash(*config.path_roles(cfg, data=self.paths))
             try:  # recorded in the model file (what its keys mean)
                 self.input_format = tdata.detect_format(self.paths["train"], cfg.data.format)
-            except OSError:
-                pass  # (a missing file is reported where it is loaded)
+            except (OSError, tdata.DataError):
+                pass  # (a missing file, or a FIFO, is reported where it is loaded)
         problem, self.input_format = transport.bcast_object(world, (problem, self.input_format), 0, timeout,
                                                             "broadcast of the training file's format")
         if problem:
