@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -23,24 +22,7 @@ from hpcps_kernels import parse
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from run import mpiexec  # noqa: E402
-
-HPCPS = [sys.executable, "-m", "hpcps.cli"]
-
-
-def job(n: int, args: list[str], timeout: float = 180) -> tuple[int, str]:
-    cmd = [*mpiexec(), "-n", str(n), *HPCPS, *args] if n else [*HPCPS, *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    return proc.returncode, proc.stdout + proc.stderr
-
-
-def sets(**kv) -> list[str]:
-    out = []
-    for k, v in kv.items():
-        value = json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v
-        out += ["--set", f"{k.replace('__', '.')}={value}"]
-    return out
+from test_faults import job, sets  # noqa: E402 - one way to run hpcps as a user would
 
 
 @pytest.fixture(scope="module")
