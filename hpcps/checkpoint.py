@@ -35,6 +35,7 @@ it (whole shards move; keys never change shard).
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import mmap
@@ -142,8 +143,16 @@ def write_failure(path: str, e: OSError, who: str) -> CheckpointError:
     why = os.strerror(e.errno) if e.errno else str(e).splitlines()[0]  # h5py's own text is long
     room = getattr(e, "room", None)
     if room:
-        why += f" ({room[0] / 2**20:.1f} MiB needed, {room[1] / 2**20:.1f} MiB free)"
+        why += f" ({_bytes_text(room[0])} needed, {_bytes_text(room[1])} free)"
     return CheckpointError(f"{who} cannot write {path}: {why}; the checkpoints committed before it are intact")
+
+
+def _bytes_text(n: int) -> str:
+    """``n`` bytes in three significant figures of the unit that fits (a shortfall stays visible)."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.3g} {unit}"
+    return f"{n} bytes"
 
 
 _H5_WRITE_FAILED = re.compile(r"file write failed: .*?filename = '([^']+)'.*?errno = (\d+)", re.S)
@@ -228,15 +237,40 @@ def commit(tmp_dir: str, manifest: dict, keep: int, report=say) -> str:
         os.fsync(f.fileno())
     os.replace(path + ".part", path)
     fsync_path(tmp_dir)  # the server files' and the manifest's directory entries
-    root = os.path.dirname(os.path.abspath(final))
-    if os.path.exists(final):
-        moved = move_aside(final, os.path.join(root, SUPERSEDED))
-        report(f"hpcps: checkpoint {final} existed already: moved to {moved}")
-    os.replace(tmp_dir, final)
-    fsync_path(root)  # the rename itself
+    root = os.path.dirname(os.path.normpath(final)) or "."
+    if os.path.exists(final) and _same_run(final, manifest) and _exchange(tmp_dir, final):
+        # this run's own checkpoint of this step, written again (a resumed run that trained nothing
+        # new but its data changed): the new one took its place in one step; the old one goes
+        fsync_path(root)
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    else:
+        if os.path.exists(final):
+            moved = move_aside(final, os.path.join(root, SUPERSEDED))
+            report(f"hpcps: checkpoint {final} existed already: moved to {moved}")
+        os.replace(tmp_dir, final)
+        fsync_path(root)  # the rename itself
     _remember_verified(final, manifest)  # its writers checksummed the files as they are
-    prune(os.path.dirname(final), keep, run_of(manifest), report)
+    prune(root, keep, run_of(manifest), report)
     return final
+
+
+def _same_run(ckpt: str, manifest: dict) -> bool:
+    try:
+        return run_of(read_manifest(ckpt)) == run_of(manifest)
+    except CheckpointError:
+        return False
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two directories atomically (Linux ``renameat2`` with ``RENAME_EXCHANGE``); False where
+    the system or the file system cannot."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
 def complete_checkpoints(root: str) -> list[str]:
@@ -261,7 +295,7 @@ def newest_of(root: str, run_id: str) -> str | None:
 
 def quarantine(ckpt: str, why: str, report=say) -> str:
     """Move a damaged checkpoint under ``damaged/`` of its directory, saying so; its new path."""
-    moved = move_aside(ckpt, os.path.join(os.path.dirname(os.path.abspath(ckpt)), DAMAGED))
+    moved = move_aside(ckpt, os.path.join(os.path.dirname(os.path.normpath(ckpt)), DAMAGED))
     report(f"hpcps: checkpoint {ckpt} is damaged ({why}): moved to {moved}")
     return moved
 
@@ -303,20 +337,23 @@ def prune(root: str, keep: int, run_id: str, report=say) -> list[str]:
     return deleted
 
 
-def claim(root: str, run_id: str, resumed_step: int | None, existing: str = "error", report=say) -> str | None:
+def claim(root: str, run_id: str, resumed: str | None, existing: str = "error", report=say) -> str | None:
     """Before a run writes into ``root``: make it hold checkpoints of the run ``run_id`` only.
     Returns why it cannot (None when it can): ``root`` holds checkpoints of another run, and
     ``existing`` is not ``"replace"``, which moves them under ``replaced/<time>/`` instead.
-    A resumed run (``resumed_step``, the step it resumes from) moves its own lineage's checkpoints
-    past that step under ``superseded/`` (they would be mistaken for its newest), and damaged
+    A resumed run (``resumed``, the checkpoint it resumes from) moves its own lineage's checkpoints
+    named past that one under ``superseded/`` (they would be mistaken for its newest), and damaged
     checkpoints (an unreadable manifest) under ``damaged/``; for a fresh run those are another
-    run's. Nothing is deleted."""
+    run's. The checkpoint resumed from is never moved. Nothing is deleted."""
     others, later = [], []
+    resumed_step = step_of(resumed) if resumed and _NAME.match(os.path.basename(os.path.normpath(resumed))) else None
     for ckpt in complete_checkpoints(root):
+        if resumed and os.path.exists(resumed) and os.path.samefile(ckpt, resumed):
+            continue
         try:
             lineage = run_of(read_manifest(ckpt))
         except CheckpointError as e:
-            if resumed_step is not None:
+            if resumed:
                 quarantine(ckpt, str(e).split(": ", 1)[-1], report)
             else:
                 others.append((ckpt, "damaged"))
@@ -330,10 +367,12 @@ def claim(root: str, run_id: str, resumed_step: int | None, existing: str = "err
         damaged = sum(r == "damaged" for _, r in others)
         what = (f"run {', '.join(runs)}" if runs else "") + (" and " if runs and damaged else "") + (
             f"{damaged} damaged" if damaged else "")
+        ways = ("" if resumed else "continue that run with --resume auto, ") + (
+            "write to another checkpoint.dir, or set checkpoint.existing = \"replace\" to move them aside (to "
+            f"{os.path.join(root, REPLACED)}/); nothing was deleted")
         return (f"checkpoint.dir {root} holds {len(others)} checkpoint(s) of another run ({what}; newest "
-                f"{os.path.basename(others[-1][0])}): continue that run with --resume auto, write to another "
-                f"checkpoint.dir, or set checkpoint.existing = \"replace\" to move them aside (to "
-                f"{os.path.join(root, REPLACED)}/); nothing was deleted")
+                f"{os.path.basename(others[-1][0])})" + (f" besides the one resumed ({resumed})" if resumed else "")
+                + f": {ways}")
     if others:
         where = os.path.join(root, REPLACED, time.strftime("%Y%m%dT%H%M%S"))
         for ckpt, _ in others:
@@ -342,7 +381,7 @@ def claim(root: str, run_id: str, resumed_step: int | None, existing: str = "err
                f"(checkpoint.existing = \"replace\")")
     for ckpt in later:
         moved = move_aside(ckpt, os.path.join(root, SUPERSEDED))
-        report(f"hpcps train: {ckpt} is past the step resumed from ({resumed_step}): moved to {moved}")
+        report(f"hpcps train: {ckpt} is past the checkpoint resumed from ({resumed}): moved to {moved}")
     return None
 
 

@@ -388,6 +388,9 @@ def _cmd_inspect(args) -> int:
         if paths == [args.ckpt] and not re.fullmatch(r"ckpt-\d+(\.tmp)?", os.path.basename(os.path.normpath(args.ckpt))):
             return _fail(f"{args.ckpt} is not an hpcps checkpoint or checkpoint directory (no {checkpoint.MANIFEST}, "
                          f"no ckpt-* directories in it)")
+    aside = {d: len(os.listdir(os.path.join(args.ckpt, d))) for d in (checkpoint.DAMAGED, checkpoint.REPLACED,
+                                                                        checkpoint.SUPERSEDED)
+             if os.path.isdir(os.path.join(args.ckpt, d))}
     bad = 0
     for path in paths:
         s = checkpoint.inspect(path)
@@ -403,6 +406,8 @@ def _cmd_inspect(args) -> int:
             for t in m.get("tables", []):
                 print(f"  table {t['name']!r}: dim {t['dim']}, {t['optimizer']}, {s.keys.get(t['name'], '?')} keys")
         bad += not s.ok
+    if aside:  # what retention, resume and checkpoint.existing moved aside (never deleted)
+        print(f"{args.ckpt}: set aside: " + ", ".join(f"{n} under {d}/" for d, n in aside.items()))
     return 1 if bad else 0
 
 
@@ -429,6 +434,11 @@ def _cmd_export(args) -> int:
     from hpcps import checkpoint, outputs
     from hpcps.train import model_file
 
+    inside = checkpoint.complete_checkpoints(args.ckpt) if not os.path.exists(
+        os.path.join(args.ckpt, checkpoint.MANIFEST)) else []
+    if inside:  # a checkpoint.dir, not one of its checkpoints
+        return _fail(f"{args.ckpt} is a checkpoint directory: name one of its checkpoints, e.g. the newest, "
+                     f"{inside[-1]} (hpcps inspect {args.ckpt} lists them)")
     problem = outputs.clash([("--out", args.out)], [("the checkpoint", args.ckpt)])
     if problem:
         return _fail(problem)

@@ -83,15 +83,19 @@ def run(command: list[str], max_restarts: int = 3, backoff: float = 5.0, backoff
     child: list[subprocess.Popen] = []
 
     def forward(signum, frame):
+        # a second SIGINT goes on as SIGTERM: the ranks, already stopping, then end at once (a
+        # second SIGINT to mpiexec itself makes MPICH kill them, with an exit status of its own)
+        again = signum == signal.SIGINT and signal.SIGINT in received
         received.append(signum)
         if child and child[0].poll() is None:
-            child[0].send_signal(signum)
+            child[0].send_signal(signal.SIGTERM if again else signum)
 
     previous = {s: signal.signal(s, forward) for s in FORWARDED}
     try:
         attempt = 0
+        checkpointing = True  # whether the job writes checkpoints (its status says; unknown: assumed)
         while True:
-            cmd = command if attempt == 0 else _with_resume(command)
+            cmd = command if attempt == 0 or not checkpointing else _with_resume(command)
             write_status(status_path)
             started = time.monotonic()
             try:
@@ -114,6 +118,8 @@ def run(command: list[str], max_restarts: int = 3, backoff: float = 5.0, backoff
                      f"not restarting", log_file)
                 return rc
             status = read_status(status_path)
+            if "checkpoint_dir" in status:
+                checkpointing = bool(status["checkpoint_dir"])
             ckpt, lost = lost_work(status)
             if attempt >= max_restarts:
                 _log(f"job failed with exit status {rc} after {time.monotonic() - started:.0f} s; "
@@ -122,8 +128,9 @@ def run(command: list[str], max_restarts: int = 3, backoff: float = 5.0, backoff
             delay = min(backoff * 2**attempt, backoff_max)
             attempt += 1
             _log(f"job failed with exit status {rc} after {time.monotonic() - started:.0f} s; restart "
-                 f"{attempt}/{max_restarts} in {delay:g} s with --resume auto"
-                 + (f" from {ckpt}" if ckpt else "") + f": {lost}", log_file)
+                 f"{attempt}/{max_restarts} in {delay:g} s "
+                 + (("with --resume auto" + (f" from {ckpt}" if ckpt else "")) if checkpointing else
+                    "from the start (the job has no checkpoint.dir)") + f": {lost}", log_file)
             end = time.monotonic() + delay
             while time.monotonic() < end and not received:
                 time.sleep(min(0.1, max(end - time.monotonic(), 0)))

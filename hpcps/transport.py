@@ -166,10 +166,23 @@ def end_job(code: int, comm: MPI.Comm | None = None) -> None:
 EXPLAINERS: list[Callable[[BaseException], tuple[str, str] | None]] = []
 
 
-def _explained(exc: BaseException) -> tuple[str, str] | None:
-    for explain in EXPLAINERS:
+def _mpi_failure(exc: BaseException) -> tuple[str, str] | None:
+    """An MPI call that failed: mostly a rank of the job that died (killed, out of memory), which
+    is not a bug of this rank's."""
+    if not isinstance(exc, MPI.Exception):
+        return None
+    first = str(exc).splitlines()[0].split(", error stack:")[0] if str(exc) else "an MPI error"
+    return "MPIError", f"an MPI call failed ({first}): most likely another rank of the job died"
+
+
+EXPLAINERS.append(_mpi_failure)
+
+
+def explanation(exc: BaseException) -> tuple[str, str] | None:
+    """A clearer (type name, first line) for ``exc`` from the registered EXPLAINERS, or None."""
+    for explainer in EXPLAINERS:
         try:
-            got = explain(exc)
+            got = explainer(exc)
         except Exception:  # noqa: BLE001 - an explainer never hides the error it explains
             got = None
         if got:
@@ -177,8 +190,9 @@ def _explained(exc: BaseException) -> tuple[str, str] | None:
     return None
 
 
-def _explain(exc: BaseException) -> tuple[str, str]:
-    return _explained(exc) or (type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+def explain(exc: BaseException) -> tuple[str, str]:
+    """(type name, first line) of ``exc``: its :func:`explanation`, else its own."""
+    return explanation(exc) or (type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
 
 
 def install_abort_handler() -> None:
@@ -202,14 +216,14 @@ def install_abort_handler() -> None:
             previous(exc_type, exc, tb)
             return
         errors.print_traceback(exc)
-        line, code = errors.one_line(exc, _explained(exc))
+        line, code = errors.one_line(exc, explanation(exc))
         abort(f"error: {line}", code=code)
 
     def thread_hook(args):
         if args.exc_type is SystemExit:
             return
         errors.print_traceback(args.exc_value)
-        line, code = errors.one_line(args.exc_value, _explained(args.exc_value))
+        line, code = errors.one_line(args.exc_value, explanation(args.exc_value))
         abort(f"error in thread {args.thread.name if args.thread else '?'}: {line}", code=code)
 
     sys.excepthook = hook

@@ -246,10 +246,10 @@ def test_a_late_hdf5_write_failure_is_reported_as_the_checkpoint_write_it_is():
     late = RuntimeError("Can't decrement id ref count (file write failed: time = Mon Nov 23 06:46:26 2026\n"
                         ", filename = '/d/ck/ckpt-0000000080.tmp/server-3.h5', file descriptor = 28, errno = 28, "
                         "error message = 'No space left on device', buf = 0x1, total write size = 14000)")
-    assert transport._explain(late) == (
+    assert transport.explain(late) == (
         "CheckpointError", "server 3 cannot write /d/ck/ckpt-0000000080.tmp/server-3.h5: No space left on device; "
                            "the checkpoints committed before it are intact")
     other = RuntimeError("Can't decrement id ref count (file write failed: filename = '/d/model.h5', errno = 28)")
-    assert transport._explain(other) == ("RuntimeError", "Can't decrement id ref count (file write failed: "
+    assert transport.explain(other) == ("RuntimeError", "Can't decrement id ref count (file write failed: "
                                                          "filename = '/d/model.h5', errno = 28)")
-    assert transport._explain(ValueError("bad")) == ("ValueError", "bad")
+    assert transport.explain(ValueError("bad")) == ("ValueError", "bad")

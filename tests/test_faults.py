@@ -143,7 +143,7 @@ def _fake(root, step, run_id, keep=2):
     size, digest = checkpoint.write_server_file(checkpoint.server_file(tmp, 0), 0, 1, 8, [("w", keys, rows)])
     manifest = {"format": checkpoint.FORMAT, "version": checkpoint.VERSION, "run_id": run_id,
                 "position": {"global_step": step}, "layout": {"num_shards": 8, "servers": 1},
-                "tables": [{"name": "w", "dim": 1, "width": 2}],
+                "tables": [{"name": "w", "dim": 1, "width": 2, "optimizer": "sgd"}],
                 "files": [{"name": "server-0.h5", "bytes": size, "xxh64": digest}]}
     return checkpoint.commit(tmp, manifest, keep, report=lambda m: None)
 
@@ -168,10 +168,11 @@ def test_a_run_resumed_from_an_older_checkpoint_moves_the_later_ones_aside(tmp_p
     for step in (10, 20, 30):
         _fake(tmp_path, step, "mine", keep=5)
     lines = []
-    assert checkpoint.claim(str(tmp_path), "mine", 10, report=lines.append) is None
+    resumed = str(tmp_path / "ckpt-0000000010")
+    assert checkpoint.claim(str(tmp_path), "mine", resumed, report=lines.append) is None
     assert _listing(tmp_path) == ["ckpt-0000000010"]
     assert sorted(os.listdir(tmp_path / checkpoint.SUPERSEDED)) == ["ckpt-0000000020", "ckpt-0000000030"]
-    assert len(lines) == 2 and all("past the step resumed from (10)" in ln for ln in lines)
+    assert len(lines) == 2 and all(f"past the checkpoint resumed from ({resumed})" in ln for ln in lines)
     _fake(tmp_path, 20, "mine", keep=1)  # the resumed run's step 20 is its newest, kept
     assert _listing(tmp_path) == ["ckpt-0000000020"]
     assert checkpoint.read_manifest(str(tmp_path / "ckpt-0000000020"))["position"]["global_step"] == 20
@@ -180,6 +181,71 @@ def test_a_run_resumed_from_an_older_checkpoint_moves_the_later_ones_aside(tmp_p
     assert error and "holds 1 checkpoint(s) of another run (run mine; newest ckpt-0000000020)" in error
     assert checkpoint.claim(str(tmp_path), "new", None, "replace", report=lines.append) is None
     assert _listing(tmp_path) == [] and "moved 1 checkpoint(s) of another run" in lines[-1]
+
+
+def test_the_checkpoint_resumed_from_is_never_moved_aside_whatever_its_name(tmp_path):
+    for step in (10, 20):
+        _fake(tmp_path, step, "mine", keep=5)
+    renamed = tmp_path / "ckpt-0000000025"  # a folder renamed by hand: its name says 25, its manifest 20
+    os.rename(tmp_path / "ckpt-0000000020", renamed)
+    lines = []
+    assert checkpoint.claim(str(tmp_path), "mine", str(renamed), report=lines.append) is None
+    assert _listing(tmp_path) == ["ckpt-0000000010", "ckpt-0000000025"] and not lines
+    checkpoint.verify(str(renamed))
+    # another run's checkpoint beside the one resumed: the advice is not to resume (that was done)
+    _fake(tmp_path, 5, "other", keep=5)
+    error = checkpoint.claim(str(tmp_path), "mine", str(renamed))
+    assert f"besides the one resumed ({renamed})" in error and "--resume auto" not in error
+
+
+def test_a_checkpoint_of_the_same_run_and_step_written_again_replaces_it(tmp_path):
+    first = _fake(tmp_path, 10, "mine", keep=1)
+    inode = os.stat(first).st_ino
+    again = _fake(tmp_path, 10, "mine", keep=1)  # (a resumed run with nothing new to train, its data changed)
+    assert again == first and _listing(tmp_path) == ["ckpt-0000000010"] and os.stat(again).st_ino != inode
+    assert not os.path.exists(tmp_path / checkpoint.SUPERSEDED) and not any(n.endswith(".tmp") for n in
+                                                                            os.listdir(tmp_path))
+    checkpoint.verify(again)
+
+
+def test_resuming_a_finished_run_writes_nothing_and_reports_no_empty_epoch(small, tmp_path):
+    ck = tmp_path / "ck"
+    rc, out = _train(small, ck, epochs=2, checkpoint__every_steps=10, train__batch_size=100, checkpoint__keep=1)
+    assert rc == 0, out[-3000:]
+    (final,) = _listing(ck)
+    before = os.stat(ck / final / checkpoint.MANIFEST).st_mtime_ns
+    for _ in range(2):  # resumed at its last step (a periodic checkpoint's position is the next epoch's first)
+        rc, out = _train(small, ck, "--resume", "auto", "--summary-json", str(tmp_path / "s.json"), epochs=2,
+                         checkpoint__every_steps=10, train__batch_size=100, checkpoint__keep=1,
+                         train__metrics=str(tmp_path / "m.jsonl"))
+        assert rc == 0 and "nothing left to train" in out, out[-3000:]
+    assert _listing(ck) == [final] and not os.path.exists(ck / checkpoint.SUPERSEDED)
+    assert os.stat(ck / final / checkpoint.MANIFEST).st_mtime_ns == before  # not written again
+    summary = json.load(open(tmp_path / "s.json"))
+    assert "train_loss" not in summary, summary  # (it read 0.0: an epoch of no step)
+    assert not [r for r in map(json.loads, open(tmp_path / "m.jsonl")) if r.get("kind") == "epoch"]
+
+
+def test_an_epoch_resumed_midway_says_where_its_loss_starts(small, tmp_path):
+    ck = tmp_path / "ck"
+    rc, out = _train(small, ck, epochs=1, checkpoint__every_steps=10, train__batch_size=100)
+    assert rc == 0, out[-3000:]
+    middle = [n for n in _listing(ck) if checkpoint.step_of(n) == 10][0]
+    rc, out = _train(small, ck, "--resume", str(ck / middle), epochs=1, checkpoint__every_steps=10,
+                     train__batch_size=100, train__metrics=str(tmp_path / "m.jsonl"))
+    assert rc == 0, out[-3000:]
+    (epoch,) = [r for r in map(json.loads, open(tmp_path / "m.jsonl")) if r.get("kind") == "epoch"]
+    assert epoch["first_step"] == 11, epoch
+
+
+def test_inspect_and_export_of_a_checkpoint_directory(tmp_path):
+    for step in (10, 20):
+        _fake(tmp_path, step, "mine", keep=5)
+    checkpoint.quarantine(str(tmp_path / "ckpt-0000000010"), "test", report=lambda m: None)
+    rc, out = job(0, ["inspect", str(tmp_path)])
+    assert rc == 0 and out.rstrip().endswith(f"{tmp_path}: set aside: 1 under damaged/"), out
+    rc, out = job(0, ["export", str(tmp_path), "--out", str(tmp_path / "m.h5")])
+    assert rc == 2 and f"name one of its checkpoints, e.g. the newest, {tmp_path / 'ckpt-0000000020'}" in out, out
 
 
 
@@ -258,6 +324,56 @@ def test_sigint_to_supervise_reaches_the_job_once_and_leaves_no_process(long_run
     assert out.count("Sending Ctrl-C to processes") <= 1  # (MPICH says it) one SIGINT reached mpiexec, not two
     assert checkpoint.newest_good(str(ck))[1]["reason"] == "signal"
     assert not rank_pids(str(ck))  # no rank left behind
+
+
+def test_a_second_sigint_to_supervise_ends_the_job_at_once_not_as_finished(long_run, tmp_path):
+    ck, log = tmp_path / "ck", tmp_path / "log"
+    proc = subprocess.Popen([*HPCPS, "supervise", "--", *mpiexec(), "-n", "3", *HPCPS, *_long_args(long_run, ck)],
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True, env=ENV,
+                            start_new_session=True)
+    assert wait_for(lambda: _started(log), proc=proc), open(log).read()[-3000:]
+    time.sleep(1.0)
+    os.kill(proc.pid, signal.SIGINT)
+    time.sleep(0.02)  # an impatient second Ctrl-C: on as SIGTERM, not as a second SIGINT to mpiexec
+    os.kill(proc.pid, signal.SIGINT)
+    rc = proc.wait(timeout=60)
+    out = open(log).read()
+    assert rc in (130, 143), out[-3000:]  # (which of the two the ranks saw first)
+    assert "finished" not in out and "Traceback" not in out, out[-3000:]
+    assert not rank_pids(str(ck))
+
+
+FAKE_JOB = """
+import json, os, sys
+count = os.path.join(os.path.dirname(os.path.abspath(__file__)), "starts")
+n = int(open(count).read()) + 1 if os.path.exists(count) else 1
+open(count, "w").write(str(n))
+open(os.path.join(os.path.dirname(count), f"argv-{n}"), "w").write(json.dumps(sys.argv[1:]))
+json.dump({"global_step": 5, "checkpoint_dir": ""}, open(os.environ["HPCPS_STATUS_FILE"], "w"))
+sys.exit(1 if n == 1 else 0)  # the first start fails (a crash), the second finishes
+"""
+
+
+def test_supervise_restarts_a_job_without_checkpoints_from_the_start(tmp_path):
+    """A job whose status says it writes no checkpoints (a real process standing in for training,
+    as supervise reads it) is restarted as it was given: --resume auto would be refused."""
+    (tmp_path / "job.py").write_text(FAKE_JOB)
+    rc, out = job(0, ["supervise", "--backoff", "0", "--", sys.executable, str(tmp_path / "job.py"), "train"])
+    assert rc == 0 and "restart 1/3 in 0 s from the start (the job has no checkpoint.dir)" in out, out
+    assert json.load(open(tmp_path / "argv-2")) == ["train"]
+
+
+def test_a_failed_mpi_call_is_reported_as_a_peer_that_died_not_as_a_bug():
+    """What a rank says when MPI fails under it (a peer killed, out of memory): one line, no
+    "unexpected" (the MPI error is made here: when it happens depends on the launcher's teardown)."""
+    from mpi4py import MPI
+
+    from hpcps import errors, transport
+
+    e = MPI.Exception(MPI.ERR_OTHER)
+    line, status = errors.one_line(e, transport.explanation(e))
+    assert status == 1 and line.startswith("MPIError: an MPI call failed (") and "another rank of the job died" in line
+    assert "unexpected" not in line
 
 
 @pytest.mark.parametrize("args,match", [
@@ -361,7 +477,8 @@ def test_disk_full_during_a_checkpoint_loses_nothing_committed(small, tmp_path, 
     lines = [ln for ln in out.splitlines() if ": error: " in ln]
     assert len(lines) == 1 and re.match(r"hpcps: rank (0/1|[01]/2): error: CheckpointError: (server 0|the first "
                                         r"worker) cannot write ", lines[0]), out[-3000:]
-    assert re.search(r"No space left on device( \(\d+\.\d MiB needed, \d+\.\d MiB free\))?; the checkpoints "
+    size = r"[\d.]+ (bytes|KiB|MiB|GiB)"
+    assert re.search(rf"No space left on device( \({size} needed, {size} free\))?; the checkpoints "
                      r"committed before it are intact$", lines[0]), lines[0]
     assert "Traceback" not in out and "HPCPS_DEBUG" not in out, out[-3000:]
     good = checkpoint.newest_good(str(ck), report=lambda m: None)

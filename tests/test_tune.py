@@ -131,3 +131,11 @@ def test_toml_written_reads_back(tmp_path):
            "data": {"train": 'a "quoted" päth.txt'}, "train": {"progress": False, "epochs": 3}}
     (tmp_path / "c.toml").write_text(config.to_toml(raw), encoding="utf-8")
     assert config.load_raw(str(tmp_path / "c.toml"), []) == raw
+
+
+def test_the_keys_a_tune_has_no_use_for_are_named_not_dropped_silently(capsys):
+    raw = {"data": {"train": "t.svm"}, "train": {"model_out": "m.h5"}, "checkpoint": {"dir": "ck"}}
+    members = tune.member_raws(raw, tune.parse_grid(["optimizer.alpha=0.1,0.3"]))
+    assert len(members) == 2 and all("dir" not in r.get("checkpoint", {}) for _, r in members)
+    err = capsys.readouterr().err
+    assert "hpcps tune: ignoring train.model_out, checkpoint.dir: a tune writes the best configuration" in err, err

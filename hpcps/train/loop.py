@@ -106,9 +106,7 @@ def claim_checkpoints(cfg, comm, restore: tuple[str, dict] | None) -> str:
     if comm.Get_rank() == 0:
         run_id = checkpoint.run_of(restore[1]) if restore else checkpoint.new_run_id()
         if cfg.checkpoint.dir:
-            resumed_step = restore[1].get("position", {}).get("global_step", checkpoint.step_of(restore[0])) \
-                if restore else None
-            error = checkpoint.claim(cfg.checkpoint.dir, run_id, resumed_step, cfg.checkpoint.existing,
+            error = checkpoint.claim(cfg.checkpoint.dir, run_id, restore[0] if restore else None, cfg.checkpoint.existing,
                                      report=checkpoint.say)
     run_id, error = transport.bcast_object(comm, (run_id, error), 0, cfg.cluster.stall_timeout_s,
                                            "broadcast of the run's id")
@@ -400,6 +398,8 @@ class Trainer:
        checkpoint, predictions, the summary).
     """
 
+    NO_CHECKPOINT = "no checkpoint to write (checkpoint.dir is not set)"  # what a stop signal's line says
+
     def __init__(self, cfg, comm=None):
         self.cfg = cfg
         self.batch_size_set = bool(cfg.train.batch_size)  # else auto, resolved in prepare
@@ -437,8 +437,7 @@ class Trainer:
         # SIGINT, SIGTERM and SIGUSR1: with a checkpoint to write, at the next step (a checkpoint,
         # then exit 130 or 75); without one, at once (exit 128 + the signal)
         signals.install(defer=bool(ck.dir), prefix=f"hpcps: {transport.rank_prefix(world)}: ",
-                        first=world.Get_rank() == 0, why="" if ck.dir else "no checkpoint to write (checkpoint.dir "
-                        "is not set)", end=transport.end_job)
+                        first=world.Get_rank() == 0, why="" if ck.dir else self.NO_CHECKPOINT, end=transport.end_job)
         self.restore = resolve_resume(cfg, world)
         if ck.dir and world.Get_rank() == 0:
             os.makedirs(ck.dir, exist_ok=True)
@@ -546,6 +545,8 @@ class Trainer:
             path, manifest = self.restore
             pos = manifest["position"]
             self.start_epoch, self.start_step, self.global_step = pos["epoch"], pos["step"], pos["global_step"]
+            if self.start_step > steps:  # written at an epoch's last step: the next epoch's first
+                self.start_epoch, self.start_step = self.start_epoch + 1, 1
             ctx.clock_value = manifest["clock"]
             if first:
                 same = manifest["layout"]["workers"] == ctx.layout.workers
@@ -562,7 +563,16 @@ class Trainer:
         self.waited_before = 0.0  # ctx.stats["wait_s"] at the end of the last epoch
         self.last_save = time.monotonic()
         self.examples = 0
-        self.saved_at = -1
+        # the step of the newest checkpoint of this run in checkpoint.dir: the one resumed from, when
+        # it lies there and means the same data (so a run with nothing left to train writes none)
+        here = False
+        if self.restore is not None and ck.dir and not ck.allow_other_data:
+            try:
+                here = os.path.samefile(os.path.dirname(os.path.normpath(self.restore[0])) or ".", ck.dir)
+            except OSError:
+                pass
+        self.saved_at = self.global_step if self._allreduce(int(here), "min", "agreement on the checkpoint resumed") \
+            else -1
         if first and self.start_epoch > tr.epochs:
             print(f"hpcps train: nothing left to train: {self.restore[0] if self.restore else 'the checkpoint'} is at "
                   f"the end of training (train.epochs = {tr.epochs}); raise train.epochs to train on from it",
@@ -645,7 +655,7 @@ class Trainer:
         """The epoch's steps (from the resumed step in the first); sets ``preempted`` when a stop
         signal ended it after a checkpoint."""
         self.loss_sum, self.rows = 0.0, 0
-        first_step = self.start_step if epoch == self.start_epoch else 1
+        self.first_step = first_step = self.start_step if epoch == self.start_epoch else 1
         self.whole_epoch = first_step == 1
         self.collecting = self.cfg.train.holdout and self.holdout is None and first_step == 1
         try:  # (a stream checks at each read too; a part in memory reads nothing)
@@ -769,7 +779,9 @@ class Trainer:
                       f"none (its lines are all blank or comments"
                       + (" or bad lines skipped)" if self.cfg.data.skip_bad_lines else ")"), 2)
         total_loss = self._allreduce(float(self.loss_sum), "sum")
-        record = {"train_loss": total_loss / max(rows, 1), "time_s": time.perf_counter() - self.t0,
+        record = {"train_loss": total_loss / max(rows, 1),
+                  **({} if self.whole_epoch else {"first_step": self.first_step}),  # (resumed mid-epoch: its loss
+                  "time_s": time.perf_counter() - self.t0,                             # is of the steps from there)
                   **{f"stage_{k}": v for k, v in self.model.stage_times().items()},
                   "stage_wait_s": round(ctx.stats["wait_s"] - self.waited_before, 4)}
         self.waited_before = ctx.stats["wait_s"]

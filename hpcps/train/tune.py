@@ -24,6 +24,7 @@ import copy
 import itertools
 import math
 import statistics
+import sys
 import time
 from dataclasses import replace
 
@@ -63,6 +64,10 @@ def parse_grid(items: list[str]) -> list[tuple[str, list]]:
     return grid
 
 
+IGNORED = (("train", "model_out"), ("data", "predict"), ("data", "predict_out"), ("checkpoint", "dir"),
+           ("checkpoint", "resume"))  # keys of a training run that a tune has no use for
+
+
 def member_raws(raw: dict, grid: list[tuple[str, list]]) -> list[tuple[dict, dict]]:
     """The raw configuration of every point of the grid, with the tune defaults where ``raw``
     does not set them: ``(point, raw)`` pairs, each validated (a bad value names its key)."""
@@ -70,9 +75,10 @@ def member_raws(raw: dict, grid: list[tuple[str, list]]) -> list[tuple[dict, dic
     train = base.setdefault("train", {})
     for key, value in TUNE_DEFAULTS.items():
         train.setdefault(key, value)
-    for section, key in (("train", "model_out"), ("data", "predict"), ("data", "predict_out"),
-                         ("checkpoint", "dir"), ("checkpoint", "resume")):
-        base.get(section, {}).pop(key, None)  # a tune writes a configuration, not models
+    ignored = [f"{section}.{key}" for section, key in IGNORED if base.get(section, {}).pop(key, None)]
+    if ignored:  # (a tune writes a configuration, not models, predictions or checkpoints)
+        print(f"hpcps tune: ignoring {', '.join(ignored)}: a tune writes the best configuration (--out), not "
+              f"models, predictions or checkpoints", file=sys.stderr, flush=True)
     if not train["holdout"]:
         raise config.ConfigError("train.holdout = 0: hpcps tune ranks the grid on held-out rows; set train.holdout "
                                  "(10 unless set: every 10th row)")
@@ -101,6 +107,8 @@ def _describe(point: dict) -> str:
 class Tuner(Trainer):
     """A :class:`~hpcps.train.loop.Trainer` whose model is a Grid: the holdout scores every member
     each epoch, each member has its own early stopping, and the report ranks them."""
+
+    NO_CHECKPOINT = "hpcps tune writes no checkpoints"
 
     def __init__(self, members: list[tuple[dict, dict]], comm=None, fold: int = 0, folds: int | None = 1):
         self.points = [p for p, _ in members]
