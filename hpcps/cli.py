@@ -273,24 +273,34 @@ def _gen_data_problem(args) -> str | None:
 
 
 def _cmd_gen_data(args) -> int:
-    from hpcps import outputs
     from hpcps.train import synth
 
     problem = _gen_data_problem(args)
     if problem:
         return _fail(problem)
+    try:
+        return _gen_data(args)
+    except synth.SynthError as e:  # another data set (or other files) where this one would go
+        return _fail(str(e))
+
+
+def _gen_data(args) -> int:
+    from hpcps import outputs
+    from hpcps.train import synth
+
     if args.ratings:
-        out = synth.ratings(args.out_dir, args.rows, args.test_rows, seed=args.seed)
+        out = synth.ratings(args.out_dir, args.rows, args.test_rows, seed=args.seed, overwrite=args.overwrite)
         print(outputs.dumps(out, indent=1))
         return 0
     if args.deep:
-        out = synth.deep(args.out_dir, args.rows, args.test_rows, seed=args.seed)
+        out = synth.deep(args.out_dir, args.rows, args.test_rows, seed=args.seed, overwrite=args.overwrite)
         print(f"hpcps gen-data: {args.rows} train + {args.test_rows} test rows (libffm, {out['fields']} fields) in "
               f"{args.out_dir}; best achievable test logloss {out['best_test_logloss']:.5f}, "
               f"AUC {out['best_test_auc']:.5f}")
         return 0
     info = synth.generate(args.out_dir, args.rows, args.test_rows, args.fields, args.interactions, args.seed,
-                          args.hash_bits, formats=tuple(dict.fromkeys(f.strip() for f in args.formats.split(","))))
+                          args.hash_bits, formats=tuple(dict.fromkeys(f.strip() for f in args.formats.split(","))),
+                          overwrite=args.overwrite)
     print(f"hpcps gen-data: {info.rows} train + {info.test_rows} test rows in {args.out_dir}"
           f"{' (already there: reused)' if info.reused else ''}; best achievable "
           f"test logloss {info.best_test_logloss:.5f}, AUC {info.best_test_auc:.5f}")
@@ -602,6 +612,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=1)
     g.add_argument("--hash-bits", type=int, default=GEN_CLICK_DEFAULTS["hash_bits"], help="key bits (1 to 64)")
     g.add_argument("--formats", default=GEN_CLICK_DEFAULTS["formats"], help="comma-separated: libsvm, criteo, vw")
+    g.add_argument("--overwrite", action="store_true",
+                   help="replace a data set of other parameters (or other files of the names written) in OUT_DIR; "
+                        "without it they are refused (the same data set is reused)")
     g.set_defaults(func=_cmd_gen_data)
 
     bench = sub.add_parser("bench", help="benchmarks (run under mpiexec)")

@@ -130,12 +130,18 @@ def resolve_data(cfg, comm) -> tuple[dict, dict | None]:
         out = cfg.synth.dir or os.path.join(synth.cache_dir(), synth.dir_name(
             cfg.synth.rows, cfg.synth.test_rows, cfg.synth.fields, cfg.synth.interactions, cfg.synth.seed,
             cfg.data.hash_bits))
-        s = synth.generate(out, cfg.synth.rows, cfg.synth.test_rows, cfg.synth.fields, cfg.synth.interactions,
-                           cfg.synth.seed, cfg.data.hash_bits, formats=("libsvm",))
-        info = {"train": s.files["train_libsvm"], "test": s.files["test_libsvm"],
-                "best_test_logloss": float(s.best_test_logloss), "best_test_auc": float(s.best_test_auc),
-                "dir": out, "reused": s.reused}
+        try:  # the cache's directories are hpcps's own, named by their parameters: replaced if need be
+            s = synth.generate(out, cfg.synth.rows, cfg.synth.test_rows, cfg.synth.fields, cfg.synth.interactions,
+                               cfg.synth.seed, cfg.data.hash_bits, formats=("libsvm",), overwrite=not cfg.synth.dir,
+                               how="give synth.dir another directory (or \"\" to use the cache)")
+            info = {"train": s.files["train_libsvm"], "test": s.files["test_libsvm"],
+                    "best_test_logloss": float(s.best_test_logloss), "best_test_auc": float(s.best_test_auc),
+                    "dir": out, "reused": s.reused}
+        except synth.SynthError as e:
+            info = {"error": f"synth.dir = {cfg.synth.dir!r}: {e}"}
     info = transport.bcast_object(comm, info, 0, cfg.cluster.stall_timeout_s, "broadcast of the synthetic data's paths")
+    if "error" in info:
+        raise TrainError(info["error"])
     return {"train": info["train"], "test": info["test"]}, info
 
 

@@ -1,0 +1,110 @@
+"""Cases a new user's trial of main found mishandled: data sets replaced without a word, stale
+caches, failures of an optional cache that ended the job, metrics files that mixed runs, outputs
+inside checkpoints, benchmark and plot options, and messages that did not say what was wrong.
+
+Each test runs ``hpcps`` as a user would (one process, or ``mpiexec``) and checks the exit status,
+the one line the user reads and what is left on the disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from hpcps.train import synth
+from test_faults import job, sets
+
+
+def error_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if "error:" in line]
+
+
+def one_error(rc: int, out: str, status: int = 2) -> str:
+    """The one error line of a command that failed with ``status``, without a traceback."""
+    errors = error_lines(out)
+    assert rc == status and len(errors) == 1 and "Traceback" not in out and "unexpected" not in out, (rc, out)
+    return errors[0]
+
+
+def listing(d) -> dict:
+    """Each file's bytes under ``d``, by its path relative to ``d``."""
+    out = {}
+    for root, _, files in os.walk(d):
+        for f in files:
+            p = os.path.join(root, f)
+            with open(p, "rb") as fh:
+                out[os.path.relpath(p, d)] = fh.read()
+    return out
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """A 3,000-row training file and a 1,000-row test file (libsvm), as ``gen-data`` writes them."""
+    d = tmp_path_factory.mktemp("trial")
+    info = synth.generate(str(d / "data"), 3_000, 1_000, fields=8, seed=5, formats=("libsvm",))
+    return info.files["train_libsvm"], info.files["test_libsvm"]
+
+
+# -- gen-data never replaces another data set -------------------------------------------------------
+
+def test_gen_data_refuses_to_replace_another_data_set_unless_asked(tmp_path):
+    d = tmp_path / "data"
+    rc, out = job(0, ["gen-data", str(d), "--rows", "300", "--test-rows", "100"])
+    assert rc == 0, out
+    before = listing(d)
+    rc, out = job(0, ["gen-data", str(d), "--rows", "100", "--test-rows", "10"])
+    line = one_error(rc, out)
+    assert "other parameters" in line and "rows 300, not 100" in line and "--overwrite" in line, line
+    assert f"{d}/info.json" in line and f"{d}/train.svm" in line, line
+    for other in (["--deep"], ["--ratings"]):  # another kind of data set: its info.json would go
+        rc, out = job(0, ["gen-data", str(d), "--rows", "100", "--test-rows", "10", *other])
+        assert "info.json" in one_error(rc, out)
+    assert listing(d) == before  # nothing replaced
+    rc, out = job(0, ["gen-data", str(d), "--rows", "300", "--test-rows", "100"])  # the same: reused
+    assert rc == 0 and "reused" in out and listing(d) == before, out
+    rc, out = job(0, ["gen-data", str(d), "--rows", "100", "--test-rows", "10", "--overwrite"])
+    assert rc == 0 and "reused" not in out, out
+    assert len(open(d / "train.svm").read().splitlines()) == 100
+
+
+def test_gen_data_refuses_files_of_its_names_it_did_not_write(tmp_path):
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "train.svm").write_text("1 3:1\n")
+    for kind in ([], ["--ratings"]):
+        rc, out = job(0, ["gen-data", str(own), "--rows", "100", "--test-rows", "10", *kind])
+        line = one_error(rc, out)
+        assert f"{own}/train.svm" in line and "--overwrite" in line, line
+    assert listing(own) == {"train.svm": b"1 3:1\n"}
+
+
+def test_a_deep_or_ratings_data_set_of_the_same_parameters_is_written_again(tmp_path):
+    for kind in ("--deep", "--ratings"):
+        d = tmp_path / kind[2:]
+        for _ in range(2):
+            rc, out = job(0, ["gen-data", str(d), "--rows", "200", "--test-rows", "50", kind])
+            assert rc == 0, out
+        rc, out = job(0, ["gen-data", str(d), "--rows", "201", "--test-rows", "50", kind])
+        assert "rows 200, not 201" in one_error(rc, out)
+
+
+def test_training_into_a_synth_dir_of_another_data_set_is_refused(tmp_path):
+    d = tmp_path / "sd"
+    synth.generate(str(d), 300, 100, fields=8, seed=5, formats=("libsvm",))
+    before = listing(d)
+    rc, out = job(0, ["train", *sets(synth__dir=str(d), synth__rows=200, synth__test_rows=100, synth__fields=8,
+                                     synth__seed=5, train__epochs=1, train__progress=False)])
+    line = one_error(rc, out)
+    assert "synth.dir" in line and "rows 300, not 200" in line, line
+    assert listing(d) == before
+
+
+def test_gen_data_on_a_full_disk_leaves_nothing_behind(small_disk):
+    for where in (small_disk / "new" / "d", small_disk):  # a directory it made, one that was there
+        rc, out = job(0, ["gen-data", str(where), "--rows", "60000", "--test-rows", "1000"])
+        line = one_error(rc, out, 1)
+        assert "No space left" in line, line
+        assert os.listdir(small_disk) == [], os.listdir(small_disk)
