@@ -108,3 +108,52 @@ def test_gen_data_on_a_full_disk_leaves_nothing_behind(small_disk):
         line = one_error(rc, out, 1)
         assert "No space left" in line, line
         assert os.listdir(small_disk) == [], os.listdir(small_disk)
+
+
+# -- the data cache: never stale, never the job's end -----------------------------------------------
+
+def _train_cached(small, cache, *extra, n=0, **kv):
+    return job(n, ["train", *sets(data__train=small[0], data__test=small[1], train__epochs=1, train__progress=False,
+                                  data__cache_dir=str(cache), **kv), *extra])
+
+
+def test_a_file_rewritten_with_its_size_and_mtime_kept_is_not_read_from_the_cache(small, tmp_path):
+    from hpcps.train import data
+
+    path = shutil.copyfile(small[0], tmp_path / "train.svm")
+    first = data.load_part(str(path), 0, 1, cache_dir=str(tmp_path / "cache"))
+    st = os.stat(path)
+    text = bytearray(open(path, "rb").read())
+    text[0] = ord("1") if text[0] == ord("0") else ord("0")  # the first label, flipped: the same size
+    with open(path, "r+b") as f:
+        f.write(text)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # as touch -r, rsync -t would
+    assert (os.stat(path).st_size, os.stat(path).st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    again = data.load_part(str(path), 0, 1, cache_dir=str(tmp_path / "cache"))
+    assert again.labels[0] != first.labels[0] and again.labels[0] == data.load_part(str(path), 0, 1).labels[0]
+
+
+def test_a_damaged_cache_entry_is_one_warning_and_parsed_again(small, tmp_path):
+    cache = tmp_path / "cache"
+    rc, out = _train_cached(small, cache, "--summary-json", str(tmp_path / "a.json"))
+    assert rc == 0, out
+    for d in os.listdir(cache):  # every entry cut short, as a full disk or a killed copy leaves it
+        os.truncate(cache / d / "indices.npy", 1000)
+    rc, out = _train_cached(small, cache, "--summary-json", str(tmp_path / "b.json"))
+    warnings = [ln for ln in out.splitlines() if "warning: data.cache_dir" in ln]
+    assert rc == 0 and len(warnings) == 2 and all("damaged" in w for w in warnings), out
+    a, b = json.load(open(tmp_path / "a.json")), json.load(open(tmp_path / "b.json"))
+    assert a["test_logloss"] == b["test_logloss"]
+    rc, out = _train_cached(small, cache)  # the entries were written again: a restart is quiet
+    assert rc == 0 and "warning" not in out, out
+
+
+def test_a_cache_on_a_full_disk_is_one_warning_and_leaves_nothing(small, small_disk, tmp_path):
+    with open(small_disk / "fill", "wb") as f:  # leave 64 KiB: less than the parsed part
+        f.write(b"\0" * (shutil.disk_usage(small_disk).free - (64 << 10)))
+    cache = small_disk / "cache"
+    for n in (0, 2):
+        rc, out = _train_cached(small, cache, n=n, model__type="fm")
+        warnings = [ln for ln in out.splitlines() if "warning: data.cache_dir" in ln]
+        assert rc == 0 and warnings and all("cannot cache" in w and "full" in w for w in warnings), out
+        assert "Traceback" not in out and os.listdir(cache) == [], os.listdir(cache)

@@ -4,7 +4,8 @@
   in which it starts), so no rank reads the whole file.
 * :func:`load_part`: read and parse one part (libsvm or Criteo TSV), with a binary cache of the
   parsed arrays (``.npy`` files, memory-mapped on later epochs and runs; keyed by the file's path,
-  size and modification time, the part and the parse settings).
+  size, modification time, inode and status-change time, the part and the parse settings; a cache
+  that cannot be read or written is a warning, never the job's end).
 * A malformed line raises :class:`~hpcps_kernels.parse.ParseError` naming the file and the line's
   number in the file (the newlines before the part are counted only then, on the error path).
 * Every row gets the bias feature ``BIAS_KEY`` with value 1.
@@ -17,6 +18,7 @@ import contextlib
 import hashlib
 import math
 import os
+import shutil
 import stat
 import sys
 import threading
@@ -413,29 +415,101 @@ def load_part(path: str, part: int, parts: int, fmt: str = "auto", hash_bits: in
     start, end = byte_range(path, part, parts, state[0])
     cache = None
     if cache_dir:
-        tag = f"{os.path.abspath(path)}|{state[0]}|{state[1]}|{part}/{parts}|{fmt}|{hash_bits}|{skip_bad}|{binary}"
-        tag += "|fields" if fields and fmt == "criteo" else ""
-        cache = os.path.join(cache_dir, hashlib.sha256(tag.encode()).hexdigest()[:20])
-        if os.path.exists(os.path.join(cache, "done")):
-            arrays = [np.load(os.path.join(cache, f"{n}.npy"), mmap_mode="r") for n in ("labels", "indptr", "indices", "values")]
-            skipped = int(open(os.path.join(cache, "done")).read() or 0)
-            return Dataset(*arrays, skipped=skipped, source=path, state=state)
+        cache = _cache_entry(cache_dir, path, part, parts, fmt, hash_bits, skip_bad, binary,
+                             fields and fmt == "criteo")
+        ds = _read_cache(cache, path, part, parts, state)
+        if ds is not None:
+            return ds
     (labels, indptr, indices, values), skipped = _parse_part(path, start, end, fmt, hash_bits, skip_bad, binary,
                                                              fields, state)
     ds = Dataset(labels, indptr, indices, values, skipped, path, state=state)
     ds.check_finite()
     if cache:
-        tmp = cache + f".tmp{os.getpid()}"
+        _write_cache(cache, ds, part, parts)
+    return ds
+
+
+CACHE_ARRAYS = ("labels", "indptr", "indices", "values")
+
+
+def _cache_entry(cache_dir: str, path: str, part: int, parts: int, fmt: str, hash_bits: int, skip_bad: bool,
+                 binary: bool, fields: bool) -> str:
+    """The cache directory of a part parsed with these settings from the file ``path`` is now.
+
+    The file is told by its path, size and modification time, and by its device, inode and
+    status-change time (``st_ctime_ns``): a file rewritten in place with its size and modification
+    time kept (``os.utime``, ``touch -r``, ``rsync -t``) still gets a new ctime, which no call can
+    set back, and a file replaced by another gets another inode. A hash of the contents would tell
+    it too but read the whole file on every start, which the cache is there to avoid; a change of
+    ctime alone (``chmod``, a new hard link) costs one parse, never a wrong row."""
+    st = os.stat(path)
+    tag = (f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{st.st_dev}|{st.st_ino}|{st.st_ctime_ns}|"
+           f"{part}/{parts}|{fmt}|{hash_bits}|{skip_bad}|{binary}" + ("|fields" if fields else ""))
+    return os.path.join(cache_dir, hashlib.sha256(tag.encode()).hexdigest()[:20])
+
+
+def _cache_warning(message: str, e: BaseException, where: str = "") -> None:
+    """One warning line: ``message`` with ``{why}`` as the failure's reason (numpy's short write
+    of an array on a full disk carries no errno: the free space in ``where`` says so)."""
+    why = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0]
+    if where and getattr(e, "errno", None) is None:
+        with contextlib.suppress(OSError):
+            if shutil.disk_usage(where).free < 1 << 20:
+                why = f"the disk is full ({why})"
+    sys.stderr.write(f"hpcps: warning: data.cache_dir: {message.format(why=why)}\n")
+    sys.stderr.flush()
+
+
+def _read_cache(cache: str, path: str, part: int, parts: int, state: tuple) -> Dataset | None:
+    """The part from its cache entry (memory-mapped), or None when there is none. A damaged entry
+    (cut short, unreadable, arrays that do not fit together) is one warning and removed, so that
+    the part is parsed and cached again instead of failing every start the same way."""
+    done = os.path.join(cache, "done")
+    if not os.path.exists(done):
+        return None
+    try:
+        with open(done) as f:
+            skipped = int(f.read() or 0)
+        labels, indptr, indices, values = (np.load(os.path.join(cache, f"{n}.npy"), mmap_mode="r")
+                                           for n in CACHE_ARRAYS)
+        rows, nnz = labels.shape[0], indices.shape[0]
+        if (labels.ndim, indptr.ndim, indices.ndim, values.ndim) != (1, 1, 1, 1) or indptr.shape[0] != rows + 1 \
+                or values.shape[0] != nnz or int(indptr[0]) != 0 or int(indptr[-1]) != nnz:
+            raise ValueError(f"its arrays do not fit together ({rows} labels, {indptr.shape[0]} row offsets "
+                             f"ending at {int(indptr[-1]) if indptr.shape[0] else '?'}, {nnz} keys, "
+                             f"{values.shape[0]} values)")
+    except (OSError, ValueError, EOFError) as e:
+        _cache_warning(f"the cache of {path} (part {part + 1} of {parts}) in {cache} is damaged ({{why}}): "
+                       f"removed; the part is parsed from its text (and cached again)", e)
+        _remove_tree(cache)
+        return None
+    return Dataset(labels, indptr, indices, values, skipped=skipped, source=path, state=state)
+
+
+def _write_cache(cache: str, ds: Dataset, part: int, parts: int) -> None:
+    """Save the parsed part as its cache entry: written in a temporary directory beside it, then
+    renamed. A write that fails (a full disk, no permission) is one warning and leaves nothing
+    behind: the cache only saves later starts a parse."""
+    tmp = cache + f".tmp{os.getpid()}"
+    try:
         os.makedirs(tmp, exist_ok=True)
-        for n in ("labels", "indptr", "indices", "values"):
+        for n in CACHE_ARRAYS:
             np.save(os.path.join(tmp, f"{n}.npy"), getattr(ds, n))
         with open(os.path.join(tmp, "done"), "w") as f:
-            f.write(str(skipped))
-        try:
-            os.replace(tmp, cache)
-        except OSError:  # another process won the race: use theirs
-            pass
-    return ds
+            f.write(str(ds.skipped))
+    except (OSError, ValueError) as e:  # (numpy raises ValueError for a short write)
+        _cache_warning(f"cannot cache {ds.source} (part {part + 1} of {parts}) in {os.path.dirname(cache) or '.'}: "
+                       f"{{why}}; the job goes on with the part as parsed, uncached", e, os.path.dirname(cache) or ".")
+        _remove_tree(tmp)
+        return
+    try:
+        os.replace(tmp, cache)
+    except OSError:  # another process won the race: use theirs
+        _remove_tree(tmp)
+
+
+def _remove_tree(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def rows_at_least(path: str, enough: int) -> int:
