@@ -491,7 +491,8 @@ def _cmd_plot(args) -> int:
     from hpcps import outputs, plot
 
     try:
-        out = plot.plot(args.metrics, args.out, args.label)
+        out = plot.plot(args.metrics, args.out, args.label,
+                        note=lambda m: print(f"hpcps plot: note: {m}", file=sys.stderr, flush=True))
     except (ValueError, RuntimeError, OSError, outputs.OutputError) as e:
         print(f"hpcps plot: error: {e}", file=sys.stderr)
         return getattr(e, "exit_status", 2)  # (1: the image's write failed, a full disk)

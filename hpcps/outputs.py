@@ -261,6 +261,15 @@ def finite(obj):
     return obj
 
 
+def _kept(line: bytes, keep) -> bool:
+    """Whether ``keep`` takes the JSON record ``line`` (a line that is no JSON object is kept)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return True
+    return not isinstance(record, dict) or bool(keep(record))
+
+
 def dumps(obj, **kw) -> str:
     """JSON text of ``obj`` with ``null`` for NaN and infinities (never the non-standard ``NaN``)."""
     return json.dumps(finite(obj), allow_nan=False, **kw)
@@ -277,24 +286,46 @@ class Appender:
     Records are buffered and written together (:meth:`flush`, at the latest every ``flush_bytes``
     or ``flush_s`` seconds) with one ``write`` on an ``O_APPEND`` descriptor; when a write fails part-way (a full disk) the
     file is cut back to its length before it, so that it ends with the last whole record, and the
-    failure is raised as an :class:`OutputError`. A file that an earlier, killed run left ending
-    inside a line gets a line end first, so that the records written here are whole lines."""
+    failure is raised as an :class:`OutputError`.
 
-    def __init__(self, path: str, flush_bytes: int = 1 << 16, flush_s: float = 1.0):
+    ``fresh``: the file is a new run's: an empty file replaces it at once (renamed over it, so
+    that a reader sees the old file or the new one), as TensorBoard's or Lightning's logs start
+    each run anew. Otherwise (a resumed run) the records are appended to what is there, less
+    what ``keep(record)`` refuses (the records an interrupted run wrote past the point it is
+    resumed from: TensorBoard's ``purge_step``) and less an unfinished last line (a run killed
+    in the middle of one); the file is rewritten (:func:`replacing`) only when that drops
+    something. ``dropped``: the records (and unfinished lines) dropped."""
+
+    def __init__(self, path: str, flush_bytes: int = 1 << 16, flush_s: float = 1.0, fresh: bool = False,
+                 keep=None):
         self.path, self.flush_bytes, self.flush_s = path, flush_bytes, flush_s
         self.flushed = time.monotonic()
+        self.dropped = 0
+        st = _stat(path)
+        regular = st is None or stat.S_ISREG(st.st_mode)
         try:
+            if fresh and regular:
+                with replacing(path) as tmp:
+                    open(tmp, "wb").close()
+            elif regular and st is not None:
+                self._keep_only(keep)
             self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
-            size = os.fstat(self.fd).st_size
-            last = b"\n"
-            if size:
-                with open(path, "rb") as f:
-                    f.seek(size - 1)
-                    last = f.read(1)
         except OSError as e:
             raise write_failure(path, e) from None
-        self.pending: list[str] = [] if last == b"\n" else ["\n"]
+        self.pending: list[str] = []
         self.bytes = 0
+
+    def _keep_only(self, keep) -> None:
+        """Drop the records ``keep`` refuses and an unfinished last line (see the class)."""
+        with open(self.path, "rb") as f:
+            lines = f.read().split(b"\n")
+        tail = lines.pop()  # b"" when the file ends with a line end
+        kept = [ln for ln in lines if keep is None or _kept(ln, keep)]
+        self.dropped = len(lines) - len(kept) + (1 if tail else 0)
+        if self.dropped:
+            data = b"".join(ln + b"\n" for ln in kept)
+            with replacing(self.path, len(data)) as tmp, open(tmp, "wb") as f:
+                f.write(data)
 
     def write(self, record: dict) -> None:
         line = dumps(record) + "\n"

@@ -157,3 +157,81 @@ def test_a_cache_on_a_full_disk_is_one_warning_and_leaves_nothing(small, small_d
         warnings = [ln for ln in out.splitlines() if "warning: data.cache_dir" in ln]
         assert rc == 0 and warnings and all("cannot cache" in w and "full" in w for w in warnings), out
         assert "Traceback" not in out and os.listdir(cache) == [], os.listdir(cache)
+
+
+# -- metrics files: one run each, resumed runs continue them; plot reads what a run writes ---------
+
+def _records(path) -> list[dict]:
+    return [json.loads(line) for line in open(path).read().splitlines()]
+
+
+def _positions(path) -> tuple[list, list]:
+    records = _records(path)
+    return ([(r["epoch"], r["step"]) for r in records if r["kind"] == "step"],
+            [r["epoch"] for r in records if r["kind"] == "epoch"])
+
+
+def test_a_fresh_run_starts_its_metrics_anew_and_a_resumed_run_continues_them(small, tmp_path):
+    metrics, ck = tmp_path / "run.jsonl", tmp_path / "ck"
+    every = [(e, s) for e in (1, 2) for s in range(1, 31)]  # 2 epochs of 30 steps of 100 rows
+    args = ["train", *sets(data__train=small[0], data__test=small[1], train__epochs=2, train__batch_size=100,
+                           train__progress=False, train__metrics=str(metrics))]
+    for _ in range(2):
+        rc, out = job(0, args)
+        assert rc == 0, out
+        assert _positions(metrics) == (every, [1, 2])  # one run's records, not two runs' as one
+    ckpt = args + sets(checkpoint__dir=str(ck), checkpoint__every_steps=25, checkpoint__keep=5,
+                       checkpoint__existing="replace")
+    rc, out = job(0, ckpt)
+    assert rc == 0 and (ck / "ckpt-0000000025").is_dir(), out
+    with open(metrics, "a") as f:
+        f.write('{"kind": "step", "epoch": 2, "st')  # the run killed in the middle of a line
+    rc, out = job(0, ckpt + ["--resume", str(ck / "ckpt-0000000025")])
+    assert rc == 0, out
+    assert f"{metrics}: dropped 38 record(s) from epoch 1, step 26 on" in out, out  # 35 steps, 2 epochs, 1 line
+    assert _positions(metrics) == (every, [1, 2])  # the steps before the checkpoint once, then the resumed run's
+    rc, out = job(0, ckpt + ["--resume", "auto"])  # nothing left to train: nothing dropped, nothing added
+    assert rc == 0 and "dropped" not in out and _positions(metrics) == (every, [1, 2]), out
+
+
+@pytest.fixture(scope="module")
+def metrics_file(small, tmp_path_factory):
+    pytest.importorskip("matplotlib")
+    path = tmp_path_factory.mktemp("metrics") / "run.jsonl"
+    rc, out = job(0, ["train", *sets(data__train=small[0], data__test=small[1], train__epochs=1,
+                                     train__progress=False, train__metrics=str(path))])
+    assert rc == 0, out
+    return str(path)
+
+
+def test_plot_of_a_live_run_skips_its_unfinished_last_line(metrics_file, tmp_path):
+    live = tmp_path / "live.jsonl"
+    text = open(metrics_file).read()
+    live.write_text(text[:text.index("\n", 2000) + 40])  # cut inside a record, as a running job's file is
+    rc, out = job(0, ["plot", str(live), "-o", str(tmp_path / "p.png")])
+    notes = [ln for ln in out.splitlines() if "note:" in ln]
+    assert rc == 0 and len(notes) == 1 and "unfinished" in notes[0] and str(live) in notes[0], out
+    assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("record, named", [('{"kind":"step","step":1,"loss":NaN}', "examples_per_s"),
+                                           ('{"kind":"step","loss":0.5,"examples_per_s":"fast","wait_s":0,'
+                                            '"time_s":1}', "examples_per_s"),
+                                           ("[1, 2]", "not a record")])
+def test_plot_of_a_record_it_cannot_draw_names_the_file_and_line(metrics_file, tmp_path, record, named):
+    bad = tmp_path / "bad.jsonl"
+    lines = open(metrics_file).read().splitlines()
+    bad.write_text("\n".join(lines[:3] + [record] + lines[3:]) + "\n")
+    rc, out = job(0, ["plot", str(bad), "-o", str(tmp_path / "p.png")])
+    line = one_error(rc, out)
+    assert f"{bad}:4:" in line and named in line, line
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_plot_refuses_labels_that_do_not_match_its_files(metrics_file, tmp_path):
+    for labels in (["--label", "a"], ["--label", "a", "--label", "b", "--label", "c"]):
+        rc, out = job(0, ["plot", metrics_file, metrics_file, *labels, "-o", str(tmp_path / "p.png")])
+        assert "--label" in one_error(rc, out)
+    (tmp_path / "d").mkdir()
+    rc, out = job(0, ["plot", str(tmp_path / "d"), "-o", str(tmp_path / "p.png")])  # a directory: said so
+    assert "is a directory" in one_error(rc, out)

@@ -535,8 +535,9 @@ class Trainer:
         # set their own step sizes, and a mean would shrink rare keys' gradients by the batch size);
         # "mean": the gradient of the mean loss over the group's rows (the objective of plain SGD).
         self.scale = 1.0 if tr.gradient == "sum" else 1.0 / (tr.batch_size * ctx.group_comm.Get_size())
+        resume = self.restore[1]["position"] if self.restore is not None else None
         self.progress = Progress(first and tr.progress, steps, ctx.layout.workers, tr.metrics if first else "",
-                                 on_error=_abort_on)
+                                 on_error=_abort_on, resume=(resume["epoch"], resume["step"]) if resume else None)
         if first:
             where = "one process (a server and a worker inside it, no messages)" if ctx.local else ctx.layout.describe()
             print(f"hpcps train: {where}; {cfg.model.type} with {cfg.optimizer.name}, staleness "
