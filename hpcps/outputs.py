@@ -60,13 +60,19 @@ def inside(path: str, directory: str) -> bool:
     return os.path.realpath(path).startswith(d)
 
 
-def _in_checkpoint(path: str, root: str) -> str | None:
-    """The ``ckpt-*`` directory under ``root`` that holds ``path``, if one does."""
+# where a checkpoint.dir's checkpoints are moved aside (hpcps.checkpoint's DAMAGED, REPLACED and
+# SUPERSEDED; named here, below it in the layers)
+CHECKPOINT_ASIDE = ("damaged", "replaced", "superseded")
+
+
+def _in_checkpoint(path: str, root: str, aside: bool = False) -> str | None:
+    """The ``ckpt-*`` directory under ``root`` that is or holds ``path``, if one does (``aside``:
+    or the directory checkpoints are moved aside to, :data:`CHECKPOINT_ASIDE`)."""
     if not inside(path, root):
         return None
     rel = os.path.relpath(os.path.realpath(path), os.path.realpath(root))
     first = rel.split(os.sep, 1)[0]
-    return os.path.join(root, first) if _CKPT.match(first) else None
+    return os.path.join(root, first) if _CKPT.match(first) or (aside and first in CHECKPOINT_ASIDE) else None
 
 
 def _named(what: str, path: str) -> str:
@@ -108,6 +114,12 @@ def clash(outputs: list[tuple[str, str]], inputs: list[tuple[str, str]],
             if ckpt is not None and not same_file(ckpt, other):  # (the checkpoint resumed is read first)
                 return (f"{_named(other_what, other)} lies inside the checkpoint {ckpt} of "
                         f"{_named(what, root)}, where retention deletes old checkpoints; move it out of {ckpt}")
+        for other_what, other in outputs:  # (a checkpoint's own path: written, or moved aside, later)
+            ckpt = _in_checkpoint(other, root, aside=True)
+            if ckpt is not None:
+                return (f"{_named(other_what, other)} is {'' if same_file(ckpt, other) else 'inside '}{ckpt}, "
+                        f"where {_named(what, root)} writes its checkpoints or moves them aside; give "
+                        f"{other_what} a path outside {ckpt}")
     return None
 
 

@@ -235,3 +235,24 @@ def test_plot_refuses_labels_that_do_not_match_its_files(metrics_file, tmp_path)
     (tmp_path / "d").mkdir()
     rc, out = job(0, ["plot", str(tmp_path / "d"), "-o", str(tmp_path / "p.png")])  # a directory: said so
     assert "is a directory" in one_error(rc, out)
+
+
+# -- an output where checkpoints go is refused before training ---------------------------------------
+
+@pytest.mark.parametrize("name", ["ckpt-0000000030", "ckpt-0000000030.tmp", "superseded", "damaged/m.h5", "replaced"])
+def test_an_output_that_is_a_checkpoints_path_is_refused_before_training(small, tmp_path, name):
+    from hpcps import checkpoint, outputs
+
+    assert set(outputs.CHECKPOINT_ASIDE) == {checkpoint.DAMAGED, checkpoint.REPLACED, checkpoint.SUPERSEDED}
+    ck = tmp_path / "ck"
+    for key in ("train__model_out", "train__metrics", "data__predict_out"):
+        predict = {"data__predict": small[1]} if key == "data__predict_out" else {}
+        rc, out = job(0, ["train", *sets(data__train=small[0], data__test=small[1], train__epochs=1,
+                                         train__progress=False, checkpoint__dir=str(ck), **predict,
+                                         **{key: str(ck / name)})])
+        line = one_error(rc, out)
+        assert key.replace("__", ".") in line and f"{ck}/{name.split('/')[0]}" in line, line
+        assert "hpcps train: one process" not in out and (not ck.exists() or not os.listdir(ck)), out
+    rc, out = job(0, ["train", *sets(data__train=small[0], train__epochs=1, train__progress=False,
+                                     checkpoint__dir=str(ck)), "--summary-json", str(ck / name)])
+    assert "--summary-json" in one_error(rc, out)
