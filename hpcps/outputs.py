@@ -221,6 +221,32 @@ def replacing(path: str, need: int = 0):
         raise
 
 
+@contextmanager
+def making(directory: str):
+    """Create ``directory`` (and its missing parents) for what the block writes there; if the
+    block fails (a full disk), remove what it added: the directories it created, or in one that
+    was there the entries that were not, so that a failed command leaves the disk as it was."""
+    created, d = [], os.path.abspath(directory)
+    while not os.path.exists(d):
+        created.append(d)
+        d = os.path.dirname(d)
+    before = set(os.listdir(directory)) if not created else set()
+    os.makedirs(directory, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        if created:
+            shutil.rmtree(created[-1], ignore_errors=True)
+        else:
+            for name in set(os.listdir(directory)) - before:
+                path = os.path.join(directory, name)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    _remove(path)
+        raise
+
+
 def h5_failure(e: BaseException) -> OSError:
     """h5py's failed write (an OSError, or a RuntimeError met while closing, with the errno in its
     text) as an OSError with that errno, after freeing the failed file's objects (held by the

@@ -256,3 +256,32 @@ def test_an_output_that_is_a_checkpoints_path_is_refused_before_training(small, 
     rc, out = job(0, ["train", *sets(data__train=small[0], train__epochs=1, train__progress=False,
                                      checkpoint__dir=str(ck)), "--summary-json", str(ck / name)])
     assert "--summary-json" in one_error(rc, out)
+
+
+# -- benchmark options ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, named", [
+    (["bench", "mpi"], "2 ranks"), (["bench", "ps"], "2 ranks"), (["bench", "ps", "--sizes", "abc"], "--sizes"),
+    (["bench", "ps", "--sizes", "1000,"], "--sizes"), (["bench", "ps", "--key-bits", "0"], "--key-bits"),
+    (["bench", "ps", "--repeat", "0"], "--repeat"), (["bench", "checkpoint", "--keys", "-5"], "--keys"),
+    (["bench", "vw", "--ranks", "1"], "--ranks"), (["bench", "margins", "--rows", "0"], "--rows"),
+    (["bench", "deep", "--batch-size", "x"], "--batch-size")])
+def test_bench_usage_errors_are_one_line(tmp_path, args, named):
+    rc, out = job(0, [*args, *(["--dir", str(tmp_path / "b")] if args[1] in ("checkpoint", "vw") else [])])
+    assert named in one_error(rc, out) and len(out.strip().splitlines()) == 1, out  # (no usage lines)
+    assert not (tmp_path / "b").exists()
+
+
+def test_bench_ps_refuses_an_unknown_optimizer_on_every_rank():
+    rc, out = job(2, ["bench", "ps", "--optimizer", "nope", "--sizes", "10"], timeout=120)
+    errors = error_lines(out)
+    assert rc == 2 and errors and all("--optimizer 'nope'" in e for e in errors), out
+    assert "unexpected" not in out and "Traceback" not in out, out
+
+
+def test_bench_checkpoint_on_a_full_disk_is_one_line_and_leaves_nothing(small_disk):
+    for where in (small_disk / "new" / "b", small_disk):  # a directory it made, one that was there
+        rc, out = job(0, ["bench", "checkpoint", "--keys", "2000000", "--dir", str(where)])
+        line = one_error(rc, out, 1)
+        assert "No space left" in line and str(where) in line, line
+        assert os.listdir(small_disk) == [], os.listdir(small_disk)

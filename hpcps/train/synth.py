@@ -17,11 +17,8 @@ computes it, so the libsvm and Criteo files of one data set parse into the same 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -114,29 +111,6 @@ def check_dir(out_dir: str, made: dict, writes: list[str], overwrite: bool = Fal
             f"another kind of data set ({there.get('kind')}, not {made['kind']})" if there.get("kind") != made["kind"]
             else f"a data set made with other parameters ({_differences(there, made)})")
     raise SynthError(f"{out_dir} holds {what}: writing this one would replace {', '.join(hit)}; {how}")
-
-
-@contextmanager
-def _making(out_dir: str):
-    """Create ``out_dir`` (and its missing parents) for a data set; if the block fails (a full
-    disk), remove the files it left there that were not there before and the directories it
-    created, so that a failed run leaves the disk as it found it."""
-    created, d = [], os.path.abspath(out_dir)
-    while not os.path.exists(d):
-        created.append(d)
-        d = os.path.dirname(d)
-    before = set(os.listdir(out_dir)) if not created else set()
-    os.makedirs(out_dir, exist_ok=True)
-    try:
-        yield
-    except BaseException:
-        if created:
-            shutil.rmtree(created[-1], ignore_errors=True)
-        else:
-            for name in set(os.listdir(out_dir)) - before:
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(out_dir, name))
-        raise
 
 
 def cache_dir() -> str:
@@ -264,7 +238,7 @@ def generate(out_dir: str, rows: int, test_rows: int, fields: int = 39, interact
     it is reused (``info.reused``) instead of written again: the rows depend only on the parameters.
     A directory that holds another data set, or files of the names it writes that no ``info.json``
     of these parameters vouches for, is refused (:func:`check_dir`, :class:`SynthError`) unless
-    ``overwrite``. A failed write (a full disk) leaves nothing new behind (:func:`_making`).
+    ``overwrite``. A failed write (a full disk) leaves nothing new behind (:func:`hpcps.outputs.making`).
     """
     params = {"rows": rows, "test_rows": test_rows, "fields": fields, "interactions": interactions,
               "hash_bits": hash_bits, "seed": seed}
@@ -273,7 +247,7 @@ def generate(out_dir: str, rows: int, test_rows: int, fields: int = 39, interact
     found = _existing(out_dir, params, formats) if os.path.isdir(out_dir) else None
     if found is not None:
         return found
-    with _making(out_dir):
+    with outputs.making(out_dir):
         files = {}
         for name, n, s in (("train", rows, seed), ("test", test_rows, seed + 1_000_003)):
             labels, p, ints, cats, present, keys = _rows(n, fields, s, hash_bits, interactions)
@@ -293,10 +267,10 @@ def generate(out_dir: str, rows: int, test_rows: int, fields: int = 39, interact
 
 def _new_set(out_dir: str, made: dict, writes: list[str], overwrite: bool, how: str, write) -> dict:
     """``write()`` a data set into ``out_dir`` (checked first, :func:`check_dir`; nothing left
-    behind if it fails, :func:`_making`), then its ``info.json``: what ``write`` returns and
+    behind if it fails, :func:`hpcps.outputs.making`), then its ``info.json``: what ``write`` returns and
     ``made`` (its generator and parameters)."""
     check_dir(out_dir, made, writes, overwrite, how)
-    with _making(out_dir):
+    with outputs.making(out_dir):
         out = write()
         _write_whole(os.path.join(out_dir, "info.json"), outputs.dumps({**out, "generator": made}, indent=1).encode())
     return out
