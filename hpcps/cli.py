@@ -169,10 +169,7 @@ def _load_for_serving(args):
         print(f"hpcps {args.command}: note: {args.model} was written before model files carried a checksum: its "
               f"arrays cannot be checked" + (f"; the data is checked against its config's {checks}" if checks else ""),
               file=sys.stderr, flush=True)
-    if not os.path.isfile(args.data):
-        raise tdata.DataError(f"data file {args.data} not found" if not os.path.exists(args.data)
-                              else f"data file {args.data} is not a regular file")
-    fmt = tdata.detect_format(args.data, args.format or "auto")
+    fmt = tdata.detect_format(args.data, args.format or "auto")  # (what the file is, if not a regular file)
     if fmt not in KEY_HASHING:
         raise tdata.DataError(f"--format {fmt!r}: expected one of {sorted(KEY_HASHING)}")
     if args.hash_bits and not 1 <= args.hash_bits <= 64:
@@ -224,15 +221,28 @@ def _cmd_predict(args) -> int:
     import numpy as np
 
     from hpcps import outputs
+    from hpcps.train import data as tdata
     from hpcps.train.loop import write_scores
 
-    problem = outputs.clash([("--out", args.out)], [("--data", args.data), ("--model", args.model)])
+    out = "" if args.out == "-" else args.out  # "-": standard output
+    tdata.check_file(args.data)  # (what --data is, before it is compared with --out)
+    problem = outputs.clash([("--out", out)], [("--data", args.data), ("--model", args.model)])
     if problem:
         return _fail(problem)
     model, ds = _load_for_serving(args)
     m = _margins(model, ds)
-    write_scores(args.out, 1.0 / (1.0 + np.exp(-m)) if model.loss == "logistic" else m)
-    print(f"hpcps predict: {ds.rows} scores written to {args.out}")
+    scores = 1.0 / (1.0 + np.exp(-m)) if model.loss == "logistic" else m
+    if out:
+        write_scores(out, scores)
+    else:
+        try:
+            np.savetxt(sys.stdout, scores, fmt="%.6f")
+            sys.stdout.flush()
+        except BrokenPipeError:  # the reader stopped early (| head): quietly, as a killed writer would
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 128 + 13  # (SIGPIPE)
+    print(f"hpcps predict: {ds.rows} scores written to {out or 'standard output'}", file=sys.stderr if not out else
+          sys.stdout)
     return 0
 
 
@@ -626,7 +636,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=_cmd_eval)
     pr = sub.add_parser("predict", help="one score per row of a data file, in input order")
     _serving_args(pr)
-    pr.add_argument("--out", required=True, help="output file: one score per line")
+    pr.add_argument("--out", required=True, help="output file: one score per line (-: standard output)")
     pr.set_defaults(func=_cmd_predict)
 
     pl = sub.add_parser("plot", help="training loss and test metric, examples/s and waiting of runs, from their metrics")

@@ -285,3 +285,105 @@ def test_bench_checkpoint_on_a_full_disk_is_one_line_and_leaves_nothing(small_di
         line = one_error(rc, out, 1)
         assert "No space left" in line and str(where) in line, line
         assert os.listdir(small_disk) == [], os.listdir(small_disk)
+
+
+# -- messages: what is wrong with the input, in one line -------------------------------------------
+
+@pytest.fixture(scope="module")
+def model(small, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("model") / "model.h5")
+    rc, out = job(0, ["train", *sets(data__train=small[0], train__epochs=1, train__progress=False,
+                                     train__model_out=path)])
+    assert rc == 0, out
+    return path
+
+
+def _compressed(kind: str, text: bytes) -> bytes:
+    import bz2
+    import gzip
+    import lzma
+
+    return {"gzip": gzip.compress, "bzip2": bz2.compress, "xz": lzma.compress,
+            "zstd": lambda t: b"\x28\xb5\x2f\xfd" + t}[kind](text)
+
+
+@pytest.mark.parametrize("kind, command", [("gzip", "gunzip"), ("zstd", "unzstd"), ("bzip2", "bunzip2"),
+                                           ("xz", "unxz")])
+def test_a_compressed_data_file_is_named_as_such(small, model, tmp_path, kind, command):
+    path = tmp_path / "train.svm.z"
+    path.write_bytes(_compressed(kind, open(small[0], "rb").read()[:100_000]))
+    rc, out = job(0, ["train", *sets(data__train=str(path), train__epochs=1, train__progress=False)])
+    assert f"{path} is {kind}-compressed" in out and f"({command} {path})" in out and rc == 2, out
+    for fmt in ([], ["--format", "libsvm"]):
+        rc, out = job(0, ["eval", "--model", model, "--data", str(path), *fmt])
+        assert f"is {kind}-compressed: hpcps reads plain text" in one_error(rc, out)
+
+
+def test_libsvm_with_tabs_trains_as_with_spaces_and_formats_that_do_not_fit_are_named(small, tmp_path):
+    tabs = tmp_path / "tabs.svm"
+    tabs.write_text(open(small[0]).read().replace(" ", "\t"))
+    got = {}
+    for name, path in (("spaces", small[0]), ("tabs", str(tabs))):
+        rc, out = job(0, ["train", *sets(data__train=path, data__test=small[1], train__epochs=1,
+                                         train__progress=False), "--summary-json", str(tmp_path / f"{name}.json")])
+        assert rc == 0, out
+        got[name] = json.load(open(tmp_path / f"{name}.json"))["test_logloss"]
+    assert got["tabs"] == got["spaces"]
+    for path, fmt, said in ((str(tabs), "criteo", "not a Criteo line"), (small[0], "criteo", "not a Criteo line"),
+                            (small[0], "vw", None)):
+        rc, out = job(0, ["train", *sets(data__train=path, data__format=fmt, train__epochs=1, train__progress=False)])
+        assert rc == 2, out
+        if said:
+            assert f"{path}:1: {said}: " in out and "Criteo has 40" in out and "read it as libsvm" in out, out
+
+
+def test_a_criteo_file_read_as_another_format_says_it_looks_like_criteo(tmp_path, model):
+    d = synth.generate(str(tmp_path / "d"), 300, 100, fields=39, seed=2, formats=("criteo",))
+    rc, out = job(0, ["eval", "--model", model, "--data", d.files["test_criteo"], "--format", "libsvm",
+                      "--allow-other-hashing"])
+    line = one_error(rc, out)
+    assert f"{d.files['test_criteo']}:1: not a libsvm line: it has Criteo's 40 tab-separated columns" in line, line
+
+
+def test_serving_commands_name_a_directory_fifo_or_standard_input(model, tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for data, said in ((str(tmp_path), "is a directory"), (str(fifo), "is a FIFO (a named pipe)"),
+                       ("-", "not from standard input")):
+        for command in (["eval"], ["predict", "--out", str(tmp_path / "s.txt")]):
+            rc, out = job(0, [*command, "--model", model, "--data", data], timeout=60)
+            assert said in one_error(rc, out)
+
+
+def test_predict_out_dash_writes_the_scores_to_standard_output(small, model, tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "hpcps.cli", "predict", "--model", model, "--data", small[1],
+                           "--out", "-"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    scores = proc.stdout.split()
+    assert proc.returncode == 0 and len(scores) == 1000 and all(0 < float(s) < 1 for s in scores), proc.stderr
+    assert "1000 scores written to standard output" in proc.stderr and os.listdir(tmp_path) == []
+
+
+def test_a_config_file_with_a_byte_order_mark_is_read(small, tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_bytes(b"\xef\xbb\xbf" + f'[data]\ntrain = "{small[0]}"\n[train]\nepochs = 1\nprogress = false\n'
+                       .encode())
+    rc, out = job(0, ["train", str(config)])
+    assert rc == 0 and "train loss" in out, out
+
+
+def test_blank_lines_make_the_row_count_an_upper_bound_and_no_step_without_rows(small, tmp_path):
+    blank = tmp_path / "blank.svm"
+    lines = open(small[0]).read().splitlines()
+    blank.write_text("".join(line + ("\n\n" if i % 100 == 99 else "\n") for i, line in enumerate(lines)))
+    metrics = tmp_path / "run.jsonl"
+    rc, out = job(0, ["train", *sets(data__train=str(blank), train__epochs=1, train__progress=False,
+                                     train__batch_size=100, train__metrics=str(metrics))])
+    assert rc == 0 and "up to 3030 rows (its lines) on this worker, 31 steps/epoch" in out, out
+    steps = [r for r in _records(metrics) if r["kind"] == "step"]
+    assert len(steps) == 30 and all(r["rows"] > 0 and r["loss"] is not None for r in steps)
+    rc, out = job(0, ["train", *sets(data__train=str(blank), train__epochs=1, train__progress=False,
+                                     data__cache_dir=str(tmp_path / "cache"))])  # loaded whole: counted
+    assert rc == 0 and " 3000 rows on this worker" in out, out

@@ -51,6 +51,9 @@ def check_file(path: str, what: str = "data") -> None:
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
+        if path == "-":
+            raise DataError(f"{what} file '-': hpcps reads {what} from a file, not from standard input (it reads "
+                            f"a file in byte ranges, on several ranks): save it to a file first") from None
         raise DataError(f"{what} file {path} not found") from None
     except OSError as e:
         raise DataError(f"{what} file {path}: {e.strerror}") from None
@@ -106,20 +109,39 @@ def _short_read(path: str, at: int, end: int) -> DataChanged:
 HASHED_FORMATS = ("criteo", "vw")
 
 
+# the first bytes of compressed files, and the command that decompresses one
+COMPRESSED = ((b"\x1f\x8b", "gzip", "gunzip"), (b"\x28\xb5\x2f\xfd", "zstd", "unzstd"), (b"BZh", "bzip2", "bunzip2"),
+              (b"\xfd7zXZ\x00", "xz", "unxz"), (b"PK\x03\x04", "zip", "unzip"), (b"\x04\x22\x4d\x18", "lz4", "unlz4"))
+
+
+def check_text(path: str, head: bytes) -> None:
+    """Raise :class:`DataError` when ``head`` (a file's first bytes) opens a compressed file:
+    hpcps reads plain text (a compressed file's bytes would read as a bad label)."""
+    for magic, kind, command in COMPRESSED:
+        if head.startswith(magic):
+            raise DataError(f"data file {path} is {kind}-compressed: hpcps reads plain text; decompress it first "
+                            f"({command} {path})")
+
+
 def detect_format(path: str, fmt: str) -> str:
-    """``fmt``, or with ``"auto"`` the format of ``path`` from its first line (raises DataError
-    for what is not a regular file, see :func:`check_file`)."""
-    if fmt != "auto":
-        return fmt
+    """``fmt``, or with ``"auto"`` the format of ``path`` from its first line. Raises DataError for
+    what is not a regular file (see :func:`check_file`) and for a compressed file (:func:`check_text`).
+
+    A first line with a ``|`` is VW; with a tab, Criteo TSV, unless its fields are ``index:value``
+    pairs (libsvm or libffm with tabs between the fields, which their parsers take)."""
     check_file(path)
     with open(path, "rb") as f:
         head = f.read(4096)
+    check_text(path, head)
+    if fmt != "auto":
+        return fmt
     first = head.split(b"\n", 1)[0]
     if b"|" in first or path.endswith(".vw"):
         return "vw"
-    if b"\t" in first:
-        return "criteo"
     tokens = first.split()
+    pairs = len(tokens) > 1 and all(b":" in t for t in tokens[1:])
+    if b"\t" in first and not pairs:
+        return "criteo"
     return "libffm" if path.endswith(".ffm") or (len(tokens) > 1 and tokens[1].count(b":") == 2) else "libsvm"
 
 
@@ -368,7 +390,8 @@ def _parse_blocks(path: str, start: int, end: int, fmt: str, hash_bits: int, ski
             except parse.ParseError as e:
                 line = _count_newlines(path, 0, block_start)[0] + e.line
                 text = str(e).split(": ", 2)[-1] if str(e).count(": ") >= 2 else ""
-                raise DataError(f"{path}:{line}: {e.reason}" + (f": {text}" if text else "")) from None
+                raise DataError(f"{path}:{line}: " + (_other_format(fmt, e.text) or e.reason
+                                                       + (f": {text}" if text else ""))) from None
             except ValueError as e:  # settings the format cannot take (hash bits for fields)
                 raise DataError(f"{path}: {e}") from None
             finally:
@@ -377,6 +400,25 @@ def _parse_blocks(path: str, start: int, end: int, fmt: str, hash_bits: int, ski
             buf[:carry] = buf[cut:n]
             block_start += cut
             yield out
+
+
+CRITEO_COLUMNS = 40  # a label, 13 integer and 26 categorical columns, tab-separated
+
+
+def _other_format(fmt: str, line: str) -> str | None:
+    """What to say of a bad ``line`` read as ``fmt`` when it is plainly a line of another format
+    (a Criteo line has 40 tab-separated columns; libsvm's fields are index:value pairs), or None."""
+    columns = line.count("\t") + 1
+    tokens = line.split()
+    pairs = len(tokens) > 1 and all(":" in t for t in tokens[1:])
+    if fmt == "criteo" and columns != CRITEO_COLUMNS:
+        return (f"not a Criteo line: {columns} tab-separated column(s), where Criteo has {CRITEO_COLUMNS} (a label, "
+                f"13 integer and 26 categorical columns)"
+                + ("; its fields are index:value pairs, as in libsvm: read it as libsvm (or auto)" if pairs else ""))
+    if fmt != "criteo" and columns == CRITEO_COLUMNS and not pairs:
+        return (f"not a {fmt} line: it has Criteo's {CRITEO_COLUMNS} tab-separated columns: read it as criteo "
+                f"(or auto)")
+    return None
 
 
 def _concat(pieces: list) -> tuple:

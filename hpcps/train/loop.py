@@ -541,7 +541,7 @@ class Trainer:
         if first:
             where = "one process (a server and a worker inside it, no messages)" if ctx.local else ctx.layout.describe()
             print(f"hpcps train: {where}; {cfg.model.type} with {cfg.optimizer.name}, staleness "
-                  f"{cfg.cluster.staleness}; {self.train.rows_bound} rows on this worker, {steps} steps/epoch "
+                  f"{cfg.cluster.staleness}; {self._rows_said()} on this worker, {steps} steps/epoch "
                   f"of {tr.batch_size} rows{' (auto)' if not self.batch_size_set else ''}", flush=True)
             if getattr(self.model, "dense_lr", None) is not None:
                 print(f"hpcps train: the MLP: {cfg.model.dense_optimizer}, lr {self.model.dense_lr:g}"
@@ -694,6 +694,13 @@ class Trainer:
                 print(f"hpcps train: warning: {e}; supervise's status file is no longer written", flush=True)
                 self.status_path = ""
             self.last_status = time.monotonic()
+
+    def _rows_said(self) -> str:
+        """The rows of this worker's part, as the start line says them: exact when the part was
+        loaded whole, else its lines, an upper bound (blank, comment and bad lines count)."""
+        if isinstance(self.train, tdata.LoadedPart):
+            return f"{self.train.rows_bound} rows"
+        return f"up to {self.train.rows_bound} rows (its lines)"
 
     def checkpoint_if_due(self, epoch: int, step: int) -> bool:
         """Collective over the workers: a checkpoint when one is due somewhere (a stop signal, a

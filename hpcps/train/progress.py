@@ -96,7 +96,7 @@ class Progress:
         now = time.perf_counter()
         elapsed = now - self.start
         rate = self.examples * self.workers / max(elapsed, 1e-9)
-        if self.metrics:
+        if self.metrics and rows:  # (a step without rows here, its part ended, has no loss to record)
             self._writing(self.metrics.write, {"kind": "step", "epoch": epoch, "step": step, "rows": rows,
                                                "loss": loss_sum / rows if rows else None, "examples_per_s": rate,
                                                "wait_s": wait_s, "max_staleness": staleness, "time_s": elapsed,
