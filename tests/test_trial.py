@@ -387,3 +387,15 @@ def test_blank_lines_make_the_row_count_an_upper_bound_and_no_step_without_rows(
     rc, out = job(0, ["train", *sets(data__train=str(blank), train__epochs=1, train__progress=False,
                                      data__cache_dir=str(tmp_path / "cache"))])  # loaded whole: counted
     assert rc == 0 and " 3000 rows on this worker" in out, out
+
+
+def test_a_data_file_with_a_byte_order_mark_reads_as_without(small, tmp_path):
+    bom = tmp_path / "bom.svm"
+    bom.write_bytes(b"\xef\xbb\xbf" + open(small[0], "rb").read())
+    got = {}
+    for name, path in (("plain", small[0]), ("bom", str(bom))):
+        rc, out = job(2, ["train", *sets(data__train=path, data__test=small[1], train__epochs=1, train__progress=False),
+                          "--summary-json", str(tmp_path / f"{name}.json")])
+        assert rc == 0, out
+        got[name] = json.load(open(tmp_path / f"{name}.json"))["test_logloss"]
+    assert got["bom"] == got["plain"]

@@ -109,6 +109,8 @@ def _short_read(path: str, at: int, end: int) -> DataChanged:
 HASHED_FORMATS = ("criteo", "vw")
 
 
+BOM = b"\xef\xbb\xbf"  # UTF-8's byte-order mark
+
 # the first bytes of compressed files, and the command that decompresses one
 COMPRESSED = ((b"\x1f\x8b", "gzip", "gunzip"), (b"\x28\xb5\x2f\xfd", "zstd", "unzstd"), (b"BZh", "bzip2", "bunzip2"),
               (b"\xfd7zXZ\x00", "xz", "unxz"), (b"PK\x03\x04", "zip", "unzip"), (b"\x04\x22\x4d\x18", "lz4", "unlz4"))
@@ -147,12 +149,14 @@ def detect_format(path: str, fmt: str) -> str:
 
 def byte_range(path: str, part: int, parts: int, size: int | None = None) -> tuple[int, int]:
     """Bytes ``[start, end)`` of part ``part`` of ``parts``, both at line starts (of a file of
-    ``size`` bytes: its size now unless given)."""
+    ``size`` bytes: its size now unless given). The first line starts after a UTF-8 byte-order
+    mark (which some editors write first): a BOM is no label."""
     size = os.path.getsize(path) if size is None else size
 
     def line_start(pos: int) -> int:
         if pos <= 0:
-            return 0
+            with open(path, "rb") as f:
+                return len(BOM) if f.read(len(BOM)) == BOM and size >= len(BOM) else 0
         if pos >= size:
             return size
         with open(path, "rb") as f:
