@@ -241,8 +241,8 @@ def _cmd_predict(args) -> int:
         except BrokenPipeError:  # the reader stopped early (| head): quietly, as a killed writer would
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 128 + 13  # (SIGPIPE)
-    print(f"hpcps predict: {ds.rows} scores written to {out or 'standard output'}", file=sys.stderr if not out else
-          sys.stdout)
+    print(f"hpcps predict: {ds.rows} scores written to {out or 'standard output'}",
+          file=sys.stdout if out else sys.stderr)  # (with -, standard output holds the scores only)
     return 0
 
 
@@ -519,6 +519,8 @@ def _cmd_plot(args) -> int:
 def _cmd_bench_checkpoint(args) -> int:
     from hpcps import bench_checkpoint, outputs
 
+    if os.path.exists(args.dir) and not os.path.isdir(args.dir):
+        return _fail(f"bench checkpoint --dir {args.dir} is not a directory")
     try:
         with outputs.making(args.dir):  # (what it made is removed if a write fails)
             try:

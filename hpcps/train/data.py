@@ -412,6 +412,8 @@ CRITEO_COLUMNS = 40  # a label, 13 integer and 26 categorical columns, tab-separ
 def _other_format(fmt: str, line: str) -> str | None:
     """What to say of a bad ``line`` read as ``fmt`` when it is plainly a line of another format
     (a Criteo line has 40 tab-separated columns; libsvm's fields are index:value pairs), or None."""
+    if not line:
+        return None
     columns = line.count("\t") + 1
     tokens = line.split()
     pairs = len(tokens) > 1 and all(":" in t for t in tokens[1:])
@@ -527,7 +529,7 @@ def _read_cache(cache: str, path: str, part: int, parts: int, state: tuple) -> D
     except (OSError, ValueError, EOFError) as e:
         _cache_warning(f"the cache of {path} (part {part + 1} of {parts}) in {cache} is damaged ({{why}}): "
                        f"removed; the part is parsed from its text (and cached again)", e)
-        _remove_tree(cache)
+        shutil.rmtree(cache, ignore_errors=True)
         return None
     return Dataset(labels, indptr, indices, values, skipped=skipped, source=path, state=state)
 
@@ -546,16 +548,12 @@ def _write_cache(cache: str, ds: Dataset, part: int, parts: int) -> None:
     except (OSError, ValueError) as e:  # (numpy raises ValueError for a short write)
         _cache_warning(f"cannot cache {ds.source} (part {part + 1} of {parts}) in {os.path.dirname(cache) or '.'}: "
                        f"{{why}}; the job goes on with the part as parsed, uncached", e, os.path.dirname(cache) or ".")
-        _remove_tree(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
         return
     try:
         os.replace(tmp, cache)
     except OSError:  # another process won the race: use theirs
-        _remove_tree(tmp)
-
-
-def _remove_tree(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def rows_at_least(path: str, enough: int) -> int:

@@ -54,6 +54,11 @@ class SynthInfo:
         _write_whole(path, outputs.dumps(facts, indent=1).encode())
 
 
+EXTENSIONS = {"libsvm": ".svm", "criteo": ".tsv", "vw": ".vw"}  # the click data's files, by format
+CLICK_PARAMS = ("rows", "test_rows", "fields", "interactions", "hash_bits", "seed")  # what makes its rows
+HOW = "give another directory, or add --overwrite to replace them"  # (gen-data's way on)
+
+
 class SynthError(ValueError):
     """A data set that cannot be written where it was asked (one line; exit status 2: the user
     must choose another directory or ask to replace what is there)."""
@@ -71,10 +76,6 @@ def _made(info) -> dict | None:
     if "files" in info and "rows" in info:  # the click data (SynthInfo)
         return {"kind": "click", **{k: info.get(k) for k in CLICK_PARAMS}}
     return None
-
-
-HOW = "give another directory, or add --overwrite to replace them"
-CLICK_PARAMS = ("rows", "test_rows", "fields", "interactions", "hash_bits", "seed")
 
 
 def _differences(there: dict, made: dict) -> str:
@@ -224,9 +225,6 @@ def _write_all(prefix: str, labels, ints, cats, present, keys, formats) -> dict:
         files["vw"] = prefix + EXTENSIONS["vw"]
         _write(files["vw"], lambda b: textgen.write_vw(labels, keys, present, b), n * 39 * 23 + n * 8)
     return files
-
-
-EXTENSIONS = {"libsvm": ".svm", "criteo": ".tsv", "vw": ".vw"}
 
 
 def generate(out_dir: str, rows: int, test_rows: int, fields: int = 39, interactions: bool = False,
