@@ -121,7 +121,8 @@ def numpy_reference(train: str, batch: int, max_rows: int) -> dict:
 
 def run(out_dir: str, rows: int, batch: int = 1000) -> dict:
     os.makedirs(out_dir, exist_ok=True)
-    train = synth.generate(out_dir, rows, 10, 39, False, 1, 24, formats=("criteo",)).files["train_criteo"]
+    train = synth.generate(synth.bench_dir(out_dir, rows, 10, 24), rows, 10, 39, False, 1, 24, formats=("criteo",),
+                           overwrite=True).files["train_criteo"]
     results = {"rows": rows, "jobs": []}
     for ranks, groups in ((2, 0), (4, 1), (4, 0)):
         r = run_job(train, ranks, groups, batch, out_dir)

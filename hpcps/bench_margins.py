@@ -31,9 +31,10 @@ from hpcps.train import synth
 
 
 def _rare(path: str, rows: int, nnz: int, bits: int, seed: int) -> None:
-    """A libsvm file whose rows have ``nnz`` keys drawn uniformly from 2**bits (ascending)."""
+    """A libsvm file whose rows have ``nnz`` keys drawn uniformly from 2**bits (ascending); written
+    whole or not at all (a file cut short by a killed run is not reused)."""
     rng = np.random.default_rng(seed)
-    with open(path, "w") as f:
+    with outputs.replacing(path) as tmp, open(tmp, "w") as f:
         for lo in range(0, rows, 50_000):
             n = min(50_000, rows - lo)
             keys = np.sort(rng.integers(0, 2**bits, (n, nnz)), axis=1)
@@ -58,8 +59,9 @@ def run_job(train: str, fmt: str, compute: str, hash_bits: int, ranks: int, batc
 
 def run(out_dir: str, rows: int, ranks: int = 2, batch: int = 1000) -> list[dict]:
     os.makedirs(out_dir, exist_ok=True)
-    zipf = synth.generate(out_dir, rows, 10, 39, False, 1, 24, formats=("criteo",)).files["train_criteo"]
-    rare = os.path.join(out_dir, "rare.svm")
+    zipf = synth.generate(synth.bench_dir(out_dir, rows, 10, 24), rows, 10, 39, False, 1, 24, formats=("criteo",),
+                          overwrite=True).files["train_criteo"]
+    rare = os.path.join(out_dir, f"rare-{rows}.svm")  # (another --rows: another file)
     if not os.path.exists(rare):
         _rare(rare, rows, 39, 26, 2)
     results = []

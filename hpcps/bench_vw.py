@@ -122,7 +122,8 @@ def run_vw(files: dict, rows: int, passes: int, alpha: float, hash_bits: int, ou
 def run(out_dir: str, rows: int, test_rows: int, ranks: list[int], epochs: list[int], alpha: float,
         vw_alpha: float, hash_bits: int = 24, staleness: list[int] = (0,)) -> list[dict]:
     os.makedirs(out_dir, exist_ok=True)
-    info = synth.generate(out_dir, rows, test_rows, 39, False, 1, hash_bits, formats=("criteo", "vw"))
+    info = synth.generate(synth.bench_dir(out_dir, rows, test_rows, hash_bits), rows, test_rows, 39, False, 1,
+                          hash_bits, formats=("criteo", "vw"), overwrite=True)
     results = []
     for e in epochs:
         for s in staleness:

@@ -169,10 +169,7 @@ def _load_for_serving(args):
         print(f"hpcps {args.command}: note: {args.model} was written before model files carried a checksum: its "
               f"arrays cannot be checked" + (f"; the data is checked against its config's {checks}" if checks else ""),
               file=sys.stderr, flush=True)
-    if not os.path.isfile(args.data):
-        raise tdata.DataError(f"data file {args.data} not found" if not os.path.exists(args.data)
-                              else f"data file {args.data} is not a regular file")
-    fmt = tdata.detect_format(args.data, args.format or "auto")
+    fmt = tdata.detect_format(args.data, args.format or "auto")  # (what the file is, if not a regular file)
     if fmt not in KEY_HASHING:
         raise tdata.DataError(f"--format {fmt!r}: expected one of {sorted(KEY_HASHING)}")
     if args.hash_bits and not 1 <= args.hash_bits <= 64:
@@ -224,15 +221,28 @@ def _cmd_predict(args) -> int:
     import numpy as np
 
     from hpcps import outputs
+    from hpcps.train import data as tdata
     from hpcps.train.loop import write_scores
 
-    problem = outputs.clash([("--out", args.out)], [("--data", args.data), ("--model", args.model)])
+    out = "" if args.out == "-" else args.out  # "-": standard output
+    tdata.check_file(args.data)  # (what --data is, before it is compared with --out)
+    problem = outputs.clash([("--out", out)], [("--data", args.data), ("--model", args.model)])
     if problem:
         return _fail(problem)
     model, ds = _load_for_serving(args)
     m = _margins(model, ds)
-    write_scores(args.out, 1.0 / (1.0 + np.exp(-m)) if model.loss == "logistic" else m)
-    print(f"hpcps predict: {ds.rows} scores written to {args.out}")
+    scores = 1.0 / (1.0 + np.exp(-m)) if model.loss == "logistic" else m
+    if out:
+        write_scores(out, scores)
+    else:
+        try:
+            np.savetxt(sys.stdout, scores, fmt="%.6f")
+            sys.stdout.flush()
+        except BrokenPipeError:  # the reader stopped early (| head): quietly, as a killed writer would
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 128 + 13  # (SIGPIPE)
+    print(f"hpcps predict: {ds.rows} scores written to {out or 'standard output'}",
+          file=sys.stdout if out else sys.stderr)  # (with -, standard output holds the scores only)
     return 0
 
 
@@ -273,24 +283,34 @@ def _gen_data_problem(args) -> str | None:
 
 
 def _cmd_gen_data(args) -> int:
-    from hpcps import outputs
     from hpcps.train import synth
 
     problem = _gen_data_problem(args)
     if problem:
         return _fail(problem)
+    try:
+        return _gen_data(args)
+    except synth.SynthError as e:  # another data set (or other files) where this one would go
+        return _fail(str(e))
+
+
+def _gen_data(args) -> int:
+    from hpcps import outputs
+    from hpcps.train import synth
+
     if args.ratings:
-        out = synth.ratings(args.out_dir, args.rows, args.test_rows, seed=args.seed)
+        out = synth.ratings(args.out_dir, args.rows, args.test_rows, seed=args.seed, overwrite=args.overwrite)
         print(outputs.dumps(out, indent=1))
         return 0
     if args.deep:
-        out = synth.deep(args.out_dir, args.rows, args.test_rows, seed=args.seed)
+        out = synth.deep(args.out_dir, args.rows, args.test_rows, seed=args.seed, overwrite=args.overwrite)
         print(f"hpcps gen-data: {args.rows} train + {args.test_rows} test rows (libffm, {out['fields']} fields) in "
               f"{args.out_dir}; best achievable test logloss {out['best_test_logloss']:.5f}, "
               f"AUC {out['best_test_auc']:.5f}")
         return 0
     info = synth.generate(args.out_dir, args.rows, args.test_rows, args.fields, args.interactions, args.seed,
-                          args.hash_bits, formats=tuple(dict.fromkeys(f.strip() for f in args.formats.split(","))))
+                          args.hash_bits, formats=tuple(dict.fromkeys(f.strip() for f in args.formats.split(","))),
+                          overwrite=args.overwrite)
     print(f"hpcps gen-data: {info.rows} train + {info.test_rows} test rows in {args.out_dir}"
           f"{' (already there: reused)' if info.reused else ''}; best achievable "
           f"test logloss {info.best_test_logloss:.5f}, AUC {info.best_test_auc:.5f}")
@@ -302,6 +322,9 @@ def _cmd_bench_mpi(args) -> int:
 
     transport.install_abort_handler()
     comm = transport.dup()
+    if comm.Get_size() < 2:
+        transport.free(comm)
+        return _fail("bench mpi needs at least 2 ranks: mpiexec -n 2 hpcps bench mpi")
     rows = bench_mpi.run(comm)
     if comm.Get_rank() == 0:
         if args.json:
@@ -320,10 +343,14 @@ def _cmd_bench_mpi(args) -> int:
 
 
 def _cmd_bench_ps(args) -> int:
-    from hpcps import bench_ps, outputs
+    from hpcps import bench_ps, outputs, transport
+    from hpcps_kernels import optim
 
-    sizes = [int(x) for x in args.sizes.split(",")]
-    rows = bench_ps.run(sizes, args.repeat, args.dim, args.optimizer, args.key_bits)
+    if transport.world().Get_size() < 2:
+        return _fail("bench ps needs at least 2 ranks (1 server, 1 worker): mpiexec -n 2 hpcps bench ps")
+    if args.optimizer not in optim.REGISTRY:
+        return _fail(f"--optimizer {args.optimizer!r}: expected one of {sorted(optim.REGISTRY)}")
+    rows = bench_ps.run(args.sizes, args.repeat, args.dim, args.optimizer, args.key_bits)
     if rows is not None:
         if args.json:
             for r in rows:
@@ -336,9 +363,8 @@ def _cmd_bench_ps(args) -> int:
 def _cmd_bench_vw(args) -> int:
     from hpcps import bench_vw, outputs
 
-    results = bench_vw.run(args.dir, args.rows, args.test_rows, [int(x) for x in args.ranks.split(",")],
-                           [int(x) for x in args.epochs.split(",")], args.alpha, args.vw_alpha, args.hash_bits,
-                           [int(x) for x in args.staleness.split(",")])
+    results = bench_vw.run(args.dir, args.rows, args.test_rows, args.ranks, args.epochs, args.alpha, args.vw_alpha,
+                           args.hash_bits, args.staleness)
     print(bench_vw.format_results(results, args.rows))
     if args.json:
         outputs.write_json(args.json, results, indent=1)
@@ -491,7 +517,8 @@ def _cmd_plot(args) -> int:
     from hpcps import outputs, plot
 
     try:
-        out = plot.plot(args.metrics, args.out, args.label)
+        out = plot.plot(args.metrics, args.out, args.label,
+                        note=lambda m: print(f"hpcps plot: note: {m}", file=sys.stderr, flush=True))
     except (ValueError, RuntimeError, OSError, outputs.OutputError) as e:
         print(f"hpcps plot: error: {e}", file=sys.stderr)
         return getattr(e, "exit_status", 2)  # (1: the image's write failed, a full disk)
@@ -502,8 +529,16 @@ def _cmd_plot(args) -> int:
 def _cmd_bench_checkpoint(args) -> int:
     from hpcps import bench_checkpoint, outputs
 
-    os.makedirs(args.dir, exist_ok=True)
-    rows = [bench_checkpoint.measure(int(n), args.dir) for n in args.keys.split(",")]
+    if os.path.exists(args.dir) and not os.path.isdir(args.dir):
+        return _fail(f"bench checkpoint --dir {args.dir} is not a directory")
+    try:
+        with outputs.making(args.dir):  # (what it made is removed if a write fails)
+            try:
+                rows = [bench_checkpoint.measure(n, args.dir) for n in args.keys]
+            except (OSError, RuntimeError) as e:  # a full disk (h5py's failures can be RuntimeErrors)
+                raise outputs.write_failure(getattr(e, "filename", None) or args.dir, outputs.h5_failure(e)) from None
+    except outputs.OutputError as e:
+        return _fail(f"bench checkpoint --dir {args.dir}: {e}", status=e.exit_status)
     print("\n".join(outputs.dumps(r) for r in rows) if args.json else bench_checkpoint.format_rows(rows))
     return 0
 
@@ -527,6 +562,39 @@ def _cmd_supervise(args) -> int:
     return supervise.run(command, args.max_restarts, args.backoff, args.backoff_max, args.log)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error in one line (``hpcps bench ps: error: argument --sizes: ...``),
+    exit status 2, as every other bad input."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _whole(text: str, lo: int, hi: int | None) -> int:
+    try:
+        v = int(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if v < lo or (hi is not None and v > hi):
+        raise argparse.ArgumentTypeError(f"{v} is out of range: expected {lo}" + (f" to {hi}" if hi is not None
+                                                                                  else " or more"))
+    return v
+
+
+def count(lo: int = 1, hi: int | None = None):
+    """An argparse type: a whole number from ``lo`` (to ``hi``)."""
+    return lambda text: _whole(text, lo, hi)
+
+
+def counts(lo: int = 1, hi: int | None = None):
+    """An argparse type: comma-separated whole numbers from ``lo`` (to ``hi``), at least one."""
+    def parse(text: str) -> list[int]:
+        if not text.strip():
+            raise argparse.ArgumentTypeError("empty: expected comma-separated whole numbers")
+        return [_whole(t, lo, hi) for t in text.split(",")]
+    return parse
+
+
 def _serving_args(p):
     p.add_argument("--model", required=True, help="model file written by train (train.model_out) or export")
     p.add_argument("--data", required=True, help="libsvm, Criteo TSV, VW or libffm file")
@@ -539,7 +607,7 @@ def _serving_args(p):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hpcps", description="MPI parameter server for huge sparse models")
+    p = _Parser(prog="hpcps", description="MPI parameter server for huge sparse models")
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train a model (under mpiexec); see --help-config")
@@ -580,7 +648,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=_cmd_eval)
     pr = sub.add_parser("predict", help="one score per row of a data file, in input order")
     _serving_args(pr)
-    pr.add_argument("--out", required=True, help="output file: one score per line")
+    pr.add_argument("--out", required=True, help="output file: one score per line (-: standard output)")
     pr.set_defaults(func=_cmd_predict)
 
     pl = sub.add_parser("plot", help="training loss and test metric, examples/s and waiting of runs, from their metrics")
@@ -612,6 +680,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=1)
     g.add_argument("--hash-bits", type=int, default=GEN_CLICK_DEFAULTS["hash_bits"], help="key bits (1 to 64)")
     g.add_argument("--formats", default=GEN_CLICK_DEFAULTS["formats"], help="comma-separated: libsvm, criteo, vw")
+    g.add_argument("--overwrite", action="store_true",
+                   help="replace a data set of other parameters (or other files of the names written) in OUT_DIR; "
+                        "without it they are refused (the same data set is reused)")
     g.set_defaults(func=_cmd_gen_data)
 
     bench = sub.add_parser("bench", help="benchmarks (run under mpiexec)")
@@ -620,40 +691,41 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true", help="one JSON object per line")
     b.set_defaults(func=_cmd_bench_mpi)
     b = bsub.add_parser("ps", help="push/pull throughput per server beside raw MPI bandwidth (1 server + 1 worker)")
-    b.add_argument("--sizes", default="1000,10000,100000,1000000", help="batch sizes in keys, comma-separated")
-    b.add_argument("--repeat", type=int, default=5)
-    b.add_argument("--dim", type=int, default=1)
+    b.add_argument("--sizes", type=counts(), default="1000,10000,100000,1000000",
+                   help="batch sizes in keys, comma-separated")
+    b.add_argument("--repeat", type=count(), default=5)
+    b.add_argument("--dim", type=count(), default=1)
     b.add_argument("--optimizer", default="ftrl", help="a registered optimizer (sgd, adagrad, ftrl, adam, or your own)")
-    b.add_argument("--key-bits", type=int, default=64,
+    b.add_argument("--key-bits", type=count(1, 64), default=64,
                    help="keys below 2**BITS; up to 26 the server addresses them directly (hashed features)")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=_cmd_bench_ps)
     b = bsub.add_parser("vw", help="hpcps vs Vowpal Wabbit on the same synthetic rows (runs its own mpiexec jobs)")
     b.add_argument("--dir", default="/tmp/hpcps-bench-vw", help="where the data and results go")
-    b.add_argument("--rows", type=int, default=1_500_000)
-    b.add_argument("--test-rows", type=int, default=100_000)
-    b.add_argument("--ranks", default="2,3", help="hpcps world sizes (1 server + the rest workers)")
-    b.add_argument("--epochs", default="1,3")
+    b.add_argument("--rows", type=count(), default=1_500_000)
+    b.add_argument("--test-rows", type=count(), default=100_000)
+    b.add_argument("--ranks", type=counts(2), default="2,3", help="hpcps world sizes (1 server + the rest workers)")
+    b.add_argument("--epochs", type=counts(), default="1,3")
     b.add_argument("--alpha", type=float, default=0.1, help="hpcps FTRL alpha")
     b.add_argument("--vw-alpha", type=float, default=0.05, help="VW --ftrl_alpha (0.05 was VW's best of 0.005/0.05/0.5 here)")
-    b.add_argument("--hash-bits", type=int, default=24)
-    b.add_argument("--staleness", default="0,1",
+    b.add_argument("--hash-bits", type=count(1, 64), default=24)
+    b.add_argument("--staleness", type=counts(0), default="0,1",
                    help="hpcps consistency per job: 0 = BSP, s > 0 = SSP s with train.pull_early (the pipelined step)")
     b.add_argument("--json", default="", help="also write the results here")
     b.set_defaults(func=_cmd_bench_vw)
     b = bsub.add_parser("margins", help="computing on the servers (model.compute) vs pulling weights: bytes and speed")
     b.add_argument("--dir", default="/tmp/hpcps-bench-margins")
-    b.add_argument("--rows", type=int, default=300_000)
-    b.add_argument("--ranks", type=int, default=2)
-    b.add_argument("--batch-size", type=int, default=1000)
+    b.add_argument("--rows", type=count(), default=300_000)
+    b.add_argument("--ranks", type=count(2), default=2)
+    b.add_argument("--batch-size", type=count(), default=1000)
     b.set_defaults(func=_cmd_bench_margins)
     b = bsub.add_parser("deep", help="Wide & Deep jobs at 2 and 4 ranks, per stage, beside one NumPy process")
     b.add_argument("--dir", default="/tmp/hpcps-bench-deep")
-    b.add_argument("--rows", type=int, default=300_000)
-    b.add_argument("--batch-size", type=int, default=1000)
+    b.add_argument("--rows", type=count(), default=300_000)
+    b.add_argument("--batch-size", type=count(), default=1000)
     b.set_defaults(func=_cmd_bench_deep)
     b = bsub.add_parser("checkpoint", help="checkpoint write/read throughput and resume time beside a plain file copy")
-    b.add_argument("--keys", default="10000000,100000000", help="table sizes, comma-separated")
+    b.add_argument("--keys", type=counts(), default="10000000,100000000", help="table sizes, comma-separated")
     b.add_argument("--dir", default="/tmp/hpcps-bench-checkpoint", help="a directory on the disk to measure")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=_cmd_bench_checkpoint)

@@ -465,7 +465,9 @@ def load_raw(path: str | None, overrides: list[str]) -> dict:
     if path:
         try:
             with open(path, "rb") as f:
-                raw = tomllib.load(f)
+                text = f.read()
+            # a byte-order mark (Windows editors write one) is no TOML, but says nothing either
+            raw = tomllib.loads(text.decode("utf-8-sig"))
         except FileNotFoundError:
             raise ConfigError(f"config file {path} not found") from None
         except tomllib.TOMLDecodeError as e:

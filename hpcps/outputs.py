@@ -60,13 +60,19 @@ def inside(path: str, directory: str) -> bool:
     return os.path.realpath(path).startswith(d)
 
 
-def _in_checkpoint(path: str, root: str) -> str | None:
-    """The ``ckpt-*`` directory under ``root`` that holds ``path``, if one does."""
+# where a checkpoint.dir's checkpoints are moved aside (hpcps.checkpoint's DAMAGED, REPLACED and
+# SUPERSEDED; named here, below it in the layers)
+CHECKPOINT_ASIDE = ("damaged", "replaced", "superseded")
+
+
+def _in_checkpoint(path: str, root: str, aside: bool = False) -> str | None:
+    """The ``ckpt-*`` directory under ``root`` that is or holds ``path``, if one does (``aside``:
+    or the directory checkpoints are moved aside to, :data:`CHECKPOINT_ASIDE`)."""
     if not inside(path, root):
         return None
     rel = os.path.relpath(os.path.realpath(path), os.path.realpath(root))
     first = rel.split(os.sep, 1)[0]
-    return os.path.join(root, first) if _CKPT.match(first) else None
+    return os.path.join(root, first) if _CKPT.match(first) or (aside and first in CHECKPOINT_ASIDE) else None
 
 
 def _named(what: str, path: str) -> str:
@@ -108,6 +114,12 @@ def clash(outputs: list[tuple[str, str]], inputs: list[tuple[str, str]],
             if ckpt is not None and not same_file(ckpt, other):  # (the checkpoint resumed is read first)
                 return (f"{_named(other_what, other)} lies inside the checkpoint {ckpt} of "
                         f"{_named(what, root)}, where retention deletes old checkpoints; move it out of {ckpt}")
+        for other_what, other in outputs:  # (a checkpoint's own path: written, or moved aside, later)
+            ckpt = _in_checkpoint(other, root, aside=True)
+            if ckpt is not None:
+                return (f"{_named(other_what, other)} is {'' if same_file(ckpt, other) else 'inside '}{ckpt}, "
+                        f"where {_named(what, root)} writes its checkpoints or moves them aside; give "
+                        f"{other_what} a path outside {ckpt}")
     return None
 
 
@@ -209,6 +221,32 @@ def replacing(path: str, need: int = 0):
         raise
 
 
+@contextmanager
+def making(directory: str):
+    """Create ``directory`` (and its missing parents) for what the block writes there; if the
+    block fails (a full disk), remove what it added: the directories it created, or in one that
+    was there the entries that were not, so that a failed command leaves the disk as it was."""
+    created, d = [], os.path.abspath(directory)
+    while not os.path.exists(d):
+        created.append(d)
+        d = os.path.dirname(d)
+    before = set(os.listdir(directory)) if not created else set()
+    os.makedirs(directory, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        if created:
+            shutil.rmtree(created[-1], ignore_errors=True)
+        else:
+            for name in set(os.listdir(directory)) - before:
+                path = os.path.join(directory, name)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    _remove(path)
+        raise
+
+
 def h5_failure(e: BaseException) -> OSError:
     """h5py's failed write (an OSError, or a RuntimeError met while closing, with the errno in its
     text) as an OSError with that errno, after freeing the failed file's objects (held by the
@@ -261,6 +299,15 @@ def finite(obj):
     return obj
 
 
+def _kept(line: bytes, keep) -> bool:
+    """Whether ``keep`` takes the JSON record ``line`` (a line that is no JSON object is kept)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return True
+    return not isinstance(record, dict) or bool(keep(record))
+
+
 def dumps(obj, **kw) -> str:
     """JSON text of ``obj`` with ``null`` for NaN and infinities (never the non-standard ``NaN``)."""
     return json.dumps(finite(obj), allow_nan=False, **kw)
@@ -277,24 +324,46 @@ class Appender:
     Records are buffered and written together (:meth:`flush`, at the latest every ``flush_bytes``
     or ``flush_s`` seconds) with one ``write`` on an ``O_APPEND`` descriptor; when a write fails part-way (a full disk) the
     file is cut back to its length before it, so that it ends with the last whole record, and the
-    failure is raised as an :class:`OutputError`. A file that an earlier, killed run left ending
-    inside a line gets a line end first, so that the records written here are whole lines."""
+    failure is raised as an :class:`OutputError`.
 
-    def __init__(self, path: str, flush_bytes: int = 1 << 16, flush_s: float = 1.0):
+    ``fresh``: the file is a new run's: an empty file replaces it at once (renamed over it, so
+    that a reader sees the old file or the new one), as TensorBoard's or Lightning's logs start
+    each run anew. Otherwise (a resumed run) the records are appended to what is there, less
+    what ``keep(record)`` refuses (the records an interrupted run wrote past the point it is
+    resumed from: TensorBoard's ``purge_step``) and less an unfinished last line (a run killed
+    in the middle of one); the file is rewritten (:func:`replacing`) only when that drops
+    something. ``dropped``: the records (and unfinished lines) dropped."""
+
+    def __init__(self, path: str, flush_bytes: int = 1 << 16, flush_s: float = 1.0, fresh: bool = False,
+                 keep=None):
         self.path, self.flush_bytes, self.flush_s = path, flush_bytes, flush_s
         self.flushed = time.monotonic()
+        self.dropped = 0
+        st = _stat(path)
+        regular = st is None or stat.S_ISREG(st.st_mode)
         try:
+            if fresh and regular:
+                with replacing(path) as tmp:
+                    open(tmp, "wb").close()
+            elif regular and st is not None:
+                self._keep_only(keep)
             self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
-            size = os.fstat(self.fd).st_size
-            last = b"\n"
-            if size:
-                with open(path, "rb") as f:
-                    f.seek(size - 1)
-                    last = f.read(1)
         except OSError as e:
             raise write_failure(path, e) from None
-        self.pending: list[str] = [] if last == b"\n" else ["\n"]
+        self.pending: list[str] = []
         self.bytes = 0
+
+    def _keep_only(self, keep) -> None:
+        """Drop the records ``keep`` refuses and an unfinished last line (see the class)."""
+        with open(self.path, "rb") as f:
+            lines = f.read().split(b"\n")
+        tail = lines.pop()  # b"" when the file ends with a line end
+        kept = [ln for ln in lines if keep is None or _kept(ln, keep)]
+        self.dropped = len(lines) - len(kept) + (1 if tail else 0)
+        if self.dropped:
+            data = b"".join(ln + b"\n" for ln in kept)
+            with replacing(self.path, len(data)) as tmp, open(tmp, "wb") as f:
+                f.write(data)
 
     def write(self, record: dict) -> None:
         line = dumps(record) + "\n"

@@ -14,21 +14,45 @@ import os
 from hpcps import outputs
 
 
-def read_metrics(path: str) -> tuple[list[dict], list[dict]]:
-    """(step records, evaluation records with the global step they follow)."""
+STEP_KEYS = ("loss", "examples_per_s", "wait_s", "time_s")  # what a step's record must hold to be drawn
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def read_metrics(path: str, note=None) -> tuple[list[dict], list[dict]]:
+    """(step records, evaluation records with the global step they follow). A line that is not
+    a record of hpcps metrics is a ValueError naming the file and line; an unfinished last line
+    (a run still writing the file) is skipped, and ``note(message)`` says so."""
+    from hpcps.train.data import check_file
+
+    check_file(path, "metrics")  # (a FIFO would wait for a writer for ever)
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    unfinished = lines.pop()  # b"" when the file ends with a line end
     steps, evals = [], []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                r = json.loads(line)
-            except ValueError:
-                raise ValueError(f"{path}:{n}: not a JSON line of hpcps metrics") from None
-            if r.get("kind") == "step":
-                steps.append(r)
-            elif r.get("kind") == "epoch":
-                evals.append({**r, "global_step": len(steps)})
+    for n, line in enumerate(lines + [unfinished], 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except ValueError:
+            if n > len(lines):  # the last line, not ended yet
+                if note:
+                    note(f"{path}:{n}: its last line is unfinished (a run still writing it?): skipped")
+                break
+            raise ValueError(f"{path}:{n}: not a JSON line of hpcps metrics") from None
+        if not isinstance(r, dict):
+            raise ValueError(f"{path}:{n}: not a record of hpcps metrics (a JSON object with a \"kind\")")
+        if r.get("kind") == "step":
+            bad = [k for k in STEP_KEYS if not (_number(r.get(k)) or (k == "loss" and r.get(k, 0) is None))]
+            if bad:
+                raise ValueError(f"{path}:{n}: a step record without a number for {', '.join(map(repr, bad))}: "
+                                 f"not hpcps metrics as train.metrics writes them")
+            steps.append(r)
+        elif r.get("kind") == "epoch":
+            evals.append({**r, "global_step": len(steps)})
     if not steps:
         raise ValueError(f"{path}: no step records (write them with train.metrics = \"{path}\")")
     return steps, evals
@@ -43,12 +67,17 @@ def _running(values: list, weight: float = 0.98) -> list:
     return out
 
 
-def plot(paths: list[str], out: str, labels: list[str] | None = None) -> str:
+def plot(paths: list[str], out: str, labels: list[str] | None = None, note=None) -> str:
     """Draw the runs of the metrics files ``paths`` into ``out`` (replaced whole; never one of the
-    metrics files: an OutputError, status 2)."""
+    metrics files: an OutputError, status 2). ``labels``: one a file, or none. ``note(message)``:
+    see :func:`read_metrics`."""
     problem = outputs.clash([("-o", out)], [(f"metrics file {i + 1}", p) for i, p in enumerate(paths)])
     if problem:
         raise outputs.OutputError(problem, 2)
+    if labels and len(labels) != len(paths):
+        raise ValueError(f"{len(labels)} --label for {len(paths)} metrics files: give one a file, in order "
+                         f"(or none: the files' names)")
+    runs = [read_metrics(p, note) for p in paths]  # (all read, and checked, before drawing)
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -56,13 +85,12 @@ def plot(paths: list[str], out: str, labels: list[str] | None = None) -> str:
     except ImportError:
         raise RuntimeError("hpcps plot needs matplotlib: pip install 'hpcps[plot]' (or matplotlib)") from None
     fig, (ax_loss, ax_rate, ax_wait) = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
-    for i, path in enumerate(paths):
-        steps, evals = read_metrics(path)
-        name = labels[i] if labels and i < len(labels) else os.path.basename(path)
+    for i, (path, (steps, evals)) in enumerate(zip(paths, runs)):
+        name = labels[i] if labels else os.path.basename(path)
         x = list(range(1, len(steps) + 1))
         line, = ax_loss.plot(x, _running([s.get("loss") for s in steps]), label=f"{name}: training loss")
         for key in ("test_logloss", "test_rmse"):
-            pts = [(e["global_step"], e[key]) for e in evals if key in e]
+            pts = [(e["global_step"], e[key]) for e in evals if _number(e.get(key))]
             if pts:
                 ax_loss.plot(*zip(*pts), "o--", color=line.get_color(), label=f"{name}: {key.replace('_', ' ')}")
         ax_rate.plot(x, [s["examples_per_s"] for s in steps], color=line.get_color(), label=name)

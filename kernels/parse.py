@@ -65,7 +65,7 @@ class ParseError(ValueError):
     """A malformed line; ``source`` and ``line`` (1-based) say where."""
 
     def __init__(self, source: str, line: int, reason: str, text: str = ""):
-        self.source, self.line, self.reason = source, line, reason
+        self.source, self.line, self.reason, self.text = source, line, reason, text
         msg = f"{source}:{line}: {reason}"
         if text:
             msg += f": {text[:120]!r}"

@@ -126,9 +126,12 @@ def test_generated_data_is_reused_while_its_parameters_and_files_stand(tmp_path)
     assert b.best_test_logloss == a.best_test_logloss
     c = synth.generate(str(tmp_path), 300, 50, fields=10, seed=3, formats=("libsvm", "vw"))  # a format more
     assert not c.reused and open(path, "rb").read() == text and os.path.isfile(c.files["train_vw"])
-    assert not synth.generate(str(tmp_path), 300, 50, fields=10, seed=4, formats=("libsvm",)).reused  # other rows
+    with pytest.raises(synth.SynthError, match="seed 3, not 4"):  # another data set is never replaced unasked
+        synth.generate(str(tmp_path), 300, 50, fields=10, seed=4, formats=("libsvm",))
+    assert open(path, "rb").read() == text
+    assert not synth.generate(str(tmp_path), 300, 50, fields=10, seed=4, formats=("libsvm",), overwrite=True).reused
     assert open(path, "rb").read() != text
-    synth.generate(str(tmp_path), 300, 50, fields=10, seed=3, formats=("libsvm",))
+    synth.generate(str(tmp_path), 300, 50, fields=10, seed=3, formats=("libsvm",), overwrite=True)
     with open(path, "r+b") as f:  # a file cut short (a copy interrupted) is written again
         f.truncate(1000)
     d = synth.generate(str(tmp_path), 300, 50, fields=10, seed=3, formats=("libsvm",))

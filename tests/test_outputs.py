@@ -174,15 +174,15 @@ def test_predict_into_a_fifo_writes_into_it_and_keeps_the_mode_of_a_file_it_repl
     assert sorted(os.listdir(tmp_path)) == ["scores.fifo", "scores.txt"]  # no temporary file left
 
 
-def test_metrics_file_keeps_whole_lines_after_a_torn_one(data, tmp_path):
+def test_metrics_file_holds_whole_lines_after_a_torn_one(data, tmp_path):
     metrics = tmp_path / "run.jsonl"
     metrics.write_text('{"kind": "step", "epoch": 1, "st')  # a run killed in the middle of a line
     rc, out = job(0, ["train", *sets(data__train=data["train_libsvm"], data__test=data["test_libsvm"],
                                      train__epochs=1, train__progress=False, train__metrics=str(metrics))])
     assert rc == 0, out
-    lines = metrics.read_text().split("\n")
-    assert lines[0] == '{"kind": "step", "epoch": 1, "st' and lines[-1] == ""
-    records = [strict_json(line) for line in lines[1:-1]]
+    lines = metrics.read_text().split("\n")  # a fresh run's file starts anew (a resumed run's: test_trial)
+    assert lines[-1] == ""
+    records = [strict_json(line) for line in lines[:-1]]
     assert records[-1]["kind"] == "epoch" and sum(r["kind"] == "step" for r in records) >= 2
 
 
@@ -196,8 +196,9 @@ def test_metrics_on_a_full_disk_end_the_run_in_one_line_and_keep_whole_records(d
     errors = error_lines(out)
     assert rc == 1 and len(errors) == 1 and str(metrics) in errors[0] and "No space left" in errors[0], out
     assert "Traceback" not in out, out
-    text = metrics.read_text()
-    assert text.endswith("\n") and all(strict_json(line) for line in text.splitlines())
+    text = metrics.read_text()  # (a fresh run's file starts anew: the earlier run's record is gone)
+    assert "step\": 1}" not in text and all(strict_json(line) for line in text.splitlines())
+    assert not text or text.endswith("\n")
 
 
 def test_an_appender_on_a_full_disk_keeps_only_whole_records(small_disk):

@@ -4,7 +4,8 @@
   in which it starts), so no rank reads the whole file.
 * :func:`load_part`: read and parse one part (libsvm or Criteo TSV), with a binary cache of the
   parsed arrays (``.npy`` files, memory-mapped on later epochs and runs; keyed by the file's path,
-  size and modification time, the part and the parse settings).
+  size, modification time, inode and status-change time, the part and the parse settings; a cache
+  that cannot be read or written is a warning, never the job's end).
 * A malformed line raises :class:`~hpcps_kernels.parse.ParseError` naming the file and the line's
   number in the file (the newlines before the part are counted only then, on the error path).
 * Every row gets the bias feature ``BIAS_KEY`` with value 1.
@@ -17,6 +18,7 @@ import contextlib
 import hashlib
 import math
 import os
+import shutil
 import stat
 import sys
 import threading
@@ -49,6 +51,9 @@ def check_file(path: str, what: str = "data") -> None:
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
+        if path == "-":
+            raise DataError(f"{what} file '-': hpcps reads {what} from a file, not from standard input (it reads "
+                            f"a file in byte ranges, on several ranks): save it to a file first") from None
         raise DataError(f"{what} file {path} not found") from None
     except OSError as e:
         raise DataError(f"{what} file {path}: {e.strerror}") from None
@@ -104,31 +109,54 @@ def _short_read(path: str, at: int, end: int) -> DataChanged:
 HASHED_FORMATS = ("criteo", "vw")
 
 
+BOM = b"\xef\xbb\xbf"  # UTF-8's byte-order mark
+
+# the first bytes of compressed files, and the command that decompresses one
+COMPRESSED = ((b"\x1f\x8b", "gzip", "gunzip"), (b"\x28\xb5\x2f\xfd", "zstd", "unzstd"), (b"BZh", "bzip2", "bunzip2"),
+              (b"\xfd7zXZ\x00", "xz", "unxz"), (b"PK\x03\x04", "zip", "unzip"), (b"\x04\x22\x4d\x18", "lz4", "unlz4"))
+
+
+def check_text(path: str, head: bytes) -> None:
+    """Raise :class:`DataError` when ``head`` (a file's first bytes) opens a compressed file:
+    hpcps reads plain text (a compressed file's bytes would read as a bad label)."""
+    for magic, kind, command in COMPRESSED:
+        if head.startswith(magic):
+            raise DataError(f"data file {path} is {kind}-compressed: hpcps reads plain text; decompress it first "
+                            f"({command} {path})")
+
+
 def detect_format(path: str, fmt: str) -> str:
-    """``fmt``, or with ``"auto"`` the format of ``path`` from its first line (raises DataError
-    for what is not a regular file, see :func:`check_file`)."""
-    if fmt != "auto":
-        return fmt
+    """``fmt``, or with ``"auto"`` the format of ``path`` from its first line. Raises DataError for
+    what is not a regular file (see :func:`check_file`) and for a compressed file (:func:`check_text`).
+
+    A first line with a ``|`` is VW; with a tab, Criteo TSV, unless its fields are ``index:value``
+    pairs (libsvm or libffm with tabs between the fields, which their parsers take)."""
     check_file(path)
     with open(path, "rb") as f:
         head = f.read(4096)
+    check_text(path, head)
+    if fmt != "auto":
+        return fmt
     first = head.split(b"\n", 1)[0]
     if b"|" in first or path.endswith(".vw"):
         return "vw"
-    if b"\t" in first:
-        return "criteo"
     tokens = first.split()
+    pairs = len(tokens) > 1 and all(b":" in t for t in tokens[1:])
+    if b"\t" in first and not pairs:
+        return "criteo"
     return "libffm" if path.endswith(".ffm") or (len(tokens) > 1 and tokens[1].count(b":") == 2) else "libsvm"
 
 
 def byte_range(path: str, part: int, parts: int, size: int | None = None) -> tuple[int, int]:
     """Bytes ``[start, end)`` of part ``part`` of ``parts``, both at line starts (of a file of
-    ``size`` bytes: its size now unless given)."""
+    ``size`` bytes: its size now unless given). The first line starts after a UTF-8 byte-order
+    mark (which some editors write first): a BOM is no label."""
     size = os.path.getsize(path) if size is None else size
 
     def line_start(pos: int) -> int:
         if pos <= 0:
-            return 0
+            with open(path, "rb") as f:
+                return len(BOM) if f.read(len(BOM)) == BOM and size >= len(BOM) else 0
         if pos >= size:
             return size
         with open(path, "rb") as f:
@@ -366,7 +394,8 @@ def _parse_blocks(path: str, start: int, end: int, fmt: str, hash_bits: int, ski
             except parse.ParseError as e:
                 line = _count_newlines(path, 0, block_start)[0] + e.line
                 text = str(e).split(": ", 2)[-1] if str(e).count(": ") >= 2 else ""
-                raise DataError(f"{path}:{line}: {e.reason}" + (f": {text}" if text else "")) from None
+                raise DataError(f"{path}:{line}: " + (_other_format(fmt, e.text) or e.reason
+                                                       + (f": {text}" if text else ""))) from None
             except ValueError as e:  # settings the format cannot take (hash bits for fields)
                 raise DataError(f"{path}: {e}") from None
             finally:
@@ -375,6 +404,27 @@ def _parse_blocks(path: str, start: int, end: int, fmt: str, hash_bits: int, ski
             buf[:carry] = buf[cut:n]
             block_start += cut
             yield out
+
+
+CRITEO_COLUMNS = 40  # a label, 13 integer and 26 categorical columns, tab-separated
+
+
+def _other_format(fmt: str, line: str) -> str | None:
+    """What to say of a bad ``line`` read as ``fmt`` when it is plainly a line of another format
+    (a Criteo line has 40 tab-separated columns; libsvm's fields are index:value pairs), or None."""
+    if not line:
+        return None
+    columns = line.count("\t") + 1
+    tokens = line.split()
+    pairs = len(tokens) > 1 and all(":" in t for t in tokens[1:])
+    if fmt == "criteo" and columns != CRITEO_COLUMNS:
+        return (f"not a Criteo line: {columns} tab-separated column(s), where Criteo has {CRITEO_COLUMNS} (a label, "
+                f"13 integer and 26 categorical columns)"
+                + ("; its fields are index:value pairs, as in libsvm: read it as libsvm (or auto)" if pairs else ""))
+    if fmt != "criteo" and columns == CRITEO_COLUMNS and not pairs:
+        return (f"not a {fmt} line: it has Criteo's {CRITEO_COLUMNS} tab-separated columns: read it as criteo "
+                f"(or auto)")
+    return None
 
 
 def _concat(pieces: list) -> tuple:
@@ -413,29 +463,97 @@ def load_part(path: str, part: int, parts: int, fmt: str = "auto", hash_bits: in
     start, end = byte_range(path, part, parts, state[0])
     cache = None
     if cache_dir:
-        tag = f"{os.path.abspath(path)}|{state[0]}|{state[1]}|{part}/{parts}|{fmt}|{hash_bits}|{skip_bad}|{binary}"
-        tag += "|fields" if fields and fmt == "criteo" else ""
-        cache = os.path.join(cache_dir, hashlib.sha256(tag.encode()).hexdigest()[:20])
-        if os.path.exists(os.path.join(cache, "done")):
-            arrays = [np.load(os.path.join(cache, f"{n}.npy"), mmap_mode="r") for n in ("labels", "indptr", "indices", "values")]
-            skipped = int(open(os.path.join(cache, "done")).read() or 0)
-            return Dataset(*arrays, skipped=skipped, source=path, state=state)
+        cache = _cache_entry(cache_dir, path, part, parts, fmt, hash_bits, skip_bad, binary,
+                             fields and fmt == "criteo")
+        ds = _read_cache(cache, path, part, parts, state)
+        if ds is not None:
+            return ds
     (labels, indptr, indices, values), skipped = _parse_part(path, start, end, fmt, hash_bits, skip_bad, binary,
                                                              fields, state)
     ds = Dataset(labels, indptr, indices, values, skipped, path, state=state)
     ds.check_finite()
     if cache:
-        tmp = cache + f".tmp{os.getpid()}"
+        _write_cache(cache, ds, part, parts)
+    return ds
+
+
+CACHE_ARRAYS = ("labels", "indptr", "indices", "values")
+
+
+def _cache_entry(cache_dir: str, path: str, part: int, parts: int, fmt: str, hash_bits: int, skip_bad: bool,
+                 binary: bool, fields: bool) -> str:
+    """The cache directory of a part parsed with these settings from the file ``path`` is now.
+
+    The file is told by its path, size and modification time, and by its device, inode and
+    status-change time (``st_ctime_ns``): a file rewritten in place with its size and modification
+    time kept (``os.utime``, ``touch -r``, ``rsync -t``) still gets a new ctime, which no call can
+    set back, and a file replaced by another gets another inode. A hash of the contents would tell
+    it too but read the whole file on every start, which the cache is there to avoid; a change of
+    ctime alone (``chmod``, a new hard link) costs one parse, never a wrong row."""
+    st = os.stat(path)
+    tag = (f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{st.st_dev}|{st.st_ino}|{st.st_ctime_ns}|"
+           f"{part}/{parts}|{fmt}|{hash_bits}|{skip_bad}|{binary}" + ("|fields" if fields else ""))
+    return os.path.join(cache_dir, hashlib.sha256(tag.encode()).hexdigest()[:20])
+
+
+def _cache_warning(message: str, e: BaseException, where: str = "") -> None:
+    """One warning line: ``message`` with ``{why}`` as the failure's reason (numpy's short write
+    of an array on a full disk carries no errno: the free space in ``where`` says so)."""
+    why = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0]
+    if where and getattr(e, "errno", None) is None:
+        with contextlib.suppress(OSError):
+            if shutil.disk_usage(where).free < 1 << 20:
+                why = f"the disk is full ({why})"
+    sys.stderr.write(f"hpcps: warning: data.cache_dir: {message.format(why=why)}\n")
+    sys.stderr.flush()
+
+
+def _read_cache(cache: str, path: str, part: int, parts: int, state: tuple) -> Dataset | None:
+    """The part from its cache entry (memory-mapped), or None when there is none. A damaged entry
+    (cut short, unreadable, arrays that do not fit together) is one warning and removed, so that
+    the part is parsed and cached again instead of failing every start the same way."""
+    done = os.path.join(cache, "done")
+    if not os.path.exists(done):
+        return None
+    try:
+        with open(done) as f:
+            skipped = int(f.read() or 0)
+        labels, indptr, indices, values = (np.load(os.path.join(cache, f"{n}.npy"), mmap_mode="r")
+                                           for n in CACHE_ARRAYS)
+        rows, nnz = labels.shape[0], indices.shape[0]
+        if (labels.ndim, indptr.ndim, indices.ndim, values.ndim) != (1, 1, 1, 1) or indptr.shape[0] != rows + 1 \
+                or values.shape[0] != nnz or int(indptr[0]) != 0 or int(indptr[-1]) != nnz:
+            raise ValueError(f"its arrays do not fit together ({rows} labels, {indptr.shape[0]} row offsets "
+                             f"ending at {int(indptr[-1]) if indptr.shape[0] else '?'}, {nnz} keys, "
+                             f"{values.shape[0]} values)")
+    except (OSError, ValueError, EOFError) as e:
+        _cache_warning(f"the cache of {path} (part {part + 1} of {parts}) in {cache} is damaged ({{why}}): "
+                       f"removed; the part is parsed from its text (and cached again)", e)
+        shutil.rmtree(cache, ignore_errors=True)
+        return None
+    return Dataset(labels, indptr, indices, values, skipped=skipped, source=path, state=state)
+
+
+def _write_cache(cache: str, ds: Dataset, part: int, parts: int) -> None:
+    """Save the parsed part as its cache entry: written in a temporary directory beside it, then
+    renamed. A write that fails (a full disk, no permission) is one warning and leaves nothing
+    behind: the cache only saves later starts a parse."""
+    tmp = cache + f".tmp{os.getpid()}"
+    try:
         os.makedirs(tmp, exist_ok=True)
-        for n in ("labels", "indptr", "indices", "values"):
+        for n in CACHE_ARRAYS:
             np.save(os.path.join(tmp, f"{n}.npy"), getattr(ds, n))
         with open(os.path.join(tmp, "done"), "w") as f:
-            f.write(str(skipped))
-        try:
-            os.replace(tmp, cache)
-        except OSError:  # another process won the race: use theirs
-            pass
-    return ds
+            f.write(str(ds.skipped))
+    except (OSError, ValueError) as e:  # (numpy raises ValueError for a short write)
+        _cache_warning(f"cannot cache {ds.source} (part {part + 1} of {parts}) in {os.path.dirname(cache) or '.'}: "
+                       f"{{why}}; the job goes on with the part as parsed, uncached", e, os.path.dirname(cache) or ".")
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    try:
+        os.replace(tmp, cache)
+    except OSError:  # another process won the race: use theirs
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def rows_at_least(path: str, enough: int) -> int:

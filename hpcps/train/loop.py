@@ -128,12 +128,18 @@ def resolve_data(cfg, comm) -> tuple[dict, dict | None]:
         out = cfg.synth.dir or os.path.join(synth.cache_dir(), synth.dir_name(
             cfg.synth.rows, cfg.synth.test_rows, cfg.synth.fields, cfg.synth.interactions, cfg.synth.seed,
             cfg.data.hash_bits))
-        s = synth.generate(out, cfg.synth.rows, cfg.synth.test_rows, cfg.synth.fields, cfg.synth.interactions,
-                           cfg.synth.seed, cfg.data.hash_bits, formats=("libsvm",))
-        info = {"train": s.files["train_libsvm"], "test": s.files["test_libsvm"],
-                "best_test_logloss": float(s.best_test_logloss), "best_test_auc": float(s.best_test_auc),
-                "dir": out, "reused": s.reused}
+        try:  # the cache's directories are hpcps's own, named by their parameters: replaced if need be
+            s = synth.generate(out, cfg.synth.rows, cfg.synth.test_rows, cfg.synth.fields, cfg.synth.interactions,
+                               cfg.synth.seed, cfg.data.hash_bits, formats=("libsvm",), overwrite=not cfg.synth.dir,
+                               how="give synth.dir another directory (or \"\" to use the cache)")
+            info = {"train": s.files["train_libsvm"], "test": s.files["test_libsvm"],
+                    "best_test_logloss": float(s.best_test_logloss), "best_test_auc": float(s.best_test_auc),
+                    "dir": out, "reused": s.reused}
+        except synth.SynthError as e:
+            info = {"error": f"synth.dir = {cfg.synth.dir!r}: {e}"}
     info = transport.bcast_object(comm, info, 0, cfg.cluster.stall_timeout_s, "broadcast of the synthetic data's paths")
+    if "error" in info:
+        raise TrainError(info["error"])
     return {"train": info["train"], "test": info["test"]}, info
 
 
@@ -528,12 +534,13 @@ class Trainer:
         # set their own step sizes, and a mean would shrink rare keys' gradients by the batch size);
         # "mean": the gradient of the mean loss over the group's rows (the objective of plain SGD).
         self.scale = 1.0 if tr.gradient == "sum" else 1.0 / (tr.batch_size * ctx.group_comm.Get_size())
+        resume = self.restore[1]["position"] if self.restore is not None else None
         self.progress = Progress(first and tr.progress, steps, ctx.layout.workers, tr.metrics if first else "",
-                                 on_error=_abort_on)
+                                 on_error=_abort_on, resume=(resume["epoch"], resume["step"]) if resume else None)
         if first:
             where = "one process (a server and a worker inside it, no messages)" if ctx.local else ctx.layout.describe()
             print(f"hpcps train: {where}; {cfg.model.type} with {cfg.optimizer.name}, staleness "
-                  f"{cfg.cluster.staleness}; {self.train.rows_bound} rows on this worker, {steps} steps/epoch "
+                  f"{cfg.cluster.staleness}; {self._rows_said()} on this worker, {steps} steps/epoch "
                   f"of {tr.batch_size} rows{' (auto)' if not self.batch_size_set else ''}", flush=True)
             if getattr(self.model, "dense_lr", None) is not None:
                 print(f"hpcps train: the MLP: {cfg.model.dense_optimizer}, lr {self.model.dense_lr:g}"
@@ -697,6 +704,13 @@ class Trainer:
                 print(f"hpcps train: warning: {e}; supervise's status file is no longer written", flush=True)
                 self.status_path = ""
             self.last_status = time.monotonic()
+
+    def _rows_said(self) -> str:
+        """The rows of this worker's part, as the start line says them: exact when the part was
+        loaded whole, else its lines, an upper bound (blank, comment and bad lines count)."""
+        if isinstance(self.train, tdata.LoadedPart):
+            return f"{self.train.rows_bound} rows"
+        return f"up to {self.train.rows_bound} rows (its lines)"
 
     def checkpoint_if_due(self, epoch: int, step: int) -> bool:
         """Collective over the workers: a checkpoint when one is due somewhere (a stop signal, a

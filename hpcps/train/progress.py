@@ -39,13 +39,26 @@ def read_status(path: str) -> dict:
         return {}
 
 
+def before(epoch: int, step: int):
+    """Whether a metrics record comes from before step ``step`` of epoch ``epoch`` (a step's
+    record of an earlier step; an evaluation after an earlier step, or an earlier epoch's end)."""
+    def keep(record: dict) -> bool:
+        at = (record.get("epoch", 0), record.get("step", float("inf")))
+        return at < (epoch, step) if isinstance(at[0], (int, float)) and isinstance(at[1], (int, float)) else True
+    return keep
+
+
 class Progress:
     """The progress line and the metrics file (``metrics_path``, JSON lines appended by whole
     records: :class:`hpcps.outputs.Appender`; ``on_error(e)`` is called with the OutputError of a
-    failed write, which is raised when it returns)."""
+    failed write, which is raised when it returns).
+
+    ``resume``: the (epoch, step) a resumed run starts at: its records are appended to the
+    metrics file, less those an interrupted run wrote from that step on (said in one line);
+    None, a fresh run: the metrics file starts anew."""
 
     def __init__(self, enabled: bool, total_steps: int, workers: int, metrics_path: str = "",
-                 stream=None, interval: float = 0.5, on_error=None):
+                 stream=None, interval: float = 0.5, on_error=None, resume: tuple[int, int] | None = None):
         self.enabled = enabled
         self.total = total_steps
         self.workers = workers
@@ -53,7 +66,14 @@ class Progress:
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.interval = interval if self.tty else 10.0
         self.on_error = on_error
-        self.metrics = self._writing(outputs.Appender, metrics_path) if metrics_path else None
+        self.metrics = None
+        if metrics_path:
+            self.metrics = self._writing(outputs.Appender, metrics_path, 1 << 16, 1.0, resume is None,
+                                         before(*resume) if resume else None)
+            if self.metrics.dropped:
+                print(f"hpcps train: {metrics_path}: dropped {self.metrics.dropped} record(s) from epoch {resume[0]}, "
+                      f"step {resume[1]} on (or an unfinished line): this run writes them anew from its checkpoint",
+                      flush=True)
         self.start = time.perf_counter()
         self.last_print = 0.0
         self.examples = 0
@@ -76,7 +96,7 @@ class Progress:
         now = time.perf_counter()
         elapsed = now - self.start
         rate = self.examples * self.workers / max(elapsed, 1e-9)
-        if self.metrics:
+        if self.metrics and rows:  # (a step without rows here, its part ended, has no loss to record)
             self._writing(self.metrics.write, {"kind": "step", "epoch": epoch, "step": step, "rows": rows,
                                                "loss": loss_sum / rows if rows else None, "examples_per_s": rate,
                                                "wait_s": wait_s, "max_staleness": staleness, "time_s": elapsed,

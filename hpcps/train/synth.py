@@ -54,6 +54,66 @@ class SynthInfo:
         _write_whole(path, outputs.dumps(facts, indent=1).encode())
 
 
+EXTENSIONS = {"libsvm": ".svm", "criteo": ".tsv", "vw": ".vw"}  # the click data's files, by format
+CLICK_PARAMS = ("rows", "test_rows", "fields", "interactions", "hash_bits", "seed")  # what makes its rows
+HOW = "give another directory, or add --overwrite to replace them"  # (gen-data's way on)
+
+
+class SynthError(ValueError):
+    """A data set that cannot be written where it was asked (one line; exit status 2: the user
+    must choose another directory or ask to replace what is there)."""
+
+    exit_status = 2
+
+
+def _made(info) -> dict | None:
+    """The generator and parameters an ``info.json`` (parsed) records, or None for one it cannot
+    tell (not hpcps's, or the deep data's of before it recorded them)."""
+    if not isinstance(info, dict):
+        return None
+    if isinstance(info.get("generator"), dict):  # ratings and deep data
+        return info["generator"]
+    if "files" in info and "rows" in info:  # the click data (SynthInfo)
+        return {"kind": "click", **{k: info.get(k) for k in CLICK_PARAMS}}
+    return None
+
+
+def _differences(there: dict, made: dict) -> str:
+    """``rows 3000, not 100; seed 1, not 2``: the parameters in which ``there`` is not ``made``."""
+    return "; ".join(f"{k} {there.get(k)}, not {made.get(k)}" for k in dict.fromkeys([*there, *made])
+                     if there.get(k) != made.get(k))
+
+
+def check_dir(out_dir: str, made: dict, writes: list[str], overwrite: bool = False,
+              how: str = HOW) -> None:
+    """Raise :class:`SynthError` when writing the data set ``made`` (its generator and parameters)
+    into ``out_dir`` would replace another: an ``info.json`` of other parameters, or any file of
+    ``writes`` (names in ``out_dir``) that no ``info.json`` of these parameters vouches for (the
+    user's own data, say). The same data set is written again or reused: its rows depend only on
+    its parameters. ``overwrite``: replace whatever is there. ``how``: the way on, for the line."""
+    if overwrite or not os.path.isdir(out_dir):
+        return
+    info_path = os.path.join(out_dir, "info.json")
+    info = None
+    try:
+        with open(info_path) as f:
+            info = json.load(f)
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError):
+        info = "unreadable"
+    there = _made(info)
+    if there == made:
+        return
+    hit = [p for p in [info_path] + [os.path.join(out_dir, w) for w in writes] if os.path.lexists(p)]
+    if not hit:
+        return
+    what = ("files that no info.json of this data set vouches for" if not there else
+            f"another kind of data set ({there.get('kind')}, not {made['kind']})" if there.get("kind") != made["kind"]
+            else f"a data set made with other parameters ({_differences(there, made)})")
+    raise SynthError(f"{out_dir} holds {what}: writing this one would replace {', '.join(hit)}; {how}")
+
+
 def cache_dir() -> str:
     """Where a training job without data and without ``synth.dir`` keeps its generated data:
     ``$HPCPS_CACHE_DIR``, else ``$XDG_CACHE_HOME/hpcps``, else ``~/.cache/hpcps``."""
@@ -67,6 +127,13 @@ def cache_dir() -> str:
 def dir_name(rows: int, test_rows: int, fields: int, interactions: bool, seed: int, hash_bits: int) -> str:
     """The cache directory's name of one data set: its parameters, readable."""
     return f"synth-{rows}-{test_rows}-f{fields}{'-fm' if interactions else ''}-s{seed}-b{hash_bits}"
+
+
+def bench_dir(out_dir: str, rows: int, test_rows: int, hash_bits: int) -> str:
+    """Where a benchmark's click data (39 fields, seed 1) goes under its ``--dir``: a directory of
+    its own named by its parameters (:func:`dir_name`), so that a benchmark with other rows
+    never replaces, nor is refused by, what is there."""
+    return os.path.join(out_dir, dir_name(rows, test_rows, 39, False, 1, hash_bits))
 
 
 def _existing(out_dir: str, params: dict, formats) -> SynthInfo | None:
@@ -149,50 +216,75 @@ def _write_all(prefix: str, labels, ints, cats, present, keys, formats) -> dict:
     n = labels.shape[0]
     files = {}
     if "libsvm" in formats:
-        files["libsvm"] = prefix + ".svm"
+        files["libsvm"] = prefix + EXTENSIONS["libsvm"]
         _write(files["libsvm"], lambda b: textgen.write_libsvm(labels, keys, present, 0, b), n * 39 * 24 + n * 4)
     if "criteo" in formats:
-        files["criteo"] = prefix + ".tsv"
+        files["criteo"] = prefix + EXTENSIONS["criteo"]
         _write(files["criteo"], lambda b: textgen.write_criteo(labels, ints, cats, present, b), n * (40 + 13 * 20 + 26 * 8))
     if "vw" in formats:
-        files["vw"] = prefix + ".vw"
+        files["vw"] = prefix + EXTENSIONS["vw"]
         _write(files["vw"], lambda b: textgen.write_vw(labels, keys, present, b), n * 39 * 23 + n * 8)
     return files
 
 
 def generate(out_dir: str, rows: int, test_rows: int, fields: int = 39, interactions: bool = False,
-             seed: int = 1, hash_bits: int = 24, formats=("libsvm", "criteo")) -> SynthInfo:
+             seed: int = 1, hash_bits: int = 24, formats=("libsvm", "criteo"), overwrite: bool = False,
+             how: str = HOW) -> SynthInfo:
     """Write ``train.*`` and ``test.*`` in ``formats`` and ``info.json``; returns the info.
 
     When ``out_dir`` already holds this data set (same parameters, every file of ``formats`` whole),
     it is reused (``info.reused``) instead of written again: the rows depend only on the parameters.
+    A directory that holds another data set, or files of the names it writes that no ``info.json``
+    of these parameters vouches for, is refused (:func:`check_dir`, :class:`SynthError`) unless
+    ``overwrite``. A failed write (a full disk) leaves nothing new behind (:func:`hpcps.outputs.making`).
     """
-    os.makedirs(out_dir, exist_ok=True)
     params = {"rows": rows, "test_rows": test_rows, "fields": fields, "interactions": interactions,
               "hash_bits": hash_bits, "seed": seed}
-    found = _existing(out_dir, params, formats)
+    check_dir(out_dir, {"kind": "click", **{k: params[k] for k in CLICK_PARAMS}},
+              [n + EXTENSIONS[f] for n in ("train", "test") for f in formats], overwrite, how)
+    found = _existing(out_dir, params, formats) if os.path.isdir(out_dir) else None
     if found is not None:
         return found
-    files = {}
-    for name, n, s in (("train", rows, seed), ("test", test_rows, seed + 1_000_003)):
-        labels, p, ints, cats, present, keys = _rows(n, fields, s, hash_bits, interactions)
-        for fmt, path in _write_all(os.path.join(out_dir, name), labels, ints, cats, present, keys, formats).items():
-            files[f"{name}_{fmt}"] = path
-        if name == "test":
-            margins = np.log(p) - np.log1p(-p)
-            best_ll = metrics.logloss(labels, margins)
-            best_auc = metrics.auc(labels, p)
-            pos_rate = float(labels.mean())
-    info = SynthInfo(rows, test_rows, fields, interactions, hash_bits, seed, best_ll, best_auc, pos_rate, files,
-                     {p: os.path.getsize(p) for p in files.values()})
-    info.save(os.path.join(out_dir, "info.json"))  # last: it marks the files whole
+    with outputs.making(out_dir):
+        files = {}
+        for name, n, s in (("train", rows, seed), ("test", test_rows, seed + 1_000_003)):
+            labels, p, ints, cats, present, keys = _rows(n, fields, s, hash_bits, interactions)
+            for fmt, path in _write_all(os.path.join(out_dir, name), labels, ints, cats, present, keys,
+                                        formats).items():
+                files[f"{name}_{fmt}"] = path
+            if name == "test":
+                margins = np.log(p) - np.log1p(-p)
+                best_ll = metrics.logloss(labels, margins)
+                best_auc = metrics.auc(labels, p)
+                pos_rate = float(labels.mean())
+        info = SynthInfo(rows, test_rows, fields, interactions, hash_bits, seed, best_ll, best_auc, pos_rate, files,
+                         {p: os.path.getsize(p) for p in files.values()})
+        info.save(os.path.join(out_dir, "info.json"))  # last: it marks the files whole
     return info
 
 
+def _new_set(out_dir: str, made: dict, writes: list[str], overwrite: bool, how: str, write) -> dict:
+    """``write()`` a data set into ``out_dir`` (checked first, :func:`check_dir`; nothing left
+    behind if it fails, :func:`hpcps.outputs.making`), then its ``info.json``: what ``write`` returns and
+    ``made`` (its generator and parameters)."""
+    check_dir(out_dir, made, writes, overwrite, how)
+    with outputs.making(out_dir):
+        out = write()
+        _write_whole(os.path.join(out_dir, "info.json"), outputs.dumps({**out, "generator": made}, indent=1).encode())
+    return out
+
+
 def ratings(out_dir: str, rows: int, test_rows: int, users: int = 5000, items: int = 2000,
-            factors: int = 4, seed: int = 1) -> dict:
-    """Explicit ratings as libsvm (``rating user:1 item:1``); returns the files and the best RMSE."""
-    os.makedirs(out_dir, exist_ok=True)
+            factors: int = 4, seed: int = 1, overwrite: bool = False, how: str = HOW) -> dict:
+    """Explicit ratings as libsvm (``rating user:1 item:1``) and ``info.json``; returns the files
+    and the best RMSE. Refuses a directory holding another data set (see :func:`generate`)."""
+    made = {"kind": "ratings", "rows": rows, "test_rows": test_rows, "users": users, "items": items,
+            "factors": factors, "seed": seed}
+    return _new_set(out_dir, made, ["train.svm", "test.svm"], overwrite, how,
+                    lambda: _ratings(out_dir, rows, test_rows, users, items, factors, seed))
+
+
+def _ratings(out_dir: str, rows: int, test_rows: int, users: int, items: int, factors: int, seed: int) -> dict:
     out = {}
     for name, n, s in (("train", rows, seed), ("test", test_rows, seed + 7)):
         rng = np.random.default_rng(s)
@@ -219,7 +311,8 @@ def ratings(out_dir: str, rows: int, test_rows: int, users: int = 5000, items: i
 DEEP_VOCAB = (4, 6, 8, 10, 30, 100, 1_000, 10_000)  # tokens per field of the deep data
 
 
-def deep(out_dir: str, rows: int, test_rows: int, seed: int = 1) -> dict:
+def deep(out_dir: str, rows: int, test_rows: int, seed: int = 1, overwrite: bool = False,
+         how: str = HOW) -> dict:
     """libffm data with a known nonlinear truth (``train.ffm``, ``test.ffm``, ``info.json``).
 
     Eight fields, each one token (Zipf over ``DEEP_VOCAB``; the last three fields are missing
@@ -229,9 +322,15 @@ def deep(out_dir: str, rows: int, test_rows: int, seed: int = 1) -> dict:
     a random bit per token of the first three fields: a three-way parity, which no sum of
     pairwise terms can express and an MLP over the fields' embeddings can. The truth is the same
     for every seed (the seed draws the rows). Returns the files, the fields and the best
-    achievable test logloss and AUC (of the true probabilities).
+    achievable test logloss and AUC (of the true probabilities). Refuses a directory holding
+    another data set (see :func:`generate`).
     """
-    os.makedirs(out_dir, exist_ok=True)
+    made = {"kind": "deep", "rows": rows, "test_rows": test_rows, "seed": seed}
+    return _new_set(out_dir, made, ["train.ffm", "test.ffm"], overwrite, how,
+                    lambda: _deep(out_dir, rows, test_rows, seed))
+
+
+def _deep(out_dir: str, rows: int, test_rows: int, seed: int) -> dict:
     fields = len(DEEP_VOCAB)
     truth = np.random.default_rng(20261122)
     w = [truth.normal(0.0, 0.3, v) for v in DEEP_VOCAB]
@@ -259,5 +358,4 @@ def deep(out_dir: str, rows: int, test_rows: int, seed: int = 1) -> dict:
         if name == "test":
             out["best_test_logloss"] = metrics.logloss(labels.astype(np.float64), margin)
             out["best_test_auc"] = metrics.auc(labels.astype(np.float64), margin)
-    _write_whole(os.path.join(out_dir, "info.json"), outputs.dumps(out, indent=1).encode())
     return out
