@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import sys
 import threading
 import time
@@ -215,6 +216,8 @@ def install_abort_handler() -> None:
         ):
             previous(exc_type, exc, tb)
             return
+        if issubclass(exc_type, BrokenPipeError):  # (`hpcps train | head`: the reader left; say nothing)
+            end_job(128 + signal.SIGPIPE)
         errors.print_traceback(exc)
         line, code = errors.one_line(exc, explanation(exc))
         abort(f"error: {line}", code=code)
