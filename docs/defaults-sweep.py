@@ -45,7 +45,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from hpcps.bench_vw import _mpiexec  # noqa: E402  (HPCPS_MPIEXEC, else the venv's, as the benchmarks)
+from hpcps.bench.vw import _mpiexec  # noqa: E402  (HPCPS_MPIEXEC, else the venv's, as the benchmarks)
 from hpcps.train import synth  # noqa: E402
 
 LR_GRID = ["optimizer.alpha=0.03,0.05,0.1,0.2,0.3,0.5", "optimizer.l2=0,1,10"]

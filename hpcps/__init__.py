@@ -3,8 +3,8 @@
     import hpcps
     ctx = hpcps.init(servers=1)          # collective; nothing happens at import
 
-See :mod:`hpcps.context`. Layers, each importing only those before it: ``hpcps_kernels`` (numba,
-pure) → ``hpcps.transport`` (the only MPI module) → ``hpcps.server`` / ``hpcps.client`` →
+See :mod:`hpcps.ps.context`. Layers, each importing only those before it: ``hpcps_kernels`` (numba,
+pure) → ``hpcps.ps.transport`` (the only MPI module) → ``hpcps.ps.server`` / ``hpcps.ps.client`` →
 ``hpcps.train`` → ``hpcps.cli``.
 """
 
@@ -26,12 +26,16 @@ def __getattr__(name):
         from hpcps.train import estimator
 
         return getattr(estimator, name)
+    if name == "Features":  # a table's admission and eviction (sparse_table(..., features=hpcps.Features(...)))
+        from hpcps.ps.tables import Features
+
+        return Features
     raise AttributeError(f"module 'hpcps' has no attribute {name!r}")
 
 
 def init(*args, **kwargs):
-    """See :func:`hpcps.context.init`."""
-    from hpcps.context import init as _init
+    """See :func:`hpcps.ps.context.init`."""
+    from hpcps.ps.context import init as _init
 
     return _init(*args, **kwargs)
 
@@ -66,7 +70,7 @@ def register_optimizer(name: str, params: dict, kernel, args=None, state_width=N
 def register_server_function(name: str, fn, out_width: int, in_width: int = 0, per_key: bool = True,
                              replace: bool = False):
     """Register a request kind of your own, run on the servers (see
-    :class:`hpcps.tables.ServerFunction`); every rank registers it, then declares it with
+    :class:`hpcps.ps.tables.ServerFunction`); every rank registers it, then declares it with
     ``ctx.server_function(name)`` and calls it with ``table.call(handle, keys, args)``::
 
         def sq_norm(shard, keys, args):             # a reduction over a key set
@@ -76,6 +80,6 @@ def register_server_function(name: str, fn, out_width: int, in_width: int = 0, p
 
         hpcps.register_server_function("sq_norm", sq_norm, out_width=1, per_key=False)
     """
-    from hpcps.tables import register_server_function as _register
+    from hpcps.ps.tables import register_server_function as _register
 
     return _register(name, fn, out_width, in_width, per_key, replace)

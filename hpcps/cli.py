@@ -23,7 +23,7 @@ import os
 import re
 import sys
 
-from hpcps import signals
+from hpcps.ps import signals
 from hpcps.malloc import keep_freed_memory
 
 
@@ -43,8 +43,9 @@ def _collective_config(args, world, prepare=None):
     ``prepare(raw)`` turning it into what the command runs, checked there) and broadcast; the
     ranks check they agree and that the layout fits the world. Returns (raw, prepared, 0) or
     (None, None, exit status) after reporting the error."""
-    from hpcps import config, transport
-    from hpcps.layout import LayoutError, check_world
+    from hpcps import config
+    from hpcps.ps import transport
+    from hpcps.ps.layout import LayoutError, check_world
 
     rank = world.Get_rank()
     # 1. every rank was given the same command line?
@@ -89,7 +90,7 @@ def _collective_config(args, world, prepare=None):
 
 def _start_collective():
     """The world, after refusing a Slurm step of separate one-rank programs; the abort handler on."""
-    from hpcps import transport
+    from hpcps.ps import transport
 
     world = transport.world()
     step_tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS") or 1)
@@ -318,7 +319,9 @@ def _gen_data(args) -> int:
 
 
 def _cmd_bench_mpi(args) -> int:
-    from hpcps import bench_mpi, outputs, transport
+    from hpcps import outputs
+    from hpcps.ps import transport
+    from hpcps.bench import mpi as bench_mpi
 
     transport.install_abort_handler()
     comm = transport.dup()
@@ -343,7 +346,9 @@ def _cmd_bench_mpi(args) -> int:
 
 
 def _cmd_bench_ps(args) -> int:
-    from hpcps import bench_ps, outputs, transport
+    from hpcps import outputs
+    from hpcps.ps import transport
+    from hpcps.bench import ps as bench_ps
     from hpcps_kernels import optim
 
     if transport.world().Get_size() < 2:
@@ -361,7 +366,8 @@ def _cmd_bench_ps(args) -> int:
 
 
 def _cmd_bench_vw(args) -> int:
-    from hpcps import bench_vw, outputs
+    from hpcps import outputs
+    from hpcps.bench import vw as bench_vw
 
     results = bench_vw.run(args.dir, args.rows, args.test_rows, args.ranks, args.epochs, args.alpha, args.vw_alpha,
                            args.hash_bits, args.staleness)
@@ -398,7 +404,7 @@ def _inspect_model(path: str) -> int:
 
 
 def _cmd_inspect(args) -> int:
-    from hpcps import checkpoint
+    from hpcps.ps import checkpoint
 
     if not os.path.exists(args.ckpt):
         return _fail(f"{args.ckpt}: no such checkpoint, checkpoint directory or model file")
@@ -457,7 +463,8 @@ def _export_format(manifest: dict) -> str:
 def _cmd_export(args) -> int:
     import numpy as np
 
-    from hpcps import checkpoint, outputs
+    from hpcps import outputs
+    from hpcps.ps import checkpoint
     from hpcps.train import model_file
 
     inside = checkpoint.complete_checkpoints(args.ckpt) if not os.path.exists(
@@ -498,7 +505,7 @@ def _cmd_export(args) -> int:
 
 
 def _cmd_bench_deep(args) -> int:
-    from hpcps import bench_deep
+    from hpcps.bench import deep as bench_deep
 
     results = bench_deep.run(args.dir, args.rows, args.batch_size)
     print(bench_deep.format_results(results))
@@ -506,7 +513,7 @@ def _cmd_bench_deep(args) -> int:
 
 
 def _cmd_bench_margins(args) -> int:
-    from hpcps import bench_margins
+    from hpcps.bench import margins as bench_margins
 
     results = bench_margins.run(args.dir, args.rows, args.ranks, args.batch_size)
     print(bench_margins.format_results(results, args.rows))
@@ -527,7 +534,8 @@ def _cmd_plot(args) -> int:
 
 
 def _cmd_bench_checkpoint(args) -> int:
-    from hpcps import bench_checkpoint, outputs
+    from hpcps import outputs
+    from hpcps.bench import checkpoint as bench_checkpoint
 
     if os.path.exists(args.dir) and not os.path.isdir(args.dir):
         return _fail(f"bench checkpoint --dir {args.dir} is not a directory")

@@ -26,7 +26,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from hpcps.outputs import clash
-from hpcps.tables import Features
+from hpcps.ps.tables import Features
 from hpcps_kernels import optim
 
 

@@ -4,7 +4,7 @@ An error class that knows what it means to the user carries an ``exit_status`` (
 config, the user must change something; 1: a run-time failure such as a full disk, a stall or
 non-finite numbers); its message is the whole story. An ``OSError`` names its file and cause and
 is a run-time failure too. Anything else is a bug: its line says how to see the traceback.
-Pure (no MPI): the abort handler (:mod:`hpcps.transport`) and the CLI's ``main`` both use it.
+Pure (no MPI): the abort handler (:mod:`hpcps.ps.transport`) and the CLI's ``main`` both use it.
 """
 
 from __future__ import annotations

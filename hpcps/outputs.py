@@ -60,7 +60,7 @@ def inside(path: str, directory: str) -> bool:
     return os.path.realpath(path).startswith(d)
 
 
-# where a checkpoint.dir's checkpoints are moved aside (hpcps.checkpoint's DAMAGED, REPLACED and
+# where a checkpoint.dir's checkpoints are moved aside (hpcps.ps.checkpoint's DAMAGED, REPLACED and
 # SUPERSEDED; named here, below it in the layers)
 CHECKPOINT_ASIDE = ("damaged", "replaced", "superseded")
 

@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 
-from hpcps import checkpoint
+from hpcps.ps import checkpoint
 from hpcps.train.progress import STATUS_ENV, read_status, write_status
 
 NO_RESTART = {0: "finished", 2: "usage or configuration error", 75: "stopped by a signal after a checkpoint",

@@ -4,14 +4,14 @@ hash lookup) release the GIL (``nogil=True``) and touch only the rows of their o
 are distinct within a request, so the halves of a request's keys can run at once.
 
 A server rank has a second core only while its workers wait for it without polling (see
-``hpcps.transport.wait``), as they do on a large request. Handing a half to another thread costs
+``hpcps.ps.transport.wait``), as they do on a large request. Handing a half to another thread costs
 about 0.1-0.3 ms here (gVisor), so pushes of fewer than ``PARALLEL_MIN_KEYS`` keys and
 ``PARALLEL_MIN_VALUES`` values (keys x values a key: a training step's pushes) stay on one thread.
 ``hpcps bench ps`` on this 2-core machine, alternating one thread and two: a push of 100 k keys
 at dim 1 1.25-1.29 against 1.53-1.55 ms (3 pairs, quiet machine), of 1 M keys 9.7-10.0 against
 14.1-14.7 ms, of 100 k keys at dim 64 11.3-13.3 against 15.2-15.4 ms. Pulls gained only once the
 worker slept through the server's work instead of spinning for the reply's transfer from the
-start (``hpcps.protocol.announced``): the server's own pull of 1 M keys at dim 64 then took
+start (``hpcps.ps.protocol.announced``): the server's own pull of 1 M keys at dim 64 then took
 23-28 against 61 ms (the reply's pages no longer faulted in anew, too), of 100 k 2.8-3.0 against
 4.2-4.7 ms, of 1 M keys at dim 1 2.9-3.2 against 5.0-5.4 ms (3 alternating pairs).
 """
@@ -62,7 +62,7 @@ def over(halves: Halves | None, n: int, call: Callable[[int, int], object], widt
 
 def splits_pull(n: int, width: int) -> bool:
     """Whether a server (with two threads) runs a pull of ``n`` keys of ``width`` values in two
-    halves; its reply is then announced (``hpcps.protocol.announced``), so that the worker sleeps
+    halves; its reply is then announced (``hpcps.ps.protocol.announced``), so that the worker sleeps
     through it rather than spinning (a pull split while the worker spun, 100 k keys at dim 1:
     0.64-0.91 against 0.57-0.58 ms)."""
     return n * (width + PULL_KEY_VALUES) >= PARALLEL_MIN_PULL_WORK

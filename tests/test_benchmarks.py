@@ -35,7 +35,7 @@ PEER_SCRIPT = textwrap.dedent("""
     import json, sys, time
     import numpy as np
     from mpi4py import MPI
-    from hpcps import bench_mpi
+    from hpcps.bench import mpi as bench_mpi
 
     sizes, reps, delay = json.loads(sys.argv[1])
     comm = MPI.COMM_WORLD

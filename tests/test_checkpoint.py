@@ -13,8 +13,8 @@ import time
 import numpy as np
 import pytest
 
-from hpcps import checkpoint
-from hpcps.placement import Placement
+from hpcps.ps import checkpoint
+from hpcps.ps.placement import Placement
 from hpcps.train import synth
 from hpcps.train.model_file import ServingModel
 
@@ -241,7 +241,7 @@ def test_a_late_hdf5_write_failure_is_reported_as_the_checkpoint_write_it_is():
     """HDF5 may report a full disk only when an object of the failed file is freed, as a bare
     RuntimeError; the abort message names the file and the cause in the one line of a write
     failure (the disk-full test met it about once in ten runs)."""
-    from hpcps import server, transport
+    from hpcps.ps import server, transport
     assert checkpoint.explain_write_failure in server.transport.EXPLAINERS  # the server registers it
     late = RuntimeError("Can't decrement id ref count (file write failed: time = Mon Nov 23 06:46:26 2026\n"
                         ", filename = '/d/ck/ckpt-0000000080.tmp/server-3.h5', file descriptor = 28, errno = 28, "

@@ -157,7 +157,7 @@ def test_the_default_dense_lr_grows_with_the_rows_in_each_mlp_step():
     """0.001 per 1000 rows a step for Adam and AdaGrad (batch x workers per group), 0.001 for SGD,
     and an explicit model.dense_lr as given."""
     from hpcps.config import from_dict
-    from hpcps.layout import Layout
+    from hpcps.ps.layout import Layout
     from hpcps.train.models import dense_lr_for
 
     def lr(layout, **model):

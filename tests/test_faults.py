@@ -20,7 +20,7 @@ import time
 import numpy as np
 import pytest
 
-from hpcps import checkpoint
+from hpcps.ps import checkpoint
 from hpcps.train import synth
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -368,7 +368,8 @@ def test_a_failed_mpi_call_is_reported_as_a_peer_that_died_not_as_a_bug():
     "unexpected" (the MPI error is made here: when it happens depends on the launcher's teardown)."""
     from mpi4py import MPI
 
-    from hpcps import errors, transport
+    from hpcps import errors
+    from hpcps.ps import transport
 
     e = MPI.Exception(MPI.ERR_OTHER)
     line, status = errors.one_line(e, transport.explanation(e))

@@ -13,8 +13,8 @@ import sys
 import numpy as np
 import pytest
 
-from hpcps.server import ServerTable
-from hpcps.tables import Features, TableSpec
+from hpcps.ps.server import ServerTable
+from hpcps.ps.tables import Features, TableSpec
 from hpcps_kernels.directindex import DirectKeyIndex
 from hpcps_kernels.hashtable import KeyIndex
 
@@ -138,7 +138,7 @@ def test_a_job_reports_kept_admitted_and_evicted_keys(tmp_path):
 
 
 def test_resume_after_admission_and_eviction_is_bit_identical(tmp_path):
-    from hpcps.checkpoint import step_dir
+    from hpcps.ps.checkpoint import step_dir
     from hpcps.train.model_file import ServingModel
 
     sets = ["synth.rows=20000", "synth.test_rows=2000", f"synth.dir={json.dumps(str(tmp_path / 'data'))}", "train.batch_size=50",
@@ -372,7 +372,7 @@ def test_large_requests_in_two_halves_at_once_give_what_one_thread_gives(key_bit
 
 
 def test_server_threads_come_from_the_environment_and_a_bad_value_names_the_variable(monkeypatch):
-    from hpcps.server import server_halves
+    from hpcps.ps.server import server_halves
 
     monkeypatch.delenv("HPCPS_SERVER_THREADS", raising=False)
     assert server_halves() is not None

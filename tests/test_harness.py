@@ -38,7 +38,7 @@ def test_unhandled_exception_on_one_rank_aborts_the_job(tmp_path):
     script.write_text(textwrap.dedent("""
         import time
         from mpi4py import MPI
-        from hpcps import transport
+        from hpcps.ps import transport
         transport.install_abort_handler()
         comm = MPI.COMM_WORLD
         if comm.rank == 1:
@@ -170,7 +170,7 @@ def test_polling_barrier_and_allreduce_agree_across_ranks():
     import numpy as np
     from mpi4py import MPI
 
-    from hpcps import transport
+    from hpcps.ps import transport
 
     comm = MPI.COMM_WORLD
     transport.barrier(comm, timeout=30)
@@ -184,7 +184,7 @@ def test_wait_timeout_names_the_peer_that_never_answered():
     import numpy as np
     from mpi4py import MPI
 
-    from hpcps import transport
+    from hpcps.ps import transport
 
     comm = MPI.COMM_WORLD.Dup()
     if comm.rank == 0:
@@ -209,7 +209,7 @@ def test_a_stalled_collective_warns_naming_the_ranks_and_times_out(tmp_path):
         import sys, time
         import numpy as np
         from mpi4py import MPI
-        from hpcps import transport
+        from hpcps.ps import transport
         transport.install_abort_handler()
         transport.set_stall_warning(0.5)
         comm = transport.dup()

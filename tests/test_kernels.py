@@ -545,7 +545,7 @@ def test_nothing_is_compiled_at_import():
     import subprocess
     import sys
     code = (
-        "import pkgutil, importlib, numba, hpcps_kernels, hpcps.cli, hpcps.train.loop, hpcps.context, hpcps.placement\n"
+        "import pkgutil, importlib, numba, hpcps_kernels, hpcps.cli, hpcps.train.loop, hpcps.ps.context, hpcps.ps.placement\n"
         "mods = [importlib.import_module('hpcps_kernels.' + m.name) for m in pkgutil.iter_modules(hpcps_kernels.__path__)]\n"
         "ds = [v for m in mods for v in vars(m).values() if isinstance(v, numba.core.registry.CPUDispatcher)]\n"
         "print(len(ds), sum(len(d.signatures) for d in ds))\n")

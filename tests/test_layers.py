@@ -6,14 +6,20 @@ import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-LEVEL = {  # module -> layer
-    **{f"hpcps_kernels.{m[:-3]}": 0 for m in os.listdir(os.path.join(ROOT, "kernels")) if m.endswith(".py")},
-    **{f"hpcps.{m}": 1 for m in ("layout", "placement", "protocol", "tables", "config", "signals", "checkpoint", "malloc",
-                                 "errors", "outputs")},
-    "hpcps.transport": 2,
-    **{f"hpcps.{m}": 3 for m in ("server", "client", "context", "bench_mpi")},
-    **{f"hpcps.train.{m[:-3]}": 4 for m in os.listdir(os.path.join(ROOT, "hpcps", "train")) if m.endswith(".py")},
-    **{f"hpcps.{m}": 5 for m in ("cli", "bench_ps", "bench_vw", "bench_margins", "bench_deep", "bench_checkpoint", "supervise", "plot")},
+def _package(folder: str, package: str, layer: int) -> dict:
+    return {f"{package}.{m[:-3]}": layer for m in os.listdir(os.path.join(ROOT, folder))
+            if m.endswith(".py") and m not in ("__init__.py", "__main__.py")}
+
+
+LEVEL = {  # module -> layer: the packages say it (hpcps/ps's pure modules, then its transport, then the rest)
+    **_package("kernels", "hpcps_kernels", 0),
+    **{f"hpcps.{m}": 1 for m in ("config", "malloc", "errors", "outputs")},
+    **{f"hpcps.ps.{m}": 1 for m in ("layout", "placement", "protocol", "tables", "signals", "checkpoint")},
+    "hpcps.ps.transport": 2,
+    **{f"hpcps.ps.{m}": 3 for m in ("server", "client", "context")},
+    **_package("hpcps/train", "hpcps.train", 4),
+    **_package("hpcps/bench", "hpcps.bench", 5),
+    **{f"hpcps.{m}": 5 for m in ("cli", "supervise", "plot")},
 }
 
 
@@ -33,7 +39,8 @@ def imports_of(path: str, package: str) -> set[str]:
 
 
 def modules():
-    for folder, package in (("kernels", "hpcps_kernels"), ("hpcps", "hpcps"), ("hpcps/train", "hpcps.train")):
+    for folder, package in (("kernels", "hpcps_kernels"), ("hpcps", "hpcps"), ("hpcps/ps", "hpcps.ps"),
+                            ("hpcps/train", "hpcps.train"), ("hpcps/bench", "hpcps.bench")):
         for name in os.listdir(os.path.join(ROOT, folder)):
             if name.endswith(".py") and name not in ("__init__.py", "__main__.py"):
                 yield f"{package}.{name[:-3]}", os.path.join(ROOT, folder, name), package
@@ -55,14 +62,14 @@ def test_no_module_imports_a_higher_layer():
 def test_only_transport_imports_mpi4py_and_kernels_import_no_hpcps():
     for mod, path, package in modules():
         imps = imports_of(path, package)
-        if mod != "hpcps.transport":
+        if mod != "hpcps.ps.transport":
             assert not any(i == "mpi4py" or i.startswith("mpi4py.") for i in imps), mod
         if mod.startswith("hpcps_kernels."):
             assert not any(i == "hpcps" or i.startswith("hpcps.") for i in imps), mod
 
 
 # Methods of mpi4py communicators and requests that communicate or wait. Outside the transport
-# module none may be called: every wait goes through hpcps.transport, with a timeout, a stall
+# module none may be called: every wait goes through hpcps.ps.transport, with a timeout, a stall
 # warning and no spinning (Get_rank and Get_size ask nothing of other ranks and are allowed).
 _CAPITALISED = ("Send", "Recv", "Isend", "Irecv", "Sendrecv", "Bcast", "Gather", "Gatherv", "Scatter",
                 "Allgather", "Allreduce", "Reduce", "Barrier", "Alltoall", "Probe", "Iprobe", "Mprobe", "Improbe",
@@ -77,7 +84,7 @@ MPI_CALLS = set(_CAPITALISED) | set(_PICKLING)
 def test_no_communicator_method_is_called_outside_the_transport():
     bad = []
     for mod, path, _ in modules():
-        if mod == "hpcps.transport" or mod.startswith("hpcps_kernels."):
+        if mod == "hpcps.ps.transport" or mod.startswith("hpcps_kernels."):
             continue
         for node in ast.walk(ast.parse(open(path).read())):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MPI_CALLS:
@@ -85,4 +92,4 @@ def test_no_communicator_method_is_called_outside_the_transport():
                 if owner == "transport":
                     continue
                 bad.append(f"{mod}:{node.lineno}: {owner}.{node.func.attr}(...)")
-    assert not bad, "communicator calls outside hpcps/transport.py:\n" + "\n".join(bad)
+    assert not bad, "communicator calls outside hpcps/ps/transport.py:\n" + "\n".join(bad)

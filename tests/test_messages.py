@@ -1,5 +1,5 @@
 """Large messages: the buffer pool that reuses them, the packing of a request's gradients, and
-replies sent as header then payload (``hpcps.transport``, ``hpcps.protocol``)."""
+replies sent as header then payload (``hpcps.ps.transport``, ``hpcps.ps.protocol``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from hpcps import protocol, transport
+from hpcps.ps import protocol, transport
 
 
 def test_a_pool_reuses_a_buffer_only_once_nothing_refers_to_it():

@@ -1,5 +1,5 @@
 """``hpcps train`` without mpiexec: one process holds a server and a worker and sends no message
-(``hpcps.context.LocalContext``). It must train exactly what 1 server + 1 worker under BSP train,
+(``hpcps.ps.context.LocalContext``). It must train exactly what 1 server + 1 worker under BSP train,
 and checkpoint, resume, export, eval and predict must work as they do under mpiexec."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from hpcps import checkpoint
+from hpcps.ps import checkpoint
 from hpcps.train import synth
 from hpcps.train.model_file import ServingModel
 

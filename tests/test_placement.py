@@ -7,8 +7,8 @@ import sys
 import numpy as np
 import pytest
 
-from hpcps.layout import Layout, LayoutError
-from hpcps.placement import Placement
+from hpcps.ps.layout import Layout, LayoutError
+from hpcps.ps.placement import Placement
 
 
 @pytest.mark.parametrize("servers", [1, 2, 3, 5, 8])
@@ -45,7 +45,7 @@ def test_slice_keeps_sorted_keys_sorted_and_covers_every_key():
 PLACE = """
 import sys
 import numpy as np
-from hpcps.placement import Placement
+from hpcps.ps.placement import Placement
 p, keys = Placement(4), np.frombuffer(bytes.fromhex(sys.argv[1]), dtype=np.uint64)
 print(p.shard_server.tolist(), p.server_of(keys).tolist())
 """

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import hpcps
-from hpcps.server import ServerTable
-from hpcps.tables import TableSpec
+from hpcps.ps.server import ServerTable
+from hpcps.ps.tables import TableSpec
 from hpcps_kernels import init as kinit
 
 U64_MAX = 2**64 - 1
@@ -133,7 +133,7 @@ def _signsgd(rows, slots, grads, lr):
 
 @pytest.mark.mpi(min_size=3)
 def test_a_registered_update_rule_runs_on_the_servers_and_must_be_the_same_on_every_rank():
-    from hpcps.context import ConfigMismatch
+    from hpcps.ps.context import ConfigMismatch
     from mpi4py import MPI
 
     if world_size() != 3:
@@ -178,7 +178,7 @@ def _scaled_and_count(shard, keys, args):
 
 @pytest.mark.mpi(min_size=4)
 def test_registered_server_functions_run_where_the_keys_live():
-    from hpcps.context import ConfigMismatch
+    from hpcps.ps.context import ConfigMismatch
     from mpi4py import MPI
 
     if world_size() != 4:

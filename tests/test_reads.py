@@ -230,7 +230,7 @@ def test_the_stall_timeout_is_one_line_and_the_traceback_is_for_hpcps_debug(smal
 SCRIPT = """
     import threading, time
     from mpi4py import MPI
-    from hpcps import transport
+    from hpcps.ps import transport
     transport.install_abort_handler()
     comm = MPI.COMM_WORLD
     if comm.rank == 1:

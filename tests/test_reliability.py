@@ -13,9 +13,10 @@ import sys
 import numpy as np
 import pytest
 
-from hpcps import checkpoint, config
-from hpcps.layout import Layout, LayoutError
-from hpcps.placement import Placement
+from hpcps import config
+from hpcps.ps import checkpoint
+from hpcps.ps.layout import Layout, LayoutError
+from hpcps.ps.placement import Placement
 from hpcps.train import data as tdata
 from hpcps.train import synth
 from hpcps_kernels import parse
@@ -189,7 +190,7 @@ def test_numeric_keys_are_range_checked_naming_key_and_range(override, match):
     ("adam", "beta1", 1.0, r"in \[0, 1\)"), ("adam", "beta2", -0.5, r"in \[0, 1\)"),
 ])
 def test_optimizer_ranges_hold_for_the_library_api_too(opt, key, value, match):
-    from hpcps.tables import TableSpec
+    from hpcps.ps.tables import TableSpec
     with pytest.raises(ValueError, match=match):
         TableSpec("w", 1, opt, {key: value})
     with pytest.raises(config.ConfigError, match=match):

@@ -241,7 +241,8 @@ def test_plot_refuses_labels_that_do_not_match_its_files(metrics_file, tmp_path)
 
 @pytest.mark.parametrize("name", ["ckpt-0000000030", "ckpt-0000000030.tmp", "superseded", "damaged/m.h5", "replaced"])
 def test_an_output_that_is_a_checkpoints_path_is_refused_before_training(small, tmp_path, name):
-    from hpcps import checkpoint, outputs
+    from hpcps import outputs
+    from hpcps.ps import checkpoint
 
     assert set(outputs.CHECKPOINT_ASIDE) == {checkpoint.DAMAGED, checkpoint.REPLACED, checkpoint.SUPERSEDED}
     ck = tmp_path / "ck"

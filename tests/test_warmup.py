@@ -53,10 +53,10 @@ SCRIPT = textwrap.dedent("""
             callees(KERNELS[k], called)
     missing = sorted(k for k, v in before.items() if not v and KERNELS[k] not in called)
 
-    from hpcps.checkpoint import checksum
-    from hpcps.placement import Placement
-    from hpcps.server import ServerTable
-    from hpcps.tables import TableSpec
+    from hpcps.ps.checkpoint import checksum
+    from hpcps.ps.placement import Placement
+    from hpcps.ps.server import ServerTable
+    from hpcps.ps.tables import TableSpec
     from hpcps_kernels.optim import REGISTRY as OPTIMIZER_PARAMS
     from hpcps.train import data, model_file, synth
     from hpcps.train.models import margins_from_params

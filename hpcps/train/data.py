@@ -600,7 +600,7 @@ class PartStream:
 
     The part is parsed in slices of ``block_bytes`` on the training thread itself: :meth:`pump`
     parses the next slice ahead of the training, and the training loop calls it while a step waits
-    for the servers (:attr:`hpcps.context.Context.background`), so parsing fills time the worker
+    for the servers (:attr:`hpcps.ps.context.Context.background`), so parsing fills time the worker
     would otherwise sleep. By default there is no second thread: a parsing thread competes with
     the training thread for the GIL and, on a busy node, for a core, and each wake-up of a step's
     wait was late by a scheduler time slice (milliseconds, against answers due in microseconds).
@@ -764,7 +764,7 @@ class PartStream:
 
     def start_thread(self) -> None:
         """Parse ahead on a thread of its own (``data.parse_thread``) rather than in the training's
-        waits (:meth:`pump` through :attr:`hpcps.context.Context.background`). The thread runs at
+        waits (:meth:`pump` through :attr:`hpcps.ps.context.Context.background`). The thread runs at
         a lower priority (nice +10 on Linux), so on a full node it takes the cycles the training
         thread and the servers leave; the parse kernels release the GIL, and so do the training's
         dedup and gradient kernels. The same rows come in the same order: a run trains the same

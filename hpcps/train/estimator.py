@@ -2,7 +2,7 @@
 
 :class:`SparseClassifier` (logistic loss) and :class:`SparseRegressor` (squared loss) train an LR or
 an FM on a matrix (CSR, any SciPy sparse format, or dense) with the library's own parts: the
-model's tables live in an in-process server (:class:`hpcps.context.LocalContext`), updated by the
+model's tables live in an in-process server (:class:`hpcps.ps.context.LocalContext`), updated by the
 server optimizers (FTRL by default), and every step is :meth:`hpcps.train.models.Model.step`, the
 kernels of ``hpcps train``. A column ``j`` of the matrix is the key ``j``; every row also carries
 the bias key, as in the training files.
@@ -26,7 +26,7 @@ from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import check_is_fitted, validate_data
 
 from hpcps import config
-from hpcps.context import LocalContext
+from hpcps.ps.context import LocalContext
 from hpcps.train.data import BIAS_KEY, Dataset
 from hpcps.train.loop import BIAS_ROWS, auto_batch_size, bias_for
 from hpcps.train.models import make_model, margins_from_params

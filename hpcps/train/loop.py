@@ -23,8 +23,9 @@ import numpy as np
 
 from dataclasses import dataclass, replace
 
-from hpcps import checkpoint, config, outputs, signals, tables, transport
-from hpcps.context import init
+from hpcps import config, outputs
+from hpcps.ps import checkpoint, signals, tables, transport
+from hpcps.ps.context import init
 from hpcps.train import data as tdata
 from hpcps.train import model_file, synth
 from hpcps.train.models import NonFiniteError, make_model, resolve_fields
@@ -46,7 +47,7 @@ def _restore(shard, keys, args):
     return np.zeros(1, dtype=np.float32)
 
 
-# early stopping keeps the best model on the servers (server functions, see hpcps.tables)
+# early stopping keeps the best model on the servers (server functions, see hpcps.ps.tables)
 tables.register_server_function("hpcps.snapshot", _snapshot, 1, per_key=False, replace=True)
 tables.register_server_function("hpcps.restore", _restore, 1, per_key=False, replace=True)
 
@@ -100,7 +101,7 @@ def resolve_resume(cfg, comm) -> tuple[str, dict] | None:
 def claim_checkpoints(cfg, comm, restore: tuple[str, dict] | None) -> str:
     """Collective: this run's id, inherited from the checkpoint it resumes (its lineage) or new,
     once the first rank has made ``checkpoint.dir`` hold this run's checkpoints only
-    (:func:`hpcps.checkpoint.claim`: another run's stop the job, unless ``checkpoint.existing =
+    (:func:`hpcps.ps.checkpoint.claim`: another run's stop the job, unless ``checkpoint.existing =
     "replace"`` moves them aside)."""
     run_id, error = None, None
     if comm.Get_rank() == 0:

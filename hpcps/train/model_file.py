@@ -29,7 +29,8 @@ import os
 import h5py
 import numpy as np
 
-from hpcps import outputs, transport
+from hpcps import outputs
+from hpcps.ps import transport
 from hpcps_kernels import init as kinit
 from hpcps_kernels import keys as kkeys
 from hpcps_kernels.hashing import xxh64, xxh64_words

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hpcps import transport
+from hpcps.ps import transport
 from hpcps.config import DEEP
 from hpcps.train.data import BIAS_KEY
 from hpcps_kernels import deep as kdeep

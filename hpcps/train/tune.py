@@ -30,7 +30,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from hpcps import config, outputs, transport
+from hpcps import config, outputs
+from hpcps.ps import transport
 from hpcps.train.loop import Result, Trainer, evaluate_columns
 from hpcps.train.models import Grid
 from hpcps.train.progress import summary_table

@@ -21,12 +21,12 @@ from typing import Callable
 
 import numpy as np
 
-from hpcps import checkpoint, protocol, signals, transport
-from hpcps.client import DenseTable, SparseTable
-from hpcps.layout import Layout, check_world
-from hpcps.placement import DEFAULT_SHARDS, Placement
-from hpcps.server import LocalServer, Server
-from hpcps.tables import SERVER_FUNCTIONS, Features, ServerFunction, TableSpec
+from hpcps.ps import checkpoint, protocol, signals, transport
+from hpcps.ps.client import DenseTable, SparseTable
+from hpcps.ps.layout import Layout, check_world
+from hpcps.ps.placement import DEFAULT_SHARDS, Placement
+from hpcps.ps.server import LocalServer, Server
+from hpcps.ps.tables import SERVER_FUNCTIONS, Features, ServerFunction, TableSpec
 from hpcps_kernels import keys as kkeys
 
 
@@ -107,7 +107,7 @@ class Context:
                      features: Features | None = None, init_keys: tuple = ()) -> SparseTable:
         """Declare a sparse table (collective; identical on every rank). ``key_bits``: keys are
         (mostly) below ``2**key_bits`` (hashed features): up to 26 bits servers address rows
-        directly by key. ``features``: admission and eviction of keys (:class:`hpcps.tables.Features`).
+        directly by key. ``features``: admission and eviction of keys (:class:`hpcps.ps.tables.Features`).
         ``init_keys``: ``((key, values), ...)``, keys that start at given values instead of the
         initializer (a regression's bias at the label mean)."""
         if name in self.tables:
@@ -123,7 +123,7 @@ class Context:
     def server_function(self, name: str) -> int:
         """Declare a registered server function (collective; :func:`hpcps.register_server_function`
         on every rank first, with the same definition: checked). Returns its handle for
-        :meth:`hpcps.client.SparseTable.call`."""
+        :meth:`hpcps.ps.client.SparseTable.call`."""
         if name not in SERVER_FUNCTIONS:
             raise ValueError(f"server function {name!r} is not registered; registered: {sorted(SERVER_FUNCTIONS)}")
         f = SERVER_FUNCTIONS[name]
@@ -188,7 +188,7 @@ class Context:
                  announced: bool = False) -> list:
         """Post the receive of request ``req_id``'s reply into ``reply`` (``announced``: as header
         then payload, ``protocol.announced``), then send ``msg`` to ``server``; returns the pending
-        transfers (for :func:`hpcps.transport.wait`), described by the operation and table for
+        transfers (for :func:`hpcps.ps.transport.wait`), described by the operation and table for
         stall messages."""
         of = f" of table {table!r}" if table else ""
         tag, what = protocol.reply_tag(req_id, self.tag_ub), f"{protocol.OP_NAMES[op]} reply{of} (request {req_id}) from server"
@@ -316,7 +316,7 @@ class Context:
 
 class LocalContext(Context):
     """A job of one process (``hpcps train`` without mpiexec): the tables live in this process,
-    served by a :class:`hpcps.server.LocalServer` that answers each request when it is sent, with
+    served by a :class:`hpcps.ps.server.LocalServer` that answers each request when it is sent, with
     the same code (consistency, optimizers, admission, checkpoints) and no message. It behaves as
     1 server + 1 worker: its checkpoints are those of that layout, and resume either way."""
 
@@ -393,7 +393,7 @@ def init(servers: int = 1, worker_groups: int | None = None, staleness: int = 0,
     process, no messages.
 
     Raises:
-        hpcps.layout.LayoutError: the world is too small for the layout, before any communication.
+        hpcps.ps.layout.LayoutError: the world is too small for the layout, before any communication.
     """
     base = comm if comm is not None else transport.world()
     check_world(base.Get_size(), servers, worker_groups, num_shards)

@@ -51,7 +51,7 @@ Operations:
 ``evicted``: the request's table on that server (rows held, keys admitted and rows evicted so far),
 which the worker's progress line and metrics report while training. ``status`` bit ``STOP``: the server got a
 stop signal, and ``INTERRUPT`` with it: that signal was SIGINT. There is no error status: a server that fails aborts the whole job
-(``hpcps.transport.install_abort_handler``), so no worker waits for an answer that will not come.
+(``hpcps.ps.transport.install_abort_handler``), so no worker waits for an answer that will not come.
 """
 
 from __future__ import annotations
@@ -235,7 +235,7 @@ def pack_request(op: int, table: int, req_id: int, clock: int, worker: int, push
                  ahead: int = 0, in_pull: np.ndarray | None = None, alloc=None, apart: bool = False) -> np.ndarray:
     """A request message; ``in_pull`` (PUSHPULL): a bool per pushed key, whether it is among
     ``pull_keys`` (sent as bits, see the module docstring). ``alloc(nbytes)``: where the message
-    goes (a :class:`hpcps.transport.BufferPool`'s ``take``; default ``np.empty``). ``apart``:
+    goes (a :class:`hpcps.ps.transport.BufferPool`'s ``take``; default ``np.empty``). ``apart``:
     the gradients go as a message of their own (:data:`GRADS_APART`), not in this one."""
     n_push = 0 if push_keys is None else push_keys.shape[0]
     n_pull = 0 if pull_keys is None else pull_keys.shape[0]
@@ -326,7 +326,7 @@ def pack_reply(req_id: int, status: int, min_clock: int, server: int, payload_by
 
 # A pull's reply (PULL, PUSHPULL) goes as two messages when the server runs the pull on two
 # threads (hpcps_kernels.parallel.splits_pull): the header, sent once the payload is ready, then
-# the payload (hpcps.transport.start_send_announced). The waiting worker sleeps until the header
+# the payload (hpcps.ps.transport.start_send_announced). The waiting worker sleeps until the header
 # comes rather than spinning through the server's work, which leaves the core to the server's
 # second thread. Both sides tell from the request's pull keys and the table's dim.
 def announced(op: int, n_pull: int, dim: int) -> bool:

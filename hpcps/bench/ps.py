@@ -13,8 +13,9 @@ import time
 
 import numpy as np
 
-from hpcps import bench_mpi, protocol, transport
-from hpcps.context import init
+from hpcps.ps import protocol, transport
+from hpcps.bench import mpi as bench_mpi
+from hpcps.ps.context import init
 from hpcps_kernels import optim
 from hpcps_kernels.profiler import rooflines
 

@@ -26,7 +26,7 @@ import sys
 import numpy as np
 
 from hpcps import outputs
-from hpcps.bench_vw import _mpiexec, _timed
+from hpcps.bench.vw import _mpiexec, _timed
 from hpcps.train import synth
 
 

@@ -6,7 +6,7 @@ A checkpoint is a directory ``<dir>/ckpt-<step, 10 digits>/`` holding:
   for every table, group ``tables/<name>`` with datasets ``keys`` (uint64) and ``rows`` (float32,
   ``n x width``: parameters then optimizer state, see :mod:`hpcps_kernels.optim`), straight from
   the server's arrays (slot order: no reordering at checkpoint time). A key's virtual shard is a
-  function of the key (:mod:`hpcps.placement`), so files need no shard index. Attributes:
+  function of the key (:mod:`hpcps.ps.placement`), so files need no shard index. Attributes:
   ``format``, ``version``, ``server``, ``servers``, ``num_shards``.
 * ``manifest.json``, written last: format version, config fingerprint, step, epoch, clock,
   layout (servers, workers, worker groups, shards), table declarations, the workers' data
@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import h5py
 import numpy as np
 
-from hpcps.outputs import fsync_path, h5_failure  # (fsync_path: also hpcps.checkpoint's)
+from hpcps.outputs import fsync_path, h5_failure  # (fsync_path: also hpcps.ps.checkpoint's)
 from hpcps_kernels.hashing import shard_of, xxh64, xxh64_words
 
 FORMAT = "hpcps-checkpoint"
@@ -162,7 +162,7 @@ def explain_write_failure(exc: BaseException) -> tuple[str, str] | None:
     """HDF5 may report a checkpoint file's failed write (a full disk) only when one of the file's
     objects is freed, later and outside the code that wrote it, as a bare RuntimeError that names
     neither the checkpoint nor the cause plainly (seen once in about ten runs of the disk-full
-    test). Registered with :data:`hpcps.transport.EXPLAINERS`, this gives it the one line a write
+    test). Registered with :data:`hpcps.ps.transport.EXPLAINERS`, this gives it the one line a write
     failure has (:func:`write_failure`)."""
     m = _H5_WRITE_FAILED.search(str(exc)) if isinstance(exc, RuntimeError) else None
     if not m or ".tmp" + os.sep not in m.group(1):

@@ -17,7 +17,7 @@ class LayoutError(ValueError):
 def check_world(world_size: int, servers: int, worker_groups: int | None = None,
                 num_shards: int | None = None) -> None:
     """Raise LayoutError if a world of ``world_size`` ranks cannot run the layout. A world of one
-    process runs 1 server and 1 worker inside it (``hpcps.context.LocalContext``)."""
+    process runs 1 server and 1 worker inside it (``hpcps.ps.context.LocalContext``)."""
     if world_size == 1:
         if servers != 1 or (worker_groups or 1) != 1:
             raise LayoutError(f"one process runs 1 server and 1 worker inside it; for {servers} server(s) and "

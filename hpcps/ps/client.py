@@ -7,12 +7,12 @@
 
 Keys are uint64 in any order, duplicates allowed: a pull returns one row per key as given; a push
 *sums* the gradients of duplicate keys (the server applies one update per distinct key). A request
-is sliced by server (:mod:`hpcps.placement`), and the messages to all servers are in flight at
+is sliced by server (:mod:`hpcps.ps.placement`), and the messages to all servers are in flight at
 once; a message never exceeds 2 GiB (larger requests are split).
 
 Waits poll and sleep (no spinning). A request not answered within ``stall_warn_s`` is reported on
 stderr naming the servers and the request; after ``stall_timeout_s`` the wait raises
-:class:`hpcps.transport.StallError`, which aborts the job with that message.
+:class:`hpcps.ps.transport.StallError`, which aborts the job with that message.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hpcps import protocol, transport
-from hpcps.tables import TableSpec
+from hpcps.ps import protocol, transport
+from hpcps.ps.tables import TableSpec
 from hpcps_kernels import keys as kkeys
 
 

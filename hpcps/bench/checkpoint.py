@@ -17,8 +17,8 @@ import time
 
 import numpy as np
 
-from hpcps import checkpoint
-from hpcps.placement import Placement
+from hpcps.ps import checkpoint
+from hpcps.ps.placement import Placement
 from hpcps_kernels.hashtable import KeyIndex
 
 

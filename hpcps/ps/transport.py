@@ -71,7 +71,7 @@ MAX_MESSAGE_BYTES = (2**31 - 1) // 8 * 8
 POOL_MIN_BYTES = 16 << 20
 POOL_MAX_BYTES = 1 << 30
 # Where in a 4 KiB page a pooled buffer starts: away from a page's edges, where MPICH's copy of a
-# message into shared memory ran at a quarter of its speed here (see hpcps.protocol.place), and
+# message into shared memory ran at a quarter of its speed here (see hpcps.ps.protocol.place), and
 # in the middle, where 264 MB went fastest each way: 23.5-24.4 ms sent or received at 2048 bytes
 # in, 26.5-28.0 at 16 (numpy's own) and 26.6-30.0 at 256 (two runs, alternating).
 POOL_PAGE_OFFSET = 2048

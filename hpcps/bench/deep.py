@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 from hpcps import outputs
-from hpcps.bench_vw import _mpiexec, _timed
+from hpcps.bench.vw import _mpiexec, _timed
 from hpcps.train import synth
 
 HASH_BITS = 16

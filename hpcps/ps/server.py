@@ -1,7 +1,7 @@
 """The server side: table shards, optimizers, worker clocks and the serving loop.
 
 A server rank owns, for every declared table, the keys of the virtual shards placed on it
-(:mod:`hpcps.placement`). Each table shard is a key → slot index plus a float32 array of slot rows
+(:mod:`hpcps.ps.placement`). Each table shard is a key → slot index plus a float32 array of slot rows
 ``[parameters | optimizer state]``. The index is a
 :class:`~hpcps_kernels.directindex.DirectKeyIndex` (one array lookup per key) when the table's
 keys are bounded (``key_bits`` <= 26: hashed features) and the shard holds enough of them
@@ -28,7 +28,7 @@ Semantics a worker can rely on:
   pushes are applied on arrival.
 
 The loop never spins: it polls for requests and sleeps between polls with an exponential
-back-off (:mod:`hpcps.transport`), so an idle server costs almost no CPU.
+back-off (:mod:`hpcps.ps.transport`), so an idle server costs almost no CPU.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ import time
 
 import numpy as np
 
-from hpcps import checkpoint, protocol, signals, transport
-from hpcps.placement import Placement
-from hpcps.tables import DIRECT_AT_ONCE_BITS, DIRECT_FROM_SHIFT, TableSpec
+from hpcps.ps import checkpoint, protocol, signals, transport
+from hpcps.ps.placement import Placement
+from hpcps.ps.tables import DIRECT_AT_ONCE_BITS, DIRECT_FROM_SHIFT, TableSpec
 from hpcps_kernels import admission as kadmit
 from hpcps_kernels import init as kinit
 from hpcps_kernels import keys as kkeys

@@ -5,7 +5,7 @@ median over repetitions, two ways:
 
 * **blocking** ``Send``/``Recv``: the most MPI gives (it spins a core while it waits): the raw
   reference;
-* **hpcps wait**: ``Isend``/``Irecv`` and :func:`hpcps.transport.wait`, which sleeps between polls
+* **hpcps wait**: ``Isend``/``Irecv`` and :func:`hpcps.ps.transport.wait`, which sleeps between polls
   (what hpcps's own messages get). Over shared memory the two are close. Over TCP a message of
   more than the socket's buffer moves only while both sides poll, so the sleeps stretch it.
 """
@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from hpcps import transport
+from hpcps.ps import transport
 
 SIZES = [8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 23, 1 << 26]
 
