@@ -48,7 +48,7 @@ from hpcps_kernels import keys as kkeys
 from hpcps_kernels import models as kmodels
 from hpcps_kernels.directindex import DirectKeyIndex
 from hpcps_kernels.hashtable import KeyIndex
-from hpcps_kernels.parallel import Halves, over
+from hpcps_kernels.parallel import TwoThreads, run_split
 
 # a checkpoint write that fails late, in HDF5's release of the file's objects, says so in one line
 transport.EXPLAINERS.append(checkpoint.explain_write_failure)
@@ -112,7 +112,7 @@ class ServerTable:
         # step after the next batch's pull) takes those slots instead of looking the keys up again
         self.resolved: dict[int, list] = {}
         self.reused = 0  # keys of pushes whose slots came from the pull before
-        self.halves: Halves | None = None  # large requests' halves at once (set by the Server)
+        self.threads: TwoThreads | None = None  # large requests' halves at once (set by the Server)
 
     def _budget_keys(self) -> int:
         """How many rows fit ``server_memory_mb``: the fixed arrays (direct index, counters)
@@ -198,12 +198,12 @@ class ServerTable:
         the same keys reuses their slots (see :meth:`_reused_slots`)."""
         s = self.spec
         if isinstance(self.index, DirectKeyIndex):  # lookup and gather in one pass
-            slots = self.index.pull(keys, self.rows, s.dim, self.kind, s.init_scale, s.seed, out, self.halves)
+            slots = self.index.pull(keys, self.rows, s.dim, self.kind, s.init_scale, s.seed, out, self.threads)
         else:
             slots = self.index.lookup(keys)
-            over(self.halves, keys.shape[0], lambda lo, hi: kinit.pull_rows(
+            run_split(self.threads, keys.shape[0], lambda lo, hi: kinit.pull_rows(
                 self.rows, slots[lo:hi], keys[lo:hi], s.dim, self.kind, s.init_scale, s.seed, out[lo:hi]),
-                 s.dim, pull=True)
+                s.dim, pull=True)
         for key, values in self.init_keys:  # absent keys with given initial values
             out[(keys == key) & (slots < 0)] = values
         if worker >= 0 and self.counts is None and not self.max_keys:
@@ -287,7 +287,7 @@ class ServerTable:
 
         ``in_pull``: a bit per key (``protocol.IN_PULL``), set where the key is read by the pull
         served next. The keys whose bit is set are updated now, the others are returned, as
-        ``(slots, grads)`` for :meth:`apply_later`, when the push takes its slots from a pull
+        ``(slots, grads)`` for :meth:`apply_after_reply`, when the push takes its slots from a pull
         before it and the table neither ages nor admits rows (else everything is applied now and
         None returned). A rule updates each row on its own, so the rows end the same, bit for bit,
         once the rest is applied before anything else reads or updates the table."""
@@ -304,7 +304,7 @@ class ServerTable:
         if slots is None and self.fused >= 0 and isinstance(self.index, DirectKeyIndex):
             # lookups and updates in one pass, up to the first absent key (the rest go below)
             slots = np.empty(keys.shape[0], dtype=np.int64)
-            todo = self.index.push(keys, self.rows, grads, self.fused, self.fused_params, slots, self.halves)
+            todo = self.index.push(keys, self.rows, grads, self.fused, self.fused_params, slots, self.threads)
             if self.last is not None:
                 done = np.ones(keys.shape[0], dtype=np.bool_)
                 done[todo] = False
@@ -328,20 +328,20 @@ class ServerTable:
                 self.rows[slots[(keys == key) & (slots >= first_new)], :s.dim] = values
             if self.counts is None:
                 self.admitted += self.index.size - first_new
-        later = None
+        rest = None
         if in_pull is not None and reused and self.last is None:
             slots, grads, rest_slots, rest_grads = kkeys.split_by_bits(in_pull, slots, grads)
-            later = (rest_slots, rest_grads) if rest_slots.shape[0] else None
-        self.opt.apply(self.rows, slots, grads, s.params, self.halves)
+            rest = (rest_slots, rest_grads) if rest_slots.shape[0] else None
+        self.opt.apply(self.rows, slots, grads, s.params, self.threads)
         if self.last is not None:
             self.last[slots] = clock
         if self.index.size > first_new:
             self._go_direct_when_due()  # (the same slots: the rows stay where they are)
-        return later
+        return rest
 
-    def apply_later(self, later: tuple) -> None:
-        """Apply the part of a push that :meth:`push` returned."""
-        self.opt.apply(self.rows, *later, self.spec.params, self.halves)
+    def apply_after_reply(self, rest: tuple) -> None:
+        """Apply the part of a push that :meth:`push` returned (once the pull's reply is gone)."""
+        self.opt.apply(self.rows, *rest, self.spec.params, self.threads)
 
     def evict(self, clock: int) -> int:
         """Drop the rows not updated in the last ``evict_after_steps`` clocks and those whose
@@ -439,13 +439,13 @@ class ServerTable:
         return self.index.nbytes() + self.rows.nbytes + extra
 
 
-def server_halves() -> Halves | None:
+def server_threads() -> TwoThreads | None:
     """Whether a server runs the halves of a large push or pull at once (``HPCPS_SERVER_THREADS``:
     2, the default, or 1; see :mod:`hpcps_kernels.parallel`)."""
     value = os.environ.get("HPCPS_SERVER_THREADS", "2").strip()
     if value not in ("1", "2"):
         raise ValueError(f"HPCPS_SERVER_THREADS must be 1 or 2 (got {value!r})")
-    return Halves() if value == "2" else None
+    return TwoThreads() if value == "2" else None
 
 
 class Server:
@@ -460,9 +460,9 @@ class Server:
         self.num_workers = num_workers
         self.worker_rank0 = worker_rank0
         self.tables = [ServerTable(s) for s in specs]
-        self.halves = server_halves()
+        self.threads = server_threads()
         for table in self.tables:
-            table.halves = self.halves
+            table.threads = self.threads
         self.dims = [s.dim for s in specs]
         self.placement = placement
         self.staleness = staleness
@@ -595,13 +595,13 @@ class Server:
         r = protocol.unpack_request(buf, self.dims, grads)
         worker = source - self.worker_rank0
         self.stats["requests"] += 1
-        if r.op == protocol.PUSHPULL and r.in_pull is not None and self._alone(worker, r):
+        if r.op == protocol.PUSHPULL and r.in_pull is not None and self._answers_at_once(worker, r):
             # the push's keys the pull reads, the pull, then (the reply gone) the push's other keys
             table = self.tables[r.table]
-            later = table.push(r.push_keys, r.grads, r.clock, worker, in_pull=r.in_pull)
+            rest = table.push(r.push_keys, r.grads, r.clock, worker, in_pull=r.in_pull)
             self._serve_pull(source, r)
-            if later is not None:
-                table.apply_later(later)
+            if rest is not None:
+                table.apply_after_reply(rest)
         elif r.op == protocol.PUSHPULL:  # push at clock c, clock c + 1, pull at clock c + 1 (+ ahead)
             self._push(worker, r)
             self._advance(worker, r.clock + 1)
@@ -631,7 +631,7 @@ class Server:
         else:
             raise RuntimeError(f"server {self.index}: unknown request op {r.op} from rank {source}")
 
-    def _alone(self, worker: int, r: protocol.Request) -> bool:
+    def _answers_at_once(self, worker: int, r: protocol.Request) -> bool:
         """Advance ``worker``'s clock past a push-pull's push and say whether its push is applied
         now and its pull answered now, with nothing else served or applied in between (then part
         of its push may wait until after the reply): no push kept for its turn, no pull waiting,
@@ -757,8 +757,8 @@ class Server:
             last_request = (time.perf_counter(), time.process_time())
         transport.wait(self.sending, timeout=300)
         self.sending = []
-        if self.halves is not None:
-            self.halves.close()
+        if self.threads is not None:
+            self.threads.close()
         if self.trace is not None:
             self.stats["trace"] = self.trace
         return self.final_stats()
