@@ -164,7 +164,7 @@ class Context:
         if not self.is_server:
             raise RuntimeError("serve() is for server ranks (ctx.is_server)")
         server = Server(self.comm, self.rank, self.layout.workers, self.layout.servers, self.specs,
-                        self.placement, self.staleness, self.stall_warn_s, self.functions)
+                        self.placement, self.staleness, self.stall_warn_s, self.functions, self.stall_timeout_s)
         self.server = server
         if restore is not None:
             server.restore(*restore)
@@ -339,7 +339,7 @@ class LocalContext(Context):
 
     def _local_server(self) -> LocalServer:
         if self.server is None:
-            self.server = LocalServer(self.specs, self.placement, self.staleness, self.functions)
+            self.server = LocalServer(self.specs, self.placement, self.staleness, self.functions, self.stall_timeout_s)
         if len(self.server.tables) != len(self.specs) or len(self.server.functions) != len(self.functions):
             raise RuntimeError("declare every table and server function before the first request")
         return self.server

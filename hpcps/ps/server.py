@@ -453,7 +453,7 @@ class Server:
 
     def __init__(self, comm, server_index: int, num_workers: int, worker_rank0: int,
                  specs: list[TableSpec], placement: Placement, staleness: int,
-                 stall_warn_s: float = 30.0, functions: list | None = None):
+                 stall_warn_s: float = 30.0, functions: list | None = None, stall_timeout_s: float = 300.0):
         self.comm = comm
         self.functions = list(functions or [])  # declared ServerFunctions, by number
         self.index = server_index
@@ -467,6 +467,7 @@ class Server:
         self.placement = placement
         self.staleness = staleness
         self.stall_warn_s = stall_warn_s
+        self.stall_timeout_s = stall_timeout_s
         self.clocks = np.zeros(num_workers, dtype=np.int64)
         self.done = np.zeros(num_workers, dtype=bool)
         self.n_done = 0           # workers that sent DONE (the loop's test, without a NumPy reduction)
@@ -586,7 +587,7 @@ class Server:
         grads = self.pool.take(nbytes)
         transport.wait(transport.start_recv(self.comm, grads, source, protocol.TAG_GRADS,
                                             f"gradients of request {protocol.header(buf)['req_id']} from rank {source}"),
-                       timeout=300, warn_after=self.stall_warn_s)
+                       timeout=self.stall_timeout_s, warn_after=self.stall_warn_s)
         return grads
 
     def handle(self, source: int, buf: np.ndarray, grads: np.ndarray | None = None) -> None:
@@ -755,7 +756,7 @@ class Server:
             # keep polling without sleep while the replies just queued should be in transfer
             poll.reset(sum(p.nbytes for p in self.sending))
             last_request = (time.perf_counter(), time.process_time())
-        transport.wait(self.sending, timeout=300)
+        transport.wait(self.sending, timeout=self.stall_timeout_s)
         self.sending = []
         if self.threads is not None:
             self.threads.close()
@@ -776,8 +777,10 @@ class LocalServer(Server):
     request as bytes and it answers at once into :attr:`outbox` (req_id -> reply bytes); no
     message is sent. With one worker nothing is ever deferred: its own clock is the slowest."""
 
-    def __init__(self, specs: list[TableSpec], placement: Placement, staleness: int, functions: list):
-        super().__init__(transport.self_comm(), 0, 1, 1, specs, placement, staleness, functions=functions)
+    def __init__(self, specs: list[TableSpec], placement: Placement, staleness: int, functions: list,
+                 stall_timeout_s: float = 300.0):
+        super().__init__(transport.self_comm(), 0, 1, 1, specs, placement, staleness, functions=functions,
+                         stall_timeout_s=stall_timeout_s)
         self.outbox: dict[int, np.ndarray] = {}
 
     def _send(self, buf: np.ndarray, dest: int, req_id: int, what: str, announced: bool = False) -> None:
