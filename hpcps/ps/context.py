@@ -22,6 +22,7 @@ from typing import Callable
 import numpy as np
 
 from hpcps.ps import checkpoint, protocol, signals, transport
+from hpcps.ps import margins  # noqa: F401 - registers the server functions of MARGINS and RESIDUALS
 from hpcps.ps.client import DenseTable, SparseTable
 from hpcps.ps.layout import Layout, check_world
 from hpcps.ps.placement import DEFAULT_SHARDS, Placement

@@ -41,11 +41,11 @@ import numpy as np
 
 from hpcps.ps import checkpoint, protocol, signals, transport
 from hpcps.ps.placement import Placement
-from hpcps.ps.tables import DIRECT_AT_ONCE_BITS, DIRECT_FROM_SHIFT, TableSpec
+from hpcps.ps.tables import (DIRECT_AT_ONCE_BITS, DIRECT_FROM_SHIFT, MARGINS_FUNCTION, RESIDUALS_FUNCTION,
+                              SERVER_FUNCTIONS, ServerFunction, TableSpec)
 from hpcps_kernels import admission as kadmit
 from hpcps_kernels import init as kinit
 from hpcps_kernels import keys as kkeys
-from hpcps_kernels import models as kmodels
 from hpcps_kernels.directindex import DirectKeyIndex
 from hpcps_kernels.hashtable import KeyIndex
 from hpcps_kernels.parallel import TwoThreads, run_split
@@ -229,33 +229,6 @@ class ServerTable:
             slots[absent] = self.index.lookup_or_insert(keys[absent])
         self.reused += keys.shape[0] - m
         return slots
-
-    def partial_margins(self, keys: np.ndarray, values: np.ndarray, row_ids: np.ndarray, n_rows: int,
-                        out: np.ndarray) -> None:
-        """Each row's partial sums over the given nonzeros into ``out`` (``n_rows x
-        protocol.margin_width(dim)``): LR's partial margin, or an FM's linear part, factor sums and
-        sum of squares."""
-        dim = self.spec.dim
-        uniq, pos = kkeys.dedup_keys(keys)
-        params = np.empty((uniq.shape[0], dim), dtype=np.float32)
-        self.pull(uniq, params)
-        if dim == 1:
-            kmodels.lr_partial_margins(pos, values, row_ids, params[:, 0], out.reshape(-1))
-        else:
-            kmodels.fm_partial_margins(pos, values, row_ids, params[:, 0], params[:, 1:], out.reshape(n_rows, dim + 1))
-
-    def residual_grads(self, keys: np.ndarray, values: np.ndarray, row_ids: np.ndarray, residuals: np.ndarray):
-        """(unique keys, their gradients) from each row's residuals (see ``protocol.RESIDUALS``)."""
-        dim = self.spec.dim
-        uniq, pos = kkeys.dedup_keys(keys)
-        grads = np.empty((uniq.shape[0], dim), dtype=np.float32)
-        if dim == 1:
-            kmodels.lr_residual_grads(pos, values, row_ids, residuals[:, 0], grads[:, 0])
-        else:
-            params = np.empty((uniq.shape[0], dim), dtype=np.float32)
-            self.pull(uniq, params)
-            kmodels.fm_residual_grads(pos, values, row_ids, params[:, 1:], residuals, grads[:, 0], grads[:, 1:])
-        return uniq, grads
 
     def _admit(self, keys: np.ndarray, grads: np.ndarray, clock: int):
         """The keys of a push that have or get a row (with their gradients); the others count."""
@@ -448,6 +421,13 @@ def server_threads() -> TwoThreads | None:
     return TwoThreads() if value == "2" else None
 
 
+def registered_function(name: str) -> ServerFunction:
+    """The server function registered under ``name`` (those of the servers' own requests)."""
+    if name not in SERVER_FUNCTIONS:
+        raise RuntimeError(f"no server function {name!r} is registered (hpcps.ps.margins registers it)")
+    return SERVER_FUNCTIONS[name]
+
+
 class Server:
     """The serving loop of one server rank."""
 
@@ -616,7 +596,8 @@ class Server:
             self._serve_or_defer(source, r)
         elif r.op == protocol.RESIDUALS:  # push at clock c, then clock c + 1
             keys, values, row_ids = self.fragments.pop((worker, r.table))
-            uniq, grads = self.tables[r.table].residual_grads(keys, values, row_ids, r.residuals)
+            residuals = registered_function(RESIDUALS_FUNCTION).fn
+            uniq, grads = residuals(self.tables[r.table], keys, values, row_ids, r.residuals)
             self._push(worker, protocol.Request(protocol.PUSH, r.table, r.req_id, r.clock, r.worker, uniq, grads,
                                                 r.pull_keys))
             self._advance(worker, r.clock + 1)
@@ -698,9 +679,11 @@ class Server:
     def _serve_margins(self, source: int, r: protocol.Request) -> None:
         """Partial margins of a batch's rows over this server's nonzeros; the nonzeros are kept
         for the worker's RESIDUALS."""
-        reply, payload = self._reply(r.req_id, 8 * r.n_rows * protocol.margin_width(self.dims[r.table]), r.table)
+        width = protocol.margin_width(self.dims[r.table])
+        reply, payload = self._reply(r.req_id, 8 * r.n_rows * width, r.table)
         values = r.grads[:, 0]
-        self.tables[r.table].partial_margins(r.push_keys, values, r.row_ids, r.n_rows, payload.view(np.float64))
+        margins = registered_function(MARGINS_FUNCTION).fn
+        margins(self.tables[r.table], r.push_keys, values, r.row_ids, payload.view(np.float64).reshape(r.n_rows, width))
         self.fragments[(source - self.worker_rank0, r.table)] = (r.push_keys, values, r.row_ids)
         self._send(reply, source, r.req_id, "margins reply")
 
