@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from hpcps.ps.server import ServerTable
+from hpcps.ps.server_table import ServerTable
 from hpcps.ps.tables import Features, TableSpec
 from hpcps_kernels.directindex import DirectKeyIndex
 from hpcps_kernels.hashtable import KeyIndex

@@ -1,15 +1,11 @@
-"""The server side: table shards, optimizers, worker clocks and the serving loop.
+"""The server side: the serving loop of a server rank.
 
 A server rank owns, for every declared table, the keys of the virtual shards placed on it
-(:mod:`hpcps.ps.placement`). Each table shard is a key → slot index plus a float32 array of slot rows
-``[parameters | optimizer state]``. The index is a
-:class:`~hpcps_kernels.directindex.DirectKeyIndex` (one array lookup per key) when the table's
-keys are bounded (``key_bits`` <= 26: hashed features) and the shard holds enough of them
-(from 2**(key_bits - 8) keys: the same slots), else a :class:`~hpcps_kernels.hashtable.KeyIndex`
-(any uint64 keys). A push finds its keys' slots in one of three ways: the slots a pull of the
-same keys by the same worker resolved (a push-pull's next push); on a direct index with a
-built-in one-pass rule, one kernel that looks each key up and updates its row (up to the first
-key without a row); else a lookup (inserting new keys) and then the rule's kernel.
+(:mod:`hpcps.ps.placement`): a :class:`~hpcps.ps.server_table.ServerTable` each, whose rows are in
+a :class:`~hpcps.ps.store.RowStore` and whose admission, eviction and memory budget are the
+objects of :mod:`hpcps.ps.policies`. The servers' own computation (``MARGINS``, ``RESIDUALS``)
+and users' requests (``CALL``) run server functions from the registry
+(:func:`hpcps.ps.tables.register_server_function`); the server knows no model's maths.
 
 Semantics a worker can rely on:
 
@@ -41,375 +37,12 @@ import numpy as np
 
 from hpcps.ps import checkpoint, protocol, signals, transport
 from hpcps.ps.placement import Placement
-from hpcps.ps.tables import (DIRECT_AT_ONCE_BITS, DIRECT_FROM_SHIFT, MARGINS_FUNCTION, RESIDUALS_FUNCTION,
-                              SERVER_FUNCTIONS, ServerFunction, TableSpec)
-from hpcps_kernels import admission as kadmit
-from hpcps_kernels import init as kinit
-from hpcps_kernels import keys as kkeys
-from hpcps_kernels.directindex import DirectKeyIndex
-from hpcps_kernels.hashtable import KeyIndex
-from hpcps_kernels.parallel import TwoThreads, run_split
+from hpcps.ps.server_table import ServerTable
+from hpcps.ps.tables import MARGINS_FUNCTION, RESIDUALS_FUNCTION, SERVER_FUNCTIONS, ServerFunction, TableSpec
+from hpcps_kernels.parallel import TwoThreads
 
 # a checkpoint write that fails late, in HDF5's release of the file's objects, says so in one line
 transport.EXPLAINERS.append(checkpoint.explain_write_failure)
-
-
-# Pulls whose slots a server keeps per worker and table for the pushes of the same keys: 2, the
-# last pull and the one before it, which train.pull_early's push follows (the next batch's pull
-# goes before this batch's push).
-RESOLVED_PULLS = 2
-
-
-class NonFiniteTable(RuntimeError):
-    """A table holds a NaN or infinite number where a checkpoint or a model would be written from
-    it: nothing is written (the last good checkpoint stays the newest)."""
-
-    exit_status = 1  # a run-time failure (see hpcps.errors)
-
-
-FINITE_CHUNK = 1 << 20  # numbers checked at once (no temporary array the size of a table)
-
-
-def count_non_finite_rows(rows: np.ndarray) -> int:
-    """How many rows of ``rows`` (2-d) hold a NaN or an infinity, checked in chunks."""
-    bad = 0
-    step = max(1, FINITE_CHUNK // max(rows.shape[1], 1))
-    for lo in range(0, rows.shape[0], step):
-        bad += int((~np.isfinite(rows[lo:lo + step])).any(axis=1).sum())
-    return bad
-
-
-class ServerTable:
-    """One table's shard on this server."""
-
-    def __init__(self, spec: TableSpec):
-        self.spec = spec
-        self.index = self._new_index(np.zeros(0, dtype=np.uint64))
-        self.rows = np.zeros((self.index.key_capacity, spec.width), dtype=np.float32)
-        self.kind = kinit.KINDS[spec.init]
-        self.opt = spec.opt
-        self.state = self.opt.new_state(spec.dim, spec.params)
-        # a push whose slots no pull resolved looks its keys up and updates their rows in one pass
-        # when the index is direct and the rule is a built-in one-pass rule (-1: two kernels)
-        self.fused = self.opt.fused_rule(spec.dim)
-        self.fused_params = self.opt.fused_params(spec.params)
-        f = self.features = spec.features
-        # admission: push counts of keys without a row (one exact counter per key when keys are
-        # addressed directly, else counters shared by hash; see hpcps_kernels.admission)
-        self.exact_below = np.uint64(1 << spec.key_bits if spec.direct else 0)
-        self.counts = (np.zeros(1 << (spec.key_bits if spec.direct else f.count_bits), dtype=np.uint8)
-                       if f.admission else None)
-        self.threshold = np.uint64(min(int(f.admit_probability * 2.0**64), 2**64 - 1))
-        # eviction: the clock of each row's last update
-        self.last = np.zeros(self.rows.shape[0], dtype=np.int64) if f.eviction else None
-        self.admitted = 0   # keys given a row
-        self.evicted = 0    # rows evicted
-        self.max_keys = self._budget_keys() if f.server_memory_mb > 0 else 0
-        # keys whose initial values are given (a regression's bias at the label mean)
-        self.init_keys = [(np.uint64(k), np.asarray(v, dtype=np.float32)) for k, v in spec.init_keys]
-        # worker -> [(keys, slots, index)] of its last RESOLVED_PULLS pulls, newest first: the push
-        # of the same keys that follows (the next step of a push-pull, or with train.pull_early the
-        # step after the next batch's pull) takes those slots instead of looking the keys up again
-        self.resolved: dict[int, list] = {}
-        self.reused = 0  # keys of pushes whose slots came from the pull before
-        self.threads: TwoThreads | None = None  # large requests' halves at once (set by the Server)
-
-    def _budget_keys(self) -> int:
-        """How many rows fit ``server_memory_mb``: the fixed arrays (direct index, counters)
-        first, then per key its row, key and age with the room the arrays keep to grow (x 1.5),
-        and a hash index entry's share."""
-        budget = self.features.server_memory_mb * 2**20
-        fixed = (self.counts.nbytes if self.counts is not None else 0) + (
-            4 << self.spec.key_bits if self.spec.direct else 0)  # (the direct index it will have)
-        per_key = 1.5 * (4 * self.spec.width + 8 + 8) + 24
-        n = int((budget - fixed) / per_key)
-        if n < 1024:
-            raise ValueError(f"features.server_memory_mb = {self.features.server_memory_mb:g} leaves room for "
-                             f"{max(n, 0)} keys of table {self.spec.name!r} after its fixed arrays "
-                             f"({fixed / 2**20:.1f} MiB); give it more")
-        return n
-
-    def _make_room(self, keys: np.ndarray, grads: np.ndarray, clock: int):
-        """Under a memory budget: evict the least recently updated rows (not those this push
-        updates) so that the push's new keys fit; new keys beyond the budget get no row."""
-        slots = self.index.lookup(keys)
-        absent = slots < 0
-        n_new = int(absent.sum())
-        if self.index.size + n_new <= self.max_keys:
-            return keys, grads
-        n = self.index.size
-        age = self.last[:n].copy()
-        age[slots[~absent]] = np.iinfo(np.int64).max  # this push's rows stay
-        target = max(0, min(n, n + n_new - int(0.9 * self.max_keys)))
-        drop = np.zeros(n, dtype=np.bool_)
-        drop[np.argsort(age, kind="stable")[:target]] = True
-        drop &= age != np.iinfo(np.int64).max
-        self._drop(drop)
-        room = self.max_keys - self.index.size
-        if n_new > room:  # a push larger than the budget: its last new keys get no row
-            keep = ~absent
-            keep[np.flatnonzero(absent)[:room]] = True
-            keys, grads = keys[keep], grads[keep]
-        return keys, grads
-
-    def _drop(self, drop: np.ndarray) -> int:
-        """Evict the rows where ``drop`` (over slots) is set; returns how many."""
-        gone = int(drop.sum())
-        if gone:
-            keys, rows = self.items()
-            keep = ~drop
-            if self.counts is not None:
-                kadmit.clear_counts(self.counts, np.ascontiguousarray(keys[drop]), self.exact_below)
-            last = self.last[: keys.shape[0]][keep].copy()
-            self.load(keys[keep].copy(), rows[keep].copy())
-            self.last[: last.shape[0]] = last
-            self.evicted += gone
-        return gone
-
-    def _new_index(self, keys: np.ndarray):
-        """Direct addressing for a bounded key space once the table holds enough keys to pay for
-        it (:meth:`_direct_now`), else a hash index."""
-        if self._direct_now(keys.shape[0]):
-            return DirectKeyIndex.from_keys(keys, self.spec.key_bits)
-        return KeyIndex.from_keys(keys)
-
-    def _direct_now(self, n: int) -> bool:
-        """Whether a table of ``n`` keys is addressed directly: a bounded key space whose direct
-        array is small (at most ``DIRECT_AT_ONCE_BITS``), or one that holds ``2**key_bits /
-        2**DIRECT_FROM_SHIFT`` keys (64 k at 24 bits). Below that a hash index costs less: the
-        direct array (64 MiB at 24 bits) is written through when made, 2 s of a 10 s ``hpcps
-        tune`` of 18 members on 3,000 rows (an index per member and per fold), and 1.2 GiB."""
-        bits = self.spec.key_bits
-        return self.spec.direct and (bits <= DIRECT_AT_ONCE_BITS or n >= 1 << (bits - DIRECT_FROM_SHIFT))
-
-    def _go_direct_when_due(self) -> None:
-        """A hash-indexed table of a bounded key space that has grown enough goes direct: the
-        same slots (the rows stay where they are)."""
-        if not isinstance(self.index, DirectKeyIndex) and self._direct_now(self.index.size):
-            n = self.index.size
-            self.index = DirectKeyIndex.from_keys(self.index.keys[:n].copy(), self.spec.key_bits)
-
-    @property
-    def size(self) -> int:
-        return self.index.size
-
-    def pull(self, keys: np.ndarray, out: np.ndarray, worker: int = -1) -> None:
-        """Values of ``keys`` into ``out`` (n, dim); ``worker``: who pulls, whose next push of
-        the same keys reuses their slots (see :meth:`_reused_slots`)."""
-        s = self.spec
-        if isinstance(self.index, DirectKeyIndex):  # lookup and gather in one pass
-            slots = self.index.pull(keys, self.rows, s.dim, self.kind, s.init_scale, s.seed, out, self.threads)
-        else:
-            slots = self.index.lookup(keys)
-            run_split(self.threads, keys.shape[0], lambda lo, hi: kinit.pull_rows(
-                self.rows, slots[lo:hi], keys[lo:hi], s.dim, self.kind, s.init_scale, s.seed, out[lo:hi]),
-                s.dim, pull=True)
-        for key, values in self.init_keys:  # absent keys with given initial values
-            out[(keys == key) & (slots < 0)] = values
-        if worker >= 0 and self.counts is None and not self.max_keys:
-            self.resolved[worker] = [(keys, slots, self.index)] + self.resolved.get(worker, [])[:RESOLVED_PULLS - 1]
-
-    def _reused_slots(self, keys: np.ndarray, worker: int) -> np.ndarray | None:
-        """The slots of a push's keys that one of ``worker``'s last pulls resolved, inserting the
-        keys absent then; None when none of those pulls was of the same keys. Its slots stand
-        when no row has moved since (rows move only when the index is rebuilt: eviction,
-        loading); only the keys absent then are looked up again (a push since, this worker's or
-        another's, may have inserted them)."""
-        absent = np.empty(keys.shape[0], dtype=np.int64)
-        for i, (got_keys, got_slots, index) in enumerate(self.resolved.get(worker, []) if worker >= 0 else []):
-            m = kkeys.reusable_slots(got_keys, got_slots, keys, absent) if index is self.index else -1
-            if m >= 0:
-                del self.resolved[worker][i]
-                break
-        else:
-            return None
-        slots = got_slots  # the pull's own array, used by nothing else now: completed in place
-        if m:
-            absent = absent[:m]
-            slots[absent] = self.index.lookup_or_insert(keys[absent])
-        self.reused += keys.shape[0] - m
-        return slots
-
-    def _admit(self, keys: np.ndarray, grads: np.ndarray, clock: int):
-        """The keys of a push that have or get a row (with their gradients); the others count."""
-        absent = self.index.lookup(keys) < 0
-        if not absent.any():
-            return keys, grads
-        new = keys[absent]
-        admit = np.ones(new.shape[0], dtype=np.bool_)
-        f = self.features
-        if f.admit_count > 1:
-            counts = np.empty(new.shape[0], dtype=np.uint8)
-            kadmit.bump_counts(self.counts, new, self.exact_below, counts)
-            admit &= counts >= f.admit_count
-        if f.admit_probability < 1.0:
-            draw = np.empty(new.shape[0], dtype=np.bool_)
-            kadmit.admit_draw(new, clock, self.threshold, draw)
-            admit &= draw
-        self.admitted += int(admit.sum())
-        if admit.all():
-            return keys, grads
-        keep = ~absent
-        keep[np.flatnonzero(absent)[admit]] = True
-        return keys[keep], grads[keep]
-
-    def push(self, keys: np.ndarray, grads: np.ndarray, clock: int = 0, worker: int = -1,
-             in_pull: np.ndarray | None = None) -> tuple | None:
-        """Apply one update per key (keys unique within a push) at ``clock``; ``worker``: who
-        pushes (see :meth:`_reused_slots`).
-
-        ``in_pull``: a bit per key (``protocol.IN_PULL``), set where the key is read by the pull
-        served next. The keys whose bit is set are updated now, the others are returned, as
-        ``(slots, grads)`` for :meth:`apply_after_reply`, when the push takes its slots from a pull
-        before it and the table neither ages nor admits rows (else everything is applied now and
-        None returned). A rule updates each row on its own, so the rows end the same, bit for bit,
-        once the rest is applied before anything else reads or updates the table."""
-        s = self.spec
-        if self.counts is not None:
-            keys, grads = self._admit(keys, grads, clock)
-            if keys.shape[0] == 0:
-                return
-        if self.max_keys:
-            keys, grads = self._make_room(keys, grads, clock)
-        first_new = self.index.size
-        slots = self._reused_slots(keys, worker)
-        reused = slots is not None
-        if slots is None and self.fused >= 0 and isinstance(self.index, DirectKeyIndex):
-            # lookups and updates in one pass, up to the first absent key (the rest go below)
-            slots = np.empty(keys.shape[0], dtype=np.int64)
-            todo = self.index.push(keys, self.rows, grads, self.fused, self.fused_params, slots, self.threads)
-            if self.last is not None:
-                done = np.ones(keys.shape[0], dtype=np.bool_)
-                done[todo] = False
-                self.last[slots[done]] = clock
-            if todo.shape[0] == 0:
-                return
-            keys, grads, slots = keys[todo], grads[todo], None
-        if slots is None:
-            slots = self.index.lookup_or_insert(keys)
-        if self.index.key_capacity > self.rows.shape[0]:
-            rows = np.zeros((self.index.key_capacity, s.width), dtype=np.float32)
-            rows[:first_new] = self.rows[:first_new]
-            self.rows = rows
-            if self.last is not None:
-                last = np.zeros(self.rows.shape[0], dtype=np.int64)
-                last[:first_new] = self.last[:first_new]
-                self.last = last
-        if self.index.size > first_new:
-            kinit.create_rows(self.rows, slots, keys, first_new, s.dim, self.kind, s.init_scale, s.seed, self.state)
-            for key, values in self.init_keys:
-                self.rows[slots[(keys == key) & (slots >= first_new)], :s.dim] = values
-            if self.counts is None:
-                self.admitted += self.index.size - first_new
-        rest = None
-        if in_pull is not None and reused and self.last is None:
-            slots, grads, rest_slots, rest_grads = kkeys.split_by_bits(in_pull, slots, grads)
-            rest = (rest_slots, rest_grads) if rest_slots.shape[0] else None
-        self.opt.apply(self.rows, slots, grads, s.params, self.threads)
-        if self.last is not None:
-            self.last[slots] = clock
-        if self.index.size > first_new:
-            self._go_direct_when_due()  # (the same slots: the rows stay where they are)
-        return rest
-
-    def apply_after_reply(self, rest: tuple) -> None:
-        """Apply the part of a push that :meth:`push` returned (once the pull's reply is gone)."""
-        self.opt.apply(self.rows, *rest, self.spec.params, self.threads)
-
-    def evict(self, clock: int) -> int:
-        """Drop the rows not updated in the last ``evict_after_steps`` clocks and those whose
-        parameters' L2 norm is below ``evict_l2_below``; returns how many."""
-        f = self.features
-        n = self.index.size
-        if not (f.evict_after_steps or f.evict_l2_below) or n == 0:
-            return 0
-        drop = np.zeros(n, dtype=np.bool_)
-        if f.evict_after_steps:
-            drop |= clock - self.last[:n] >= f.evict_after_steps
-        if f.evict_l2_below:
-            w = self.rows[:n, :self.spec.dim].astype(np.float64)
-            drop |= np.sqrt((w * w).sum(axis=1)) < f.evict_l2_below
-        return self._drop(drop)
-
-    def load(self, keys: np.ndarray, rows: np.ndarray, clock: int = 0) -> None:
-        """Replace the contents with ``keys`` and their rows (restoring a checkpoint: every row
-        counts as updated at ``clock``)."""
-        self.index = self._new_index(np.ascontiguousarray(keys, dtype=np.uint64))
-        self.rows = np.zeros((self.index.key_capacity, self.spec.width), dtype=np.float32)
-        self.rows[: keys.shape[0]] = rows
-        if self.last is not None:
-            self.last = np.full(self.rows.shape[0], clock, dtype=np.int64)
-
-    def state_arrays(self) -> dict:
-        """What a checkpoint keeps beside the rows for exact resume: each row's last update,
-        the push counts of keys without a row, and the admitted and evicted counters (nothing
-        for a table without admission or eviction)."""
-        if self.counts is None and self.last is None:
-            return {}
-        out: dict = {"admitted": self.admitted, "evicted": self.evicted}
-        if self.last is not None:
-            out["last"] = self.last[: self.index.size]
-        if self.counts is not None:
-            nz = np.flatnonzero(self.counts)
-            if self.spec.direct:  # one counter per key: the positions are the keys
-                out["pending_keys"], out["pending_counts"] = nz.astype(np.uint64), self.counts[nz]
-            else:                 # counters shared by hash: positions only
-                out["count_buckets"], out["count_values"] = nz.astype(np.uint64), self.counts[nz]
-        return out
-
-    def copy_contents(self) -> tuple:
-        """A copy of the keys, their rows and their state, for :meth:`set_contents`."""
-        keys, rows = self.items()
-        return (keys.copy(), rows.copy(),
-                {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in self.state_arrays().items()})
-
-    def set_contents(self, contents: tuple, clock: int = 0) -> None:
-        """Replace the contents with a :meth:`copy_contents`."""
-        keys, rows, state = contents
-        self.load(keys, rows, clock)
-        self.restore_state(state)
-
-    def snapshot(self) -> None:
-        """Keep a copy of the rows and their state (early stopping's best model so far)."""
-        self._snapshot = self.copy_contents()
-
-    def restore_snapshot(self) -> None:
-        """Go back to the rows of the last :meth:`snapshot`."""
-        self.set_contents(self._snapshot)
-
-    def restore_state(self, state: dict) -> None:
-        """Put back what :meth:`state_arrays` saved (after :meth:`load` of the rows)."""
-        self.admitted = int(state.get("admitted", self.index.size))
-        self.evicted = int(state.get("evicted", 0))
-        if self.last is not None and "last" in state and state["last"].shape[0] == self.index.size:
-            self.last[: self.index.size] = state["last"]
-        if self.counts is not None:
-            for k, v in (("pending_keys", "pending_counts"), ("count_buckets", "count_values")):
-                if k in state:
-                    idx = state[k].astype(np.int64) & (self.counts.shape[0] - 1)
-                    total = self.counts.astype(np.int64)
-                    np.add.at(total, idx, state[v].astype(np.int64))
-                    self.counts[:] = np.minimum(total, 255)
-
-    def items(self) -> tuple[np.ndarray, np.ndarray]:
-        """(keys, rows) of everything stored, in slot order (views)."""
-        n = self.index.size
-        return self.index.keys[:n], self.rows[:n]
-
-    def check_finite(self, what: str) -> None:
-        """Raise :class:`NonFiniteTable` when a row (weights or optimizer state) is not finite,
-        before ``what`` (a checkpoint, a model) is written from it: a pass over the rows, at a
-        write only (steps check their loss; see hpcps.train.models.NonFiniteError)."""
-        bad = count_non_finite_rows(self.items()[1])
-        if bad:
-            raise NonFiniteTable(f"table {self.spec.name!r} holds NaN or infinite numbers in {bad:,} of its "
-                                 f"{self.size:,} rows here: no {what} is written from it (the last good checkpoint "
-                                 f"is kept); likely cause: labels far out of range (squared loss) or too high a "
-                                 f"learning rate")
-
-    def nbytes(self) -> int:
-        extra = (self.counts.nbytes if self.counts is not None else 0) + (self.last.nbytes if self.last is not None else 0)
-        return self.index.nbytes() + self.rows.nbytes + extra
 
 
 def server_threads() -> TwoThreads | None:
@@ -464,7 +97,6 @@ class Server:
         self.trace: list | None = None
         self.evicting = any(t.features.eviction for t in self.tables)
         self.fragments: dict = {}  # (worker, table) -> the nonzeros of its last MARGINS
-        self.evict_round = {t.spec.name: 0 for t in self.tables}
 
     # -- consistency -------------------------------------------------------------------------
 
@@ -481,14 +113,12 @@ class Server:
 
     def restore(self, ckpt: str, manifest: dict) -> None:
         """Load this server's shards of every table (under the current placement) and the clock."""
+        where = (self.index, self.placement.shard_server, self.placement.num_servers)
         for table in self.tables:
-            keys, rows = checkpoint.read_for_server(ckpt, manifest, table.spec.name, self.index,
-                                                    self.placement.shard_server, self.placement.num_servers)
-            table.load(keys, rows, manifest["clock"])
-            table.restore_state(checkpoint.read_state_for_server(
-                ckpt, manifest, table.spec.name, self.index, self.placement.shard_server, self.placement.num_servers))
+            keys, rows = checkpoint.read_for_server(ckpt, manifest, table.spec.name, *where)
+            state = checkpoint.read_state_for_server(ckpt, manifest, table.spec.name, *where)
+            table.restore_checkpoint(keys, rows, state, manifest["clock"])
         self.clocks[:] = manifest["clock"]
-        self.evict_round = {t.spec.name: manifest["clock"] // t.features.evict_every_steps for t in self.tables}
 
     def _write_checkpoint(self, source: int, r: protocol.Request) -> None:
         path = checkpoint.server_file(protocol.decode_path(r.pull_keys), self.index)
@@ -553,10 +183,7 @@ class Server:
             return
         now = self.min_clock()
         for table in self.tables:
-            f = table.features
-            if f.eviction and now // f.evict_every_steps > self.evict_round[table.spec.name]:
-                self.evict_round[table.spec.name] = now // f.evict_every_steps
-                table.evict(now)
+            table.evict_if_due(now)
 
     def _apart_grads(self, source: int, buf: np.ndarray) -> np.ndarray | None:
         """The gradients that follow a request from ``source`` as a message of their own

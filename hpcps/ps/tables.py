@@ -54,7 +54,7 @@ class Features:
 class ServerFunction:
     """A request kind of your own, run on the servers over a table's keys (Angel's psFunc).
 
-    ``fn(shard, keys, args)`` runs on each server with its :class:`hpcps.ps.server.ServerTable`
+    ``fn(shard, keys, args)`` runs on each server with its :class:`hpcps.ps.server_table.ServerTable`
     ``shard``, the requested keys it owns (uint64) and their argument rows (float32,
     ``(n, in_width)``). It returns float32: ``(n, out_width)`` rows, one per key (``per_key``; the
     worker gets them back in request order), or ``out_width`` values that the worker sums over
