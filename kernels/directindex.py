@@ -22,7 +22,7 @@ from ._prefetch import prefetch, prefetch_lines
 from .hashing import mix64
 from .hashtable import MAX_LOAD, _entry, _probe, _tag, build_index, entry_format, index_capacity
 from .init import init_values
-from .parallel import Halves, over
+from .parallel import TwoThreads, run_split
 from .optim import FUSED_ADAGRAD, FUSED_FTRL, FUSED_SGD, _adagrad_row, _adam_row, _ftrl_row, _sgd_row
 
 AHEAD = 16  # prefetch distance, in queries
@@ -250,22 +250,23 @@ class DirectKeyIndex:
         return out
 
     def pull(self, queries: np.ndarray, rows: np.ndarray, dim: int, kind: int, scale: float, seed: int,
-             out: np.ndarray, halves: Halves | None = None) -> np.ndarray:
+             out: np.ndarray, threads: TwoThreads | None = None) -> np.ndarray:
         """:meth:`lookup` and the rows' values (or the initializer's) into ``out``, in one pass
-        (:func:`direct_pull`; with ``halves``, a large pull's halves at once); returns the slots."""
+        (:func:`direct_pull`; with ``threads``, a large pull's halves at once); returns the slots."""
         n = queries.shape[0]
         slots = np.empty(n, dtype=np.int64)
-        over(halves, n, lambda lo, hi: direct_pull(self.direct, self.index, self.keys, queries[lo:hi], self.tag_bits,
-                                                   rows, dim, kind, scale, seed, slots[lo:hi], out[lo:hi]),
-             dim, pull=True)
+        run_split(threads, n, lambda lo, hi: direct_pull(self.direct, self.index, self.keys, queries[lo:hi],
+                                                         self.tag_bits, rows, dim, kind, scale, seed, slots[lo:hi],
+                                                         out[lo:hi]),
+                  dim, pull=True)
         return slots
 
     def push(self, queries: np.ndarray, rows: np.ndarray, grads: np.ndarray, rule: int, hp: np.ndarray,
-             slots: np.ndarray, halves: Halves | None = None) -> np.ndarray:
+             slots: np.ndarray, threads: TwoThreads | None = None) -> np.ndarray:
         """Look up ``queries`` and apply ``grads`` to their rows in one pass (:func:`direct_push`;
-        with ``halves``, a large push's halves at once), each half up to its first absent key;
+        with ``threads``, a large push's halves at once), each half up to its first absent key;
         returns the positions not done (the others' slots are in ``slots``)."""
-        left = over(halves, queries.shape[0], lambda lo, hi: (
+        left = run_split(threads, queries.shape[0], lambda lo, hi: (
             lo + direct_push(self.direct, self.index, self.keys, queries[lo:hi], self.tag_bits, rows, grads[lo:hi],
                              rule, hp, slots[lo:hi]), hi), grads.shape[1])
         return np.concatenate([np.arange(lo, hi) for lo, hi in left])

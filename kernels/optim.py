@@ -43,7 +43,7 @@ import numpy as np
 from numba import njit
 
 from ._prefetch import NARROW, prefetch, prefetch_lines
-from .parallel import Halves, over
+from .parallel import TwoThreads, run_split
 
 AHEAD = 16  # prefetch distance, in keys: a row's cache lines are fetched this many keys early
 WIDE_AHEAD_BYTES = 4096  # ... or, for wide rows, this many bytes of rows early (at least 4 keys)
@@ -348,12 +348,12 @@ class Optimizer:
             raise ValueError(f"optimizer {self.name!r}: init_state gave {state.shape[0]} values, state width is {n}")
         return state
 
-    def apply(self, rows, slots, grads, params: dict, halves: Halves | None = None) -> None:
-        """Update ``rows[slots[i]]`` with ``grads[i]``; with ``halves``, a large push's two halves at
+    def apply(self, rows, slots, grads, params: dict, threads: TwoThreads | None = None) -> None:
+        """Update ``rows[slots[i]]`` with ``grads[i]``; with ``threads``, a large push's two halves at
         once (the slots are distinct and a rule updates each row from its own gradient only)."""
         args = [params[a] for a in self.args]
-        over(halves, slots.shape[0], lambda lo, hi: self.kernel(rows, slots[lo:hi], grads[lo:hi], *args),
-             grads.shape[1])
+        run_split(threads, slots.shape[0], lambda lo, hi: self.kernel(rows, slots[lo:hi], grads[lo:hi], *args),
+                  grads.shape[1])
 
     def range_error(self, key: str, value: float) -> str | None:
         """Why ``value`` is not allowed for hyper-parameter ``key`` (None if it is)."""

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from hpcps.ps.server import ServerTable
+from hpcps.ps.server_table import ServerTable
 from hpcps.ps.tables import Features, TableSpec
 from hpcps_kernels.directindex import DirectKeyIndex
 from hpcps_kernels.hashtable import KeyIndex
@@ -325,7 +325,7 @@ def test_a_push_split_by_the_next_pull_reads_and_ends_what_a_whole_push_does(key
         whole.push(cur, g, i + 1)
         whole.pull(nxt, want)
         np.testing.assert_array_equal(got, want)
-        split.apply_later(later)
+        split.apply_after_reply(later)
         for a, b in zip(split.items(), whole.items()):
             np.testing.assert_array_equal(a, b)
     assert deferred > 0
@@ -344,14 +344,14 @@ def test_large_requests_in_two_halves_at_once_give_what_one_thread_gives(key_bit
     index, rows too wide for one pass, reused slots); and a large pull's (keys absent in both
     halves). The rows and every value pulled between the pushes are those of one thread, bit for
     bit."""
-    from hpcps_kernels.parallel import PARALLEL_MIN_PULL_WORK, PULL_KEY_VALUES, Halves, splits_pull, worth
+    from hpcps_kernels.parallel import PARALLEL_MIN_PULL_WORK, PULL_KEY_VALUES, TwoThreads, splits_pull, worth_splitting
 
     rng = np.random.default_rng(dim)
     n = PARALLEL_MIN_PULL_WORK // (dim + PULL_KEY_VALUES) + 1001
-    assert splits_pull(n, dim) and worth(Halves(), n, dim)  # pulls and pushes both in halves
+    assert splits_pull(n, dim) and worth_splitting(TwoThreads(), n, dim)  # pulls and pushes both in halves
     spec = TableSpec("w", dim=dim, optimizer=optimizer, key_bits=key_bits, init="uniform", init_scale=0.1, seed=1)
     one, two = ServerTable(spec), ServerTable(spec)
-    two.halves = Halves()
+    two.threads = TwoThreads()
     space = rng.permutation(1 << 21)[: 2 * n].astype(np.uint64)
     for t in (one, two):
         t.push(space[::3].copy(), np.ones((space[::3].size, dim), np.float32), 0)
@@ -367,17 +367,17 @@ def test_large_requests_in_two_halves_at_once_give_what_one_thread_gives(key_bit
         np.testing.assert_array_equal(*got)
         for a, b in zip(one.items(), two.items()):
             np.testing.assert_array_equal(a, b)
-    assert two.halves.pool is not None
-    two.halves.close()
+    assert two.threads.pool is not None
+    two.threads.close()
 
 
 def test_server_threads_come_from_the_environment_and_a_bad_value_names_the_variable(monkeypatch):
-    from hpcps.ps.server import server_halves
+    from hpcps.ps.server import server_threads
 
     monkeypatch.delenv("HPCPS_SERVER_THREADS", raising=False)
-    assert server_halves() is not None
+    assert server_threads() is not None
     monkeypatch.setenv("HPCPS_SERVER_THREADS", "1")
-    assert server_halves() is None
+    assert server_threads() is None
     monkeypatch.setenv("HPCPS_SERVER_THREADS", "4")
     with pytest.raises(ValueError, match=r"HPCPS_SERVER_THREADS must be 1 or 2 \(got '4'\)"):
-        server_halves()
+        server_threads()

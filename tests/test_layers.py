@@ -14,7 +14,8 @@ def _package(folder: str, package: str, layer: int) -> dict:
 LEVEL = {  # module -> layer: the packages say it (hpcps/ps's pure modules, then its transport, then the rest)
     **_package("kernels", "hpcps_kernels", 0),
     **{f"hpcps.{m}": 1 for m in ("config", "malloc", "errors", "outputs")},
-    **{f"hpcps.ps.{m}": 1 for m in ("layout", "placement", "protocol", "tables", "signals", "checkpoint")},
+    **{f"hpcps.ps.{m}": 1 for m in ("layout", "placement", "protocol", "tables", "signals", "checkpoint",
+                                    "store", "policies", "server_table", "consistency", "margins")},
     "hpcps.ps.transport": 2,
     **{f"hpcps.ps.{m}": 3 for m in ("server", "client", "context")},
     **_package("hpcps/train", "hpcps.train", 4),

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import hpcps
-from hpcps.ps.server import ServerTable
+from hpcps.ps.server_table import ServerTable
 from hpcps.ps.tables import TableSpec
 from hpcps_kernels import init as kinit
 

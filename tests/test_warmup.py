@@ -55,7 +55,7 @@ SCRIPT = textwrap.dedent("""
 
     from hpcps.ps.checkpoint import checksum
     from hpcps.ps.placement import Placement
-    from hpcps.ps.server import ServerTable
+    from hpcps.ps.server_table import ServerTable
     from hpcps.ps.tables import TableSpec
     from hpcps_kernels.optim import REGISTRY as OPTIMIZER_PARAMS
     from hpcps.train import data, model_file, synth

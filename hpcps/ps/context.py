@@ -22,6 +22,7 @@ from typing import Callable
 import numpy as np
 
 from hpcps.ps import checkpoint, protocol, signals, transport
+from hpcps.ps import margins  # noqa: F401 - registers the server functions of MARGINS and RESIDUALS
 from hpcps.ps.client import DenseTable, SparseTable
 from hpcps.ps.layout import Layout, check_world
 from hpcps.ps.placement import DEFAULT_SHARDS, Placement
@@ -164,7 +165,7 @@ class Context:
         if not self.is_server:
             raise RuntimeError("serve() is for server ranks (ctx.is_server)")
         server = Server(self.comm, self.rank, self.layout.workers, self.layout.servers, self.specs,
-                        self.placement, self.staleness, self.stall_warn_s, self.functions)
+                        self.placement, self.staleness, self.stall_warn_s, self.functions, self.stall_timeout_s)
         self.server = server
         if restore is not None:
             server.restore(*restore)
@@ -339,7 +340,7 @@ class LocalContext(Context):
 
     def _local_server(self) -> LocalServer:
         if self.server is None:
-            self.server = LocalServer(self.specs, self.placement, self.staleness, self.functions)
+            self.server = LocalServer(self.specs, self.placement, self.staleness, self.functions, self.stall_timeout_s)
         if len(self.server.tables) != len(self.specs) or len(self.server.functions) != len(self.functions):
             raise RuntimeError("declare every table and server function before the first request")
         return self.server

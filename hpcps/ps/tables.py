@@ -54,13 +54,17 @@ class Features:
 class ServerFunction:
     """A request kind of your own, run on the servers over a table's keys (Angel's psFunc).
 
-    ``fn(shard, keys, args)`` runs on each server with its :class:`hpcps.ps.server.ServerTable`
+    ``fn(shard, keys, args)`` runs on each server with its :class:`hpcps.ps.server_table.ServerTable`
     ``shard``, the requested keys it owns (uint64) and their argument rows (float32,
     ``(n, in_width)``). It returns float32: ``(n, out_width)`` rows, one per key (``per_key``; the
     worker gets them back in request order), or ``out_width`` values that the worker sums over
     the servers (a reduction). A call is read at the worker's clock like a pull (under BSP it sees
     every push of earlier steps). Register it on every rank; :meth:`Context.server_function`
     checks that the definition is the same everywhere.
+
+    The same registry holds the functions that answer the servers' own computation requests,
+    ``MARGINS`` and ``RESIDUALS``, under :data:`MARGINS_FUNCTION` and :data:`RESIDUALS_FUNCTION`
+    (see :mod:`hpcps.ps.margins` for their signatures).
     """
 
     name: str
@@ -80,6 +84,11 @@ class ServerFunction:
 
 
 SERVER_FUNCTIONS: dict[str, ServerFunction] = {}
+
+# The server functions that answer the MARGINS and RESIDUALS requests (computation on the servers;
+# hpcps.ps.margins registers LR's and FM's under these names, with the signatures given there).
+MARGINS_FUNCTION = "hpcps.margins"
+RESIDUALS_FUNCTION = "hpcps.residuals"
 
 
 def register_server_function(name: str, fn, out_width: int, in_width: int = 0, per_key: bool = True,

@@ -1,0 +1,175 @@
+"""A table shard's keys and rows on a server (pure: NumPy and the kernels, no MPI).
+
+A :class:`RowStore` is a key → slot index plus a float32 array of slot rows ``[parameters |
+optimizer state]``, kept in slot order and grown as keys arrive. The index is a
+:class:`~hpcps_kernels.directindex.DirectKeyIndex` (one array lookup per key) when the table's
+keys are bounded (``key_bits`` <= 26: hashed features) and the shard holds enough of them
+(from 2**(key_bits - 8) keys: the same slots), else a :class:`~hpcps_kernels.hashtable.KeyIndex`
+(any uint64 keys).
+
+A pull's slots are kept per worker (:data:`RESOLVED_PULLS` of them) so that the push of the same
+keys that follows (the next step of a push-pull) takes them instead of looking the keys up again.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hpcps.ps.tables import DIRECT_AT_ONCE_BITS, DIRECT_FROM_SHIFT, TableSpec
+from hpcps_kernels import init as kinit
+from hpcps_kernels import keys as kkeys
+from hpcps_kernels.directindex import DirectKeyIndex
+from hpcps_kernels.hashtable import KeyIndex
+from hpcps_kernels.parallel import TwoThreads, run_split
+
+# Pulls whose slots a server keeps per worker and table for the pushes of the same keys: 2, the
+# last pull and the one before it, which train.pull_early's push follows (the next batch's pull
+# goes before this batch's push).
+RESOLVED_PULLS = 2
+
+
+class RowStore:
+    """One table's keys and rows on a server: ``index`` gives a key's slot, ``rows[slot]`` its row."""
+
+    def __init__(self, spec: TableSpec):
+        self.spec = spec
+        self.index = self._new_index(np.zeros(0, dtype=np.uint64))
+        self.rows = np.zeros((self.index.key_capacity, spec.width), dtype=np.float32)
+        self.init_kind = kinit.KINDS[spec.init]
+        self.new_state = spec.opt.new_state(spec.dim, spec.params)  # a new row's optimizer state
+        # keys whose initial values are given (a regression's bias at the label mean)
+        self.init_keys = [(np.uint64(k), np.asarray(v, dtype=np.float32)) for k, v in spec.init_keys]
+        # worker -> [(keys, slots, index)] of its last RESOLVED_PULLS pulls, newest first: the push
+        # of the same keys that follows (the next step of a push-pull, or with train.pull_early the
+        # step after the next batch's pull) takes those slots instead of looking the keys up again
+        self.resolved: dict[int, list] = {}
+        self.reused = 0  # keys of pushes whose slots came from a pull before
+
+    # -- the index -----------------------------------------------------------------------------
+
+    def _new_index(self, keys: np.ndarray):
+        """Direct addressing for a bounded key space once the table holds enough keys to pay for
+        it (:meth:`_direct_now`), else a hash index."""
+        if self._direct_now(keys.shape[0]):
+            return DirectKeyIndex.from_keys(keys, self.spec.key_bits)
+        return KeyIndex.from_keys(keys)
+
+    def _direct_now(self, n: int) -> bool:
+        """Whether a table of ``n`` keys is addressed directly: a bounded key space whose direct
+        array is small (at most ``DIRECT_AT_ONCE_BITS``), or one that holds ``2**key_bits /
+        2**DIRECT_FROM_SHIFT`` keys (64 k at 24 bits). Below that a hash index costs less: the
+        direct array (64 MiB at 24 bits) is written through when made, which costs a tuning run
+        (an index per member and per fold) most of its time, and its memory."""
+        bits = self.spec.key_bits
+        return self.spec.direct and (bits <= DIRECT_AT_ONCE_BITS or n >= 1 << (bits - DIRECT_FROM_SHIFT))
+
+    def _go_direct_when_due(self) -> None:
+        """A hash-indexed table of a bounded key space that has grown enough goes direct: the
+        same slots (the rows stay where they are)."""
+        if not isinstance(self.index, DirectKeyIndex) and self._direct_now(self.index.size):
+            n = self.index.size
+            self.index = DirectKeyIndex.from_keys(self.index.keys[:n].copy(), self.spec.key_bits)
+
+    @property
+    def is_direct(self) -> bool:
+        return isinstance(self.index, DirectKeyIndex)
+
+    @property
+    def size(self) -> int:
+        return self.index.size
+
+    def lookup(self, keys: np.ndarray) -> np.ndarray:
+        """The slots of ``keys`` (-1: absent)."""
+        return self.index.lookup(keys)
+
+    def lookup_or_insert(self, keys: np.ndarray) -> np.ndarray:
+        """The slots of ``keys``, inserting the absent ones (their rows: :meth:`create_rows`)."""
+        return self.index.lookup_or_insert(keys)
+
+    # -- reads and updates -----------------------------------------------------------------------
+
+    def pull(self, keys: np.ndarray, out: np.ndarray, threads: TwoThreads | None = None) -> np.ndarray:
+        """Values of ``keys`` into ``out`` (n, dim), the initializer's for absent keys; returns
+        their slots (-1: absent)."""
+        s = self.spec
+        if isinstance(self.index, DirectKeyIndex):  # lookup and gather in one pass
+            slots = self.index.pull(keys, self.rows, s.dim, self.init_kind, s.init_scale, s.seed, out, threads)
+        else:
+            slots = self.index.lookup(keys)
+            run_split(threads, keys.shape[0], lambda lo, hi: kinit.pull_rows(
+                self.rows, slots[lo:hi], keys[lo:hi], s.dim, self.init_kind, s.init_scale, s.seed, out[lo:hi]),
+                s.dim, pull=True)
+        for key, values in self.init_keys:  # absent keys with given initial values
+            out[(keys == key) & (slots < 0)] = values
+        return slots
+
+    def push_in_one_pass(self, keys: np.ndarray, grads: np.ndarray, rule: int, params: np.ndarray,
+                         slots: np.ndarray, threads: TwoThreads | None = None) -> np.ndarray:
+        """Direct index only: look up ``keys`` and apply a built-in rule to their rows in one pass,
+        up to the first absent key (of each half); returns the positions not done (the others'
+        slots are in ``slots``)."""
+        return self.index.push(keys, self.rows, grads, rule, params, slots, threads)
+
+    def create_rows(self, keys: np.ndarray, slots: np.ndarray, first_new: int) -> int:
+        """Room and initial values for the rows of the keys inserted since the store held
+        ``first_new`` keys (slots from ``first_new`` on), and a direct index once it is due;
+        returns how many there are."""
+        if self.index.key_capacity > self.rows.shape[0]:
+            rows = np.zeros((self.index.key_capacity, self.spec.width), dtype=np.float32)
+            rows[:first_new] = self.rows[:first_new]
+            self.rows = rows
+        added = self.index.size - first_new
+        if added:
+            s = self.spec
+            kinit.create_rows(self.rows, slots, keys, first_new, s.dim, self.init_kind, s.init_scale, s.seed,
+                              self.new_state)
+            for key, values in self.init_keys:
+                self.rows[slots[(keys == key) & (slots >= first_new)], :s.dim] = values
+            self._go_direct_when_due()  # (the same slots: the rows stay where they are)
+        return added
+
+    # -- slots of the pulls before a push --------------------------------------------------------
+
+    def remember_pull(self, worker: int, keys: np.ndarray, slots: np.ndarray) -> None:
+        """Keep the slots a pull by ``worker`` resolved, for its push of the same keys."""
+        self.resolved[worker] = [(keys, slots, self.index)] + self.resolved.get(worker, [])[:RESOLVED_PULLS - 1]
+
+    def slots_of_pull(self, keys: np.ndarray, worker: int) -> np.ndarray | None:
+        """The slots of a push's keys that one of ``worker``'s last pulls resolved, inserting the
+        keys absent then; None when none of those pulls was of the same keys. Its slots stand
+        when no row has moved since (rows move only when the index is rebuilt: eviction,
+        loading); only the keys absent then are looked up again (a push since, this worker's or
+        another's, may have inserted them)."""
+        pulls = self.resolved.get(worker) if worker >= 0 else None
+        if not pulls:
+            return None
+        absent = np.empty(keys.shape[0], dtype=np.int64)
+        for i, (got_keys, got_slots, index) in enumerate(pulls):
+            m = kkeys.reusable_slots(got_keys, got_slots, keys, absent) if index is self.index else -1
+            if m >= 0:
+                del pulls[i]
+                break
+        else:
+            return None
+        slots = got_slots  # the pull's own array, used by nothing else now: completed in place
+        if m:
+            absent = absent[:m]
+            slots[absent] = self.index.lookup_or_insert(keys[absent])
+        self.reused += keys.shape[0] - m
+        return slots
+
+    # -- contents ------------------------------------------------------------------------------
+
+    def load(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        """Replace the contents with ``keys`` and their rows (a new index: the rows may move)."""
+        self.index = self._new_index(np.ascontiguousarray(keys, dtype=np.uint64))
+        self.rows = np.zeros((self.index.key_capacity, self.spec.width), dtype=np.float32)
+        self.rows[: keys.shape[0]] = rows
+
+    def items(self) -> tuple[np.ndarray, np.ndarray]:
+        """(keys, rows) of everything stored, in slot order (views)."""
+        n = self.index.size
+        return self.index.keys[:n], self.rows[:n]
+
+    def nbytes(self) -> int:
+        return self.index.nbytes() + self.rows.nbytes
