@@ -16,7 +16,7 @@ LEVEL = {  # module -> layer: the packages say it (hpcps/ps's pure modules, then
     **{f"hpcps.{m}": 1 for m in ("config", "malloc", "errors", "outputs")},
     **{f"hpcps.ps.{m}": 1 for m in ("layout", "placement", "protocol", "tables", "signals", "checkpoint")},
     "hpcps.ps.transport": 2,
-    **{f"hpcps.ps.{m}": 3 for m in ("server", "client", "context")},
+    **{f"hpcps.ps.{m}": 3 for m in ("server", "client", "context", "collectives")},
     **_package("hpcps/train", "hpcps.train", 4),
     **_package("hpcps/bench", "hpcps.bench", 5),
     **{f"hpcps.{m}": 5 for m in ("cli", "supervise", "plot")},
@@ -66,6 +66,15 @@ def test_only_transport_imports_mpi4py_and_kernels_import_no_hpcps():
             assert not any(i == "mpi4py" or i.startswith("mpi4py.") for i in imps), mod
         if mod.startswith("hpcps_kernels."):
             assert not any(i == "hpcps" or i.startswith("hpcps.") for i in imps), mod
+
+
+def test_training_and_the_command_line_talk_to_the_context_not_the_transport():
+    """Training and the CLI agree, gather and abort through hpcps.ps.collectives (the context's
+    and the world's methods named for what they mean), never through the transport itself."""
+    bad = [mod for mod, path, package in modules()
+           if (mod.startswith("hpcps.train.") or mod == "hpcps.cli")
+           and any(i == "hpcps.ps.transport" or i.startswith("hpcps.ps.transport.") for i in imports_of(path, package))]
+    assert not bad, f"these import hpcps.ps.transport: {bad}"
 
 
 # Methods of mpi4py communicators and requests that communicate or wait. Outside the transport

@@ -21,7 +21,7 @@ from typing import Callable
 
 import numpy as np
 
-from hpcps.ps import checkpoint, protocol, signals, transport
+from hpcps.ps import checkpoint, collectives, protocol, signals, transport
 from hpcps.ps.client import DenseTable, SparseTable
 from hpcps.ps.layout import Layout, check_world
 from hpcps.ps.placement import DEFAULT_SHARDS, Placement
@@ -34,7 +34,7 @@ class ConfigMismatch(RuntimeError):
     """Ranks disagree on something that must be identical everywhere."""
 
 
-class Context:
+class Context(collectives.ContextCollectives):
     """One rank's view of the parameter server."""
 
     local = False  # a job of one process (LocalContext)

@@ -24,7 +24,8 @@ import numpy as np
 from dataclasses import dataclass, replace
 
 from hpcps import config, outputs
-from hpcps.ps import checkpoint, signals, tables, transport
+from hpcps.ps import checkpoint, signals, tables
+from hpcps.ps.collectives import World
 from hpcps.ps.context import init
 from hpcps.train import data as tdata
 from hpcps.train import model_file, synth
@@ -70,13 +71,13 @@ class Result:
     resumed_from: str = ""
 
 
-def resolve_resume(cfg, comm) -> tuple[str, dict] | None:
+def resolve_resume(cfg, world: World) -> tuple[str, dict] | None:
     """Collective: the checkpoint to resume from (verified on the first rank), or None."""
     ck = cfg.checkpoint
     if not ck.resume:
         return None
     found, error = None, None
-    if comm.Get_rank() == 0:
+    if world.is_first:
         if ck.resume == "auto":
             found = checkpoint.newest_good(ck.dir, report=checkpoint.say, move_damaged=True)
             if found is None:
@@ -91,32 +92,30 @@ def resolve_resume(cfg, comm) -> tuple[str, dict] | None:
             error = (f"{found[0]} was written for another model, optimizer or key space "
                      f"(model fingerprint {found[1].get('model_fingerprint')} != {cfg.model_fingerprint()}"
                      + (f": {'; '.join(changed)}" if changed else "") + ")")
-    found, error = transport.bcast_object(comm, (found, error), 0, cfg.cluster.stall_timeout_s,
-                                          "broadcast of the checkpoint to resume")
+    found, error = world.first_decides((found, error), "broadcast of the checkpoint to resume")
     if error:
         raise TrainError(f"cannot resume: {error}")
     return found
 
 
-def claim_checkpoints(cfg, comm, restore: tuple[str, dict] | None) -> str:
+def claim_checkpoints(cfg, world: World, restore: tuple[str, dict] | None) -> str:
     """Collective: this run's id, inherited from the checkpoint it resumes (its lineage) or new,
     once the first rank has made ``checkpoint.dir`` hold this run's checkpoints only
     (:func:`hpcps.ps.checkpoint.claim`: another run's stop the job, unless ``checkpoint.existing =
     "replace"`` moves them aside)."""
     run_id, error = None, None
-    if comm.Get_rank() == 0:
+    if world.is_first:
         run_id = checkpoint.run_of(restore[1]) if restore else checkpoint.new_run_id()
         if cfg.checkpoint.dir:
             error = checkpoint.claim(cfg.checkpoint.dir, run_id, restore[0] if restore else None, cfg.checkpoint.existing,
                                      report=checkpoint.say)
-    run_id, error = transport.bcast_object(comm, (run_id, error), 0, cfg.cluster.stall_timeout_s,
-                                           "broadcast of the run's id")
+    run_id, error = world.first_decides((run_id, error), "broadcast of the run's id")
     if error:
         raise TrainError(error)
     return run_id
 
 
-def resolve_data(cfg, comm) -> tuple[dict, dict | None]:
+def resolve_data(cfg, world: World) -> tuple[dict, dict | None]:
     """Collective: the data files to use. With no ``data.train``, the first rank generates a
     synthetic data set (``[synth]``), or reuses the one it generated before with the same
     parameters (in ``synth.dir``, else under :func:`synth.cache_dir`), and every rank gets its
@@ -125,7 +124,7 @@ def resolve_data(cfg, comm) -> tuple[dict, dict | None]:
     if cfg.data.train:
         return paths, None
     info = None
-    if comm.Get_rank() == 0:
+    if world.is_first:
         out = cfg.synth.dir or os.path.join(synth.cache_dir(), synth.dir_name(
             cfg.synth.rows, cfg.synth.test_rows, cfg.synth.fields, cfg.synth.interactions, cfg.synth.seed,
             cfg.data.hash_bits))
@@ -138,7 +137,7 @@ def resolve_data(cfg, comm) -> tuple[dict, dict | None]:
                     "dir": out, "reused": s.reused}
         except synth.SynthError as e:
             info = {"error": f"synth.dir = {cfg.synth.dir!r}: {e}"}
-    info = transport.bcast_object(comm, info, 0, cfg.cluster.stall_timeout_s, "broadcast of the synthetic data's paths")
+    info = world.first_decides(info, "broadcast of the synthetic data's paths")
     if "error" in info:
         raise TrainError(info["error"])
     return {"train": info["train"], "test": info["test"]}, info
@@ -203,12 +202,11 @@ def _load(ctx, cfg, path: str, what: str, stream: bool = False):
             empty[:] = (rows == 0, 1, os.path.getsize(path) == 0)
         except (tdata.DataError, OSError) as e:
             error = str(e)
-    errors = transport.all_ok(ctx.comm, error, ctx.stall_timeout_s, f"loading of {what} data")
+    errors = ctx.every_rank.failures(error, f"loading of {what} data")
     if errors:
         raise TrainError("cannot load data:\n  " + "\n  ".join(errors))
     if path:
-        no_rows, workers, zero_bytes = transport.allreduce(ctx.comm, empty, "sum", ctx.stall_timeout_s,
-                                                           f"count of the {what} parts without rows")
+        no_rows, workers, zero_bytes = ctx.every_rank.reduce(empty, "sum", f"count of the {what} parts without rows")
         if no_rows == workers:
             raise TrainError(f"cannot load data: {what} file {path} holds no rows: "
                              + ("it is empty" if zero_bytes else "its lines are all blank or comments"
@@ -225,13 +223,12 @@ def model_fields(ctx, cfg, train_path: str) -> int:
     if cfg.model.type not in config.DEEP:
         return 1
     error, fields = None, 1
-    if ctx.comm.Get_rank() == 0:
+    if ctx.every_rank.is_first:
         try:
             fields = resolve_fields(cfg, tdata.detect_format(train_path, cfg.data.format))
         except (ValueError, OSError) as e:
             error = str(e)
-    fields, error = transport.bcast_object(ctx.comm, (fields, error), 0, ctx.stall_timeout_s,
-                                           "broadcast of the number of fields")
+    fields, error = ctx.every_rank.first_decides((fields, error), "broadcast of the number of fields")
     if error:
         raise TrainError(error)
     return fields
@@ -254,7 +251,7 @@ def export_model(ctx, cfg, model, input_format: str) -> str | None:
 def agree_model_written(ctx, error: str | None) -> None:
     """Collective over the world: raise on every rank when the model's write failed (the rank
     that failed reports it; exit status 1), so that no rank reports a model that is not there."""
-    errors = transport.all_ok(ctx.comm, error, ctx.stall_timeout_s, "agreement on the model's write")
+    errors = ctx.every_rank.failures(error, "agreement on the model's write")
     if errors:
         raise TrainError(error or "", status=1)
 
@@ -302,16 +299,14 @@ def initial_bias(ctx, cfg, train) -> float:
     if cfg.model.bias_init != "auto" or (cfg.model.loss == "logistic" and cfg.model.type in config.DEEP):
         return 0.0
     labels = train.head_labels(BIAS_ROWS).astype(np.float64) if ctx.is_worker and train is not None else np.zeros(0)
-    total = transport.allreduce(ctx.comm, np.array([labels.sum(), labels.shape[0]]), "sum", ctx.stall_timeout_s,
-                                "sum of the first labels")
+    total = ctx.every_rank.reduce(np.array([labels.sum(), labels.shape[0]]), "sum", "sum of the first labels")
     return bias_for(total[0] / total[1], cfg.model.loss) if total[1] else 0.0
 
 
 def _gather_on_first(ctx, array: np.ndarray) -> np.ndarray | None:
-    comm = ctx.workers_comm
-    t = ctx.stall_timeout_s
-    counts = transport.allgather_int(comm, array.shape[0], t, "gather of evaluation sizes")
-    return transport.gatherv(comm, np.ascontiguousarray(array), counts, 0, t, "gather of evaluation results")
+    workers = ctx.among_workers
+    counts = workers.sizes(array.shape[0], "gather of evaluation sizes")
+    return workers.gather_to_first(array, counts, "gather of evaluation results")
 
 
 EVAL_ROWS = 4096  # rows a worker scores at once at least, whatever the training's batch
@@ -344,12 +339,12 @@ def evaluate_columns(ctx, model, margins, columns: int, ds: tdata.Dataset | None
     out = np.zeros((columns, 3))
     for c in range(columns):
         all_m = _gather_on_first(ctx, m[:, c])
-        if ctx.workers_comm.Get_rank() == 0 and all_m.size:
+        if ctx.among_workers.is_first and all_m.size:
             if loss == "logistic":
                 out[c] = (metrics.logloss(all_y, all_m), metrics.auc(all_y, all_m), all_m.size)
             else:
                 out[c] = (float(np.sqrt(np.mean((all_m - all_y) ** 2))), np.nan, all_m.size)
-    transport.bcast(ctx.workers_comm, out, 0, ctx.stall_timeout_s, "broadcast of metrics")
+    ctx.among_workers.share_from_first(out, "broadcast of metrics")
     if loss == "logistic":
         return [{"test_logloss": float(o[0]), "test_auc": float(o[1]), "test_rows": int(o[2])} for o in out]
     return [{"test_rmse": float(o[0]), "test_rows": int(o[2])} for o in out]
@@ -364,7 +359,7 @@ def predict(ctx, model, ds: tdata.Dataset, batch_size: int, loss: str, out_path:
                              or [np.zeros(0)])
     scores = 1.0 / (1.0 + np.exp(-margins)) if loss == "logistic" else margins
     everything = _gather_on_first(ctx, scores)
-    if ctx.workers_comm.Get_rank() == 0:
+    if ctx.among_workers.is_first:
         try:
             write_scores(out_path, everything)
         except outputs.OutputError as e:
@@ -376,7 +371,7 @@ def predict(ctx, model, ds: tdata.Dataset, batch_size: int, loss: str, out_path:
 def _abort_on(e: outputs.OutputError) -> None:
     """An output that failed mid-run on one rank (the metrics, the predictions): its one line
     ends the job (the other ranks are serving or stepping)."""
-    transport.abort(f"error: {e}", code=e.exit_status)
+    World.end_job_with(f"error: {e}", e.exit_status)
 
 
 def write_scores(path: str, scores: np.ndarray) -> None:
@@ -410,7 +405,7 @@ class Trainer:
     def __init__(self, cfg, comm=None):
         self.cfg = cfg
         self.batch_size_set = bool(cfg.train.batch_size)  # else auto, resolved in prepare
-        self.world = comm or transport.world()
+        self.world = World(comm, cfg.cluster.stall_timeout_s)
         self.restore: tuple[str, dict] | None = None
         self.run_id = ""  # the lineage of the checkpoints this run writes (set in prepare)
         self.written: str | None = None  # the newest checkpoint this run wrote (first worker)
@@ -436,45 +431,44 @@ class Trainer:
 
     def prepare(self) -> None:
         cfg, world, ck = self.cfg, self.world, self.cfg.checkpoint
-        timeout = cfg.cluster.stall_timeout_s
-        problem = config.check_paths(cfg) if world.Get_rank() == 0 else None
-        errors = transport.all_ok(world, problem, timeout, "check of the output paths")
+        problem = config.check_paths(cfg) if world.is_first else None
+        errors = world.failures(problem, "check of the output paths")
         if errors:
             raise TrainError(errors[0].split(": ", 1)[1])
         # SIGINT, SIGTERM and SIGUSR1: with a checkpoint to write, at the next step (a checkpoint,
         # then exit 130 or 75); without one, at once (exit 128 + the signal)
-        signals.install(defer=bool(ck.dir), prefix=f"hpcps: {transport.rank_prefix(world)}: ",
-                        first=world.Get_rank() == 0, why="" if ck.dir else self.NO_CHECKPOINT, end=transport.end_job)
+        signals.install(defer=bool(ck.dir), prefix=f"hpcps: {world.prefix}: ",
+                        first=world.is_first, why="" if ck.dir else self.NO_CHECKPOINT, end=world.end_job)
         self.restore = resolve_resume(cfg, world)
-        if ck.dir and world.Get_rank() == 0:
+        if ck.dir and world.is_first:
             os.makedirs(ck.dir, exist_ok=True)
         self.run_id = claim_checkpoints(cfg, world, self.restore)
         self.paths, self.synth_info = resolve_data(cfg, world)
         self.input_format = ""
         problem = None
-        if world.Get_rank() == 0:
+        if world.is_first:
             if self.synth_info:  # the generated files are inputs too
                 problem = outputs.clash(*config.path_roles(cfg, data=self.paths))
             try:  # recorded in the model file (what its keys mean)
                 self.input_format = tdata.detect_format(self.paths["train"], cfg.data.format)
             except (OSError, tdata.DataError):
                 pass  # (a missing file, or a FIFO, is reported where it is loaded)
-        problem, self.input_format = transport.bcast_object(world, (problem, self.input_format), 0, timeout,
-                                                            "broadcast of the training file's format")
+        problem, self.input_format = world.first_decides((problem, self.input_format),
+                                                         "broadcast of the training file's format")
         if problem:
             raise TrainError(problem)
-        workers = world.Get_size() - cfg.cluster.servers if world.Get_size() > 1 else 1  # one process: one worker
+        workers = world.size - cfg.cluster.servers if world.size > 1 else 1  # one process: one worker
         if not cfg.train.batch_size:  # auto: from the training file's rows (counted as far as it matters)
             enough = AUTO_BATCH_MAX * AUTO_BATCH_STEPS * workers
-            rows = tdata.rows_at_least(self.paths["train"], enough) if world.Get_rank() == 0 else 0
-            rows = transport.bcast_object(world, rows, 0, timeout, "broadcast of the training file's rows")
+            rows = tdata.rows_at_least(self.paths["train"], enough) if world.is_first else 0
+            rows = world.first_decides(rows, "broadcast of the training file's rows")
             self.set_batch_size(auto_batch_size(rows, workers))
             cfg = self.cfg
         problem = None
-        if (world.Get_rank() == 0 and self.restore is not None and not ck.allow_other_data
+        if (world.is_first and self.restore is not None and not ck.allow_other_data
                 and os.path.isfile(self.paths["train"])):
             problem = check_same_data(self.restore[1], data_position_meaning(cfg, self.paths["train"], workers))
-        errors = transport.all_ok(world, problem, timeout, "check of the resumed data position")
+        errors = world.failures(problem, "check of the resumed data position")
         if errors:
             raise TrainError(f"cannot resume {self.restore[0]}: " + errors[0].split(": ", 1)[1])
 
@@ -486,7 +480,7 @@ class Trainer:
         cfg, cl = self.cfg, self.cfg.cluster
         self.ctx = ctx = init(servers=cl.servers, worker_groups=cl.worker_groups or None, staleness=cl.staleness,
                               num_shards=cl.num_shards, stall_warn_s=cl.stall_warn_s,
-                              stall_timeout_s=cl.stall_timeout_s, comm=self.world)
+                              stall_timeout_s=cl.stall_timeout_s, comm=self.world.comm)
         self.train = _load(ctx, cfg, self.paths["train"], "training", stream=True)
         self.test = _load(ctx, cfg, self.paths["test"], "test")
         self.to_predict = _load(ctx, cfg, cfg.data.predict, "prediction")
@@ -520,21 +514,20 @@ class Trainer:
         cfg, ctx, tr, ck = self.cfg, self.ctx, self.cfg.train, self.cfg.checkpoint
         if ctx.local and self.restore is not None:  # one process: its in-process server loads the checkpoint
             ctx.restore(*self.restore)
-        self.wcomm = ctx.workers_comm
+        self.workers = ctx.among_workers
         if isinstance(self.train, tdata.PartStream):
             if cfg.data.parse_thread:
                 self.train.start_thread()  # parse ahead on a thread (stopped in finish)
             else:
                 ctx.background = self.train.pump  # parse ahead while steps wait for the servers
-        self.first = first = self.wcomm.Get_rank() == 0
+        self.first = first = self.workers.is_first
         # every worker takes the same number of steps: enough for the largest part (its lines: blank,
         # comment or skipped lines only add empty steps at the end)
-        self.steps = steps = self._allreduce(math.ceil(self.train.rows_bound / tr.batch_size), "max",
-                                             "agreement on steps per epoch")
+        self.steps = steps = self.workers.largest(math.ceil(self.train.rows_bound / tr.batch_size), "agreement on steps per epoch")
         # "sum": each row's gradient counts in full (per-coordinate optimizers like FTRL and AdaGrad
         # set their own step sizes, and a mean would shrink rare keys' gradients by the batch size);
         # "mean": the gradient of the mean loss over the group's rows (the objective of plain SGD).
-        self.scale = 1.0 if tr.gradient == "sum" else 1.0 / (tr.batch_size * ctx.group_comm.Get_size())
+        self.scale = 1.0 if tr.gradient == "sum" else 1.0 / (tr.batch_size * ctx.within_group.size)
         resume = self.restore[1]["position"] if self.restore is not None else None
         self.progress = Progress(first and tr.progress, steps, ctx.layout.workers, tr.metrics if first else "",
                                  on_error=_abort_on, resume=(resume["epoch"], resume["step"]) if resume else None)
@@ -579,7 +572,7 @@ class Trainer:
                 here = os.path.samefile(os.path.dirname(os.path.normpath(self.restore[0])) or ".", ck.dir)
             except OSError:
                 pass
-        self.saved_at = self.global_step if self._allreduce(int(here), "min", "agreement on the checkpoint resumed") \
+        self.saved_at = self.global_step if self.workers.smallest(int(here), "agreement on the checkpoint resumed") \
             else -1
         if first and self.start_epoch > tr.epochs:
             print(f"hpcps train: nothing left to train: {self.restore[0] if self.restore else 'the checkpoint'} is at "
@@ -611,11 +604,6 @@ class Trainer:
         self.best = {"loss": math.inf, "epoch": 0}
         self.stopped_at = 0
 
-    def _allreduce(self, value, op: str, what: str = "agreement of the workers"):
-        """Collective over the workers: one number reduced (an int stays an int)."""
-        got = transport.allreduce(self.wcomm, np.array([value]), op, self.ctx.stall_timeout_s, what)[0]
-        return int(got) if isinstance(value, (int, np.integer)) else float(got)
-
     def batch_at(self, i: int):
         """The batch of the ``i``-th step since the start of training (made once, in order)."""
         tr = self.cfg.train
@@ -636,7 +624,7 @@ class Trainer:
                         try:
                             self.train.forget()
                         except tdata.DataError as e:
-                            transport.abort(f"error: {e}", code=2)
+                            World.end_job_with(f"error: {e}", 2)
             if held is not None:
                 self.held_out[i] = held
             self.made[i] = b
@@ -652,7 +640,7 @@ class Trainer:
         try:
             return next(self.feed)
         except tdata.DataError as e:  # a bad line past the first block: this rank stops the job
-            transport.abort(f"error: {e}", code=2)
+            World.end_job_with(f"error: {e}", 2)
 
     def _close_feed(self) -> None:
         if self.feed is not None:
@@ -669,7 +657,7 @@ class Trainer:
         try:  # (a stream checks at each read too; a part in memory reads nothing)
             self.train.check_unchanged()
         except tdata.DataError as e:
-            transport.abort(f"error: {e}", code=2)
+            World.end_job_with(f"error: {e}", 2)
         for step in range(first_step, self.steps + 1):
             self.step(epoch, step)
             if self.checkpoint_if_due(epoch, step):
@@ -724,7 +712,7 @@ class Trainer:
         want = (3 if sig == signal.SIGINT else 2) if sig else int(
             bool(ck.every_steps and self.global_step % ck.every_steps == 0)
             or bool(self.first and ck.every_s and time.monotonic() - self.last_save >= ck.every_s))
-        want = self._allreduce(want, "max", "agreement on checkpointing")
+        want = self.workers.largest(want, "agreement on checkpointing")
         if not want:
             return False
         self.save(epoch, step + 1, "signal" if want >= 2 else "periodic")
@@ -750,7 +738,7 @@ class Trainer:
                 "fields": self.model.fields, "input_format": self.input_format}, cfg.checkpoint.keep)
             self.written = path
             print(f"hpcps train: checkpoint {path} ({reason})", flush=True)
-        transport.barrier(self.wcomm, ctx.stall_timeout_s, "checkpoint barrier")
+        self.workers.wait_for_all("checkpoint barrier")
 
     def evaluate(self, ds) -> dict:
         return evaluate(self.ctx, self.model, ds, self.cfg.train.batch_size, self.cfg.model.loss)
@@ -769,7 +757,7 @@ class Trainer:
             pieces = [(p.labels, p.indptr, p.indices, p.values) for p in self.holdout_pieces]
             self.holdout = tdata.Dataset(*tdata._concat(pieces))
             self.holdout_pieces = []
-            self.holdout_rows = self._allreduce(self.holdout.rows, "sum", "sum of the holdout rows")
+            self.holdout_rows = self.workers.total(self.holdout.rows, "sum of the holdout rows")
             if not self.holdout_rows:  # (its loss would read 0: a silently wrong number)
                 n = self.cfg.train.holdout
                 self.stop(f"train.holdout = {n} holds out no row: every worker's part has fewer than {n} rows "
@@ -787,13 +775,13 @@ class Trainer:
         a whole epoch had no row (a training file of blank and comment lines) and when a metric
         is not finite (the model is not: :meth:`stop_non_finite`)."""
         ctx = self.ctx
-        rows = self._allreduce(self.rows, "sum")
+        rows = self.workers.total(self.rows, "agreement of the workers")
         self.examples += rows
         if not self.examples and self.whole_epoch:  # (its loss would read 0)
             self.stop(f"the training file {self.paths['train']} holds no rows: an epoch of {self.steps} steps read "
                       f"none (its lines are all blank or comments"
                       + (" or bad lines skipped)" if self.cfg.data.skip_bad_lines else ")"), 2)
-        total_loss = self._allreduce(float(self.loss_sum), "sum")
+        total_loss = self.workers.total(float(self.loss_sum), "agreement of the workers")
         record = {"train_loss": total_loss / max(rows, 1),
                   **({} if self.whole_epoch else {"first_step": self.first_step}),  # (resumed mid-epoch: its loss
                   "time_s": time.perf_counter() - self.t0,                             # is of the steps from there)
@@ -813,8 +801,8 @@ class Trainer:
         """Collective over the workers: end the job, the first worker saying why in one line
         (the others wait for the abort)."""
         if self.first:
-            transport.abort(f"error: {message}", code=code)
-        transport.barrier(self.wcomm, self.ctx.stall_timeout_s, "the stop of the job")
+            World.end_job_with(f"error: {message}", code)
+        self.workers.wait_for_all("the stop of the job")
 
     # Tune's grid trains members with other rates side by side: a member that diverges is ranked
     # last (its holdout loss is NaN), it does not stop the others (see hpcps.train.tune)
@@ -842,7 +830,7 @@ class Trainer:
         labels = f" (the batch's labels: {batch.labels.min():g} to {batch.labels.max():g})" if batch.rows else ""
         line = self.non_finite_line(f"at step {self.global_step + 1} (epoch {epoch}, step {step} of {self.steps})",
                                     f"{e}{labels}", sparse_rows_finite=not e.tables)
-        transport.abort(f"error: {line}", code=1)
+        World.end_job_with(f"error: {line}", 1)
 
     def watch_holdout(self, epoch: int, record: dict) -> bool:
         """The holdout metric into ``record``; the servers keep a snapshot of the best model so
@@ -869,7 +857,7 @@ class Trainer:
         if self.first:
             for table in self.model.all_tables:
                 table.call(self.keep_best_functions[1], np.zeros(0, dtype=np.uint64))
-        transport.barrier(self.wcomm, self.ctx.stall_timeout_s, "barrier after keeping the best model")
+        self.workers.wait_for_all("barrier after keeping the best model")
         self.model.finish()  # the deep models' MLP replica: the restored one
         if self.test is not None:  # the summary describes the model kept
             self.history.append({**self.history[-1], **self.evaluate(self.test),
@@ -884,18 +872,16 @@ class Trainer:
             self.train.stop_thread()
         if ck.dir and ck.final and not self.preempted and self.saved_at != self.global_step:
             self.save(tr.epochs + 1, 1, "end of training")
-        skipped = self._allreduce(self.train.skipped + (self.test.skipped if self.test else 0), "sum",
-                                  "sum of skipped lines")
+        skipped = self.workers.total(self.train.skipped + (self.test.skipped if self.test else 0), "sum of skipped lines")
         if skipped and self.first:
             print(f"hpcps train: {skipped} bad lines skipped", flush=True)
         predicted = 0
         if self.to_predict is not None and not self.preempted:
             predicted = predict(ctx, self.model, self.to_predict, tr.batch_size, cfg.model.loss, cfg.data.predict_out)
         self.progress.close()
-        wait = self._allreduce(float(ctx.stats["wait_s"]), "max")
-        traffic = transport.allreduce(self.wcomm, np.array([ctx.stats["bytes_sent"], ctx.stats["bytes_received"]],
-                                                           dtype=np.int64),
-                                      "sum", ctx.stall_timeout_s, "sum of the bytes sent and received")
+        wait = self.workers.largest(float(ctx.stats["wait_s"]), "agreement of the workers")
+        traffic = self.workers.reduce(np.array([ctx.stats["bytes_sent"], ctx.stats["bytes_received"]], dtype=np.int64),
+                                      "sum", "sum of the bytes sent and received")
         if self.preempted:  # stopped by a signal after checkpointing
             _agree_preempted_worker(ctx, self.preempted)
             ctx.finalize()
@@ -994,12 +980,11 @@ def _agree_preempted(ctx, mine: int) -> tuple[int, float, float, dict]:
     status of a stop on a signal (the largest of the ranks', 0 for none), the largest peak memory of a worker and of a server (MiB), and the
     servers' key counts summed (rows held, keys admitted, rows evicted)."""
     rss = _peak_rss_mb()
-    flag = transport.allreduce(ctx.comm, np.array([float(mine), rss if ctx.is_worker else 0.0,
-                                                   rss if ctx.is_server else 0.0]), "max", ctx.stall_timeout_s,
-                               "agreement on the end of training")
+    flag = ctx.every_rank.reduce(np.array([float(mine), rss if ctx.is_worker else 0.0, rss if ctx.is_server else 0.0]),
+                                 "max", "agreement on the end of training")
     st = ctx.server_stats or {}  # server ranks, or a one-process job's in-process server
     counts = np.array([sum(st.get(k, [])) for k in ("keys", "admitted", "evicted")], dtype=np.int64)
-    counts = transport.allreduce(ctx.comm, counts, "sum", ctx.stall_timeout_s, "sum of the servers' key counts")
+    counts = ctx.every_rank.reduce(counts, "sum", "sum of the servers' key counts")
     keys = {"table_keys": int(counts[0]), "admitted_keys": int(counts[1]), "evicted_keys": int(counts[2])}
     return int(flag[0]), float(flag[1]), float(flag[2]), keys
 

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hpcps.ps import transport
 from hpcps.config import DEEP
 from hpcps.train.data import BIAS_KEY
 from hpcps_kernels import deep as kdeep
@@ -520,7 +519,7 @@ class DeepModel(Model):
     def _before_clock(self) -> None:
         t = time.perf_counter()
         total, pending = self._allreduce
-        transport.finish_collective(self.ctx.group_comm, pending, self.ctx.stall_timeout_s)
+        self.ctx.within_group.complete(pending)
         self._allreduce = None
         t = self._time("allreduce", t)
         ts = self.dense.ipush_summed(total)

@@ -28,10 +28,9 @@ import sys
 import time
 from dataclasses import replace
 
-import numpy as np
 
 from hpcps import config, outputs
-from hpcps.ps import transport
+from hpcps.ps.collectives import World
 from hpcps.train.loop import Result, Trainer, evaluate_columns
 from hpcps.train.models import Grid
 from hpcps.train.progress import summary_table
@@ -222,18 +221,17 @@ def run(members: list[tuple[dict, dict]], out: str = "", comm=None, folds: int |
     if folds != "auto" and not 1 <= int(folds) <= holdout:
         raise config.ConfigError(f"--folds {folds}: between 1 and train.holdout ({holdout}) "
                                  f"(each fold holds out one phase of every {holdout}th row)")
-    world = comm or transport.world()
+    world = World(comm, cfg.cluster.stall_timeout_s)
     summaries, total, fold, t0 = [], None if folds == "auto" else int(folds), 0, time.perf_counter()
     while total is None or fold < total:
-        tuner = Tuner(members, comm=world, fold=fold, folds=total)
+        tuner = Tuner(members, comm=world.comm, fold=fold, folds=total)
         result = tuner.run()
         if result.preempted:
             return result
         summaries.append(result.summary)
         if total is None:  # every rank learns the holdout's size from the first worker
-            rows = transport.allreduce(world, np.array([getattr(tuner, "holdout_rows", 0)]), "max",
-                                       cfg.cluster.stall_timeout_s, "agreement on the number of folds")[0]
-            total = auto_folds(int(rows), holdout)
+            rows = world.largest(getattr(tuner, "holdout_rows", 0), "agreement on the number of folds")
+            total = auto_folds(rows, holdout)
         fold += 1
     if summaries[0] is None:  # not the first worker
         return Result(None, 0)
