@@ -3,7 +3,7 @@
 :class:`SparseClassifier` (logistic loss) and :class:`SparseRegressor` (squared loss) train an LR or
 an FM on a matrix (CSR, any SciPy sparse format, or dense) with the library's own parts: the
 model's tables live in an in-process server (:class:`hpcps.ps.context.LocalContext`), updated by the
-server optimizers (FTRL by default), and every step is :meth:`hpcps.train.models.Model.step`, the
+server optimizers (FTRL by default), and every step is :meth:`hpcps.train.pipeline.StepPipeline.step`, the
 kernels of ``hpcps train``. A column ``j`` of the matrix is the key ``j``; every row also carries
 the bias key, as in the training files.
 
@@ -30,6 +30,7 @@ from hpcps.ps.context import LocalContext
 from hpcps.train.data import BIAS_KEY, Dataset
 from hpcps.train.loop import BIAS_ROWS, auto_batch_size, bias_for
 from hpcps.train.models import make_model, margins_from_params
+from hpcps.train.pipeline import StepPipeline
 from hpcps_kernels import optim
 
 
@@ -134,8 +135,9 @@ class _SparseModel(BaseEstimator):
             data = _rows(X, labels)
             size = tr.batch_size or auto_batch_size(data.rows, 1)
             batches = [data.batch(lo, lo + size) for lo in range(0, data.rows, size)] * epochs
-            losses = [model.step(batch, 1.0, batches[i + 1:i + 3]) for i, batch in enumerate(batches)]
-            model.finish()
+            pipeline = StepPipeline(ctx, model)
+            losses = [pipeline.step(batch, 1.0, batches[i + 1:i + 3]) for i, batch in enumerate(batches)]
+            pipeline.finish()
             self.train_loss_ = float(np.sum(losses[-(len(batches) // epochs):]) / data.rows)  # the last epoch's
             self.tables_ = {t.spec.name: t.copy_contents() for t in server.tables}
             self.clock_ = ctx.clock_value

@@ -30,6 +30,7 @@ from hpcps.ps.context import init
 from hpcps.train import data as tdata
 from hpcps.train import model_file, synth
 from hpcps.train.models import NonFiniteError, make_model, resolve_fields
+from hpcps.train.pipeline import StepPipeline
 from hpcps.train.progress import STATUS_ENV, Progress, summary_table, vm_hwm_mb, write_status
 from hpcps_kernels import metrics, optim
 
@@ -320,16 +321,18 @@ def eval_batch(batch_size: int) -> int:
     return max(batch_size, EVAL_ROWS)
 
 
-def evaluate(ctx, model, ds: tdata.Dataset | None, batch_size: int, loss: str) -> dict:
-    """Collective over the workers: exact metrics of the whole held-out set (on every worker)."""
-    return evaluate_columns(ctx, model, lambda b: model.margins(b)[:, None], 1, ds, batch_size, loss)[0]
+def evaluate(ctx, pipeline, ds: tdata.Dataset | None, batch_size: int, loss: str) -> dict:
+    """Collective over the workers: exact metrics of the whole held-out set (on every worker),
+    its margins from ``pipeline``'s model (:class:`~hpcps.train.pipeline.StepPipeline`)."""
+    return evaluate_columns(ctx, pipeline, lambda b: pipeline.margins(b)[:, None], 1, ds, batch_size, loss)[0]
 
 
-def evaluate_columns(ctx, model, margins, columns: int, ds: tdata.Dataset | None, batch_size: int,
+def evaluate_columns(ctx, pipeline, margins, columns: int, ds: tdata.Dataset | None, batch_size: int,
                      loss: str) -> list[dict]:
     """Collective over the workers: the metrics of ``columns`` models whose margins of a batch
-    are ``margins(batch)``, ``(rows, columns)`` (a :class:`~hpcps.train.models.Grid`'s members)."""
-    model.finish()
+    are ``margins(batch)``, ``(rows, columns)`` (a :class:`~hpcps.train.models.Grid`'s members),
+    once ``pipeline``'s steps are done."""
+    pipeline.finish()
     batch_size = eval_batch(batch_size)
     n = ds.rows if ds is not None else 0
     m = np.concatenate([margins(ds.batch(lo, lo + batch_size)) for lo in range(0, n, batch_size)] or
@@ -350,12 +353,12 @@ def evaluate_columns(ctx, model, margins, columns: int, ds: tdata.Dataset | None
     return [{"test_rmse": float(o[0]), "test_rows": int(o[2])} for o in out]
 
 
-def predict(ctx, model, ds: tdata.Dataset, batch_size: int, loss: str, out_path: str) -> int:
+def predict(ctx, pipeline, ds: tdata.Dataset, batch_size: int, loss: str, out_path: str) -> int:
     """Collective over the workers: one score per row of every worker's part, in input order,
     written by the first worker. Returns the number of scores written."""
-    model.finish()
+    pipeline.finish()
     batch_size = eval_batch(batch_size)
-    margins = np.concatenate([model.margins(ds.batch(lo, lo + batch_size)) for lo in range(0, ds.rows, batch_size)]
+    margins = np.concatenate([pipeline.margins(ds.batch(lo, lo + batch_size)) for lo in range(0, ds.rows, batch_size)]
                              or [np.zeros(0)])
     scores = 1.0 / (1.0 + np.exp(-margins)) if loss == "logistic" else margins
     everything = _gather_on_first(ctx, scores)
@@ -487,6 +490,7 @@ class Trainer:
         bias, fields = initial_bias(ctx, cfg, self.train), model_fields(ctx, cfg, self.paths["train"])
         self.model = self.build_model(bias, fields)
         self.model.hashed_keys = getattr(self.train, "fmt", "") in tdata.HASHED_FORMATS
+        self.pipeline = StepPipeline(ctx, self.model)
         self.keep_best_functions = (ctx.server_function("hpcps.snapshot"), ctx.server_function("hpcps.restore")) \
             if cfg.train.early_stop else None
 
@@ -663,7 +667,7 @@ class Trainer:
             if self.checkpoint_if_due(epoch, step):
                 break
             self.evaluate_if_due(epoch, step)
-        self.model.finish()
+        self.pipeline.finish()
 
     def step(self, epoch: int, step: int) -> None:
         i = (epoch - 1) * self.steps + step - 1
@@ -673,9 +677,9 @@ class Trainer:
         if self.collecting and held is not None and held.rows:
             self.holdout_pieces.append(held)
         # the batches the step pipelines (see Model.step): one more when it pulls two ahead
-        upcoming = [self.batch_at(j) for j in range(i + 1, min(i + 3 + self.model.pulls_ahead, self.last_index))]
+        upcoming = [self.batch_at(j) for j in range(i + 1, min(i + 3 + self.pipeline.pulls_ahead, self.last_index))]
         try:
-            loss = self.model.step(batch, self.scale, upcoming)
+            loss = self.train_step(batch, upcoming)
         except NonFiniteError as e:
             self.stop_non_finite(e, epoch, step, batch)
         self.global_step += 1
@@ -728,7 +732,7 @@ class Trainer:
     def save(self, epoch_next: int, step_next: int, reason: str) -> None:
         """Collective over the workers: a checkpoint whose position is the step to run next."""
         ctx, cfg = self.ctx, self.cfg
-        self.model.finish()  # every worker: its pushes acknowledged
+        self.pipeline.finish()  # every worker: its pushes acknowledged
         if self.first:
             path = ctx.save_checkpoint(cfg.checkpoint.dir, self.global_step, {
                 "run_id": self.run_id, "model_fingerprint": cfg.model_fingerprint(), "config": cfg.to_dict(),
@@ -740,8 +744,12 @@ class Trainer:
             print(f"hpcps train: checkpoint {path} ({reason})", flush=True)
         self.workers.wait_for_all("checkpoint barrier")
 
+    def train_step(self, batch, upcoming) -> float:
+        """One step of the pipeline; its summed loss."""
+        return self.pipeline.step(batch, self.scale, upcoming)
+
     def evaluate(self, ds) -> dict:
-        return evaluate(self.ctx, self.model, ds, self.cfg.train.batch_size, self.cfg.model.loss)
+        return evaluate(self.ctx, self.pipeline, ds, self.cfg.train.batch_size, self.cfg.model.loss)
 
     def evaluate_if_due(self, epoch: int, step: int) -> None:
         tr = self.cfg.train
@@ -785,7 +793,7 @@ class Trainer:
         record = {"train_loss": total_loss / max(rows, 1),
                   **({} if self.whole_epoch else {"first_step": self.first_step}),  # (resumed mid-epoch: its loss
                   "time_s": time.perf_counter() - self.t0,                             # is of the steps from there)
-                  **{f"stage_{k}": v for k, v in self.model.stage_times().items()},
+                  **{f"stage_{k}": v for k, v in self.pipeline.stage_times().items()},
                   "stage_wait_s": round(ctx.stats["wait_s"] - self.waited_before, 4)}
         self.waited_before = ctx.stats["wait_s"]
         if self.test is not None:
@@ -858,7 +866,7 @@ class Trainer:
             for table in self.model.all_tables:
                 table.call(self.keep_best_functions[1], np.zeros(0, dtype=np.uint64))
         self.workers.wait_for_all("barrier after keeping the best model")
-        self.model.finish()  # the deep models' MLP replica: the restored one
+        self.pipeline.finish()  # the deep models' MLP replica: the restored one
         if self.test is not None:  # the summary describes the model kept
             self.history.append({**self.history[-1], **self.evaluate(self.test),
                                  f"holdout_{self.holdout_metric}": self.best["loss"]})
@@ -877,7 +885,7 @@ class Trainer:
             print(f"hpcps train: {skipped} bad lines skipped", flush=True)
         predicted = 0
         if self.to_predict is not None and not self.preempted:
-            predicted = predict(ctx, self.model, self.to_predict, tr.batch_size, cfg.model.loss, cfg.data.predict_out)
+            predicted = predict(ctx, self.pipeline, self.to_predict, tr.batch_size, cfg.model.loss, cfg.data.predict_out)
         self.progress.close()
         wait = self.workers.largest(float(ctx.stats["wait_s"]), "agreement of the workers")
         traffic = self.workers.reduce(np.array([ctx.stats["bytes_sent"], ctx.stats["bytes_received"]], dtype=np.int64),

@@ -137,8 +137,15 @@ class Tuner(Trainer):
 
     def evaluate_members(self, ds) -> list[dict]:
         """Collective over the workers: every member's metrics on ``ds``."""
-        return evaluate_columns(self.ctx, self.model, self.model.member_margins, len(self.cfgs), ds,
+        grid, pipeline = self.model, self.pipeline
+        return evaluate_columns(self.ctx, pipeline, lambda b: grid.member_margins(b, *pipeline.pull_rows(b)), len(self.cfgs), ds,
                                 self.cfg.train.batch_size, self.cfg.model.loss)
+
+    def train_step(self, batch, upcoming) -> float:
+        """The members' mean loss of the step."""
+        before = self.model.member_loss.sum()
+        self.pipeline.step(batch, self.scale, upcoming)
+        return float(self.model.member_loss.sum() - before) / len(self.model.members)
 
     def evaluate(self, ds) -> dict:
         """The first member's metrics (the epoch's record); every member's on the test set are
