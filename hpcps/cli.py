@@ -222,7 +222,7 @@ def _cmd_predict(args) -> int:
 
     from hpcps import outputs
     from hpcps.train import data as tdata
-    from hpcps.train.loop import write_scores
+    from hpcps.train.evaluation import write_scores
 
     out = "" if args.out == "-" else args.out  # "-": standard output
     tdata.check_file(args.data)  # (what --data is, before it is compared with --out)

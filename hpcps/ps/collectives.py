@@ -105,6 +105,13 @@ class Collectives:
         """Return once every rank has come here (sleeping meanwhile)."""
         transport.barrier(self.comm, self.timeout, what)
 
+    def end_job_by_first(self, line: str, code: int, what: str = "the stop of the job") -> None:
+        """End the whole job with exit status ``code``, the first of these ranks printing ``line``
+        (the others wait for the end): a failure every one of them knows of, said once."""
+        if self.is_first:
+            transport.abort(line, code=code)
+        self.wait_for_all(what)
+
     def complete(self, started) -> None:
         """Wait for a collective started without waiting (its Pending), e.g. a dense table's
         :meth:`~hpcps.ps.client.DenseTable.start_allreduce`."""

@@ -441,6 +441,11 @@ def _concat(pieces: list) -> tuple:
     return labels, indptr, indices, values
 
 
+def concatenate(parts: list) -> "Dataset":
+    """The rows of the Datasets ``parts``, in order, as one (without their keys' compaction)."""
+    return Dataset(*_concat([(p.labels, p.indptr, p.indices, p.values) for p in parts]))
+
+
 def _parse_part(path: str, start: int, end: int, fmt: str, hash_bits: int, skip_bad: bool, binary: bool,
                 fields: bool = False, state: tuple | None = None):
     """The whole of ``path[start:end]``, parsed: ((labels, indptr, indices, values), skipped)."""

@@ -28,9 +28,10 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 from hpcps import config
 from hpcps.ps.context import LocalContext
 from hpcps.train.data import BIAS_KEY, Dataset
-from hpcps.train.loop import BIAS_ROWS, auto_batch_size, bias_for
+from hpcps.train.loading import BIAS_ROWS, bias_for
 from hpcps.train.models import make_model, margins_from_params
 from hpcps.train.pipeline import StepPipeline
+from hpcps.train.plan import auto_batch_size
 from hpcps_kernels import optim
 
 

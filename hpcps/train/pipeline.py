@@ -227,9 +227,9 @@ class StepPipeline:
             self.pending.append((head, head.push(keys, grads[0], aggregate=aggregate, unique=True, donate=True)))
             self.ctx.clock()
         self.ahead = [nxt] + [got for got, _ in pulls if got is not nxt]
-        later = upcoming[1 + early] if len(upcoming) > 1 + early else None
-        if later is not None:  # overlaps the servers' work on the push-pull just sent
-            self.ahead.append(self._prepare(later))
+        after_pulled = upcoming[1 + early] if len(upcoming) > 1 + early else None
+        if after_pulled is not None:  # overlaps the servers' work on the push-pull just sent
+            self.ahead.append(self._prepare(after_pulled))
             last = self.ahead[-1]
             if not early and nxt.from_earlier_epoch and last.from_earlier_epoch and not self.ctx.local:
                 nxt.in_pull = (last, kkeys.member_mask(nxt.uniq, last.uniq, self.model.hashed_keys))
