@@ -36,6 +36,7 @@ class EarlyStopping:
     functions it needs are declared collectively), used on the workers."""
 
     def __init__(self, ctx, cfg):
+        self.every = cfg.train.holdout  # every Nth row is held out (0: none)
         self.patience = cfg.train.early_stop  # epochs without improvement before stopping (0: never)
         self.metric = "logloss" if cfg.model.loss == "logistic" else "rmse"
         self.best = {"loss": math.inf, "epoch": 0}
@@ -45,12 +46,16 @@ class EarlyStopping:
         self.functions = (ctx.server_function("hpcps.snapshot"), ctx.server_function("hpcps.restore")) \
             if self.patience else None
 
-    def set_holdout(self, holdout, workers) -> int:
-        """Collective over the workers: the holdout set, collected; returns every worker's
-        held-out rows."""
+    def set_holdout(self, holdout, workers, stop, examples: int) -> None:
+        """Collective over the workers: the holdout set, collected over an epoch of ``examples``
+        rows; ``stop(line, code)`` ends the job when no worker holds out a row (its loss
+        would read 0: a silently wrong number)."""
         self.holdout = holdout
         self.holdout_rows = workers.total(holdout.rows, "sum of the holdout rows")
-        return self.holdout_rows
+        if not self.holdout_rows:
+            n = self.every
+            stop(f"error: train.holdout = {n} holds out no row: every worker's part has fewer than {n} rows "
+                 f"({examples} rows trained an epoch); use a smaller train.holdout or more data", 2)
 
     def after_epoch(self, epoch: int, record: dict, evaluate, model, first: bool) -> bool:
         """Collective over the workers: :meth:`watch` the holdout after ``epoch``; returns True
@@ -71,6 +76,17 @@ class EarlyStopping:
                     table.call(self.functions[0], np.zeros(0, dtype=np.uint64))
             return False
         return bool(self.patience and epoch - self.best["epoch"] >= self.patience)
+
+    def keep_best(self, history: list, first_epoch: int, model, pipeline, workers, evaluate, test) -> None:
+        """Collective over the workers, at the end of training: the servers go back to the best
+        epoch's model (the one exported, checkpointed and summarised) unless it is the last of
+        ``history`` (the records of the epochs from ``first_epoch``); the workers' MLP replicas
+        then are the restored one, and a last record describes it (its metrics on ``test``)."""
+        if not self.restore_best(len(history) + first_epoch - 1, model, workers):
+            return
+        pipeline.finish()
+        if test is not None:
+            history.append({**history[-1], **evaluate(test), f"holdout_{self.metric}": self.best["loss"]})
 
     def restore_best(self, last_epoch: int, model, workers) -> bool:
         """Collective over the workers: the servers go back to the best epoch's model unless it is

@@ -106,3 +106,14 @@ def initial_bias(ctx, cfg, train) -> float:
     labels = train.head_labels(BIAS_ROWS).astype(np.float64) if ctx.is_worker and train is not None else np.zeros(0)
     total = ctx.every_rank.reduce(np.array([labels.sum(), labels.shape[0]]), "sum", "sum of the first labels")
     return bias_for(total[0] / total[1], cfg.model.loss) if total[1] else 0.0
+
+
+def parse_ahead(ctx, cfg, train) -> None:
+    """A training stream parses its next rows ahead: on a thread (``data.parse_thread``, stopped
+    at the end of training) or while the steps wait for the servers (the context's background
+    work). A part loaded whole has nothing to parse."""
+    if isinstance(train, tdata.PartStream):
+        if cfg.data.parse_thread:
+            train.start_thread()
+        else:
+            ctx.background = train.pump

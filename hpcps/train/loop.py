@@ -28,14 +28,14 @@ from hpcps.ps.collectives import World
 from hpcps.ps.context import init
 from hpcps.train import data as tdata
 from hpcps.train import model_file
-from hpcps.train.checkpointing import EXIT_INTERRUPTED, Checkpointing, catch_stop_signals
+from hpcps.train.checkpointing import Checkpointing, catch_stop_signals
 from hpcps.train.early_stop import EarlyStopping
 from hpcps.train.evaluation import evaluate, predict
 from hpcps.train.feed import BatchFeed
-from hpcps.train.loading import initial_bias, load_part, model_fields
+from hpcps.train.loading import initial_bias, load_part, model_fields, parse_ahead
 from hpcps.train.models import NonFiniteError, make_model
 from hpcps.train.pipeline import StepPipeline
-from hpcps.train.plan import RunPlan, TrainError, agree_on_plan, check_output_paths
+from hpcps.train.plan import RunPlan, TrainError, agree_on_plan, check_output_paths, gradient_scale
 from hpcps.train.progress import vm_hwm_mb
 from hpcps.train.report import Reporter
 
@@ -95,6 +95,58 @@ def agree_on_the_end(ctx, preempted: int) -> dict:
     return {"preempted": int(flag[0]), "worker_rss": float(flag[1]), "server_rss": float(flag[2]), "key_counts": keys}
 
 
+def serve(ctx, cfg, plan, model) -> Result:
+    """A server rank: answer requests until every worker is done, then write the model."""
+    ctx.serve(plan.restore)
+    preempted = agree_on_the_end(ctx, 0)["preempted"]
+    if cfg.train.model_out and not preempted:
+        agree_model_written(ctx, export_model(ctx, cfg, model, plan.input_format))
+    ctx.finalize()
+    return Result(None, preempted, plan.resumed)
+
+
+def end_the_run(ctx, plan, model, pipeline, parts: tuple, preempted: int, reporter) -> dict:
+    """A worker once the steps are done (collective over the workers, then over the world): the
+    lines skipped in the ``parts`` (training, test and prediction: said), the predictions (written,
+    unless the run stopped on a signal), the end of the progress, the longest wait, the traffic,
+    the end of serving (:func:`agree_on_the_end`), the model (one process: this rank writes it)
+    and the context finalized. Returns the totals for the summary."""
+    cfg, workers = plan.cfg, ctx.among_workers
+    train, test, to_predict = parts
+    skipped = workers.total(train.skipped + (test.skipped if test else 0), "sum of skipped lines")
+    if skipped and workers.is_first:
+        print(f"hpcps train: {skipped} bad lines skipped", flush=True)
+    predicted = 0
+    if to_predict is not None and not preempted:
+        predicted = predict(ctx, pipeline, to_predict, cfg.train.batch_size, cfg.model.loss, cfg.data.predict_out)
+    reporter.close()
+    wait = workers.largest(float(ctx.stats["wait_s"]), "agreement of the workers")
+    traffic = workers.reduce(np.array([ctx.stats["bytes_sent"], ctx.stats["bytes_received"]], dtype=np.int64),
+                             "sum", "sum of the bytes sent and received")
+    ending = {"skipped": skipped, "predicted": predicted, "wait": wait, "traffic": traffic,
+              **agree_on_the_end(ctx, preempted)}
+    if not preempted and cfg.train.model_out:  # (one process: no server writes the model; this one does)
+        agree_model_written(ctx, export_model(ctx, cfg, model, plan.input_format) if ctx.local else None)
+    ctx.finalize()
+    return ending
+
+
+def restore_on_worker(ctx, plan) -> None:
+    """A worker of a resumed run: its clock continues from the checkpoint's (and a job of one
+    process loads the checkpoint into its in-process server)."""
+    if plan.restore is not None:
+        if ctx.local:
+            ctx.restore(*plan.restore)
+        ctx.clock_value = plan.restore[1]["clock"]
+
+
+def agree_on_steps(workers, train, batch_size: int) -> int:
+    """Collective over the workers: the steps of an epoch. Every worker takes the same number:
+    enough for the largest part (its lines: blank, comment or skipped lines only add empty steps
+    at the end)."""
+    return workers.largest(math.ceil(train.rows_bound / batch_size), "agreement on steps per epoch")
+
+
 def run(cfg, comm=None) -> Result:
     """Train as configured (collective over ``comm``, default the world): :meth:`Trainer.run`."""
     return Trainer(cfg, comm).run()
@@ -102,36 +154,24 @@ def run(cfg, comm=None) -> Result:
 
 class Trainer:
     """One training run, collective over the world, in named phases (:meth:`run` reads as the list):
-
-    1. :meth:`agree_on_plan`: the output paths checked, the stop signals caught, and every rank's
-       :class:`~hpcps.train.plan.RunPlan` (the checkpoint to resume, the data, the batch size);
-    2. :meth:`connect_and_load`: the context (servers and worker groups), the data parts, the
-       model and its step pipeline;
-    3. servers :meth:`serve` until the workers are done, and write the model;
-    4. workers :meth:`plan_steps` (steps per epoch, where training starts, the batch feed, the
-       reporter, checkpointing), then for each epoch :meth:`train_epoch` (each :meth:`step`, a
-       checkpoint when due, an evaluation when due) and :meth:`end_epoch` (its record: losses,
-       stage times, test and holdout metrics, early stopping);
-    5. :meth:`keep_best` (early stopping's model back on the servers), :meth:`finish` (the final
-       checkpoint, predictions, the summary).
-    """
+    :meth:`agree_on_plan` (a :class:`~hpcps.train.plan.RunPlan` every rank agrees on), then
+    :meth:`connect_and_load` (the context, the data parts, the model and its step pipeline);
+    servers then :func:`serve`; workers :meth:`plan_steps`, then for each epoch :meth:`train_epoch`
+    (its steps, checkpoints and evaluations when due) and :meth:`end_epoch` (its record, early
+    stopping), then early stopping's best model is kept and :meth:`finish` writes the final
+    checkpoint and the summary."""
 
     NO_CHECKPOINT = "no checkpoint to write (checkpoint.dir is not set)"  # what a stop signal's line says
-    # Tune's grid trains members with other rates side by side: a member that diverges is ranked
-    # last (its holdout loss is NaN), it does not stop the others (see hpcps.train.tune)
-    check_finite = True
+    check_finite = True  # a non-finite epoch record stops the job (not a grid's: see hpcps.train.tune)
 
     def __init__(self, cfg, comm=None):
         self.cfg = cfg  # (train.batch_size resolved once the plan is agreed)
         self.world = World(comm, cfg.cluster.stall_timeout_s)
         self.holdout_phase = -1  # train.holdout holds out the rows r % N == phase % N (the last of N)
         self.plan: RunPlan | None = None
-        self.ctx = None
+        self.ctx = self.workers = None  # the context, and the collectives among its workers
         self.train = self.test = self.to_predict = None  # this worker's parts of the data files
-        self.model = None
-        self.pipeline: StepPipeline | None = None
-        self.early: EarlyStopping | None = None
-        self.workers = None  # the collectives among the workers (a worker's)
+        self.model, self.pipeline, self.early = None, None, None  # the model, its StepPipeline, EarlyStopping
         self.feed: BatchFeed | None = None
         self.reporter: Reporter | None = None
         self.checkpoints: Checkpointing | None = None
@@ -141,19 +181,19 @@ class Trainer:
         self.history: list[dict] = []  # the epochs' records
         self.preempted = 0  # the exit status of a stop by a signal after its checkpoint (Result.preempted)
 
-    # -- 1-3: every rank ---------------------------------------------------------------------------
-
     def run(self) -> Result:
         self.agree_on_plan()
         self.connect_and_load()
         if self.ctx.is_server:
-            return self.serve()
+            return serve(self.ctx, self.cfg, self.plan, self.model)
         self.plan_steps()
         for epoch in range(self.start[0], self.cfg.train.epochs + 1):
             self.train_epoch(epoch)
             if self.preempted or self.end_epoch(epoch):
                 break
-        self.keep_best()
+        if not self.preempted:  # early stopping's best model back on the servers
+            self.early.keep_best(self.history, self.start[0], self.model, self.pipeline, self.workers,
+                                 self.evaluate, self.test)
         return self.finish()
 
     def agree_on_plan(self) -> None:
@@ -182,40 +222,18 @@ class Trainer:
     def early_stopping(self) -> EarlyStopping:
         return EarlyStopping(self.ctx, self.cfg)
 
-    def serve(self) -> Result:
-        """A server rank: answer requests until every worker is done, then write the model."""
-        ctx = self.ctx
-        ctx.serve(self.plan.restore)
-        preempted = agree_on_the_end(ctx, 0)["preempted"]
-        if self.cfg.train.model_out and not preempted:
-            agree_model_written(ctx, export_model(ctx, self.cfg, self.model, self.plan.input_format))
-        ctx.finalize()
-        return Result(None, preempted, self.plan.resumed)
-
-    # -- 4: workers --------------------------------------------------------------------------------
+    # -- workers -----------------------------------------------------------------------------------
 
     def plan_steps(self) -> None:
         """Steps per epoch, the gradient's scale, where training starts, and the parts of the loop."""
-        cfg, ctx, tr, plan = self.cfg, self.ctx, self.cfg.train, self.plan
-        if ctx.local and plan.restore is not None:  # one process: its in-process server loads the checkpoint
-            ctx.restore(*plan.restore)
+        cfg, ctx, plan = self.cfg, self.ctx, self.plan
+        restore_on_worker(ctx, plan)
         self.workers = workers = ctx.among_workers
-        if isinstance(self.train, tdata.PartStream):
-            if cfg.data.parse_thread:
-                self.train.start_thread()  # parse ahead on a thread (stopped in finish)
-            else:
-                ctx.background = self.train.pump  # parse ahead while steps wait for the servers
-        # every worker takes the same number of steps: enough for the largest part (its lines: blank,
-        # comment or skipped lines only add empty steps at the end)
-        self.steps = workers.largest(math.ceil(self.train.rows_bound / tr.batch_size), "agreement on steps per epoch")
-        # "sum": each row's gradient counts in full (per-coordinate optimizers like FTRL and AdaGrad
-        # set their own step sizes, and a mean would shrink rare keys' gradients by the batch size);
-        # "mean": the gradient of the mean loss over the group's rows (the objective of plain SGD).
-        self.scale = 1.0 if tr.gradient == "sum" else 1.0 / (tr.batch_size * ctx.within_group.size)
+        parse_ahead(ctx, cfg, self.train)
+        self.steps = agree_on_steps(workers, self.train, cfg.train.batch_size)
+        self.scale = gradient_scale(cfg, ctx.within_group.size)
         self.start = plan.start(self.steps)
         self.global_step = self.start[2]
-        if plan.restore is not None:
-            ctx.clock_value = plan.restore[1]["clock"]
         self.reporter = Reporter(ctx, plan, self.steps, workers.is_first)
         self.reporter.say_start(self.model, self.train, self.start)
         self.checkpoints = Checkpointing(ctx, plan, self.pipeline, self.model, workers.is_first)
@@ -227,15 +245,15 @@ class Trainer:
     def train_epoch(self, epoch: int) -> None:
         """The epoch's steps (from the resumed step in the first); sets ``preempted`` when a stop
         signal ended it after a checkpoint."""
+        tr = self.cfg.train
         first_step = self.start[1] if epoch == self.start[0] else 1
         self.reporter.start_epoch(first_step)
-        self.feed.start_epoch(bool(self.cfg.train.holdout and self.early.holdout is None and first_step == 1))
+        self.feed.start_epoch(bool(tr.holdout and self.early.holdout is None and first_step == 1))
         for step in range(first_step, self.steps + 1):
             self.step(epoch, step)
             self.preempted = self.checkpoints.if_due(epoch, step, self.global_step)
             if self.preempted:
                 break
-            tr = self.cfg.train
             if tr.eval_every and self.test is not None and step % tr.eval_every == 0 and step != self.steps:
                 self.reporter.epoch_end(epoch, {"step": step, **self.evaluate(self.test)})
         self.pipeline.finish()
@@ -243,14 +261,11 @@ class Trainer:
     def step(self, epoch: int, step: int) -> None:
         i = (epoch - 1) * self.steps + step - 1
         batch = self.feed.take(i)
-        upcoming = self.feed.upcoming(i, self.pipeline.pulls_ahead)
         try:
-            loss = self.train_step(batch, upcoming)
-        except NonFiniteError as e:  # this worker ends the job at once (exit 1), before any checkpoint or model
-            labels = f" (the batch's labels: {batch.labels.min():g} to {batch.labels.max():g})" if batch.rows else ""
-            World.end_job_with("error: " + self.reporter.non_finite_line(
-                f"at step {self.global_step + 1} (epoch {epoch}, step {step} of {self.steps})", f"{e}{labels}",
-                self.train, self.model, sparse_rows_finite=not e.tables), 1)
+            loss = self.train_step(batch, self.feed.upcoming(i, self.pipeline.pulls_ahead))
+        except NonFiniteError as e:
+            self.reporter.end_job_non_finite(e, f"at step {self.global_step + 1} (epoch {epoch}, step {step} of "
+                                                f"{self.steps})", batch, self.train, self.model)
         self.global_step += 1
         self.reporter.step(epoch, step, batch.rows, loss, self.global_step, self.model.table.key_counts)
 
@@ -263,92 +278,42 @@ class Trainer:
 
     def end_epoch(self, epoch: int) -> bool:
         """Collective over the workers: the epoch's record (train loss, stage times, test and
-        holdout metrics), written to the progress and metrics. Stops the job when a metric is not
-        finite (the model is not). Returns True when early stopping ends training here."""
-        record = self.reporter.epoch_record(self.pipeline.stage_times(), self.workers, self.stop)
+        holdout metrics), written to the progress and metrics. Returns True when early stopping
+        ends training here."""
+        stop = self.workers.end_job_by_first  # (the first worker's line, the same on every worker)
+        record = self.reporter.epoch_record(self.pipeline.stage_times(), self.workers, stop)
         if self.test is not None:
             record.update(self.evaluate(self.test))
-        bad = self.reporter.non_finite(record)
-        if bad and self.check_finite:
-            self.stop(self.reporter.non_finite_line(f"after epoch {epoch} ({self.global_step} steps)", bad,
-                                                    self.train, self.model), 1)
-        if self.feed.collecting and not self.early.set_holdout(self.feed.holdout_set(), self.workers):
-            n = self.cfg.train.holdout  # (its loss would read 0: a silently wrong number)
-            self.stop(f"train.holdout = {n} holds out no row: every worker's part has fewer than {n} rows "
-                      f"({self.reporter.examples} rows trained an epoch); use a smaller train.holdout or more data", 2)
+        if self.check_finite:
+            self.reporter.check_finite(record, f"after epoch {epoch} ({self.global_step} steps)", self.train,
+                                       self.model, stop)
+        if self.feed.collecting:
+            self.early.set_holdout(self.feed.holdout_set(), self.workers, stop, self.reporter.examples)
         stopped = self.early.holdout is not None and self.early.after_epoch(epoch, record, self.evaluate, self.model,
                                                                              self.workers.is_first)
         self.history.append(record)
         self.reporter.epoch_end(epoch, record)
         return stopped
 
-    def stop(self, message: str, code: int) -> None:
-        """Collective over the workers: end the job, the first worker saying why in one line."""
-        self.workers.end_job_by_first(f"error: {message}", code)
-
-    # -- 5: workers --------------------------------------------------------------------------------
-
-    def keep_best(self) -> None:
-        """Collective over the workers: with early stopping, the servers go back to the best
-        epoch's model (the one exported, checkpointed and summarised) unless it is the last."""
-        last = len(self.history) + self.start[0] - 1
-        if self.preempted or not self.early.restore_best(last, self.model, self.workers):
-            return
-        self.pipeline.finish()  # the deep models' MLP replica: the restored one
-        if self.test is not None:  # the summary describes the model kept
-            self.history.append({**self.history[-1], **self.evaluate(self.test),
-                                 f"holdout_{self.early.metric}": self.early.best["loss"]})
-
     def finish(self) -> Result:
         """The final checkpoint, predictions, the end of serving, the model (one process) and the
         summary (printed and returned on the first worker)."""
-        cfg, ctx, first = self.cfg, self.ctx, self.workers.is_first
+        resumed = self.plan.resumed
         elapsed = time.perf_counter() - self.reporter.t0
         if isinstance(self.train, tdata.PartStream):
             self.train.stop_thread()
         self.checkpoints.at_the_end(self.global_step, self.preempted)
-        ending = self.agree_on_totals()
+        ending = end_the_run(self.ctx, self.plan, self.model, self.pipeline, (self.train, self.test, self.to_predict),
+                             self.preempted, self.reporter)
         if self.preempted:  # stopped by a signal after checkpointing
-            agree_on_the_end(ctx, self.preempted)
-            ctx.finalize()
-            if first:
-                name = "SIGINT" if self.preempted == EXIT_INTERRUPTED else "a signal"
-                print(f"hpcps train: stopped by {name} after checkpoint {self.checkpoints.written}; rerun with "
-                      f"--resume auto to continue (exit status {self.preempted})", flush=True)
-            return Result(None, self.preempted, self.plan.resumed)
-        ending.update(agree_on_the_end(ctx, 0))
-        if cfg.train.model_out:  # (one process: no server rank writes the model; this one does)
-            agree_model_written(ctx, export_model(ctx, cfg, self.model, self.plan.input_format) if ctx.local else None)
-        ctx.finalize()
-        if not first:
-            return Result(None, 0, self.plan.resumed)
-        kept_mb = self.feed.kept_batches_mb()  # the first worker's batches kept across epochs, compacted
-        extra = {"kept_batches_mb": kept_mb} if kept_mb is not None else {}
-        if cfg.checkpoint.dir:
-            extra["checkpoint"] = self.checkpoints.written  # this run's newest (None: it wrote none)
-        if self.early.holdout is not None:
-            extra.update(self.early.summary(cfg.train.epochs))
-        summary = self.reporter.summary(elapsed, ending, self.history[-1] if self.history else {}, extra,
-                                        ending["predicted"])
+            self.reporter.say_stopped(self.preempted, self.checkpoints.written)
+            return Result(None, self.preempted, resumed)
+        if not self.reporter.first:  # (the context is finalized: its communicators are freed)
+            return Result(None, 0, resumed)
+        summary = self.reporter.summary(elapsed, ending, self.history[-1] if self.history else {}, self.feed,
+                                        self.checkpoints.written, self.early)
         self.report(summary, elapsed, ending["wait"], ending["key_counts"])
-        return Result(summary, 0, self.plan.resumed)
-
-    def agree_on_totals(self) -> dict:
-        """Collective over the workers, at the end: the lines skipped, the predictions (written),
-        the longest wait and the traffic."""
-        workers, ctx, tr = self.workers, self.ctx, self.cfg.train
-        skipped = workers.total(self.train.skipped + (self.test.skipped if self.test else 0), "sum of skipped lines")
-        if skipped and workers.is_first:
-            print(f"hpcps train: {skipped} bad lines skipped", flush=True)
-        predicted = 0
-        if self.to_predict is not None and not self.preempted:
-            predicted = predict(ctx, self.pipeline, self.to_predict, tr.batch_size, self.cfg.model.loss,
-                                self.cfg.data.predict_out)
-        self.reporter.close()
-        wait = workers.largest(float(ctx.stats["wait_s"]), "agreement of the workers")
-        traffic = workers.reduce(np.array([ctx.stats["bytes_sent"], ctx.stats["bytes_received"]], dtype=np.int64),
-                                 "sum", "sum of the bytes sent and received")
-        return {"skipped": skipped, "predicted": predicted, "wait": wait, "traffic": traffic}
+        return Result(summary, 0, resumed)
 
     def report(self, summary: dict, elapsed: float, wait: float, key_counts: dict) -> None:
         """On the first worker: the summary table, where things went and what to try next."""

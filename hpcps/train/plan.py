@@ -46,6 +46,14 @@ def auto_batch_size(rows: int, workers: int) -> int:
     return min(AUTO_BATCH_MAX, max(AUTO_BATCH_MIN, math.ceil(rows / max(workers, 1) / AUTO_BATCH_STEPS)))
 
 
+def gradient_scale(cfg, group_size: int) -> float:
+    """What a step's summed gradient is multiplied by. ``train.gradient = "sum"``: 1, each row's
+    gradient counts in full (per-coordinate optimizers like FTRL and AdaGrad set their own step
+    sizes, and a mean would shrink rare keys' gradients by the batch size); ``"mean"``: the
+    gradient of the mean loss over the worker group's rows (the objective of plain SGD)."""
+    return 1.0 if cfg.train.gradient == "sum" else 1.0 / (cfg.train.batch_size * group_size)
+
+
 def data_position_meaning(cfg, train_path: str, workers: int) -> dict:
     """What a checkpoint's data position refers to: the training file, the batch size, the
     number of workers (each reads its own byte range) and the shuffle of their rows, if any."""

@@ -15,7 +15,9 @@ import time
 
 from hpcps import outputs
 from hpcps.ps import checkpoint
+from hpcps.ps.collectives import World
 from hpcps.train import data as tdata
+from hpcps.train.checkpointing import EXIT_INTERRUPTED
 from hpcps.train.evaluation import end_job_on
 from hpcps.train.progress import STATUS_ENV, Progress, summary_table, write_status
 from hpcps_kernels import optim
@@ -99,12 +101,12 @@ class Reporter:
     def epoch_record(self, stage_times: dict, workers, stop) -> dict:
         """Collective over the workers: the epoch's train loss, stage times and waiting. A whole
         epoch without a row (a training file of blank and comment lines) ends the job
-        (``stop(message, code)``)."""
+        (``stop(line, code)``)."""
         rows = workers.total(self.rows, "agreement of the workers")
         self.examples += rows
         whole_epoch = self.first_step == 1
         if not self.examples and whole_epoch:  # (its loss would read 0)
-            stop(f"the training file {self.plan.paths['train']} holds no rows: an epoch of {self.steps} steps read "
+            stop(f"error: the training file {self.plan.paths['train']} holds no rows: an epoch of {self.steps} steps read "
                  f"none (its lines are all blank or comments"
                  + (" or bad lines skipped)" if self.cfg.data.skip_bad_lines else ")"), 2)
         total_loss = workers.total(float(self.loss_sum), "agreement of the workers")
@@ -120,12 +122,20 @@ class Reporter:
     def epoch_end(self, epoch: int, record: dict) -> None:
         self.progress.epoch_end(epoch, record)
 
-    def non_finite(self, record: dict) -> str | None:
-        """The first of a record's losses that is not finite, said (None if they all are)."""
+    def check_finite(self, record: dict, when: str, train, model, stop) -> None:
+        """Collective over the workers: ``stop(line, code)`` ends the job (exit 1) when a loss
+        of the epoch's ``record`` is not finite (the model is not)."""
         bad = [k for k in ("train_loss", "test_logloss", "test_rmse") if not math.isfinite(record.get(k, 0.0))]
-        if not bad:
-            return None
-        return f"{bad[0].replace('_', ' ')} is {record[bad[0]]}: the model holds non-finite weights"
+        if bad:
+            stop("error: " + self.non_finite_line(when, f"{bad[0].replace('_', ' ')} is {record[bad[0]]}: the model "
+                                                        f"holds non-finite weights", train, model), 1)
+
+    def end_job_non_finite(self, e, when: str, batch, train, model) -> None:
+        """This worker's step had a non-finite loss (:class:`~hpcps.train.models.NonFiniteError`):
+        it ends the job at once (exit 1), before any checkpoint or model is written from it."""
+        labels = f" (the batch's labels: {batch.labels.min():g} to {batch.labels.max():g})" if batch.rows else ""
+        line = self.non_finite_line(when, f"{e}{labels}", train, model, sparse_rows_finite=not e.tables)
+        World.end_job_with(f"error: {line}", 1)
 
     def non_finite_line(self, when: str, what: str, train, model, sparse_rows_finite: bool = False) -> str:
         """The one line of a non-finite stop: when, what, the likely cause, and what is kept."""
@@ -146,13 +156,21 @@ class Reporter:
     def close(self) -> None:
         self.progress.close()
 
+    def say_stopped(self, preempted: int, written: str | None) -> None:
+        """The line of a run stopped by a signal after its checkpoint (first worker)."""
+        if self.first:
+            name = "SIGINT" if preempted == EXIT_INTERRUPTED else "a signal"
+            print(f"hpcps train: stopped by {name} after checkpoint {written}; rerun with --resume auto to "
+                  f"continue (exit status {preempted})", flush=True)
+
     # -- the end -------------------------------------------------------------------------------
 
-    def summary(self, elapsed: float, ending: dict, last_record: dict, extra: dict, predicted: int) -> dict:
+    def summary(self, elapsed: float, ending: dict, last_record: dict, feed, written: str | None, early) -> dict:
         """The run's summary (first worker): its examples and speed, the layout, the last epoch's
         record, what the end agreed (``ending``: waiting, skipped lines, memory, key counts,
-        traffic), ``extra`` (kept batches, checkpoint, early stopping) and the predictions written."""
-        ctx, examples = self.ctx, self.examples
+        traffic, predictions), the batches kept by ``feed``, the newest checkpoint ``written``, and
+        ``early`` stopping's."""
+        ctx, examples, cfg = self.ctx, self.examples, self.cfg
         summary = {"examples": examples, "time_s": elapsed, "examples_per_s": examples / elapsed if examples else None,
                    "workers": ctx.layout.workers, "servers": ctx.layout.servers, **last_record,
                    "max_wait_s": ending["wait"], "max_staleness": ctx.stats["max_staleness"],
@@ -161,12 +179,18 @@ class Reporter:
                    "bytes_sent": int(ending["traffic"][0]), "bytes_received": int(ending["traffic"][1])}
         if ctx.hosts:
             summary["hosts"] = ctx.layout.by_host(ctx.hosts)
-        summary.update(extra)
+        kept_mb = feed.kept_batches_mb()  # the first worker's batches kept across epochs, compacted
+        if kept_mb is not None:
+            summary["kept_batches_mb"] = kept_mb
+        if cfg.checkpoint.dir:
+            summary["checkpoint"] = written  # this run's newest (None: it wrote none)
+        if early.holdout is not None:
+            summary.update(early.summary(cfg.train.epochs))
         if self.plan.synth_info:
             summary["best_test_logloss"] = self.plan.synth_info["best_test_logloss"]
             summary["best_test_auc"] = self.plan.synth_info["best_test_auc"]
-        if predicted:
-            summary["predictions"] = predicted
+        if ending["predicted"]:
+            summary["predictions"] = ending["predicted"]
         return summary
 
     def print_summary(self, summary: dict, elapsed: float, wait: float, key_counts: dict, written: str | None) -> None:
