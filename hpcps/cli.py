@@ -267,7 +267,7 @@ def _gen_data_problem(args) -> str | None:
         ranges["--hash-bits"] = (args.hash_bits, config.RANGES[("data", "hash_bits")])
     for flag, (v, (lo, hi, _)) in ranges.items():
         if not lo <= v <= hi:
-            return f"{flag} {v}: must be {config._describe_range(lo, hi, False)}"
+            return f"{flag} {v}: must be {config.describe_range(lo, hi, False)}"
     if args.ratings or args.deep:
         given = [f"--{k.replace('_', '-')}" for k, v in GEN_CLICK_DEFAULTS.items() if getattr(args, k) != v]
         if given:

@@ -361,6 +361,19 @@ class LocalContext(Context):
         """Load a checkpoint into the in-process server (what server ranks do in :meth:`serve`)."""
         self._local_server().restore(ckpt, manifest)
 
+    def tables_contents(self) -> dict:
+        """Every table's rows and optimizer state (copies, by table name) in the in-process server."""
+        return {t.spec.name: t.copy_contents() for t in self._local_server().tables}
+
+    def load_tables(self, contents: dict, clock: int) -> None:
+        """Continue from :meth:`tables_contents` of an earlier context with the same tables, at the
+        clock it had reached (this worker's and the server's: what a checkpoint's restore does)."""
+        server = self._local_server()
+        for table in server.tables:
+            table.set_contents(contents[table.spec.name])
+        self.clock_value = clock
+        server.clocks[:] = clock
+
     def finish_serving(self, timeout: float | None = None) -> None:
         if not self._done_sent:
             super().finish_serving(timeout)

@@ -127,12 +127,8 @@ class _SparseModel(BaseEstimator):
             if not resumed:  # the bias that predicts the first labels' mean (model.bias_init = "auto")
                 bias = bias_for(np.mean(labels[:BIAS_ROWS], dtype=np.float64), self._loss)
             model = make_model(ctx, cfg, bias)
-            server = ctx._local_server()
             if resumed:
-                for table in server.tables:
-                    table.set_contents(resumed[table.spec.name])
-                ctx.clock_value = self.clock_
-                server.clocks[:] = self.clock_
+                ctx.load_tables(resumed, self.clock_)
             data = _rows(X, labels)
             size = tr.batch_size or auto_batch_size(data.rows, 1)
             batches = [data.batch(lo, lo + size) for lo in range(0, data.rows, size)] * epochs
@@ -140,7 +136,7 @@ class _SparseModel(BaseEstimator):
             losses = [pipeline.step(batch, 1.0, batches[i + 1:i + 3]) for i, batch in enumerate(batches)]
             pipeline.finish()
             self.train_loss_ = float(np.sum(losses[-(len(batches) // epochs):]) / data.rows)  # the last epoch's
-            self.tables_ = {t.spec.name: t.copy_contents() for t in server.tables}
+            self.tables_ = ctx.tables_contents()
             self.clock_ = ctx.clock_value
             keys = np.append(np.arange(self.n_features_in_, dtype=np.uint64), BIAS_KEY)
             params = model.table.pull(keys)  # keys never seen: their initial rows
