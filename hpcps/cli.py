@@ -611,10 +611,7 @@ def _serving_args(p):
                         "trained on (refused otherwise: such scores are near chance)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="hpcps", description="MPI parameter server for huge sparse models")
-    sub = p.add_subparsers(dest="command", required=True)
-
+def _add_train(sub) -> None:
     t = sub.add_parser("train", help="train a model (under mpiexec); see --help-config")
     t.add_argument("config", nargs="?", help="TOML configuration file")
     t.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -626,6 +623,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--help-config", action="store_true", help="list every configuration key and exit")
     t.set_defaults(func=_cmd_train)
 
+
+def _add_tune(sub) -> None:
     u = sub.add_parser("tune", help="train a grid of hyper-parameters at once and rank it on held-out rows")
     u.add_argument("config", nargs="?", help="TOML configuration file (the grid's common settings)")
     u.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -640,6 +639,8 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--summary-json", default="", help="write the summary with the ranking here (first worker)")
     u.set_defaults(func=_cmd_tune)
 
+
+def _add_supervise(sub) -> None:
     s = sub.add_parser("supervise", help="run a training job, restarting it with --resume auto after a crash")
     s.add_argument("--max-restarts", type=int, default=3, help="restarts before giving up (default 3)")
     s.add_argument("--backoff", type=float, default=5.0, help="seconds before the first restart; doubles each time")
@@ -648,6 +649,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("command_line", nargs=argparse.REMAINDER, help="-- the job's command (mpiexec ... hpcps train ...)")
     s.set_defaults(func=_cmd_supervise)
 
+
+def _add_model_files(sub) -> None:
+    """eval, predict, plot, inspect and export: what reads a run's outputs."""
     e = sub.add_parser("eval", help="logloss and AUC (or RMSE) of a model file on a data file")
     _serving_args(e)
     e.set_defaults(func=_cmd_eval)
@@ -672,6 +676,8 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--table", default="", help="table to export (default: the first)")
     x.set_defaults(func=_cmd_export)
 
+
+def _add_gen_data(sub) -> None:
     g = sub.add_parser("gen-data", help="write a synthetic CTR data set with known best metrics")
     g.add_argument("out_dir")
     g.add_argument("--rows", type=int, default=200_000)
@@ -690,6 +696,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "without it they are refused (the same data set is reused)")
     g.set_defaults(func=_cmd_gen_data)
 
+
+def _add_bench(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks (run under mpiexec)")
     bsub = bench.add_subparsers(dest="what", required=True)
     b = bsub.add_parser("mpi", help="raw MPI point-to-point bandwidth between ranks 0 and 1")
@@ -734,6 +742,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dir", default="/tmp/hpcps-bench-checkpoint", help="a directory on the disk to measure")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=_cmd_bench_checkpoint)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="hpcps", description="MPI parameter server for huge sparse models")
+    sub = p.add_subparsers(dest="command", required=True)
+    for add in (_add_train, _add_tune, _add_supervise, _add_model_files, _add_gen_data, _add_bench):
+        add(sub)
     return p
 
 
