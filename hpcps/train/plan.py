@@ -34,10 +34,9 @@ class TrainError(RuntimeError):
 # AUTO_BATCH_MAX, so that an epoch takes at least AUTO_BATCH_STEPS steps. A step updates each of its
 # keys once (FTRL and AdaGrad move a key by about the same amount whatever the rows behind its summed
 # gradient), so a small set in batches of 1000 rows gets a few updates an epoch and undertrains; a
-# large one keeps 1000 rows a step, which the servers' per-step cost needs (2.2x the loop's speed of
-# 200 rows a step on bench vw's rows, for the same test logloss). Calibrated on docs/defaults-sweep.py
-# (64 steps and 100 rows at least: 5 of its 12 logloss sets within 0.002; 128 and 50: 8; 256 and 50:
-# 9, but the Criteo example's 100 k rows a worker then take 390-row steps, 1.8x its loop's time).
+# large one keeps 1000 rows a step, which the servers' per-step cost needs (smaller steps slow the
+# loop for the same test logloss). Calibrated on docs/defaults-sweep.py: more steps an epoch bring
+# more of its sets near their best logloss, fewer rows a step slow the Criteo example's loop.
 AUTO_BATCH_MIN, AUTO_BATCH_MAX, AUTO_BATCH_STEPS = 50, 1000, 128
 
 
