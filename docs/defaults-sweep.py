@@ -45,7 +45,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from hpcps.bench.vw import _mpiexec  # noqa: E402  (HPCPS_MPIEXEC, else the venv's, as the benchmarks)
+from hpcps.bench.vw import mpiexec_command  # noqa: E402  (HPCPS_MPIEXEC, else the venv's, as the benchmarks)
 from hpcps.train import synth  # noqa: E402
 
 LR_GRID = ["optimizer.alpha=0.03,0.05,0.1,0.2,0.3,0.5", "optimizer.l2=0,1,10"]
@@ -93,7 +93,7 @@ def prepare(tmp: str, name: str, kind: str, rows: int, test_rows: int, kw: dict,
 
 
 def job(ranks: int, args: list[str], what: str) -> str:
-    cmd = [_mpiexec(), "-n", str(ranks), sys.executable, "-m", "hpcps.cli", *args]
+    cmd = [mpiexec_command(), "-n", str(ranks), sys.executable, "-m", "hpcps.cli", *args]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if p.returncode != 0:
         sys.exit(f"defaults-sweep: {what} failed ({p.returncode}):\n{p.stdout[-3000:]}{p.stderr[-3000:]}")

@@ -44,14 +44,13 @@ def _collective_config(args, world, prepare=None):
     ranks check they agree and that the layout fits the world. Returns (raw, prepared, 0) or
     (None, None, exit status) after reporting the error."""
     from hpcps import config
-    from hpcps.ps import transport
     from hpcps.ps.layout import LayoutError, check_world
 
-    rank = world.Get_rank()
+    rank = world.rank
     # 1. every rank was given the same command line?
     digest = int(hashlib.sha256(json.dumps(sorted((k, str(v)) for k, v in vars(args).items() if k != "func"))
                                 .encode()).hexdigest()[:12], 16)
-    if not transport.agree(world, digest, 120, "agreement on the command line"):
+    if not world.same_everywhere(digest, "agreement on the command line"):
         return None, None, _fail(f"ranks were started with different hpcps {args.command} arguments", rank)
     # 2. the first rank reads and validates the configuration; everyone gets it or its error
     raw, prepared, error = None, None, None
@@ -73,33 +72,33 @@ def _collective_config(args, world, prepare=None):
                 raise config.ConfigError(problem)
         except config.ConfigError as e:
             error = str(e)
-    raw, prepared, error = transport.bcast_object(world, (raw, prepared, error), 0, 120,
-                                                  "broadcast of the configuration")
+    raw, prepared, error = world.first_decides((raw, prepared, error), "broadcast of the configuration")
     if error:
         return None, None, _fail(error, rank)
     cfg = config.from_dict(raw)
-    if not transport.agree(world, int(cfg.fingerprint(), 16) & 0x7FFFFFFFFFFF, 120, "agreement on the configuration"):
+    if not world.same_everywhere(int(cfg.fingerprint(), 16) & 0x7FFFFFFFFFFF, "agreement on the configuration"):
         return None, None, _fail("ranks disagree on the configuration", rank)
     # 3. the layout fits the world: checked on every rank before any data is generated or read
     try:
-        check_world(world.Get_size(), cfg.cluster.servers, cfg.cluster.worker_groups or None, cfg.cluster.num_shards)
+        check_world(world.size, cfg.cluster.servers, cfg.cluster.worker_groups or None, cfg.cluster.num_shards)
     except LayoutError as e:
         return None, None, _fail(str(e), rank)
     return raw, prepared, 0
 
 
 def _start_collective():
-    """The world, after refusing a Slurm step of separate one-rank programs; the abort handler on."""
-    from hpcps.ps import transport
+    """The world (its agreements wait 120 s at most), after refusing a Slurm step of separate
+    one-rank programs; the abort handler on."""
+    from hpcps.ps.collectives import World
 
-    world = transport.world()
+    world = World(timeout=120)
     step_tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS") or 1)
-    if world.Get_size() == 1 and step_tasks > 1:
+    if world.size == 1 and step_tasks > 1:
         return None, _fail(f"this MPI world has 1 rank but Slurm started {step_tasks} tasks in this step: srun "
                            f"without an MPI plugin starts separate programs. Use `srun --mpi=pmi2 hpcps train ...` "
                            f"or `mpiexec -n $SLURM_NTASKS hpcps train ...` (see slurm/README.md)",
                            int(os.environ.get("SLURM_PROCID", 0)))
-    transport.install_abort_handler()
+    world.stop_on_unhandled_errors()
     return world, 0
 
 
@@ -129,11 +128,11 @@ def _cmd_train(args) -> int:
     if raw is None:
         return status
     try:
-        result = loop.run(config.from_dict(raw), world)
+        result = loop.run(config.from_dict(raw), world.comm)
     except loop.TrainError as e:
-        return _fail(str(e), world.Get_rank(), e.exit_status)
+        return _fail(str(e), world.rank, e.exit_status)
     # 0, or the exit status of a failed summary write, or of a stop by a signal after its checkpoint
-    return _write_summary(result, args.summary_json, world.Get_rank()) or result.preempted
+    return _write_summary(result, args.summary_json, world.rank) or result.preempted
 
 
 def _cmd_tune(args) -> int:
@@ -148,10 +147,10 @@ def _cmd_tune(args) -> int:
     if raw is None:
         return status
     try:
-        result = tune.run(members, args.out, world, args.folds)
+        result = tune.run(members, args.out, world.comm, args.folds)
     except (loop.TrainError, ValueError, outputs.OutputError) as e:  # (OutputError: --out's write)
-        return _fail(str(e), world.Get_rank(), getattr(e, "exit_status", 2))
-    return _write_summary(result, args.summary_json, world.Get_rank()) or result.preempted
+        return _fail(str(e), world.rank, getattr(e, "exit_status", 2))
+    return _write_summary(result, args.summary_json, world.rank) or result.preempted
 
 
 def _load_for_serving(args):
@@ -223,7 +222,7 @@ def _cmd_predict(args) -> int:
 
     from hpcps import outputs
     from hpcps.train import data as tdata
-    from hpcps.train.loop import write_scores
+    from hpcps.train.evaluation import write_scores
 
     out = "" if args.out == "-" else args.out  # "-": standard output
     tdata.check_file(args.data)  # (what --data is, before it is compared with --out)
@@ -268,7 +267,7 @@ def _gen_data_problem(args) -> str | None:
         ranges["--hash-bits"] = (args.hash_bits, config.RANGES[("data", "hash_bits")])
     for flag, (v, (lo, hi, _)) in ranges.items():
         if not lo <= v <= hi:
-            return f"{flag} {v}: must be {config._describe_range(lo, hi, False)}"
+            return f"{flag} {v}: must be {config.describe_range(lo, hi, False)}"
     if args.ratings or args.deep:
         given = [f"--{k.replace('_', '-')}" for k, v in GEN_CLICK_DEFAULTS.items() if getattr(args, k) != v]
         if given:
@@ -320,16 +319,15 @@ def _gen_data(args) -> int:
 
 def _cmd_bench_mpi(args) -> int:
     from hpcps import outputs
-    from hpcps.ps import transport
     from hpcps.bench import mpi as bench_mpi
+    from hpcps.ps.collectives import World
 
-    transport.install_abort_handler()
-    comm = transport.dup()
-    if comm.Get_size() < 2:
-        transport.free(comm)
+    World.stop_on_unhandled_errors()
+    world = World()
+    if world.size < 2:
         return _fail("bench mpi needs at least 2 ranks: mpiexec -n 2 hpcps bench mpi")
-    rows = bench_mpi.run(comm)
-    if comm.Get_rank() == 0:
+    rows = bench_mpi.run_on_world()
+    if world.is_first:
         if args.json:
             for r in rows:
                 print(outputs.dumps(r))
@@ -341,17 +339,16 @@ def _cmd_bench_mpi(args) -> int:
                       f"{r['wait_gb_per_s'] / r['gb_per_s']:>5.2f}x")
             print("(one-way time of a ping-pong, median; blocking = MPI Send/Recv spinning a core, the raw "
                   "reference; hpcps wait = Isend/Irecv polled with sleeps, what hpcps's messages get)")
-    transport.free(comm)
     return 0
 
 
 def _cmd_bench_ps(args) -> int:
     from hpcps import outputs
-    from hpcps.ps import transport
     from hpcps.bench import ps as bench_ps
+    from hpcps.ps.collectives import World
     from hpcps_kernels import optim
 
-    if transport.world().Get_size() < 2:
+    if World().size < 2:
         return _fail("bench ps needs at least 2 ranks (1 server, 1 worker): mpiexec -n 2 hpcps bench ps")
     if args.optimizer not in optim.REGISTRY:
         return _fail(f"--optimizer {args.optimizer!r}: expected one of {sorted(optim.REGISTRY)}")
@@ -614,10 +611,7 @@ def _serving_args(p):
                         "trained on (refused otherwise: such scores are near chance)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="hpcps", description="MPI parameter server for huge sparse models")
-    sub = p.add_subparsers(dest="command", required=True)
-
+def _add_train(sub) -> None:
     t = sub.add_parser("train", help="train a model (under mpiexec); see --help-config")
     t.add_argument("config", nargs="?", help="TOML configuration file")
     t.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -629,6 +623,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--help-config", action="store_true", help="list every configuration key and exit")
     t.set_defaults(func=_cmd_train)
 
+
+def _add_tune(sub) -> None:
     u = sub.add_parser("tune", help="train a grid of hyper-parameters at once and rank it on held-out rows")
     u.add_argument("config", nargs="?", help="TOML configuration file (the grid's common settings)")
     u.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -643,6 +639,8 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--summary-json", default="", help="write the summary with the ranking here (first worker)")
     u.set_defaults(func=_cmd_tune)
 
+
+def _add_supervise(sub) -> None:
     s = sub.add_parser("supervise", help="run a training job, restarting it with --resume auto after a crash")
     s.add_argument("--max-restarts", type=int, default=3, help="restarts before giving up (default 3)")
     s.add_argument("--backoff", type=float, default=5.0, help="seconds before the first restart; doubles each time")
@@ -651,6 +649,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("command_line", nargs=argparse.REMAINDER, help="-- the job's command (mpiexec ... hpcps train ...)")
     s.set_defaults(func=_cmd_supervise)
 
+
+def _add_model_files(sub) -> None:
+    """eval, predict, plot, inspect and export: what reads a run's outputs."""
     e = sub.add_parser("eval", help="logloss and AUC (or RMSE) of a model file on a data file")
     _serving_args(e)
     e.set_defaults(func=_cmd_eval)
@@ -675,6 +676,8 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--table", default="", help="table to export (default: the first)")
     x.set_defaults(func=_cmd_export)
 
+
+def _add_gen_data(sub) -> None:
     g = sub.add_parser("gen-data", help="write a synthetic CTR data set with known best metrics")
     g.add_argument("out_dir")
     g.add_argument("--rows", type=int, default=200_000)
@@ -693,6 +696,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "without it they are refused (the same data set is reused)")
     g.set_defaults(func=_cmd_gen_data)
 
+
+def _add_bench(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks (run under mpiexec)")
     bsub = bench.add_subparsers(dest="what", required=True)
     b = bsub.add_parser("mpi", help="raw MPI point-to-point bandwidth between ranks 0 and 1")
@@ -737,6 +742,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dir", default="/tmp/hpcps-bench-checkpoint", help="a directory on the disk to measure")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=_cmd_bench_checkpoint)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="hpcps", description="MPI parameter server for huge sparse models")
+    sub = p.add_subparsers(dest="command", required=True)
+    for add in (_add_train, _add_tune, _add_supervise, _add_model_files, _add_gen_data, _add_bench):
+        add(sub)
     return p
 
 

@@ -326,7 +326,8 @@ RANGES = {
 }
 
 
-def _describe_range(lo, hi, lo_open) -> str:
+def describe_range(lo, hi, lo_open) -> str:
+    """A key's range in words (``lo_open``: ``lo`` itself is out of it)."""
     if hi == INF:
         return f"{'greater than' if lo_open else 'at least'} {lo:g}"
     return f"between {lo:g} and {hi:g}"
@@ -338,7 +339,7 @@ def _check(cfg: Config) -> None:
         if isinstance(v, float) and not math.isfinite(v) and not (v == INF and hi == INF and key.endswith("_s")):
             raise ConfigError(f"{section}.{key} must be a finite number (got {v})")
         if (v <= lo if lo_open else v < lo) or v > hi:
-            raise ConfigError(f"{section}.{key} must be {_describe_range(lo, hi, lo_open)} (got {v})")
+            raise ConfigError(f"{section}.{key} must be {describe_range(lo, hi, lo_open)} (got {v})")
     if cfg.cluster.stall_warn_s > cfg.cluster.stall_timeout_s:
         raise ConfigError(f"cluster.stall_warn_s ({cfg.cluster.stall_warn_s:g}) must not exceed "
                           f"cluster.stall_timeout_s ({cfg.cluster.stall_timeout_s:g})")

@@ -17,7 +17,7 @@ LEVEL = {  # module -> layer: the packages say it (hpcps/ps's pure modules, then
     **{f"hpcps.ps.{m}": 1 for m in ("layout", "placement", "protocol", "tables", "signals", "checkpoint",
                                     "store", "policies", "server_table", "consistency", "margins")},
     "hpcps.ps.transport": 2,
-    **{f"hpcps.ps.{m}": 3 for m in ("server", "client", "context")},
+    **{f"hpcps.ps.{m}": 3 for m in ("server", "client", "context", "collectives")},
     **_package("hpcps/train", "hpcps.train", 4),
     **_package("hpcps/bench", "hpcps.bench", 5),
     **{f"hpcps.{m}": 5 for m in ("cli", "supervise", "plot")},
@@ -69,6 +69,15 @@ def test_only_transport_imports_mpi4py_and_kernels_import_no_hpcps():
             assert not any(i == "hpcps" or i.startswith("hpcps.") for i in imps), mod
 
 
+def test_training_and_the_command_line_talk_to_the_context_not_the_transport():
+    """Training and the CLI agree, gather and abort through hpcps.ps.collectives (the context's
+    and the world's methods named for what they mean), never through the transport itself."""
+    bad = [mod for mod, path, package in modules()
+           if (mod.startswith("hpcps.train.") or mod == "hpcps.cli")
+           and any(i == "hpcps.ps.transport" or i.startswith("hpcps.ps.transport.") for i in imports_of(path, package))]
+    assert not bad, f"these import hpcps.ps.transport: {bad}"
+
+
 # Methods of mpi4py communicators and requests that communicate or wait. Outside the transport
 # module none may be called: every wait goes through hpcps.ps.transport, with a timeout, a stall
 # warning and no spinning (Get_rank and Get_size ask nothing of other ranks and are allowed).
@@ -94,3 +103,59 @@ def test_no_communicator_method_is_called_outside_the_transport():
                     continue
                 bad.append(f"{mod}:{node.lineno}: {owner}.{node.func.attr}(...)")
     assert not bad, "communicator calls outside hpcps/ps/transport.py:\n" + "\n".join(bad)
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _own_private_names(tree) -> set[str]:
+    """The private names a module defines: its functions, classes and methods, the names it
+    assigns, and the attributes it assigns (``self._x = ...``)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+    return {n for n in names if _private(n)}
+
+
+def _module_aliases(tree, project: set[str]) -> set[str]:
+    """The names under which a module refers to the project's modules (``from hpcps.train import
+    data as tdata``: ``tdata``)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            out |= {a.asname or a.name for a in node.names if f"{node.module}.{a.name}" in project}
+        elif isinstance(node, ast.Import):
+            out |= {a.asname for a in node.names if a.name in project and a.asname}
+    return out
+
+
+def test_no_module_reaches_another_modules_private_names():
+    """No ``other_module._name`` and no ``obj._name`` of a private name another module defines
+    (``self``/``cls`` reach their own; a module uses its own private names as it likes), and no
+    ``from module import _name``: what a module offers the others is its public names."""
+    trees = {mod: (ast.parse(open(path).read()), package) for mod, path, package in modules()}
+    own = {mod: _own_private_names(tree) for mod, (tree, _) in trees.items()}
+    bad = []
+    for mod, (tree, package) in trees.items():
+        others = set().union(*(names for m, names in own.items() if m != mod)) - own[mod]
+        aliases = _module_aliases(tree, set(trees))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and _private(node.attr) and (
+                    node.attr in others or isinstance(node.value, ast.Name) and node.value.id in aliases):
+                owner = node.value
+                if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                    continue
+                if isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super":
+                    continue
+                bad.append(f"{mod}:{node.lineno}: {ast.unparse(node)}")
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(("hpcps", "hpcps_kernels")):
+                bad += [f"{mod}:{node.lineno}: from {node.module} import {a.name}" for a in node.names if _private(a.name)]
+    assert not bad, "private names reached across modules:\n" + "\n".join(sorted(bad))

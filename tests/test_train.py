@@ -179,7 +179,7 @@ def test_batches_kept_across_epochs_train_what_a_streamed_part_trains(small_data
 
 
 def test_auto_batch_size_takes_at_least_128_steps_an_epoch_between_50_and_1000_rows(tmp_path):
-    from hpcps.train.loop import auto_batch_size
+    from hpcps.train.plan import auto_batch_size
     assert [auto_batch_size(r, w) for r, w in [(3000, 2), (30_000, 2), (64_000, 1), (128_001, 1), (1_500_000, 1),
                                                (0, 1), (500_000, 4)]] == [50, 118, 500, 1000, 1000, 50, 977]
     # the rows are counted as far as it matters: a last line without a newline counts
@@ -191,7 +191,7 @@ def test_auto_batch_size_takes_at_least_128_steps_an_epoch_between_50_and_1000_r
 
 
 def test_the_bias_starts_where_it_predicts_the_mean_label():
-    from hpcps.train.loop import BIAS_P, bias_for
+    from hpcps.train.loading import BIAS_P, bias_for
     assert bias_for(0.25, "logistic") == pytest.approx(math.log(1 / 3))
     assert bias_for(0.5, "logistic") == 0.0
     edge = math.log(BIAS_P / (1 - BIAS_P))  # a part of one class: clipped, finite
@@ -329,8 +329,8 @@ def test_a_trainer_dedups_hashed_formats_keys_without_remixing_them(tmp_path):
     for fmt, hashed in (("criteo", True), ("libsvm", False)):
         cfg = config.from_dict({"data": {"train": d.files[f"train_{fmt}"]}, "train": {"progress": False}})
         t = Trainer(cfg)
-        t.prepare()
-        t.start()  # the context, the data streams and the model
+        t.agree_on_plan()
+        t.connect_and_load()  # the context, the data streams and the model
         try:
             assert t.train.fmt == fmt and t.model.hashed_keys is hashed
         finally:

@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 from hpcps import outputs
-from hpcps.bench.vw import _mpiexec, _timed
+from hpcps.bench.vw import mpiexec_command, timed_run
 from hpcps.train import synth
 
 HASH_BITS = 16
@@ -40,7 +40,7 @@ def run_job(train: str, ranks: int, groups: int, batch: int, out_dir: str) -> di
     tag = f"deep-{ranks}-{groups}"
     summary = os.path.join(out_dir, f"{tag}.json")
     metrics = os.path.join(out_dir, f"{tag}.jsonl")
-    cmd = [_mpiexec(), "-n", str(ranks), sys.executable, "-m", "hpcps.cli", "train",
+    cmd = [mpiexec_command(), "-n", str(ranks), sys.executable, "-m", "hpcps.cli", "train",
            "--set", f"data.train={json.dumps(train)}", "--set", 'data.format="criteo"',
            "--set", f"data.hash_bits={HASH_BITS}", "--set", "train.epochs=1", "--set", "train.progress=false",
            "--set", f"train.batch_size={batch}", "--set", 'model.type="wdl"', "--set", f"model.factors={K}",
@@ -48,7 +48,7 @@ def run_job(train: str, ranks: int, groups: int, batch: int, out_dir: str) -> di
            "--set", 'optimizer.name="adagrad"', "--set", "optimizer.lr=0.05",
            "--set", f"cluster.worker_groups={groups}", "--set", f"train.metrics={json.dumps(metrics)}",
            "--summary-json", summary]
-    wall, _ = _timed(cmd, 1800)
+    wall, _ = timed_run(cmd, 1800)
     s = json.load(open(summary))
     epoch = [json.loads(line) for line in open(metrics) if '"kind": "epoch"' in line][-1]
     stages = {k[len("stage_"):-2]: v for k, v in epoch.items() if k.startswith("stage_")}

@@ -26,7 +26,7 @@ import sys
 import numpy as np
 
 from hpcps import outputs
-from hpcps.bench.vw import _mpiexec, _timed
+from hpcps.bench.vw import mpiexec_command, timed_run
 from hpcps.train import synth
 
 
@@ -45,12 +45,12 @@ def _rare(path: str, rows: int, nnz: int, bits: int, seed: int) -> None:
 
 def run_job(train: str, fmt: str, compute: str, hash_bits: int, ranks: int, batch: int, out_dir: str) -> dict:
     summary = os.path.join(out_dir, f"margins-{os.path.basename(train)}-{compute}.json")
-    cmd = [_mpiexec(), "-n", str(ranks), sys.executable, "-m", "hpcps.cli", "train",
+    cmd = [mpiexec_command(), "-n", str(ranks), sys.executable, "-m", "hpcps.cli", "train",
            "--set", f"data.train={json.dumps(train)}", "--set", f'data.format="{fmt}"',
            "--set", f"data.hash_bits={hash_bits}", "--set", "train.epochs=1", "--set", "train.progress=false",
            "--set", f"train.batch_size={batch}", "--set", f'model.compute="{compute}"',
            "--set", 'optimizer.name="ftrl"', "--summary-json", summary]
-    wall, _ = _timed(cmd, 1800)
+    wall, _ = timed_run(cmd, 1800)
     s = json.load(open(summary))
     return {"compute": compute, "wall_s": wall, "examples_per_s": s["examples"] / wall,
             "loop_examples_per_s": s["examples_per_s"], "bytes_per_example":

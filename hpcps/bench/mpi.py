@@ -45,6 +45,15 @@ def blocking_pingpong(comm, nbytes: int, reps: int, peer: int) -> list[float]:
     return transport.blocking_pingpong_reference(comm, peer, comm.Get_rank() < peer, buf, reps)
 
 
+def run_on_world(sizes=SIZES, reps: int = 10) -> list[dict]:
+    """:func:`run` over a private duplicate of the world (freed after)."""
+    comm = transport.dup()
+    try:
+        return run(comm, sizes, reps)
+    finally:
+        transport.free(comm)
+
+
 def run(comm, sizes=SIZES, reps: int = 10) -> list[dict]:
     """Measure every size; returns rows (on rank 0) of size, latency and bandwidth."""
     if comm.Get_size() < 2:

@@ -33,12 +33,14 @@ from hpcps.train.progress import vm_hwm_mb
 from hpcps_kernels import metrics
 
 
-def _mpiexec() -> str:
+def mpiexec_command() -> str:
+    """The mpiexec that starts the benchmarks' jobs: ``HPCPS_MPIEXEC``, else the one beside this
+    Python (the virtual environment's), else the first on the path."""
     beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     return os.environ.get("HPCPS_MPIEXEC") or (beside if os.path.exists(beside) else shutil.which("mpiexec") or "mpiexec")
 
 
-def _timed(cmd: list[str], timeout: float) -> tuple[float, str]:
+def timed_run(cmd: list[str], timeout: float) -> tuple[float, str]:
     """Run ``cmd``; returns (wall seconds, output)."""
     t = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -79,14 +81,14 @@ def _timed_rss(cmd: list[str], timeout: float) -> tuple[float, float]:
 def run_hpcps(files: dict, ranks: int, epochs: int, alpha: float, hash_bits: int, out_dir: str,
               staleness: int = 0) -> dict:
     summary = os.path.join(out_dir, f"hpcps-{ranks}-{epochs}{f'-ssp{staleness}' if staleness else ''}.json")
-    cmd = [_mpiexec(), "-n", str(ranks), sys.executable, "-m", "hpcps.cli", "train",
+    cmd = [mpiexec_command(), "-n", str(ranks), sys.executable, "-m", "hpcps.cli", "train",
            "--set", f'data.train="{files["train_criteo"]}"', "--set", f'data.test="{files["test_criteo"]}"',
            "--set", 'data.format="criteo"', "--set", f"data.hash_bits={hash_bits}",
            "--set", f"train.epochs={epochs}", "--set", "train.progress=false",
            "--set", 'optimizer.name="ftrl"', "--set", f"optimizer.alpha={alpha}", "--summary-json", summary]
     if staleness:
         cmd += ["--set", f"cluster.staleness={staleness}", "--set", "train.pull_early=true"]
-    wall, _ = _timed(cmd, 1800)
+    wall, _ = timed_run(cmd, 1800)
     s = json.load(open(summary))
     return {"system": "hpcps", "ranks": ranks, "workers": ranks - 1, "epochs": epochs, "staleness": staleness,
             "wall_s": wall,

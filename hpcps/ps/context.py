@@ -21,7 +21,7 @@ from typing import Callable
 
 import numpy as np
 
-from hpcps.ps import checkpoint, protocol, signals, transport
+from hpcps.ps import checkpoint, collectives, protocol, signals, transport
 from hpcps.ps import margins  # noqa: F401 - registers the server functions of MARGINS and RESIDUALS
 from hpcps.ps.client import DenseTable, SparseTable
 from hpcps.ps.layout import Layout, check_world
@@ -35,7 +35,7 @@ class ConfigMismatch(RuntimeError):
     """Ranks disagree on something that must be identical everywhere."""
 
 
-class Context:
+class Context(collectives.ContextCollectives):
     """One rank's view of the parameter server."""
 
     local = False  # a job of one process (LocalContext)
@@ -361,6 +361,19 @@ class LocalContext(Context):
     def restore(self, ckpt: str, manifest: dict) -> None:
         """Load a checkpoint into the in-process server (what server ranks do in :meth:`serve`)."""
         self._local_server().restore(ckpt, manifest)
+
+    def tables_contents(self) -> dict:
+        """Every table's rows and optimizer state (copies, by table name) in the in-process server."""
+        return {t.spec.name: t.copy_contents() for t in self._local_server().tables}
+
+    def load_tables(self, contents: dict, clock: int) -> None:
+        """Continue from :meth:`tables_contents` of an earlier context with the same tables, at the
+        clock it had reached (this worker's and the server's: what a checkpoint's restore does)."""
+        server = self._local_server()
+        for table in server.tables:
+            table.set_contents(contents[table.spec.name])
+        self.clock_value = clock
+        server.clocks[:] = clock
 
     def finish_serving(self, timeout: float | None = None) -> None:
         if not self._done_sent:

@@ -441,6 +441,11 @@ def _concat(pieces: list) -> tuple:
     return labels, indptr, indices, values
 
 
+def concatenate(parts: list) -> "Dataset":
+    """The rows of the Datasets ``parts``, in order, as one (without their keys' compaction)."""
+    return Dataset(*_concat([(p.labels, p.indptr, p.indices, p.values) for p in parts]))
+
+
 def _parse_part(path: str, start: int, end: int, fmt: str, hash_bits: int, skip_bad: bool, binary: bool,
                 fields: bool = False, state: tuple | None = None):
     """The whole of ``path[start:end]``, parsed: ((labels, indptr, indices, values), skipped)."""
@@ -595,6 +600,166 @@ class _Pass:
         self.error: DataError | None = None
 
 
+class SlicesAhead:
+    """The parsed slices of a part's passes, parsed ahead of the training that reads them (see
+    :class:`PartStream`): by :meth:`pump`, one slice at a time, or by a thread of its own
+    (:meth:`start_thread`). ``generator()`` starts a pass's slice generator, ``dataset(out)``
+    makes a slice's Dataset; ``keep``: every parsed slice is kept for the next passes (the part
+    is held in memory); ``ahead_limit``: bytes of parsed rows held ahead at most."""
+
+    THREAD_AHEAD_BYTES = 64 << 20  # parsed rows a parse thread holds ahead at most (start_thread)
+
+    def __init__(self, generator, dataset, keep: bool, ahead_limit: float):
+        self.generator, self.dataset = generator, dataset
+        self.keep = keep
+        self.keep_slices = keep  # False: the training keeps its own batches (keep_no_slices)
+        self.ahead_limit = ahead_limit
+        self.for_next_passes: list[Dataset] | None = None  # every slice of a whole pass (keep)
+        self.skipped = 0          # lines skipped so far (all of them after a whole pass)
+        self.first: Dataset | None = None  # the first slice, parsed at open
+        self.blocks = None        # the slice generator of the pass opened, after its first slice
+        self.current: _Pass | None = None
+        # data.parse_thread (start_thread): a thread parses ahead. Whoever parses a slice holds
+        # parsing (the pass's generator) and appends the slice before letting go, so slices stay
+        # in order; state guards what the training pops (ahead, done, error, keep)
+        self.parsing: threading.Lock | contextlib.nullcontext = contextlib.nullcontext()
+        self.state = threading.Condition()
+        self.thread: threading.Thread | None = None
+        self.stopping = False
+
+    def open(self) -> None:
+        """Start the first pass and parse its first slice now (raises DataError for a bad line)."""
+        self.blocks = self.generator()
+        try:
+            self.first = self.dataset(next(self.blocks))
+        except StopIteration:
+            self.first = None
+
+    def pump(self, force: bool = False) -> bool:
+        """Parse one more slice of the current pass, if there is one and (unless ``force``) the
+        rows parsed ahead are within the budget. Returns whether it parsed anything. Never
+        raises (it runs inside the waits for the servers): a bad line is raised by
+        :meth:`PartStream.batches` when the training reaches it, a changed file
+        (:class:`DataChanged`) or any other failure at the training's next read."""
+        p = self.current
+        if p is None or p.done or (not force and p.ahead_bytes >= self.ahead_limit):
+            return False
+        with self.parsing:
+            if p.done:  # the other thread parsed the last slice meanwhile
+                return False
+            try:
+                ds = self.dataset(next(p.blocks))
+            except StopIteration:
+                with self.state:
+                    p.done = True
+                    self.skipped = p.skipped
+                    if p.keep is not None:
+                        self.for_next_passes = p.keep
+                    self.state.notify_all()
+                return False
+            except Exception as e:  # noqa: BLE001 - kept for the training, which raises it where it reads
+                with self.state:
+                    p.done, p.error = True, e
+                    self.state.notify_all()
+                return False
+            with self.state:
+                p.ahead.append(ds)
+                p.ahead_bytes += ds.nbytes
+                p.skipped += ds.skipped
+                if p.keep is not None:
+                    p.keep.append(ds)
+                self.state.notify_all()
+        return True
+
+    def start_thread(self) -> None:
+        """See :meth:`PartStream.start_thread`."""
+        if self.thread is not None:
+            return
+        # Without a budget, pumps parse the whole part ahead only as fast as the waits allow; a
+        # thread would hold it all at once (the parsed slices of bench vw's rows: peak memory
+        # about 1.5 times higher), so it stays THREAD_AHEAD_BYTES ahead
+        self.ahead_limit = min(self.ahead_limit, self.THREAD_AHEAD_BYTES)
+        self.parsing = threading.Lock()
+        self.stopping = False
+        sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
+        self.thread = threading.Thread(target=self._parse_ahead, name="hpcps-parse", daemon=True)
+        self.thread.start()
+
+    def stop_thread(self) -> None:
+        """End the parsing thread (after the slice it is parsing, if any)."""
+        if self.thread is None:
+            return
+        with self.state:
+            self.stopping = True
+            self.state.notify_all()
+        self.thread.join(timeout=60)
+        self.thread = None
+
+    def _parse_ahead(self) -> None:
+        with contextlib.suppress(OSError, AttributeError):  # not Linux: the default priority
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        while not self.stopping:
+            p = self.current
+            try:
+                did = self.pump()
+            except Exception as e:  # not a bad line (those pump keeps): the training raises it where it reads
+                with self.state:
+                    if p is not None:
+                        p.done, p.error = True, e
+                    self.state.notify_all()
+                return
+            if not did:  # nothing to parse now (no pass, its end, the budget): wait for a change
+                with self.state:
+                    if not self.stopping:
+                        self.state.wait(0.05)
+
+    def _finish_pass(self) -> None:
+        """Parse the rest of the current pass (its last rows unasked); raise its error, if any."""
+        while self.pump(force=True):
+            pass
+        if self.current.error is not None:
+            raise self.current.error
+
+    def epoch_blocks(self):
+        """The parsed slices of one pass, in order."""
+        if self.current is not None and self.keep:
+            self._finish_pass()
+        if self.for_next_passes is not None:
+            yield from self.for_next_passes
+            return
+        blocks = self.blocks if self.blocks is not None else self.generator()
+        with self.parsing:  # a pass the thread may still be parsing is left to it first
+            p = _Pass(blocks, self.first, self.keep_slices)
+            with self.state:
+                self.current = p
+                self.state.notify_all()
+        self.first, self.blocks = None, None
+        while True:
+            with self.state:
+                ds = None
+                if p.error is not None and type(p.error) is not DataError:
+                    raise p.error  # at once (a bad line waits for its rows): the rows ahead may be of either file
+                if p.ahead:
+                    ds = p.ahead.popleft()
+                    p.ahead_bytes -= ds.nbytes
+                    self.state.notify_all()  # room under the budget again
+                elif p.error is not None:
+                    raise p.error
+                elif p.done:
+                    return
+            if ds is not None:
+                yield ds
+            else:  # nothing parsed ahead: parse it here (with a thread, after the slice it is on)
+                self.pump(force=True)
+
+    def forget(self) -> None:
+        """See :meth:`PartStream.forget`."""
+        if self.current is not None and not self.current.done:
+            self._finish_pass()
+        with self.parsing:
+            self.for_next_passes, self.current, self.first, self.blocks = None, None, None, None
+
+
 class PartStream:
     """A worker's part of a training file, read as consecutive batches while it trains.
 
@@ -605,7 +770,8 @@ class PartStream:
     the training thread for the GIL and, on a busy node, for a core, and each wake-up of a step's
     wait was late by a scheduler time slice (milliseconds, against answers due in microseconds).
     :meth:`start_thread` (``data.parse_thread``) parses on a thread anyway, for a node with a core
-    to spare. When the training needs rows nothing has parsed yet, it parses them there and then.
+    to spare. When the training needs rows nothing has parsed yet, it parses them there and then
+    (the slices parsed ahead: :class:`SlicesAhead`).
 
     The first slice is parsed at :meth:`open`, where its errors are reported like any loading
     error; a bad line further on raises :class:`DataError` (file and line) from :meth:`batches`.
@@ -617,7 +783,6 @@ class PartStream:
     """
 
     PUMP_BYTES = 1 << 19  # text parsed per pump: ~2,000 Criteo rows, about a millisecond
-    THREAD_AHEAD_BYTES = 64 << 20  # parsed rows a parse thread holds ahead at most (start_thread)
 
     def __init__(self, path: str, part: int, parts: int, fmt: str = "auto", hash_bits: int = 24,
                  skip_bad: bool = False, binary: bool = False, memory_mb: float = 0.0, block_bytes: int = 0,
@@ -629,33 +794,20 @@ class PartStream:
         self.hash_bits, self.skip_bad, self.binary, self.fields = hash_bits, skip_bad, binary, fields
         self.start, self.end = byte_range(path, part, parts, self.state[0])
         # the part's lines are counted on a thread (reading and counting release the GIL) while
-        # the rest of the start-up goes on: 0.1-0.25 s for a 380 MB part here, needed only for the
-        # number of steps (see rows_bound)
+        # the rest of the start-up goes on, needed only for the number of steps (see rows_bound)
         self._rows_bound: int | BaseException | None = None
         self._counting = threading.Thread(target=self._count_rows, name="hpcps-count-rows", daemon=True)
         self._counting.start()
         self.keep = memory_mb <= 0
-        self.keep_slices = self.keep  # False: the training keeps its own batches (keep_no_slices)
         budget = memory_mb * (1 << 20)
         # a parsed byte of text takes up to about 3 bytes in arrays (Criteo: 40 keys of 8 bytes, values
         # of 4, per line of ~250 characters): slices of a tenth of the budget, at most half of it ahead
         self.block_bytes = block_bytes or (self.PUMP_BYTES if self.keep else
                                            max(1 << 16, min(self.PUMP_BYTES, int(budget) // 10)))
-        self.ahead_limit = float("inf") if self.keep else budget / 2
         self.budget = budget
         self.shuffle_rows, self.shuffle_seed = shuffle_rows, shuffle_seed
-        self.kept: list[Dataset] | None = None
-        self.skipped = 0          # lines skipped so far (all of them after a whole pass)
-        self._first: Dataset | None = None
-        self._blocks = None
-        self._pass: _Pass | None = None
-        # data.parse_thread (start_thread): a thread parses ahead. Whoever parses a slice holds
-        # _parsing (the pass's generator) and appends the slice before letting go, so slices stay
-        # in order; _state guards what the training pops (ahead, done, error, keep)
-        self._parsing: threading.Lock | contextlib.nullcontext = contextlib.nullcontext()
-        self._state = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._stop = False
+        self.slices = SlicesAhead(self._generator, self._dataset, self.keep,
+                                  float("inf") if self.keep else budget / 2)
 
     def _count_rows(self) -> None:
         try:
@@ -678,11 +830,31 @@ class PartStream:
         the count says so; exactly when the first slice was the whole part (else a part of
         blank and comment lines reads as having rows: the training counts them after a pass).
         Call after :meth:`open`."""
-        if self._first is not None and self._first.rows > 0:
+        first = self.slices.first
+        if first is not None and first.rows > 0:
             return True
         if self.end - self.start <= self.block_bytes:
             return False
         return self.rows_bound > 0
+
+    @property
+    def skipped(self) -> int:
+        """Lines skipped so far (all of them after a whole pass)."""
+        return self.slices.skipped
+
+    @property
+    def kept(self) -> list | None:
+        """Every parsed slice of a whole pass, kept for the next passes (None: not kept)."""
+        return self.slices.for_next_passes
+
+    @property
+    def ahead_limit(self) -> float:
+        """Bytes of parsed rows held ahead of the training at most."""
+        return self.slices.ahead_limit
+
+    @property
+    def _pass(self):
+        return self.slices.current
 
     def _dataset(self, out) -> Dataset:
         labels, indptr, indices, values, sk = out
@@ -701,11 +873,7 @@ class PartStream:
 
     def open(self) -> "PartStream":
         """Parse the first slice now (raises DataError for a bad line in it)."""
-        self._blocks = self._generator()
-        try:
-            self._first = self._dataset(next(self._blocks))
-        except StopIteration:
-            self._first = None
+        self.slices.open()
         return self
 
     def head_labels(self, n: int) -> np.ndarray:
@@ -727,40 +895,9 @@ class PartStream:
         return (labels[window_order(labels.shape[0], w, self.shuffle_seed)] if w else labels)[:n]
 
     def pump(self, force: bool = False) -> bool:
-        """Parse one more slice of the current pass, if there is one and (unless ``force``) the
-        rows parsed ahead are within the budget. Returns whether it parsed anything. Never
-        raises (it runs inside the waits for the servers): a bad line is raised by
-        :meth:`batches` when the training reaches it, a changed file (:class:`DataChanged`) or
-        any other failure at the training's next read."""
-        p = self._pass
-        if p is None or p.done or (not force and p.ahead_bytes >= self.ahead_limit):
-            return False
-        with self._parsing:
-            if p.done:  # the other thread parsed the last slice meanwhile
-                return False
-            try:
-                ds = self._dataset(next(p.blocks))
-            except StopIteration:
-                with self._state:
-                    p.done = True
-                    self.skipped = p.skipped
-                    if p.keep is not None:
-                        self.kept = p.keep
-                    self._state.notify_all()
-                return False
-            except Exception as e:  # noqa: BLE001 - kept for the training, which raises it where it reads
-                with self._state:
-                    p.done, p.error = True, e
-                    self._state.notify_all()
-                return False
-            with self._state:
-                p.ahead.append(ds)
-                p.ahead_bytes += ds.nbytes
-                p.skipped += ds.skipped
-                if p.keep is not None:
-                    p.keep.append(ds)
-                self._state.notify_all()
-        return True
+        """Parse one more slice of the current pass ahead of the training (:meth:`SlicesAhead.pump`);
+        returns whether it parsed anything. Never raises."""
+        return self.slices.pump(force)
 
     def start_thread(self) -> None:
         """Parse ahead on a thread of its own (``data.parse_thread``) rather than in the training's
@@ -770,106 +907,31 @@ class PartStream:
         dedup and gradient kernels. The same rows come in the same order: a run trains the same
         model with or without it. Python's switch interval drops to 0.5 ms, so that a training
         thread whose reply has come does not wait 5 ms for the GIL."""
-        if self._thread is not None:
-            return
-        # Without a budget, pumps parse the whole part ahead only as fast as the waits allow; a
-        # thread would hold it all at once (the parsed slices of bench vw's 1.5 M rows: 480 MB,
-        # peak RSS 917-974 MB against 605-623), so it stays THREAD_AHEAD_BYTES ahead
-        self.ahead_limit = min(self.ahead_limit, self.THREAD_AHEAD_BYTES)
-        self._parsing = threading.Lock()
-        self._stop = False
-        sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
-        self._thread = threading.Thread(target=self._parse_ahead, name="hpcps-parse", daemon=True)
-        self._thread.start()
+        self.slices.start_thread()
 
     def stop_thread(self) -> None:
         """End the parsing thread (after the slice it is parsing, if any)."""
-        if self._thread is None:
-            return
-        with self._state:
-            self._stop = True
-            self._state.notify_all()
-        self._thread.join(timeout=60)
-        self._thread = None
-
-    def _parse_ahead(self) -> None:
-        with contextlib.suppress(OSError, AttributeError):  # not Linux: the default priority
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-        while not self._stop:
-            p = self._pass
-            try:
-                did = self.pump()
-            except Exception as e:  # not a bad line (those pump keeps): the training raises it where it reads
-                with self._state:
-                    if p is not None:
-                        p.done, p.error = True, e
-                    self._state.notify_all()
-                return
-            if not did:  # nothing to parse now (no pass, its end, the budget): wait for a change
-                with self._state:
-                    if not self._stop:
-                        self._state.wait(0.05)
-
-    def _epoch_blocks(self):
-        """The parsed slices of one pass, in order."""
-        if self._pass is not None and self.keep:
-            while self.pump(force=True):  # finish the pass the training left (its last rows unasked)
-                pass
-            if self._pass.error is not None:
-                raise self._pass.error
-        if self.kept is not None:
-            yield from self.kept
-            return
-        blocks = self._blocks if self._blocks is not None else self._generator()
-        with self._parsing:  # a pass the thread may still be parsing is left to it first
-            p = _Pass(blocks, self._first, self.keep_slices)
-            with self._state:
-                self._pass = p
-                self._state.notify_all()
-        self._first, self._blocks = None, None
-        while True:
-            with self._state:
-                ds = None
-                if p.error is not None and type(p.error) is not DataError:
-                    raise p.error  # at once (a bad line waits for its rows): the rows ahead may be of either file
-                if p.ahead:
-                    ds = p.ahead.popleft()
-                    p.ahead_bytes -= ds.nbytes
-                    self._state.notify_all()  # room under the budget again
-                elif p.error is not None:
-                    raise p.error
-                elif p.done:
-                    return
-            if ds is not None:
-                yield ds
-            else:  # nothing parsed ahead: parse it here (with a thread, after the slice it is on)
-                self.pump(force=True)
+        self.slices.stop_thread()
 
     def keep_no_slices(self) -> None:
         """The training keeps its batches itself (compacted, see :meth:`Dataset.compact`): keep
         no parsed slice for the next passes, so a slice's memory goes once its batches are
-        compacted. Pumps still parse the whole part ahead: held to 64 MB ahead, the first epoch
-        of ``hpcps bench vw``'s 3-epoch job took 3.4 s instead of 2.2 (the worker's waits slept
-        instead of parsing) for a peak RSS of 562 instead of 664 MB."""
-        self.keep_slices = False
+        compacted. Pumps still parse the whole part ahead: held to a budget, the first epoch of
+        a 3-epoch job ran slower (the worker's waits slept instead of parsing) for a peak memory
+        about a sixth lower."""
+        self.slices.keep_slices = False
 
     def forget(self) -> None:
         """Drop the parsed slices (the training keeps its own batches from here on); a later
         pass parses the file again. Finishes the current pass first, so the skipped lines are
         all counted (raises its DataError, if any)."""
-        if self._pass is not None and not self._pass.done:
-            while self.pump(force=True):
-                pass
-            if self._pass.error is not None:
-                raise self._pass.error
-        with self._parsing:
-            self.kept, self._pass, self._first, self._blocks = None, None, None, None
+        self.slices.forget()
 
     def batches(self, batch_size: int, skip: int = 0):
         """One pass over the part as batches of ``batch_size`` consecutive rows (the last may be
         shorter; then empty batches for ever), after skipping the first ``skip`` batches; the
         rows shuffled in windows first with ``shuffle_rows`` (:func:`shuffled`)."""
-        blocks, to_skip = self._epoch_blocks(), skip * batch_size
+        blocks, to_skip = self.slices.epoch_blocks(), skip * batch_size
         if self.shuffle_rows:
             blocks = shuffled(blocks, self.shuffle_rows, self.shuffle_seed, to_skip, self.budget, self.path)
         else:

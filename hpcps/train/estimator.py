@@ -3,7 +3,7 @@
 :class:`SparseClassifier` (logistic loss) and :class:`SparseRegressor` (squared loss) train an LR or
 an FM on a matrix (CSR, any SciPy sparse format, or dense) with the library's own parts: the
 model's tables live in an in-process server (:class:`hpcps.ps.context.LocalContext`), updated by the
-server optimizers (FTRL by default), and every step is :meth:`hpcps.train.models.Model.step`, the
+server optimizers (FTRL by default), and every step is :meth:`hpcps.train.pipeline.StepPipeline.step`, the
 kernels of ``hpcps train``. A column ``j`` of the matrix is the key ``j``; every row also carries
 the bias key, as in the training files.
 
@@ -28,8 +28,10 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 from hpcps import config
 from hpcps.ps.context import LocalContext
 from hpcps.train.data import BIAS_KEY, Dataset
-from hpcps.train.loop import BIAS_ROWS, auto_batch_size, bias_for
+from hpcps.train.loading import BIAS_ROWS, bias_for
 from hpcps.train.models import make_model, margins_from_params
+from hpcps.train.pipeline import StepPipeline
+from hpcps.train.plan import auto_batch_size
 from hpcps_kernels import optim
 
 
@@ -125,19 +127,16 @@ class _SparseModel(BaseEstimator):
             if not resumed:  # the bias that predicts the first labels' mean (model.bias_init = "auto")
                 bias = bias_for(np.mean(labels[:BIAS_ROWS], dtype=np.float64), self._loss)
             model = make_model(ctx, cfg, bias)
-            server = ctx._local_server()
             if resumed:
-                for table in server.tables:
-                    table.set_contents(resumed[table.spec.name])
-                ctx.clock_value = self.clock_
-                server.clocks[:] = self.clock_
+                ctx.load_tables(resumed, self.clock_)
             data = _rows(X, labels)
             size = tr.batch_size or auto_batch_size(data.rows, 1)
             batches = [data.batch(lo, lo + size) for lo in range(0, data.rows, size)] * epochs
-            losses = [model.step(batch, 1.0, batches[i + 1:i + 3]) for i, batch in enumerate(batches)]
-            model.finish()
+            pipeline = StepPipeline(ctx, model)
+            losses = [pipeline.step(batch, 1.0, batches[i + 1:i + 3]) for i, batch in enumerate(batches)]
+            pipeline.finish()
             self.train_loss_ = float(np.sum(losses[-(len(batches) // epochs):]) / data.rows)  # the last epoch's
-            self.tables_ = {t.spec.name: t.copy_contents() for t in server.tables}
+            self.tables_ = ctx.tables_contents()
             self.clock_ = ctx.clock_value
             keys = np.append(np.arange(self.n_features_in_, dtype=np.uint64), BIAS_KEY)
             params = model.table.pull(keys)  # keys never seen: their initial rows

@@ -30,7 +30,6 @@ import h5py
 import numpy as np
 
 from hpcps import outputs
-from hpcps.ps import transport
 from hpcps_kernels import init as kinit
 from hpcps_kernels import keys as kkeys
 from hpcps_kernels.hashing import xxh64, xxh64_words
@@ -130,23 +129,22 @@ MAIN_TABLE = {"lr": "w", "fm": "fm", "wdl": "wide", "deepfm": "fm"}
 def export_from_servers(ctx, table_names, path: str, attrs: dict) -> None:
     """Collective over the servers: gather the tables' (keys, parameters) and write the file."""
     names = [table_names] if isinstance(table_names, str) else list(table_names)
-    comm = ctx.servers_comm
-    t = ctx.stall_timeout_s
+    servers = ctx.among_servers
     tables = []
     for name in names:
         table = ctx.server.tables[[s.name for s in ctx.specs].index(name)]
         table.check_finite("model")
         keys, rows = table.items()
         dim = table.spec.dim
-        counts = transport.allgather_int(comm, keys.shape[0], t, f"gather of table {name!r}'s size")
-        all_keys = transport.gatherv(comm, np.ascontiguousarray(keys), counts, 0, t, f"gather of table {name!r}'s keys")
-        all_vals = transport.gatherv(comm, np.ascontiguousarray(rows[:, :dim]).reshape(-1), counts * dim, 0, t,
-                                     f"gather of table {name!r}'s values")
+        counts = servers.sizes(keys.shape[0], f"gather of table {name!r}'s size")
+        all_keys = servers.gather_to_first(keys, counts, f"gather of table {name!r}'s keys")
+        all_vals = servers.gather_to_first(np.ascontiguousarray(rows[:, :dim]).reshape(-1), counts * dim,
+                                           f"gather of table {name!r}'s values")
         spec = table.spec
-        if comm.Get_rank() == 0:
+        if servers.is_first:
             tables.append((name, all_keys, all_vals.reshape(-1, dim),
                            {"dim": dim, "init": spec.init, "init_scale": spec.init_scale, "seed": spec.seed}))
-    if comm.Get_rank() == 0:
+    if servers.is_first:
         write(path, tables, attrs=attrs)
 
 

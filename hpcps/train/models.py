@@ -10,13 +10,10 @@ any other. L2 regularisation is the server optimizer's ``l2``.
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
-from hpcps.ps import transport
 from hpcps.config import DEEP
 from hpcps.train.data import BIAS_KEY
 from hpcps_kernels import deep as kdeep
@@ -39,60 +36,37 @@ class NonFiniteError(RuntimeError):
         super().__init__(f"the loss is {loss}: {where}")
 
 
-def _tick(stages: dict, stage: str, since: float) -> float:
+def tick(stages: dict, stage: str, since: float) -> float:
     """Add the time since ``since`` to ``stages[stage]``; returns now."""
     now = time.perf_counter()
     stages[stage] = stages.get(stage, 0.0) + now - since
     return now
 
 
-@dataclass
-class _Prepared:
-    """A batch whose unique keys are known, and whose rows of every sparse table may be on their
-    way (``ts``, one per table) or here (``params``)."""
-
-    batch: object
-    uniq: np.ndarray
-    pos: np.ndarray
-    ts: list | None = None
-    params: list | None = None
-    # (the batch pulled with this one's push, whether each of uniq is among its keys): see step
-    in_pull: tuple | None = None
-    kept: bool = False  # deduplicated in an earlier epoch
-
-
 class Model:
-    """Common part: the sparse tables (the first carries the step's clock), the loss, a step and
-    margins. A model declares its tables in :meth:`_declare`; the rows of all of them are pulled
-    together for a batch's unique keys, and its gradients pushed together."""
+    """Common part: the sparse tables (the first carries the step's clock), the loss, and the
+    maths of a batch given its keys' pulled rows: :meth:`forward_backward` (the loss and the
+    gradients) and :meth:`margins`. A model declares its tables in :meth:`_declare`; the rows of
+    all of them are pulled together for a batch's unique keys, and its gradients pushed together,
+    by a :class:`hpcps.train.pipeline.StepPipeline` (a model sends no message itself)."""
 
-    compute_empty = False  # call _forward_backward on an empty batch (group collectives inside it)
+    compute_empty = False  # call forward_backward on an empty batch (group collectives follow it)
     reads_keys = False     # a step reads the batch's keys, not only their positions (a batch's
                            # keys may then not be compacted: see Dataset.compact)
     fields = 1             # fields per row (the deep models' embeddings)
-    times_compute = False  # _forward_backward times its own stages (else it is one, "compute")
+    times_compute = False  # forward_backward times its own stages (else it is one, "compute")
 
     def __init__(self, ctx, cfg, bias: float = 0.0, suffix: str = ""):
         self.cfg = cfg
         self.bias = bias  # the bias key's initial weight (a regression's label mean)
         self.suffix = suffix  # added to the names of its tables (a member of a Grid)
         self.loss = LOSSES[cfg.model.loss]
-        self.aggregate = cfg.train.aggregate
-        self.ctx = ctx
         self.sparse = self._declare(ctx, cfg)
         self.table = self.sparse[0]
-        # a batch's keys need sorting only where a worker group merges its pushes
-        self._sorted = ctx.is_worker and self.aggregate and ctx.group_comm.Get_size() > 1
         # the training data's keys are hash values (Criteo, VW): their dedup skips remixing them
         # (set by the trainer from the data's format; see hpcps_kernels.keys.dedup_keys)
         self.hashed_keys = False
-        self._pending: list = []             # (table, timestamp) of pushes in flight
-        self._ahead: list[_Prepared] = []    # the next batches, prepared (see step)
-        # train.pull_early's pipelined step (see step): under SSP/ASP only (under BSP a pull two
-        # clocks ahead would wait on this worker's own next step) and with servers to overlap
-        # (one process: its in-process server answers each request when sent)
-        self.pulls_ahead = cfg.train.pull_early and cfg.cluster.staleness != 0 and not ctx.local
-        self.stages: dict[str, float] = {}   # seconds per stage of the step (see stage_times)
+        self.stages: dict[str, float] = {}   # seconds per stage of the step (the pipeline's too)
 
     def _declare(self, ctx, cfg) -> list:
         raise NotImplementedError
@@ -102,16 +76,10 @@ class Model:
         """Every table on the servers (sparse handles), for server functions over the whole model."""
         return list(self.sparse)
 
-    def _time(self, stage: str, since: float) -> float:
-        return _tick(self.stages, stage, since)
-
-    def stage_times(self) -> dict:
-        """Seconds spent per stage of the steps since the last call: ``pull`` (waiting for the
-        rows), ``compute`` (or ``embed``, ``mlp``, ``allreduce`` for the deep models), ``push``
-        (sending gradients and the next pulls)."""
-        out = {f"{k}_s": round(v, 4) for k, v in self.stages.items()}
-        self.stages.clear()
-        return out
+    @property
+    def mlp_models(self) -> list:
+        """The models whose MLP replica the step pipeline keeps in step (deep models)."""
+        return []
 
     def _bias_key(self, dim: int) -> tuple:
         """The bias feature's initial row, when it does not start at the initializer."""
@@ -119,183 +87,35 @@ class Model:
             return ()
         return ((int(BIAS_KEY), (self.bias,) + (0.0,) * (dim - 1)),)
 
-    def _forward_backward(self, batch, pos, params: list, grads: list, scale) -> float:
+    def forward_backward(self, batch, pos, params: list, grads: list, scale, dense_ready=None) -> float:
+        """The summed loss of ``batch`` (keys at positions ``pos`` of the unique keys whose rows of
+        each sparse table are ``params``) and its gradients into ``grads`` (like ``params``).
+        ``dense_ready(model, grad)``: called by a deep model once its MLP's gradient is complete."""
         raise NotImplementedError
 
-    def _margins(self, batch, pos, params: list, out) -> None:
+    def margins_into(self, batch, pos, params: list, out) -> None:
+        """The margins of ``batch``'s rows (a batch with rows) into ``out``."""
         raise NotImplementedError
 
-    def _prepare(self, batch) -> _Prepared:
-        for p in self._ahead:
-            if p.batch is batch:
-                return p
-        if batch.prepared is not None:  # a batch kept from an earlier epoch: deduplicated then
-            return _Prepared(batch, *batch.prepared, kept=True)
-        uniq, pos = (kkeys.unique_keys(batch.indices) if self._sorted else
-                     kkeys.dedup_keys(batch.indices, self.hashed_keys))
-        if batch.keep_prepared:  # kept for the next epochs: compact from now on
-            uniq, pos = batch.compact(uniq, pos)
-        return _Prepared(batch, uniq, pos)
+    def margins(self, batch, pos, params: list) -> np.ndarray:
+        out = np.empty(batch.rows, dtype=np.float64)
+        if batch.rows:
+            self.margins_into(batch, pos, params, out)
+        return out
 
-    def _fetch(self, cur: _Prepared) -> None:
-        """The rows of every table for ``cur`` (pulls of all tables in flight together)."""
-        if cur.params is None:
-            ts = cur.ts if cur.ts is not None else [t.ipull(cur.uniq, unique=True) for t in self.sparse]
-            cur.params = [t.wait(x) for t, x in zip(self.sparse, ts)]
-            cur.ts = None
+    def residuals(self, partials, labels, scale, out) -> float:
+        """``model.compute = "servers"``: each row's residual given its partial sums, into ``out``;
+        returns the summed loss."""
+        raise NotImplementedError
 
-    def _wait_pending(self) -> None:
-        for table, ts in self._pending:
-            table.wait(ts)
-        self._pending = []
-
-    def _non_finite(self, params: list) -> list[str]:
+    def non_finite_tables(self, params: list) -> list[str]:
         """The names of the tables whose rows in ``params`` (pulled for a batch) are not all
         finite (a failed step's diagnosis only: a pass over them)."""
         return [t.name for t, p in zip(self.sparse, params) if not np.isfinite(p).all()]
 
-    def _before_step(self) -> None:
-        """Hook: at the start of a step (the deep models take their dense parameters here)."""
-
-    def _before_clock(self) -> None:
-        """Hook: after the gradients, before the step's clock (the deep models push the MLP's)."""
-
-    def _after_clock(self) -> None:
-        """Hook: after the step's clock (the deep models start pulling the MLP when due)."""
-
-    def step(self, batch, scale: float, upcoming=()) -> float:
-        """One iteration: pull the batch's rows, compute, push the gradients, end the clock.
-        Returns the summed loss.
-
-        ``upcoming``: the batches this worker trains on next (the same objects will be passed to
-        the next steps). With them the step pipelines (the seeds' pipelining, one level down): the
-        push of this step, the clock and the pull of the next batch's rows go in one push-pull
-        round trip, and the keys of a later batch are deduplicated while the servers work. With
-        batches kept from an earlier epoch (nothing to parse or deduplicate: the worker waits on
-        the servers) the worker also marks, while they work, which keys of its next push the
-        next pull reads: the servers update the others after their reply (2 ranks, ``bench
-        vw``'s set: later epochs 0.86-0.94 against 0.96-1.02 s). Under BSP the numbers are those
-        of the unpipelined step, bit for bit.
-
-        With ``train.pull_early`` under SSP and ASP the push-pull pulls the rows of the batch
-        after the next one, for the clock after the next (the next batch's rows came with the
-        step before): the servers apply this step's push and gather those rows while the worker
-        computes the next step, and a step reads rows that miss the push of the step just before
-        it (staleness 1). Under BSP it changes nothing: the servers could answer such a pull only
-        after the next step.
-        """
-        if self.cfg.model.compute == "servers":
-            return self._step_on_servers(batch, scale)
-        t = time.perf_counter()
-        self._wait_pending()  # at most one step's pushes in flight
-        self._before_step()
-        cur = self._prepare(batch)
-        self._fetch(cur)
-        self._ahead = [p for p in self._ahead if p is not cur]
-        t = self._time("pull", t)
-        grads = [np.empty_like(p) for p in cur.params]
-        loss = self._forward_backward(batch, cur.pos, cur.params, grads, scale) \
-            if batch.rows or self.compute_empty else 0.0
-        if not math.isfinite(loss):  # (a number the step has anyway: the check costs nothing)
-            raise NonFiniteError(loss, self._non_finite(cur.params))
-        t = time.perf_counter() if self.times_compute else self._time("compute", t)
-        self._before_clock()
-        keys, grads, aggregate = self._merge_tables(cur.uniq, grads)
-        head, rest = self.sparse[0], list(zip(self.sparse[1:], grads[1:]))
-        if upcoming:
-            nxt = self._prepare(upcoming[0])
-            early = self.pulls_ahead and len(upcoming) > 1
-            pulls = [(nxt, 0)] if nxt.ts is None and nxt.params is None else []
-            if early:  # the batch after the next, for the clock after the next
-                pulls.append((self._prepare(upcoming[1]), 1))
-            # the other tables' pushes go before the clock that the first table's push-pull carries,
-            # and their pulls after it (so under BSP they see every push of the step)
-            self._pending += [(tb, tb.push(keys, g, aggregate=aggregate, unique=True, donate=True)) for tb, g in rest]
-            if pulls:
-                got, ahead = pulls[0]
-                in_pull = cur.in_pull[1] if cur.in_pull is not None and cur.in_pull[0] is got and keys is cur.uniq \
-                    else None
-                ts = head.ipushpull(keys, grads[0], got.uniq, aggregate=aggregate, unique=True, ahead=ahead,
-                                    in_pull=in_pull, donate=True)
-                got.ts = [ts] + [tb.ipull(got.uniq, unique=True, ahead=ahead) for tb, _ in rest]
-                for got, ahead in pulls[1:]:  # (the pipeline filling up: its first step)
-                    got.ts = [tb.ipull(got.uniq, unique=True, ahead=ahead) for tb in self.sparse]
-            else:  # the rows of every batch left are on their way
-                self._pending.append((head, head.push(keys, grads[0], aggregate=aggregate, unique=True, donate=True)))
-                self.ctx.clock()
-            self._ahead = [nxt] + [got for got, _ in pulls if got is not nxt]
-            later = upcoming[1 + early] if len(upcoming) > 1 + early else None
-            if later is not None:  # overlaps the servers' work on the push-pull just sent
-                self._ahead.append(self._prepare(later))
-                if not early and nxt.kept and self._ahead[-1].kept and not self.ctx.local:  # (see the docstring)
-                    nxt.in_pull = (self._ahead[-1], kkeys.member_mask(nxt.uniq, self._ahead[-1].uniq,
-                                                                      self.hashed_keys))
-        else:
-            self._pending += [(tb, tb.push(keys, g, aggregate=aggregate, unique=True, donate=True))
-                              for tb, g in zip(self.sparse, grads)]
-            self.ctx.clock()
-        self._after_clock()
-        self._time("push", t)
-        return loss
-
-    def _merge_tables(self, uniq, grads: list) -> tuple:
-        """(keys, gradients per table, whether the pushes still aggregate). Several tables whose
-        pushes a worker group merges are merged in one gather (their rows side by side: the same
-        keys) instead of one per table; the group's first rank then pushes the sums."""
-        if not (self._sorted and len(grads) > 1):
-            return uniq, grads, self.aggregate
-        widths = [g.shape[1] for g in grads]
-        merged = self.ctx.gather_to_leader(uniq, np.hstack(grads).astype(np.float32, copy=False), sum(widths))
-        if merged is None:  # not the group's first rank: nothing to push (the clock still goes)
-            return np.zeros(0, np.uint64), [np.zeros((0, w), np.float32) for w in widths], False
-        keys, sums = merged
-        return keys, np.split(sums, np.cumsum(widths)[:-1], axis=1), False
-
-    def _step_on_servers(self, batch, scale: float) -> float:
-        """``model.compute = "servers"`` (the seeds' third realm): the batch's nonzeros go to the
-        servers, which return each row's partial sums and, given each row's residual, compute and
-        apply the gradients themselves. Two round trips a step and no pipelining; weights are
-        never pulled. Under BSP it computes what the pull-based step computes (bit for bit with
-        one server; with several, partial sums add in another order)."""
-        self._wait_pending()
-        rows = batch.rows
-        row_ids = np.repeat(np.arange(rows, dtype=np.int32), np.diff(batch.indptr))
-        partials = self.table.wait(self.table.imargins(batch.indices, batch.values, row_ids, rows))
-        residuals = np.empty((rows, self.table.dim), dtype=np.float64)
-        loss = self._residuals(partials, batch.labels, scale, residuals) if rows else 0.0
-        if not math.isfinite(loss):
-            raise NonFiniteError(loss, [self.table.name] if not np.isfinite(partials).all() else [])
-        self._pending = [(self.table, self.table.iresiduals(residuals))]  # ends the step (the clock)
-        return loss
-
-    def _residuals(self, partials, labels, scale, out) -> float:
-        raise NotImplementedError
-
-    def finish(self) -> None:
-        """Wait for every request in flight (pulled rows ahead are kept for their step). Collective
-        over the worker group for the deep models (their MLP is brought up to date)."""
-        self._wait_pending()
-        for p in self._ahead:
-            if p.ts is not None:
-                p.params = [t.wait(x) for t, x in zip(self.sparse, p.ts)]
-                p.ts = None
-
-    def _pull_all(self, batch) -> tuple:
-        """(pos, the rows of every table) for a batch outside training (pulls in flight together)."""
-        uniq, pos = kkeys.unique_keys(batch.indices)
-        ts = [t.ipull(uniq) for t in self.sparse]
-        return pos, [t.wait(x) for t, x in zip(self.sparse, ts)]
-
-    def margins(self, batch) -> np.ndarray:
-        pos, params = self._pull_all(batch)
-        out = np.empty(batch.rows, dtype=np.float64)
-        if batch.rows:
-            self._margins(batch, pos, params, out)
-        return out
-
 
 class LinearModel(Model):
-    def _residuals(self, partials, labels, scale, out) -> float:
+    def residuals(self, partials, labels, scale, out) -> float:
         return kmodels.lr_residuals(partials, labels, scale, self.loss, out[:, 0])
 
     def _declare(self, ctx, cfg):
@@ -303,16 +123,16 @@ class LinearModel(Model):
                                  init="zeros", seed=cfg.model.seed, key_bits=cfg.data.hash_bits,
                                  features=cfg.features, init_keys=self._bias_key(1))]
 
-    def _forward_backward(self, batch, pos, params, grads, scale):
+    def forward_backward(self, batch, pos, params, grads, scale, dense_ready=None):
         return kmodels.lr_forward_backward(batch.indptr, pos, batch.values, batch.labels, params[0][:, 0],
                                            grads[0][:, 0], scale, 0.0, self.loss)
 
-    def _margins(self, batch, pos, params, out):
+    def margins_into(self, batch, pos, params, out):
         kmodels.lr_predict(batch.indptr, pos, batch.values, params[0][:, 0], out)
 
 
 class FactorizationMachine(Model):
-    def _residuals(self, partials, labels, scale, out) -> float:
+    def residuals(self, partials, labels, scale, out) -> float:
         return kmodels.fm_residuals(partials, labels, scale, self.loss, out)
 
     def _declare(self, ctx, cfg):
@@ -321,12 +141,12 @@ class FactorizationMachine(Model):
                                  seed=cfg.model.seed, key_bits=cfg.data.hash_bits, features=cfg.features,
                                  init_keys=self._bias_key(1 + cfg.model.factors))]
 
-    def _forward_backward(self, batch, pos, params, grads, scale):
+    def forward_backward(self, batch, pos, params, grads, scale, dense_ready=None):
         p, g = params[0], grads[0]
         return kmodels.fm_forward_backward(batch.indptr, pos, batch.values, batch.labels, p[:, 0],
                                            p[:, 1:], g[:, 0], g[:, 1:], scale, 0.0, self.loss, np.empty(0))
 
-    def _margins(self, batch, pos, params, out):
+    def margins_into(self, batch, pos, params, out):
         p = params[0]
         g = np.empty_like(p)
         kmodels.fm_forward_backward(batch.indptr, pos, batch.values, batch.labels, p[:, 0], p[:, 1:],
@@ -401,14 +221,14 @@ class DeepNet:
         row_ids = np.repeat(np.arange(rows, dtype=np.int32), np.diff(batch.indptr))
         x = self._pool(batch, pos, params)
         shallow, partials = self._shallow(batch, pos, row_ids, params)
-        t = _tick(self.stages, "embed", t)
+        t = tick(self.stages, "embed", t)
         with np.errstate(over="ignore", invalid="ignore"):  # (an overflow is a NaN loss: the step reports it)
             deep, hs = kdeep.mlp_forward(mlp, self.layers, x, self.act)
             margins = shallow + deep
             dm = np.empty(rows, dtype=np.float64)
             loss = kmodels.lr_residuals(margins, batch.labels, scale, self.loss, dm) if rows else 0.0
             dx = kdeep.mlp_backward(mlp, self.layers, hs, dm.astype(np.float32), self.act, mlp_grad)
-        t = _tick(self.stages, "mlp", t)
+        t = tick(self.stages, "mlp", t)
         if between is not None:
             between()
         if self.kind == "wdl":
@@ -422,7 +242,7 @@ class DeepNet:
             residuals[:, 1:] = partials[:, 1:1 + self.k]
             kmodels.fm_residual_grads(pos, batch.values, row_ids, p[:, 1:], residuals, g[:, 0], g[:, 1:])
             kdeep.embed_scatter(batch.indptr, pos, batch.indices, batch.values, dx, self.shift, BIAS_KEY, g[:, 1:])
-        _tick(self.stages, "embed", t)
+        tick(self.stages, "embed", t)
         return loss
 
 
@@ -458,7 +278,8 @@ class DeepModel(Model):
     the scatter of the embeddings' gradients) and the group's first rank pushes the sum before the
     step's clock; every ``model.dense_sync_steps`` steps the group's first rank pulls the MLP
     after the clock and broadcasts it to the group. With 1 under BSP every step sees every group's
-    updates, as the sparse tables do.
+    updates, as the sparse tables do. The model holds the replica (:attr:`mlp`); the step pipeline
+    keeps it in step (:class:`hpcps.train.pipeline.DenseSync`).
     """
 
     compute_empty = True  # an empty batch still joins its group's allreduce
@@ -476,14 +297,16 @@ class DeepModel(Model):
         self.dense_lr = dense_lr_for(cfg, ctx.layout)
         self.dense = ctx.dense_table("mlp" + suffix, self.net.size, optimizer=m.dense_optimizer, params={"lr": self.dense_lr},
                                      initial=init)
-        self.mlp = init
+        self.mlp = init  # the replica of the servers' MLP
         self.sync_every = m.dense_sync_steps
-        self._dense_pull: tuple | None = ("due", None)  # a pull of the MLP to finish: at the first step
-        self._allreduce = None
 
     @property
     def all_tables(self) -> list:
         return [*self.sparse, self.dense.sparse]
+
+    @property
+    def mlp_models(self) -> list:
+        return [self]
 
     def _declare(self, ctx, cfg):
         m, o = cfg.model, cfg.optimizer
@@ -495,64 +318,15 @@ class DeepModel(Model):
         return [ctx.sparse_table("fm" + self.suffix, dim=1 + m.factors, init="normal", init_scale=m.init_scale,
                                  init_keys=self._bias_key(1 + m.factors), **common)]
 
-    def _take_dense(self) -> None:
-        """Group collective: finish the MLP's pull (started after an earlier clock)."""
-        if self._dense_pull is not None:
-            kind, ts = self._dense_pull
-            self.mlp = self.dense.finish_pull(self.dense.ipull() if kind == "due" else ts)
-            self._dense_pull = None
+    def non_finite_tables(self, params: list) -> list[str]:
+        return super().non_finite_tables(params) + ([self.dense.sparse.name] if not np.isfinite(self.mlp).all() else [])
 
-    def _before_step(self) -> None:
-        self._take_dense()
+    def forward_backward(self, batch, pos, params, grads, scale, dense_ready=None):
+        mlp_grad = np.empty(self.net.size, dtype=np.float32)
+        between = (lambda: dense_ready(self, mlp_grad)) if dense_ready is not None else None
+        return self.net.forward_backward(batch, pos, params, self.mlp, grads, mlp_grad, scale, between)
 
-    def _non_finite(self, params: list) -> list[str]:
-        return super()._non_finite(params) + ([self.dense.sparse.name] if not np.isfinite(self.mlp).all() else [])
-
-    def _forward_backward(self, batch, pos, params, grads, scale):
-        net = self.net
-        mlp_grad = np.empty(net.size, dtype=np.float32)
-
-        def start_allreduce():
-            self._allreduce = self.dense.start_allreduce(mlp_grad)
-
-        return net.forward_backward(batch, pos, params, self.mlp, grads, mlp_grad, scale, start_allreduce)
-
-    def _before_clock(self) -> None:
-        t = time.perf_counter()
-        total, pending = self._allreduce
-        transport.finish_collective(self.ctx.group_comm, pending, self.ctx.stall_timeout_s)
-        self._allreduce = None
-        t = self._time("allreduce", t)
-        ts = self.dense.ipush_summed(total)
-        if ts is not None:
-            self._pending.append((self.dense.sparse, ts))
-        # the MLP's pull for the next step goes right behind its push, for the next clock: the
-        # servers answer it after that clock under BSP (the same rows as a pull sent after it),
-        # at once under SSP, instead of behind the sparse tables' push-pull (W&D's worker waited
-        # 0.56 ms a step for it there). One process: after the clock (see _after_clock).
-        if not self.ctx.local and self._pull_due(self.ctx.clock_value + 1):
-            self._dense_pull = ("started", self.dense.ipull(ahead=1))
-        self._time("push", t)
-
-    def _pull_due(self, clock: int) -> bool:
-        # the step's clock counts steps since the start of training (checkpoints keep it), so a
-        # resumed run pulls at the steps the uninterrupted run pulls at
-        return clock % self.sync_every == 0
-
-    def _after_clock(self) -> None:
-        if self.ctx.local and self._pull_due(self.ctx.clock_value):
-            self._dense_pull = ("started", self.dense.ipull())
-
-    def finish(self) -> None:
-        """Group collective: every request done, and the MLP replica the servers' (pulled now,
-        after every push: what evaluation and the exported model use)."""
-        super().finish()
-        if self._dense_pull is not None and self._dense_pull[0] == "started":
-            self._take_dense()
-        self._dense_pull = ("due", None)
-        self._take_dense()
-
-    def _margins(self, batch, pos, params, out):
+    def margins_into(self, batch, pos, params, out):
         out[:] = self.net.margins(batch, pos, params, self.mlp)
 
 
@@ -569,12 +343,13 @@ class Grid(Model):
     model of ``cfgs[i]`` (its own optimizer and hyper-parameters) with its own tables, named with
     ``@i``, on the same servers. A step pulls the rows of every member's sparse tables for the
     batch's keys in one go, runs each member's kernels and pushes every gradient together, so each
-    member trains exactly as it would alone, for one pass over the data. The step's loss is the
-    members' mean; :attr:`member_loss` sums each member's.
+    member trains exactly as it would alone, for one pass over the data. :attr:`member_loss` sums
+    each member's loss; the loss the step returns is 0 (a member that diverges does not stop the
+    others: see :mod:`hpcps.train.tune`).
 
     Members are all LR/FM or all deep (W&D, DeepFM: the same fields per row). A deep member keeps
     its own MLP (``mlp@i``): its gradient allreduced in the group and pushed, its pulls when due,
-    through the member's own hooks, called in turn."""
+    by the step pipeline (:attr:`mlp_models`: the members, in order)."""
 
     def __init__(self, ctx, cfgs: list, bias: float = 0.0, fields: int = 1):
         deep = [c.model.type in DEEP for c in cfgs]
@@ -598,24 +373,9 @@ class Grid(Model):
     def all_tables(self) -> list:
         return [t for m in self.members for t in m.all_tables]
 
-    def _before_step(self) -> None:
-        for m in self.deep:
-            m._before_step()
-
-    def _before_clock(self) -> None:
-        for m in self.deep:  # each MLP's allreduce finished and its sum pushed, in member order
-            m._before_clock()
-            self._pending += m._pending
-            m._pending = []
-
-    def _after_clock(self) -> None:
-        for m in self.deep:
-            m._after_clock()
-
-    def finish(self) -> None:
-        super().finish()
-        for m in self.deep:
-            m.finish()
+    @property
+    def mlp_models(self) -> list:
+        return list(self.deep)
 
     def _declare(self, ctx, cfg):
         self.members = [make_model(ctx, c, self.bias, self.fields, suffix=f"@{i}") for i, c in enumerate(self.cfgs)]
@@ -625,29 +385,23 @@ class Grid(Model):
             tables += m.sparse
         return tables
 
-    def _forward_backward(self, batch, pos, params, grads, scale):
+    def forward_backward(self, batch, pos, params, grads, scale, dense_ready=None):
         for i, (m, (a, b)) in enumerate(zip(self.members, self.spans)):
-            self.member_loss[i] += m._forward_backward(batch, pos, params[a:b], grads[a:b], scale)
-        return 0.0  # see step
+            self.member_loss[i] += m.forward_backward(batch, pos, params[a:b], grads[a:b], scale, dense_ready)
+        return 0.0  # (see the class's docstring)
 
-    def step(self, batch, scale: float, upcoming=()) -> float:
-        before = self.member_loss.sum()
-        super().step(batch, scale, upcoming)
-        return float(self.member_loss.sum() - before) / len(self.members)
-
-    def member_margins(self, batch) -> np.ndarray:
+    def member_margins(self, batch, pos, params) -> np.ndarray:
         """The margins of every member, ``(rows, members)``."""
-        pos, params = self._pull_all(batch)
         out = np.empty((batch.rows, len(self.members)), dtype=np.float64)
         col = np.empty(batch.rows, dtype=np.float64)
         for i, (m, (a, b)) in enumerate(zip(self.members, self.spans)):
             if batch.rows:
-                m._margins(batch, pos, params[a:b], col)
+                m.margins_into(batch, pos, params[a:b], col)
             out[:, i] = col
         return out
 
-    def margins(self, batch) -> np.ndarray:
-        return self.member_margins(batch)[:, 0]
+    def margins(self, batch, pos, params) -> np.ndarray:
+        return self.member_margins(batch, pos, params)[:, 0]
 
 
 def margins_from_params(kind: str, batch, pos, params, loss: str = "logistic") -> np.ndarray:

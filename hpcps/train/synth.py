@@ -66,7 +66,7 @@ class SynthError(ValueError):
     exit_status = 2
 
 
-def _made(info) -> dict | None:
+def _generator_of(info) -> dict | None:
     """The generator and parameters an ``info.json`` (parsed) records, or None for one it cannot
     tell (not hpcps's, or the deep data's of before it recorded them)."""
     if not isinstance(info, dict):
@@ -78,15 +78,15 @@ def _made(info) -> dict | None:
     return None
 
 
-def _differences(there: dict, made: dict) -> str:
-    """``rows 3000, not 100; seed 1, not 2``: the parameters in which ``there`` is not ``made``."""
-    return "; ".join(f"{k} {there.get(k)}, not {made.get(k)}" for k in dict.fromkeys([*there, *made])
-                     if there.get(k) != made.get(k))
+def _differences(there: dict, wanted: dict) -> str:
+    """``rows 3000, not 100; seed 1, not 2``: the parameters in which ``there`` is not ``wanted``."""
+    return "; ".join(f"{k} {there.get(k)}, not {wanted.get(k)}" for k in dict.fromkeys([*there, *wanted])
+                     if there.get(k) != wanted.get(k))
 
 
-def check_dir(out_dir: str, made: dict, writes: list[str], overwrite: bool = False,
+def check_dir(out_dir: str, wanted: dict, writes: list[str], overwrite: bool = False,
               how: str = HOW) -> None:
-    """Raise :class:`SynthError` when writing the data set ``made`` (its generator and parameters)
+    """Raise :class:`SynthError` when writing the data set ``wanted`` (its generator and parameters)
     into ``out_dir`` would replace another: an ``info.json`` of other parameters, or any file of
     ``writes`` (names in ``out_dir``) that no ``info.json`` of these parameters vouches for (the
     user's own data, say). The same data set is written again or reused: its rows depend only on
@@ -102,15 +102,15 @@ def check_dir(out_dir: str, made: dict, writes: list[str], overwrite: bool = Fal
         pass
     except (OSError, ValueError):
         info = "unreadable"
-    there = _made(info)
-    if there == made:
+    there = _generator_of(info)
+    if there == wanted:
         return
     hit = [p for p in [info_path] + [os.path.join(out_dir, w) for w in writes] if os.path.lexists(p)]
     if not hit:
         return
     what = ("files that no info.json of this data set vouches for" if not there else
-            f"another kind of data set ({there.get('kind')}, not {made['kind']})" if there.get("kind") != made["kind"]
-            else f"a data set made with other parameters ({_differences(there, made)})")
+            f"another kind of data set ({there.get('kind')}, not {wanted['kind']})" if there.get("kind") != wanted["kind"]
+            else f"a data set wanted with other parameters ({_differences(there, wanted)})")
     raise SynthError(f"{out_dir} holds {what}: writing this one would replace {', '.join(hit)}; {how}")
 
 
@@ -263,14 +263,14 @@ def generate(out_dir: str, rows: int, test_rows: int, fields: int = 39, interact
     return info
 
 
-def _new_set(out_dir: str, made: dict, writes: list[str], overwrite: bool, how: str, write) -> dict:
+def _new_set(out_dir: str, generator: dict, writes: list[str], overwrite: bool, how: str, write) -> dict:
     """``write()`` a data set into ``out_dir`` (checked first, :func:`check_dir`; nothing left
     behind if it fails, :func:`hpcps.outputs.making`), then its ``info.json``: what ``write`` returns and
-    ``made`` (its generator and parameters)."""
-    check_dir(out_dir, made, writes, overwrite, how)
+    ``generator`` (its kind and parameters)."""
+    check_dir(out_dir, generator, writes, overwrite, how)
     with outputs.making(out_dir):
         out = write()
-        _write_whole(os.path.join(out_dir, "info.json"), outputs.dumps({**out, "generator": made}, indent=1).encode())
+        _write_whole(os.path.join(out_dir, "info.json"), outputs.dumps({**out, "generator": generator}, indent=1).encode())
     return out
 
 
@@ -278,9 +278,9 @@ def ratings(out_dir: str, rows: int, test_rows: int, users: int = 5000, items: i
             factors: int = 4, seed: int = 1, overwrite: bool = False, how: str = HOW) -> dict:
     """Explicit ratings as libsvm (``rating user:1 item:1``) and ``info.json``; returns the files
     and the best RMSE. Refuses a directory holding another data set (see :func:`generate`)."""
-    made = {"kind": "ratings", "rows": rows, "test_rows": test_rows, "users": users, "items": items,
+    generator = {"kind": "ratings", "rows": rows, "test_rows": test_rows, "users": users, "items": items,
             "factors": factors, "seed": seed}
-    return _new_set(out_dir, made, ["train.svm", "test.svm"], overwrite, how,
+    return _new_set(out_dir, generator, ["train.svm", "test.svm"], overwrite, how,
                     lambda: _ratings(out_dir, rows, test_rows, users, items, factors, seed))
 
 
@@ -325,8 +325,8 @@ def deep(out_dir: str, rows: int, test_rows: int, seed: int = 1, overwrite: bool
     achievable test logloss and AUC (of the true probabilities). Refuses a directory holding
     another data set (see :func:`generate`).
     """
-    made = {"kind": "deep", "rows": rows, "test_rows": test_rows, "seed": seed}
-    return _new_set(out_dir, made, ["train.ffm", "test.ffm"], overwrite, how,
+    generator = {"kind": "deep", "rows": rows, "test_rows": test_rows, "seed": seed}
+    return _new_set(out_dir, generator, ["train.ffm", "test.ffm"], overwrite, how,
                     lambda: _deep(out_dir, rows, test_rows, seed))
 
 

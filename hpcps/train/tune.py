@@ -28,11 +28,12 @@ import sys
 import time
 from dataclasses import replace
 
-import numpy as np
 
 from hpcps import config, outputs
-from hpcps.ps import transport
-from hpcps.train.loop import Result, Trainer, evaluate_columns
+from hpcps.ps.collectives import World
+from hpcps.train.early_stop import EarlyStopping
+from hpcps.train.evaluation import evaluate_columns
+from hpcps.train.loop import Result, Trainer
 from hpcps.train.models import Grid
 from hpcps.train.progress import summary_table
 
@@ -105,11 +106,53 @@ def _describe(point: dict) -> str:
     return ", ".join(f"{k.split('.', 1)[1] if k.startswith('optimizer.') else k}={v}" for k, v in point.items())
 
 
+class GridEarlyStopping(EarlyStopping):
+    """Early stopping of each member of a grid: the holdout scores every member each epoch
+    (``evaluate_members(ds)``), a member stops when its holdout loss has not improved for
+    ``train.early_stop`` epochs, and training when every member has stopped. ``test_metrics()``:
+    every member's metrics on the test set this epoch (empty dicts without one)."""
+
+    def __init__(self, ctx, cfg, members: int, evaluate_members, test_metrics):
+        super().__init__(ctx, cfg)
+        self.member_best = [{"loss": math.inf, "epoch": 0, "test": {}} for _ in range(members)]
+        self.member_stopped = [0] * members
+        self.evaluate_members, self.test_metrics = evaluate_members, test_metrics
+
+    def watch(self, epoch: int, record: dict, evaluate, model, first: bool) -> bool:
+        name, n = self.metric, len(self.member_best)
+        got = self.evaluate_members(self.holdout)
+        for i, (g, t) in enumerate(zip(got, self.test_metrics())):
+            best = self.member_best[i]
+            if self.member_stopped[i]:
+                continue
+            if g[f"test_{name}"] < best["loss"]:
+                best.update(loss=g[f"test_{name}"], epoch=epoch, test=t)
+            elif self.patience and epoch - best["epoch"] >= self.patience:
+                self.member_stopped[i] = epoch
+        leader = min(range(n), key=lambda i: self.member_best[i]["loss"])
+        record[f"holdout_{name}"] = got[leader][f"test_{name}"]
+        record["members_stopped"] = sum(1 for s in self.member_stopped if s)
+        return all(self.member_stopped)
+
+    def restore_best(self, last_epoch: int, model, workers) -> bool:
+        """Nothing to restore: a tune reports configurations, not a model."""
+        return False
+
+    def ranking(self, points: list[dict]) -> list[dict]:
+        """The members (their grid ``points``) from the best holdout loss to the worst."""
+        name = self.metric
+        rows = [{**points[i], f"holdout_{name}": b["loss"], "best_epoch": b["epoch"],
+                 **{k: v for k, v in b["test"].items() if k != "test_rows"}, "member": i}
+                for i, b in enumerate(self.member_best)]
+        return sorted(rows, key=lambda r: r[f"holdout_{name}"])
+
+
 class Tuner(Trainer):
     """A :class:`~hpcps.train.loop.Trainer` whose model is a Grid: the holdout scores every member
     each epoch, each member has its own early stopping, and the report ranks them."""
 
     NO_CHECKPOINT = "hpcps tune writes no checkpoints"
+    check_finite = False  # a member that diverges is ranked last, not the end of the others
 
     def __init__(self, members: list[tuple[dict, dict]], comm=None, fold: int = 0, folds: int | None = 1):
         self.points = [p for p, _ in members]
@@ -118,75 +161,54 @@ class Tuner(Trainer):
         super().__init__(self.cfgs[0], comm)
         self.fold, self.folds = fold, folds
         self.holdout_phase = -1 - fold  # fold 0: the rows hpcps train holds out
-        n = len(self.cfgs)
-        self.member_best = [{"loss": math.inf, "epoch": 0, "test": {}} for _ in range(n)]
-        self.member_stopped = [0] * n
+        self.test_metrics: list[dict] = []  # every member's on the test set, this epoch
 
-    check_finite = False  # a member that diverges is ranked last, not the end of the others
-
-    def set_batch_size(self, rows: int) -> None:
-        super().set_batch_size(rows)
+    def agree_on_plan(self) -> None:
+        super().agree_on_plan()
+        rows = self.cfg.train.batch_size  # (resolved)
         self.cfgs = [replace(c, train=replace(c.train, batch_size=rows)) for c in self.cfgs]
-
-    def prepare(self) -> None:
-        super().prepare()
         if self.fold:  # the test set is scored in the first fold only (the rows best.toml holds out)
-            self.paths = {**self.paths, "test": ""}
+            self.plan = replace(self.plan, paths={**self.plan.paths, "test": ""})
 
     def build_model(self, bias: float, fields: int):
         return Grid(self.ctx, self.cfgs, bias, fields)
 
+    def early_stopping(self) -> EarlyStopping:
+        n = len(self.cfgs)
+        return GridEarlyStopping(self.ctx, self.cfg, n, self.evaluate_members,
+                                 lambda: self.test_metrics if self.test is not None else [{}] * n)
+
     def evaluate_members(self, ds) -> list[dict]:
         """Collective over the workers: every member's metrics on ``ds``."""
-        return evaluate_columns(self.ctx, self.model, self.model.member_margins, len(self.cfgs), ds,
-                                self.cfg.train.batch_size, self.cfg.model.loss)
+        grid, pipeline = self.model, self.pipeline
+        return evaluate_columns(self.ctx, pipeline, lambda b: grid.member_margins(b, *pipeline.pull_rows(b)),
+                                len(self.cfgs), ds, self.cfg.train.batch_size, self.cfg.model.loss)
+
+    def train_step(self, batch, upcoming) -> float:
+        """The members' mean loss of the step."""
+        before = self.model.member_loss.sum()
+        self.pipeline.step(batch, self.scale, upcoming)
+        return float(self.model.member_loss.sum() - before) / len(self.model.members)
 
     def evaluate(self, ds) -> dict:
         """The first member's metrics (the epoch's record); every member's on the test set are
-        kept for :meth:`watch_holdout`."""
+        kept for the members' early stopping."""
         got = self.evaluate_members(ds)
         if ds is self.test:
             self.test_metrics = got
         return got[0]
 
-    def begin(self) -> None:
-        super().begin()
-        if self.first and self.folds != 1:
+    def plan_steps(self) -> None:
+        super().plan_steps()
+        if self.workers.is_first and self.folds != 1:
             print(f"hpcps tune: fold {self.fold + 1}{f' of {self.folds}' if self.folds else ''}: holding out "
                   f"the rows r with r % {self.cfg.train.holdout} == {self.holdout_phase % self.cfg.train.holdout}",
                   flush=True)
 
-    def watch_holdout(self, epoch: int, record: dict) -> bool:
-        name, n = self.holdout_metric, len(self.cfgs)
-        got = self.evaluate_members(self.holdout)
-        tests = self.test_metrics if self.test is not None else [{}] * n  # from this epoch's record
-        for i, (g, t) in enumerate(zip(got, tests)):
-            best = self.member_best[i]
-            if self.member_stopped[i]:
-                continue
-            if g[f"test_{name}"] < best["loss"]:
-                best.update(loss=g[f"test_{name}"], epoch=epoch, test=t)
-            elif self.cfg.train.early_stop and epoch - best["epoch"] >= self.cfg.train.early_stop:
-                self.member_stopped[i] = epoch
-        leader = min(range(n), key=lambda i: self.member_best[i]["loss"])
-        record[f"holdout_{name}"] = got[leader][f"test_{name}"]
-        record["members_stopped"] = sum(1 for s in self.member_stopped if s)
-        return all(self.member_stopped)
-
-    def keep_best(self) -> None:
-        """Nothing to restore: a tune reports configurations, not a model."""
-
-    def ranking(self) -> list[dict]:
-        name = self.holdout_metric
-        rows = [{**self.points[i], f"holdout_{name}": b["loss"], "best_epoch": b["epoch"],
-                 **{k: v for k, v in b["test"].items() if k != "test_rows"}, "member": i}
-                for i, b in enumerate(self.member_best)]
-        return sorted(rows, key=lambda r: r[f"holdout_{name}"])
-
     def report(self, summary: dict, elapsed: float, wait: float, key_counts: dict) -> None:
         """The fold's ranking into the summary; :func:`run` reports the folds together."""
-        summary["ranking"] = self.ranking()
-        summary["holdout_rows"] = self.holdout_rows
+        summary["ranking"] = self.early.ranking(self.points)
+        summary["holdout_rows"] = self.early.holdout_rows
 
 
 def auto_folds(holdout_rows: int, holdout: int) -> int:
@@ -222,18 +244,17 @@ def run(members: list[tuple[dict, dict]], out: str = "", comm=None, folds: int |
     if folds != "auto" and not 1 <= int(folds) <= holdout:
         raise config.ConfigError(f"--folds {folds}: between 1 and train.holdout ({holdout}) "
                                  f"(each fold holds out one phase of every {holdout}th row)")
-    world = comm or transport.world()
+    world = World(comm, cfg.cluster.stall_timeout_s)
     summaries, total, fold, t0 = [], None if folds == "auto" else int(folds), 0, time.perf_counter()
     while total is None or fold < total:
-        tuner = Tuner(members, comm=world, fold=fold, folds=total)
+        tuner = Tuner(members, comm=world.comm, fold=fold, folds=total)
         result = tuner.run()
         if result.preempted:
             return result
         summaries.append(result.summary)
         if total is None:  # every rank learns the holdout's size from the first worker
-            rows = transport.allreduce(world, np.array([getattr(tuner, "holdout_rows", 0)]), "max",
-                                       cfg.cluster.stall_timeout_s, "agreement on the number of folds")[0]
-            total = auto_folds(int(rows), holdout)
+            rows = world.largest(tuner.early.holdout_rows, "agreement on the number of folds")
+            total = auto_folds(rows, holdout)
         fold += 1
     if summaries[0] is None:  # not the first worker
         return Result(None, 0)
@@ -242,7 +263,7 @@ def run(members: list[tuple[dict, dict]], out: str = "", comm=None, folds: int |
     summary["examples"] = sum(s["examples"] for s in summaries)
     summary["time_s"], summary["examples_per_s"] = elapsed, summary["examples"] / elapsed
     summary["folds"] = total
-    summary["ranking"] = combine([s["ranking"] for s in summaries], tuner.holdout_metric) if total > 1 \
+    summary["ranking"] = combine([s["ranking"] for s in summaries], tuner.early.metric) if total > 1 \
         else summaries[0]["ranking"]
     summary["holdout_rows"] = sum(s["holdout_rows"] for s in summaries)
     report(summary, tuner, out, elapsed)
@@ -251,7 +272,7 @@ def run(members: list[tuple[dict, dict]], out: str = "", comm=None, folds: int |
 
 def report(summary: dict, tuner: Tuner, out: str, elapsed: float) -> None:
     """The ranked table on the terminal, the best configuration into ``summary`` and ``out``."""
-    ranked, name, holdout, folds = summary["ranking"], tuner.holdout_metric, tuner.cfg.train.holdout, summary["folds"]
+    ranked, name, holdout, folds = summary["ranking"], tuner.early.metric, tuner.cfg.train.holdout, summary["folds"]
     keys = list(tuner.points[0])
     test = any(f"test_{name}" in r for r in ranked)
     head = ["rank", *keys, "best epoch", f"holdout {name}"] + ([f"test {name}"] if test else [])

@@ -1,0 +1,94 @@
+"""Scoring with the model on the servers: the exact metrics of a held-out set (logloss and AUC,
+or RMSE for the squared loss) and the predictions of a file, collective over the workers.
+
+Each worker scores its own part; the margins are gathered on the first worker, which computes the
+metrics over every row (or writes every score, in input order) and shares them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hpcps import outputs
+from hpcps.ps.collectives import World
+from hpcps.train import data as tdata
+from hpcps_kernels import metrics
+
+
+def _gather_on_first(ctx, array: np.ndarray) -> np.ndarray | None:
+    workers = ctx.among_workers
+    counts = workers.sizes(array.shape[0], "gather of evaluation sizes")
+    return workers.gather_to_first(array, counts, "gather of evaluation results")
+
+
+EVAL_ROWS = 4096  # rows a worker scores at once at least, whatever the training's batch
+
+
+def eval_batch(batch_size: int) -> int:
+    """Rows per request when scoring (:func:`evaluate_columns`, :func:`predict`): the training's
+    batch, but at least ``EVAL_ROWS``. A row's margin does not depend on the rows beside it, so
+    this changes no score, only the number of round trips (a small job trains in small batches,
+    and scoring its test rows in those would take a pull per batch)."""
+    return max(batch_size, EVAL_ROWS)
+
+
+def evaluate(ctx, pipeline, ds: tdata.Dataset | None, batch_size: int, loss: str) -> dict:
+    """Collective over the workers: exact metrics of the whole held-out set (on every worker),
+    its margins from ``pipeline``'s model (:class:`~hpcps.train.pipeline.StepPipeline`)."""
+    return evaluate_columns(ctx, pipeline, lambda b: pipeline.margins(b)[:, None], 1, ds, batch_size, loss)[0]
+
+
+def evaluate_columns(ctx, pipeline, margins, columns: int, ds: tdata.Dataset | None, batch_size: int,
+                     loss: str) -> list[dict]:
+    """Collective over the workers: the metrics of ``columns`` models whose margins of a batch
+    are ``margins(batch)``, ``(rows, columns)`` (a :class:`~hpcps.train.models.Grid`'s members),
+    once ``pipeline``'s steps are done."""
+    pipeline.finish()
+    batch_size = eval_batch(batch_size)
+    n = ds.rows if ds is not None else 0
+    m = np.concatenate([margins(ds.batch(lo, lo + batch_size)) for lo in range(0, n, batch_size)] or
+                       [np.zeros((0, columns))])
+    labels = ds.labels[:n].astype(np.float64) if ds is not None else np.zeros(0)
+    all_y = _gather_on_first(ctx, labels)
+    out = np.zeros((columns, 3))
+    for c in range(columns):
+        all_m = _gather_on_first(ctx, m[:, c])
+        if ctx.among_workers.is_first and all_m.size:
+            if loss == "logistic":
+                out[c] = (metrics.logloss(all_y, all_m), metrics.auc(all_y, all_m), all_m.size)
+            else:
+                out[c] = (float(np.sqrt(np.mean((all_m - all_y) ** 2))), np.nan, all_m.size)
+    ctx.among_workers.share_from_first(out, "broadcast of metrics")
+    if loss == "logistic":
+        return [{"test_logloss": float(o[0]), "test_auc": float(o[1]), "test_rows": int(o[2])} for o in out]
+    return [{"test_rmse": float(o[0]), "test_rows": int(o[2])} for o in out]
+
+
+def predict(ctx, pipeline, ds: tdata.Dataset, batch_size: int, loss: str, out_path: str) -> int:
+    """Collective over the workers: one score per row of every worker's part, in input order,
+    written by the first worker. Returns the number of scores written."""
+    pipeline.finish()
+    batch_size = eval_batch(batch_size)
+    margins = np.concatenate([pipeline.margins(ds.batch(lo, lo + batch_size)) for lo in range(0, ds.rows, batch_size)]
+                             or [np.zeros(0)])
+    scores = 1.0 / (1.0 + np.exp(-margins)) if loss == "logistic" else margins
+    everything = _gather_on_first(ctx, scores)
+    if ctx.among_workers.is_first:
+        try:
+            write_scores(out_path, everything)
+        except outputs.OutputError as e:
+            end_job_on(e)
+        return everything.size
+    return 0
+
+
+def end_job_on(e: outputs.OutputError) -> None:
+    """An output that failed mid-run on one rank (the metrics, the predictions): its one line
+    ends the job (the other ranks are serving or stepping)."""
+    World.end_job_with(f"error: {e}", e.exit_status)
+
+
+def write_scores(path: str, scores: np.ndarray) -> None:
+    """One score per line, replacing ``path`` whole (:func:`hpcps.outputs.replacing`)."""
+    with outputs.replacing(path, scores.size * 9) as tmp, open(tmp, "w") as f:
+        np.savetxt(f, scores, fmt="%.6f")  # (a file object: given a name, savetxt opens it twice, which a FIFO cannot take)

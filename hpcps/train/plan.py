@@ -1,0 +1,255 @@
+"""What a training run decides before its parameter-server context exists: the :class:`RunPlan`.
+
+Every rank of the job agrees on it (:func:`agree_on_plan`, collective over the world, the first
+rank deciding and checking): the output paths are free, the checkpoint to resume and this run's
+id, the data files (or the synthetic set made for the run), the training file's format, the batch
+size (``train.batch_size = 0``: from the file's rows) and that a resumed checkpoint's data position
+still means the same rows. The plan itself is plain data, and what follows from it (where a
+resumed run starts, what its checkpoints' data position means) is computed without MPI.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, replace
+
+from hpcps import config, outputs
+from hpcps.ps import checkpoint
+from hpcps.train import data as tdata
+from hpcps.train import synth
+
+
+class TrainError(RuntimeError):
+    """A failure every rank agreed on (bad data, missing file): each rank raises the same message
+    (or an empty one, when the rank that failed reports it). ``exit_status``: the exit status, 2 (bad
+    configuration or input) or 1 (a run-time failure, such as a full disk)."""
+
+    def __init__(self, message: str = "", status: int = 2):
+        super().__init__(message)
+        self.exit_status = status
+
+
+# train.batch_size = 0 (auto): rows per worker a step, at least AUTO_BATCH_MIN and at most
+# AUTO_BATCH_MAX, so that an epoch takes at least AUTO_BATCH_STEPS steps. A step updates each of its
+# keys once (FTRL and AdaGrad move a key by about the same amount whatever the rows behind its summed
+# gradient), so a small set in batches of 1000 rows gets a few updates an epoch and undertrains; a
+# large one keeps 1000 rows a step, which the servers' per-step cost needs (smaller steps slow the
+# loop for the same test logloss). Calibrated on docs/defaults-sweep.py: more steps an epoch bring
+# more of its sets near their best logloss, fewer rows a step slow the Criteo example's loop.
+AUTO_BATCH_MIN, AUTO_BATCH_MAX, AUTO_BATCH_STEPS = 50, 1000, 128
+
+
+def auto_batch_size(rows: int, workers: int) -> int:
+    """``train.batch_size`` = 0: the rows a step for ``rows`` rows of training over ``workers``."""
+    return min(AUTO_BATCH_MAX, max(AUTO_BATCH_MIN, math.ceil(rows / max(workers, 1) / AUTO_BATCH_STEPS)))
+
+
+def gradient_scale(cfg, group_size: int) -> float:
+    """What a step's summed gradient is multiplied by. ``train.gradient = "sum"``: 1, each row's
+    gradient counts in full (per-coordinate optimizers like FTRL and AdaGrad set their own step
+    sizes, and a mean would shrink rare keys' gradients by the batch size); ``"mean"``: the
+    gradient of the mean loss over the worker group's rows (the objective of plain SGD)."""
+    return 1.0 if cfg.train.gradient == "sum" else 1.0 / (cfg.train.batch_size * group_size)
+
+
+def data_position_meaning(cfg, train_path: str, workers: int) -> dict:
+    """What a checkpoint's data position refers to: the training file, the batch size, the
+    number of workers (each reads its own byte range) and the shuffle of their rows, if any."""
+    meaning = {"train": tdata.fingerprint(train_path), "batch_size": cfg.train.batch_size, "workers": workers}
+    if cfg.data.shuffle_rows:  # (absent when off: checkpoints written before the key resume as before)
+        meaning["shuffle"] = [cfg.data.shuffle_rows, cfg.data.shuffle_seed]
+    return meaning
+
+
+def check_same_data(manifest: dict, now: dict) -> str | None:
+    """Why resuming ``manifest`` over the data described by ``now`` would continue at its step
+    over other rows (None if it would not)."""
+    then = manifest.get("data", {})
+    if not isinstance(then.get("train"), dict):
+        return None  # written before checkpoints recorded their data (version 1)
+    problems = []
+    a, b = then["train"], now["train"]
+    if (a.get("bytes"), a.get("head_tail_xxh64")) != (b["bytes"], b["head_tail_xxh64"]):
+        problems.append(f"the training file differs ({a.get('path')}, {a.get('bytes')} bytes, then; "
+                        f"{b['path']}, {b['bytes']} bytes, now)")
+    for key, what in (("batch_size", "train.batch_size"), ("workers", "the number of workers")):
+        if then.get(key) != now[key]:
+            problems.append(f"{what} was {then.get(key)}, now {now[key]}")
+    if then.get("shuffle") != now.get("shuffle"):
+        show = lambda v: f"shuffle_rows {v[0]}, seed {v[1]}" if v else "off"  # noqa: E731
+        problems.append(f"data.shuffle_rows/shuffle_seed were {show(then.get('shuffle'))}, now {show(now.get('shuffle'))}")
+    if not problems:
+        return None
+    return ("the checkpoint's data position would point at other rows: " + "; ".join(problems)
+            + ". Set checkpoint.allow_other_data = true to resume anyway")
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What every rank of a run agreed on before its context exists (:func:`agree_on_plan`)."""
+
+    cfg: object                        # the configuration, with train.batch_size resolved
+    batch_size_auto: bool              # train.batch_size was 0: resolved from the training file's rows
+    restore: tuple[str, dict] | None   # the checkpoint resumed (its path and manifest), or None
+    run_id: str                        # the lineage of the checkpoints this run writes
+    paths: dict                        # "train" and "test": the data files
+    synth_info: dict | None            # the synthetic set made for the run (no data.train), else None
+    input_format: str                  # the training file's format ("" where it could not be read yet)
+    workers: int
+
+    @property
+    def resumed(self) -> str:
+        """The checkpoint resumed, or ""."""
+        return self.restore[0] if self.restore else ""
+
+    def data_meaning(self) -> dict:
+        """What this run's checkpoints' data position refers to (:func:`data_position_meaning`)."""
+        return data_position_meaning(self.cfg, self.paths["train"], self.workers)
+
+    def start(self, steps: int) -> tuple[int, int, int]:
+        """(epoch, step, steps done) where training starts with ``steps`` steps an epoch: the
+        resumed checkpoint's position (one written at an epoch's last step: the next epoch's
+        first), else the first step."""
+        if self.restore is None:
+            return 1, 1, 0
+        pos = self.restore[1]["position"]
+        epoch, step = pos["epoch"], pos["step"]
+        if step > steps:
+            epoch, step = epoch + 1, 1
+        return epoch, step, pos["global_step"]
+
+    def resumes_from_its_checkpoint_dir(self) -> bool:
+        """The checkpoint resumed lies in ``checkpoint.dir`` and means the same data: it is this
+        run's newest checkpoint there (so a run with nothing left to train writes none)."""
+        ck = self.cfg.checkpoint
+        if self.restore is None or not ck.dir or ck.allow_other_data:
+            return False
+        try:
+            return os.path.samefile(os.path.dirname(os.path.normpath(self.restore[0])) or ".", ck.dir)
+        except OSError:
+            return False
+
+
+def check_output_paths(cfg, world) -> None:
+    """Collective over the world: the output paths are usable and apart from the inputs
+    (:func:`hpcps.config.check_paths`, on the first rank), else TrainError on every rank."""
+    errors = world.failures(config.check_paths(cfg) if world.is_first else None, "check of the output paths")
+    if errors:
+        raise TrainError(errors[0].split(": ", 1)[1])
+
+
+def agree_on_plan(cfg, world) -> RunPlan:
+    """Collective over the world (a :class:`hpcps.ps.collectives.World`): the run's plan, the
+    first rank deciding; a reason not to run is TrainError on every rank."""
+    ck = cfg.checkpoint
+    restore = resolve_resume(cfg, world)
+    if ck.dir and world.is_first:
+        os.makedirs(ck.dir, exist_ok=True)
+    run_id = claim_checkpoints(cfg, world, restore)
+    paths, synth_info = resolve_data(cfg, world)
+    input_format = _training_format(cfg, world, paths, synth_info)
+    workers = world.size - cfg.cluster.servers if world.size > 1 else 1  # one process: one worker
+    auto = not cfg.train.batch_size
+    if auto:  # from the training file's rows (counted as far as it matters)
+        enough = AUTO_BATCH_MAX * AUTO_BATCH_STEPS * workers
+        rows = tdata.rows_at_least(paths["train"], enough) if world.is_first else 0
+        rows = world.first_decides(rows, "broadcast of the training file's rows")
+        cfg = replace(cfg, train=replace(cfg.train, batch_size=auto_batch_size(rows, workers)))
+    plan = RunPlan(cfg, auto, restore, run_id, paths, synth_info, input_format, workers)
+    problem = None
+    if world.is_first and restore is not None and not ck.allow_other_data and os.path.isfile(paths["train"]):
+        problem = check_same_data(restore[1], plan.data_meaning())
+    errors = world.failures(problem, "check of the resumed data position")
+    if errors:
+        raise TrainError(f"cannot resume {restore[0]}: " + errors[0].split(": ", 1)[1])
+    return plan
+
+
+def _training_format(cfg, world, paths: dict, synth_info: dict | None) -> str:
+    """Collective: the training file's format, recorded in the model file (what its keys mean);
+    generated files that clash with the outputs are TrainError on every rank."""
+    problem, fmt = None, ""
+    if world.is_first:
+        if synth_info:  # the generated files are inputs too
+            problem = outputs.clash(*config.path_roles(cfg, data=paths))
+        try:
+            fmt = tdata.detect_format(paths["train"], cfg.data.format)
+        except (OSError, tdata.DataError):
+            pass  # (a missing file, or a FIFO, is reported where it is loaded)
+    problem, fmt = world.first_decides((problem, fmt), "broadcast of the training file's format")
+    if problem:
+        raise TrainError(problem)
+    return fmt
+
+
+def resolve_resume(cfg, world) -> tuple[str, dict] | None:
+    """Collective: the checkpoint to resume from (verified on the first rank), or None."""
+    ck = cfg.checkpoint
+    if not ck.resume:
+        return None
+    found, error = None, None
+    if world.is_first:
+        if ck.resume == "auto":
+            found = checkpoint.newest_good(ck.dir, report=checkpoint.say, move_damaged=True)
+            if found is None:
+                print(f"hpcps: no checkpoint to resume in {ck.dir}: starting from scratch", flush=True)
+        else:
+            try:
+                found = (ck.resume, checkpoint.verify(ck.resume))
+            except checkpoint.CheckpointError as e:
+                error = str(e)
+        if found and found[1].get("model_fingerprint") != cfg.model_fingerprint():
+            changed = config.fingerprint_differences(found[1].get("config") or {}, cfg.to_dict())
+            error = (f"{found[0]} was written for another model, optimizer or key space "
+                     f"(model fingerprint {found[1].get('model_fingerprint')} != {cfg.model_fingerprint()}"
+                     + (f": {'; '.join(changed)}" if changed else "") + ")")
+    found, error = world.first_decides((found, error), "broadcast of the checkpoint to resume")
+    if error:
+        raise TrainError(f"cannot resume: {error}")
+    return found
+
+
+def claim_checkpoints(cfg, world, restore: tuple[str, dict] | None) -> str:
+    """Collective: this run's id, inherited from the checkpoint it resumes (its lineage) or new,
+    once the first rank has made ``checkpoint.dir`` hold this run's checkpoints only
+    (:func:`hpcps.ps.checkpoint.claim`: another run's stop the job, unless ``checkpoint.existing =
+    "replace"`` moves them aside)."""
+    run_id, error = None, None
+    if world.is_first:
+        run_id = checkpoint.run_of(restore[1]) if restore else checkpoint.new_run_id()
+        if cfg.checkpoint.dir:
+            error = checkpoint.claim(cfg.checkpoint.dir, run_id, restore[0] if restore else None, cfg.checkpoint.existing,
+                                     report=checkpoint.say)
+    run_id, error = world.first_decides((run_id, error), "broadcast of the run's id")
+    if error:
+        raise TrainError(error)
+    return run_id
+
+
+def resolve_data(cfg, world) -> tuple[dict, dict | None]:
+    """Collective: the data files to use. With no ``data.train``, the first rank generates a
+    synthetic data set (``[synth]``), or reuses the one it generated before with the same
+    parameters (in ``synth.dir``, else under :func:`synth.cache_dir`), and every rank gets its
+    paths and known best metrics."""
+    paths = {"train": cfg.data.train, "test": cfg.data.test}
+    if cfg.data.train:
+        return paths, None
+    info = None
+    if world.is_first:
+        out = cfg.synth.dir or os.path.join(synth.cache_dir(), synth.dir_name(
+            cfg.synth.rows, cfg.synth.test_rows, cfg.synth.fields, cfg.synth.interactions, cfg.synth.seed,
+            cfg.data.hash_bits))
+        try:  # the cache's directories are hpcps's own, named by their parameters: replaced if need be
+            s = synth.generate(out, cfg.synth.rows, cfg.synth.test_rows, cfg.synth.fields, cfg.synth.interactions,
+                               cfg.synth.seed, cfg.data.hash_bits, formats=("libsvm",), overwrite=not cfg.synth.dir,
+                               how="give synth.dir another directory (or \"\" to use the cache)")
+            info = {"train": s.files["train_libsvm"], "test": s.files["test_libsvm"],
+                    "best_test_logloss": float(s.best_test_logloss), "best_test_auc": float(s.best_test_auc),
+                    "dir": out, "reused": s.reused}
+        except synth.SynthError as e:
+            info = {"error": f"synth.dir = {cfg.synth.dir!r}: {e}"}
+    info = world.first_decides(info, "broadcast of the synthetic data's paths")
+    if "error" in info:
+        raise TrainError(info["error"])
+    return {"train": info["train"], "test": info["test"]}, info
