@@ -23,7 +23,8 @@ from .hashing import mix64
 from .hashtable import MAX_LOAD, _entry, _probe, _tag, build_index, entry_format, index_capacity
 from .init import init_values
 from .parallel import Halves, over
-from .optim import FUSED_ADAGRAD, FUSED_FTRL, FUSED_SGD, _adagrad_row, _adam_row, _ftrl_row, _sgd_row
+from .optim import (FUSED_ADAGRAD, FUSED_FTRL, FUSED_SGD, adagrad_constants, adagrad_update, adam_constants,
+                    adam_update, ftrl_constants, ftrl_update, row_parts, sgd_constants, sgd_update)
 
 AHEAD = 16  # prefetch distance, in queries
 MAX_DIRECT_BITS = 31  # int32 slots
@@ -105,11 +106,15 @@ def direct_push(direct, index, keys, queries, tag_bits, rows, grads, rule, hp, s
     nd = np.uint64(direct.shape[0])
     mask = np.uint64(index.shape[0] - 1)
     flat, width, n, dim = rows.reshape(-1), rows.shape[1], queries.shape[0], grads.shape[1]
-    h0 = 1.0 / hp[0] if rule == FUSED_FTRL else hp[0]  # (the FTRL kernel takes 1 / alpha first)
-    h1 = hp[1]
+    # each rule's constants, as its kernel's float64 loop takes them (hp: its arguments in order)
+    f64 = np.float64
+    h0, h1 = hp[0], hp[1]
     h2 = hp[2] if hp.shape[0] > 2 else 0.0
     h3 = hp[3] if hp.shape[0] > 3 else 0.0
     h4 = hp[4] if hp.shape[0] > 4 else 0.0
+    sgd_c, adagrad_c = sgd_constants(f64, (h0, h1)), adagrad_constants(f64, (h0, h1, h2))
+    ftrl_c = ftrl_constants(f64, (h0 if rule == FUSED_FTRL else 1.0, h1, h2, h3))  # (it takes 1 / alpha)
+    adam_c = adam_constants(f64, (h0, h1, h2, h3, h4))
     for i in range(-2 * AHEAD, n):  # (negative i: the stages filling up)
         # direct_pull's two stages, written out: as an inline helper both kernels ran 2-4x slower
         j = i + 2 * AHEAD
@@ -131,14 +136,16 @@ def direct_push(direct, index, keys, queries, tag_bits, rows, grads, rule, hp, s
         s = slots[i]
         if s < 0:
             return i
+        r = rows[s]
+        out = row_parts(r, dim)
         if rule == FUSED_FTRL:
-            _ftrl_row(rows, s, grads, i, dim, h0, h1, h2, h3)
+            ftrl_update(r, grads[i], out, dim, f64, ftrl_c)
         elif rule == FUSED_SGD:
-            _sgd_row(rows, s, grads, i, dim, h0, h1)
+            sgd_update(r, grads[i], out, dim, f64, sgd_c)
         elif rule == FUSED_ADAGRAD:
-            _adagrad_row(rows, s, grads, i, dim, h0, h1, h2)
+            adagrad_update(r, grads[i], out, dim, f64, adagrad_c)
         else:
-            _adam_row(rows, s, grads, i, dim, h0, h1, h2, h3, h4)
+            adam_update(r, grads[i], out, dim, f64, adam_c)
     return n
 
 
