@@ -24,7 +24,7 @@ from .hashtable import MAX_LOAD, _entry, _probe, _tag, build_index, entry_format
 from .init import init_values
 from .parallel import Halves, over
 from .optim import (FUSED_ADAGRAD, FUSED_FTRL, FUSED_SGD, adagrad_constants, adagrad_update, adam_constants,
-                    adam_update, ftrl_constants, ftrl_update, row_parts, sgd_constants, sgd_update)
+                    adam_update, ftrl_constants, ftrl_update, sgd_constants, sgd_update)
 
 AHEAD = 16  # prefetch distance, in queries
 MAX_DIRECT_BITS = 31  # int32 slots
@@ -136,16 +136,14 @@ def direct_push(direct, index, keys, queries, tag_bits, rows, grads, rule, hp, s
         s = slots[i]
         if s < 0:
             return i
-        r = rows[s]
-        out = row_parts(r, dim)
         if rule == FUSED_FTRL:
-            ftrl_update(r, grads[i], out, dim, f64, ftrl_c)
+            ftrl_update(rows, s, grads, i, None, dim, f64, ftrl_c)
         elif rule == FUSED_SGD:
-            sgd_update(r, grads[i], out, dim, f64, sgd_c)
+            sgd_update(rows, s, grads, i, None, dim, f64, sgd_c)
         elif rule == FUSED_ADAGRAD:
-            adagrad_update(r, grads[i], out, dim, f64, adagrad_c)
+            adagrad_update(rows, s, grads, i, None, dim, f64, adagrad_c)
         else:
-            adam_update(r, grads[i], out, dim, f64, adam_c)
+            adam_update(rows, s, grads, i, None, dim, f64, adam_c)
     return n
 
 

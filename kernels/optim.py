@@ -42,7 +42,8 @@ from typing import Callable
 
 import numpy as np
 from numba import njit
-from numba.extending import register_jitable
+from numba import types
+from numba.extending import overload, register_jitable
 
 from ._prefetch import NARROW, prefetch_lines
 from .parallel import Halves, over
@@ -87,16 +88,36 @@ FUSED_SGD, FUSED_ADAGRAD, FUSED_FTRL, FUSED_ADAM = 0, 1, 2, 3
 # A rule is three functions:
 # * ``<rule>_constants(ft, hp)``: its hyper-parameters (a tuple in its kernel's argument order) as
 #   its update takes them, in the float type ``ft`` it computes in (np.float64 or np.float32);
-# * ``<rule>_update(row, grad, out, dim, ft, c)``: one row's new parameters and state from ``row``
-#   (``[w (dim) | state]``) and ``grad`` (``dim`` values), written to ``out``, whose ``out[k]``
-#   receives the row's k-th run of ``dim`` values: the row's own runs (:func:`row_parts`) to update
-#   it in place, or scratch arrays (see :func:`rule_kernel`);
+# * ``<rule>_update(rows, s, grads, i, out, dim, ft, c)``: the new parameters and state of row
+#   ``rows[s]`` (``[w (dim) | state]``) under the gradient ``grads[i]``, each value written with
+#   :func:`store`: into the row itself when ``out`` is None, else into scratch (see rule_kernel);
 # * ``<rule>_state_width(dim)``: its state columns per row.
 # :func:`rule_kernel` makes the rule's kernel from them, and the fused lookup and update of a push
 # (:func:`hpcps_kernels.directindex.direct_push`) inlines the same updates: a fix lands once.
 # They are register_jitable functions, which numba inlines where they are called, and not njit
 # dispatchers: numba's disk cache keys a closure by its pickled cells, and a pickled dispatcher
 # carries an id of its process, so a kernel closing over one would compile again in every process.
+# An update takes the table and the gradients, not views of a row, and no array to write in place:
+# each array an inlined call takes may cost a reference count increment and decrement per call,
+# which numba does not remove in a loop that can raise (direct_push).
+
+def store(rows, out, s, part, dim, d, value):
+    """Write ``value`` as value ``d`` of run ``part`` of updated row ``s`` (a row is runs of
+    ``dim`` values, ``[w | state]``): into ``rows[s, part * dim + d]`` when ``out`` is None (an
+    update in place), into ``out[part][d]`` when ``out`` is scratch, one array per run."""
+
+
+@overload(store, inline="always")
+def _store_impl(rows, out, s, part, dim, d, value):
+    if isinstance(out, types.NoneType):
+        def store_in_row(rows, out, s, part, dim, d, value):
+            rows[s, part * dim + d] = value
+        return store_in_row
+
+    def store_in_scratch(rows, out, s, part, dim, d, value):
+        out[part][d] = value
+    return store_in_scratch
+
 
 @register_jitable(inline="always")
 def sgd_constants(ft, hp):
@@ -105,11 +126,11 @@ def sgd_constants(ft, hp):
 
 
 @register_jitable(inline="always")
-def sgd_update(row, grad, out, dim, ft, c):
+def sgd_update(rows, s, grads, i, out, dim, ft, c):
     lr, l2 = c
     for d in range(dim):
-        w = ft(row[d])
-        out[0][d] = w - lr * (grad[d] + l2 * w)
+        w = ft(rows[s, d])
+        store(rows, out, s, 0, dim, d, w - lr * (grads[i, d] + l2 * w))
 
 
 @register_jitable
@@ -124,14 +145,14 @@ def adagrad_constants(ft, hp):
 
 
 @register_jitable(inline="always")
-def adagrad_update(row, grad, out, dim, ft, c):
+def adagrad_update(rows, s, grads, i, out, dim, ft, c):
     lr, eps, l2 = c
     for d in range(dim):
-        w = ft(row[d])
-        g = grad[d] + l2 * w
-        a = row[dim + d] + g * g
-        out[1][d] = a
-        out[0][d] = w - lr * g / (np.sqrt(a) + eps)
+        w = ft(rows[s, d])
+        g = grads[i, d] + l2 * w
+        a = rows[s, dim + d] + g * g
+        store(rows, out, s, 1, dim, d, a)
+        store(rows, out, s, 0, dim, d, w - lr * g / (np.sqrt(a) + eps))
 
 
 @register_jitable
@@ -152,21 +173,21 @@ def ftrl_constants(ft, hp):
 
 
 @register_jitable(inline="always")
-def ftrl_update(row, grad, out, dim, ft, c):
+def ftrl_update(rows, s, grads, i, out, dim, ft, c):
     inv_alpha, beta, l1, l2 = c
     zero, floor = ft(0.0), ft(FTRL_FLOOR)
     for d in range(dim):
-        g = ft(grad[d])
-        w = ft(row[d])
-        n_old = ft(row[2 * dim + d])
+        g = ft(grads[i, d])
+        w = ft(rows[s, d])
+        n_old = ft(rows[s, 2 * dim + d])
         n_new = n_old + g * g
         sqrt_new = np.sqrt(n_new)
-        z = ft(row[dim + d]) + g - (sqrt_new - np.sqrt(n_old)) * inv_alpha * w
-        out[1][d] = z
-        out[2][d] = n_new
+        z = ft(rows[s, dim + d]) + g - (sqrt_new - np.sqrt(n_old)) * inv_alpha * w
+        store(rows, out, s, 1, dim, d, z)
+        store(rows, out, s, 2, dim, d, n_new)
         # w = 0 when |z| <= l1, written without a branch (it mispredicts on real data)
         shrink = max(abs(z) - l1, zero)
-        out[0][d] = -math.copysign(shrink, z) / max((beta + sqrt_new) * inv_alpha + l2, floor) + zero
+        store(rows, out, s, 0, dim, d, -math.copysign(shrink, z) / max((beta + sqrt_new) * inv_alpha + l2, floor) + zero)
 
 
 @register_jitable
@@ -182,34 +203,27 @@ def adam_constants(ft, hp):
 
 
 @register_jitable(inline="always")
-def adam_update(row, grad, out, dim, ft, c):
+def adam_update(rows, s, grads, i, out, dim, ft, c):
     lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, l2 = c
-    p1 = row[3 * dim] * beta1  # beta1**t, kept as a running product: no pow/exp
-    p2 = row[3 * dim + 1] * beta2
-    out[3][0] = p1
-    out[3][1] = p2
+    p1 = rows[s, 3 * dim] * beta1  # beta1**t, kept as a running product: no pow/exp
+    p2 = rows[s, 3 * dim + 1] * beta2
+    store(rows, out, s, 3, dim, 0, p1)
+    store(rows, out, s, 3, dim, 1, p2)
     c1 = ft(1.0 - np.float64(p1))
     c2 = ft(1.0 - np.float64(p2))
     for d in range(dim):
-        w = ft(row[d])
-        g = grad[d] + l2 * w
-        m = beta1 * row[dim + d] + one_minus_beta1 * g
-        v = beta2 * row[2 * dim + d] + one_minus_beta2 * g * g
-        out[1][d] = m
-        out[2][d] = v
-        out[0][d] = w - lr * (m / c1) / (np.sqrt(v / c2) + eps)
+        w = ft(rows[s, d])
+        g = grads[i, d] + l2 * w
+        m = beta1 * rows[s, dim + d] + one_minus_beta1 * g
+        v = beta2 * rows[s, 2 * dim + d] + one_minus_beta2 * g * g
+        store(rows, out, s, 1, dim, d, m)
+        store(rows, out, s, 2, dim, d, v)
+        store(rows, out, s, 0, dim, d, w - lr * (m / c1) / (np.sqrt(v / c2) + eps))
 
 
 @register_jitable
 def adam_state_width(dim):
     return 2 * dim + 2
-
-
-@njit(inline="always")
-def row_parts(row, dim):
-    """A row's runs of ``dim`` values as views, ``row[k * dim:]`` for each of its ``ROW_PARTS``
-    parts: where an update writes a row in place."""
-    return row, row[dim:], row[2 * dim:], row[3 * dim:]
 
 
 def rule_kernel(name: str, constants, update, state_width, float32_rows: bool = True):
@@ -221,9 +235,9 @@ def rule_kernel(name: str, constants, update, state_width, float32_rows: bool = 
     in one pass, in float64, in place. Wider rows are updated in float32 in two passes: the new
     values into scratch, one array per run of the row, then copied into the row. Writing the row's
     runs in one loop (or runs of one scratch array), LLVM cannot prove them apart and leaves the
-    loop scalar; split, both loops vectorise. Either
-    way the row ``ahead_keys(width)`` keys on is prefetched, every cache line of it, as slots land
-    anywhere in a table far larger than the cache.
+    loop scalar; split, both loops vectorise. Either way the row ``ahead_keys(width)`` keys on is
+    prefetched, every cache line of it, as slots land anywhere in a table far larger than the
+    cache.
 
     Compiled without numba's zero check on divisions (numpy's error model), which kept the loops
     scalar: every rule's denominators are positive for hyper-parameters in their ranges."""
@@ -240,19 +254,18 @@ def rule_kernel(name: str, constants, update, state_width, float32_rows: bool = 
                 if i + ahead < n:
                     p = slots[i + ahead] * width
                     prefetch_lines(flat, p, p + width)
-                r = rows[slots[i]]
-                update(r, grads[i], out, dim, np.float32, c32)
+                s = slots[i]
+                update(rows, s, grads, i, out, dim, np.float32, c32)
                 for k in range(ROW_PARTS):
                     for d in range(min(dim, parts - k * dim)):
-                        r[k * dim + d] = out[k][d]
+                        rows[s, k * dim + d] = out[k][d]
             return
         c64 = constants(np.float64, hp)
         for i in range(n):
             if i + ahead < n:
                 p = slots[i + ahead] * width
                 prefetch_lines(flat, p, p + width)
-            r = rows[slots[i]]
-            update(r, grads[i], row_parts(r, dim), dim, np.float64, c64)
+            update(rows, slots[i], grads, i, None, dim, np.float64, c64)
 
     kernel.__name__ = kernel.__qualname__ = name
     return njit(cache=True, nogil=True, error_model="numpy")(kernel)  # (nogil: see hpcps_kernels.parallel)
