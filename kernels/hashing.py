@@ -26,20 +26,23 @@ def _rotl(x, r):
 
 
 @njit(inline="always")
-def read64(buf, i):
-    """The 8 bytes ``buf[i:i + 8]`` as a little-endian uint64."""
+def _read_le(buf, i, nbytes):
+    """The ``nbytes`` bytes ``buf[i:i + nbytes]`` as a little-endian uint64."""
     v = np.uint64(0)
-    for k in range(8):
+    for k in range(nbytes):
         v |= np.uint64(buf[i + k]) << np.uint64(8 * k)
     return v
 
 
 @njit(inline="always")
+def read64(buf, i):
+    """The 8 bytes ``buf[i:i + 8]`` as a little-endian uint64."""
+    return _read_le(buf, i, 8)
+
+
+@njit(inline="always")
 def _read32(buf, i):
-    v = np.uint64(0)
-    for k in range(4):
-        v |= np.uint64(buf[i + k]) << np.uint64(8 * k)
-    return v
+    return _read_le(buf, i, 4)
 
 
 @njit(inline="always")
