@@ -57,8 +57,7 @@ def direct_pull(direct, index, keys, queries, tag_bits, rows, dim, kind, scale, 
     :func:`direct_lookup` then :func:`hpcps_kernels.init.pull_rows` give, the same bits.
 
     Two prefetch stages: the direct entry of query ``i + 2 * AHEAD``, then, once the entry of
-    query ``i + AHEAD`` is read, that query's row; so neither pass waits for the other's misses
-    (1.16-1.35x the two kernels on pulls of 18 k Zipf keys here)."""
+    query ``i + AHEAD`` is read, that query's row; so neither pass waits for the other's misses."""
     nd = np.uint64(direct.shape[0])
     mask = np.uint64(index.shape[0] - 1)
     flat, width, n = rows.reshape(-1), rows.shape[1], queries.shape[0]
@@ -80,7 +79,7 @@ def direct_pull(direct, index, keys, queries, tag_bits, rows, dim, kind, scale, 
                 prefetch_lines(flat, s * width, s * width + dim)
         if i < 0:
             continue
-        s = slots[i]  # (pull_rows's row copy, written out: as an inline helper both ran 1.4-2x slower)
+        s = slots[i]  # (pull_rows's row copy, written out: as an inline helper both ran slower)
         if s >= 0:
             for d in range(dim):
                 out[i, d] = rows[s, d]
@@ -100,9 +99,7 @@ def direct_push(direct, index, keys, queries, tag_bits, rows, grads, rule, hp, s
     Stops at the first absent key and returns its position (``n`` when every key is present):
     the keys before it are updated, the others untouched (the caller inserts the rest). The
     prefetching is :func:`direct_pull`'s, so the lookups' cache misses overlap the arithmetic of
-    the rows before them. FTRL, dim 1, keys of a 2**24 space: 10.4 against 12.2 ns a key for the
-    two kernels on 100 k keys and 10.5 against 13.5 on 1 M in slot order, 13.5 against 14.7 on
-    100 k shuffled (one quiet run of 15 each; within the noise on busier ones)."""
+    the rows before them."""
     nd = np.uint64(direct.shape[0])
     mask = np.uint64(index.shape[0] - 1)
     flat, width, n, dim = rows.reshape(-1), rows.shape[1], queries.shape[0], grads.shape[1]
@@ -116,7 +113,7 @@ def direct_push(direct, index, keys, queries, tag_bits, rows, grads, rule, hp, s
     ftrl_c = ftrl_constants(f64, (h0 if rule == FUSED_FTRL else 1.0, h1, h2, h3))  # (it takes 1 / alpha)
     adam_c = adam_constants(f64, (h0, h1, h2, h3, h4))
     for i in range(-2 * AHEAD, n):  # (negative i: the stages filling up)
-        # direct_pull's two stages, written out: as an inline helper both kernels ran 2-4x slower
+        # direct_pull's two stages, written out: as an inline helper both kernels ran several times slower
         j = i + 2 * AHEAD
         if j < n and queries[j] < nd:
             prefetch(direct, queries[j])
