@@ -77,7 +77,7 @@ def state_init(name: str, dim: int, adagrad_init: float | None = None) -> np.nda
 # to a vector instead of float64's four, and vectorised at all only because each row is updated
 # in two passes (see rule_kernel). Below it, rows are too short for vectors to pay.
 TWO_PASS_DIM = 8
-ROW_PARTS = 4  # a rule's row is at most this many runs of dim values: [w | state (the last run shorter)]
+ROW_PARTS = 4  # a rule's row has at most this many parts: its runs of dim values, then its extra values
 
 # the built-in one-pass rules' codes in a push's fused lookup and update (Optimizer.fused)
 FUSED_SGD, FUSED_ADAGRAD, FUSED_FTRL, FUSED_ADAM = 0, 1, 2, 3
@@ -85,13 +85,14 @@ FUSED_SGD, FUSED_ADAGRAD, FUSED_FTRL, FUSED_ADAM = 0, 1, 2, 3
 
 # -- the update rules, one definition each ----------------------------------------------------------
 #
-# A rule is three functions:
+# A rule is two functions:
 # * ``<rule>_constants(ft, hp)``: its hyper-parameters (a tuple in its kernel's argument order) as
 #   its update takes them, in the float type ``ft`` it computes in (np.float64 or np.float32);
 # * ``<rule>_update(rows, s, grads, i, out, dim, ft, c)``: the new parameters and state of row
 #   ``rows[s]`` (``[w (dim) | state]``) under the gradient ``grads[i]``, each value written with
 #   :func:`store`: into the row itself when ``out`` is None, else into scratch (see rule_kernel);
-# * ``<rule>_state_width(dim)``: its state columns per row.
+# and ``<RULE>_ROW``, the shape of its row: ``(runs, extra)``, ``runs`` runs of ``dim`` values
+# (the first the parameters ``w``) and ``extra`` values after them.
 # :func:`rule_kernel` makes the rule's kernel from them, and the fused lookup and update of a push
 # (:func:`hpcps_kernels.directindex.direct_push`) inlines the same updates: a fix lands once.
 # They are register_jitable functions, which numba inlines where they are called, and not njit
@@ -119,6 +120,9 @@ def _store_impl(rows, out, s, part, dim, d, value):
     return store_in_scratch
 
 
+SGD_ROW = (1, 0)  # [w]
+
+
 @register_jitable(inline="always")
 def sgd_constants(ft, hp):
     lr, l2 = hp
@@ -133,9 +137,7 @@ def sgd_update(rows, s, grads, i, out, dim, ft, c):
         store(rows, out, s, 0, dim, d, w - lr * (grads[i, d] + l2 * w))
 
 
-@register_jitable
-def sgd_state_width(dim):
-    return 0
+ADAGRAD_ROW = (2, 0)  # [w | acc]
 
 
 @register_jitable(inline="always")
@@ -155,15 +157,13 @@ def adagrad_update(rows, s, grads, i, out, dim, ft, c):
         store(rows, out, s, 0, dim, d, w - lr * g / (np.sqrt(a) + eps))
 
 
-@register_jitable
-def adagrad_state_width(dim):
-    return dim
-
-
 # The denominator of FTRL's weight is at least this: with beta = 0 (allowed) and l2 = 0, a new row
 # whose gradients so far are all 0 has n = 0 and z = 0, and its weight is 0, not 0 / 0 (which
 # raised ZeroDivisionError on the server, or, without the check, made a NaN).
 FTRL_FLOOR = 1e-30
+
+
+FTRL_ROW = (3, 0)  # [w | z | n]
 
 
 @register_jitable(inline="always")
@@ -187,12 +187,11 @@ def ftrl_update(rows, s, grads, i, out, dim, ft, c):
         store(rows, out, s, 2, dim, d, n_new)
         # w = 0 when |z| <= l1, written without a branch (it mispredicts on real data)
         shrink = max(abs(z) - l1, zero)
-        store(rows, out, s, 0, dim, d, -math.copysign(shrink, z) / max((beta + sqrt_new) * inv_alpha + l2, floor) + zero)
+        w_new = -math.copysign(shrink, z) / max((beta + sqrt_new) * inv_alpha + l2, floor) + zero
+        store(rows, out, s, 0, dim, d, w_new)
 
 
-@register_jitable
-def ftrl_state_width(dim):
-    return 2 * dim
+ADAM_ROW = (3, 2)  # [w | m | v | beta1**t beta2**t]
 
 
 @register_jitable(inline="always")
@@ -221,44 +220,57 @@ def adam_update(rows, s, grads, i, out, dim, ft, c):
         store(rows, out, s, 0, dim, d, w - lr * (m / c1) / (np.sqrt(v / c2) + eps))
 
 
-@register_jitable
-def adam_state_width(dim):
-    return 2 * dim + 2
+def state_width(row: tuple[int, int]) -> Callable[[int], int]:
+    """The state columns of a row of shape ``row`` (``(runs, extra)``, see above), as a function of
+    ``dim``: what :class:`Optimizer` takes."""
+    runs, extra = row
+    return lambda dim: (runs - 1) * dim + extra
 
 
-def rule_kernel(name: str, constants, update, state_width, float32_rows: bool = True):
+def rule_kernel(name: str, constants, update, row: tuple[int, int], float32_rows: bool = True):
     """The kernel ``name(rows, slots, grads, *hp)`` of the update rule defined by ``constants``,
-    ``update`` and ``state_width`` (register_jitable functions, see above): ``rows[slots[i]]``
-    updated with ``grads[i]``, in order, ``hp`` being the rule's hyper-parameters.
+    ``update`` (register_jitable functions) and ``row`` (its row's shape), see above:
+    ``rows[slots[i]]`` updated with ``grads[i]``, in order, ``hp`` being the rule's
+    hyper-parameters.
 
     Rows of fewer than ``TWO_PASS_DIM`` values, or any row when not ``float32_rows``, are updated
     in one pass, in float64, in place. Wider rows are updated in float32 in two passes: the new
-    values into scratch, one array per run of the row, then copied into the row. Writing the row's
-    runs in one loop (or runs of one scratch array), LLVM cannot prove them apart and leaves the
-    loop scalar; split, both loops vectorise. Either way the row ``ahead_keys(width)`` keys on is
-    prefetched, every cache line of it, as slots land anywhere in a table far larger than the
-    cache.
+    values into scratch, one array per run of the row, then copied into the row, every run in one
+    loop. Writing the row's runs in one loop (or runs of one scratch array), LLVM cannot prove them
+    apart and leaves the loop scalar; split, both loops vectorise. Either way the row
+    ``ahead_keys(width)`` keys on is prefetched, every cache line of it, as slots land anywhere in
+    a table far larger than the cache.
 
     Compiled without numba's zero check on divisions (numpy's error model), which kept the loops
     scalar: every rule's denominators are positive for hyper-parameters in their ranges."""
+    runs, extra = row
+    if not 1 <= runs <= ROW_PARTS - (extra > 0) or not 0 <= extra <= TWO_PASS_DIM:
+        raise ValueError(f"update rule {name!r}: a row of {runs} runs and {extra} more values does not fit")
+
     def kernel(rows, slots, grads, *hp):
         dim = grads.shape[1]
         flat, width, n = rows.reshape(-1), rows.shape[1], slots.shape[0]
         ahead = ahead_keys(width)
         if float32_rows and dim >= TWO_PASS_DIM:
             c32 = constants(np.float32, hp)
-            parts = dim + state_width(dim)  # the values of a row the rule writes
-            out = (np.empty(dim, np.float32), np.empty(dim, np.float32), np.empty(dim, np.float32),
-                   np.empty(dim, np.float32))
+            o0, o1, o2, o3 = out = (np.empty(dim, np.float32), np.empty(dim, np.float32),
+                                    np.empty(dim, np.float32), np.empty(dim, np.float32))
             for i in range(n):
                 if i + ahead < n:
                     p = slots[i + ahead] * width
                     prefetch_lines(flat, p, p + width)
                 s = slots[i]
                 update(rows, s, grads, i, out, dim, np.float32, c32)
-                for k in range(ROW_PARTS):
-                    for d in range(min(dim, parts - k * dim)):
-                        rows[s, k * dim + d] = out[k][d]
+                for d in range(dim):
+                    rows[s, d] = o0[d]
+                    if runs > 1:
+                        rows[s, dim + d] = o1[d]
+                    if runs > 2:
+                        rows[s, 2 * dim + d] = o2[d]
+                    if runs > 3:
+                        rows[s, 3 * dim + d] = o3[d]
+                for d in range(extra):
+                    rows[s, runs * dim + d] = out[runs][d]
             return
         c64 = constants(np.float64, hp)
         for i in range(n):
@@ -271,10 +283,10 @@ def rule_kernel(name: str, constants, update, state_width, float32_rows: bool = 
     return njit(cache=True, nogil=True, error_model="numpy")(kernel)  # (nogil: see hpcps_kernels.parallel)
 
 
-sgd = rule_kernel("sgd", sgd_constants, sgd_update, sgd_state_width, float32_rows=False)
-adagrad = rule_kernel("adagrad", adagrad_constants, adagrad_update, adagrad_state_width)
-ftrl = rule_kernel("ftrl", ftrl_constants, ftrl_update, ftrl_state_width)
-adam = rule_kernel("adam", adam_constants, adam_update, adam_state_width)
+sgd = rule_kernel("sgd", sgd_constants, sgd_update, SGD_ROW, float32_rows=False)
+adagrad = rule_kernel("adagrad", adagrad_constants, adagrad_update, ADAGRAD_ROW)
+ftrl = rule_kernel("ftrl", ftrl_constants, ftrl_update, FTRL_ROW)
+adam = rule_kernel("adam", adam_constants, adam_update, ADAM_ROW)
 
 
 # -- the registry --------------------------------------------------------------------------------
@@ -403,13 +415,13 @@ def _adam_state(dim: int, params: dict) -> np.ndarray:
     return state
 
 
-register(Optimizer("sgd", {"lr": 0.01, "l2": 0.0}, sgd, ("lr", "l2"), sgd_state_width, ranges={"lr": POSITIVE},
-                   fused=FUSED_SGD))
+register(Optimizer("sgd", {"lr": 0.01, "l2": 0.0}, sgd, ("lr", "l2"), state_width(SGD_ROW),
+                   ranges={"lr": POSITIVE}, fused=FUSED_SGD))
 register(Optimizer("adagrad", {"lr": 0.01, "eps": 1e-8, "l2": 0.0, "initial_accumulator": 0.1}, adagrad,
-                   ("lr", "eps", "l2"), adagrad_state_width, _adagrad_state, {"lr": POSITIVE, "eps": POSITIVE},
+                   ("lr", "eps", "l2"), state_width(ADAGRAD_ROW), _adagrad_state, {"lr": POSITIVE, "eps": POSITIVE},
                    fused=FUSED_ADAGRAD))
 register(Optimizer("ftrl", {"alpha": 0.1, "beta": 1.0, "l1": 0.0, "l2": 0.0}, ftrl, ("alpha", "beta", "l1", "l2"),
-                   ftrl_state_width, ranges={"alpha": POSITIVE}, fused=FUSED_FTRL))
+                   state_width(FTRL_ROW), ranges={"alpha": POSITIVE}, fused=FUSED_FTRL))
 register(Optimizer("adam", {"lr": 0.001, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "l2": 0.0}, adam,
-                   ("lr", "beta1", "beta2", "eps", "l2"), adam_state_width, _adam_state,
+                   ("lr", "beta1", "beta2", "eps", "l2"), state_width(ADAM_ROW), _adam_state,
                    {"lr": POSITIVE, "eps": POSITIVE, "beta1": UNIT, "beta2": UNIT}, fused=FUSED_ADAM))
