@@ -21,7 +21,7 @@ def _answer_numba_blas_probe_from_files() -> bool:
     When numba's CPU target first loads (the first compiled call of any kernel, cached or not) it
     asks whether a BLAS is there by importing ``scipy.linalg.cython_blas`` (``ensure_blas``, called
     as ``numba.np.arraymath`` is imported). With SciPy 1.17 that import pulls in its array-API
-    layer: 0.2-0.3 s of every hpcps process here, though no hpcps kernel calls a BLAS (the deep
+    layer, a noticeable part of every hpcps process's start-up, though no hpcps kernel calls a BLAS (the deep
     models' matrix products are NumPy's). This answers the probe from SciPy's files instead, keeping
     numba's check that SciPy's BLAS integer width is the one numba was built for; numba's C helper
     still imports the module itself at the first BLAS call. Nothing is changed when numba has

@@ -18,7 +18,7 @@ from numba.extending import intrinsic
 
 LINE = 64  # bytes
 # Spans of at most this many values get their first line only (``prefetch_lines``): on dim-1
-# rules (12-byte rows, which straddle two lines 1 time in 16) the loop over lines cost 10-25 %.
+# rules (12-byte rows, which straddle two lines 1 time in 16) the loop over lines cost more than it saved.
 NARROW = 8
 
 

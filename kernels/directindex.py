@@ -23,7 +23,8 @@ from .hashing import mix64
 from .hashtable import MAX_LOAD, _entry, _probe, _tag, build_index, entry_format, index_capacity
 from .init import init_values
 from .parallel import TwoThreads, run_split
-from .optim import FUSED_ADAGRAD, FUSED_FTRL, FUSED_SGD, _adagrad_row, _adam_row, _ftrl_row, _sgd_row
+from .optim import (FUSED_ADAGRAD, FUSED_FTRL, FUSED_SGD, adagrad_constants, adagrad_update, adam_constants,
+                    adam_update, ftrl_constants, ftrl_update, sgd_constants, sgd_update)
 
 AHEAD = 16  # prefetch distance, in queries
 MAX_DIRECT_BITS = 31  # int32 slots
@@ -56,8 +57,7 @@ def direct_pull(direct, index, keys, queries, tag_bits, rows, dim, kind, scale, 
     :func:`direct_lookup` then :func:`hpcps_kernels.init.pull_rows` give, the same bits.
 
     Two prefetch stages: the direct entry of query ``i + 2 * AHEAD``, then, once the entry of
-    query ``i + AHEAD`` is read, that query's row; so neither pass waits for the other's misses
-    (1.16-1.35x the two kernels on pulls of 18 k Zipf keys here)."""
+    query ``i + AHEAD`` is read, that query's row; so neither pass waits for the other's misses."""
     nd = np.uint64(direct.shape[0])
     mask = np.uint64(index.shape[0] - 1)
     flat, width, n = rows.reshape(-1), rows.shape[1], queries.shape[0]
@@ -79,7 +79,7 @@ def direct_pull(direct, index, keys, queries, tag_bits, rows, dim, kind, scale, 
                 prefetch_lines(flat, s * width, s * width + dim)
         if i < 0:
             continue
-        s = slots[i]  # (pull_rows's row copy, written out: as an inline helper both ran 1.4-2x slower)
+        s = slots[i]  # (pull_rows's row copy, written out: as an inline helper both ran slower)
         if s >= 0:
             for d in range(dim):
                 out[i, d] = rows[s, d]
@@ -99,19 +99,21 @@ def direct_push(direct, index, keys, queries, tag_bits, rows, grads, rule, hp, s
     Stops at the first absent key and returns its position (``n`` when every key is present):
     the keys before it are updated, the others untouched (the caller inserts the rest). The
     prefetching is :func:`direct_pull`'s, so the lookups' cache misses overlap the arithmetic of
-    the rows before them. FTRL, dim 1, keys of a 2**24 space: 10.4 against 12.2 ns a key for the
-    two kernels on 100 k keys and 10.5 against 13.5 on 1 M in slot order, 13.5 against 14.7 on
-    100 k shuffled (one quiet run of 15 each; within the noise on busier ones)."""
+    the rows before them."""
     nd = np.uint64(direct.shape[0])
     mask = np.uint64(index.shape[0] - 1)
     flat, width, n, dim = rows.reshape(-1), rows.shape[1], queries.shape[0], grads.shape[1]
-    h0 = 1.0 / hp[0] if rule == FUSED_FTRL else hp[0]  # (the FTRL kernel takes 1 / alpha first)
-    h1 = hp[1]
+    # each rule's constants, as its kernel's float64 loop takes them (hp: its arguments in order)
+    f64 = np.float64
+    h0, h1 = hp[0], hp[1]
     h2 = hp[2] if hp.shape[0] > 2 else 0.0
     h3 = hp[3] if hp.shape[0] > 3 else 0.0
     h4 = hp[4] if hp.shape[0] > 4 else 0.0
+    sgd_c, adagrad_c = sgd_constants(f64, (h0, h1)), adagrad_constants(f64, (h0, h1, h2))
+    ftrl_c = ftrl_constants(f64, (h0 if rule == FUSED_FTRL else 1.0, h1, h2, h3))  # (it takes 1 / alpha)
+    adam_c = adam_constants(f64, (h0, h1, h2, h3, h4))
     for i in range(-2 * AHEAD, n):  # (negative i: the stages filling up)
-        # direct_pull's two stages, written out: as an inline helper both kernels ran 2-4x slower
+        # direct_pull's two stages, written out: as an inline helper both kernels ran several times slower
         j = i + 2 * AHEAD
         if j < n and queries[j] < nd:
             prefetch(direct, queries[j])
@@ -132,13 +134,13 @@ def direct_push(direct, index, keys, queries, tag_bits, rows, grads, rule, hp, s
         if s < 0:
             return i
         if rule == FUSED_FTRL:
-            _ftrl_row(rows, s, grads, i, dim, h0, h1, h2, h3)
+            ftrl_update(rows, s, grads, i, None, dim, f64, ftrl_c)
         elif rule == FUSED_SGD:
-            _sgd_row(rows, s, grads, i, dim, h0, h1)
+            sgd_update(rows, s, grads, i, None, dim, f64, sgd_c)
         elif rule == FUSED_ADAGRAD:
-            _adagrad_row(rows, s, grads, i, dim, h0, h1, h2)
+            adagrad_update(rows, s, grads, i, None, dim, f64, adagrad_c)
         else:
-            _adam_row(rows, s, grads, i, dim, h0, h1, h2, h3, h4)
+            adam_update(rows, s, grads, i, None, dim, f64, adam_c)
     return n
 
 

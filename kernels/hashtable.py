@@ -17,7 +17,7 @@ Layout, chosen for bytes per key and for few cache misses:
 Any uint64 is a valid key (2**64 - 1 too). No deletion: eviction rebuilds an index.
 
 Probes prefetch the index entry of the query ``2 * AHEAD`` ahead and the key of the one ``AHEAD``
-ahead, so the cache misses of successive queries overlap instead of queueing (1.5x here).
+ahead, so the cache misses of successive queries overlap instead of queueing.
 The functions are pure kernels on the arrays; :class:`KeyIndex` is a small holder that grows
 them (index ×2 when the load passes ``MAX_LOAD``, keys ×1.5).
 """

@@ -13,15 +13,16 @@ returns). Layouts:
   ``w = 0 if |z| <= l1 else -(z - sign(z) * l1) / ((beta + sqrt(n)) / alpha + l2)``.
 * ``adam`` (Kingma & Ba 2015), lazy: ``[w | m | v | beta1**t | beta2**t]`` — only the updated
   rows move, each with its own step count ``t``, kept as the two running powers that the bias
-  correction needs (a multiply per update instead of two ``exp``, which cost 3x here).
+  correction needs (a multiply per update instead of two ``exp``).
 
-Every rule takes ``slots`` (int64) and ``grads`` (float32, ``(n, dim)``); ``grads[i]`` updates
-``rows[slots[i]]``; each rule prefetches the row of the key ``ahead_keys(width)`` keys on, since slots land
-anywhere in a table far larger than the cache (2.5-2.9x faster on random slots here), every cache
-line of it (a dim-64 FTRL row is twelve: 1.6-1.9x on 100 k random slots against fetching the first). A slot
-listed twice is updated twice, in order (merge duplicates first with
-:func:`hpcps_kernels.keys.segment_reduce`). Arithmetic is float64, stored as float32, except FTRL,
-AdaGrad and Adam on rows of ``TWO_PASS_DIM`` values and wider, whose vectorised loops compute in float32.
+Each rule is defined once, as the update of one row (``<rule>_update``, with its constants and its
+state width beside it); :func:`rule_kernel` makes its kernel from that definition, and the fused
+lookup and update of a push inlines the same update. Every kernel takes ``slots`` (int64) and
+``grads`` (float32, ``(n, dim)``); ``grads[i]`` updates ``rows[slots[i]]``, prefetching every
+cache line of the row ``ahead_keys(width)`` keys on. A slot listed twice is updated twice, in order
+(merge duplicates first with :func:`hpcps_kernels.keys.segment_reduce`). Arithmetic is float64,
+stored as float32, except FTRL, AdaGrad and Adam on rows of ``TWO_PASS_DIM`` values and wider,
+whose vectorised loops compute in float32.
 
 **The registry.** Everything about an optimizer is one :class:`Optimizer` in :data:`REGISTRY`: its
 hyper-parameters with defaults and allowed ranges, its state width, how a new row's state starts,
@@ -41,8 +42,10 @@ from typing import Callable
 
 import numpy as np
 from numba import njit
+from numba import types
+from numba.extending import overload, register_jitable
 
-from ._prefetch import NARROW, prefetch, prefetch_lines
+from ._prefetch import NARROW, prefetch_lines
 from .parallel import TwoThreads, run_split
 
 AHEAD = 16  # prefetch distance, in keys: a row's cache lines are fetched this many keys early
@@ -70,88 +73,88 @@ def state_init(name: str, dim: int, adagrad_init: float | None = None) -> np.nda
     return opt.new_state(dim, params)
 
 
+# From this row width up, the rules with a float32 loop (FTRL, AdaGrad, Adam) run it: eight lanes
+# to a vector instead of float64's four, and vectorised at all only because each row is updated
+# in two passes (see rule_kernel). Below it, rows are too short for vectors to pay.
+TWO_PASS_DIM = 8
+ROW_PARTS = 4  # a rule's row has at most this many parts: its runs of dim values, then its extra values
+
 # the built-in one-pass rules' codes in a push's fused lookup and update (Optimizer.fused)
 FUSED_SGD, FUSED_ADAGRAD, FUSED_FTRL, FUSED_ADAM = 0, 1, 2, 3
 
-# The one-pass rules update a row with a row function (``_<rule>_row(rows, s, grads, i, dim, ...)``:
-# ``grads[i]`` into ``rows[s]``), inlined at numba's level into the rule's loop and into the fused
-# lookup-and-update of a push (:func:`hpcps_kernels.directindex.direct_push`): one definition of
-# each rule's arithmetic. Inlined, not called: in the fused push a call per row (a compiled
-# function) ran at half the speed of the inlined row.
 
-@njit(inline="always")
-def _sgd_row(rows, s, grads, i, dim, lr, l2):
+# -- the update rules, one definition each ----------------------------------------------------------
+#
+# A rule is two functions:
+# * ``<rule>_constants(ft, hp)``: its hyper-parameters (a tuple in its kernel's argument order) as
+#   its update takes them, in the float type ``ft`` it computes in (np.float64 or np.float32);
+# * ``<rule>_update(rows, s, grads, i, out, dim, ft, c)``: the new parameters and state of row
+#   ``rows[s]`` (``[w (dim) | state]``) under the gradient ``grads[i]``, each value written with
+#   :func:`store`: into the row itself when ``out`` is None, else into scratch (see rule_kernel);
+# and ``<RULE>_ROW``, the shape of its row: ``(runs, extra)``, ``runs`` runs of ``dim`` values
+# (the first the parameters ``w``) and ``extra`` values after them.
+# :func:`rule_kernel` makes the rule's kernel from them, and the fused lookup and update of a push
+# (:func:`hpcps_kernels.directindex.direct_push`) inlines the same updates: a fix lands once.
+# They are register_jitable functions, which numba inlines where they are called, and not njit
+# dispatchers: numba's disk cache keys a closure by its pickled cells, and a pickled dispatcher
+# carries an id of its process, so a kernel closing over one would compile again in every process.
+# An update takes the table and the gradients, not views of a row, and no array to write in place:
+# each array an inlined call takes may cost a reference count increment and decrement per call,
+# which numba does not remove in a loop that can raise (direct_push).
+
+def store(rows, out, s, part, dim, d, value):
+    """Write ``value`` as value ``d`` of run ``part`` of updated row ``s`` (a row is runs of
+    ``dim`` values, ``[w | state]``): into ``rows[s, part * dim + d]`` when ``out`` is None (an
+    update in place), into ``out[part][d]`` when ``out`` is scratch, one array per run."""
+
+
+@overload(store, inline="always")
+def _store_impl(rows, out, s, part, dim, d, value):
+    if isinstance(out, types.NoneType):
+        def store_in_row(rows, out, s, part, dim, d, value):
+            rows[s, part * dim + d] = value
+        return store_in_row
+
+    def store_in_scratch(rows, out, s, part, dim, d, value):
+        out[part][d] = value
+    return store_in_scratch
+
+
+SGD_ROW = (1, 0)  # [w]
+
+
+@register_jitable(inline="always")
+def sgd_constants(ft, hp):
+    lr, l2 = hp
+    return ft(lr), ft(l2)
+
+
+@register_jitable(inline="always")
+def sgd_update(rows, s, grads, i, out, dim, ft, c):
+    lr, l2 = c
     for d in range(dim):
-        w = np.float64(rows[s, d])
-        rows[s, d] = w - lr * (grads[i, d] + l2 * w)
+        w = ft(rows[s, d])
+        store(rows, out, s, 0, dim, d, w - lr * (grads[i, d] + l2 * w))
 
 
-@njit(cache=True, nogil=True)  # (see hpcps_kernels.parallel)
-def sgd(rows, slots, grads, lr, l2):
-    dim = grads.shape[1]
-    flat, width, n = rows.reshape(-1), rows.shape[1], slots.shape[0]
-    ahead = ahead_keys(width)
-    for i in range(n):
-        if i + ahead < n:  # (written out in each rule: as an inline helper it ran at half speed)
-            p = slots[i + ahead] * width
-            prefetch_lines(flat, p, p + width)
-        _sgd_row(rows, slots[i], grads, i, dim, lr, l2)
+ADAGRAD_ROW = (2, 0)  # [w | acc]
 
 
-# From this row width up, FTRL, AdaGrad and Adam run their two-pass float32 loops (below), which
-# vectorise: against the one-pass float64 loops, FTRL 1.7x at 8 (1.2x at 4), AdaGrad 2.4x at 8 and
-# 2.6x at 64 (0.8x at 2), Adam 3.2x at 16, 2.3x at 64 and 4.3x at 1024.
-TWO_PASS_DIM = 8
+@register_jitable(inline="always")
+def adagrad_constants(ft, hp):
+    lr, eps, l2 = hp
+    return ft(lr), ft(eps), ft(l2)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")  # no zero check on the division (eps > 0): the loop vectorises
-def _adagrad_two_pass(rows, slots, grads, lr, eps, l2):
-    """AdaGrad on wide rows: the new weights and accumulators into float32 scratch, then both
-    stores, so the loops vectorise (see :func:`_ftrl_two_pass`): 2.5-2.7x the one-pass float64
-    loop at dims 16-64, within 2 units in the last place."""
-    dim = grads.shape[1]
-    wt = np.empty(dim, dtype=np.float32)
-    at = np.empty(dim, dtype=np.float32)
-    lr, eps, l2 = np.float32(lr), np.float32(eps), np.float32(l2)
-    flat, width, n = rows.reshape(-1), rows.shape[1], slots.shape[0]
-    ahead = ahead_keys(width)
-    for i in range(n):
-        if i + ahead < n:  # (written out in each rule: as an inline helper it ran at half speed)
-            p = slots[i + ahead] * width
-            prefetch_lines(flat, p, p + width)
-        r = rows[slots[i]]
-        for d in range(dim):
-            w = r[d]
-            g = grads[i, d] + l2 * w
-            a = r[dim + d] + g * g
-            at[d] = a
-            wt[d] = w - lr * g / (np.sqrt(a) + eps)
-        for d in range(dim):
-            r[d] = wt[d]
-            r[dim + d] = at[d]
-
-
-@njit(inline="always")
-def _adagrad_row(rows, s, grads, i, dim, lr, eps, l2):
+@register_jitable(inline="always")
+def adagrad_update(rows, s, grads, i, out, dim, ft, c):
+    lr, eps, l2 = c
     for d in range(dim):
-        w = np.float64(rows[s, d])
+        w = ft(rows[s, d])
         g = grads[i, d] + l2 * w
         a = rows[s, dim + d] + g * g
-        rows[s, dim + d] = a
-        rows[s, d] = w - lr * g / (math.sqrt(a) + eps)
-
-
-@njit(cache=True, nogil=True)  # (see hpcps_kernels.parallel)
-def adagrad(rows, slots, grads, lr, eps, l2):
-    dim = grads.shape[1]
-    if dim >= TWO_PASS_DIM:
-        _adagrad_two_pass(rows, slots, grads, lr, eps, l2)
-        return
-    flat, width, n = rows.reshape(-1), rows.shape[1], slots.shape[0]
-    for i in range(n):
-        if i + AHEAD < n:  # (written out in each rule: as an inline helper it ran at half speed)
-            prefetch(flat, slots[i + AHEAD] * width)
-        _adagrad_row(rows, slots[i], grads, i, dim, lr, eps, l2)
+        store(rows, out, s, 1, dim, d, a)
+        store(rows, out, s, 0, dim, d, w - lr * g / (np.sqrt(a) + eps))
 
 
 # The denominator of FTRL's weight is at least this: with beta = 0 (allowed) and l2 = 0, a new row
@@ -160,141 +163,130 @@ def adagrad(rows, slots, grads, lr, eps, l2):
 FTRL_FLOOR = 1e-30
 
 
-@njit(cache=True, nogil=True, error_model="numpy")  # no zero check on the division (it kept the loop scalar)
-def _ftrl_two_pass(rows, slots, grads, inv_alpha, beta, l1, l2):
-    """FTRL on wide rows in two passes per row: z, n and sqrt(n) into scratch, then the three
-    stores. One pass reads and writes the row's three parts at once, which LLVM cannot prove
-    apart and does not vectorise; split, the loops vectorise: 2x at dim 64 (244 against 125 M
-    coordinates/s here). The arithmetic is float32, eight lanes to a vector instead of float64's
-    four: 1.7-1.8x again at dims 16-64, within 2 units in the last place of the float64 rule
-    (the state is stored as float32 either way)."""
-    dim = grads.shape[1]
-    zt = np.empty(dim, dtype=np.float32)
-    nt = np.empty(dim, dtype=np.float32)
-    st = np.empty(dim, dtype=np.float32)
-    inv_alpha, beta, l1, l2 = np.float32(inv_alpha), np.float32(beta), np.float32(l1), np.float32(l2)
-    zero, floor = np.float32(0.0), np.float32(FTRL_FLOOR)
-    flat, width, n = rows.reshape(-1), rows.shape[1], slots.shape[0]
-    ahead = ahead_keys(width)
-    for i in range(n):
-        if i + ahead < n:  # (written out in each rule: as an inline helper it ran at half speed)
-            p = slots[i + ahead] * width
-            prefetch_lines(flat, p, p + width)
-        r = rows[slots[i]]
-        for d in range(dim):
-            g = grads[i, d]
-            n_old = r[2 * dim + d]
-            n_new = n_old + g * g
-            sqrt_new = np.sqrt(n_new)
-            zt[d] = r[dim + d] + g - (sqrt_new - np.sqrt(n_old)) * inv_alpha * r[d]
-            nt[d] = n_new
-            st[d] = sqrt_new
-        for d in range(dim):
-            z = zt[d]
-            r[dim + d] = z
-            r[2 * dim + d] = nt[d]
-            shrink = max(abs(z) - l1, zero)
-            r[d] = -math.copysign(shrink, z) / max((beta + st[d]) * inv_alpha + l2, floor) + zero
+FTRL_ROW = (3, 0)  # [w | z | n]
 
 
-@njit(inline="always")
-def _ftrl_row(rows, s, grads, i, dim, inv_alpha, beta, l1, l2):
+@register_jitable(inline="always")
+def ftrl_constants(ft, hp):
+    alpha, beta, l1, l2 = hp
+    return ft(1.0 / alpha), ft(beta), ft(l1), ft(l2)
+
+
+@register_jitable(inline="always")
+def ftrl_update(rows, s, grads, i, out, dim, ft, c):
+    inv_alpha, beta, l1, l2 = c
+    zero, floor = ft(0.0), ft(FTRL_FLOOR)
     for d in range(dim):
-        g = np.float64(grads[i, d])
-        w = np.float64(rows[s, d])
-        n_old = np.float64(rows[s, 2 * dim + d])
+        g = ft(grads[i, d])
+        w = ft(rows[s, d])
+        n_old = ft(rows[s, 2 * dim + d])
         n_new = n_old + g * g
-        sqrt_new = math.sqrt(n_new)
-        z = np.float64(rows[s, dim + d]) + g - (sqrt_new - math.sqrt(n_old)) * inv_alpha * w
-        rows[s, dim + d] = z
-        rows[s, 2 * dim + d] = n_new
+        sqrt_new = np.sqrt(n_new)
+        z = ft(rows[s, dim + d]) + g - (sqrt_new - np.sqrt(n_old)) * inv_alpha * w
+        store(rows, out, s, 1, dim, d, z)
+        store(rows, out, s, 2, dim, d, n_new)
         # w = 0 when |z| <= l1, written without a branch (it mispredicts on real data)
-        shrink = max(abs(z) - l1, 0.0)
-        rows[s, d] = -math.copysign(shrink, z) / max((beta + sqrt_new) * inv_alpha + l2, FTRL_FLOOR) + 0.0
+        shrink = max(abs(z) - l1, zero)
+        w_new = -math.copysign(shrink, z) / max((beta + sqrt_new) * inv_alpha + l2, floor) + zero
+        store(rows, out, s, 0, dim, d, w_new)
 
 
-@njit(cache=True, nogil=True)  # (see hpcps_kernels.parallel)
-def ftrl(rows, slots, grads, alpha, beta, l1, l2):
-    dim = grads.shape[1]
-    inv_alpha = 1.0 / alpha
-    if dim >= TWO_PASS_DIM:
-        _ftrl_two_pass(rows, slots, grads, inv_alpha, beta, l1, l2)
-        return
-    flat, width, n = rows.reshape(-1), rows.shape[1], slots.shape[0]
-    for i in range(n):
-        if i + AHEAD < n:  # (written out in each rule: as an inline helper it ran at half speed)
-            prefetch(flat, slots[i + AHEAD] * width)
-        _ftrl_row(rows, slots[i], grads, i, dim, inv_alpha, beta, l1, l2)
+ADAM_ROW = (3, 2)  # [w | m | v | beta1**t beta2**t]
 
 
-@njit(cache=True, nogil=True, error_model="numpy")  # no zero check on the divisions (eps > 0): the loops vectorise
-def _adam_two_pass(rows, slots, grads, lr, beta1, beta2, eps, l2):
-    """Adam on wide rows (embeddings, and the dense tables' 1024-value chunks: an MLP's weights):
-    the new weights and moments into float32 scratch, then the stores, so the loops vectorise
-    (see :func:`_ftrl_two_pass`); within a few units in the last place of the float64 loop. The
-    constants 1 - beta are taken in float64 first: float32's 1 - 0.999 is 1.3e-5 off."""
-    dim = grads.shape[1]
-    wt = np.empty(dim, dtype=np.float32)
-    mt = np.empty(dim, dtype=np.float32)
-    vt = np.empty(dim, dtype=np.float32)
-    omb1, omb2 = np.float32(1.0 - beta1), np.float32(1.0 - beta2)
-    lr, beta1, beta2, eps, l2 = np.float32(lr), np.float32(beta1), np.float32(beta2), np.float32(eps), np.float32(l2)
-    flat, width, n = rows.reshape(-1), rows.shape[1], slots.shape[0]
-    ahead = ahead_keys(width)
-    for i in range(n):
-        if i + ahead < n:  # (written out in each rule: as an inline helper it ran at half speed)
-            p = slots[i + ahead] * width
-            prefetch_lines(flat, p, p + width)
-        r = rows[slots[i]]
-        p1 = r[3 * dim] * beta1
-        p2 = r[3 * dim + 1] * beta2
-        r[3 * dim] = p1
-        r[3 * dim + 1] = p2
-        c1 = np.float32(1.0 - np.float64(p1))
-        c2 = np.float32(1.0 - np.float64(p2))
-        for d in range(dim):
-            w = r[d]
-            g = grads[i, d] + l2 * w
-            m = beta1 * r[dim + d] + omb1 * g
-            v = beta2 * r[2 * dim + d] + omb2 * g * g
-            mt[d] = m
-            vt[d] = v
-            wt[d] = w - lr * (m / c1) / (np.sqrt(v / c2) + eps)
-        for d in range(dim):
-            r[d] = wt[d]
-            r[dim + d] = mt[d]
-            r[2 * dim + d] = vt[d]
+@register_jitable(inline="always")
+def adam_constants(ft, hp):
+    """Also 1 - beta1 and 1 - beta2, taken in float64 first: float32's 1 - 0.999 is 1.3e-5 off."""
+    lr, beta1, beta2, eps, l2 = hp
+    return ft(lr), ft(beta1), ft(beta2), ft(1.0 - beta1), ft(1.0 - beta2), ft(eps), ft(l2)
 
 
-@njit(inline="always")
-def _adam_row(rows, s, grads, i, dim, lr, beta1, beta2, eps, l2):
-    p1 = rows[s, 3 * dim] * beta1       # beta1**t, kept as a running product: no pow/exp
+@register_jitable(inline="always")
+def adam_update(rows, s, grads, i, out, dim, ft, c):
+    lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, l2 = c
+    p1 = rows[s, 3 * dim] * beta1  # beta1**t, kept as a running product: no pow/exp
     p2 = rows[s, 3 * dim + 1] * beta2
-    rows[s, 3 * dim] = p1
-    rows[s, 3 * dim + 1] = p2
-    c1 = 1.0 - np.float64(p1)
-    c2 = 1.0 - np.float64(p2)
+    store(rows, out, s, 3, dim, 0, p1)
+    store(rows, out, s, 3, dim, 1, p2)
+    c1 = ft(1.0 - np.float64(p1))
+    c2 = ft(1.0 - np.float64(p2))
     for d in range(dim):
-        w = np.float64(rows[s, d])
+        w = ft(rows[s, d])
         g = grads[i, d] + l2 * w
-        m = beta1 * rows[s, dim + d] + (1.0 - beta1) * g
-        v = beta2 * rows[s, 2 * dim + d] + (1.0 - beta2) * g * g
-        rows[s, dim + d] = m
-        rows[s, 2 * dim + d] = v
-        rows[s, d] = w - lr * (m / c1) / (math.sqrt(v / c2) + eps)
+        m = beta1 * rows[s, dim + d] + one_minus_beta1 * g
+        v = beta2 * rows[s, 2 * dim + d] + one_minus_beta2 * g * g
+        store(rows, out, s, 1, dim, d, m)
+        store(rows, out, s, 2, dim, d, v)
+        store(rows, out, s, 0, dim, d, w - lr * (m / c1) / (np.sqrt(v / c2) + eps))
 
 
-@njit(cache=True, nogil=True)  # (see hpcps_kernels.parallel)
-def adam(rows, slots, grads, lr, beta1, beta2, eps, l2):
-    dim = grads.shape[1]
-    if dim >= TWO_PASS_DIM:
-        _adam_two_pass(rows, slots, grads, lr, beta1, beta2, eps, l2)
-        return
-    flat, width, n = rows.reshape(-1), rows.shape[1], slots.shape[0]
-    for i in range(n):
-        if i + AHEAD < n:  # (written out in each rule: as an inline helper it ran at half speed)
-            prefetch(flat, slots[i + AHEAD] * width)
-        _adam_row(rows, slots[i], grads, i, dim, lr, beta1, beta2, eps, l2)
+def state_width(row: tuple[int, int]) -> Callable[[int], int]:
+    """The state columns of a row of shape ``row`` (``(runs, extra)``, see above), as a function of
+    ``dim``: what :class:`Optimizer` takes."""
+    runs, extra = row
+    return lambda dim: (runs - 1) * dim + extra
+
+
+def rule_kernel(name: str, constants, update, row: tuple[int, int], float32_rows: bool = True):
+    """The kernel ``name(rows, slots, grads, *hp)`` of the update rule defined by ``constants``,
+    ``update`` (register_jitable functions) and ``row`` (its row's shape), see above:
+    ``rows[slots[i]]`` updated with ``grads[i]``, in order, ``hp`` being the rule's
+    hyper-parameters.
+
+    Rows of fewer than ``TWO_PASS_DIM`` values, or any row when not ``float32_rows``, are updated
+    in one pass, in float64, in place. Wider rows are updated in float32 in two passes: the new
+    values into scratch, one array per run of the row, then copied into the row, every run in one
+    loop. Writing the row's runs in one loop (or runs of one scratch array), LLVM cannot prove them
+    apart and leaves the loop scalar; split, both loops vectorise. Either way the row
+    ``ahead_keys(width)`` keys on is prefetched, every cache line of it, as slots land anywhere in
+    a table far larger than the cache.
+
+    Compiled without numba's zero check on divisions (numpy's error model), which kept the loops
+    scalar: every rule's denominators are positive for hyper-parameters in their ranges."""
+    runs, extra = row
+    if not 1 <= runs <= ROW_PARTS - (extra > 0) or not 0 <= extra <= TWO_PASS_DIM:
+        raise ValueError(f"update rule {name!r}: a row of {runs} runs and {extra} more values does not fit")
+
+    def kernel(rows, slots, grads, *hp):
+        dim = grads.shape[1]
+        flat, width, n = rows.reshape(-1), rows.shape[1], slots.shape[0]
+        ahead = ahead_keys(width)
+        if float32_rows and dim >= TWO_PASS_DIM:
+            c32 = constants(np.float32, hp)
+            o0, o1, o2, o3 = out = (np.empty(dim, np.float32), np.empty(dim, np.float32),
+                                    np.empty(dim, np.float32), np.empty(dim, np.float32))
+            for i in range(n):
+                if i + ahead < n:
+                    p = slots[i + ahead] * width
+                    prefetch_lines(flat, p, p + width)
+                s = slots[i]
+                update(rows, s, grads, i, out, dim, np.float32, c32)
+                for d in range(dim):
+                    rows[s, d] = o0[d]
+                    if runs > 1:
+                        rows[s, dim + d] = o1[d]
+                    if runs > 2:
+                        rows[s, 2 * dim + d] = o2[d]
+                    if runs > 3:
+                        rows[s, 3 * dim + d] = o3[d]
+                for d in range(extra):
+                    rows[s, runs * dim + d] = out[runs][d]
+            return
+        c64 = constants(np.float64, hp)
+        for i in range(n):
+            if i + ahead < n:
+                p = slots[i + ahead] * width
+                prefetch_lines(flat, p, p + width)
+            update(rows, slots[i], grads, i, None, dim, np.float64, c64)
+
+    kernel.__name__ = kernel.__qualname__ = name
+    return njit(cache=True, nogil=True, error_model="numpy")(kernel)  # (nogil: see hpcps_kernels.parallel)
+
+
+sgd = rule_kernel("sgd", sgd_constants, sgd_update, SGD_ROW, float32_rows=False)
+adagrad = rule_kernel("adagrad", adagrad_constants, adagrad_update, ADAGRAD_ROW)
+ftrl = rule_kernel("ftrl", ftrl_constants, ftrl_update, FTRL_ROW)
+adam = rule_kernel("adam", adam_constants, adam_update, ADAM_ROW)
 
 
 # -- the registry --------------------------------------------------------------------------------
@@ -371,14 +363,20 @@ class Optimizer:
         """What must be identical on every rank: name, parameters, ranges, state widths, the
         initial state and the kernel's source."""
         fn = getattr(self.kernel, "py_func", self.kernel)
-        try:
-            source = inspect.getsource(fn)
-        except (OSError, TypeError):
-            source = getattr(fn, "__qualname__", repr(fn))
+        # a kernel made by rule_kernel: its loop's source and those of the rule it closes over
+        cells = [c.cell_contents for c in getattr(fn, "__closure__", None) or ()]
+        source = "".join(_source(f) for f in [fn] + [c for c in cells if inspect.isfunction(c)])
         facts = (self.name, sorted(self.params.items()), self.args, sorted(self.ranges.items()),
                  [self.state_width(d) for d in (1, 2, 8)],
                  [self.new_state(d, self.params).tolist() for d in (1, 2)], source)
         return hashlib.sha256(repr(facts).encode()).hexdigest()[:16]
+
+
+def _source(fn) -> str:
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        return getattr(fn, "__qualname__", repr(fn))
 
 
 REGISTRY: dict[str, Optimizer] = {}
@@ -417,12 +415,13 @@ def _adam_state(dim: int, params: dict) -> np.ndarray:
     return state
 
 
-register(Optimizer("sgd", {"lr": 0.01, "l2": 0.0}, sgd, ("lr", "l2"), ranges={"lr": POSITIVE}, fused=FUSED_SGD))
+register(Optimizer("sgd", {"lr": 0.01, "l2": 0.0}, sgd, ("lr", "l2"), state_width(SGD_ROW),
+                   ranges={"lr": POSITIVE}, fused=FUSED_SGD))
 register(Optimizer("adagrad", {"lr": 0.01, "eps": 1e-8, "l2": 0.0, "initial_accumulator": 0.1}, adagrad,
-                   ("lr", "eps", "l2"), lambda dim: dim, _adagrad_state, {"lr": POSITIVE, "eps": POSITIVE},
+                   ("lr", "eps", "l2"), state_width(ADAGRAD_ROW), _adagrad_state, {"lr": POSITIVE, "eps": POSITIVE},
                    fused=FUSED_ADAGRAD))
 register(Optimizer("ftrl", {"alpha": 0.1, "beta": 1.0, "l1": 0.0, "l2": 0.0}, ftrl, ("alpha", "beta", "l1", "l2"),
-                   lambda dim: 2 * dim, ranges={"alpha": POSITIVE}, fused=FUSED_FTRL))
+                   state_width(FTRL_ROW), ranges={"alpha": POSITIVE}, fused=FUSED_FTRL))
 register(Optimizer("adam", {"lr": 0.001, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "l2": 0.0}, adam,
-                   ("lr", "beta1", "beta2", "eps", "l2"), lambda dim: 2 * dim + 2, _adam_state,
+                   ("lr", "beta1", "beta2", "eps", "l2"), state_width(ADAM_ROW), _adam_state,
                    {"lr": POSITIVE, "eps": POSITIVE, "beta1": UNIT, "beta2": UNIT}, fused=FUSED_ADAM))

@@ -1,10 +1,13 @@
-"""Text parsing into CSR: libsvm/svmlight, and Criteo-format TSV hashed into uint64 keys.
+"""Text parsing into CSR: libsvm/svmlight, libffm, Vowpal Wabbit text, and Criteo-format TSV
+hashed into uint64 keys.
 
-Both parsers read a uint8 array of whole lines (a chunk of a file) and fill preallocated arrays.
-The kernels release the GIL, so a reader thread parses while the training thread runs.
-A malformed line stops the parse with an error code and the line's number; with ``skip_bad`` it is
-skipped and counted instead. The Python wrappers (:func:`parse_libsvm`, :func:`parse_criteo`)
-allocate, call the kernel and raise :class:`ParseError` naming the source and line.
+Every parser reads a uint8 array of whole lines (a chunk of a file) and fills preallocated arrays.
+Its kernel is one loop over the lines (:func:`text_kernel`) around the format's line reader. The
+kernels release the GIL, so a reader thread parses while the training thread runs. A malformed
+line stops the parse with an error code and the line's number; with ``skip_bad`` it is skipped and
+counted instead. The Python wrappers (:func:`parse_libsvm`, :func:`parse_libffm`,
+:func:`parse_vw`, :func:`parse_criteo`) allocate, call the kernel and raise :class:`ParseError`
+naming the source and line.
 
 libsvm: ``label idx:val idx:val ... [# comment]``; indices are decimal integers taken as uint64
 keys (not hashed); an optional ``qid:N`` is ignored; blank lines and ``#`` lines are skipped but
@@ -29,6 +32,7 @@ import math
 
 import numpy as np
 from numba import njit
+from numba.extending import register_jitable
 
 from .hashing import read64, xxh64, xxh64_u64
 
@@ -77,7 +81,12 @@ def _is_digit(c):
     return 48 <= c <= 57
 
 
-@njit(cache=True)
+# The helpers that the line readers call without inlining them are register_jitable functions,
+# compiled into each kernel that calls them, not njit dispatchers of their own: a kernel made by
+# text_kernel reaches them only through the reader it closes over, where the warm-up's check that
+# every kernel is compiled (tests/test_warmup.py) does not follow its calls.
+
+@register_jitable
 def _parse_float(buf, i, end):
     """Parse a decimal float at ``buf[i:end]``; returns (value, next index, status)."""
     neg = False
@@ -132,7 +141,7 @@ def _parse_float(buf, i, end):
     return v, i, OK
 
 
-@njit(cache=True)
+@register_jitable
 def _line_end(buf, i, n):
     while i < n and buf[i] != NL:
         i += 1
@@ -169,17 +178,24 @@ def _binary_label(lab, seen):
 
 
 @njit(inline="always")
-def _finish_row(indices, values, labels, indptr, row_nnz, rows, with_bias, bias, lab, which, seen):
-    """Store a parsed row (with the bias feature); returns (rows, nnz) after it."""
-    if with_bias:
-        indices[row_nnz] = bias
-        values[row_nnz] = 1.0
-        row_nnz += 1
-    labels[rows] = lab
-    indptr[rows + 1] = row_nnz
-    if which >= 0:
-        seen[which] = 1
-    return rows + 1, row_nnz
+def _ends_token(c, bar):
+    """Whether byte ``c`` ends a token: a blank, or with ``bar`` (VW) also a ``|``."""
+    return c == SPACE or c == TAB or (bar and c == BAR)
+
+
+@njit(inline="always")
+def _read_label(buf, j, stop, binary, seen, bar):
+    """The label at ``buf[j]`` (libsvm, VW: a decimal number ending a token, see :func:`_ends_token`):
+    (label, which of ``seen`` it marks with ``binary`` (see :func:`_binary_label`) or -1, the
+    position after it, status)."""
+    lab, j, st = _parse_float(buf, j, stop)
+    which = -1
+    status = OK
+    if st != OK or (j < stop and not _ends_token(buf[j], bar)):
+        status = BAD_LABEL if st != NOT_FINITE else NOT_FINITE
+    elif binary:
+        lab, which, status = _binary_label(lab, seen)
+    return lab, which, j, status
 
 
 @njit(inline="always")
@@ -214,210 +230,228 @@ def _parse_value(buf, j, stop):
     return _parse_float(buf, j, stop)
 
 
-@njit(cache=True, nogil=True)
-def libsvm_kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen, with_bias, bias, mask,
-                  field_shift=-1):
-    """Parse libsvm lines. Returns (rows, nnz, status, bad line index (0-based), lines skipped).
+# -- the kernels: one loop over the lines, and a reader per format ---------------------------------
+#
+# A format's line reader, ``read_line(buf, i, n, indices, values, nnz, binary, seen, mask,
+# field_shift)``, parses the line that starts at ``buf[i]``: its keys (and values) go to
+# ``indices[nnz:]`` (``values[nnz:]``). It returns ``(end, status, label, which, row_nnz)``: the index
+# of the line's newline (``n`` for a last line without one), ``OK``, ``BLANK`` (no row: a blank or
+# comment line) or an error code, the label, which of ``seen`` the label marks (-1: none), and
+# where the row's keys end. A format may also read runs of its common lines faster
+# (``read_common_lines``, see :func:`_criteo_common_lines`). :func:`text_kernel` makes a kernel from
+# them: the loop that counts lines, skips or reports bad ones and finishes each row, in one place.
 
-    ``binary``: labels must be in {0, 1} or {-1, +1}; -1 is stored as 0. ``seen`` (int64[2]) says
-    whether a label 0 / -1 was met, here or in an earlier chunk of the same file (updated).
-    ``with_bias``: every row ends with the feature ``bias: 1`` (not masked). Feature indices are
-    masked with ``mask``.
+BLANK = -1  # a line reader's status for a line without a row (never reported)
 
-    ``field_shift >= 0``: libffm lines, ``label field:index:value ...``; the key is
-    ``field << field_shift | (index & mask)`` (a field id is below 65536).
-    """
-    n = buf.shape[0]
-    i = 0
-    line = 0
-    rows = 0
-    nnz = 0
-    skipped = 0
-    indptr[0] = 0
-    while i < n:
-        # the line's end, and where a comment starts (one pass)
-        end, comment = i, -1
-        while end < n and buf[end] != NL:
-            if buf[end] == HASH and comment < 0:
-                comment = end
-            end += 1
-        stop = end
-        if stop > i and buf[stop - 1] == CR:
-            stop -= 1
-        if comment >= 0:
-            stop = comment
-        j = _skip_blanks(buf, i, stop)
-        status = OK
-        which = -1  # binary labels: 0 for a label 0, 1 for a label -1
-        if j < stop:
-            lab, j, st = _parse_float(buf, j, stop)
-            if st != OK or (j < stop and buf[j] != SPACE and buf[j] != TAB):
-                status = BAD_LABEL if st != NOT_FINITE else NOT_FINITE
-            elif binary:
-                lab, which, status = _binary_label(lab, seen)
-            row_nnz = nnz
-            while status == OK:
-                j = _skip_blanks(buf, j, stop)
-                if j >= stop:
-                    break
-                # qid:N is skipped
-                if stop - j > 4 and buf[j] == 113 and buf[j + 1] == 105 and buf[j + 2] == 100 and buf[j + 3] == COLON:
-                    j += 4
-                    while j < stop and buf[j] != SPACE and buf[j] != TAB:
-                        j += 1
-                    continue
-                key, j, ok = _parse_uint(buf, j, stop)
-                if not ok:
-                    status = BAD_FIELD if field_shift >= 0 else BAD_INDEX
-                    break
-                if j >= stop or buf[j] != COLON:
-                    status = MISSING_COLON
-                    break
-                j += 1
-                if field_shift >= 0:  # libffm: that was the field; the index follows
-                    if key > np.uint64(65535):
-                        status = BAD_FIELD
-                        break
-                    field = key
-                    key, j, ok = _parse_uint(buf, j, stop)
-                    if not ok:
-                        status = BAD_INDEX
-                        break
-                    if j >= stop or buf[j] != COLON:
-                        status = BAD_FIELD
-                        break
-                    j += 1
-                    key = (key & mask) | (field << np.uint64(field_shift))
-                else:
-                    key = key & mask
-                if j >= stop:
-                    status = BAD_VALUE
-                    break
-                v, j, st = _parse_value(buf, j, stop)
-                if st != OK:
-                    status = st
-                    break
-                if j < stop and buf[j] != SPACE and buf[j] != TAB:
-                    status = BAD_VALUE
-                    break
-                indices[row_nnz] = key
-                values[row_nnz] = v
-                row_nnz += 1
+
+@register_jitable(inline="always")
+def _no_common_lines(buf, i, labels, indptr, indices, rows, nnz, mask, with_bias, bias, field_shift):
+    return i, rows, nnz, 0
+
+
+def text_kernel(name: str, read_line, read_common_lines=_no_common_lines, with_values: bool = True):
+    """The parse kernel ``name(buf, labels, indptr, indices, values, skip_bad, binary, seen,
+    with_bias, bias, mask, field_shift)`` of the format that ``read_line`` reads (see above): the
+    rows of the whole lines in ``buf`` into the preallocated CSR arrays. Returns ``(rows, nnz,
+    status, bad line index (0-based), lines skipped)``.
+
+    ``binary``: labels for the logistic loss, in {0, 1} or {-1, +1}, -1 stored as 0; ``seen``
+    (int64[2]) says whether a label 0 / -1 was met, here or in an earlier chunk of the same file
+    (updated). ``with_bias``: every row ends with the key ``bias`` (not masked), value 1. Keys are
+    masked with ``mask``; ``field_shift >= 0``: a key carries its field above that bit (libffm,
+    Criteo). ``with_values`` False: a format whose every value is 1 writes no values.
+
+    ``read_line`` and ``read_common_lines`` must be register_jitable functions, not njit
+    dispatchers: numba's disk cache keys a closure by its pickled cells, and a pickled dispatcher
+    carries an id of its process, so a kernel closing over one would compile again in every process."""
+    def kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen, with_bias, bias, mask, field_shift):
+        n = buf.shape[0]
+        i = 0
+        line = 0
+        rows = 0
+        nnz = 0
+        skipped = 0
+        indptr[0] = 0
+        while i < n:
+            i, rows, nnz, lines = read_common_lines(buf, i, labels, indptr, indices, rows, nnz, mask, with_bias,
+                                                    bias, field_shift)
+            line += lines
+            if i >= n:
+                break
+            end, status, lab, which, row_nnz = read_line(buf, i, n, indices, values, nnz, binary, seen, mask,
+                                                         field_shift)
             if status == OK:
-                rows, nnz = _finish_row(indices, values, labels, indptr, row_nnz, rows, with_bias, bias,
-                                        lab, which, seen)
-            elif skip_bad:
+                if with_bias:
+                    indices[row_nnz] = bias
+                    if with_values:
+                        values[row_nnz] = 1.0
+                    row_nnz += 1
+                labels[rows] = lab
+                rows += 1
+                nnz = row_nnz
+                indptr[rows] = nnz
+                if which >= 0:
+                    seen[which] = 1
+            elif status != BLANK:
+                if not skip_bad:
+                    return rows, nnz, status, line, skipped
                 skipped += 1
-            else:
-                return rows, nnz, status, line, skipped
-        i = end + 1
-        line += 1
-    return rows, nnz, OK, -1, skipped
-
-
-@njit(inline="always")
-def _vw_sep(c):
-    return c == SPACE or c == TAB or c == BAR
-
-
-@njit(cache=True, nogil=True)
-def vw_kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen, with_bias, bias, mask):
-    """Parse Vowpal Wabbit text lines: ``label [weight] ['tag]|ns[:scale] f[:v] ... |ns2 ...``.
-    Returns like :func:`libsvm_kernel`.
-
-    A feature's key is ``xxh64(name, seed=xxh64(namespace))`` masked with ``mask`` (the namespace's
-    whole name, empty for ``| f``); its value is ``v`` (default 1) times the namespace's scale.
-    Labels as in :func:`libsvm_kernel` (``binary``: -1/+1 or 0/1, -1 stored as 0). An importance
-    weight must be 1; a tag is ignored. Blank lines are skipped.
-    """
-    n = buf.shape[0]
-    i = 0
-    line = 0
-    rows = 0
-    nnz = 0
-    skipped = 0
-    indptr[0] = 0
-    while i < n:
-        end, stop = _line_bounds(buf, i, n)
-        j = _skip_blanks(buf, i, stop)
-        if j >= stop:  # blank line
             i = end + 1
             line += 1
+        return rows, nnz, OK, -1, skipped
+
+    kernel.__name__ = kernel.__qualname__ = name
+    return njit(cache=True, nogil=True)(kernel)
+
+
+@register_jitable(inline="always")
+def _libsvm_line(buf, i, n, indices, values, nnz, binary, seen, mask, field_shift):
+    """A libsvm line, ``label idx:val ... [# comment]`` (``qid:N`` skipped); with ``field_shift >= 0``
+    a libffm line, ``label field:index:value ...``, whose key is ``field << field_shift | (index &
+    mask)`` (a field id is below 65536)."""
+    # the line's end, and where a comment starts (one pass)
+    end, comment = i, -1
+    while end < n and buf[end] != NL:
+        if buf[end] == HASH and comment < 0:
+            comment = end
+        end += 1
+    stop = end
+    if stop > i and buf[stop - 1] == CR:
+        stop -= 1
+    if comment >= 0:
+        stop = comment
+    j = _skip_blanks(buf, i, stop)
+    if j >= stop:
+        return end, BLANK, 0.0, -1, nnz
+    lab, which, j, status = _read_label(buf, j, stop, binary, seen, False)
+    row_nnz = nnz
+    while status == OK:
+        j = _skip_blanks(buf, j, stop)
+        if j >= stop:
+            break
+        # qid:N is skipped
+        if stop - j > 4 and buf[j] == 113 and buf[j + 1] == 105 and buf[j + 2] == 100 and buf[j + 3] == COLON:
+            j += 4
+            while j < stop and buf[j] != SPACE and buf[j] != TAB:
+                j += 1
             continue
-        status = OK
-        which = -1
-        lab, j, st = _parse_float(buf, j, stop)
-        if st != OK or (j < stop and not _vw_sep(buf[j])):
-            status = BAD_LABEL if st != NOT_FINITE else NOT_FINITE
-        elif binary:
-            lab, which, status = _binary_label(lab, seen)
-        # before the first bar: an optional weight (must be 1) and an optional 'tag
-        n_before = 0
-        while status == OK:
-            j = _skip_blanks(buf, j, stop)
-            if j >= stop:
-                status = NO_BAR
+        key, j, ok = _parse_uint(buf, j, stop)
+        if not ok:
+            status = BAD_FIELD if field_shift >= 0 else BAD_INDEX
+            break
+        if j >= stop or buf[j] != COLON:
+            status = MISSING_COLON
+            break
+        j += 1
+        if field_shift >= 0:  # libffm: that was the field; the index follows
+            if key > np.uint64(65535):
+                status = BAD_FIELD
                 break
-            if buf[j] == BAR:
+            field = key
+            key, j, ok = _parse_uint(buf, j, stop)
+            if not ok:
+                status = BAD_INDEX
                 break
-            if buf[j] == QUOTE:
-                while j < stop and not _vw_sep(buf[j]):
-                    j += 1
-                continue
-            wt, j, st = _parse_float(buf, j, stop)
-            n_before += 1
-            if st != OK or wt != 1.0 or n_before > 1 or (j < stop and not _vw_sep(buf[j])):
-                status = BAD_WEIGHT
-        row_nnz = nnz
-        seed = np.uint64(0)
-        scale = 1.0
-        while status == OK and j < stop:
-            c = buf[j]
-            if c == SPACE or c == TAB:
-                j += 1
-                continue
-            if c == BAR:  # a namespace: |name[:scale]
-                j += 1
-                a = j
-                while j < stop and not _vw_sep(buf[j]) and buf[j] != COLON:
-                    j += 1
-                seed = xxh64(buf, a, j, np.uint64(0))
-                scale = 1.0
-                if j < stop and buf[j] == COLON:
-                    scale, j, st = _parse_float(buf, j + 1, stop)
-                    if st != OK or (j < stop and not _vw_sep(buf[j])):
-                        status = BAD_VALUE
-                continue
-            a = j
-            while j < stop and not _vw_sep(buf[j]) and buf[j] != COLON:
-                j += 1
-            key = xxh64(buf, a, j, seed) & mask
-            v = 1.0
-            if j < stop and buf[j] == COLON:
-                v, j, st = _parse_float(buf, j + 1, stop)
-                if st != OK:
-                    status = st
-                    break
-                if j < stop and not _vw_sep(buf[j]):
-                    status = BAD_VALUE
-                    break
-            indices[row_nnz] = key
-            values[row_nnz] = v * scale
-            row_nnz += 1
-        if status == OK:
-            rows, nnz = _finish_row(indices, values, labels, indptr, row_nnz, rows, with_bias, bias,
-                                    lab, which, seen)
-        elif skip_bad:
-            skipped += 1
+            if j >= stop or buf[j] != COLON:
+                status = BAD_FIELD
+                break
+            j += 1
+            key = (key & mask) | (field << np.uint64(field_shift))
         else:
-            return rows, nnz, status, line, skipped
-        i = end + 1
-        line += 1
-    return rows, nnz, OK, -1, skipped
+            key = key & mask
+        if j >= stop:
+            status = BAD_VALUE
+            break
+        v, j, st = _parse_value(buf, j, stop)
+        if st != OK:
+            status = st
+            break
+        if j < stop and buf[j] != SPACE and buf[j] != TAB:
+            status = BAD_VALUE
+            break
+        indices[row_nnz] = key
+        values[row_nnz] = v
+        row_nnz += 1
+    return end, status, lab, which, row_nnz
 
 
-@njit(cache=True)
-def _int_bucket(v):
+libsvm_kernel = text_kernel("libsvm_kernel", _libsvm_line)
+
+
+@register_jitable(inline="always")
+def _vw_line(buf, i, n, indices, values, nnz, binary, seen, mask, field_shift):
+    """A Vowpal Wabbit text line: ``label [weight] ['tag]|ns[:scale] f[:v] ... |ns2 ...``.
+
+    A feature's key is ``xxh64(name, seed=xxh64(namespace))`` masked with ``mask`` (the namespace's
+    whole name, empty for ``| f``); its value is ``v`` (default 1) times the namespace's scale. An
+    importance weight must be 1; a tag is ignored."""
+    end, stop = _line_bounds(buf, i, n)
+    j = _skip_blanks(buf, i, stop)
+    if j >= stop:
+        return end, BLANK, 0.0, -1, nnz
+    lab, which, j, status = _read_label(buf, j, stop, binary, seen, True)
+    # before the first bar: an optional weight (must be 1) and an optional 'tag
+    n_before = 0
+    while status == OK:
+        j = _skip_blanks(buf, j, stop)
+        if j >= stop:
+            status = NO_BAR
+            break
+        if buf[j] == BAR:
+            break
+        if buf[j] == QUOTE:
+            while j < stop and not _ends_token(buf[j], True):
+                j += 1
+            continue
+        wt, j, st = _parse_float(buf, j, stop)
+        n_before += 1
+        if st != OK or wt != 1.0 or n_before > 1 or (j < stop and not _ends_token(buf[j], True)):
+            status = BAD_WEIGHT
+    row_nnz = nnz
+    seed = np.uint64(0)
+    scale = 1.0
+    while status == OK and j < stop:
+        c = buf[j]
+        if c == SPACE or c == TAB:
+            j += 1
+            continue
+        if c == BAR:  # a namespace: |name[:scale]
+            j += 1
+            a = j
+            while j < stop and not _ends_token(buf[j], True) and buf[j] != COLON:
+                j += 1
+            seed = xxh64(buf, a, j, np.uint64(0))
+            scale = 1.0
+            if j < stop and buf[j] == COLON:
+                scale, j, st = _parse_float(buf, j + 1, stop)
+                if st != OK or (j < stop and not _ends_token(buf[j], True)):
+                    status = BAD_VALUE
+            continue
+        a = j
+        while j < stop and not _ends_token(buf[j], True) and buf[j] != COLON:
+            j += 1
+        key = xxh64(buf, a, j, seed) & mask
+        v = 1.0
+        if j < stop and buf[j] == COLON:
+            v, j, st = _parse_float(buf, j + 1, stop)
+            if st != OK:
+                status = st
+                break
+            if j < stop and not _ends_token(buf[j], True):
+                status = BAD_VALUE
+                break
+        indices[row_nnz] = key
+        values[row_nnz] = v * scale
+        row_nnz += 1
+    return end, status, lab, which, row_nnz
+
+
+vw_kernel = text_kernel("vw_kernel", _vw_line)
+
+
+@register_jitable
+def int_bucket(v):
+    """A Criteo integer's bucket: ``v`` if ``v <= 2``, else ``floor(log(v)**2)``."""
     if v <= 2:
         return v
     lv = math.log(v)
@@ -435,6 +469,16 @@ def _bucket_table(n: int) -> np.ndarray:
 _BUCKETS = _bucket_table(4096)
 
 
+@njit(inline="always")
+def _integer_bucket(v, neg, buckets):
+    """The bucket of the integer column whose digits read ``v`` (``neg``: a minus before them)."""
+    if neg:
+        return -v
+    if v < buckets.shape[0]:
+        return buckets[v]
+    return int_bucket(v)
+
+
 # the bytes of a word: 0x01 and 0x80 in each, and a tab and a newline in each
 _LOW_BITS, _HIGH_BITS = np.uint64(0x0101010101010101), np.uint64(0x8080808080808080)
 _TABS, _NEWLINES = np.uint64(0x0909090909090909), np.uint64(0x0A0A0A0A0A0A0A0A)
@@ -448,24 +492,23 @@ def _tab_or_newline_in(w):
     return (((x - _LOW_BITS) & ~x) | ((y - _LOW_BITS) & ~y)) & _HIGH_BITS
 
 
-@njit(cache=True, nogil=True)
-def _criteo_fast_lines(buf, i, labels, indptr, indices, rows, nnz, mask, with_bias, bias, field_shift):
-    """Parse lines of the common Criteo shape from ``i`` on, as :func:`criteo_kernel` would: a
+@register_jitable
+def _criteo_common_lines(buf, i, labels, indptr, indices, rows, nnz, mask, with_bias, bias, field_shift):
+    """Parse lines of the common Criteo shape from ``i`` on, as :func:`_criteo_line` would: a
     label 0 or 1, 13 integer columns (empty or ``-?digits``), 26 categories, the last ending at a
     newline with no CR before it. Stops at the first line of any other kind (malformed, a CR,
-    the file's last line without a newline, a blank line), which :func:`criteo_kernel`'s general
-    loop then parses, so errors and odd lines keep that loop's exact handling. Returns ``(i,
-    rows, nnz, lines)``: where it stopped, the counts so far, and the lines it parsed.
+    the file's last line without a newline, a blank line), which :func:`_criteo_line` then
+    parses, so errors and odd lines keep its exact handling. Returns ``(i, rows, nnz, lines)``:
+    where it stopped, the counts so far, and the lines it parsed.
 
-    The same keys as the general loop, about twice as fast: no search for each column's end nor a
-    branch on the column's kind per column, and a category of 8 bytes is one word read, checked
-    for a tab or newline in one test, with its end byte at a known place."""
+    The same keys as :func:`_criteo_line`, faster: no search for each column's end nor a branch
+    on the column's kind per column, and a category of 8 bytes is one word read, checked for a
+    tab or newline in one test, with its end byte at a known place."""
     n = buf.shape[0]
     buckets = _BUCKETS
-    nb = buckets.shape[0]
     lines = 0
-    # Known non-negative, the indices need no wrap-around test for negative values: without
-    # this the loop ran at 0.6x (numba's indexing of a value that might be negative)
+    # Known non-negative, the indices need no wrap-around test for negative values (numba's
+    # indexing of a value that might be negative slowed the loop down by half)
     i, rows, nnz = max(i, 0), max(rows, 0), max(nnz, 0)
     while i < n:
         if i + 1 >= n or not (buf[i] == 48 or buf[i] == 49) or buf[i + 1] != TAB:
@@ -492,12 +535,7 @@ def _criteo_fast_lines(buf, i, labels, indptr, indices, rows, nnz, mask, with_bi
             if k == start or k >= n or buf[k] != TAB:
                 ok = False
                 break
-            if c == 45:
-                bucket = -v
-            elif v < nb:
-                bucket = buckets[v]
-            else:
-                bucket = _int_bucket(v)
+            bucket = _integer_bucket(v, c == 45, buckets)
             indices[row_nnz] = xxh64_u64(np.uint64(bucket), np.uint64(f)) & mask | fbits
             row_nnz += 1
             j = k + 1
@@ -537,118 +575,82 @@ def _criteo_fast_lines(buf, i, labels, indptr, indices, rows, nnz, mask, with_bi
     return i, rows, nnz, lines
 
 
-@njit(cache=True, nogil=True)
-def criteo_kernel(buf, labels, indptr, indices, skip_bad, mask, with_bias, bias, field_shift=-1):
-    """Parse Criteo TSV lines into hashed keys. Returns like :func:`libsvm_kernel`.
-    ``field_shift >= 0``: a key carries its column (field 0..38) above that bit, ``(col - 1) <<
-    field_shift | hash & mask``.
-
-    Lines of the common shape go through :func:`_criteo_fast_lines`; any other, and every
-    error, through the general loop below: one pass over the bytes, a column ending at a tab or
-    at the line's end (a CR before the newline is not part of the line)."""
-    n = buf.shape[0]
+@register_jitable(inline="always")
+def _criteo_line(buf, i, n, indices, values, nnz, binary, seen, mask, field_shift):
+    """A Criteo TSV line in one pass over its bytes: a column ends at a tab or at the line's end
+    (a CR before the newline is not part of the line); 40 columns, keys as the module says."""
+    c0 = buf[i]
+    if c0 == NL or (c0 == CR and (i + 1 == n or buf[i + 1] == NL)):  # blank line
+        return (i if c0 == NL else i + 1), BLANK, 0.0, -1, nnz
     buckets = _BUCKETS
-    nb = buckets.shape[0]
-    i = 0
-    line = 0
-    rows = 0
-    nnz = 0
-    skipped = 0
-    indptr[0] = 0
-    while i < n:
-        i, rows, nnz, lines = _criteo_fast_lines(buf, i, labels, indptr, indices, rows, nnz, mask, with_bias, bias,
-                                                 field_shift)
-        line += lines
-        if i >= n:
-            break
-        c0 = buf[i]
-        if c0 == NL or (c0 == CR and (i + 1 == n or buf[i + 1] == NL)):  # blank line
-            i += 1 if c0 == NL else 2
-            line += 1
-            continue
-        status = OK
-        row_nnz = nnz
-        col = 0
-        j = i
-        lab = 0.0
-        eol = False
-        fbits = np.uint64(0)
-        while True:
-            a = j
-            c = np.uint8(0)
-            while j < n:
-                c = buf[j]
-                if c == TAB or c == NL:
-                    break
-                j += 1
-            b = j
-            if j >= n or c == NL:  # the line's last column (without a CR before the newline)
-                eol = True
-                if b > a and buf[b - 1] == CR:
-                    b -= 1
-            if col == 0:
-                if b - a == 1 and (buf[a] == 48 or buf[a] == 49):
-                    lab = float(buf[a] - 48)
-                else:
-                    status = BAD_LABEL
-                    break
-            elif col <= 13:
-                if b > a:
-                    neg = buf[a] == 45
-                    k = a + 1 if neg else a
-                    if k >= b:
-                        status = BAD_VALUE
-                        break
-                    v = 0
-                    while k < b and _is_digit(buf[k]):
-                        if v < 10**17:
-                            v = v * 10 + (buf[k] - 48)
-                        k += 1
-                    if k != b:
-                        status = BAD_VALUE
-                        break
-                    if neg:
-                        bucket = -v
-                    elif v < nb:
-                        bucket = buckets[v]
-                    else:
-                        bucket = _int_bucket(v)
-                    indices[row_nnz] = xxh64_u64(np.uint64(bucket), np.uint64(col - 1)) & mask | fbits
-                    row_nnz += 1
-            elif col <= 39:
-                if b - a == 8:  # Criteo's categories: 8 hex digits, hashed as one 64-bit word
-                    indices[row_nnz] = xxh64_u64(read64(buf, a), np.uint64(col - 1)) & mask | fbits
-                    row_nnz += 1
-                elif b > a:
-                    indices[row_nnz] = xxh64(buf, a, b, np.uint64(col - 1)) & mask | fbits
-                    row_nnz += 1
+    status = OK
+    row_nnz = nnz
+    col = 0
+    j = i
+    lab = 0.0
+    eol = False
+    fbits = np.uint64(0)
+    while True:
+        a = j
+        c = np.uint8(0)
+        while j < n:
+            c = buf[j]
+            if c == TAB or c == NL:
+                break
+            j += 1
+        b = j
+        if j >= n or c == NL:  # the line's last column (without a CR before the newline)
+            eol = True
+            if b > a and buf[b - 1] == CR:
+                b -= 1
+        if col == 0:
+            if b - a == 1 and (buf[a] == 48 or buf[a] == 49):
+                lab = float(buf[a] - 48)
             else:
-                status = BAD_COLUMNS
+                status = BAD_LABEL
                 break
-            col += 1
-            if field_shift >= 0:
-                fbits = np.uint64(col - 1) << np.uint64(field_shift)
-            if eol:
-                break
-            j += 1  # skip the tab
-        if status == OK and col != 40:
-            status = BAD_COLUMNS
-        end = j if eol else _line_end(buf, j, n)  # after an error: the rest of the line
-        if status == OK:
-            if with_bias:
-                indices[row_nnz] = bias
+        elif col <= 13:
+            if b > a:
+                neg = buf[a] == 45
+                k = a + 1 if neg else a
+                if k >= b:
+                    status = BAD_VALUE
+                    break
+                v = 0
+                while k < b and _is_digit(buf[k]):
+                    if v < 10**17:
+                        v = v * 10 + (buf[k] - 48)
+                    k += 1
+                if k != b:
+                    status = BAD_VALUE
+                    break
+                bucket = _integer_bucket(v, neg, buckets)
+                indices[row_nnz] = xxh64_u64(np.uint64(bucket), np.uint64(col - 1)) & mask | fbits
                 row_nnz += 1
-            labels[rows] = lab
-            nnz = row_nnz
-            rows += 1
-            indptr[rows] = nnz
-        elif skip_bad:
-            skipped += 1
+        elif col <= 39:
+            if b - a == 8:  # Criteo's categories: 8 hex digits, hashed as one 64-bit word
+                indices[row_nnz] = xxh64_u64(read64(buf, a), np.uint64(col - 1)) & mask | fbits
+                row_nnz += 1
+            elif b > a:
+                indices[row_nnz] = xxh64(buf, a, b, np.uint64(col - 1)) & mask | fbits
+                row_nnz += 1
         else:
-            return rows, nnz, status, line, skipped
-        i = end + 1
-        line += 1
-    return rows, nnz, OK, -1, skipped
+            status = BAD_COLUMNS
+            break
+        col += 1
+        if field_shift >= 0:
+            fbits = np.uint64(col - 1) << np.uint64(field_shift)
+        if eol:
+            break
+        j += 1  # skip the tab
+    if status == OK and col != 40:
+        status = BAD_COLUMNS
+    end = j if eol else _line_end(buf, j, n)  # after an error: the rest of the line
+    return end, status, lab, -1, row_nnz
+
+
+# Criteo's keys are hashed, every value is 1 (the wrapper returns shared ones)
+criteo_kernel = text_kernel("criteo_kernel", _criteo_line, _criteo_common_lines, with_values=False)
 
 
 @njit(cache=True, nogil=True)
@@ -704,23 +706,23 @@ def parse_libsvm(data, *, source: str = "<bytes>", first_line: int = 1, skip_bad
     buf = _as_bytes(data)
     max_rows = int(count_byte(buf, NL)) + 1
     max_nnz = int(count_byte(buf, COLON)) + (max_rows if bias is not None else 0)
-    return _parse_sparse(libsvm_kernel, buf, max_rows, max_nnz, source, first_line, skip_bad, binary, seen, bias, bits)
+    return _parse_text(libsvm_kernel, buf, max_rows, max_nnz, source, first_line, skip_bad, binary, seen, bias, bits)
 
 
-def _parse_sparse(kernel, buf, max_rows, max_nnz, source, first_line, skip_bad, binary, seen, bias, bits,
-                  extra=()):
-    """Run a labelled sparse-text kernel (libsvm, VW) on ``buf`` into arrays of the given bounds."""
+def _parse_text(kernel, buf, max_rows, max_nnz, source, first_line, skip_bad, binary, seen, bias, bits,
+                field_shift=-1, with_values=True):
+    """Run a parse kernel (see :func:`text_kernel`) on ``buf`` into arrays of the given bounds."""
     labels = np.empty(max_rows, dtype=np.float32)
     indptr = np.empty(max_rows + 1, dtype=np.int64)
     indices = np.empty(max_nnz, dtype=np.uint64)
-    values = np.empty(max_nnz, dtype=np.float32)
+    values = np.empty(max_nnz if with_values else 0, dtype=np.float32)
     if seen is None:
         seen = np.zeros(2, dtype=np.int64)
     rows, nnz, status, bad, skipped = kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen,
-                                             bias is not None, np.uint64(bias or 0), _mask(bits), *extra)
+                                             bias is not None, np.uint64(bias or 0), _mask(bits), field_shift)
     if status != OK:
         raise ParseError(source, first_line + bad, MESSAGES[status], _line_text(buf, bad))
-    return labels[:rows], indptr[: rows + 1], indices[:nnz], values[:nnz], int(skipped)
+    return labels[:rows], indptr[: rows + 1], indices[:nnz], values[:nnz] if with_values else ones(nnz), int(skipped)
 
 
 def parse_libffm(data, *, source: str = "<bytes>", first_line: int = 1, skip_bad: bool = False,
@@ -732,18 +734,18 @@ def parse_libffm(data, *, source: str = "<bytes>", first_line: int = 1, skip_bad
     buf = _as_bytes(data)
     max_rows = int(count_byte(buf, NL)) + 1
     max_nnz = int(count_byte(buf, COLON)) // 2 + 1 + (max_rows if bias is not None else 0)
-    return _parse_sparse(libsvm_kernel, buf, max_rows, max_nnz, source, first_line, skip_bad, binary, seen, bias,
-                         bits, (bits,))
+    return _parse_text(libsvm_kernel, buf, max_rows, max_nnz, source, first_line, skip_bad, binary, seen, bias,
+                       bits, bits)
 
 
 def parse_vw(data, *, source: str = "<bytes>", first_line: int = 1, skip_bad: bool = False,
              binary: bool = False, seen: np.ndarray | None = None, bias: int | None = None, bits: int = 64):
-    """Parse Vowpal Wabbit text (see :func:`vw_kernel`); arguments and result as
+    """Parse Vowpal Wabbit text (see :func:`_vw_line`); arguments and result as
     :func:`parse_libsvm`."""
     buf = _as_bytes(data)
     max_rows = int(count_byte(buf, NL)) + 1
     max_nnz = int(count_byte(buf, SPACE)) + int(count_byte(buf, TAB)) + int(count_byte(buf, BAR)) + 2 * max_rows
-    return _parse_sparse(vw_kernel, buf, max_rows, max_nnz, source, first_line, skip_bad, binary, seen, bias, bits)
+    return _parse_text(vw_kernel, buf, max_rows, max_nnz, source, first_line, skip_bad, binary, seen, bias, bits)
 
 
 def parse_criteo(data, *, source: str = "<bytes>", first_line: int = 1, skip_bad: bool = False,
@@ -755,14 +757,9 @@ def parse_criteo(data, *, source: str = "<bytes>", first_line: int = 1, skip_bad
         raise ValueError(f"Criteo keys with fields need hash bits between 1 and 48 (got {bits})")
     buf = _as_bytes(data)
     max_rows = int(count_byte(buf, NL)) + 1
-    labels = np.empty(max_rows, dtype=np.float32)
-    indptr = np.empty(max_rows + 1, dtype=np.int64)
-    indices = np.empty(max_rows * (40 if bias is not None else 39), dtype=np.uint64)
-    rows, nnz, status, bad, skipped = criteo_kernel(buf, labels, indptr, indices, skip_bad, _mask(bits),
-                                                    bias is not None, np.uint64(bias or 0), bits if fields else -1)
-    if status != OK:
-        raise ParseError(source, first_line + bad, MESSAGES[status], _line_text(buf, bad))
-    return labels[:rows], indptr[: rows + 1], indices[:nnz], ones(nnz), int(skipped)
+    max_nnz = max_rows * (40 if bias is not None else 39)
+    return _parse_text(criteo_kernel, buf, max_rows, max_nnz, source, first_line, skip_bad, False, None, bias, bits,
+                       bits if fields else -1, with_values=False)
 
 
 @njit(cache=True)

@@ -334,6 +334,17 @@ def bench_hashtable(rows, repeat, roof):
     table_bytes = grown.index.nbytes + grown.key_capacity * payload
     extra = {"bytes_per_key": table_bytes / grown.size, "payload_bytes": payload,
              "bytes_ratio": table_bytes / grown.size / payload}
+    return bench_direct_index(rng, repeat, roof) + [
+        _row("hash lookup_or_insert/grow 0->10M", n, "keys", t_grow, t_dict, "Python dict", None, extra),
+        _row("hash lookup_or_insert/at 10M", 1_000_000, "keys", t_steady, t_dict_look / 2, "Python dict",
+             1e6 / t_steady / 1e6 / roof["random_access_m_s"]),
+        _row("hash lookup/10M", probe.size, "keys", t_look, t_dict_look, "Python dict",
+             probe.size / t_look / 1e6 / roof["random_access_m_s"])]
+
+
+def bench_direct_index(rng, repeat, roof):
+    """A server's pull and push on a direct index (hashed keys), each in one pass, against its
+    lookup then the gather or the update rule; ``rng`` goes on from :func:`bench_hashtable`'s."""
     # a server's pull on a direct index (hashed keys): lookup and row gather fused, against the two
     # kernels one after the other; 1 M keys of 2**24 stored, Zipf batches of ~18 k distinct keys
     di = directindex.DirectKeyIndex(24)
@@ -372,12 +383,7 @@ def bench_hashtable(rows, repeat, roof):
     return [_row("direct pull (lookup + gather)/Zipf", nz, "keys", t_pf, t_p2, "direct_lookup then pull_rows",
                  nz / t_pf / 1e6 / roof["random_access_m_s"]),
             _row("direct push (lookup + FTRL)/Zipf", nz, "keys", t_uf, t_u2, "direct_lookup then ftrl",
-                 nz / t_uf / 1e6 / roof["random_access_m_s"]),
-            _row("hash lookup_or_insert/grow 0->10M", n, "keys", t_grow, t_dict, "Python dict", None, extra),
-            _row("hash lookup_or_insert/at 10M", 1_000_000, "keys", t_steady, t_dict_look / 2, "Python dict",
-                 1e6 / t_steady / 1e6 / roof["random_access_m_s"]),
-            _row("hash lookup/10M", probe.size, "keys", t_look, t_dict_look, "Python dict",
-                 probe.size / t_look / 1e6 / roof["random_access_m_s"])]
+                 nz / t_uf / 1e6 / roof["random_access_m_s"])]
 
 
 def bench_hashing(rows, repeat, roof):
@@ -501,6 +507,12 @@ def warmup_models() -> None:
     admission.bump_counts(np.zeros(16, np.uint8), few, np.uint64(16), np.empty(2, np.uint8))
     admission.clear_counts(np.zeros(16, np.uint8), few, np.uint64(16))
     admission.admit_draw(few, 3, np.uint64(2**63), np.empty(2, np.bool_))
+    warmup_server()
+
+
+def warmup_server() -> None:
+    """The server's kernels (part of :func:`warmup_models`): key indexes, fused pulls and pushes,
+    placement, row initialisation, and the client's row scatter/gather."""
     ki = hashtable.KeyIndex()
     ki.lookup(ki.keys[:0].copy())
     ki.lookup_or_insert(np.arange(100, dtype=np.uint64))

@@ -13,7 +13,7 @@ import numpy as np
 from numba import njit
 
 from .hashing import xxh64
-from .parse import _int_bucket
+from .parse import int_bucket
 
 HEX = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
 
@@ -28,7 +28,7 @@ def criteo_keys(ints, cats, present, mask):
     for r in range(rows):
         for c in range(13):
             if present[r, c]:
-                u = np.uint64(_int_bucket(ints[r, c]))
+                u = np.uint64(int_bucket(ints[r, c]))
                 for t in range(8):
                     scratch[t] = np.uint8((u >> np.uint64(8 * t)) & np.uint64(255))
                 out[r, c] = xxh64(scratch, 0, 8, np.uint64(c)) & mask
