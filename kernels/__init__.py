@@ -7,7 +7,7 @@ each kernel compiles on first call, into numba's on-disk cache (``NUMBA_CACHE_DI
 Modules: ``keys`` (batch unique keys, segment reduce, merge, radix sort), ``models`` (LR and FM
 forward/backward), ``optim`` (SGD, AdaGrad, FTRL, Adam on slot rows), ``hashtable`` (uint64 → slot
 index), ``hashing`` (XXH64 feature hashing), ``parse`` (libsvm, Criteo TSV), ``metrics`` (AUC,
-logloss), ``reference`` (NumPy/SciPy references), ``profiler``.
+logloss), ``reference`` (NumPy/SciPy references), ``profiler``; ``tuning`` holds every tuned number (prefetch distances, thresholds) with its environment override.
 """
 
 import importlib.util
@@ -53,3 +53,29 @@ def _answer_numba_blas_probe_from_files() -> bool:
 
 
 _answer_numba_blas_probe_from_files()
+
+
+def _compile_tuned_kernels_apart() -> str:
+    """Where a compiled knob of :mod:`hpcps_kernels.tuning` is overridden, point numba's on-disk
+    cache at a directory of its own for that set of overrides: numba freezes a kernel's global
+    constants when it compiles and its cache does not see them change, so a kernel cached with the
+    defaults would otherwise run with them. Runs before any kernel module is imported (numba picks
+    a function's cache directory when it is decorated). Returns the directory, or '' when the
+    defaults hold."""
+    try:
+        from . import tuning
+    except ValueError as e:  # a malformed HPCPS_TUNE_* value: one line, a configuration error
+        sys.stderr.write(f"hpcps: {e}\n")
+        raise SystemExit(2) from None
+    suffix = tuning.compiled_cache_suffix()
+    if not suffix:
+        return ""
+    import tempfile
+
+    from numba.core import config
+
+    config.CACHE_DIR = os.path.join(config.CACHE_DIR or os.path.join(tempfile.gettempdir(), "hpcps-numba"), suffix)
+    return config.CACHE_DIR
+
+
+_compile_tuned_kernels_apart()

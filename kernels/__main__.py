@@ -1,4 +1,4 @@
-"""python -m hpcps_kernels {warmup,bench}"""
+"""python -m hpcps_kernels {warmup,bench,tuning}"""
 import sys
 
 if __name__ == "__main__":

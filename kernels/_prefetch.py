@@ -4,7 +4,7 @@
 * ``prefetch_lines(array, start, stop)``: every cache line that ``array[start:stop]`` touches (a
   flat array), for rows wider than one line: a dim-64 FTRL row is 768 bytes, twelve lines, and
   fetching only its first left the other eleven to miss one after another. A span of at most
-  ``NARROW`` values gets its first line only, as ``prefetch(array, start)``.
+  ``NARROW_VALUES`` (:mod:`hpcps_kernels.tuning`) values gets its first line only, as ``prefetch(array, start)``.
 
 Hash-table probes are chains of dependent cache misses; prefetching the entries of queries a few
 iterations ahead lets those misses overlap. A prefetch is only a hint: it never faults and never
@@ -16,10 +16,9 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .tuning import NARROW_VALUES
+
 LINE = 64  # bytes
-# Spans of at most this many values get their first line only (``prefetch_lines``): on dim-1
-# rules (12-byte rows, which straddle two lines 1 time in 16) the loop over lines cost more than it saved.
-NARROW = 8
 
 
 def _prefetch_call(builder, ptr):
@@ -62,7 +61,7 @@ def prefetch_lines(typingctx, arr, start, stop):
             mask = intp(~(LINE - 1))
             first_line = builder.and_(first, mask)
             count = builder.add(builder.lshr(builder.sub(builder.and_(last, mask), first_line), intp(6)), intp(1))
-            narrow = builder.icmp_signed("<=", builder.sub(stop, start), intp(NARROW))
+            narrow = builder.icmp_signed("<=", builder.sub(stop, start), intp(NARROW_VALUES))
             count = builder.select(narrow, intp(1), count)
             byte_ptr = ir.IntType(8).as_pointer()
             with cgutils.for_range(builder, count, intp=intp) as loop:

@@ -20,13 +20,13 @@ from numba import njit
 
 from ._prefetch import prefetch, prefetch_lines
 from .hashing import mix64
-from .hashtable import MAX_LOAD, _entry, _probe, _tag, build_index, entry_format, index_capacity
+from .hashtable import _entry, _probe, _tag, build_index, entry_format, index_capacity
 from .init import init_values
 from .parallel import TwoThreads, run_split
 from .optim import (FUSED_ADAGRAD, FUSED_FTRL, FUSED_SGD, adagrad_constants, adagrad_update, adam_constants,
                     adam_update, ftrl_constants, ftrl_update, sgd_constants, sgd_update)
+from .tuning import HASH_MAX_LOAD, PREFETCH_KEYS
 
-AHEAD = 16  # prefetch distance, in queries
 MAX_DIRECT_BITS = 31  # int32 slots
 
 
@@ -36,12 +36,12 @@ def direct_lookup(direct, index, keys, queries, out, tag_bits):
     nd = np.uint64(direct.shape[0])
     mask = np.uint64(index.shape[0] - 1)
     n = queries.shape[0]
-    for i in range(min(AHEAD, n)):
+    for i in range(min(PREFETCH_KEYS, n)):
         if queries[i] < nd:
             prefetch(direct, queries[i])
     for i in range(n):
-        if i + AHEAD < n and queries[i + AHEAD] < nd:
-            prefetch(direct, queries[i + AHEAD])
+        if i + PREFETCH_KEYS < n and queries[i + PREFETCH_KEYS] < nd:
+            prefetch(direct, queries[i + PREFETCH_KEYS])
         k = queries[i]
         if k < nd:
             out[i] = direct[k]
@@ -56,17 +56,17 @@ def direct_pull(direct, index, keys, queries, tag_bits, rows, dim, kind, scale, 
     ``out[i]`` = its row's first ``dim`` values, or its initial values if absent: what
     :func:`direct_lookup` then :func:`hpcps_kernels.init.pull_rows` give, the same bits.
 
-    Two prefetch stages: the direct entry of query ``i + 2 * AHEAD``, then, once the entry of
-    query ``i + AHEAD`` is read, that query's row; so neither pass waits for the other's misses."""
+    Two prefetch stages: the direct entry of query ``i + 2 * PREFETCH_KEYS``, then, once the entry of
+    query ``i + PREFETCH_KEYS`` is read, that query's row; so neither pass waits for the other's misses."""
     nd = np.uint64(direct.shape[0])
     mask = np.uint64(index.shape[0] - 1)
     flat, width, n = rows.reshape(-1), rows.shape[1], queries.shape[0]
     one = np.empty((1, dim), dtype=np.float32)
-    for i in range(-2 * AHEAD, n):  # (negative i: the stages filling up)
-        j = i + 2 * AHEAD
+    for i in range(-2 * PREFETCH_KEYS, n):  # (negative i: the stages filling up)
+        j = i + 2 * PREFETCH_KEYS
         if j < n and queries[j] < nd:
             prefetch(direct, queries[j])
-        j = i + AHEAD
+        j = i + PREFETCH_KEYS
         if 0 <= j < n:
             k = queries[j]
             if k < nd:
@@ -112,12 +112,12 @@ def direct_push(direct, index, keys, queries, tag_bits, rows, grads, rule, hp, s
     sgd_c, adagrad_c = sgd_constants(f64, (h0, h1)), adagrad_constants(f64, (h0, h1, h2))
     ftrl_c = ftrl_constants(f64, (h0 if rule == FUSED_FTRL else 1.0, h1, h2, h3))  # (it takes 1 / alpha)
     adam_c = adam_constants(f64, (h0, h1, h2, h3, h4))
-    for i in range(-2 * AHEAD, n):  # (negative i: the stages filling up)
+    for i in range(-2 * PREFETCH_KEYS, n):  # (negative i: the stages filling up)
         # direct_pull's two stages, written out: as an inline helper both kernels ran several times slower
-        j = i + 2 * AHEAD
+        j = i + 2 * PREFETCH_KEYS
         if j < n and queries[j] < nd:
             prefetch(direct, queries[j])
-        j = i + AHEAD
+        j = i + PREFETCH_KEYS
         if 0 <= j < n:
             k = queries[j]
             if k < nd:
@@ -154,12 +154,12 @@ def direct_lookup_or_insert(direct, index, keys, size, n_over, queries, out, sta
     nd = np.uint64(direct.shape[0])
     mask = np.uint64(index.shape[0] - 1)
     n = queries.shape[0]
-    for i in range(start, min(start + AHEAD, n)):
+    for i in range(start, min(start + PREFETCH_KEYS, n)):
         if queries[i] < nd:
             prefetch(direct, queries[i])
     for i in range(start, n):
-        if i + AHEAD < n and queries[i + AHEAD] < nd:
-            prefetch(direct, queries[i + AHEAD])
+        if i + PREFETCH_KEYS < n and queries[i + PREFETCH_KEYS] < nd:
+            prefetch(direct, queries[i + PREFETCH_KEYS])
         k = queries[i]
         if k < nd:
             s = direct[k]
@@ -280,11 +280,11 @@ class DirectKeyIndex:
         while True:
             size, n_over, done = direct_lookup_or_insert(
                 self.direct, self.index, self.keys, self.size, self.n_over, queries, out, done,
-                self.keys.shape[0], int(MAX_LOAD * self.index.shape[0]), self.tag_bits)
+                self.keys.shape[0], int(HASH_MAX_LOAD * self.index.shape[0]), self.tag_bits)
             self.size, self.n_over = int(size), int(n_over)
             if done == queries.shape[0]:
                 return out
-            if self.n_over >= int(MAX_LOAD * self.index.shape[0]):
+            if self.n_over >= int(HASH_MAX_LOAD * self.index.shape[0]):
                 self._grow_overflow(self.n_over + 1)
             if self.size >= self.keys.shape[0]:
                 self.reserve(self.size + max(1024, (queries.shape[0] - done) // 4))

@@ -16,10 +16,10 @@ Layout, chosen for bytes per key and for few cache misses:
 
 Any uint64 is a valid key (2**64 - 1 too). No deletion: eviction rebuilds an index.
 
-Probes prefetch the index entry of the query ``2 * AHEAD`` ahead and the key of the one ``AHEAD``
+Probes prefetch the index entry of the query ``2 * PREFETCH_KEYS`` ahead and the key of the one ``PREFETCH_KEYS``
 ahead, so the cache misses of successive queries overlap instead of queueing.
 The functions are pure kernels on the arrays; :class:`KeyIndex` is a small holder that grows
-them (index ×2 when the load passes ``MAX_LOAD``, keys ×1.5).
+them (index ×2 when the load passes ``HASH_MAX_LOAD``, keys ×1.5).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from numba import njit
 
 from ._prefetch import prefetch
 from .hashing import mix64
+from .tuning import HASH_MAX_LOAD, PREFETCH_KEYS
 
 EMPTY = np.uint32(0xFFFFFFFF)            # an empty narrow entry
 TAG_BITS = 5                             # narrow entries: uint32 = 27-bit slot | 5-bit tag
@@ -36,8 +37,6 @@ NARROW_MAX_KEYS = 2**27 - 1
 WIDE_EMPTY = np.uint64(2**64 - 1)        # an empty wide entry
 WIDE_TAG_BITS = 16                       # wide entries: uint64 = 48-bit slot | 16-bit tag
 MAX_KEYS = 2**48 - 1
-MAX_LOAD = 0.75
-AHEAD = 16  # prefetch distance, in queries
 
 # The kernels below serve both entry widths: numba compiles them once per index dtype; the tag
 # width comes as an argument (``tag_bits``) and the empty value is all bits set in either.
@@ -86,14 +85,14 @@ def lookup(index, keys, queries, out, tag_bits):
     hashes = np.empty(n, dtype=np.uint64)
     for i in range(n):
         hashes[i] = mix64(queries[i])
-    for i in range(min(2 * AHEAD, n)):
+    for i in range(min(2 * PREFETCH_KEYS, n)):
         prefetch(index, hashes[i] & mask)
     for i in range(n):
-        # prefetch the entry of query i + 2*AHEAD and the key of query i + AHEAD
-        if i + 2 * AHEAD < n:
-            prefetch(index, hashes[i + 2 * AHEAD] & mask)
-        if i + AHEAD < n:
-            e = index[hashes[i + AHEAD] & mask]
+        # prefetch the entry of query i + 2*PREFETCH_KEYS and the key of query i + PREFETCH_KEYS
+        if i + 2 * PREFETCH_KEYS < n:
+            prefetch(index, hashes[i + 2 * PREFETCH_KEYS] & mask)
+        if i + PREFETCH_KEYS < n:
+            e = index[hashes[i + PREFETCH_KEYS] & mask]
             if not _is_empty(e):
                 prefetch(keys, _slot(e, tag_bits))
         h = hashes[i]
@@ -114,14 +113,14 @@ def lookup_or_insert(index, keys, size, queries, out, start, limit, tag_bits):
     hashes = np.empty(n, dtype=np.uint64)
     for i in range(start, n):
         hashes[i] = mix64(queries[i])
-    for i in range(start, min(start + 2 * AHEAD, n)):
+    for i in range(start, min(start + 2 * PREFETCH_KEYS, n)):
         prefetch(index, hashes[i] & mask)
     for i in range(start, n):
         # the same prefetch as in lookup(), written out: as an inline helper it halved the speed
-        if i + 2 * AHEAD < n:
-            prefetch(index, hashes[i + 2 * AHEAD] & mask)
-        if i + AHEAD < n:
-            e = index[hashes[i + AHEAD] & mask]
+        if i + 2 * PREFETCH_KEYS < n:
+            prefetch(index, hashes[i + 2 * PREFETCH_KEYS] & mask)
+        if i + PREFETCH_KEYS < n:
+            e = index[hashes[i + PREFETCH_KEYS] & mask]
             if not _is_empty(e):
                 prefetch(keys, _slot(e, tag_bits))
         k = queries[i]
@@ -156,9 +155,9 @@ def build_index(keys, size, index, tag_bits, skip_below):
 
 
 def index_capacity(n: int) -> int:
-    """Smallest power-of-two index capacity that holds ``n`` keys under ``MAX_LOAD``."""
+    """Smallest power-of-two index capacity that holds ``n`` keys under ``HASH_MAX_LOAD``."""
     cap = 16
-    while n > MAX_LOAD * cap:
+    while n > HASH_MAX_LOAD * cap:
         cap *= 2
     return cap
 
@@ -222,7 +221,7 @@ class KeyIndex:
         out = np.empty(queries.shape[0], dtype=np.int64)
         done = 0
         while True:
-            limit = min(self.keys.shape[0], int(MAX_LOAD * self.index.shape[0]),
+            limit = min(self.keys.shape[0], int(HASH_MAX_LOAD * self.index.shape[0]),
                         NARROW_MAX_KEYS if not self.wide else MAX_KEYS)
             size, done = lookup_or_insert(self.index, self.keys, self.size, queries, out, done, limit,
                                           self.tag_bits)

@@ -14,8 +14,8 @@ from numba import njit
 
 from ._prefetch import prefetch_lines
 from .hashing import mix64
+from .tuning import PREFETCH_KEYS
 
-AHEAD = 16  # prefetch distance of pull_rows, in keys
 
 ZEROS, UNIFORM, NORMAL = 0, 1, 2
 KINDS = {"zeros": ZEROS, "uniform": UNIFORM, "normal": NORMAL}
@@ -53,8 +53,8 @@ def pull_rows(rows, slots, keys, dim, kind, scale, seed, out):
     one = np.empty((1, dim), dtype=np.float32)
     flat, width, n = rows.reshape(-1), rows.shape[1], slots.shape[0]
     for i in range(n):
-        if i + AHEAD < n and slots[i + AHEAD] >= 0:
-            p = slots[i + AHEAD] * width
+        if i + PREFETCH_KEYS < n and slots[i + PREFETCH_KEYS] >= 0:
+            p = slots[i + PREFETCH_KEYS] * width
             prefetch_lines(flat, p, p + dim)  # the lines of the values pulled (a dim-64 pull: 4)
         s = slots[i]
         if s >= 0:

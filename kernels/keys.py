@@ -17,10 +17,9 @@ import numpy as np
 from numba import njit
 
 from .hashing import mix64
+from .tuning import DEDUP_MAX_FIRST_SLOTS, DEDUP_MIN_SLOTS
 
 
-DEDUP_MIN_SLOTS = 1024        # the scratch table's first size ...
-DEDUP_MAX_FIRST_SLOTS = 1 << 16  # ... at most this, then it doubles as keys arrive (load <= 1/2)
 
 
 @njit(cache=True)

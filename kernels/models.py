@@ -21,10 +21,10 @@ import numpy as np
 from numba import njit
 
 from ._prefetch import prefetch
+from .tuning import PREFETCH_NONZEROS
 
 LOGISTIC = 0
 SQUARED = 1
-AHEAD = 24  # prefetch distance in nonzeros
 
 
 @njit(inline="always")
@@ -88,7 +88,7 @@ def fm_forward_backward(indptr, pos, vals, labels, w, V, gw, gV, scale, l2, loss
     sparse vector as scipy would. Writes each row's margin to ``margins`` when it is not empty.
     Returns the summed loss.
 
-    The rows of ``w``, ``V``, ``gw``, ``gV`` a nonzero needs are prefetched ``AHEAD`` nonzeros
+    The rows of ``w``, ``V``, ``gw``, ``gV`` a nonzero needs are prefetched ``PREFETCH_NONZEROS`` nonzeros
     early, in the row's first pass: the batch's parameters exceed L2, and without it the kernel
     waits on one cache miss after another.
     """
@@ -154,12 +154,12 @@ def fm_forward_backward(indptr, pos, vals, labels, w, V, gw, gV, scale, l2, loss
 def _fm_merge_keys(pos, vals, a, b, row, scratch, w, V, gw, gV):
     """The first pass of :func:`fm_forward_backward` over row ``row`` (nonzeros ``a:b``): each
     key's summed value into ``scratch`` (``[row, value]``), prefetching the parameters of the
-    nonzero ``AHEAD`` on. Returns whether a key repeats in the row."""
+    nonzero ``PREFETCH_NONZEROS`` on. Returns whether a key repeats in the row."""
     nnz = pos.shape[0]
     dup = False
     for j in range(a, b):
-        if j + AHEAD < nnz:
-            q = pos[j + AHEAD]
+        if j + PREFETCH_NONZEROS < nnz:
+            q = pos[j + PREFETCH_NONZEROS]
             prefetch(scratch[q], 0)
             prefetch(w, q)
             prefetch(V[q], 0)

@@ -45,17 +45,18 @@ from numba import njit
 from numba import types
 from numba.extending import overload, register_jitable
 
-from ._prefetch import NARROW, prefetch_lines
+from ._prefetch import prefetch_lines
 from .parallel import TwoThreads, run_split
+from .tuning import NARROW_VALUES, PREFETCH_KEYS, WIDE_PREFETCH_BYTES
 
-AHEAD = 16  # prefetch distance, in keys: a row's cache lines are fetched this many keys early
-WIDE_AHEAD_BYTES = 4096  # ... or, for wide rows, this many bytes of rows early (at least 4 keys)
 
 
 @njit(inline="always")
 def ahead_keys(width):
     """The prefetch distance, in keys, for rows of ``width`` float32 values."""
-    return AHEAD if width <= NARROW else max(4, min(AHEAD, WIDE_AHEAD_BYTES // (4 * width)))
+    if width <= NARROW_VALUES:
+        return PREFETCH_KEYS
+    return max(4, min(PREFETCH_KEYS, WIDE_PREFETCH_BYTES // (4 * width)))
 
 
 def width(name: str, dim: int) -> int:

@@ -17,13 +17,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
-PARALLEL_MIN_KEYS = 1 << 16  # pushes of fewer keys ...
-PARALLEL_MIN_VALUES = 1 << 19  # ... and fewer values (keys x width) run on one thread
-# A pull runs its halves at once from PARALLEL_MIN_PULL_WORK of ``keys x (values a key +
-# PULL_KEY_VALUES)``: a key's lookup costs about as much as copying 8-11 values, and two threads
-# pay only once the pull's work outweighs the hand-over to the second thread.
-PARALLEL_MIN_PULL_WORK = 1 << 21
-PULL_KEY_VALUES = 8
+from .tuning import PARALLEL_MIN_KEYS, PARALLEL_MIN_PULL_WORK, PARALLEL_MIN_VALUES, PULL_KEY_VALUES
 
 
 class TwoThreads:

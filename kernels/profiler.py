@@ -1,4 +1,4 @@
-"""Standalone profiler of the kernels: ``python -m hpcps_kernels {warmup,bench}``.
+"""Standalone profiler of the kernels: ``python -m hpcps_kernels {warmup,bench,tuning}``.
 
 ``bench`` times every kernel on Criteo-shaped batches (39 nonzeros per row, Zipf-distributed
 tokens per field, keys in a 2**24 or 2**40 space) beside its NumPy/SciPy reference, and beside two
@@ -22,7 +22,7 @@ import time
 import numpy as np
 from numba import njit
 
-from . import admission, deep, directindex, hashing, hashtable, init, keys, metrics, models, optim, parse, textgen
+from . import admission, deep, directindex, hashing, hashtable, init, keys, metrics, models, optim, parse, textgen, tuning
 from . import reference as ref
 
 ROOF_BYTES = 512 << 20
@@ -653,7 +653,11 @@ def main(argv: list[str]) -> int:
     b.add_argument("--rows", type=int, default=200_000, help="rows of the Criteo-shaped batch (39 nnz each)")
     b.add_argument("--repeat", type=int, default=5, help="timed runs per figure (median reported)")
     b.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
+    sub.add_parser("tuning", help="the tuned knobs, their values and overrides (the table of docs/tuning.md)")
     args = ap.parse_args(argv)
+    if args.cmd == "tuning":
+        sys.stdout.write(tuning.markdown())
+        return 0
     if args.cmd == "warmup":
         return _warmup_command(args.part, args.jobs)
     roof = rooflines(args.repeat)

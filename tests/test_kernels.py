@@ -303,9 +303,9 @@ def test_key_index_growth_rebuild_and_bytes_per_key():
         idx.lookup_or_insert(keys_[lo:lo + 7_000])
     assert idx.size == len(keys_)
     np.testing.assert_array_equal(idx.lookup(keys_), np.arange(len(keys_)))
-    assert idx.size <= hashtable.MAX_LOAD * idx.index.shape[0]
+    assert idx.size <= hashtable.HASH_MAX_LOAD * idx.index.shape[0]
     # index: 4 bytes / load; keys: 8 bytes and at most 1.5x growth slack
-    assert idx.nbytes() / idx.size <= 4 / (hashtable.MAX_LOAD / 2) + 8 * 1.5 + 1
+    assert idx.nbytes() / idx.size <= 4 / (hashtable.HASH_MAX_LOAD / 2) + 8 * 1.5 + 1
     rebuilt = hashtable.KeyIndex.from_keys(idx.keys[: idx.size])
     np.testing.assert_array_equal(rebuilt.lookup(keys_), np.arange(len(keys_)))
 
@@ -672,7 +672,7 @@ def test_direct_index_overflow_grows_past_its_load():
     small = np.arange(256, dtype=np.uint64)
     slots = d.lookup_or_insert(np.concatenate([small, big]))
     np.testing.assert_array_equal(slots, np.arange(256 + 5000))
-    assert d.n_over == 5000 and d.index.shape[0] >= 5000 / hashtable.MAX_LOAD
+    assert d.n_over == 5000 and d.index.shape[0] >= 5000 / hashtable.HASH_MAX_LOAD
     np.testing.assert_array_equal(d.lookup(big[::-1].copy()), np.arange(256, 256 + 5000)[::-1])
 
 

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from hpcps_kernels import parse
+from hpcps_kernels.tuning import PARSE_BLOCK_BYTES
 
 # feature_key(0xB1A5, "bias"), written out so that importing this module compiles nothing
 BIAS_KEY = np.uint64(871999724124195170)
-BLOCK = 1 << 30  # a worker's part is parsed in blocks of at most this many bytes (one, usually)
 
 
 class DataError(ValueError):
@@ -350,7 +350,7 @@ def _parse_blocks(path: str, start: int, end: int, fmt: str, hash_bits: int, ski
     A read that ends before ``end`` (the file shrank) raises :class:`DataChanged`; so does, with
     ``state`` (:func:`file_state` when the ranges were cut), a file changed in any way, checked
     before each block (one ``stat``)."""
-    block_bytes = block_bytes or BLOCK
+    block_bytes = block_bytes or PARSE_BLOCK_BYTES
     buf = bytearray(min(block_bytes, end - start) + (1 << 16))
     view = memoryview(buf)
     seen = np.zeros(2, dtype=np.int64)  # binary labels: a 0 / a -1 met in an earlier block

@@ -13,6 +13,7 @@ from hpcps import outputs
 from hpcps.ps.collectives import World
 from hpcps.train import data as tdata
 from hpcps_kernels import metrics
+from hpcps_kernels.tuning import EVAL_BATCH_ROWS
 
 
 def _gather_on_first(ctx, array: np.ndarray) -> np.ndarray | None:
@@ -21,15 +22,14 @@ def _gather_on_first(ctx, array: np.ndarray) -> np.ndarray | None:
     return workers.gather_to_first(array, counts, "gather of evaluation results")
 
 
-EVAL_ROWS = 4096  # rows a worker scores at once at least, whatever the training's batch
 
 
 def eval_batch(batch_size: int) -> int:
     """Rows per request when scoring (:func:`evaluate_columns`, :func:`predict`): the training's
-    batch, but at least ``EVAL_ROWS``. A row's margin does not depend on the rows beside it, so
+    batch, but at least ``EVAL_BATCH_ROWS``. A row's margin does not depend on the rows beside it, so
     this changes no score, only the number of round trips (a small job trains in small batches,
     and scoring its test rows in those would take a pull per batch)."""
-    return max(batch_size, EVAL_ROWS)
+    return max(batch_size, EVAL_BATCH_ROWS)
 
 
 def evaluate(ctx, pipeline, ds: tdata.Dataset | None, batch_size: int, loss: str) -> dict:

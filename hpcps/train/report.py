@@ -21,8 +21,8 @@ from hpcps.train.checkpointing import EXIT_INTERRUPTED
 from hpcps.train.evaluation import end_job_on
 from hpcps.train.progress import STATUS_ENV, Progress, summary_table, write_status
 from hpcps_kernels import optim
+from hpcps_kernels.tuning import STATUS_EVERY_S
 
-STATUS_EVERY_S = 0.2  # supervise's status file is written at most this often
 
 
 class Reporter:

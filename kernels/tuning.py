@@ -1,0 +1,136 @@
+"""Every tuned number of hpcps in one place: its value, why, the benchmark that measures it, and an
+environment variable that overrides it (``HPCPS_TUNE_<NAME>``), as Horovod keeps its knobs.
+
+A knob is a number chosen by measuring, for speed or memory; it never changes what is computed
+(a model trained with any value of a knob is the same, bit for bit). Format and protocol constants
+(message tags, status bits, file versions) are not knobs and stay with the code that defines them.
+
+Kernel knobs (``compiled``) are frozen into the numba kernels when they compile, and numba's
+on-disk cache does not know about them: when one is overridden, ``hpcps_kernels`` compiles into a
+cache directory of its own for that set of overrides (see :func:`compiled_cache_suffix`), so
+cached kernels never run with a stale value. Runtime knobs are read by the code that uses them.
+
+This module is pure Python (no numba, no hpcps) so that every layer can import it;
+``python -m hpcps_kernels tuning`` prints the table of docs/tuning.md (generated from here, and
+checked by tests/test_tuning.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+
+ENV_PREFIX = "HPCPS_TUNE_"
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    default: int | float
+    reason: str
+    benchmark: str
+    compiled: bool = False  # frozen into numba kernels at compile time
+    minimum: int | float = 0
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name
+
+    def read(self, environ) -> int | float:
+        """The knob's value: its environment override if set, else its default. A value that is
+        not a number of the knob's type, or below its minimum, is an error naming the variable."""
+        text = environ.get(self.env)
+        if text is None or text.strip() == "":
+            return self.default
+        kind = type(self.default)
+        try:
+            value = kind(float(text)) if kind is float else int(text.strip(), 0)
+        except ValueError:
+            raise ValueError(f"{self.env}={text!r}: expected {'an integer' if kind is int else 'a number'} "
+                             f"(default {self.default})") from None
+        if not value >= self.minimum:
+            raise ValueError(f"{self.env}={text!r}: must be at least {self.minimum} (default {self.default})")
+        return value
+
+
+KERNELS_BENCH = "python -m hpcps_kernels bench"
+PS_BENCH = "mpiexec -n 2 hpcps bench ps"
+
+KNOBS = (
+    # kernels (compiled)
+    Knob("PREFETCH_KEYS", 16, "prefetch distance, in keys, of hash-index probes, direct-index lookups, update "
+         "rules and row gathers: far enough to hide a DRAM miss, near enough to stay in L1",
+         KERNELS_BENCH + " --kernel hashtable --kernel optim", compiled=True, minimum=1),
+    Knob("PREFETCH_NONZEROS", 24, "prefetch distance, in nonzeros, of the LR/FM forward-backward's model rows",
+         KERNELS_BENCH + " --kernel lr --kernel fm", compiled=True, minimum=1),
+    Knob("WIDE_PREFETCH_BYTES", 4096, "update rules on wide rows prefetch this many bytes of rows ahead (at "
+         "least 4 keys), not PREFETCH_KEYS rows: more lines in flight than the core tracks only stall it",
+         KERNELS_BENCH + " --kernel optim (dim 64)", compiled=True, minimum=64),
+    Knob("NARROW_VALUES", 8, "rows of at most this many values get their first cache line prefetched only: "
+         "on dim-1 rules the loop over lines cost more than the rare second line saved",
+         KERNELS_BENCH + " --kernel optim (dim 1)", compiled=True, minimum=1),
+    Knob("HASH_MAX_LOAD", 0.75, "a hash index doubles when its load passes this: probes stay short "
+         "(linear probing) at a memory cost of 1/load entries a key", KERNELS_BENCH + " --kernel hashtable",
+         compiled=True, minimum=0.1),
+    Knob("DEDUP_MIN_SLOTS", 1024, "first size of a batch's scratch table for unique keys: small batches "
+         "stay in L1", KERNELS_BENCH + " --kernel unique", compiled=True, minimum=16),
+    Knob("DEDUP_MAX_FIRST_SLOTS", 1 << 16, "the scratch table starts at most this large, then doubles as "
+         "keys arrive (load <= 1/2): a large batch of repeated keys does not clear a large table",
+         KERNELS_BENCH + " --kernel unique", compiled=True, minimum=16),
+    # kernels (runtime: the server's two threads)
+    Knob("PARALLEL_MIN_KEYS", 1 << 16, "pushes of fewer keys (and fewer than PARALLEL_MIN_VALUES values) "
+         "run on one thread: handing half to a second thread costs about 0.1-0.3 ms",
+         PS_BENCH + " (HPCPS_SERVER_THREADS=1 against 2)", minimum=2),
+    Knob("PARALLEL_MIN_VALUES", 1 << 19, "pushes of fewer values (keys x width) and fewer than "
+         "PARALLEL_MIN_KEYS keys run on one thread", PS_BENCH + " (HPCPS_SERVER_THREADS=1 against 2)", minimum=2),
+    Knob("PARALLEL_MIN_PULL_WORK", 1 << 21, "a pull runs its halves at once from this much work, "
+         "keys x (values a key + PULL_KEY_VALUES); its reply is then announced so the worker sleeps",
+         PS_BENCH + " (HPCPS_SERVER_THREADS=1 against 2)", minimum=2),
+    Knob("PULL_KEY_VALUES", 8, "a key's lookup costs about as much as copying this many values (in a "
+         "pull's work)", PS_BENCH + " (HPCPS_SERVER_THREADS=1 against 2)", minimum=0),
+    # training
+    Knob("PARSE_BLOCK_BYTES", 1 << 30, "a worker's part of a text file is parsed in blocks of at most this "
+         "many bytes (usually one): bounds the parse's buffers", "hpcps train with data.memory_mb", minimum=1 << 20),
+    Knob("EVAL_BATCH_ROWS", 4096, "rows a worker scores at once at least, whatever the training's batch: "
+         "fewer, larger pulls", "hpcps eval on a 1M-row test set", minimum=1),
+    Knob("STATUS_EVERY_S", 0.2, "supervise's status file is written at most this often",
+         "hpcps train under hpcps supervise (status file writes)", minimum=0.0),
+)
+
+_BY_NAME = {k.name: k for k in KNOBS}
+
+
+def _values(environ) -> dict:
+    return {k.name: k.read(environ) for k in KNOBS}
+
+
+VALUES = _values(os.environ)
+globals().update(VALUES)  # each knob as a module constant: ``from hpcps_kernels.tuning import PREFETCH_KEYS``
+
+
+def overridden(environ=os.environ) -> dict:
+    """The knobs set in ``environ`` to a value other than their default, by name."""
+    values = _values(environ)
+    return {n: v for n, v in values.items() if v != _BY_NAME[n].default}
+
+
+def compiled_cache_suffix(environ=os.environ) -> str:
+    """'' when no compiled knob is overridden, else a directory name for the kernels compiled with
+    these overrides (the same for every rank of a job)."""
+    changed = {n: v for n, v in overridden(environ).items() if _BY_NAME[n].compiled}
+    if not changed:
+        return ""
+    text = ",".join(f"{n}={changed[n]!r}" for n in sorted(changed))
+    return "tuned-" + hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def markdown() -> str:
+    """The table of docs/tuning.md."""
+    lines = ["| knob | default | environment | why | measured by |", "|---|---|---|---|---|"]
+    for k in KNOBS:
+        default = f"{k.default:,}" if isinstance(k.default, int) and k.default >= 10_000 else repr(k.default)
+        kind = " (compiled)" if k.compiled else ""
+        lines.append(f"| `{k.name}`{kind} | {default} | `{k.env}` | {k.reason} | `{k.benchmark}` |")
+    return "\n".join(lines) + "\n"
+
