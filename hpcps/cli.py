@@ -789,8 +789,7 @@ def entry() -> None:
 
     Everything a command writes is written and closed by then (models, checkpoints, metrics,
     summaries), so what the interpreter's own teardown would add is freeing every object and
-    module one by one: 0.3 s of a 2-rank training job's wall time here (each rank's, measured
-    as the job's wall time minus its loop, 1.99-2.01 against 1.68 s). The standard streams are
+    module one by one, a noticeable part of a short job's wall time (docs/benchmarks.md). The standard streams are
     flushed and MPI is finalized first (when this command started it), then C's ``exit`` runs
     the C libraries' exit handlers, not Python's teardown. Not ``os._exit``, which skips those
     too: MPICH ends a process's part in the job with ``mpiexec`` in one of them, and without it

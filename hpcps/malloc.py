@@ -3,10 +3,9 @@
 A training step allocates and frees arrays of 0.1-2 MB (a batch's unique keys and positions,
 pulled rows, gradients, messages). With its defaults glibc serves large requests with fresh
 mappings and hands memory at the top of its heap back to the kernel once a little of it is free,
-so the next step faults the same pages in again (and the kernel zeroes them). Here (gVisor, where
-a page fault is costly) that was 5-10 % of a 3-epoch job's time: ``hpcps bench vw``'s 2-rank job,
-medians of 4 alternating runs, 6.2 against 6.5 s and (set by glibc's environment variables) 5.9
-against 6.6 s, with the same peak RSS. A bare-metal kernel faults faster; the gain is smaller.
+so the next step faults the same pages in again (and the kernel zeroes them). Where a page fault
+is costly (a sandboxed kernel such as gVisor) that is several percent of a job's time
+(``hpcps bench vw``; the figures are in docs/benchmarks.md); a bare-metal kernel faults faster.
 
 :func:`keep_freed_memory` raises the mmap threshold to glibc's maximum (32 MiB), keeps up to
 1 GiB free at the top of the heap, and grows the heap 64 MiB at a time. Freed memory then stays
