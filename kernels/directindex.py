@@ -20,7 +20,7 @@ from numba import njit
 
 from ._prefetch import prefetch, prefetch_lines
 from .hashing import mix64
-from .hashtable import _entry, _probe, _tag, build_index, entry_format, index_capacity
+from .hashtable import build_index, entry_format, index_capacity, key_tag, pack_entry, probe
 from .init import init_values
 from .parallel import TwoThreads, run_split
 from .optim import (FUSED_ADAGRAD, FUSED_FTRL, FUSED_SGD, adagrad_constants, adagrad_update, adam_constants,
@@ -47,7 +47,7 @@ def direct_lookup(direct, index, keys, queries, out, tag_bits):
             out[i] = direct[k]
         else:
             h = mix64(k)
-            out[i] = _probe(index, keys, k, _tag(h, tag_bits), h & mask, mask, tag_bits)[0]
+            out[i] = probe(index, keys, k, key_tag(h, tag_bits), h & mask, mask, tag_bits)[0]
 
 
 @njit(cache=True, nogil=True)  # (see hpcps_kernels.parallel)
@@ -73,7 +73,7 @@ def direct_pull(direct, index, keys, queries, tag_bits, rows, dim, kind, scale, 
                 s = np.int64(direct[k])
             else:
                 h = mix64(k)
-                s = _probe(index, keys, k, _tag(h, tag_bits), h & mask, mask, tag_bits)[0]
+                s = probe(index, keys, k, key_tag(h, tag_bits), h & mask, mask, tag_bits)[0]
             slots[j] = s
             if s >= 0:  # the lines of the values pulled (a dim-64 pull: 4)
                 prefetch_lines(flat, s * width, s * width + dim)
@@ -124,7 +124,7 @@ def direct_push(direct, index, keys, queries, tag_bits, rows, grads, rule, hp, s
                 s = np.int64(direct[k])
             else:
                 h = mix64(k)
-                s = _probe(index, keys, k, _tag(h, tag_bits), h & mask, mask, tag_bits)[0]
+                s = probe(index, keys, k, key_tag(h, tag_bits), h & mask, mask, tag_bits)[0]
             slots[j] = s
             if s >= 0:
                 prefetch(flat, s * width)
@@ -171,14 +171,14 @@ def direct_lookup_or_insert(direct, index, keys, size, n_over, queries, out, sta
             direct[k] = size
         else:
             h = mix64(k)
-            tag = _tag(h, tag_bits)
-            s, j = _probe(index, keys, k, tag, h & mask, mask, tag_bits)
+            tag = key_tag(h, tag_bits)
+            s, j = probe(index, keys, k, tag, h & mask, mask, tag_bits)
             if s >= 0:
                 out[i] = s
                 continue
             if size >= limit or n_over >= over_limit:
                 return size, n_over, i
-            index[j] = _entry(size, tag, tag_bits)
+            index[j] = pack_entry(size, tag, tag_bits)
             n_over += 1
         keys[size] = k
         out[i] = size

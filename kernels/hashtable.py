@@ -43,12 +43,12 @@ MAX_KEYS = 2**48 - 1
 
 
 @njit(inline="always")
-def _tag(h, tag_bits):
+def key_tag(h, tag_bits):
     return h >> np.uint64(64 - tag_bits)
 
 
 @njit(inline="always")
-def _entry(slot, tag, tag_bits):
+def pack_entry(slot, tag, tag_bits):
     return (np.uint64(slot) << np.uint64(tag_bits)) | tag
 
 
@@ -63,7 +63,7 @@ def _is_empty(e):
 
 
 @njit(inline="always")
-def _probe(index, keys, k, tag, j, mask, tag_bits):
+def probe(index, keys, k, tag, j, mask, tag_bits):
     """Linear probe for ``k`` from position ``j``: (slot or -1, position where the probe ended)."""
     tag_mask = (np.uint64(1) << np.uint64(tag_bits)) - np.uint64(1)
     while True:
@@ -96,7 +96,7 @@ def lookup(index, keys, queries, out, tag_bits):
             if not _is_empty(e):
                 prefetch(keys, _slot(e, tag_bits))
         h = hashes[i]
-        out[i] = _probe(index, keys, queries[i], _tag(h, tag_bits), h & mask, mask, tag_bits)[0]
+        out[i] = probe(index, keys, queries[i], key_tag(h, tag_bits), h & mask, mask, tag_bits)[0]
 
 
 @njit(cache=True)
@@ -125,14 +125,14 @@ def lookup_or_insert(index, keys, size, queries, out, start, limit, tag_bits):
                 prefetch(keys, _slot(e, tag_bits))
         k = queries[i]
         h = hashes[i]
-        tag = _tag(h, tag_bits)
-        s, j = _probe(index, keys, k, tag, h & mask, mask, tag_bits)
+        tag = key_tag(h, tag_bits)
+        s, j = probe(index, keys, k, tag, h & mask, mask, tag_bits)
         if s >= 0:
             out[i] = s
             continue
         if size >= limit:
             return size, i
-        index[j] = _entry(size, tag, tag_bits)
+        index[j] = pack_entry(size, tag, tag_bits)
         keys[size] = k
         out[i] = size
         size += 1
@@ -151,7 +151,7 @@ def build_index(keys, size, index, tag_bits, skip_below):
         j = h & mask
         while not _is_empty(index[j]):
             j = (j + np.uint64(1)) & mask
-        index[j] = _entry(s, _tag(h, tag_bits), tag_bits)
+        index[j] = pack_entry(s, key_tag(h, tag_bits), tag_bits)
 
 
 def index_capacity(n: int) -> int:
