@@ -100,3 +100,11 @@ def test_a_format_is_registered_once():
             hpcps.register_format(name, parse_pipes, replace=True)
     with pytest.raises(config.ConfigError, match=r"data\.format = 'pipez': expected one of .*'pipes'"):
         config.from_dict({"data": {"format": "pipez"}})
+
+
+def test_a_registered_models_file_is_not_served_as_another_model():
+    class SvmFile:  # what a model file of a registered model type says of itself
+        kind = "svm"
+
+    with pytest.raises(ValueError, match="a model of type 'svm' .* cannot be served from its file"):
+        models.Scorer(SvmFile())

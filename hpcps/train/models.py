@@ -450,6 +450,9 @@ class Scorer:
     servers: the same computation as training's."""
 
     def __init__(self, model):
+        if model.kind not in ("lr", "fm", *DEEP_TABLES):
+            raise ValueError(f"a model of type {model.kind!r} (registered by its training script) cannot be served "
+                             f"from its file: hpcps eval and predict serve lr, fm, wdl and deepfm models")
         self.model = model
         self.net = None
         if model.kind in DEEP_TABLES:
