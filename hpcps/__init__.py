@@ -26,6 +26,10 @@ def __getattr__(name):
         from hpcps.train import estimator
 
         return getattr(estimator, name)
+    if name == "Model":  # the base class of a model of your own (see register_model)
+        from hpcps.train.models import Model
+
+        return Model
     if name == "Features":  # a table's admission and eviction (sparse_table(..., features=hpcps.Features(...)))
         from hpcps.ps.tables import Features
 
@@ -83,3 +87,29 @@ def register_server_function(name: str, fn, out_width: int, in_width: int = 0, p
     from hpcps.ps.tables import register_server_function as _register
 
     return _register(name, fn, out_width, in_width, per_key, replace)
+
+
+def register_model(name: str, cls, replace: bool = False):
+    """Train ``model.type = name`` with ``cls``, a subclass of :class:`hpcps.Model` (on every rank,
+    before the configuration is read). See :func:`hpcps.train.models.register_model` and
+    docs/extending.md::
+
+        class HingeModel(hpcps.Model):
+            def declare_tables(self, ctx, cfg): ...             # its sparse tables
+            def forward_backward(self, batch, pos, params, grads, scale, dense_ready=None): ...
+            def margins_into(self, batch, pos, params, out): ...
+
+        hpcps.register_model("svm", HingeModel)                 # then [model] type = "svm"
+    """
+    from hpcps.train.models import register_model as _register
+
+    return _register(name, cls, replace)
+
+
+def register_format(name: str, parser, replace: bool = False):
+    """Read ``data.format = name`` files with ``parser`` (on every rank, before the configuration
+    is read); its signature and results are those of :func:`hpcps_kernels.parse.parse_libsvm`. See
+    :func:`hpcps.train.data.register_format` and docs/extending.md."""
+    from hpcps.train.data import register_format as _register
+
+    return _register(name, parser, replace)

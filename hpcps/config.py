@@ -222,9 +222,10 @@ def _coerce(where: str, value: Any, default: Any):
     raise ConfigError(f"{where}: expected {kind.__name__}, got {value!r}")
 
 
-CHOICES = {
+BUILT_IN_MODELS = ("lr", "fm", "wdl", "deepfm")
+CHOICES = {  # the keys whose values are names; models and data formats registered from user code add theirs
     ("data", "format"): ("auto", "libsvm", "criteo", "vw", "libffm"),
-    ("model", "type"): ("lr", "fm", "wdl", "deepfm"),
+    ("model", "type"): BUILT_IN_MODELS,
     ("model", "activation"): ("relu", "tanh"),
     ("model", "loss"): ("logistic", "squared"),
     ("model", "compute"): ("workers", "servers"),
@@ -233,6 +234,16 @@ CHOICES = {
     ("checkpoint", "on_signal"): ("exit", "continue"),
     ("checkpoint", "existing"): ("error", "replace"),
 }
+
+
+def add_choice(section: str, key: str, value: str) -> None:
+    """Allow ``value`` for ``section.key`` (a closed set of names): how the registries of model
+    types and data formats (:func:`hpcps.register_model`, :func:`hpcps.register_format`) add their
+    names to the configuration."""
+    if (section, key) not in CHOICES:
+        raise ValueError(f"{section}.{key} is not a key with a set of names")
+    if value not in CHOICES[(section, key)]:
+        CHOICES[(section, key)] += (value,)
 
 
 def _name(x) -> str:
@@ -278,7 +289,7 @@ def from_dict(raw: dict) -> Config:
         if why:
             raise ConfigError(f"optimizer.{key} {why}")
     model = sections.get("model") or Model()
-    if name == "ftrl" and "l2" not in params and model.type != "lr" and model.loss == "logistic":
+    if name == "ftrl" and "l2" not in params and model.type in ("fm", *DEEP) and model.loss == "logistic":
         params["l2"] = FACTOR_FTRL_L2  # (a default: written out as if set, so checkpoints and tune's best.toml keep it)
     sections["optimizer"] = Optimizer(name, params)
     cfg = Config(**sections)
@@ -353,6 +364,9 @@ def _check(cfg: Config) -> None:
                           "each worker's rows go to the servers, there is no group merge")
     if cfg.train.pull_early and cfg.model.compute == "servers":
         raise ConfigError("train.pull_early is for model.compute = 'workers' (the servers' computation pulls nothing)")
+    if cfg.model.compute == "servers" and cfg.model.type not in BUILT_IN_MODELS:
+        raise ConfigError(f"model.compute = 'servers' is for lr and fm; a registered model ({cfg.model.type}) "
+                          f"computes on the workers")
     if cfg.model.type in DEEP:
         if cfg.model.compute == "servers":
             raise ConfigError(f"model.compute = 'servers' is for lr and fm; a {cfg.model.type}'s MLP runs on the workers")

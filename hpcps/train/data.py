@@ -388,7 +388,7 @@ def _parse_blocks(path: str, start: int, end: int, fmt: str, hash_bits: int, ski
                     out = parse.parse_criteo(block, source=path, first_line=1, skip_bad=skip_bad, bits=hash_bits,
                                              bias=int(BIAS_KEY), fields=fields)
                 else:
-                    reader = {"vw": parse.parse_vw, "libffm": parse.parse_libffm}.get(fmt, parse.parse_libsvm)
+                    reader = TEXT_PARSERS.get(fmt, parse.parse_libsvm)
                     out = reader(block, source=path, first_line=1, skip_bad=skip_bad, binary=binary, seen=seen,
                                  bias=int(BIAS_KEY), bits=hash_bits)
             except parse.ParseError as e:
@@ -404,6 +404,38 @@ def _parse_blocks(path: str, start: int, end: int, fmt: str, hash_bits: int, ski
             buf[:carry] = buf[cut:n]
             block_start += cut
             yield out
+
+
+# data.format -> its parser, ``parse(block, *, source, first_line, skip_bad, binary, seen, bias,
+# bits)`` returning ``(labels, indptr, indices, values, skipped)``: see :func:`register_format`
+# (Criteo, whose parser takes its fields instead of labels' settings, is called apart)
+TEXT_PARSERS = {"libsvm": parse.parse_libsvm, "vw": parse.parse_vw, "libffm": parse.parse_libffm}
+BUILT_IN_FORMATS = ("auto", "libsvm", "criteo", "vw", "libffm")
+
+
+def register_format(name: str, parser, replace: bool = False):
+    """Read ``data.format = name`` files with ``parser`` (on every rank, before the configuration
+    is read), called on blocks of whole lines of a worker's part of the file, as
+    :func:`hpcps_kernels.parse.parse_libsvm` is:
+
+    ``parser(block, *, source, first_line, skip_bad, binary, seen, bias, bits)``: ``block`` the
+    lines' bytes (uint8; the last line may lack its newline), ``source`` the file's name and
+    ``first_line`` the block's first line's number (for messages), ``skip_bad`` skip bad lines
+    (counting them) instead of raising, ``binary`` labels for the logistic loss (0/1), ``seen``
+    (int64[2]) which of the labels 0 and -1 blocks so far held, ``bias`` the key to append to
+    every row (value 1; not masked), ``bits`` the hash bits (mask keys to them). Returns
+    ``(labels float32 (rows,), indptr int64 (rows + 1,), indices uint64 (nnz,), values float32
+    (nnz,), skipped int)``. A bad line raises :class:`hpcps_kernels.parse.ParseError` with its
+    number in the block (the message gets its number in the file) or ValueError."""
+    if name in BUILT_IN_FORMATS or (name in TEXT_PARSERS and not replace):
+        raise ValueError(f"data format {name!r} is already registered")
+    if not callable(parser):
+        raise TypeError(f"register_format({name!r}, ...): the parser must be callable, got {parser!r}")
+    from hpcps import config  # (imported here: reading data needs no configuration)
+
+    TEXT_PARSERS[name] = parser
+    config.add_choice("data", "format", name)
+    return parser
 
 
 CRITEO_COLUMNS = 40  # a label, 13 integer and 26 categorical columns, tab-separated

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from hpcps.config import DEEP
+from hpcps.config import BUILT_IN_MODELS, DEEP, add_choice
 from hpcps.train.data import BIAS_KEY
 from hpcps_kernels import deep as kdeep
 from hpcps_kernels import keys as kkeys
@@ -46,7 +46,7 @@ def tick(stages: dict, stage: str, since: float) -> float:
 class Model:
     """Common part: the sparse tables (the first carries the step's clock), the loss, and the
     maths of a batch given its keys' pulled rows: :meth:`forward_backward` (the loss and the
-    gradients) and :meth:`margins`. A model declares its tables in :meth:`_declare`; the rows of
+    gradients) and :meth:`margins`. A model declares its tables in :meth:`declare_tables`; the rows of
     all of them are pulled together for a batch's unique keys, and its gradients pushed together,
     by a :class:`hpcps.train.pipeline.StepPipeline` (a model sends no message itself)."""
 
@@ -61,14 +61,16 @@ class Model:
         self.bias = bias  # the bias key's initial weight (a regression's label mean)
         self.suffix = suffix  # added to the names of its tables (a member of a Grid)
         self.loss = LOSSES[cfg.model.loss]
-        self.sparse = self._declare(ctx, cfg)
+        self.sparse = self.declare_tables(ctx, cfg)
         self.table = self.sparse[0]
         # the training data's keys are hash values (Criteo, VW): their dedup skips remixing them
         # (set by the trainer from the data's format; see hpcps_kernels.keys.dedup_keys)
         self.hashed_keys = False
         self.stages: dict[str, float] = {}   # seconds per stage of the step (the pipeline's too)
 
-    def _declare(self, ctx, cfg) -> list:
+    def declare_tables(self, ctx, cfg) -> list:
+        """The model's sparse tables, declared with ``ctx.sparse_table`` (collective: the same on
+        every rank); names end with :attr:`suffix`."""
         raise NotImplementedError
 
     @property
@@ -81,8 +83,9 @@ class Model:
         """The models whose MLP replica the step pipeline keeps in step (deep models)."""
         return []
 
-    def _bias_key(self, dim: int) -> tuple:
-        """The bias feature's initial row, when it does not start at the initializer."""
+    def bias_init_keys(self, dim: int) -> tuple:
+        """``init_keys`` for a table of ``dim`` values: the bias feature's row starting at
+        :attr:`bias` (none when it is 0)."""
         if not self.bias:
             return ()
         return ((int(BIAS_KEY), (self.bias,) + (0.0,) * (dim - 1)),)
@@ -118,10 +121,10 @@ class LinearModel(Model):
     def residuals(self, partials, labels, scale, out) -> float:
         return kmodels.lr_residuals(partials, labels, scale, self.loss, out[:, 0])
 
-    def _declare(self, ctx, cfg):
+    def declare_tables(self, ctx, cfg):
         return [ctx.sparse_table("w" + self.suffix, dim=1, optimizer=cfg.optimizer.name, params=cfg.optimizer.params,
                                  init="zeros", seed=cfg.model.seed, key_bits=cfg.data.hash_bits,
-                                 features=cfg.features, init_keys=self._bias_key(1))]
+                                 features=cfg.features, init_keys=self.bias_init_keys(1))]
 
     def forward_backward(self, batch, pos, params, grads, scale, dense_ready=None):
         return kmodels.lr_forward_backward(batch.indptr, pos, batch.values, batch.labels, params[0][:, 0],
@@ -135,11 +138,11 @@ class FactorizationMachine(Model):
     def residuals(self, partials, labels, scale, out) -> float:
         return kmodels.fm_residuals(partials, labels, scale, self.loss, out)
 
-    def _declare(self, ctx, cfg):
+    def declare_tables(self, ctx, cfg):
         return [ctx.sparse_table("fm" + self.suffix, dim=1 + cfg.model.factors, optimizer=cfg.optimizer.name,
                                  params=cfg.optimizer.params, init="normal", init_scale=cfg.model.init_scale,
                                  seed=cfg.model.seed, key_bits=cfg.data.hash_bits, features=cfg.features,
-                                 init_keys=self._bias_key(1 + cfg.model.factors))]
+                                 init_keys=self.bias_init_keys(1 + cfg.model.factors))]
 
     def forward_backward(self, batch, pos, params, grads, scale, dense_ready=None):
         p, g = params[0], grads[0]
@@ -308,15 +311,15 @@ class DeepModel(Model):
     def mlp_models(self) -> list:
         return [self]
 
-    def _declare(self, ctx, cfg):
+    def declare_tables(self, ctx, cfg):
         m, o = cfg.model, cfg.optimizer
         common = dict(optimizer=o.name, params=o.params, seed=m.seed, key_bits=self.key_bits, features=cfg.features)
         if m.type == "wdl":
-            return [ctx.sparse_table("wide" + self.suffix, dim=1, init="zeros", init_keys=self._bias_key(1), **common),
+            return [ctx.sparse_table("wide" + self.suffix, dim=1, init="zeros", init_keys=self.bias_init_keys(1), **common),
                     ctx.sparse_table("emb" + self.suffix, dim=m.factors, init="normal", init_scale=m.init_scale,
                                      **common)]
         return [ctx.sparse_table("fm" + self.suffix, dim=1 + m.factors, init="normal", init_scale=m.init_scale,
-                                 init_keys=self._bias_key(1 + m.factors), **common)]
+                                 init_keys=self.bias_init_keys(1 + m.factors), **common)]
 
     def non_finite_tables(self, params: list) -> list[str]:
         return super().non_finite_tables(params) + ([self.dense.sparse.name] if not np.isfinite(self.mlp).all() else [])
@@ -330,12 +333,33 @@ class DeepModel(Model):
         out[:] = self.net.margins(batch, pos, params, self.mlp)
 
 
+# model.type -> the Model subclass that trains it, built as cls(ctx, cfg, bias, suffix) (the deep
+# models, which also take their fields per row, are DeepModel)
+MODELS: dict[str, type] = {"lr": LinearModel, "fm": FactorizationMachine}
+
+
+def register_model(name: str, cls: type, replace: bool = False) -> type:
+    """Train ``model.type = name`` with ``cls``, a :class:`Model` subclass (on every rank, before
+    the configuration is read). Raises ValueError when the name is taken (unless ``replace``; a
+    built-in model cannot be replaced) and TypeError when ``cls`` is not a Model."""
+    if not (isinstance(cls, type) and issubclass(cls, Model)):
+        raise TypeError(f"register_model({name!r}, ...): expected a subclass of hpcps.Model, got {cls!r}")
+    if name in BUILT_IN_MODELS or (name in MODELS and not replace):
+        raise ValueError(f"model type {name!r} is already registered")
+    MODELS[name] = cls
+    add_choice("model", "type", name)
+    return cls
+
+
 def make_model(ctx, cfg, bias: float = 0.0, fields: int = 1, suffix: str = "") -> Model:
     """The configured model; ``bias``: the bias weight's initial value; ``fields``: fields per row
     (deep models, see :func:`resolve_fields`); ``suffix``: added to its tables' names."""
     if cfg.model.type in DEEP:
         return DeepModel(ctx, cfg, bias, fields, suffix)
-    return {"lr": LinearModel, "fm": FactorizationMachine}[cfg.model.type](ctx, cfg, bias, suffix)
+    if cfg.model.type not in MODELS:
+        raise ValueError(f"model.type = {cfg.model.type!r} is not registered on this rank; registered: "
+                         f"{sorted([*MODELS, *DEEP])} (hpcps.register_model on every rank)")
+    return MODELS[cfg.model.type](ctx, cfg, bias, suffix)
 
 
 class Grid(Model):
@@ -377,7 +401,7 @@ class Grid(Model):
     def mlp_models(self) -> list:
         return list(self.deep)
 
-    def _declare(self, ctx, cfg):
+    def declare_tables(self, ctx, cfg):
         self.members = [make_model(ctx, c, self.bias, self.fields, suffix=f"@{i}") for i, c in enumerate(self.cfgs)]
         self.spans, tables = [], []
         for m in self.members:
@@ -426,6 +450,9 @@ class Scorer:
     servers: the same computation as training's."""
 
     def __init__(self, model):
+        if model.kind not in ("lr", "fm", *DEEP_TABLES):
+            raise ValueError(f"a model of type {model.kind!r} (registered by its training script) cannot be served "
+                             f"from its file: hpcps eval and predict serve lr, fm, wdl and deepfm models")
         self.model = model
         self.net = None
         if model.kind in DEEP_TABLES:
