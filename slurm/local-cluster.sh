@@ -144,6 +144,7 @@ start_network() {
   ip netns add hpcps-probe 2>/dev/null || cannot "ip netns add failed (no network namespaces here)"
   ip netns del hpcps-probe
   ip link show "$BRIDGE" >/dev/null 2>&1 && fail "$BRIDGE exists: another cluster is running (stop it first)"
+  remove_stale_namespaces
   ip link add "$BRIDGE" type bridge 2>/dev/null || cannot "cannot create a bridge"
   ip addr add "$NET.1/24" dev "$BRIDGE"
   ip link set "$BRIDGE" up
@@ -155,6 +156,18 @@ start_network() {
   # Every task on these hosts talks TCP to the other hosts (see the header).
   printf '#!/bin/sh\necho export UCX_TLS=tcp,self\n' >"$DIR/task-prolog.sh"
   chmod 755 "$DIR/task-prolog.sh"
+}
+
+remove_stale_namespaces() {  # left by a cluster killed before its stop (no bridge: none runs now)
+  local ns pids
+  for ns in "$CTL_NS" $(for i in $(seq 1 "$NODES"); do node_name "$i"; done); do
+    [ -e "/run/netns/$ns" ] || continue
+    echo "local-cluster: removing the stale namespace $ns (a cluster stopped without its stop)" >&2
+    pids=$(ip netns pids "$ns" 2>/dev/null || true)
+    # shellcheck disable=SC2086
+    [ -n "$pids" ] && { kill -9 $pids 2>/dev/null || true; }
+    ip netns del "$ns" 2>/dev/null || fail "cannot remove the stale namespace $ns"
+  done
 }
 
 stop_network() {
