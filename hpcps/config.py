@@ -486,12 +486,33 @@ def load_raw(path: str | None, overrides: list[str]) -> dict:
         except FileNotFoundError:
             raise ConfigError(f"config file {path} not found") from None
         except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: {e}") from None
+            raise ConfigError(data_file_hint(path, text) or f"{path}: {e}") from None
         except UnicodeDecodeError as e:
-            raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); TOML files are UTF-8") from None
+            raise ConfigError(data_file_hint(path, text) or
+                              f"{path}: not UTF-8 text (byte {e.start}); TOML files are UTF-8") from None
         except OSError as e:
             raise ConfigError(f"config file {path}: {e.strerror or e}") from None
     return merge(raw, parse_overrides(overrides))
+
+
+# What a data file given where a configuration is expected starts with: a compressed stream's or
+# Parquet's magic bytes, or a first line that is a row (a label, then features or a VW "|";
+_DATA_MAGIC = (b"\x1f\x8b", b"\x28\xb5\x2f\xfd", b"BZh", b"\xfd7zXZ", b"PAR1")
+# (unlabeled rows too: "| a b", "3:1 7:1"), or a data file's name.
+_DATA_ROW = re.compile(rb"\s*(\||\d+:\S|[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?(\s+\S+:\S|\t|\s*\||\s+\S+\s*\|))")
+_DATA_SUFFIXES = (".svm", ".libsvm", ".tsv", ".csv", ".vw", ".ffm", ".gz", ".zst", ".bz2", ".xz", ".parquet")
+
+
+def data_file_hint(path: str, text: bytes) -> str | None:
+    """One line for a data file given as the configuration file (``hpcps train data.svm``, as VW
+    and LightGBM users type it): the ``--set data.train=`` form to use instead; None for a file
+    that does not look like data (its TOML error is then the message)."""
+    first = next((line for line in text.splitlines() if line.strip() and not line.lstrip().startswith(b"#")), b"")
+    if not (text.startswith(_DATA_MAGIC) or _DATA_ROW.match(first) or path.lower().endswith(_DATA_SUFFIXES)):
+        return None
+    shown = path if re.fullmatch(r"[\w./+-]+", path) else "'" + json.dumps(path) + "'"
+    return (f"{path} looks like a data file, not a TOML configuration: train on it with "
+            f"`hpcps train --set data.train={shown}` (data.test and data.predict likewise)")
 
 
 def _toml_value(where: str, v) -> str:
