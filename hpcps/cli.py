@@ -119,7 +119,7 @@ def _cmd_train(args) -> int:
     from hpcps.train import loop
 
     if args.help_config:
-        print(config.describe())
+        print(config.help_config(), end="")
         return 0
     world, status = _start_collective()
     if world is None:
@@ -630,7 +630,7 @@ def _add_train(sub) -> None:
     t.add_argument("--summary-json", default="", help="write the final summary here (first worker)")
     t.add_argument("--resume", default="", metavar="auto|CKPT",
                    help="resume from the newest good checkpoint in checkpoint.dir (auto) or from CKPT")
-    t.add_argument("--help-config", action="store_true", help="list every configuration key and exit")
+    t.add_argument("--help-config", action="store_true", help="print every configuration key with its default and meaning, as TOML, and exit")
     t.set_defaults(func=_cmd_train)
 
 

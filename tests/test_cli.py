@@ -81,3 +81,31 @@ def test_hpcps_train_data_file_exits_2_with_one_line(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and f"--set data.train={path}" in lines[0] and "Expected '='" not in lines[0]
+
+
+def test_help_config_is_toml_that_reads_back_to_the_defaults():
+    proc = hpcps_run("train", "--help-config")
+    assert proc.returncode == 0, proc.stderr
+    raw = config.tomllib.loads(proc.stdout)  # (tomli before Python 3.11)
+    assert config.from_dict(raw) == config.Config()
+    # every key is there, set to its default, with its description above it
+    expected = {}
+    for section, key, default, _ in config.keys():
+        expected.setdefault(section, {})[key] = list(default) if isinstance(default, tuple) else default
+    assert raw == expected
+    lines = proc.stdout.splitlines()
+    for section, key, _, text in config.keys():
+        at = lines.index(f"[{section}]")
+        at += next(i for i, line in enumerate(lines[at:]) if line.startswith(f"{key} = "))
+        assert lines[at - 1].startswith("# ") and lines[at - 1][2:] in text, (section, key)
+
+
+def test_every_key_is_described_where_it_is_defined():
+    import dataclasses
+
+    for section, key, _, text in config.keys():
+        assert len(text) > 10, (section, key)
+    assert set(config.FEATURES_HELP) == {f.name for f in dataclasses.fields(config.Features)}
+    for cls in (config.Cluster, config.Data, config.Synth, config.Model, config.Optimizer, config.Train,
+                config.Checkpoint):
+        assert all(f.metadata.get("help") for f in dataclasses.fields(cls)), cls.__name__
