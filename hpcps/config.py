@@ -5,7 +5,7 @@ and so is a value of the wrong type. Pure: no MPI (the CLI reads the file on one
 broadcasts the resulting dictionary).
 
 Sections and keys, with defaults, are the dataclasses below; ``hpcps train --help-config`` prints
-them, and the README has the table.
+them, and docs/configuration.md is generated from them (docs/configuration.py).
 """
 
 from __future__ import annotations
