@@ -1,10 +1,11 @@
 """The documentation: the site builds under ``mkdocs build --strict`` (every page in the
-navigation, every link between pages resolving), and the configuration page is what the
-configuration's definitions generate."""
+navigation, every link between pages resolving), the configuration page is what the
+configuration's definitions generate, and the README stays short and points into docs/."""
 
 from __future__ import annotations
 
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -32,3 +33,13 @@ def test_the_site_builds_strict(tmp_path):
     with open(tmp_path / "site" / "operations" / "index.html") as f:
         assert "what survives what" in f.read().lower()
 
+
+def test_readme_is_short_and_its_links_resolve():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    assert len(text.splitlines()) <= 250
+    assert "make demo" in text and "make test" in text  # the two commands (.ci/run runs make test)
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    assert any(t.startswith("docs/") for t in targets)
+    missing = [t for t in targets if not t.startswith("http") and not os.path.exists(os.path.join(ROOT, t))]
+    assert not missing, missing
