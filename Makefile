@@ -14,7 +14,7 @@ export NUMBA_CACHE_DIR ?= $(CURDIR)/.numba_cache
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[mpi,test]'
+	$(PY) -m pip install --quiet -e '.[mpi,test,docs]'
 	touch $@
 
 install: $(VENV)/.installed

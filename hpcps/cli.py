@@ -119,7 +119,7 @@ def _cmd_train(args) -> int:
     from hpcps.train import loop
 
     if args.help_config:
-        print(config.describe())
+        print(config.help_config(), end="")
         return 0
     world, status = _start_collective()
     if world is None:
@@ -611,8 +611,18 @@ def _serving_args(p):
                         "trained on (refused otherwise: such scores are near chance)")
 
 
+TRAIN_EXAMPLES = """examples:
+  mpiexec -n 4 hpcps train                                  # synthetic CTR data: 1 server + 3 workers
+  hpcps train --set data.train=train.svm --set data.test=test.svm   # your data, one process
+  mpiexec -n 4 hpcps train run.toml --set train.epochs=3 --set model.type=fm
+  mpiexec -n 4 hpcps train run.toml --set checkpoint.dir=ckpt --resume auto   # after a crash
+  hpcps train --help-config > run.toml                      # every key, its default and meaning
+"""
+
+
 def _add_train(sub) -> None:
-    t = sub.add_parser("train", help="train a model (under mpiexec); see --help-config")
+    t = sub.add_parser("train", help="train a model (under mpiexec); see --help-config", epilog=TRAIN_EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("config", nargs="?", help="TOML configuration file")
     t.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a configuration key (repeatable)")
@@ -620,7 +630,7 @@ def _add_train(sub) -> None:
     t.add_argument("--summary-json", default="", help="write the final summary here (first worker)")
     t.add_argument("--resume", default="", metavar="auto|CKPT",
                    help="resume from the newest good checkpoint in checkpoint.dir (auto) or from CKPT")
-    t.add_argument("--help-config", action="store_true", help="list every configuration key and exit")
+    t.add_argument("--help-config", action="store_true", help="print every configuration key with its default and meaning, as TOML, and exit")
     t.set_defaults(func=_cmd_train)
 
 
@@ -744,8 +754,21 @@ def _add_bench(sub) -> None:
     b.set_defaults(func=_cmd_bench_checkpoint)
 
 
+def _version() -> str:
+    """The installed distribution's version (its metadata, as pip shows it)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("hpcps")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        from hpcps import __version__
+
+        return f"{__version__} (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="hpcps", description="MPI parameter server for huge sparse models")
+    p.add_argument("-V", "--version", action="version", version=f"hpcps {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
     for add in (_add_train, _add_tune, _add_supervise, _add_model_files, _add_gen_data, _add_bench):
         add(sub)

@@ -5,7 +5,7 @@ and so is a value of the wrong type. Pure: no MPI (the CLI reads the file on one
 broadcasts the resulting dictionary).
 
 Sections and keys, with defaults, are the dataclasses below; ``hpcps train --help-config`` prints
-them, and the README has the table.
+them, and docs/configuration.md is generated from them (docs/configuration.py).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import math
 import os
 import re
 import tempfile
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,92 +35,127 @@ class ConfigError(ValueError):
     """A bad configuration; the message names the key."""
 
 
+def described(default, help: str):
+    """A configuration key: its default and its description, defined together here and shown by
+    ``hpcps train --help-config`` and the generated docs/configuration.md."""
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class Cluster:
-    servers: int = 1                 # server ranks (the first ranks of the world)
-    worker_groups: int = 0           # worker groups; 0 = one per worker
-    staleness: int = 0               # 0 = BSP, s > 0 = SSP, -1 = ASP
-    num_shards: int = 1024           # virtual shards (fixed for a model's life)
-    stall_warn_s: float = 30.0       # report a request unanswered this long
-    stall_timeout_s: float = 300.0   # abort the job when a request is unanswered this long
+    servers: int = described(1, "server ranks (the first ranks of the world)")
+    worker_groups: int = described(0, "worker groups; 0 = one per worker. A group merges its pushes "
+                                      "(train.aggregate)")
+    staleness: int = described(0, "0 = BSP, s > 0 = SSP with staleness s, -1 = ASP")
+    num_shards: int = described(1024, "virtual shards (fixed for a model's life)")
+    stall_warn_s: float = described(30.0, "report a request or collective nobody has answered for this long "
+                                          "(seconds)")
+    stall_timeout_s: float = described(300.0, "abort the job when a request or collective is unanswered this "
+                                              "long (seconds; at least stall_warn_s)")
 
 
 @dataclass(frozen=True)
 class Data:
-    train: str = ""                  # training file (libsvm or Criteo TSV); "" = generate (see [synth])
-    test: str = ""                   # held-out file for evaluation
-    format: str = "auto"             # libsvm | criteo | vw | auto (vw: a "|" in the first line or .vw; criteo: a tab)
-    hash_bits: int = 24              # keys are masked to this many bits (Criteo hashes; libsvm indices)
-    skip_bad_lines: bool = False     # count and skip malformed lines instead of stopping
-    cache_dir: str = ""              # binary cache of parsed data ("" = none; then the part is loaded whole)
-    memory_mb: float = 0.0           # 0: keep the parsed training part in memory; > 0: hold at most this
-                                     # much parsed data, reading the file again each epoch
-    shuffle_rows: int = 0            # > 0: each worker's rows shuffled in windows of this many (0 = file order)
-    shuffle_seed: int = 0            # the windows' permutations (the same every epoch)
-    parse_thread: bool = False       # parse the part ahead on a thread of its own, not in the steps' waits
-    predict: str = ""                # after training, score this file ...
-    predict_out: str = ""            # ... into this file, one score per row in input order
+    train: str = described("", "training file (libsvm, Criteo TSV, VW or libffm); \"\" = generate one "
+                               "(see [synth])")
+    test: str = described("", "held-out file, evaluated after each epoch (\"\" = none)")
+    format: str = described("auto", "the files' format; auto: a tab in the first line = criteo, a \"|\" or a "
+                                    ".vw name = vw, field:index:value tokens or a .ffm name = libffm, "
+                                    "else libsvm")
+    hash_bits: int = described(24, "keys are masked to this many bits (Criteo hashes and libsvm indices alike)")
+    skip_bad_lines: bool = described(False, "count and skip malformed lines instead of stopping")
+    cache_dir: str = described("", "binary cache of parsed parts, memory-mapped on later runs (\"\" = none); "
+                                   "a cached part is loaded whole, not streamed")
+    memory_mb: float = described(0.0, "0: keep the parsed training part in memory for later epochs; > 0: "
+                                      "hold at most this much parsed data, reading the file again each epoch")
+    shuffle_rows: int = described(0, "> 0: each worker's rows are shuffled in windows of this many "
+                                     "consecutive rows, the same order every epoch (0 = file order)")
+    shuffle_seed: int = described(0, "the seed of the shuffle windows' permutations")
+    parse_thread: bool = described(False, "parse the part ahead on a thread of its own (for a spare core "
+                                          "beside each worker), not in the steps' waits; the same rows in "
+                                          "the same order")
+    predict: str = described("", "after training, score this file ... (\"\" = none)")
+    predict_out: str = described("", "... into this one, one score per row in input order")
 
 
 @dataclass(frozen=True)
 class Synth:
-    rows: int = 1_000_000            # training rows generated when data.train is ""
-    test_rows: int = 100_000
-    fields: int = 39
-    interactions: bool = False       # add pairwise field interactions (FM data)
-    seed: int = 1
-    dir: str = ""                    # where the generated files go ("" = under HPCPS_CACHE_DIR); reused when they match
+    rows: int = described(1_000_000, "training rows generated when data.train is \"\"")
+    test_rows: int = described(100_000, "test rows generated")
+    fields: int = described(39, "fields a row (Criteo-like: up to 13 integer and 26 categorical columns)")
+    interactions: bool = described(False, "add pairwise field interactions to the truth (data for an FM)")
+    seed: int = described(1, "the generator's seed")
+    dir: str = described("", "where the generated files go (\"\" = a directory named by these parameters "
+                             "under HPCPS_CACHE_DIR); the same data set already there is reused")
 
 
 @dataclass(frozen=True)
 class Model:
-    type: str = "lr"                 # lr | fm | wdl (wide & deep) | deepfm
-    loss: str = "logistic"           # logistic | squared
-    factors: int = 8                 # fm: factors per key; wdl, deepfm: the embedding size
-    init_scale: float = 0.01         # fm, wdl, deepfm: std of the initial factors/embeddings (lr: zeros)
-    seed: int = 0                    # seed of the initializer
-    compute: str = "workers"         # "servers": the servers compute margins and gradients
-    bias_init: str = "auto"          # auto: the first labels' mean (squared loss) or its log-odds (logistic; lr, fm); zero
-    hidden: tuple = (64, 32)         # wdl, deepfm: the MLP's hidden layer sizes
-    activation: str = "relu"         # wdl, deepfm: relu | tanh
-    fields: int = 0                  # wdl, deepfm: fields per row; 0 = the format's (Criteo 39, libsvm/vw 1)
-    dense_optimizer: str = "adam"    # wdl, deepfm: the MLP's optimizer (on the servers' dense table)
-    dense_lr: float = 0.0            # wdl, deepfm: its learning rate; 0 = 0.001 per 1000 rows a step (models.dense_lr_for)
-    dense_sync_steps: int = 1        # wdl, deepfm: worker groups pull the MLP every k steps
+    type: str = described("lr", "lr (logistic or linear regression), fm (factorization machine), wdl "
+                                "(Wide & Deep) or deepfm, or a type registered from user code")
+    loss: str = described("logistic", "logistic (labels 0/1 or -1/+1) or squared (any finite labels)")
+    factors: int = described(8, "fm: factors per key; wdl, deepfm: the embedding size")
+    init_scale: float = described(0.01, "fm, wdl, deepfm: std of the initial factors and embeddings "
+                                        "(lr starts at zeros)")
+    seed: int = described(0, "seed of the initializer (and of the MLP's initial weights)")
+    compute: str = described("workers", "servers: the servers compute margins and gradients and weights "
+                                        "never travel (lr and fm, one worker per group)")
+    bias_init: str = described("auto", "auto: the bias starts where it predicts the first 4,096 rows' mean "
+                                       "label (its log-odds under the logistic loss, for lr and fm); zero")
+    hidden: tuple = described((64, 32), "wdl, deepfm: the MLP's hidden layer sizes")
+    activation: str = described("relu", "wdl, deepfm: the MLP's activation")
+    fields: int = described(0, "wdl, deepfm: fields per row; 0 = the format's (Criteo 39, libsvm and VW 1); "
+                               "libffm needs it")
+    dense_optimizer: str = described("adam", "wdl, deepfm: the MLP's optimizer on the servers (adam, adagrad "
+                                             "or sgd)")
+    dense_lr: float = described(0.0, "wdl, deepfm: the MLP's learning rate; 0 = 0.001 per 1000 rows in each "
+                                     "MLP step (hpcps train prints the rate it used)")
+    dense_sync_steps: int = described(1, "wdl, deepfm: worker groups pull the MLP from the servers every k "
+                                         "steps")
 
 
 @dataclass(frozen=True)
 class Optimizer:
-    name: str = "ftrl"               # sgd | adagrad | ftrl | adam
-    params: dict = field(default_factory=dict)  # the optimizer's own keys: [optimizer] lr = ...
+    name: str = described("ftrl", "sgd | adagrad | ftrl | adam (or one registered from the library API)")
+    params: dict = described({}, "the optimizer's own keys, beside name: [optimizer] alpha = 0.1")
 
 
 @dataclass(frozen=True)
 class Train:
-    epochs: int = 2
-    batch_size: int = 0              # rows per worker per step (0 = auto: see AUTO_BATCH)
-    gradient: str = "sum"            # sum | mean of the rows' gradients per key in a step
-    aggregate: bool = True           # merge a worker group's pushes before sending
-    eval_every: int = 0              # steps between evaluations (0 = at the end of each epoch)
-    metrics: str = ""                # JSON-lines metrics file ("" = none)
-    progress: bool = True            # progress bar on the first worker
-    model_out: str = ""              # write the trained model (HDF5) here
-    holdout: int = 0                 # hold out every Nth row of each worker's part from training (0 = none)
-    early_stop: int = 0              # stop after N epochs without a better holdout loss, keeping the best model
-    pull_early: bool = False         # SSP/ASP: pull the rows of the batch after the next with each step (overlap)
+    epochs: int = described(2, "passes over the training data")
+    batch_size: int = described(0, "rows per worker per step; 0 = enough for at least 128 steps an epoch, "
+                                   "between 50 and 1000 (hpcps train prints the number it used)")
+    gradient: str = described("sum", "sum or mean of a step's per-row gradients per key (sum suits FTRL "
+                                     "and AdaGrad; mean with plain SGD minimises the mean loss)")
+    aggregate: bool = described(True, "merge a worker group's pushes before sending")
+    eval_every: int = described(0, "steps between evaluations (0 = at the end of each epoch)")
+    metrics: str = described("", "JSON-lines metrics file, a record per step and per epoch (\"\" = none)")
+    progress: bool = described(True, "progress bar (or a line every 10 s in a log) on the first worker")
+    model_out: str = described("", "write the trained model here (HDF5; \"\" = none)")
+    holdout: int = described(0, "hold out every Nth row of each worker's part from training and evaluate "
+                                "it after each epoch (10 as Vowpal Wabbit does; 0 = none)")
+    early_stop: int = described(0, "stop after N epochs without a better holdout loss and keep the best "
+                                   "epoch's model (0 = train every epoch; needs holdout)")
+    pull_early: bool = described(False, "SSP/ASP: each step also pulls the rows of the batch after the next "
+                                        "(the pipelined step; changes nothing under BSP)")
 
 
 @dataclass(frozen=True)
 class Checkpoint:
-    dir: str = ""                    # where checkpoints go ("" = none)
-    every_steps: int = 0             # checkpoint every N steps (0 = off)
-    every_s: float = 0.0             # checkpoint every T seconds (0 = off)
-    keep: int = 3                    # complete checkpoints kept
-    on_signal: str = "exit"          # after a SIGUSR1/SIGTERM checkpoint: exit (status 75) | continue
-    final: bool = True               # checkpoint at the end of training
-    resume: str = ""                 # "" = start fresh | auto = newest good checkpoint in dir | a path
-    allow_other_data: bool = False   # resume even if the training file, batch size or workers changed
-    existing: str = "error"          # a fresh run into a dir holding another run's checkpoints: error | replace (move them aside)
+    dir: str = described("", "where checkpoints go (\"\" = none)")
+    every_steps: int = described(0, "checkpoint every N steps (0 = off)")
+    every_s: float = described(0.0, "checkpoint every T seconds (0 = off)")
+    keep: int = described(3, "good checkpoints of this run kept")
+    on_signal: str = described("exit", "after a SIGUSR1/SIGTERM checkpoint: exit (status 75) or continue")
+    final: bool = described(True, "checkpoint at the end of training")
+    resume: str = described("", "\"\" = start fresh, auto = the newest good checkpoint in dir, or a "
+                                "checkpoint's path (--resume)")
+    allow_other_data: bool = described(False, "resume even though the training file, batch size or number "
+                                              "of workers changed (not exact)")
+    existing: str = described("error", "a fresh run into a dir holding another run's checkpoints: error, or "
+                                       "replace (move them under dir/replaced/)")
 
 
 @dataclass(frozen=True)
@@ -339,9 +375,11 @@ RANGES = {
 
 def describe_range(lo, hi, lo_open) -> str:
     """A key's range in words (``lo_open``: ``lo`` itself is out of it)."""
+    def shown(x) -> str:  # (1 << 24 as 16777216, not 1.67772e+07)
+        return str(int(x)) if float(x).is_integer() else f"{x:g}"
     if hi == INF:
-        return f"{'greater than' if lo_open else 'at least'} {lo:g}"
-    return f"between {lo:g} and {hi:g}"
+        return f"{'greater than' if lo_open else 'at least'} {shown(lo)}"
+    return f"between {shown(lo)} and {shown(hi)}"
 
 
 def _check(cfg: Config) -> None:
@@ -486,12 +524,33 @@ def load_raw(path: str | None, overrides: list[str]) -> dict:
         except FileNotFoundError:
             raise ConfigError(f"config file {path} not found") from None
         except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: {e}") from None
+            raise ConfigError(data_file_hint(path, text) or f"{path}: {e}") from None
         except UnicodeDecodeError as e:
-            raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); TOML files are UTF-8") from None
+            raise ConfigError(data_file_hint(path, text) or
+                              f"{path}: not UTF-8 text (byte {e.start}); TOML files are UTF-8") from None
         except OSError as e:
             raise ConfigError(f"config file {path}: {e.strerror or e}") from None
     return merge(raw, parse_overrides(overrides))
+
+
+# What a data file given where a configuration is expected starts with: a compressed stream's or
+# Parquet's magic bytes, or a first line that is a row (a label, then features or a VW "|";
+_DATA_MAGIC = (b"\x1f\x8b", b"\x28\xb5\x2f\xfd", b"BZh", b"\xfd7zXZ", b"PAR1")
+# (unlabeled rows too: "| a b", "3:1 7:1"), or a data file's name.
+_DATA_ROW = re.compile(rb"\s*(\||\d+:\S|[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?(\s+\S+:\S|\t|\s*\||\s+\S+\s*\|))")
+_DATA_SUFFIXES = (".svm", ".libsvm", ".tsv", ".csv", ".vw", ".ffm", ".gz", ".zst", ".bz2", ".xz", ".parquet")
+
+
+def data_file_hint(path: str, text: bytes) -> str | None:
+    """One line for a data file given as the configuration file (``hpcps train data.svm``, as VW
+    and LightGBM users type it): the ``--set data.train=`` form to use instead; None for a file
+    that does not look like data (its TOML error is then the message)."""
+    first = next((line for line in text.splitlines() if line.strip() and not line.lstrip().startswith(b"#")), b"")
+    if not (text.startswith(_DATA_MAGIC) or _DATA_ROW.match(first) or path.lower().endswith(_DATA_SUFFIXES)):
+        return None
+    shown = path if re.fullmatch(r"[\w./+-]+", path) else "'" + json.dumps(path) + "'"
+    return (f"{path} looks like a data file, not a TOML configuration: train on it with "
+            f"`hpcps train --set data.train={shown}` (data.test and data.predict likewise)")
 
 
 def _toml_value(where: str, v) -> str:
@@ -521,14 +580,71 @@ def to_toml(raw: dict) -> str:
     return "\n".join(out)
 
 
-def describe() -> str:
-    """Every section and key with its default, for --help-config."""
-    lines = []
-    for name, cls in _SECTION_CLASSES.items():
-        lines.append(f"[{name}]")
+# [features]' keys are defined in hpcps/ps/tables.py (Features, a table's admission and eviction);
+# their descriptions are kept here, beside every other key's, for --help-config and the docs.
+FEATURES_HELP = {
+    "admit_count": "a key gets a row on the servers at its Nth push (1: at once); until then pulls give "
+                   "the initializer and pushes only count (1 to 255)",
+    "admit_probability": "each push of a key without a row admits it with this probability (a "
+                         "deterministic draw per key and clock; in (0, 1])",
+    "evict_after_steps": "evict rows not updated in the last T clocks (0: never)",
+    "evict_l2_below": "evict rows whose parameters' L2 norm is below x (0: never)",
+    "evict_every_steps": "evictions run each time the slowest worker's clock passes a multiple of K",
+    "server_memory_mb": "cap on each table's memory on each server: the least recently updated rows are "
+                        "evicted, down to 90 %, before a push would pass it (0: unbounded)",
+    "count_bits": "push counters for keys not directly addressed (hash_bits > 26): 2^bits bytes, shared by "
+                  "hash (10 to 32)",
+}
+REGISTERED_CHOICES = {("model", "type"), ("data", "format")}  # (user code adds to these: listed in their text)
+OPTIMIZER_KEYS_HELP = ("the optimizer's own keys; a key left out takes its default (ftrl's l2 is 10 for fm, "
+                       "wdl and deepfm under the logistic loss, else 0)")
+
+
+def keys() -> list[tuple[str, str, Any, str]]:
+    """Every configuration key but the optimizer's own: (section, key, default, description with its
+    allowed values or range), in the order of the sections and their fields."""
+    out = []
+    for section, cls in {**_SECTION_CLASSES, "optimizer": Optimizer}.items():
         for f in dataclasses.fields(cls):
-            lines.append(f"  {f.name} = {f.default!r}")
-    lines.append("[optimizer]\n  name = 'ftrl'")
-    for opt, rule in optim.REGISTRY.items():
-        lines.append(f"  ({opt}: " + ", ".join(f"{k} = {v}" for k, v in rule.params.items()) + ")")
-    return "\n".join(lines)
+            if section == "optimizer" and f.name == "params":
+                continue
+            text = FEATURES_HELP[f.name] if section == "features" else f.metadata["help"]
+            if (section, f.name) in CHOICES and (section, f.name) not in REGISTERED_CHOICES:
+                text += f"; one of: {', '.join(CHOICES[(section, f.name)])}"
+            if (section, f.name) in RANGES:
+                text += f"; {describe_range(*RANGES[(section, f.name)])}"
+            out.append((section, f.name, f.default, text))
+    return out
+
+
+def help_config() -> str:
+    """Every section and key with its default and description, as TOML that can be pasted into a
+    configuration file (``hpcps train --help-config``): it reads back to the defaults."""
+    lines = ["# hpcps train's configuration: every key with its default. Keep the keys you change;",
+             "# a key left out takes its default. `--set section.key=value` overrides a file's.", ""]
+    section = None
+    for sec, key, default, text in keys():
+        if sec != section:
+            lines += ([""] if section else []) + [f"[{sec}]"]
+            section = sec
+        lines += [f"# {line}" for line in textwrap.wrap(text, 96)] + [f"{key} = {_toml_value(f'{sec}.{key}', default)}"]
+    lines.append(f"# {OPTIMIZER_KEYS_HELP}:")
+    for name, rule in optim.REGISTRY.items():
+        lines.append(f"# {name}: " + ", ".join(f"{k} = {_toml_value(k, v)}" for k, v in rule.params.items()))
+    return "\n".join(lines) + "\n"
+
+
+def markdown() -> str:
+    """The tables of docs/configuration.md: a table per section, every key with its default and
+    description."""
+    lines, section = [], None
+    for sec, key, default, text in keys():
+        if sec != section:
+            lines += ([""] if section else []) + [f"## [{sec}]", "", "| key | default | meaning |", "|---|---|---|"]
+            section = sec
+        shown = _toml_value(key, default).replace("|", "\\|")
+        lines.append(f"| `{sec}.{key}` | `{shown}` | {text.replace('|', chr(92) + '|')} |")
+    lines.append(f"| `optimizer.*` | | {OPTIMIZER_KEYS_HELP}: |")
+    for name, rule in optim.REGISTRY.items():
+        lines.append(f"| {name} | | " + ", ".join(f"`{k}` {_toml_value(k, v)}" for k, v in rule.params.items()) + " |")
+    return "\n".join(lines) + "\n"

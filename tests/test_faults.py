@@ -1,4 +1,4 @@
-"""Faults a running job meets, each ended the way the README's "What survives what" says.
+"""Faults a running job meets, each ended the way docs/operations.md's "Exit codes: what survives what" says.
 
 Every test runs ``hpcps`` as a user would (``mpiexec -n N hpcps ...`` in a subprocess under a
 timeout, or one process) and checks the exit status, the one line the user reads, and what is
