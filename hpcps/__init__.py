@@ -113,3 +113,17 @@ def register_format(name: str, parser, replace: bool = False):
     from hpcps.train.data import register_format as _register
 
     return _register(name, parser, replace)
+
+
+def load_model(path: str):
+    """A model file (``train.model_out``, or ``hpcps export``'s) loaded for scoring in this
+    process, no MPI: ``predict``, ``predict_proba`` and ``decision_function`` on a SciPy sparse
+    matrix (columns: libsvm feature indices) or a data file's path. See
+    :class:`hpcps.train.predictor.Predictor`::
+
+        model = hpcps.load_model("model.h5")
+        p = model.predict_proba("test.svm")[:, 1]
+    """
+    from hpcps.train.predictor import load_model as _load
+
+    return _load(path)

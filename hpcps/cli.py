@@ -154,14 +154,13 @@ def _cmd_tune(args) -> int:
 
 
 def _load_for_serving(args):
-    """The model and the rows of ``--data``, read as the model's keys were made: refused (one
-    line, exit 2) when the data's hash bits or format would make other keys, unless
-    ``--allow-other-hashing``, and when the data holds no rows."""
-    from hpcps import config
-    from hpcps.train import data as tdata
-    from hpcps.train.model_file import KEY_HASHING, ServingModel
+    """The model (a :class:`hpcps.train.predictor.Predictor`) and the rows of ``--data``, read as
+    the model's keys were made: refused (one line, exit 2) when the data's hash bits or format
+    would make other keys, unless ``--allow-other-hashing``, and when the data holds no rows."""
+    from hpcps.train.predictor import Predictor
 
-    model = ServingModel(args.model)
+    predictor = Predictor(args.model)
+    model = predictor.model
     if not model.checked:
         known = [f"{model.hash_bits} hash bits" if model.hash_bits is not None else "",
                  f"{model.input_format} rows" if model.input_format else ""]
@@ -169,35 +168,9 @@ def _load_for_serving(args):
         print(f"hpcps {args.command}: note: {args.model} was written before model files carried a checksum: its "
               f"arrays cannot be checked" + (f"; the data is checked against its config's {checks}" if checks else ""),
               file=sys.stderr, flush=True)
-    fmt = tdata.detect_format(args.data, args.format or "auto")  # (what the file is, if not a regular file)
-    if fmt not in KEY_HASHING:
-        raise tdata.DataError(f"--format {fmt!r}: expected one of {sorted(KEY_HASHING)}")
-    if args.hash_bits and not 1 <= args.hash_bits <= 64:
-        raise config.ConfigError(f"--hash-bits {args.hash_bits}: must be between 1 and 64")
-    hash_bits = args.hash_bits or model.hash_bits or 24
-    problem = None if args.allow_other_hashing else model.mismatch(args.data, fmt, hash_bits)
-    if problem:
-        raise config.ConfigError(problem)
-    ds = tdata.load_part(args.data, 0, 1, fmt, hash_bits, args.skip_bad_lines,
-                         binary=model.loss == "logistic", fields=model.kind in config.DEEP)
-    if ds.rows == 0:
-        why = (f"each of its {ds.skipped} lines with data was skipped as bad" if ds.skipped
-               else "the file is empty or holds only blank and comment lines")
-        raise tdata.DataError(f"{args.data}: no rows to score: {why}")
-    return model, ds
-
-
-def _margins(model, ds, batch=100_000):
-    import numpy as np
-
-    from hpcps.train.models import Scorer
-
-    scorer = Scorer(model)
-    try:
-        out = [scorer.margins(ds.batch(lo, lo + batch)) for lo in range(0, ds.rows, batch)]
-    except ValueError as e:  # rows the model cannot take (a field it has not)
-        raise ValueError(f"{ds.source}: {e}") from None
-    return np.concatenate(out) if out else np.zeros(0)
+    ds = predictor.rows_of_file(args.data, args.format or "auto", args.skip_bad_lines, args.allow_other_hashing,
+                                args.hash_bits)
+    return predictor, ds
 
 
 def _cmd_eval(args) -> int:
@@ -206,10 +179,10 @@ def _cmd_eval(args) -> int:
     from hpcps import outputs
     from hpcps_kernels import metrics
 
-    model, ds = _load_for_serving(args)
-    m = _margins(model, ds)
+    predictor, ds = _load_for_serving(args)
+    m = predictor.decision_function(ds)
     y = ds.labels.astype(np.float64)
-    if model.loss == "logistic":
+    if predictor.loss == "logistic":
         res = {"rows": int(ds.rows), "logloss": metrics.logloss(y, m), "auc": metrics.auc(y, m)}
     else:
         res = {"rows": int(ds.rows), "rmse": float(np.sqrt(np.mean((m - y) ** 2)))}
@@ -229,9 +202,8 @@ def _cmd_predict(args) -> int:
     problem = outputs.clash([("--out", out)], [("--data", args.data), ("--model", args.model)])
     if problem:
         return _fail(problem)
-    model, ds = _load_for_serving(args)
-    m = _margins(model, ds)
-    scores = 1.0 / (1.0 + np.exp(-m)) if model.loss == "logistic" else m
+    predictor, ds = _load_for_serving(args)
+    scores = predictor.scores(ds)
     if out:
         write_scores(out, scores)
     else:
@@ -457,32 +429,30 @@ def _export_format(manifest: dict) -> str:
     return "" if fmt == "auto" else fmt
 
 
-def _cmd_export(args) -> int:
+def _checkpoint_tables(args) -> tuple[dict, list]:
+    """The model attributes and the tables ``[(name, keys, values, table_attrs)]`` of the
+    checkpoint ``args.ckpt`` (``--table``: that one only); a _Failure with its line and status."""
     import numpy as np
 
-    from hpcps import outputs
     from hpcps.ps import checkpoint
     from hpcps.train import model_file
 
     inside = checkpoint.complete_checkpoints(args.ckpt) if not os.path.exists(
         os.path.join(args.ckpt, checkpoint.MANIFEST)) else []
     if inside:  # a checkpoint.dir, not one of its checkpoints
-        return _fail(f"{args.ckpt} is a checkpoint directory: name one of its checkpoints, e.g. the newest, "
-                     f"{inside[-1]} (hpcps inspect {args.ckpt} lists them)")
-    problem = outputs.clash([("--out", args.out)], [("the checkpoint", args.ckpt)])
-    if problem:
-        return _fail(problem)
+        raise _Failure(f"{args.ckpt} is a checkpoint directory: name one of its checkpoints, e.g. the newest, "
+                       f"{inside[-1]} (hpcps inspect {args.ckpt} lists them)")
     try:
         m = checkpoint.verify(args.ckpt)
     except checkpoint.CheckpointError as e:  # damaged (1), or no checkpoint at all (2)
-        return _fail(str(e), status=1 if os.path.isfile(os.path.join(args.ckpt, checkpoint.MANIFEST)) else 2)
+        raise _Failure(str(e), 1 if os.path.isfile(os.path.join(args.ckpt, checkpoint.MANIFEST)) else 2) from None
     tables = [t["name"] for t in m["tables"]]
     names = [args.table] if args.table else tables
     if args.table and args.table not in tables:
-        return _fail(f"no table {args.table!r} in {args.ckpt}; it has {tables}")
+        raise _Failure(f"no table {args.table!r} in {args.ckpt}; it has {tables}")
     cfg = m.get("config", {})
     model_cfg = cfg.get("model", {})
-    out, total = [], 0
+    out = []
     for name in names:
         spec = next(t for t in m["tables"] if t["name"] == name)
         keys, rows = checkpoint.read_shards(args.ckpt, m, name, np.ones(m["layout"]["num_shards"], dtype=bool))
@@ -492,12 +462,54 @@ def _cmd_export(args) -> int:
             init = {"init": "normal" if model_cfg.get("type") == "fm" else "zeros",
                     "init_scale": model_cfg.get("init_scale", 0.01), "seed": model_cfg.get("seed", 0)}
         out.append((name, keys, rows[:, : spec["dim"]], {"dim": spec["dim"], **init}))
-        total += keys.shape[0]
-    model_file.write(args.out, out, attrs={"model": model_cfg.get("type", "lr"), "loss": model_cfg.get("loss", "logistic"),
-                                           "config": json.dumps(cfg), "fields": m.get("fields", 1),
-                                           **model_file.trained_on(_export_format(m),
-                                                                   cfg.get("data", {}).get("hash_bits", 24))})
-    print(f"hpcps export: {total} keys of table(s) {', '.join(map(repr, names))} from {args.ckpt} -> {args.out}")
+    attrs = {"model": model_cfg.get("type", "lr"), "loss": model_cfg.get("loss", "logistic"),
+             "config": json.dumps(cfg), "fields": m.get("fields", 1),
+             **model_file.trained_on(_export_format(m), cfg.get("data", {}).get("hash_bits", 24))}
+    return attrs, out
+
+
+def _model_file_tables(args) -> tuple[dict, list]:
+    """The attributes and tables of the model file ``args.ckpt`` (``--table``: that one only)."""
+    from hpcps.train.model_file import ServingModel
+
+    model = ServingModel(args.ckpt)
+    names = list(model.tables)
+    if args.table and args.table not in names:
+        raise _Failure(f"no table {args.table!r} in {args.ckpt}; it has {names}")
+    out = [(n, t.keys, t.values, t.attrs) for n, t in model.tables.items() if not args.table or n == args.table]
+    return model.attrs, out
+
+
+class _Failure(Exception):
+    """A command's one-line failure and its exit status."""
+
+    def __init__(self, message: str, status: int = 2):
+        super().__init__(message)
+        self.status = status
+
+
+def _cmd_export(args) -> int:
+    from hpcps import outputs
+    from hpcps.train import model_file
+
+    from_model = os.path.isfile(args.ckpt)
+    problem = outputs.clash([("--out", args.out)], [("the model file" if from_model else "the checkpoint", args.ckpt)])
+    if problem:
+        return _fail(problem)
+    if from_model and args.format == "model":
+        return _fail(f"{args.ckpt} is a model file already: --format text or npz writes it for other tools")
+    try:
+        attrs, tables = _model_file_tables(args) if from_model else _checkpoint_tables(args)
+    except _Failure as e:
+        return _fail(str(e), status=e.status)
+    if args.format == "model":
+        model_file.write(args.out, tables, attrs=attrs)
+    else:
+        model_file.write_readable(args.out, args.format, attrs, tables)
+    total = sum(t[1].shape[0] for t in tables)
+    names = ", ".join(repr(t[0]) for t in tables)
+    print(f"hpcps export: {total} keys of table(s) {names} from {args.ckpt} -> {args.out}"
+          + ("" if args.format == "model" else f" ({args.format})"))
     return 0
 
 
@@ -680,10 +692,14 @@ def _add_model_files(sub) -> None:
                                        "and its integrity (exit 1: damaged, 2: not an hpcps file)")
     i.add_argument("ckpt", metavar="PATH")
     i.set_defaults(func=_cmd_inspect)
-    x = sub.add_parser("export", help="a checkpoint's table as a single-file model for hpcps predict/eval")
-    x.add_argument("ckpt")
+    x = sub.add_parser("export", help="a checkpoint's tables as a single-file model for hpcps predict/eval, or a "
+                                      "checkpoint or model file as text or NumPy arrays for other tools")
+    x.add_argument("ckpt", metavar="SOURCE", help="a checkpoint, or (with --format text or npz) a model file")
     x.add_argument("--out", required=True)
-    x.add_argument("--table", default="", help="table to export (default: the first)")
+    x.add_argument("--table", default="", help="table to export (default: every table)")
+    x.add_argument("--format", choices=("model", "text", "npz"), default="model",
+                   help="model: an HDF5 model file (default); text: '#' lines of attributes, then key<TAB>values "
+                        "by key; npz: NumPy's archive of NAME.keys and NAME.values")
     x.set_defaults(func=_cmd_export)
 
 

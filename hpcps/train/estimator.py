@@ -31,6 +31,7 @@ from hpcps.train.data import BIAS_KEY, Dataset
 from hpcps.train.loading import BIAS_ROWS, bias_for
 from hpcps.train.models import make_model, margins_from_params
 from hpcps.train.pipeline import StepPipeline
+from hpcps.train.predictor import matrix_rows
 from hpcps.train.plan import auto_batch_size
 from hpcps_kernels import optim
 
@@ -38,21 +39,9 @@ from hpcps_kernels import optim
 def _rows(X: sp.csr_matrix, y=None, bias_pos=None) -> Dataset:
     """``X`` as a Dataset whose every row ends with the bias: keys = column numbers (or, for
     prediction, positions into dense parameters with the bias at ``bias_pos``)."""
-    n = X.shape[0]
-    lengths = np.diff(X.indptr) + 1
-    indptr = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(lengths, out=indptr[1:])
-    last = indptr[1:] - 1
-    columns = np.ones(indptr[-1], dtype=bool)
-    columns[last] = False
-    kind = np.uint64 if bias_pos is None else np.int64
-    indices = np.empty(indptr[-1], dtype=kind)
-    indices[columns] = X.indices
-    indices[last] = BIAS_KEY if bias_pos is None else bias_pos
-    values = np.ones(indptr[-1], dtype=np.float32)
-    values[columns] = X.data
-    labels = np.zeros(n, dtype=np.float32) if y is None else np.asarray(y, dtype=np.float32)
-    return Dataset(labels, indptr, indices, values)
+    if bias_pos is None:
+        return matrix_rows(X, y)
+    return matrix_rows(X, y, bias=bias_pos, key_dtype=np.int64)
 
 
 class _SparseModel(BaseEstimator):

@@ -125,6 +125,43 @@ def _fill(f: h5py.File, tables: list, attrs: dict) -> None:
 
 MAIN_TABLE = {"lr": "w", "fm": "fm", "wdl": "wide", "deepfm": "fm"}
 
+READABLE_FORMATS = ("text", "npz")
+
+
+def write_readable(path: str, fmt: str, attrs: dict, tables: list) -> None:
+    """A model's ``tables`` (``[(name, keys, values, table_attrs), ...]``) written for other
+    tools, atomically: ``text`` (VW's readable model, xLearn's txt: ``#`` lines with the model's
+    attributes and each table's, then ``key<TAB>value value ...`` by key, the keys in decimal and
+    the values as float32 prints them, exactly) or ``npz`` (NumPy's archive: ``NAME.keys`` uint64
+    and ``NAME.values`` float32 per table, ``attrs`` a JSON string)."""
+    ordered = []
+    for name, k, v, table_attrs in tables:
+        sk, order = kkeys.radix_argsort(np.ascontiguousarray(k, dtype=np.uint64))
+        ordered.append((name, sk, kkeys.gather_rows(np.ascontiguousarray(v, dtype=np.float32), order), table_attrs))
+    plain = {a: _plain(x) for a, x in attrs.items() if a != "xxh64"}
+    need = sum(sk.nbytes + sv.nbytes for _, sk, sv, _ in ordered)
+    if fmt == "npz":
+        arrays = {"attrs": np.array(json.dumps(plain))}
+        for name, sk, sv, table_attrs in ordered:
+            arrays[f"{name}.keys"], arrays[f"{name}.values"] = sk, sv
+            arrays[f"{name}.attrs"] = np.array(json.dumps({a: _plain(x) for a, x in table_attrs.items()}))
+        with outputs.replacing(path, need + (64 << 10)) as tmp, open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+        return
+    if fmt != "text":
+        raise ValueError(f"export format {fmt!r}: expected one of {READABLE_FORMATS}")
+    with outputs.replacing(path, 4 * need + (64 << 10)) as tmp, open(tmp, "w") as f:
+        f.write(f"# {FORMAT} model, readable: key<TAB>values, by key\n")
+        for a in sorted(plain):
+            f.write(f"# {a} = {json.dumps(plain[a])}\n")
+        for name, sk, sv, table_attrs in ordered:
+            width = sv.shape[1] if sv.ndim > 1 else 1
+            f.write(f"# table {name}: {sk.shape[0]} keys x {width} values; "
+                    f"{json.dumps({a: _plain(x) for a, x in table_attrs.items()})}\n")
+            rows = sv.reshape(sk.shape[0], width).astype(str)  # (NumPy's shortest float32 repr: reads back exactly)
+            for key, row in zip(sk.tolist(), rows.tolist()):
+                f.write(f"{key}\t{' '.join(row)}\n")
+
 
 def export_from_servers(ctx, table_names, path: str, attrs: dict) -> None:
     """Collective over the servers: gather the tables' (keys, parameters) and write the file."""
