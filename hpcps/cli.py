@@ -429,6 +429,15 @@ def _export_format(manifest: dict) -> str:
     return "" if fmt == "auto" else fmt
 
 
+def _checkpoint_directory_problem(path: str) -> str:
+    """What to say when ``path`` is a checkpoint.dir, not one of its checkpoints ('' if not)."""
+    from hpcps.ps import checkpoint
+
+    inside = checkpoint.complete_checkpoints(path) if not os.path.exists(os.path.join(path, checkpoint.MANIFEST)) else []
+    return (f"{path} is a checkpoint directory: name one of its checkpoints, e.g. the newest, {inside[-1]} "
+            f"(hpcps inspect {path} lists them)") if inside else ""
+
+
 def _checkpoint_tables(args) -> tuple[dict, list]:
     """The model attributes and the tables ``[(name, keys, values, table_attrs)]`` of the
     checkpoint ``args.ckpt`` (``--table``: that one only); a _Failure with its line and status."""
@@ -437,11 +446,6 @@ def _checkpoint_tables(args) -> tuple[dict, list]:
     from hpcps.ps import checkpoint
     from hpcps.train import model_file
 
-    inside = checkpoint.complete_checkpoints(args.ckpt) if not os.path.exists(
-        os.path.join(args.ckpt, checkpoint.MANIFEST)) else []
-    if inside:  # a checkpoint.dir, not one of its checkpoints
-        raise _Failure(f"{args.ckpt} is a checkpoint directory: name one of its checkpoints, e.g. the newest, "
-                       f"{inside[-1]} (hpcps inspect {args.ckpt} lists them)")
     try:
         m = checkpoint.verify(args.ckpt)
     except checkpoint.CheckpointError as e:  # damaged (1), or no checkpoint at all (2)
@@ -493,7 +497,8 @@ def _cmd_export(args) -> int:
     from hpcps.train import model_file
 
     from_model = os.path.isfile(args.ckpt)
-    problem = outputs.clash([("--out", args.out)], [("the model file" if from_model else "the checkpoint", args.ckpt)])
+    problem = "" if from_model else _checkpoint_directory_problem(args.ckpt)
+    problem = problem or outputs.clash([("--out", args.out)], [("the model file" if from_model else "the checkpoint", args.ckpt)])
     if problem:
         return _fail(problem)
     if from_model and args.format == "model":

@@ -162,7 +162,7 @@ def test_bias_key_is_the_documented_hash():
 
 def test_parsing_in_small_blocks_gives_the_same_rows_and_line_numbers(dataset, tmp_path, monkeypatch):
     whole = data.load_part(dataset.files["train_criteo"], 0, 1)
-    monkeypatch.setattr(data, "BLOCK", 777)  # many blocks, lines cut at every block edge
+    monkeypatch.setattr(data, "PARSE_BLOCK_BYTES", 777)  # many blocks, lines cut at every block edge
     for parts in (1, 3):
         pieces = [data.load_part(dataset.files["train_criteo"], i, parts) for i in range(parts)]
         np.testing.assert_array_equal(np.concatenate([p.indices for p in pieces]), whole.indices)
