@@ -411,7 +411,7 @@ def _check(cfg: Config) -> None:
                           f"computes on the workers")
     if cfg.model.type in FIELDED:
         if cfg.model.compute == "servers":
-            raise ConfigError(f"model.compute = 'servers' is for lr and fm; a {cfg.model.type} computes on the workers")
+            raise ConfigError(f"model.compute = 'servers' is for lr and fm; {cfg.model.type} computes on the workers")
         if cfg.data.hash_bits > 48:
             raise ConfigError(f"data.hash_bits must be at most 48 for a {cfg.model.type} (a key carries its field "
                               f"above the hash bits; got {cfg.data.hash_bits})")

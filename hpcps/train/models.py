@@ -199,7 +199,7 @@ def resolve_fields(cfg, fmt: str) -> int:
         return cfg.model.fields
     if fmt not in FORMAT_FIELDS:
         raise ValueError(f"model.fields: set the number of fields of the {fmt} data (its largest field id + 1) "
-                         f"for a {cfg.model.type}")
+                         f"for model.type = {cfg.model.type!r}")
     return FORMAT_FIELDS[fmt]
 
 
