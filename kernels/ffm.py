@@ -46,68 +46,63 @@ def nonzero_fields(keys, shift, fields, skip_key, out):
 @njit(cache=True, nogil=True)
 def ffm_margins(indptr, pos, fld, vals, P, k, out):
     """Each row's margin into ``out`` (float64)."""
-    _pass(indptr, pos, fld, vals, P, k, out, np.empty((0, P.shape[1]), dtype=P.dtype), False)
-
-
-@njit(cache=True, nogil=True)
-def ffm_grads(indptr, pos, fld, vals, P, k, dm, G):
-    """The gradients of the rows' margins weighted by ``dm`` (each row's d loss / d margin,
-    scaled) into ``G`` (like ``P``, overwritten)."""
-    G[:, :] = 0.0
-    _pass(indptr, pos, fld, vals, P, k, dm, G, True)
-
-
-@njit(inline="always")
-def _pass(indptr, pos, fld, vals, P, k, rows, G, backward):
-    """One pass over every pair of nonzeros of each row: forward, the margins into ``rows``;
-    backward, the gradients of the margins weighted by ``rows`` added to ``G``."""
+    none = np.empty((0, P.shape[1]), dtype=P.dtype)
     for r in range(indptr.shape[0] - 1):
-        a0, b0 = indptr[r], indptr[r + 1]
-        g = rows[r] if backward else 0.0
-        m = 0.0
-        for a in range(a0, b0):
-            pa, fa, xa = pos[a], fld[a], np.float64(vals[a])
-            if backward:
-                G[pa, 0] += g * xa
-            else:
-                m += np.float64(P[pa, 0]) * xa
-            if fa < 0:
-                continue
-            for b in range(a + 1, b0):
-                fb = fld[b]
-                if fb < 0:
-                    continue
-                pb = pos[b]
-                ca, cb = 1 + fb * k, 1 + fa * k  # v_{a, f_b} and v_{b, f_a}
-                xab = xa * np.float64(vals[b])
-                if backward:
-                    c = g * xab
-                    for d in range(k):
-                        va = P[pa, ca + d]
-                        G[pa, ca + d] += c * P[pb, cb + d]
-                        G[pb, cb + d] += c * va
-                else:
-                    dot = 0.0
-                    for d in range(k):
-                        dot += np.float64(P[pa, ca + d]) * np.float64(P[pb, cb + d])
-                    m += dot * xab
-        if not backward:
-            rows[r] = m
+        out[r] = _row(indptr[r], indptr[r + 1], pos, fld, vals, P, k, 0.0, none, False)
 
 
 @njit(cache=True, nogil=True)
 def ffm_forward_backward(indptr, pos, fld, vals, labels, P, G, k, scale, l2, loss, margins):
     """The summed loss of the batch (``loss``: :data:`hpcps_kernels.models.LOGISTIC` or
     ``SQUARED``) and its gradients times ``scale`` into ``G`` (overwritten), plus ``l2 * P`` for
-    every unique key when ``l2 > 0``. Writes the margins to ``margins`` when it is not empty."""
-    rows = indptr.shape[0] - 1
-    m = margins if margins.shape[0] > 0 else np.empty(rows, dtype=np.float64)
-    ffm_margins(indptr, pos, fld, vals, P, k, m)
-    dm = np.empty(rows, dtype=np.float64)
-    total = lr_residuals(m, labels, scale, loss, dm)
-    ffm_grads(indptr, pos, fld, vals, P, k, dm, G)
+    every unique key when ``l2 > 0``. Writes the margins to ``margins`` when it is not empty.
+    Row by row: a row's gradients are scattered while its parameters are still in cache."""
+    G[:, :] = 0.0
+    m, dm = np.empty(1, dtype=np.float64), np.empty(1, dtype=np.float64)
+    total = 0.0
+    for r in range(indptr.shape[0] - 1):
+        a, b = indptr[r], indptr[r + 1]
+        m[0] = _row(a, b, pos, fld, vals, P, k, 0.0, G, False)
+        if margins.shape[0] > 0:
+            margins[r] = m[0]
+        total += lr_residuals(m, labels[r:r + 1], scale, loss, dm)
+        _row(a, b, pos, fld, vals, P, k, dm[0], G, True)
     if l2 > 0.0:
         for u in range(P.shape[0]):
             for c in range(P.shape[1]):
                 G[u, c] += l2 * P[u, c]
     return total
+
+
+@njit(inline="always")
+def _row(a0, b0, pos, fld, vals, P, k, g, G, backward):
+    """One pass over every pair of the nonzeros ``a0:b0`` of a row: forward, returns its margin;
+    backward, adds to ``G`` the gradient of its margin times ``g``."""
+    m = 0.0
+    for a in range(a0, b0):
+        pa, fa, xa = pos[a], fld[a], np.float64(vals[a])
+        if backward:
+            G[pa, 0] += g * xa
+        else:
+            m += np.float64(P[pa, 0]) * xa
+        if fa < 0:
+            continue
+        for b in range(a + 1, b0):
+            fb = fld[b]
+            if fb < 0:
+                continue
+            pb = pos[b]
+            ca, cb = 1 + fb * k, 1 + fa * k  # v_{a, f_b} and v_{b, f_a}
+            xab = xa * np.float64(vals[b])
+            if backward:
+                c = g * xab
+                for d in range(k):
+                    va = P[pa, ca + d]
+                    G[pa, ca + d] += c * P[pb, cb + d]
+                    G[pb, cb + d] += c * va
+            else:
+                dot = 0.0
+                for d in range(k):
+                    dot += np.float64(P[pa, ca + d]) * np.float64(P[pb, cb + d])
+                m += dot * xab
+    return m
