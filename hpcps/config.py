@@ -93,11 +93,13 @@ class Synth:
 
 @dataclass(frozen=True)
 class Model:
-    type: str = described("lr", "lr (logistic or linear regression), fm (factorization machine), wdl "
-                                "(Wide & Deep) or deepfm, or a type registered from user code")
+    type: str = described("lr", "lr (logistic or linear regression), fm (factorization machine), ffm "
+                                "(field-aware FM), wdl (Wide & Deep) or deepfm, or a type registered from "
+                                "user code")
     loss: str = described("logistic", "logistic (labels 0/1 or -1/+1) or squared (any finite labels)")
-    factors: int = described(8, "fm: factors per key; wdl, deepfm: the embedding size")
-    init_scale: float = described(0.01, "fm, wdl, deepfm: std of the initial factors and embeddings "
+    factors: int = described(8, "fm: factors per key; ffm: factors per key and field; wdl, deepfm: the "
+                                "embedding size")
+    init_scale: float = described(0.01, "fm, ffm, wdl, deepfm: std of the initial factors and embeddings "
                                         "(lr starts at zeros)")
     seed: int = described(0, "seed of the initializer (and of the MLP's initial weights)")
     compute: str = described("workers", "servers: the servers compute margins and gradients and weights "
@@ -106,8 +108,8 @@ class Model:
                                        "label (its log-odds under the logistic loss, for lr and fm); zero")
     hidden: tuple = described((64, 32), "wdl, deepfm: the MLP's hidden layer sizes")
     activation: str = described("relu", "wdl, deepfm: the MLP's activation")
-    fields: int = described(0, "wdl, deepfm: fields per row; 0 = the format's (Criteo 39, libsvm and VW 1); "
-                               "libffm needs it")
+    fields: int = described(0, "ffm, wdl, deepfm: fields per row; 0 = the format's (Criteo 39, libsvm and "
+                               "VW 1); libffm needs it")
     dense_optimizer: str = described("adam", "wdl, deepfm: the MLP's optimizer on the servers (adam, adagrad "
                                              "or sgd)")
     dense_lr: float = described(0.0, "wdl, deepfm: the MLP's learning rate; 0 = 0.001 per 1000 rows in each "
@@ -258,7 +260,7 @@ def _coerce(where: str, value: Any, default: Any):
     raise ConfigError(f"{where}: expected {kind.__name__}, got {value!r}")
 
 
-BUILT_IN_MODELS = ("lr", "fm", "wdl", "deepfm")
+BUILT_IN_MODELS = ("lr", "fm", "ffm", "wdl", "deepfm")
 CHOICES = {  # the keys whose values are names; models and data formats registered from user code add theirs
     ("data", "format"): ("auto", "libsvm", "criteo", "vw", "libffm"),
     ("model", "type"): BUILT_IN_MODELS,
@@ -325,7 +327,7 @@ def from_dict(raw: dict) -> Config:
         if why:
             raise ConfigError(f"optimizer.{key} {why}")
     model = sections.get("model") or Model()
-    if name == "ftrl" and "l2" not in params and model.type in ("fm", *DEEP) and model.loss == "logistic":
+    if name == "ftrl" and "l2" not in params and model.type in FACTORED and model.loss == "logistic":
         params["l2"] = FACTOR_FTRL_L2  # (a default: written out as if set, so checkpoints and tune's best.toml keep it)
     sections["optimizer"] = Optimizer(name, params)
     cfg = Config(**sections)
@@ -334,7 +336,9 @@ def from_dict(raw: dict) -> Config:
 
 
 DEEP = ("wdl", "deepfm")  # models with embeddings and an MLP
-# FTRL's default l2 for the models with factors or embeddings (fm, wdl, deepfm) under the logistic
+FIELDED = ("ffm", *DEEP)  # models that read each key's field (above the hash bits)
+FACTORED = ("fm", *FIELDED)  # models with factors or embeddings
+# FTRL's default l2 for the models with factors or embeddings (fm, ffm, wdl, deepfm) under the logistic
 # loss; LR and regression keep the registry's 0. Every tuned FM and DeepFM model of the tests' data
 # sets had l2 10 (docs/defaults-sweep.py), and it cut their defaults' gaps to the tuned models from
 # 0.0054-0.0076 to 0.0010-0.0027; on the LR sets and the ratings set (squared loss) it made things worse.
@@ -405,19 +409,20 @@ def _check(cfg: Config) -> None:
     if cfg.model.compute == "servers" and cfg.model.type not in BUILT_IN_MODELS:
         raise ConfigError(f"model.compute = 'servers' is for lr and fm; a registered model ({cfg.model.type}) "
                           f"computes on the workers")
-    if cfg.model.type in DEEP:
+    if cfg.model.type in FIELDED:
         if cfg.model.compute == "servers":
-            raise ConfigError(f"model.compute = 'servers' is for lr and fm; a {cfg.model.type}'s MLP runs on the workers")
+            raise ConfigError(f"model.compute = 'servers' is for lr and fm; {cfg.model.type} computes on the workers")
         if cfg.data.hash_bits > 48:
             raise ConfigError(f"data.hash_bits must be at most 48 for a {cfg.model.type} (a key carries its field "
                               f"above the hash bits; got {cfg.data.hash_bits})")
+    if cfg.model.type in DEEP:
         if cfg.model.dense_optimizer not in optim.REGISTRY:
             raise ConfigError(f"model.dense_optimizer = {cfg.model.dense_optimizer!r}: expected one of "
                               f"{sorted(optim.REGISTRY)}")
         if "lr" not in optim.get(cfg.model.dense_optimizer).params:
             raise ConfigError(f"model.dense_optimizer = {cfg.model.dense_optimizer!r} takes no learning rate "
                               f"(model.dense_lr); use adam, adagrad or sgd")
-    if cfg.model.type in ("fm", *DEEP) and cfg.model.init_scale <= 0:
+    if cfg.model.type in FACTORED and cfg.model.init_scale <= 0:
         raise ConfigError("model.init_scale must be greater than 0 for an fm (factors that all start at 0 "
                           "never move)")
     if bool(cfg.data.predict) != bool(cfg.data.predict_out):
@@ -596,7 +601,7 @@ FEATURES_HELP = {
                   "hash (10 to 32)",
 }
 REGISTERED_CHOICES = {("model", "type"), ("data", "format")}  # (user code adds to these: listed in their text)
-OPTIMIZER_KEYS_HELP = ("the optimizer's own keys; a key left out takes its default (ftrl's l2 is 10 for fm, "
+OPTIMIZER_KEYS_HELP = ("the optimizer's own keys; a key left out takes its default (ftrl's l2 is 10 for fm, ffm, "
                        "wdl and deepfm under the logistic loss, else 0)")
 
 

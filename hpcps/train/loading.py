@@ -2,7 +2,7 @@
 
 Workers load their part of each data file (the training file as a stream), and every rank agrees
 on what the files say before the model is declared: whether each loaded (every failing rank's
-message on every rank), the fields per row of a deep model, and the bias weight's initial value.
+message on every rank), the fields per row of a model that reads them, and the bias weight's initial value.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def load_part(ctx, cfg, path: str, what: str, stream: bool = False):
     if ctx.is_worker and path:
         try:
             d = cfg.data
-            fields = cfg.model.type in config.DEEP  # keys carry their field
+            fields = cfg.model.type in config.FIELDED  # keys carry their field
             squared = cfg.model.loss == "squared"  # (labels far from the first rows' get a warning)
             if stream and not d.cache_dir:
                 ds = tdata.PartStream(path, ctx.worker_index, ctx.layout.workers, d.format, d.hash_bits,
@@ -61,9 +61,9 @@ def load_part(ctx, cfg, path: str, what: str, stream: bool = False):
 
 
 def model_fields(ctx, cfg, train_path: str) -> int:
-    """Collective: the fields per row of a deep model (1 for the others); a libffm file without
-    ``model.fields`` is an error on every rank."""
-    if cfg.model.type not in config.DEEP:
+    """Collective: the fields per row of a model that reads fields (ffm, wdl, deepfm; 1 for the
+    others); a libffm file without ``model.fields`` is an error on every rank."""
+    if cfg.model.type not in config.FIELDED:
         return 1
     error, fields = None, 1
     if ctx.every_rank.is_first:
