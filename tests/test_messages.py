@@ -105,6 +105,32 @@ def test_an_announced_reply_is_waited_for_asleep_until_its_header_comes(monkeypa
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_reply_says_in_its_header_whether_its_payload_comes_apart():
+    """The receiver of a reply posts one receive and reads the framing from the header the
+    server wrote (``protocol.PAYLOAD_APART``): a reply sent whole and one sent as header then
+    payload both arrive complete, with no size threshold on the receiving side."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD.Dup()
+    for apart, n in ((False, 1000), (True, 1000), (False, 1 << 20), (True, 1 << 20)):
+        if comm.rank == 0:
+            out = np.empty(protocol.REPLY_BYTES + 4 * n, np.uint8)
+            transport.wait(transport.start_recv_framed(comm, out, protocol.REPLY_BYTES, 1, 3, "reply",
+                                                       protocol.payload_apart), timeout=60)
+            assert protocol.payload_apart(out) == apart
+            assert int(protocol.reply_header(out)["req_id"]) == n
+            np.testing.assert_array_equal(protocol.pulled_values(out, 1)[:, 0], np.arange(n, dtype=np.float32))
+        elif comm.rank == 1:
+            buf, payload = protocol.pack_reply(n, protocol.OK, 0, 0, 4 * n, apart=apart)
+            payload.view(np.float32)[:] = np.arange(n, dtype=np.float32)
+            send = transport.start_send_announced if apart else transport.start_send
+            args = (comm, buf, protocol.REPLY_BYTES, 0, 3, "reply") if apart else (comm, buf, 0, 3, "reply")
+            transport.wait(send(*args), timeout=60)
+        comm.Barrier()
+    comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_large_pushes_and_pulls_through_pooled_buffers_carry_exact_values():
     """Pushes and pulls of 19 MB each way (pooled buffers on both sides, the gradients sent
     apart, the replies announced, the server's two threads): every pull holds the exact sums so

@@ -97,12 +97,10 @@ class SparseTable:
                    lambda req_id: protocol.pack_request(req.op, self.id, req_id, req.clock, self.ctx.worker_index,
                                                         push_keys, grads, pull_keys, self.dim, req.ahead, in_pull,
                                                         self.ctx.pool.take, apart),
-                   grads if apart else None, lent, protocol.announced(req.op, n_pull, self.dim))
+                   grads if apart else None, lent)
 
-    def _post(self, req: _Request, server: int, pulled, reply_bytes: int, pack, grads=None, lent=False,
-              announced: bool = False) -> None:
-        """Post the receive of a reply of ``reply_bytes`` (``announced``: see ``protocol.announced``),
-        then send ``pack(req_id)`` to ``server`` (and ``grads`` after it, when they go apart;
+    def _post(self, req: _Request, server: int, pulled, reply_bytes: int, pack, grads=None, lent=False) -> None:
+        """Post the receive of a reply of ``reply_bytes``, then send ``pack(req_id)`` to ``server`` (and ``grads`` after it, when they go apart;
         ``lent``: see :meth:`_message`)."""
         ctx = self.ctx
         req_id = ctx.next_request_id()
@@ -111,7 +109,7 @@ class SparseTable:
         ctx.stats["bytes_sent"] += msg.nbytes + (0 if grads is None else grads.nbytes)
         ctx.stats["bytes_received"] += reply_bytes
         req.parts.append((pulled, reply))
-        req.pending += ctx.exchange(server, msg, reply, req_id, req.op, self.name, announced)
+        req.pending += ctx.exchange(server, msg, reply, req_id, req.op, self.name)
         if grads is not None:
             sends = ctx.send_grads(server, grads, req.op)
             if lent:

@@ -185,18 +185,15 @@ class Context(collectives.ContextCollectives):
         self._ts += 1
         return self._ts
 
-    def exchange(self, server: int, msg: np.ndarray, reply: np.ndarray, req_id: int, op: int, table: str = "",
-                 announced: bool = False) -> list:
-        """Post the receive of request ``req_id``'s reply into ``reply`` (``announced``: as header
-        then payload, ``protocol.announced``), then send ``msg`` to ``server``; returns the pending
-        transfers (for :func:`hpcps.ps.transport.wait`), described by the operation and table for
-        stall messages."""
+    def exchange(self, server: int, msg: np.ndarray, reply: np.ndarray, req_id: int, op: int, table: str = "") -> list:
+        """Post the receive of request ``req_id``'s reply into ``reply`` (whole, or its header then
+        its payload, as the header says: ``protocol.payload_apart``), then send ``msg`` to
+        ``server``; returns the pending transfers (for :func:`hpcps.ps.transport.wait`), described
+        by the operation and table for stall messages."""
         of = f" of table {table!r}" if table else ""
         tag, what = protocol.reply_tag(req_id, self.tag_ub), f"{protocol.OP_NAMES[op]} reply{of} (request {req_id}) from server"
-        if announced:
-            pending = transport.start_recv_announced(self.comm, reply, protocol.REPLY_BYTES, server, tag, what)
-        else:
-            pending = transport.start_recv(self.comm, reply, server, tag, what)
+        pending = transport.start_recv_framed(self.comm, reply, protocol.REPLY_BYTES, server, tag, what,
+                                              protocol.payload_apart)
         return pending + transport.start_send(self.comm, msg, server, protocol.TAG_REQUEST,
                                               f"{protocol.OP_NAMES[op]} request to server")
 
@@ -345,8 +342,7 @@ class LocalContext(Context):
             raise RuntimeError("declare every table and server function before the first request")
         return self.server
 
-    def exchange(self, server: int, msg: np.ndarray, reply: np.ndarray, req_id: int, op: int, table: str = "",
-                 announced: bool = False) -> list:
+    def exchange(self, server: int, msg: np.ndarray, reply: np.ndarray, req_id: int, op: int, table: str = "") -> list:
         srv = self._local_server()
         srv.handle(1, msg)
         out = srv.outbox.pop(req_id, None)

@@ -5,7 +5,8 @@ then, in order, the pushed keys (uint64, ``n_push``), their gradients (float32, 
 and the pulled keys (uint64, ``n_pull``); large gradients follow as a second message
 (``GRADS_APART``, below). Every reply is one message: a header (:data:`REPLY`) followed by the
 pulled values (float32, ``n_pull x dim``) or, for a checkpoint, by :data:`CHECKPOINT_RESULT`; a
-large pull's goes as its header, then its payload (:func:`announced`). One message per request
+reply whose header has ``flags`` bit :data:`PAYLOAD_APART` goes as two messages instead, its
+header, then its payload (see :func:`payload_apart`). One message per request
 keeps matching trivial (a server receives whole requests with ``ANY_SOURCE``; a worker pre-posts
 the receive of each reply under a tag unique to that request) and needs no pickling. Requests are
 split by the client so that no message exceeds 2 GiB.
@@ -61,8 +62,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hpcps_kernels.parallel import splits_pull
-
 
 PULL, PUSH, CLOCK, DONE, CHECKPOINT, PUSHPULL, MARGINS, RESIDUALS, CALL = 1, 2, 3, 4, 5, 6, 7, 8, 9
 OP_NAMES = {PULL: "pull", PUSH: "push", CLOCK: "clock", DONE: "done", CHECKPOINT: "checkpoint",
@@ -72,7 +71,7 @@ REQUEST = np.dtype([("op", "<i8"), ("table", "<i8"), ("req_id", "<i8"), ("n_push
                     ("n_pull", "<i8"), ("clock", "<i8"), ("worker", "<i8"), ("reserved", "<i8"),
                     ("flags", "<i8")])
 REPLY = np.dtype([("req_id", "<i8"), ("status", "<i8"), ("min_clock", "<i8"), ("server", "<i8"),
-                  ("table_keys", "<i8"), ("admitted", "<i8"), ("evicted", "<i8")])
+                  ("table_keys", "<i8"), ("admitted", "<i8"), ("evicted", "<i8"), ("flags", "<i8")])
 CHECKPOINT_RESULT = np.dtype([("file_bytes", "<i8"), ("xxh64", "S64")])
 HEADER_BYTES = REQUEST.itemsize
 REPLY_BYTES = REPLY.itemsize
@@ -84,6 +83,7 @@ TAG_GRADS = 2
 TAG_REPLY_BASE = 16
 IN_PULL = 1      # request flag: a push-pull's in-pull bits follow its pull keys
 GRADS_APART = 2  # request flag: its gradients follow as a message of their own (TAG_GRADS)
+PAYLOAD_APART = 1  # reply flag: the header is a message of its own, and the payload follows it
 OK = 0
 STOP = 2         # status bit: this server received a stop signal (SIGINT, SIGTERM or SIGUSR1)
 INTERRUPT = 4    # status bit, with STOP: the signal was SIGINT (the job stops with status 130, not 75)
@@ -316,23 +316,26 @@ def unpack_request(buf: np.ndarray, dims: list[int], grads: np.ndarray | None = 
 
 
 def pack_reply(req_id: int, status: int, min_clock: int, server: int, payload_bytes: int,
-               counts: tuple[int, int, int] = (0, 0, 0), alloc=None) -> tuple[np.ndarray, np.ndarray]:
+               counts: tuple[int, int, int] = (0, 0, 0), alloc=None,
+               apart: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """A reply message and a view of its payload (to be filled); ``counts``: the table's
-    (rows held, keys admitted, rows evicted) on this server; ``alloc``: as for :func:`pack_request`."""
+    (rows held, keys admitted, rows evicted) on this server; ``alloc``: as for :func:`pack_request`;
+    ``apart``: it goes as its header, then its payload (:data:`PAYLOAD_APART`)."""
     buf = _take(alloc, REPLY_BYTES + payload_bytes)
-    buf[:REPLY_BYTES].view(REPLY)[0] = (req_id, status, min_clock, server, *counts)
+    buf[:REPLY_BYTES].view(REPLY)[0] = (req_id, status, min_clock, server, *counts,
+                                        PAYLOAD_APART if apart else 0)
     return buf, buf[REPLY_BYTES:]
 
 
-# A pull's reply (PULL, PUSHPULL) goes as two messages when the server runs the pull on two
-# threads (hpcps_kernels.parallel.splits_pull): the header, sent once the payload is ready, then
-# the payload (hpcps.ps.transport.start_send_announced). The waiting worker sleeps until the header
-# comes rather than spinning through the server's work, which leaves the core to the server's
-# second thread. Both sides tell from the request's pull keys and the table's dim.
-def announced(op: int, n_pull: int, dim: int) -> bool:
-    """Whether the reply to a request ``op`` pulling ``n_pull`` keys of ``dim`` values goes as
-    header then payload."""
-    return op in (PULL, PUSHPULL) and splits_pull(n_pull, dim)
+_REPLY_FLAGS_AT = REPLY.fields["flags"][1]
+
+
+def payload_apart(head: np.ndarray) -> bool:
+    """Whether the reply whose header is ``head`` (its first :data:`REPLY_BYTES`) goes as that
+    header, then its payload as a message of its own (:data:`PAYLOAD_APART`). The server decides
+    (a large pull it runs on two threads: the worker sleeps until the header comes rather than
+    spinning through the server's work); the worker reads it here, once the header has come."""
+    return bool(head[_REPLY_FLAGS_AT] & PAYLOAD_APART)  # (one byte read: this runs on every reply)
 
 
 def reply_header(buf: np.ndarray):

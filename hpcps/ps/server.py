@@ -40,7 +40,7 @@ from hpcps.ps.consistency import WorkerClocks
 from hpcps.ps.placement import Placement
 from hpcps.ps.server_table import ServerTable
 from hpcps.ps.tables import MARGINS_FUNCTION, RESIDUALS_FUNCTION, SERVER_FUNCTIONS, ServerFunction, TableSpec
-from hpcps_kernels.parallel import TwoThreads
+from hpcps_kernels.parallel import TwoThreads, splits_pull
 
 # a checkpoint write that fails late, in HDF5's release of the file's objects, says so in one line
 transport.EXPLAINERS.append(checkpoint.explain_write_failure)
@@ -90,18 +90,20 @@ class Replies:
         self.tag_ub = transport.tag_upper_bound(comm)
         self.sending: list[transport.Pending] = []
 
-    def new(self, req_id: int, payload_bytes: int, table: int = -1) -> tuple[np.ndarray, np.ndarray]:
-        """A reply to request ``req_id`` of table ``table`` (-1: none) and a view of its payload."""
+    def new(self, req_id: int, payload_bytes: int, table: int = -1,
+            apart: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """A reply to request ``req_id`` of table ``table`` (-1: none) and a view of its payload;
+        ``apart``: it goes as its header, then its payload (``protocol.PAYLOAD_APART``)."""
         status = protocol.stop_status(signals.requested())
         t = self.tables[table] if table >= 0 else None
         counts = (t.size, t.admitted, t.evicted) if t is not None else (0, 0, 0)
         return protocol.pack_reply(req_id, status, self.workers.min_clock(), self.index, payload_bytes, counts,
-                                   self.pool.take)
+                                   self.pool.take, apart)
 
-    def post(self, buf: np.ndarray, dest: int, req_id: int, what: str, announced: bool = False) -> None:
-        """Send a reply (``announced``: as header then payload, see ``protocol.announced``)."""
+    def post(self, buf: np.ndarray, dest: int, req_id: int, what: str) -> None:
+        """Send a reply, as its header says: whole, or its header then its payload."""
         tag = protocol.reply_tag(req_id, self.tag_ub)
-        if announced:
+        if protocol.payload_apart(buf):
             self.sending.extend(transport.start_send_announced(self.comm, buf, protocol.REPLY_BYTES, dest, tag, what))
         else:
             self.sending.extend(transport.start_send(self.comm, buf, dest, tag, what))
@@ -128,7 +130,7 @@ class InProcessReplies(Replies):
         super().__init__(*args)
         self.outbox: dict[int, np.ndarray] = {}
 
-    def post(self, buf: np.ndarray, dest: int, req_id: int, what: str, announced: bool = False) -> None:
+    def post(self, buf: np.ndarray, dest: int, req_id: int, what: str) -> None:
         self.outbox[req_id] = buf
 
 
@@ -284,13 +286,16 @@ class Server:
     # -- reads ---------------------------------------------------------------------------------
 
     def _serve_pull(self, source: int, r: protocol.Request) -> None:
-        """Answer a pull, or a push-pull (whose reply is also its push's acknowledgement)."""
+        """Answer a pull, or a push-pull (whose reply is also its push's acknowledgement). A pull
+        the server runs on two threads (``splits_pull``) is answered as its header, sent once
+        the values are ready, then the values: the waiting worker sleeps until the header comes
+        rather than spinning through the server's work, which leaves the core to the second thread."""
         n, dim = r.pull_keys.shape[0], self.dims[r.table]
-        reply, payload = self.replies.new(r.req_id, 4 * n * dim, r.table)
+        reply, payload = self.replies.new(r.req_id, 4 * n * dim, r.table, splits_pull(n, dim))
         if n:
             self.tables[r.table].pull(r.pull_keys, payload.view(np.float32).reshape(n, dim),
                                       source - self.worker_rank0)
-        self.replies.post(reply, source, r.req_id, f"{protocol.OP_NAMES[r.op]} reply", protocol.announced(r.op, n, dim))
+        self.replies.post(reply, source, r.req_id, f"{protocol.OP_NAMES[r.op]} reply")
 
     def _serve_call(self, source: int, r: protocol.Request) -> None:
         """Run a declared server function over the keys this server owns."""

@@ -11,7 +11,8 @@ imports mpi4py itself. Rules kept here:
   sleeping, and takes a timeout after which it says which peer never answered.
 * Large messages go into buffers that are reused once nothing refers to them (:class:`BufferPool`),
   and a large reply can go as its header then its payload, so that the waiting rank sleeps until
-  the payload is ready (:func:`start_send_announced`).
+  the payload is ready (:func:`start_send_announced`); the receiver learns which from the header
+  itself (:func:`start_recv_framed`).
 * An unhandled exception on any rank aborts the whole job, printing the rank and the error in
   one line (:func:`install_abort_handler`), so that no rank waits forever for a dead peer.
 * Every wait of the library goes through here, collectives included: each takes a timeout, and
@@ -245,7 +246,9 @@ class Pending:
     peer: int = -1
     buffers: tuple = ()
     nbytes: int = 0
-    after: "Pending | None" = None  # its transfer starts only once this one is done (see wait)
+    # called once the request is complete: the transfers it starts then (the rest of a message
+    # whose first part says how the rest comes, see start_recv_framed)
+    then: Callable[[], list["Pending"]] | None = None
 
 
 def spin_budget(nbytes: int) -> float:
@@ -292,23 +295,18 @@ def wait(
     if isinstance(pending, Pending):
         pending = [pending]
     todo = [p for p in pending if p.request != MPI.REQUEST_NULL]
-    ordered = any(p.after is not None for p in todo)  # (else every transfer is due from the start)
-    spin = spin_budget(sum(p.nbytes for p in (_due(todo) if ordered else todo)))
+    spin = spin_budget(sum(p.nbytes for p in todo))
     start = time.perf_counter()
     sleep = POLL_MIN_SLEEP_S
     warned = False
     while todo:
-        left = [p for p in todo if not p.request.Test()]
+        left, started, done_bytes = _test(todo)
         if not left:
             return
-        if len(left) < len(todo):
-            due = _due(left) if ordered else left
-            was_due = {id(p) for p in _due(todo)} if ordered else ()
-            if (sum(p.nbytes for p in todo) - sum(p.nbytes for p in left) >= SPIN_RESET_BYTES
-                    or ordered and any(id(p) not in was_due for p in due)):
-                # a large message done (a push's send), or a large reply announced: spin for the
-                # transfers due from now on
-                spin = time.perf_counter() - start + spin_budget(sum(p.nbytes for p in due))
+        if started or done_bytes >= SPIN_RESET_BYTES:
+            # a large message done (a push's send), or the rest of a message started once its
+            # first part came (a large reply's payload): spin for the transfers from now on
+            spin = time.perf_counter() - start + spin_budget(sum(p.nbytes for p in left))
         todo = left
         elapsed = time.perf_counter() - start
         if warn_after is not None and not warned and elapsed > warn_after:
@@ -326,10 +324,20 @@ def wait(
         sleep = _sleep_backoff(start, sleep, spin, max_sleep)
 
 
-def _due(todo: Sequence[Pending]) -> list[Pending]:
-    """The requests whose transfer may be under way: not those ``after`` one still to complete."""
-    waiting = {id(p) for p in todo}
-    return [p for p in todo if p.after is None or id(p.after) not in waiting]
+def _test(todo: Sequence[Pending]) -> tuple[list[Pending], bool, int]:
+    """The requests of ``todo`` not complete yet, with those that completed ones started (their
+    ``then``); whether there were any such, and the bytes of those completed."""
+    left, started, done_bytes = [], False, 0
+    for p in todo:
+        if not p.request.Test():
+            left.append(p)
+            continue
+        done_bytes += p.nbytes
+        if p.then is not None:
+            more = p.then()
+            left += more
+            started = started or bool(more)
+    return left, started, done_bytes
 
 
 def describe(todo: Sequence[Pending]) -> str:
@@ -348,7 +356,7 @@ def _warn(msg: str) -> None:
 
 def completed(pending: Sequence[Pending]) -> list[Pending]:
     """The requests of ``pending`` not complete yet (tests each once; never waits)."""
-    return [p for p in pending if not p.request.Test()]
+    return _test(pending)[0]
 
 
 def barrier(comm: MPI.Comm, timeout: float | None = None, what: str = "barrier") -> None:
@@ -432,11 +440,26 @@ def start_recv_announced(comm: MPI.Comm, out: np.ndarray, head: int, source: int
     until the head has come, and spins (see ``POLL_*``) for the rest's transfer only from then:
     a sender that sends the head once the rest is ready (a server's reply to a large pull) then
     has the waiting rank's core while it computes the rest."""
-    heads = start_recv(comm, out[:head], source, tag, what)
-    rest = start_recv(comm, out[head:], source, tag, what)
-    for p in rest:
-        p.after = heads[-1]
-    return heads + rest
+    return start_recv_framed(comm, out, head, source, tag, what, lambda first: True)
+
+
+def start_recv_framed(comm: MPI.Comm, out: np.ndarray, head: int, source: int, tag: int, what: str,
+                      rest_apart: Callable[[np.ndarray], bool]) -> list[Pending]:
+    """Receive into ``out`` a message whose first ``head`` bytes say how it comes: whole, as
+    :func:`start_send` sends it, or, where ``rest_apart(out[:head])`` holds once they have come,
+    as its head then the rest, as :func:`start_send_announced` sends it. The rest's receive is
+    posted once the head has come; a :func:`wait` spins for the head only, then for the rest."""
+    if not out.flags.c_contiguous:
+        raise ValueError("start_recv_framed needs a C-contiguous output array")
+    flat = out.reshape(-1).view(np.uint8)
+    first = flat[:min(flat.nbytes, MAX_MESSAGE_BYTES)]
+
+    def rest() -> list[Pending]:
+        if rest_apart(flat[:head]):
+            return start_recv(comm, flat[head:], source, tag, what)
+        return start_recv(comm, flat[first.nbytes:], source, tag, what) if flat.nbytes > first.nbytes else []
+
+    return [Pending(comm.Irecv(first, source=source, tag=tag), what, source, (out, first), head, then=rest)]
 
 
 def tag_upper_bound(comm: MPI.Comm) -> int:
