@@ -56,7 +56,7 @@ def test_large_gradients_are_packed_where_copies_run_fast_and_unpack_unchanged(m
         grads = rng.normal(size=(n, dim)).astype(np.float32)
         pull = rng.integers(0, 2**63, 7, dtype=np.uint64)
         for alloc in (None, pool.take):
-            msg = protocol.pack_request(protocol.PUSHPULL, 2, 11, 5, 1, keys, grads, pull, dim, alloc=alloc)
+            msg = protocol.PushPull(2, 11, 5, 1, keys, grads, pull).pack(alloc)
             r = protocol.unpack_request(msg, [1, 1, dim])
             np.testing.assert_array_equal(r.push_keys, keys)
             np.testing.assert_array_equal(r.grads, grads)
@@ -164,8 +164,8 @@ def test_a_request_with_its_gradients_apart_unpacks_to_the_same_arrays():
     keys, pull = np.arange(7, dtype=np.uint64) * 5, np.arange(3, dtype=np.uint64)
     grads = rng.normal(size=(7, 4)).astype(np.float32)
     in_pull = np.isin(keys, pull)
-    whole = protocol.pack_request(protocol.PUSHPULL, 1, 9, 4, 0, keys, grads, pull, 4, 0, in_pull)
-    apart = protocol.pack_request(protocol.PUSHPULL, 1, 9, 4, 0, keys, grads, pull, 4, 0, in_pull, apart=True)
+    whole = protocol.PushPull(1, 9, 4, 0, keys, grads, pull, 0, in_pull).pack()
+    apart = protocol.PushPull(1, 9, 4, 0, keys, grads, pull, 0, in_pull, grads_apart=True).pack()
     dims = [2, 4]
     assert apart.nbytes == whole.nbytes - grads.nbytes
     assert protocol.apart_grads_bytes(whole, dims) == 0 and protocol.apart_grads_bytes(apart, dims) == grads.nbytes

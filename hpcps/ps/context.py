@@ -206,7 +206,7 @@ class Context(collectives.ContextCollectives):
     def _notify_servers(self, op: int) -> None:
         self._clock_sends = transport.completed(self._clock_sends)
         for server in range(self.layout.servers):
-            msg = protocol.pack_request(op, 0, 0, self.clock_value, self.worker_index)
+            msg = protocol.MESSAGES[op](self.clock_value, self.worker_index).pack()
             self._clock_sends += transport.start_send(self.comm, msg, server, protocol.TAG_REQUEST,
                                                  f"{protocol.OP_NAMES[op]} message to server")
 
@@ -230,13 +230,11 @@ class Context(collectives.ContextCollectives):
             checkpoint.begin(root, step)
         except OSError as e:
             raise checkpoint.write_failure(tmp, e, "the first worker") from None
-        words = protocol.encode_path(tmp)
         pending, replies = [], []
         for server in range(self.layout.servers):
             req_id = self.next_request_id()
             reply = np.empty(protocol.reply_bytes(protocol.CHECKPOINT, 0, 0), dtype=np.uint8)
-            msg = protocol.pack_request(protocol.CHECKPOINT, 0, req_id, self.clock_value, self.worker_index,
-                                        pull_keys=words)
+            msg = protocol.Checkpoint(req_id, self.clock_value, self.worker_index, tmp).pack()
             pending += self.exchange(server, msg, reply, req_id, protocol.CHECKPOINT)
             replies.append(reply)
         transport.wait(pending, self.stall_timeout_s, warn_after=self.stall_warn_s)
@@ -352,7 +350,7 @@ class LocalContext(Context):
         return []
 
     def _notify_servers(self, op: int) -> None:
-        self._local_server().handle(1, protocol.pack_request(op, 0, 0, self.clock_value, self.worker_index))
+        self._local_server().handle(1, protocol.MESSAGES[op](self.clock_value, self.worker_index).pack())
 
     def restore(self, ckpt: str, manifest: dict) -> None:
         """Load a checkpoint into the in-process server (what server ranks do in :meth:`serve`)."""

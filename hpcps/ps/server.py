@@ -108,7 +108,7 @@ class Replies:
         else:
             self.sending.extend(transport.start_send(self.comm, buf, dest, tag, what))
 
-    def ack(self, dest: int, r: protocol.Request, what: str) -> None:
+    def ack(self, dest: int, r: protocol.Push | protocol.Residuals, what: str) -> None:
         """An empty reply: request ``r`` is done."""
         self.post(self.new(r.req_id, 0, r.table)[0], dest, r.req_id, what)
 
@@ -187,14 +187,14 @@ class Server:
     def handle(self, source: int, buf: np.ndarray, grads: np.ndarray | None = None) -> None:
         """Serve request ``buf`` from rank ``source`` (``grads``: its gradients, when they came
         apart)."""
-        r = protocol.unpack_request(buf, self.dims, grads)
+        try:
+            r = protocol.unpack_request(buf, self.dims, grads)
+        except ValueError as e:
+            raise RuntimeError(f"server {self.index}: {e} from rank {source}") from None
         self.stats["requests"] += 1
-        handler = self.handlers.get(r.op)
-        if handler is None:
-            raise RuntimeError(f"server {self.index}: unknown request op {r.op} from rank {source}")
-        handler(source, r)
+        self.handlers[r.op](source, r)
 
-    def _handle_push_pull(self, source: int, r: protocol.Request) -> None:
+    def _handle_push_pull(self, source: int, r: protocol.PushPull) -> None:
         """Push at clock c, clock c + 1, pull at clock c + 1 (+ ahead). When nothing else is to be
         served or applied in between (:meth:`_answers_at_once`), the push's keys the pull reads are
         updated, the pull answered, and then (the reply gone) the push's other keys."""
@@ -207,11 +207,11 @@ class Server:
             if rest is not None:
                 table.apply_after_reply(rest)
             return
-        self._push(worker, r)
+        self._push(worker, r.push())
         self._after_clock()
         self._serve_or_defer(source, r)
 
-    def _answers_at_once(self, r: protocol.Request) -> bool:
+    def _answers_at_once(self, r: protocol.PushPull) -> bool:
         """Whether a push-pull's push is applied now and its pull answered now, with nothing else
         served or applied in between: no push kept for its turn, no read waiting, no eviction due,
         under BSP every worker past the push's clock, and the pull ready."""
@@ -219,39 +219,38 @@ class Server:
             return False
         return (self.staleness != 0 or r.clock < self.workers.min_clock()) and self.workers.ready(r)
 
-    def _handle_push(self, source: int, r: protocol.Request) -> None:
+    def _handle_push(self, source: int, r: protocol.Push) -> None:
         self._push(source - self.worker_rank0, r)
         self.replies.ack(source, r, "push ack")
 
-    def _handle_residuals(self, source: int, r: protocol.Request) -> None:
+    def _handle_residuals(self, source: int, r: protocol.Residuals) -> None:
         """The gradients of the worker's last MARGINS nonzeros, pushed at clock c; then clock c + 1."""
         worker = source - self.worker_rank0
         keys, values, row_ids = self.fragments.pop((worker, r.table))
         residuals = registered_function(RESIDUALS_FUNCTION).fn
         uniq, grads = residuals(self.tables[r.table], keys, values, row_ids, r.residuals)
-        self._push(worker, protocol.Request(protocol.PUSH, r.table, r.req_id, r.clock, r.worker, uniq, grads,
-                                            r.pull_keys))
+        self._push(worker, protocol.Push(r.table, r.req_id, r.clock, r.worker, uniq, grads))
         self.workers.advance(worker, r.clock + 1)
         self._after_clock()
         self.replies.ack(source, r, "residuals ack")
 
-    def _handle_clock(self, source: int, r: protocol.Request) -> None:
+    def _handle_clock(self, source: int, r: protocol.Clock) -> None:
         self.workers.advance(source - self.worker_rank0, r.clock)
         self._after_clock()
 
-    def _handle_done(self, source: int, r: protocol.Request) -> None:
+    def _handle_done(self, source: int, r: protocol.Done) -> None:
         self.workers.finish(source - self.worker_rank0)
         self._apply_pushes_due()
         self._serve_reads_due()
 
-    def _push(self, worker: int, r: protocol.Request) -> None:
+    def _push(self, worker: int, push: protocol.Push) -> None:
         """Apply a push now (SSP/ASP), or keep it for its turn (BSP, see the module docstring)."""
-        if r.push_keys.shape[0] == 0:
+        if push.keys.shape[0] == 0:
             return
         if self.staleness == 0:
-            self.workers.keep_push(worker, r)
+            self.workers.keep_push(worker, push)
         else:
-            self.tables[r.table].push(r.push_keys, r.grads, r.clock, worker)
+            self.tables[push.table].push(push.keys, push.grads, push.clock, worker)
 
     def _after_clock(self) -> None:
         """A worker's clock advanced: the pushes, evictions and reads it allows."""
@@ -269,10 +268,10 @@ class Server:
 
     def _apply_pushes_due(self) -> None:
         """BSP: apply, in (clock, worker, seq) order, the pushes of clocks every worker has passed."""
-        for worker, r in self.workers.pushes_due():
-            self.tables[r.table].push(r.push_keys, r.grads, r.clock, worker)
+        for worker, push in self.workers.pushes_due():
+            self.tables[push.table].push(push.keys, push.grads, push.clock, worker)
 
-    def _serve_or_defer(self, source: int, r: protocol.Request) -> None:
+    def _serve_or_defer(self, source: int, r: protocol.Message) -> None:
         if self.workers.ready(r) or (r.op == protocol.PUSHPULL and r.pull_keys.shape[0] == 0):  # a bare push + clock
             self.readers[r.op](source, r)
         else:
@@ -285,7 +284,7 @@ class Server:
 
     # -- reads ---------------------------------------------------------------------------------
 
-    def _serve_pull(self, source: int, r: protocol.Request) -> None:
+    def _serve_pull(self, source: int, r: protocol.Pull | protocol.PushPull) -> None:
         """Answer a pull, or a push-pull (whose reply is also its push's acknowledgement). A pull
         the server runs on two threads (``splits_pull``) is answered as its header, sent once
         the values are ready, then the values: the waiting worker sleeps until the header comes
@@ -297,11 +296,11 @@ class Server:
                                       source - self.worker_rank0)
         self.replies.post(reply, source, r.req_id, f"{protocol.OP_NAMES[r.op]} reply")
 
-    def _serve_call(self, source: int, r: protocol.Request) -> None:
+    def _serve_call(self, source: int, r: protocol.Call) -> None:
         """Run a declared server function over the keys this server owns."""
         f = self.functions[r.function]
-        n = r.push_keys.shape[0]
-        out = np.asarray(f.fn(self.tables[r.table], r.push_keys, r.grads), dtype=np.float32)
+        n = r.keys.shape[0]
+        out = np.asarray(f.fn(self.tables[r.table], r.keys, r.args), dtype=np.float32)
         want = (n, f.out_width) if f.per_key else (f.out_width,)
         if out.size != int(np.prod(want)):
             raise RuntimeError(f"server {self.index}: server function {f.name!r} returned shape {out.shape} "
@@ -310,19 +309,18 @@ class Server:
         payload.view(np.float32)[:] = out.reshape(-1)
         self.replies.post(reply, source, r.req_id, f"call reply ({f.name})")
 
-    def _serve_margins(self, source: int, r: protocol.Request) -> None:
+    def _serve_margins(self, source: int, r: protocol.Margins) -> None:
         """Partial margins of a batch's rows over this server's nonzeros; the nonzeros are kept
         for the worker's RESIDUALS."""
         width = protocol.margin_width(self.dims[r.table])
         reply, payload = self.replies.new(r.req_id, 8 * r.n_rows * width, r.table)
-        values = r.grads[:, 0]
         margins = registered_function(MARGINS_FUNCTION).fn
-        margins(self.tables[r.table], r.push_keys, values, r.row_ids, payload.view(np.float64).reshape(r.n_rows, width))
-        self.fragments[(source - self.worker_rank0, r.table)] = (r.push_keys, values, r.row_ids)
+        margins(self.tables[r.table], r.keys, r.values, r.row_ids, payload.view(np.float64).reshape(r.n_rows, width))
+        self.fragments[(source - self.worker_rank0, r.table)] = (r.keys, r.values, r.row_ids)
         self.replies.post(reply, source, r.req_id, "margins reply")
 
-    def _write_checkpoint(self, source: int, r: protocol.Request) -> None:
-        path = checkpoint.server_file(protocol.decode_path(r.pull_keys), self.index)
+    def _write_checkpoint(self, source: int, r: protocol.Checkpoint) -> None:
+        path = checkpoint.server_file(r.path, self.index)
         size, digest = write_checkpoint_file(path, self.tables, self.index, self.placement, r.clock)
         reply, payload = self.replies.new(r.req_id, protocol.CHECKPOINT_RESULT.itemsize)
         protocol.pack_checkpoint_result(payload, size, digest)
