@@ -77,17 +77,18 @@ def write_checkpoint_file(path: str, tables: list[ServerTable], server: int, pla
 
 class Replies:
     """A server's replies: packed into pooled buffers with its stop status, the slowest worker's
-    clock and the request's table's counts (``protocol.pack_reply``), and sent without waiting
-    (:attr:`sending`: the sends in flight)."""
+    clock and the request's table's counts (``protocol.pack_reply``), and sent through ``net``
+    (the server's :class:`~hpcps.ps.transport.Transport`) without waiting (:attr:`sending`: the
+    sends in flight)."""
 
-    def __init__(self, comm, server_index: int, pool: transport.BufferPool, workers: WorkerClocks,
-                 tables: list[ServerTable]):
-        self.comm = comm
+    def __init__(self, net: transport.Transport, server_index: int, pool: transport.BufferPool,
+                 workers: WorkerClocks, tables: list[ServerTable]):
+        self.net = net
         self.index = server_index
         self.pool = pool
         self.workers = workers
         self.tables = tables
-        self.tag_ub = transport.tag_upper_bound(comm)
+        self.tag_ub = net.tag_ub
         self.sending: list[transport.Pending] = []
 
     def new(self, req_id: int, payload_bytes: int, table: int = -1,
@@ -104,9 +105,9 @@ class Replies:
         """Send a reply, as its header says: whole, or its header then its payload."""
         tag = protocol.reply_tag(req_id, self.tag_ub)
         if protocol.payload_apart(buf):
-            self.sending.extend(transport.start_send_announced(self.comm, buf, protocol.REPLY_BYTES, dest, tag, what))
+            self.sending.extend(self.net.start_send_announced(buf, protocol.REPLY_BYTES, dest, tag, what))
         else:
-            self.sending.extend(transport.start_send(self.comm, buf, dest, tag, what))
+            self.sending.extend(self.net.start_send(buf, dest, tag, what))
 
     def ack(self, dest: int, r: protocol.Push | protocol.Residuals, what: str) -> None:
         """An empty reply: request ``r`` is done."""
@@ -122,27 +123,15 @@ class Replies:
         self.sending = []
 
 
-class InProcessReplies(Replies):
-    """The replies of a server inside the worker's process: kept in :attr:`outbox` (req_id ->
-    reply bytes) for the worker to take, not sent."""
-
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.outbox: dict[int, np.ndarray] = {}
-
-    def post(self, buf: np.ndarray, dest: int, req_id: int, what: str) -> None:
-        self.outbox[req_id] = buf
-
-
 class Server:
-    """The serving loop of one server rank, and its handlers, one per request op."""
+    """The serving loop of one server rank, and its handlers, one per request op. ``net``: how it
+    reaches the workers (:class:`hpcps.ps.transport.MPITransport` on a server rank; a
+    :class:`~hpcps.ps.transport.Loopback` hands it each request of a job of one process)."""
 
-    replies_kind = Replies  # how its replies go
-
-    def __init__(self, comm, server_index: int, num_workers: int, worker_rank0: int,
+    def __init__(self, net: transport.Transport, server_index: int, num_workers: int, worker_rank0: int,
                  specs: list[TableSpec], placement: Placement, staleness: int,
                  stall_warn_s: float = 30.0, functions: list | None = None, stall_timeout_s: float = 300.0):
-        self.comm = comm
+        self.net = net
         self.functions = list(functions or [])  # declared ServerFunctions, by number
         self.index = server_index
         self.worker_rank0 = worker_rank0
@@ -157,7 +146,7 @@ class Server:
         self.stall_timeout_s = stall_timeout_s
         self.workers = WorkerClocks(num_workers, staleness)
         self.pool = transport.BufferPool()  # large requests and replies
-        self.replies = self.replies_kind(comm, server_index, self.pool, self.workers, self.tables)
+        self.replies = Replies(net, server_index, self.pool, self.workers, self.tables)
         self.stats = {"requests": 0, "idle_s": 0.0, "busy_s": 0.0, "deferred": 0}
         # (op, keys pushed, keys pulled, seconds handling it) of every request, when a list
         # (``hpcps bench ps``: the server's own time beside the round trip)
@@ -371,7 +360,7 @@ class ServingLoop:
         server = self.server
         server.stats.update(idle_gap_wall_s=0.0, idle_gap_cpu_s=0.0)
         while not server.workers.all_done or server.workers.waiting:
-            got = transport.probe_request(server.comm, protocol.TAG_REQUEST, server.pool.take)
+            got = server.net.probe_request(protocol.TAG_REQUEST, server.pool.take)
             if got is None:
                 self._idle()
                 continue
@@ -417,8 +406,8 @@ class ServingLoop:
         if not nbytes:
             return None
         grads = server.pool.take(nbytes)
-        transport.wait(transport.start_recv(server.comm, grads, source, protocol.TAG_GRADS,
-                                            f"gradients of request {protocol.header(buf)['req_id']} from rank {source}"),
+        transport.wait(server.net.start_recv(grads, source, protocol.TAG_GRADS,
+                                             f"gradients of request {protocol.header(buf)['req_id']} from rank {source}"),
                        timeout=server.stall_timeout_s, warn_after=server.stall_warn_s)
         return grads
 
@@ -427,21 +416,7 @@ class ServingLoop:
         for source, r, waited, need, behind in server.workers.stalled_reads(time.monotonic(), server.stall_warn_s,
                                                                              self.warned):
             sys.stderr.write(
-                f"hpcps: server {server.index} (rank {server.comm.Get_rank()}): {protocol.OP_NAMES[r.op]} from rank "
+                f"hpcps: server {server.index} (rank {server.net.rank}): {protocol.OP_NAMES[r.op]} from rank "
                 f"{source} at clock {r.pull_clock} waits {waited:.0f} s for rank(s) "
                 f"{[w + server.worker_rank0 for w in behind]} to reach clock {need} (staleness {server.staleness})\n")
             sys.stderr.flush()
-
-
-class LocalServer(Server):
-    """A server inside the worker's process (a job of one process): the worker hands it each
-    request as bytes and it answers at once into :attr:`outbox` (req_id -> reply bytes); no
-    message is sent. With one worker nothing is ever deferred: its own clock is the slowest."""
-
-    replies_kind = InProcessReplies
-
-    def __init__(self, specs: list[TableSpec], placement: Placement, staleness: int, functions: list,
-                 stall_timeout_s: float = 300.0):
-        super().__init__(transport.self_comm(), 0, 1, 1, specs, placement, staleness, functions=functions,
-                         stall_timeout_s=stall_timeout_s)
-        self.outbox = self.replies.outbox

@@ -1,7 +1,11 @@
 """The one module that talks to MPI.
 
 Everything above this layer (server, worker client, training, CLI) calls these functions and never
-imports mpi4py itself. Rules kept here:
+imports mpi4py itself. The server, the worker's client and the context reach the other ranks
+through a :class:`Transport` object (ps-lite's ``Van``): :class:`MPITransport` between the ranks
+of an MPI job, :class:`Loopback` inside a job of one process. It holds every communicator they use,
+so that new ones (after a rank fails) or another kind of transport change nothing above it.
+Rules kept here:
 
 * Hot-path messages are NumPy buffers sent with mpi4py's capitalised calls (``Isend``/``Irecv``),
   never pickled objects; a payload over 2 GiB is split into chunks.
@@ -715,3 +719,120 @@ def all_ok(comm: MPI.Comm, error: str | None, timeout: float | None = None, what
         message = bcast_object(comm, error, int(r), timeout, what)
         out.append(f"rank {r}: {message}")
     return out
+
+
+# -- the transport object ---------------------------------------------------------------------
+
+
+class Transport:
+    """A rank's messages to and from the other ranks of a parameter-server job, and the
+    communicators its collectives run over (ps-lite's ``Van``). The server, the worker's client
+    and the context reach other ranks only through one, so that another kind (:class:`Loopback`:
+    a job of one process) or new communicators (after a rank fails) change nothing above it.
+    Ranks are those of :attr:`world`; each ``start_`` method returns the :class:`Pending`
+    transfers it started, for :func:`wait` (the module's functions of the same names)."""
+
+    def __init__(self, world: MPI.Comm, group: MPI.Comm, workers: MPI.Comm, servers: MPI.Comm):
+        self.world = world      # every rank of the job (the library's own communicator)
+        self.group = group      # this worker's group (COMM_NULL on a server)
+        self.workers = workers  # every worker (COMM_NULL on a server)
+        self.servers = servers  # every server (COMM_NULL on a worker)
+        self.rank = world.Get_rank()
+        self.tag_ub = tag_upper_bound(world)
+
+    def start_send(self, array: np.ndarray, dest: int, tag: int, what: str) -> list[Pending]:
+        raise NotImplementedError
+
+    def start_send_announced(self, array: np.ndarray, head: int, dest: int, tag: int, what: str) -> list[Pending]:
+        raise NotImplementedError
+
+    def start_recv(self, out: np.ndarray, source: int, tag: int, what: str) -> list[Pending]:
+        raise NotImplementedError
+
+    def start_recv_framed(self, out: np.ndarray, head: int, source: int, tag: int, what: str,
+                          rest_apart: Callable[[np.ndarray], bool]) -> list[Pending]:
+        raise NotImplementedError
+
+    def probe_request(self, tag: int, take: Callable[[int], np.ndarray] | None = None
+                      ) -> tuple[int, np.ndarray] | None:
+        raise NotImplementedError
+
+    def free(self) -> None:
+        """Free its communicators (collective over each)."""
+        for comm in (self.group, self.workers, self.servers, self.world):
+            free(comm)
+
+
+class MPITransport(Transport):
+    """Messages between the ranks of an MPI job (the module's functions over :attr:`world`)."""
+
+    @classmethod
+    def split(cls, world: MPI.Comm, group: int, is_worker: bool, timeout: float | None) -> "MPITransport":
+        """Collective over ``world``: the transport of a rank of worker group ``group`` (-1: a
+        server), with the communicators of its group, of all workers and of all servers."""
+        # Every rank here before the splits, which block and spin in MPI: a rank still importing
+        # would have to share its core with ranks spinning in the first split (0.2-0.6 s of CPU
+        # each on an oversubscribed node); this barrier sleeps, and names who never came.
+        barrier(world, timeout, "start-up of every rank (communicators)")
+        rank = world.Get_rank()
+        return cls(world, split(world, group, rank), split(world, 0 if is_worker else -1, rank),
+                   split(world, -1 if is_worker else 0, rank))
+
+    def start_send(self, array: np.ndarray, dest: int, tag: int, what: str) -> list[Pending]:
+        return start_send(self.world, array, dest, tag, what)
+
+    def start_send_announced(self, array: np.ndarray, head: int, dest: int, tag: int, what: str) -> list[Pending]:
+        return start_send_announced(self.world, array, head, dest, tag, what)
+
+    def start_recv(self, out: np.ndarray, source: int, tag: int, what: str) -> list[Pending]:
+        return start_recv(self.world, out, source, tag, what)
+
+    def start_recv_framed(self, out: np.ndarray, head: int, source: int, tag: int, what: str,
+                          rest_apart: Callable[[np.ndarray], bool]) -> list[Pending]:
+        return start_recv_framed(self.world, out, head, source, tag, what, rest_apart)
+
+    def probe_request(self, tag: int, take: Callable[[int], np.ndarray] | None = None
+                      ) -> tuple[int, np.ndarray] | None:
+        return probe_request(self.world, tag, take)
+
+
+class Loopback(Transport):
+    """The transport of a job of one process: rank 0 serves and rank 1 works, both here. A
+    message to rank 0 is handed at once to :attr:`deliver` (the server's ``handle(source,
+    message)``), which answers it before the send returns: its reply is copied into the receive
+    posted for its tag. So every transfer is done when started, and nothing waits. Its
+    communicators are duplicates of ``COMM_SELF`` (collectives over this one rank)."""
+
+    SERVER, WORKER = 0, 1
+
+    def __init__(self):
+        world = self_comm()
+        super().__init__(world, dup(world), dup(world), dup(world))
+        self.rank = self.WORKER
+        self.deliver: Callable[[int, np.ndarray], None] | None = None
+        self.posted: dict[int, tuple[np.ndarray, str]] = {}  # tag -> (the receive's array, what it is)
+
+    def start_send(self, array: np.ndarray, dest: int, tag: int, what: str) -> list[Pending]:
+        if dest == self.WORKER:
+            out, _ = self.posted.pop(tag)
+            out[:] = array  # (a reply: bytes, as many as the worker expects)
+            return []
+        self.deliver(self.WORKER, array)
+        if self.posted:
+            raise RuntimeError(f"the in-process server did not answer: {self.posted.popitem()[1][1]} (one worker "
+                               f"never waits for another)")
+        return []
+
+    def start_send_announced(self, array: np.ndarray, head: int, dest: int, tag: int, what: str) -> list[Pending]:
+        return self.start_send(array, dest, tag, what)
+
+    def start_recv(self, out: np.ndarray, source: int, tag: int, what: str) -> list[Pending]:
+        self.posted[tag] = (out, what)
+        return []
+
+    def start_recv_framed(self, out: np.ndarray, head: int, source: int, tag: int, what: str,
+                          rest_apart: Callable[[np.ndarray], bool]) -> list[Pending]:
+        return self.start_recv(out, source, tag, what)
+
+    def probe_request(self, tag: int, take: Callable[[int], np.ndarray] | None = None) -> None:
+        return None  # (requests are delivered as they are sent)
