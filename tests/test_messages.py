@@ -56,7 +56,7 @@ def test_large_gradients_are_packed_where_copies_run_fast_and_unpack_unchanged(m
         grads = rng.normal(size=(n, dim)).astype(np.float32)
         pull = rng.integers(0, 2**63, 7, dtype=np.uint64)
         for alloc in (None, pool.take):
-            msg = protocol.pack_request(protocol.PUSHPULL, 2, 11, 5, 1, keys, grads, pull, dim, alloc=alloc)
+            msg = protocol.PushPull(2, 11, 5, 1, keys, grads, pull).pack(alloc)
             r = protocol.unpack_request(msg, [1, 1, dim])
             np.testing.assert_array_equal(r.push_keys, keys)
             np.testing.assert_array_equal(r.grads, grads)
@@ -105,6 +105,32 @@ def test_an_announced_reply_is_waited_for_asleep_until_its_header_comes(monkeypa
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_reply_says_in_its_header_whether_its_payload_comes_apart():
+    """The receiver of a reply posts one receive and reads the framing from the header the
+    server wrote (``protocol.PAYLOAD_APART``): a reply sent whole and one sent as header then
+    payload both arrive complete, with no size threshold on the receiving side."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD.Dup()
+    for apart, n in ((False, 1000), (True, 1000), (False, 1 << 20), (True, 1 << 20)):
+        if comm.rank == 0:
+            out = np.empty(protocol.REPLY_BYTES + 4 * n, np.uint8)
+            transport.wait(transport.start_recv_framed(comm, out, protocol.REPLY_BYTES, 1, 3, "reply",
+                                                       protocol.payload_apart), timeout=60)
+            assert protocol.payload_apart(out) == apart
+            assert int(protocol.reply_header(out)["req_id"]) == n
+            np.testing.assert_array_equal(protocol.pulled_values(out, 1)[:, 0], np.arange(n, dtype=np.float32))
+        elif comm.rank == 1:
+            buf, payload = protocol.pack_reply(n, protocol.OK, 0, 0, 4 * n, apart=apart)
+            payload.view(np.float32)[:] = np.arange(n, dtype=np.float32)
+            send = transport.start_send_announced if apart else transport.start_send
+            args = (comm, buf, protocol.REPLY_BYTES, 0, 3, "reply") if apart else (comm, buf, 0, 3, "reply")
+            transport.wait(send(*args), timeout=60)
+        comm.Barrier()
+    comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_large_pushes_and_pulls_through_pooled_buffers_carry_exact_values():
     """Pushes and pulls of 19 MB each way (pooled buffers on both sides, the gradients sent
     apart, the replies announced, the server's two threads): every pull holds the exact sums so
@@ -138,8 +164,8 @@ def test_a_request_with_its_gradients_apart_unpacks_to_the_same_arrays():
     keys, pull = np.arange(7, dtype=np.uint64) * 5, np.arange(3, dtype=np.uint64)
     grads = rng.normal(size=(7, 4)).astype(np.float32)
     in_pull = np.isin(keys, pull)
-    whole = protocol.pack_request(protocol.PUSHPULL, 1, 9, 4, 0, keys, grads, pull, 4, 0, in_pull)
-    apart = protocol.pack_request(protocol.PUSHPULL, 1, 9, 4, 0, keys, grads, pull, 4, 0, in_pull, apart=True)
+    whole = protocol.PushPull(1, 9, 4, 0, keys, grads, pull, 0, in_pull).pack()
+    apart = protocol.PushPull(1, 9, 4, 0, keys, grads, pull, 0, in_pull, grads_apart=True).pack()
     dims = [2, 4]
     assert apart.nbytes == whole.nbytes - grads.nbytes
     assert protocol.apart_grads_bytes(whole, dims) == 0 and protocol.apart_grads_bytes(apart, dims) == grads.nbytes
