@@ -159,6 +159,7 @@ def _load_for_serving(args):
     ``--allow-other-hashing``, and when the data holds no rows."""
     from hpcps import config
     from hpcps.train import data as tdata
+    from hpcps.train import inputs
     from hpcps.train.model_file import KEY_HASHING, ServingModel
 
     model = ServingModel(args.model)
@@ -169,6 +170,7 @@ def _load_for_serving(args):
         print(f"hpcps {args.command}: note: {args.model} was written before model files carried a checksum: its "
               f"arrays cannot be checked" + (f"; the data is checked against its config's {checks}" if checks else ""),
               file=sys.stderr, flush=True)
+    inputs.data_files(args.data, "--data")  # (a directory or glob without files: said so, naming --data)
     fmt = tdata.detect_format(args.data, args.format or "auto")  # (what the file is, if not a regular file)
     if fmt not in KEY_HASHING:
         raise tdata.DataError(f"--format {fmt!r}: expected one of {sorted(KEY_HASHING)}")
@@ -222,11 +224,14 @@ def _cmd_predict(args) -> int:
 
     from hpcps import outputs
     from hpcps.train import data as tdata
+    from hpcps.train import inputs
     from hpcps.train.evaluation import write_scores
 
     out = "" if args.out == "-" else args.out  # "-": standard output
-    tdata.check_file(args.data)  # (what --data is, before it is compared with --out)
-    problem = outputs.clash([("--out", out)], [("--data", args.data), ("--model", args.model)])
+    files = inputs.data_files(args.data, "--data")  # (a file, a glob or a directory of part files)
+    for f in files:
+        tdata.check_file(f)  # (what --data is, before it is compared with --out)
+    problem = outputs.clash([("--out", out)], [*(("--data", f) for f in files), ("--model", args.model)])
     if problem:
         return _fail(problem)
     model, ds = _load_for_serving(args)

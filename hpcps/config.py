@@ -46,8 +46,9 @@ class Cluster:
 
 @dataclass(frozen=True)
 class Data:
-    train: str = ""                  # training file (libsvm or Criteo TSV); "" = generate (see [synth])
-    test: str = ""                   # held-out file for evaluation
+    train: str = ""                  # training data: a file, a list of files, a glob or a directory of part files,
+                                     # plain or gzip/zstd/bzip2/xz; "" = generate (see [synth])
+    test: str = ""                   # held-out data for evaluation (the same forms)
     format: str = "auto"             # libsvm | criteo | vw | auto (vw: a "|" in the first line or .vw; criteo: a tab)
     hash_bits: int = 24              # keys are masked to this many bits (Criteo hashes; libsvm indices)
     skip_bad_lines: bool = False     # count and skip malformed lines instead of stopping
@@ -57,7 +58,7 @@ class Data:
     shuffle_rows: int = 0            # > 0: each worker's rows shuffled in windows of this many (0 = file order)
     shuffle_seed: int = 0            # the windows' permutations (the same every epoch)
     parse_thread: bool = False       # parse the part ahead on a thread of its own, not in the steps' waits
-    predict: str = ""                # after training, score this file ...
+    predict: str = ""                # after training, score this data (the same forms) ...
     predict_out: str = ""            # ... into this file, one score per row in input order
 
 
@@ -222,6 +223,17 @@ def _coerce(where: str, value: Any, default: Any):
     raise ConfigError(f"{where}: expected {kind.__name__}, got {value!r}")
 
 
+# the keys that name data: a path, a glob or a directory (a string), or a list of them
+FILE_LISTS = (("data", "train"), ("data", "test"), ("data", "predict"))
+
+
+def _file_list(where: str, value: list) -> str | tuple:
+    """A list of paths for a key of :data:`FILE_LISTS` (one path: that string)."""
+    if not value or not all(isinstance(x, str) and x for x in value):
+        raise ConfigError(f"{where}: expected a path or a list of paths, got {value!r}")
+    return value[0] if len(value) == 1 else tuple(value)
+
+
 BUILT_IN_MODELS = ("lr", "fm", "wdl", "deepfm")
 CHOICES = {  # the keys whose values are names; models and data formats registered from user code add theirs
     ("data", "format"): ("auto", "libsvm", "criteo", "vw", "libffm"),
@@ -267,7 +279,10 @@ def from_dict(raw: dict) -> Config:
         for key, value in values.items():
             if key not in defaults:
                 raise ConfigError(f"unknown config key {name}.{_name(key)}; [{name}] has {sorted(defaults)}")
-            kw[key] = _coerce(f"{name}.{key}", value, defaults[key])
+            if (name, key) in FILE_LISTS and isinstance(value, (list, tuple)):
+                kw[key] = _file_list(f"{name}.{key}", value)
+            else:
+                kw[key] = _coerce(f"{name}.{key}", value, defaults[key])
             if (name, key) in CHOICES and kw[key] not in CHOICES[(name, key)]:
                 raise ConfigError(f"{name}.{key} = {kw[key]!r}: expected one of {list(CHOICES[(name, key)])}")
         try:
@@ -409,8 +424,9 @@ def path_roles(cfg: Config, config_file: str = "", outputs=(), data: dict | None
     data = data or {"train": d.train, "test": d.test}
     outs = [("train.model_out", cfg.train.model_out), ("train.metrics", cfg.train.metrics),
             ("data.predict_out", d.predict_out), *outputs]
-    ins = [("data.train", data["train"]), ("data.test", data["test"]), ("data.predict", d.predict),
-           ("the config file", config_file or "")]
+    named = [("data.train", data["train"]), ("data.test", data["test"]), ("data.predict", d.predict)]
+    ins = [(key, p) for key, v in named for p in ([v] if isinstance(v, str) else v)]
+    ins.append(("the config file", config_file or ""))
     if cfg.checkpoint.resume not in ("", "auto"):
         ins.append(("checkpoint.resume", cfg.checkpoint.resume))
     return outs, ins, [("checkpoint.dir", cfg.checkpoint.dir)]
