@@ -98,10 +98,12 @@ def byte_range(path: str, part: int, parts: int, size: int | None = None) -> tup
 def fingerprint(spec, span: int = 1 << 20) -> dict:
     """What identifies the contents of the files ``spec`` names cheaply: their size and the XXH64
     of each file's first and last ``span`` bytes (recorded in checkpoints, compared when
-    resuming). One file: its path; several: the first's, and the number of files."""
+    resuming). One file: its path; several: the first's, and the number of files (each read
+    ``span / files`` bytes at each end, at least 4 KiB: thousands of part files cost what a few do)."""
     from hpcps_kernels.hashing import xxh64
 
     files = inputs.data_files(spec)
+    span = max(1 << 12, span // len(files))
     raw, size = b"", 0
     for path in files:
         check_file(path)
@@ -584,20 +586,15 @@ def _write_cache(cache: str, ds: Dataset, part: int, parts: int) -> None:
 
 def rows_at_least(spec, enough: int) -> int:
     """The lines of the files ``spec`` names, counted until ``enough`` (then ``enough``; 0 for
-    files it cannot read): reads at most as far as the ``enough``-th line. Counted without numba:
-    the first rank counts for the others (the auto batch size) while they wait, and a first numba
-    call there cost 0.2 s of that wait, which each rank pays anyway, at the same time, when it
-    starts its context. A compressed file is counted whole (its lines, through the stream)."""
+    files it cannot read): reads at most as far as the ``enough``-th line (of a compressed file,
+    of its decompressed stream). Counted without numba: the first rank counts for the others (the
+    auto batch size) while they wait, and a first numba call there cost 0.2 s of that wait, which
+    each rank pays anyway, at the same time, when it starts its context."""
     n = 0
     try:
         for path in inputs.data_files(spec):
             check_file(path)  # (a FIFO is never opened: that would wait for a writer)
-            kind = inputs.compression(path)
-            if kind:
-                got, last = _count_newlines(path, 0, None, kernel=False, kind=kind)
-                n += got + (1 if last not in (b"", b"\n") else 0)
-            else:
-                n += _lines_at_least(path, enough - n)
+            n += _lines_at_least(path, enough - n, inputs.compression(path))
             if n >= enough:
                 break
     except (OSError, DataError):  # (loading the part says what is wrong with it, on every rank)
@@ -605,15 +602,17 @@ def rows_at_least(spec, enough: int) -> int:
     return min(n, enough)
 
 
-def _lines_at_least(path: str, enough: int) -> int:
-    """The lines of the plain file ``path``, counted until ``enough`` (see :func:`rows_at_least`)."""
-    n, at, piece, last = 0, 0, 16 << 20, b""
-    size = os.path.getsize(path)
-    while at < size and n < enough:
-        got, last = _count_newlines(path, at, min(at + piece, size), kernel=False)
-        n, at = n + got, at + piece
-    if at >= size and size and last != b"\n":
-        n += 1
+def _lines_at_least(path: str, enough: int, kind: str) -> int:
+    """The lines of ``path`` (compressed as ``kind`` says), counted until ``enough``."""
+    n, last = 0, b""
+    buf = bytearray(4 << 20)
+    with inputs.open_stream(path, kind) as f:
+        while n < enough:
+            got = f.readinto(buf)
+            if not got:
+                return n + (1 if last not in (b"", b"\n") else 0)
+            n += buf.count(b"\n", 0, got)
+            last = bytes(buf[got - 1:got])
     return n
 
 

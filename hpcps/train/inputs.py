@@ -7,7 +7,8 @@
   glob's matches. A glob or directory that matches no file is an error naming the key.
 * :func:`compression`: a file compressed with gzip, zstd, bzip2 or xz is told by its first bytes
   (not its name) and read as a stream (:func:`open_stream`; zstd needs the ``zstandard``
-  package, the ``zstd`` extra); zip and lz4 are refused with the command that decompresses them.
+  package, the ``zstd`` extra; gzip is read by ISA-L when the ``isal`` extra is installed, else
+  by zlib); zip and lz4 are refused with the command that decompresses them.
 * :func:`split`: the pieces each worker reads. With at least as many files as workers, each
   worker reads whole files: worker ``w`` of ``W`` the files ``[w * n // W, (w + 1) * n // W)``
   of the ``n`` in order (as LightGBM's pre-partitioned data and a Spark task per file). With
@@ -151,7 +152,11 @@ def compression(path: str, head: bytes | None = None) -> str:
 def open_stream(path: str, kind: str):
     """``path`` opened for reading its decompressed bytes (a binary file object with ``readinto``)."""
     if kind == "gzip":
-        return gzip.open(path, "rb")
+        try:  # ISA-L's inflate (the isal extra) reads gzip 3-4 times as fast as zlib, the same bytes
+            from isal import igzip
+        except ImportError:
+            return gzip.open(path, "rb")
+        return igzip.open(path, "rb")
     if kind == "bzip2":
         return bz2.open(path, "rb")
     if kind == "xz":
