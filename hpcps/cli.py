@@ -379,6 +379,17 @@ def _cmd_bench_vw(args) -> int:
     return 0
 
 
+def _cmd_bench_inputs(args) -> int:
+    from hpcps import outputs
+    from hpcps.bench import inputs as bench_inputs
+
+    results = bench_inputs.run(args.dir, args.rows, args.test_rows, args.ranks, args.repeats, args.epochs)
+    print(bench_inputs.format_results(results))
+    if args.json:
+        outputs.write_json(args.json, results, indent=1)
+    return 0
+
+
 def _inspect_model(path: str) -> int:
     """``hpcps inspect MODEL.h5``: what a model file holds and whether it is intact (exit 1 if
     damaged, 2 if it is no model file)."""
@@ -731,6 +742,15 @@ def _add_bench(sub) -> None:
                    help="hpcps consistency per job: 0 = BSP, s > 0 = SSP s with train.pull_early (the pipelined step)")
     b.add_argument("--json", default="", help="also write the results here")
     b.set_defaults(func=_cmd_bench_vw)
+    b = bsub.add_parser("inputs", help="a training job from gzip text beside the same job from plain text (its own jobs)")
+    b.add_argument("--dir", default="/tmp/hpcps-bench-inputs", help="where the data and results go")
+    b.add_argument("--rows", type=count(), default=1_000_000)
+    b.add_argument("--test-rows", type=count(), default=50_000)
+    b.add_argument("--ranks", type=count(2), default=2, help="world size of each job (1 server + the rest workers)")
+    b.add_argument("--epochs", type=count(), default=1)
+    b.add_argument("--repeats", type=count(), default=3, help="jobs of each input, alternating plain and gzip")
+    b.add_argument("--json", default="", help="also write the results here")
+    b.set_defaults(func=_cmd_bench_inputs)
     b = bsub.add_parser("margins", help="computing on the servers (model.compute) vs pulling weights: bytes and speed")
     b.add_argument("--dir", default="/tmp/hpcps-bench-margins")
     b.add_argument("--rows", type=count(), default=300_000)
