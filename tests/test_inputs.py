@@ -57,8 +57,10 @@ def criteo(tmp_path_factory):
     lines = open(train, "rb").read().splitlines(keepends=True)
     plain = write_parts(d / "plain", lines, 4)
     packed = write_parts(d / "gz", lines, 4, gzip.compress, ".gz")
-    return {"train": train, "test": info.files["test_criteo"], "lines": lines, "plain": plain, "gz": packed,
-            "dir": str(d)}
+    test_gz = d / "test.tsv.gz"
+    test_gz.write_bytes(gzip.compress(open(info.files["test_criteo"], "rb").read()))
+    return {"train": train, "test": info.files["test_criteo"], "test_gz": str(test_gz), "lines": lines,
+            "plain": plain, "gz": packed, "dir": str(d)}
 
 
 # -- which files -----------------------------------------------------------------------------------
@@ -95,6 +97,9 @@ def test_whole_files_with_enough_files_else_byte_ranges_and_compressed_files_who
     with pytest.raises(data.DataError, match=r"^data.train: .*4 gzip-compressed file\(s\) among 4 for 5 workers: "
                                              r"a compressed file cannot be split.*use at most 4 workers"):
         inputs.part_of(packed, 0, 5, "data.train")
+    # a test file's rows are gathered: the last workers may read nothing
+    test = [data.load_part(packed, w, 6, binary=True, idle_ok=True) for w in range(6)]
+    assert [t.rows for t in test] == [2000] * 4 + [0, 0]
 
 
 # -- compressed streams ----------------------------------------------------------------------------
@@ -173,9 +178,10 @@ def test_a_directory_glob_list_and_gzip_give_the_model_of_one_plain_file(criteo,
 def test_a_gzipped_criteo_directory_trains_on_two_workers_and_resumes_exactly(criteo, tmp_path):
     """The done-when test of issue 38's inputs: a gzipped directory of 4 Criteo part files trains
     under mpiexec -n 3 (1 server, 2 workers, each reading 2 whole files), is stopped mid-epoch
-    after a checkpoint, resumes, and ends with the model of the run never stopped, bit for bit."""
+    after a checkpoint, resumes, and ends with the model of the run never stopped, bit for bit.
+    Its test file is one gzip file: the first worker reads it whole, the second nothing."""
     gz_dir = os.path.dirname(criteo["gz"][0])
-    common = dict(data__test=criteo["test"], train__batch_size=20, train__epochs=2, train__progress=False,
+    common = dict(data__test=criteo["test_gz"], train__batch_size=20, train__epochs=2, train__progress=False,
                   cluster__servers=1, cluster__staleness=0, checkpoint__every_steps=20)
     reference = train(gz_dir, tmp_path, "reference", n=3, checkpoint__dir=str(tmp_path / "ck-ref"), **common)
     ck = tmp_path / "ck"

@@ -473,16 +473,18 @@ def _parse_pieces(pieces: list[Piece], fmt: str, hash_bits: int, skip_bad: bool,
 
 
 def load_part(path, part: int, parts: int, fmt: str = "auto", hash_bits: int = 24, skip_bad: bool = False,
-              cache_dir: str = "", binary: bool = False, fields: bool = False, key: str = "data") -> Dataset:
+              cache_dir: str = "", binary: bool = False, fields: bool = False, key: str = "data",
+              idle_ok: bool = False) -> Dataset:
     """Parse this worker's part of the files ``path`` names (a path, glob, directory or list:
     :func:`hpcps.train.inputs.part_of`), with the bias feature, through the cache if set.
 
     ``binary``: the labels are for the logistic loss; libsvm labels -1/+1 become 0/1, and any
     label other than 0, 1, -1, +1 is an error naming the line (Criteo labels are 0/1 anyway).
     ``fields``: keys carry their field above the hash bits (Criteo: the column; libffm keys
-    always do; libsvm and VW keys are all field 0). ``key``: the configuration key messages name.
+    always do; libsvm and VW keys are all field 0). ``key``: the configuration key messages name;
+    ``idle_ok``: this worker may read nothing (:func:`hpcps.train.inputs.split`).
     """
-    pieces = inputs.part_of(path, part, parts, key)
+    pieces = inputs.part_of(path, part, parts, key, idle_ok)
     state = part_states(pieces)
     fmt = detect_format(path, fmt)
     source = part_source(pieces)

@@ -14,7 +14,8 @@
   of the ``n`` in order (as LightGBM's pre-partitioned data and a Spark task per file). With
   fewer files, the files' bytes taken end to end are cut in ``W`` byte ranges at line starts (one
   file: the byte ranges of a single file, as ever); a compressed file cannot be cut, so fewer
-  compressed files than workers is an error that says so (a worker without rows is one anyway).
+  compressed files than workers is an error that says so for training data (a worker without
+  rows is one anyway), and gives the last workers nothing of a test or prediction file.
 """
 
 from __future__ import annotations
@@ -207,10 +208,15 @@ def line_start(path: str, pos: int, size: int) -> int:
                 return f.tell() - len(chunk) + i + 1
 
 
-def split(files: list[str], sizes: list[int], kinds: list[str], workers: int, key: str = "data") -> list[list[Piece]]:
+def split(files: list[str], sizes: list[int], kinds: list[str], workers: int, key: str = "data",
+          idle_ok: bool = False) -> list[list[Piece]]:
     """The pieces of ``files`` (of ``sizes`` bytes, compressed as ``kinds`` say) each of
-    ``workers`` workers reads, in order (see the module's docstring)."""
+    ``workers`` workers reads, in order (see the module's docstring). ``idle_ok``: a worker may
+    read nothing (a test or prediction file, whose rows are gathered): fewer compressed files
+    than workers go whole to the first workers, and the others read an empty range."""
     n = len(files)
+    if n < workers and idle_ok and any(kinds):
+        return split(files, sizes, kinds, n, key) + [[Piece(files[0], 0, 0)] for _ in range(workers - n)]
     if n >= workers:
         whole = [Piece(f, 0 if k else line_start(f, 0, size), size, k) for f, size, k in zip(files, sizes, kinds)]
         return [whole[w * n // workers:(w + 1) * n // workers] for w in range(workers)]
@@ -245,10 +251,11 @@ def _pieces_between(files: list[str], sizes: list[int], a: tuple[int, int], b: t
     return out or [Piece(files[min(a[0], len(files) - 1)], 0, 0)]
 
 
-def part_of(spec, part: int, parts: int, key: str = "data") -> list[Piece]:
+def part_of(spec, part: int, parts: int, key: str = "data", idle_ok: bool = False) -> list[Piece]:
     """The pieces worker ``part`` of ``parts`` reads of the files ``spec`` names (:func:`split`);
     a file that is missing or not a regular file is a :class:`DataError`."""
     files = data_files(spec, key)
     for f in files:
         check_file(f)
-    return split(files, [os.path.getsize(f) for f in files], [compression(f) for f in files], parts, key)[part]
+    sizes, kinds = [os.path.getsize(f) for f in files], [compression(f) for f in files]
+    return split(files, sizes, kinds, parts, key, idle_ok)[part]

@@ -44,7 +44,7 @@ def load_part(ctx, cfg, path, what: str, stream: bool = False):
             else:
                 ds = tdata.load_part(path, ctx.worker_index, ctx.layout.workers, d.format, d.hash_bits,
                                      d.skip_bad_lines, d.cache_dir, binary=cfg.model.loss == "logistic",
-                                     fields=fields, key=KEYS.get(what, "data"))
+                                     fields=fields, key=KEYS.get(what, "data"), idle_ok=not stream)
                 rows = ds.rows
                 if stream:
                     ds = tdata.LoadedPart(ds, d.shuffle_rows, d.shuffle_seed, warn_labels=squared)
