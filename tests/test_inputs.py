@@ -206,3 +206,20 @@ def test_a_gzipped_criteo_directory_trains_on_two_workers_and_resumes_exactly(cr
     resumed = train(gz_dir, tmp_path, "resumed", n=3, said=f"resuming from {newest}", checkpoint__dir=str(ck),
                     checkpoint__resume="auto", **common)
     assert_same_model(resumed, reference)
+
+
+def test_a_gzipped_directory_is_cached_and_streamed_again_each_epoch(criteo, tmp_path):
+    gz_dir = os.path.dirname(criteo["gz"][0])
+    half = tmp_path / "half.tsv"  # the second worker's rows: files 3 and 4
+    half.write_bytes(b"".join(criteo["lines"][4000:]))
+    whole = data.load_part(str(half), 0, 1, binary=True)
+    for _ in range(2):  # parsed and cached, then read from the cache
+        cached = data.load_part(gz_dir, 1, 2, binary=True, cache_dir=str(tmp_path / "cache"))
+        np.testing.assert_array_equal(cached.indices, whole.indices)
+    assert len(os.listdir(tmp_path / "cache")) == 1
+    stream = data.PartStream(gz_dir, 1, 2, binary=True, memory_mb=0.5, block_bytes=1 << 14).open()
+    assert stream.rows_bound == 4000
+    for _ in range(2):  # a budget: each epoch reads the gzip streams again
+        batches = stream.batches(4000)
+        np.testing.assert_array_equal(next(batches).indices, whole.indices)
+        batches.close()
