@@ -5,7 +5,8 @@ Generates synthetic Criteo-shaped rows (TSV) and a gzip copy of the training fil
 ``gzip`` writes by default), then runs ``mpiexec -n R hpcps train`` (FTRL, no parse cache: every
 job parses its text) on each, alternating plain and gzip ``--repeats`` times so that both meet
 the same load on the machine. Reports each job's wall time, the medians and their ratio (gzip
-over plain), and which inflate read the gzip file (ISA-L with the ``isal`` extra, else zlib).
+over plain), the largest process's peak memory, and which inflate read the gzip file (ISA-L with
+the ``isal`` extra, else zlib).
 """
 
 from __future__ import annotations
@@ -47,25 +48,29 @@ def run(out_dir: str, rows: int, test_rows: int, ranks: int, repeats: int, epoch
     plain = info.files["train_criteo"]
     files = {"plain": plain, "gzip": gzip_copy(plain, os.path.join(out_dir, "train.tsv.gz"))}
     walls: dict[str, list[float]] = {"plain": [], "gzip": []}
+    rss: dict[str, list[float]] = {"plain": [], "gzip": []}
     for i in range(repeats):
         for kind, path in files.items():
             r = run_hpcps({"train_criteo": path, "test_criteo": info.files["test_criteo"]}, ranks, epochs, 0.1,
                           hash_bits, out_dir)
             walls[kind].append(r["wall_s"])
+            rss[kind].append(r["peak_rss_mb"])
             print(outputs.dumps({"repeat": i + 1, "input": kind, "wall_s": round(r["wall_s"], 3),
                                  "test_logloss": r["test_logloss"]}), flush=True)
     med = {k: statistics.median(v) for k, v in walls.items()}
     return {"rows": rows, "ranks": ranks, "epochs": epochs, "repeats": repeats, "inflate": inflate(),
             "bytes": {k: os.path.getsize(p) for k, p in files.items()}, "wall_s": walls, "median_s": med,
+            "peak_rss_mb": {k: max(v) for k, v in rss.items()},
             "gzip_over_plain": med["gzip"] / med["plain"]}
 
 
 def format_results(r: dict) -> str:
     out = [f"{r['rows']:,} Criteo rows, mpiexec -n {r['ranks']} hpcps train, {r['epochs']} epoch(s), from text "
            f"(no parse cache); gzip read by {r['inflate']}; {r['repeats']} runs each, alternating",
-           f"{'input':<6} {'MB':>8} {'wall s (each)':>24} {'median s':>9}"]
+           f"{'input':<6} {'MB':>8} {'wall s (each)':>24} {'median s':>9} {'peak RSS MB':>12}"]
     for kind in ("plain", "gzip"):
         each = " ".join(f"{w:.2f}" for w in r["wall_s"][kind])
-        out.append(f"{kind:<6} {r['bytes'][kind] / 2**20:>8.1f} {each:>24} {r['median_s'][kind]:>9.2f}")
+        out.append(f"{kind:<6} {r['bytes'][kind] / 2**20:>8.1f} {each:>24} {r['median_s'][kind]:>9.2f} "
+                   f"{r['peak_rss_mb'][kind]:>12.0f}")
     out.append(f"gzip / plain (medians): {r['gzip_over_plain']:.2f}x")
     return "\n".join(out)

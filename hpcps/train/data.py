@@ -121,14 +121,28 @@ def fingerprint(spec, span: int = 1 << 20) -> dict:
     return out
 
 
-def _count_newlines(path: str, start: int, end: int | None, kernel: bool = True, kind: str = "") -> tuple[int, bytes]:
+def _count_newlines(path: str, start: int, end: int | None, kernel: bool = True, kind: str = "",
+                    tee: inputs.Tee | None = None) -> tuple[int, bytes]:
     """(newlines in ``path[start:end]``, its last byte), read in 4 MiB pieces into one reused
     buffer and counted by the nogil count kernel: this must not hold the part in memory (a memory
     map of it would count in the process's resident memory). ``kernel`` False: counted by
     ``bytearray.count`` instead, which holds the GIL and is 5x slower here but needs no numba
     call, whose first in a process costs about 0.2 s (see :func:`rows_at_least`). ``kind``: the
     file's compression; its decompressed bytes are counted (``start`` 0), to ``end`` or, None,
-    to their end."""
+    to their end; ``tee``: each piece read is handed to it too (then its end or the error)."""
+    try:
+        n, last = _count_read(path, start, end, kernel, kind, tee)
+    except BaseException as e:
+        if tee is not None:
+            tee.finish(e)
+        raise
+    if tee is not None:
+        tee.finish()
+    return n, last
+
+
+def _count_read(path: str, start: int, end: int | None, kernel: bool, kind: str, tee) -> tuple[int, bytes]:
+    """See :func:`_count_newlines`."""
     n, last = 0, b""
     buf = bytearray(min(4 << 20, max(end - start, 1)) if end is not None else 4 << 20)
     view = memoryview(buf)
@@ -137,7 +151,7 @@ def _count_newlines(path: str, start: int, end: int | None, kernel: bool = True,
             f.seek(start)
         left = end - start if end is not None else 1 << 62
         while left > 0:
-            got = f.readinto(view[:min(len(buf), left)])
+            got = _read_into(f, view[:min(len(buf), left)], path)
             if not got and end is None:
                 break
             if not got:  # the file shrank since ``end`` was known
@@ -150,6 +164,8 @@ def _count_newlines(path: str, start: int, end: int | None, kernel: bool = True,
                 n += buf.count(b"\n", 0, got)
             last = bytes(view[got - 1:got])
             left -= got
+            if tee is not None:
+                tee.put(bytes(view[:got]))
     return n, last
 
 
@@ -282,7 +298,7 @@ class LabelWatch:
 
 
 def _parse_blocks(piece: Piece, fmt: str, hash_bits: int, skip_bad: bool, binary: bool,
-                  block_bytes: int = 0, fields: bool = False, state: tuple | None = None):
+                  block_bytes: int = 0, fields: bool = False, state: tuple | None = None, stream=None):
     """Parse ``piece`` (bytes ``[start, end)`` of a file, or a compressed file's whole stream)
     block by block: each block is read into one reusable buffer after the previous block's
     unfinished line, and parsed in place (no copies of the text). Yields ``(labels, indptr,
@@ -290,7 +306,8 @@ def _parse_blocks(piece: Piece, fmt: str, hash_bits: int, skip_bad: bool, binary
 
     A read that ends before ``end`` (the file shrank) raises :class:`DataChanged`; so does, with
     ``state`` (:func:`file_state` when the ranges were cut), a file changed in any way, checked
-    before each block (one ``stat``)."""
+    before each block (one ``stat``). ``stream``: where a compressed piece's text is read from
+    (an :class:`hpcps.train.inputs.Tee`), if not from the file."""
     path, kind = piece.path, piece.compression
     block_bytes = block_bytes or PARSE_BLOCK_BYTES
     end = piece.end if not kind else 1 << 62  # (a stream: read to its end)
@@ -300,7 +317,7 @@ def _parse_blocks(piece: Piece, fmt: str, hash_bits: int, skip_bad: bool, binary
     carry = 0          # bytes of an unfinished line at the front of buf
     block_start = pos = piece.start  # offset of buf[0], and of the next byte read (decompressed, in a stream)
     try:
-        f = inputs.open_stream(path, kind)
+        f = stream if stream is not None else inputs.open_stream(path, kind)
     except OSError as e:
         if state is not None:
             check_unchanged(path, state)  # (removed or replaced: says so)
@@ -359,8 +376,8 @@ def _read_into(f, view, path: str) -> int:
                 break
             got += n
     except Exception as e:  # noqa: BLE001 - each decompressor has its own (zlib.error, ZstdError, EOFError...)
-        if isinstance(e, OSError) and e.errno is not None:
-            raise  # a failing disk, not a damaged stream
+        if isinstance(e, DataError) or (isinstance(e, OSError) and e.errno is not None):
+            raise  # said already (by the line count, through a Tee); or a failing disk, not a damaged stream
         raise DataError(f"data file {path}: its compressed stream is damaged or cut short ({e})") from None
     return got
 
@@ -464,12 +481,13 @@ def part_source(pieces: list[Piece]) -> str:
 
 
 def _parse_pieces(pieces: list[Piece], fmt: str, hash_bits: int, skip_bad: bool, binary: bool,
-                  block_bytes: int = 0, fields: bool = False, states: dict | None = None):
+                  block_bytes: int = 0, fields: bool = False, states: dict | None = None, streams: dict | None = None):
     """:func:`_parse_blocks` over each of ``pieces`` in turn (``states``: their files'
-    :func:`part_states`, checked before each block)."""
-    for p in pieces:
+    :func:`part_states`, checked before each block; ``streams``: by piece number, where a
+    compressed piece's text is read from)."""
+    for i, p in enumerate(pieces):
         yield from _parse_blocks(p, fmt, hash_bits, skip_bad, binary, block_bytes, fields,
-                                 states.get(p.path) if states else None)
+                                 states.get(p.path) if states else None, (streams or {}).get(i))
 
 
 def load_part(path, part: int, parts: int, fmt: str = "auto", hash_bits: int = 24, skip_bad: bool = False,
@@ -610,7 +628,7 @@ def _lines_at_least(path: str, enough: int, kind: str) -> int:
     buf = bytearray(4 << 20)
     with inputs.open_stream(path, kind) as f:
         while n < enough:
-            got = f.readinto(buf)
+            got = _read_into(f, memoryview(buf), path)
             if not got:
                 return n + (1 if last not in (b"", b"\n") else 0)
             n += buf.count(b"\n", 0, got)
@@ -618,12 +636,13 @@ def _lines_at_least(path: str, enough: int, kind: str) -> int:
     return n
 
 
-def rows_bound(pieces: list[Piece]) -> int:
+def rows_bound(pieces: list[Piece], tees: dict | None = None) -> int:
     """At most how many rows ``pieces`` hold (their lines; blank, comment and skipped lines make
-    it an upper bound)."""
+    it an upper bound). ``tees``: by piece number, where a compressed piece's text goes too."""
     total = 0
-    for p in pieces:
-        n, last = _count_newlines(p.path, p.start, None if p.compression else p.end, kind=p.compression)
+    for i, p in enumerate(pieces):
+        n, last = _count_newlines(p.path, p.start, None if p.compression else p.end, kind=p.compression,
+                                  tee=(tees or {}).get(i))
         total += n + (1 if last not in (b"", b"\n") else 0)
     return total
 
@@ -837,11 +856,16 @@ class PartStream:
         self.fmt = detect_format(path, fmt)
         self.hash_bits, self.skip_bad, self.binary, self.fields = hash_bits, skip_bad, binary, fields
         # the part's lines are counted on a thread (reading and counting release the GIL) while
-        # the rest of the start-up goes on, needed only for the number of steps (see rows_bound)
-        self._rows_bound: int | BaseException | None = None
-        self._counting = threading.Thread(target=self._count_rows, name="hpcps-count-rows", daemon=True)
-        self._counting.start()
+        # the rest of the start-up goes on, needed only for the number of steps (see rows_bound). A
+        # part kept in memory inflates a slow stream once: the first pass parses the text the count
+        # inflated, held until then (a fast one is inflated twice rather than held)
         self.keep = memory_mb <= 0
+        tees = {i: inputs.Tee() for i, p in enumerate(self.pieces)
+                if self.keep and inputs.inflates_slowly(p.compression)}
+        self._first_pass_streams = tees
+        self._rows_bound: int | BaseException | None = None
+        self._counting = threading.Thread(target=self._count_rows, args=(tees,), name="hpcps-count-rows", daemon=True)
+        self._counting.start()
         budget = memory_mb * (1 << 20)
         # a parsed byte of text takes up to about 3 bytes in arrays (Criteo: 40 keys of 8 bytes, values
         # of 4, per line of ~250 characters): slices of a tenth of the budget, at most half of it ahead
@@ -852,11 +876,13 @@ class PartStream:
         self.slices = SlicesAhead(self._generator, self._dataset, self.keep,
                                   float("inf") if self.keep else budget / 2)
 
-    def _count_rows(self) -> None:
+    def _count_rows(self, tees: dict) -> None:
         try:
-            self._rows_bound = rows_bound(self.pieces)
+            self._rows_bound = rows_bound(self.pieces, tees)
         except BaseException as e:  # (raised where the count is read)
             self._rows_bound = e
+            for tee in tees.values():  # (a piece not reached: its reader gets the error, not a wait)
+                tee.finish(e)
 
     @property
     def rows_bound(self) -> int:
@@ -907,8 +933,10 @@ class PartStream:
         return ds
 
     def _generator(self):
+        """A pass's slices: the first reads the compressed pieces' text the count inflates."""
+        streams, self._first_pass_streams = self._first_pass_streams, None
         return _parse_pieces(self.pieces, self.fmt, self.hash_bits, self.skip_bad, self.binary, self.block_bytes,
-                             self.fields, self.state)
+                             self.fields, self.state, streams)
 
     def check_unchanged(self) -> None:
         """Raise :class:`DataChanged` if the file is no longer the one the job opened (the

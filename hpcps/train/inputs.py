@@ -26,6 +26,8 @@ import gzip
 import lzma
 import os
 import stat
+import threading
+from collections import deque
 from dataclasses import dataclass
 
 
@@ -170,6 +172,69 @@ def open_stream(path: str, kind: str):
                             f"(pip install 'hpcps[zstd]'), or decompress it first (unzstd {path})") from None
         return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
     return open(path, "rb")
+
+
+def inflates_slowly(kind: str) -> bool:
+    """Whether reading a ``kind`` stream costs more than parsing its text: bzip2 and xz, and
+    gzip through zlib (ISA-L, the ``isal`` extra, inflates 3-4 times as fast, zstd faster still).
+    A part kept in memory inflates such a file once, not twice (see :class:`Tee`)."""
+    if kind != "gzip":
+        return kind in ("bzip2", "xz")
+    try:
+        import isal  # noqa: F401
+    except ImportError:
+        return True
+    return False
+
+
+class Tee:
+    """A compressed file's decompressed bytes inflated once for two readers: the first (a part's
+    line count) hands each piece it reads to :meth:`put` and ends with :meth:`finish`; the second
+    (the first pass's parse) reads them with :meth:`readinto`, waiting for what the first has not
+    read yet. Holds what the first has read and the second not, up to the whole text: for a part
+    kept in memory anyway (``data.memory_mb = 0``), whose parsed arrays are larger."""
+
+    def __init__(self):
+        self.chunks: deque = deque()
+        self.at = 0  # bytes of chunks[0] already read
+        self.done, self.error = False, None
+        self.ready = threading.Condition()
+
+    def put(self, chunk: bytes) -> None:
+        with self.ready:
+            self.chunks.append(chunk)
+            self.ready.notify_all()
+
+    def finish(self, error: BaseException | None = None) -> None:
+        """No more pieces (``error``: the first reader failed; the second raises it)."""
+        with self.ready:
+            if not self.done:
+                self.done, self.error = True, error
+            self.ready.notify_all()
+
+    def readinto(self, view) -> int:
+        with self.ready:
+            while not self.chunks and not self.done:
+                self.ready.wait()
+            if not self.chunks:
+                if self.error is not None:
+                    raise self.error
+                return 0
+            chunk = self.chunks[0]
+            n = min(len(view), len(chunk) - self.at)
+            view[:n] = chunk[self.at:self.at + n]
+            self.at += n
+            if self.at == len(chunk):
+                self.chunks.popleft()
+                self.at = 0
+            return n
+
+    def __enter__(self) -> "Tee":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self.ready:  # (the rest is not read: let it go)
+            self.chunks.clear()
 
 
 # -- which worker reads what ---------------------------------------------------------------------
