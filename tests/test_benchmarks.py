@@ -176,6 +176,7 @@ def test_inputs_benchmark_times_gzip_beside_plain_text_alternating(tmp_path):
     res = json.load(open(out))
     assert [len(res["wall_s"][k]) for k in ("plain", "gzip")] == [2, 2]
     assert res["bytes"]["gzip"] < res["bytes"]["plain"] and res["gzip_over_plain"] > 0
+    assert all(c > 0 for k in ("plain", "gzip") for c in res["cpu_s"][k]) and res["cpu_gzip_over_plain"] > 0
     order = [json.loads(line)["input"] for line in proc.stdout.splitlines() if line.startswith('{"repeat"')]
     assert order == ["plain", "gzip", "plain", "gzip"]  # alternating: both meet the same load
     assert "gzip / plain (medians):" in proc.stdout
