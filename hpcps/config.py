@@ -58,9 +58,10 @@ class Cluster:
 
 @dataclass(frozen=True)
 class Data:
-    train: str = described("", "training file (libsvm, Criteo TSV, VW or libffm); \"\" = generate one "
-                               "(see [synth])")
-    test: str = described("", "held-out file, evaluated after each epoch (\"\" = none)")
+    train: str = described("", "training data: a file, a list of files, a glob or a directory of part files "
+                               "(libsvm, Criteo TSV, VW or libffm; plain or gzip/zstd/bzip2/xz); \"\" = "
+                               "generate one (see [synth])")
+    test: str = described("", "held-out data (the same forms), evaluated after each epoch (\"\" = none)")
     format: str = described("auto", "the files' format; auto: a tab in the first line = criteo, a \"|\" or a "
                                     ".vw name = vw, field:index:value tokens or a .ffm name = libffm, "
                                     "else libsvm")
@@ -76,7 +77,7 @@ class Data:
     parse_thread: bool = described(False, "parse the part ahead on a thread of its own (for a spare core "
                                           "beside each worker), not in the steps' waits; the same rows in "
                                           "the same order")
-    predict: str = described("", "after training, score this file ... (\"\" = none)")
+    predict: str = described("", "after training, score this data (the same forms) ... (\"\" = none)")
     predict_out: str = described("", "... into this one, one score per row in input order")
 
 
@@ -260,6 +261,17 @@ def _coerce(where: str, value: Any, default: Any):
     raise ConfigError(f"{where}: expected {kind.__name__}, got {value!r}")
 
 
+# the keys that name data: a path, a glob or a directory (a string), or a list of them
+FILE_LISTS = (("data", "train"), ("data", "test"), ("data", "predict"))
+
+
+def _file_list(where: str, value: list) -> str | tuple:
+    """A list of paths for a key of :data:`FILE_LISTS` (one path: that string)."""
+    if not value or not all(isinstance(x, str) and x for x in value):
+        raise ConfigError(f"{where}: expected a path or a list of paths, got {value!r}")
+    return value[0] if len(value) == 1 else tuple(value)
+
+
 BUILT_IN_MODELS = ("lr", "fm", "ffm", "wdl", "deepfm")
 CHOICES = {  # the keys whose values are names; models and data formats registered from user code add theirs
     ("data", "format"): ("auto", "libsvm", "criteo", "vw", "libffm"),
@@ -305,7 +317,10 @@ def from_dict(raw: dict) -> Config:
         for key, value in values.items():
             if key not in defaults:
                 raise ConfigError(f"unknown config key {name}.{_name(key)}; [{name}] has {sorted(defaults)}")
-            kw[key] = _coerce(f"{name}.{key}", value, defaults[key])
+            if (name, key) in FILE_LISTS and isinstance(value, (list, tuple)):
+                kw[key] = _file_list(f"{name}.{key}", value)
+            else:
+                kw[key] = _coerce(f"{name}.{key}", value, defaults[key])
             if (name, key) in CHOICES and kw[key] not in CHOICES[(name, key)]:
                 raise ConfigError(f"{name}.{key} = {kw[key]!r}: expected one of {list(CHOICES[(name, key)])}")
         try:
@@ -452,8 +467,9 @@ def path_roles(cfg: Config, config_file: str = "", outputs=(), data: dict | None
     data = data or {"train": d.train, "test": d.test}
     outs = [("train.model_out", cfg.train.model_out), ("train.metrics", cfg.train.metrics),
             ("data.predict_out", d.predict_out), *outputs]
-    ins = [("data.train", data["train"]), ("data.test", data["test"]), ("data.predict", d.predict),
-           ("the config file", config_file or "")]
+    named = [("data.train", data["train"]), ("data.test", data["test"]), ("data.predict", d.predict)]
+    ins = [(key, p) for key, v in named for p in ([v] if isinstance(v, str) else v)]
+    ins.append(("the config file", config_file or ""))
     if cfg.checkpoint.resume not in ("", "auto"):
         ins.append(("checkpoint.resume", cfg.checkpoint.resume))
     return outs, ins, [("checkpoint.dir", cfg.checkpoint.dir)]
