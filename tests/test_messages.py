@@ -42,7 +42,7 @@ def test_a_pool_reuses_a_buffer_only_once_nothing_refers_to_it():
     assert pool.take(20000).nbytes == 20000 and pool.reused == 3
     big = [pool.take(300_000) for _ in range(4)]
     assert pool.held_bytes <= 1 << 20 and all(x.nbytes == 300_000 for x in big)
-    assert all(x.ctypes.data % 4096 == transport.POOL_PAGE_OFFSET for x in big)  # away from a page's edges
+    assert all(x.ctypes.data % 4096 == transport.MESSAGE_PAGE_OFFSET for x in big)  # away from a page's edges
     assert len({x.ctypes.data for x in big}) == 4
 
 
@@ -63,9 +63,9 @@ def test_large_gradients_are_packed_where_copies_run_fast_and_unpack_unchanged(m
             np.testing.assert_array_equal(r.pull_keys, pull)
             assert (r.op, r.table, r.req_id, r.clock, r.worker) == (protocol.PUSHPULL, 2, 11, 5, 1)
             if grads.nbytes >= protocol.PLACED_BYTES:
-                past = (r.grads.ctypes.data - grads.ctypes.data) % protocol.PAGE
+                past = (r.grads.ctypes.data - grads.ctypes.data) % protocol.PAGE_BYTES
                 assert past == 0 or past >= 1024, past
-                shifts.add(msg.ctypes.data % protocol.PAGE)
+                shifts.add(msg.ctypes.data % protocol.PAGE_BYTES)
             assert msg.nbytes == protocol.request_bytes(n, 7, dim)
     assert shifts == {2048, 3072}  # (3072 where from 2048 the gradients would land 1-1023 bytes past)
 
@@ -177,8 +177,8 @@ def test_a_request_with_its_gradients_apart_unpacks_to_the_same_arrays():
 
 
 def test_only_large_gradients_away_from_a_page_edge_go_apart():
-    raw = np.empty(protocol.GRADS_APART_BYTES + 2 * protocol.PAGE, np.uint8)
-    base = (-raw.ctypes.data) % protocol.PAGE  # the first page boundary in raw
+    raw = np.empty(protocol.GRADS_APART_BYTES + 2 * protocol.PAGE_BYTES, np.uint8)
+    base = (-raw.ctypes.data) % protocol.PAGE_BYTES  # the first page boundary in raw
     n = protocol.GRADS_APART_BYTES
     assert protocol.grads_apart(raw[base + 16:base + 16 + n].view(np.float32))
     assert protocol.grads_apart(raw[base + 2048:base + 2048 + n].view(np.float32))

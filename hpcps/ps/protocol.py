@@ -67,6 +67,8 @@ from typing import ClassVar
 
 import numpy as np
 
+from hpcps_kernels.tuning import GRADS_APART_BYTES, MESSAGE_PAGE_OFFSET, PAGE_BYTES, PAGE_EDGE_BYTES, PLACED_BYTES
+
 
 PULL, PUSH, CLOCK, DONE, CHECKPOINT, PUSHPULL, MARGINS, RESIDUALS, CALL = 1, 2, 3, 4, 5, 6, 7, 8, 9
 OP_NAMES = {PULL: "pull", PUSH: "push", CLOCK: "clock", DONE: "done", CHECKPOINT: "checkpoint",
@@ -136,20 +138,14 @@ def reply_bytes(op: int, n_pull: int, dim: int) -> int:
     return REPLY_BYTES + 4 * n_pull * dim
 
 
-# Where a large request is placed in memory. Two copies of 256 MB ran at a quarter of their
-# speed here (AMD EPYC, glibc's ``rep movsb``) depending only on addresses modulo a 4 KiB page:
-# glibc's memcpy when its destination lay 16-512 bytes past its source's offset in a page (55-69
-# against 13-15 ms; 0 and 1024-4080 bytes past were fast), and MPICH's copy of a message into
-# shared memory when the message began within 8 bytes of a page's start (95-99 against 22-29 ms;
-# 16-4080 bytes in were fast, 2048 the fastest): a 1,000,440-key dim-64 push took 158 against
-# 89 ms. (The memcpy of 64 MB and less ran at one speed wherever it went.) So a request whose
-# gradients take at least PLACED_BYTES starts MESSAGE_AT bytes into a page, or 1024 bytes
-# further where that would put the gradients 1-1023 bytes past their source's offset. (Gradients
-# of GRADS_APART_BYTES and more mostly go apart, from their own array.)
-PLACED_BYTES = 32 << 20
-PAGE = 4096
-MESSAGE_AT = 2048
-EDGE_BYTES = 16
+# Where a large request is placed in memory. Copies of large messages run at a fraction of their
+# speed depending only on addresses modulo a page (docs/benchmarks.md): glibc's memcpy when its
+# destination lies 16-512 bytes past its source's offset in a page, and MPICH's copy of a message
+# into shared memory when the message begins within a few bytes of a page's start. So a request
+# whose gradients take at least PLACED_BYTES starts MESSAGE_PAGE_OFFSET bytes into a page, or 1024
+# bytes further where that would put the gradients 1-1023 bytes past their source's offset.
+# (Gradients of GRADS_APART_BYTES and more mostly go apart, from their own array.) The numbers are
+# tuned knobs (hpcps_kernels.tuning).
 
 
 def _take(alloc, nbytes: int) -> np.ndarray:
@@ -158,28 +154,27 @@ def _take(alloc, nbytes: int) -> np.ndarray:
 
 
 def place(alloc, nbytes: int, at: int, like: np.ndarray) -> np.ndarray:
-    """``nbytes`` from ``alloc`` (default ``np.empty``) starting :data:`MESSAGE_AT` (or 1024 bytes
+    """``nbytes`` from ``alloc`` (default ``np.empty``) starting ``MESSAGE_PAGE_OFFSET`` (or 1024 bytes
     further) into a page, with byte ``at`` 0 or at least 1024 bytes past ``like``'s first byte's
     offset in a page (see above)."""
-    buf = _take(alloc, nbytes + PAGE)
-    for start in (MESSAGE_AT, MESSAGE_AT + 1024):
-        lo = (start - buf.ctypes.data) % PAGE
-        past = (buf.ctypes.data + lo + at - like.ctypes.data) % PAGE
+    buf = _take(alloc, nbytes + PAGE_BYTES)
+    for start in (MESSAGE_PAGE_OFFSET, MESSAGE_PAGE_OFFSET + 1024):
+        lo = (start - buf.ctypes.data) % PAGE_BYTES
+        past = (buf.ctypes.data + lo + at - like.ctypes.data) % PAGE_BYTES
         if past == 0 or past >= 1024:
             break
     return buf[lo:lo + nbytes]
 
 
-# Gradients of this many bytes or more go as a message of their own (GRADS_APART), from the
+# Gradients of GRADS_APART_BYTES or more go as a message of their own (GRADS_APART), from the
 # worker's array, unless the array starts where MPICH's copy is slow (see place).
-GRADS_APART_BYTES = 1 << 21
 
 
 def grads_apart(grads: np.ndarray) -> bool:
     """Whether a request's ``grads`` (contiguous float32) go as a message of their own."""
     if grads.nbytes < GRADS_APART_BYTES:
         return False
-    return EDGE_BYTES <= grads.ctypes.data % PAGE <= PAGE - EDGE_BYTES
+    return PAGE_EDGE_BYTES <= grads.ctypes.data % PAGE_BYTES <= PAGE_BYTES - PAGE_EDGE_BYTES
 
 
 # -- requests: a class per op, each packing and unpacking its own message ---------------------

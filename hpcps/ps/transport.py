@@ -50,37 +50,25 @@ from mpi4py import MPI
 # large messages polls without sleeping for as long as their transfer should take at
 # SPIN_BYTES_PER_S: MPICH moves a large message only while both sides call into MPI, so sleeping
 # during a transfer stretches it. Once a large message of a wait (SPIN_RESET_BYTES) is done (a
-# request's send), it spins only for the rest's transfer from then: a worker that has sent a large push then sleeps
-# while the server works on it, which leaves the core to a server's second thread
-# (hpcps_kernels.parallel).
-POLL_SPIN_S = 50e-6
-SPIN_BYTES_PER_S = 2e9
-SPIN_RESET_BYTES = 1 << 20
-POLL_MIN_SLEEP_S = 20e-6
-POLL_MAX_SLEEP_S = 1e-3
-POLL_SHORT_MAX_SLEEP_S = 2e-4  # waits for replies in the training loop (sub-millisecond answers)
-POLL_MAX_ADAPTIVE_SPIN_S = 1e-3
-# A serving loop's sleeps stay this short for POLL_ACTIVE_WINDOW_S after its last piece of work:
-# a step's first request, after a gap of about a millisecond (the worker computing), is answered
-# within this, not after a back-off grown to POLL_MAX_SLEEP_S (W&D at 2 ranks, SSP 2, pipelined:
-# the loop 231-334 against 186-264 k examples/s, whole jobs 2.9-3.9 against 3.5-4.1 s).
-POLL_ACTIVE_MAX_SLEEP_S = 1e-4
-POLL_ACTIVE_WINDOW_S = 2e-3
+# request's send), it spins only for the rest's transfer from then: a worker that has sent a large
+# push then sleeps while the server works on it, which leaves the core to a server's second thread
+# (hpcps_kernels.parallel). A serving loop's sleeps stay short (POLL_ACTIVE_MAX_SLEEP_S) for
+# POLL_ACTIVE_WINDOW_S after its last piece of work: a step's first request, after a gap of about
+# a millisecond (the worker computing), is answered within this, not after a grown back-off.
+# The numbers are tuned knobs (hpcps_kernels.tuning, docs/tuning.md).
+from hpcps_kernels.tuning import (MESSAGE_PAGE_OFFSET, PAGE_BYTES, POLL_ACTIVE_MAX_SLEEP_S,
+                                  POLL_ACTIVE_WINDOW_S, POLL_MAX_ADAPTIVE_SPIN_S, POLL_MAX_SLEEP_S,
+                                  POLL_MIN_SLEEP_S, POLL_SHORT_MAX_SLEEP_S, POLL_SPIN_S, POOL_MAX_BYTES,
+                                  POOL_MIN_BYTES, SPIN_BYTES_PER_S, SPIN_RESET_BYTES)
 
 # Largest element count sent in one MPI message: counts are C ints, and MPICH has trouble with
 # messages over 2 GiB. 2**31 - 1 bytes, rounded down to a multiple of 8.
 MAX_MESSAGE_BYTES = (2**31 - 1) // 8 * 8
 
 # Messages of POOL_MIN_BYTES and more go into buffers of a BufferPool, which keeps up to
-# POOL_MAX_BYTES of them for reuse (see BufferPool).
-POOL_MIN_BYTES = 16 << 20
-POOL_MAX_BYTES = 1 << 30
-# Where in a 4 KiB page a pooled buffer starts: away from a page's edges, where MPICH's copy of a
-# message into shared memory ran at a quarter of its speed here (see hpcps.ps.protocol.place), and
-# in the middle, where 264 MB went fastest each way: 23.5-24.4 ms sent or received at 2048 bytes
-# in, 26.5-28.0 at 16 (numpy's own) and 26.6-30.0 at 256 (two runs, alternating).
-POOL_PAGE_OFFSET = 2048
-PAGE_BYTES = 4096
+# POOL_MAX_BYTES of them for reuse (see BufferPool). A pooled buffer starts MESSAGE_PAGE_OFFSET
+# bytes into a page: away from a page's edges, where MPICH's copy of a message into shared memory
+# is slow (see hpcps.ps.protocol.place).
 
 
 class StallError(RuntimeError):
@@ -512,8 +500,8 @@ class BufferPool:
 
     glibc serves an allocation of more than 32 MiB with a fresh mapping and returns it to the
     kernel when freed, so each large message faulted its pages in again (and the kernel zeroed
-    them): 20 ms of a 256 MB message here (gVisor), on each side of each transfer, about as long
-    as the transfer itself. :meth:`take` hands out a view of a kept buffer that is free (no array,
+    them), on each side of each transfer: where a page fault is costly, about as long as the
+    transfer itself (docs/benchmarks.md). :meth:`take` hands out a view of a kept buffer that is free (no array,
     view of it or pending MPI request refers to it: its reference count says so, as views of
     views refer to the buffer itself), else a new buffer, kept while the pool holds less than
     ``max_bytes``. Requests below ``min_bytes`` get plain ``np.empty`` (the heap reuses those).
@@ -534,7 +522,7 @@ class BufferPool:
             return np.empty(nbytes, dtype=np.uint8)
         best = -1
         for i in range(len(self._buffers)):  # the smallest free buffer that fits, at most twice the size
-            size = self._buffers[i].nbytes - PAGE_BYTES  # (a page to start it at POOL_PAGE_OFFSET)
+            size = self._buffers[i].nbytes - PAGE_BYTES  # (a page to start it at MESSAGE_PAGE_OFFSET)
             if nbytes <= size <= 2 * nbytes and (best < 0 or size < self._buffers[best].nbytes - PAGE_BYTES) \
                     and self._free(i):
                 best = i
@@ -542,7 +530,7 @@ class BufferPool:
             self.reused += 1
             return self._start(self._buffers[best], nbytes)
         # an eighth more than asked for (pages never touched cost nothing), so that a slightly
-        # larger message later reuses it, and a page to start it at POOL_PAGE_OFFSET
+        # larger message later reuses it, and a page to start it at MESSAGE_PAGE_OFFSET
         want = nbytes + nbytes // 8 + PAGE_BYTES
         held, i = self.held_bytes, 0
         while held + want > self.max_bytes and i < len(self._buffers):  # forget free buffers while over
@@ -557,7 +545,7 @@ class BufferPool:
 
     @staticmethod
     def _start(buf: np.ndarray, nbytes: int) -> np.ndarray:
-        lo = (POOL_PAGE_OFFSET - buf.ctypes.data) % PAGE_BYTES
+        lo = (MESSAGE_PAGE_OFFSET - buf.ctypes.data) % PAGE_BYTES
         return buf[lo:lo + nbytes]
 
     @property
