@@ -356,7 +356,7 @@ class LocalContext(Context):
         for table in server.tables:
             table.set_contents(contents[table.spec.name])
         self.clock_value = clock
-        server.clocks[:] = clock
+        server.workers.clocks[:] = clock  # each worker's clock as the server knows it
 
     def finish_serving(self, timeout: float | None = None) -> None:
         if not self._done_sent:
