@@ -164,7 +164,7 @@ def test_no_module_reaches_another_modules_private_names():
 MAX_CLASS_LINES, MAX_FUNCTION_LINES = 200, 80
 # Classes still over the bound, each to be split (issue 37): none may be added, and one that
 # shrinks under the bound must leave this list (the test says so).
-OVER_FOR_NOW = {"hpcps.ps.client.SparseTable"}
+OVER_FOR_NOW: set = set()
 
 
 def test_no_class_over_200_lines_and_no_function_over_80():
