@@ -42,8 +42,33 @@ class _Request:
     ahead: int = 0                                  # PUSHPULL: its pull reads this many clocks later
 
 
-class SparseTable:
-    """A worker's handle on a sparse table (declared identically on every rank)."""
+def call_result(req: _Request) -> np.ndarray:
+    """What a CALL's ``wait`` returns, from its replies: a row per key in request order, or for a
+    reduction the sum over the servers."""
+    f = req.function
+    parts = [(sel, reply[protocol.REPLY_BYTES:].view(np.float32)) for sel, reply in req.parts]
+    if not f.per_key:  # a reduction: summed over the servers
+        return np.sum([p for _, p in parts], axis=0, dtype=np.float32)
+    out = np.empty((req.n_unique, f.out_width), dtype=np.float32)
+    for sel, p in parts:
+        out[sel] = p.reshape(-1, f.out_width)
+    return out
+
+
+def margins_result(req: _Request, dim: int) -> np.ndarray:
+    """What a MARGINS request's ``wait`` returns: the servers' partial sums of each row, summed
+    (a vector for a dim-1 table)."""
+    out = np.zeros((req.n_unique, protocol.margin_width(dim)), dtype=np.float64)
+    for _, reply in req.parts:
+        out += reply[protocol.REPLY_BYTES:].view(np.float64).reshape(out.shape)
+    return out if dim > 1 else out[:, 0]
+
+
+class TableRequests:
+    """A table's requests in flight, by timestamp: each one's messages sent to the servers after
+    the receives of their replies are posted (:meth:`_post`), then waited for and read
+    (:meth:`wait`): the servers' stop status, counts and clocks from every reply's header, and what
+    the request returns (the pulled rows, or :func:`margins_result` and :func:`call_result`)."""
 
     def __init__(self, ctx, table_id: int, spec: TableSpec):
         self.ctx = ctx
@@ -59,7 +84,154 @@ class SparseTable:
     def name(self) -> str:
         return self.spec.name
 
-    # -- requests ----------------------------------------------------------------------------
+    def _post(self, req: _Request, server: int, pulled, reply_bytes: int, pack, grads=None, lent=False) -> None:
+        """Post the receive of a reply of ``reply_bytes``, then send ``pack(req_id)`` to ``server`` (and ``grads`` after it, when they go apart;
+        ``lent``: see :meth:`_message`)."""
+        ctx = self.ctx
+        req_id = ctx.next_request_id()
+        reply = ctx.pool.take(reply_bytes)
+        msg = pack(req_id)
+        ctx.stats["bytes_sent"] += msg.nbytes + (0 if grads is None else grads.nbytes)
+        ctx.stats["bytes_received"] += reply_bytes
+        req.parts.append((pulled, reply))
+        req.pending += ctx.exchange(server, msg, reply, req_id, req.op, self.name)
+        if grads is not None:
+            sends = ctx.send_grads(server, grads, req.op)
+            if lent:
+                transport.wait(sends, ctx.stall_timeout_s, warn_after=ctx.stall_warn_s)
+            req.pending += sends
+
+    def _register(self, req: _Request) -> int:
+        ts = self.ctx.next_timestamp()
+        self._requests[ts] = req
+        return ts
+
+    def wait(self, ts: int, timeout: float | None = None):
+        """Wait for request ``ts``; returns the pulled rows for a pull, None for a push."""
+        req = self._requests.pop(ts)
+        ctx = self.ctx
+        t = time.perf_counter()
+        busy = ctx.stats["background_s"]
+        transport.wait(req.pending, ctx.stall_timeout_s if timeout is None else timeout,
+                       warn_after=ctx.stall_warn_s, max_sleep=transport.POLL_SHORT_MAX_SLEEP_S,
+                       background=ctx.run_background if ctx.background is not None else None)
+        ctx.stats["wait_s"] += time.perf_counter() - t - (ctx.stats["background_s"] - busy)
+        min_clock = None
+        for _, reply in req.parts:
+            h = protocol.reply_header(reply)
+            if h["status"] & protocol.STOP:
+                ctx.server_stop = signal.SIGINT if h["status"] & protocol.INTERRUPT else (ctx.server_stop or signal.SIGTERM)
+            self.server_counts[int(h["server"])] = (int(h["table_keys"]), int(h["admitted"]), int(h["evicted"]))
+            min_clock = int(h["min_clock"]) if min_clock is None else min(min_clock, int(h["min_clock"]))
+        if req.op in (protocol.PUSH, protocol.RESIDUALS):
+            return None
+        self.last_min_clock = min_clock
+        if min_clock is not None:
+            ctx.stats["max_staleness"] = max(ctx.stats["max_staleness"],
+                                             protocol.pull_clock(req.op, req.clock, req.ahead) - min_clock)
+        if req.op == protocol.CALL:
+            return call_result(req)
+        if req.op == protocol.MARGINS:
+            return margins_result(req, self.dim)
+        values = [protocol.pulled_values(reply, self.dim) for _, reply in req.parts]
+        if len(req.parts) == 1 and req.expand is None and values[0].shape[0] == req.n_unique:
+            return values[0]  # one server answered for every key, in order
+        out = np.empty((req.n_unique, self.dim), dtype=np.float32)
+        for (chunk, _), v in zip(req.parts, values):
+            if v.shape[0]:
+                kkeys.scatter_rows(out, chunk, v)
+        return out if req.expand is None else kkeys.gather_rows(out, req.expand)
+
+    def key_counts(self) -> tuple[int, int, int]:
+        """(rows held, keys admitted, rows evicted) of this table over the servers, as their
+        latest replies to this worker said."""
+        c = list(self.server_counts.values())
+        return tuple(sum(x[i] for x in c) for i in range(3)) if c else (0, 0, 0)
+
+    def wait_all(self, timeout: float | None = None) -> None:
+        for ts in list(self._requests):
+            self.wait(ts, timeout)
+
+
+class ServerComputations:
+    """Computation on the servers through a table (what its :meth:`~SparseTable.imargins`,
+    :meth:`~SparseTable.iresiduals` and :meth:`~SparseTable.icall` do): each builds its op's
+    requests to the servers concerned, posted and registered as the table's others are."""
+
+    def __init__(self, table: "SparseTable"):
+        self.table = table
+
+    def imargins(self, keys, values, row_ids, n_rows: int) -> int:
+        """Computation on the servers: send a batch's nonzeros (keys, their values and row
+        numbers, a row's nonzeros consecutive, duplicates allowed) to the servers that own them;
+        ``wait`` returns each row's sums over all servers (float64, ``n_rows x
+        protocol.margin_width(dim)``): the margin for a dim-1 table (LR), or an FM's ``[sum w x,
+        sum V_f x, sum (V_f x)^2]``. Follow it with :meth:`iresiduals`. Weights never leave the
+        servers."""
+        table, ctx = self.table, self.table.ctx
+        keys = np.ascontiguousarray(keys, dtype=np.uint64).reshape(-1)
+        values = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
+        row_ids = np.ascontiguousarray(row_ids, dtype=np.int32).reshape(-1)
+        req = _Request(protocol.MARGINS, table, n_unique=n_rows, clock=ctx.clock_value, started=time.monotonic())
+        if ctx.layout.servers == 1:
+            parts = [(keys, values, row_ids)]
+        else:  # every server, each with its nonzeros in their order (it may own none)
+            order, offsets = ctx.placement.slice(keys)
+            parts = [(keys[sel], values[sel], row_ids[sel])
+                     for sel in (order[offsets[s]:offsets[s + 1]] for s in range(ctx.layout.servers))]
+        for server, (k, v, r) in enumerate(parts):
+            table._post(req, server, None, protocol.reply_bytes(protocol.MARGINS, n_rows, table.dim),
+                        lambda req_id, k=k, v=v, r=r: protocol.Margins(table.id, req_id, req.clock, ctx.worker_index,
+                                                                       k, v, r, n_rows).pack())
+        return table._register(req)
+
+    def iresiduals(self, residuals) -> int:
+        """After :meth:`imargins`: per row, d loss / d margin (scaled as the gradient should be)
+        and, for an FM, the row's factor sums ``S_f`` (``n_rows x dim``, float64); the servers push
+        the resulting per-key gradients at this clock, and the worker's step ends (the clock
+        advances, as with :meth:`SparseTable.ipushpull`). ``wait`` returns None."""
+        table, ctx = self.table, self.table.ctx
+        residuals = np.ascontiguousarray(residuals, dtype=np.float64).reshape(-1, table.dim)
+        req = _Request(protocol.RESIDUALS, table, clock=ctx.clock_value, started=time.monotonic())
+        for server in range(ctx.layout.servers):
+            table._post(req, server, None, protocol.reply_bytes(protocol.RESIDUALS, 0, 1),
+                        lambda req_id: protocol.Residuals(table.id, req_id, req.clock, ctx.worker_index,
+                                                          residuals).pack())
+        ctx.advance_clock()
+        return table._register(req)
+
+    def icall(self, function: int, keys, args=None) -> int:
+        """Run a declared server function (``ctx.server_function(name)``) over ``keys`` (any
+        order, duplicates allowed) with ``args`` (float32, a row of ``in_width`` per key). ``wait``
+        returns a row of ``out_width`` per key in request order, or for a reduction the sum over
+        the servers of their ``out_width`` values."""
+        table, ctx = self.table, self.table.ctx
+        f = ctx.functions[function]
+        keys = np.ascontiguousarray(keys, dtype=np.uint64).reshape(-1)
+        args = np.zeros((keys.shape[0], 0), np.float32) if args is None else \
+            np.ascontiguousarray(args, dtype=np.float32).reshape(keys.shape[0], f.in_width)
+        req = _Request(protocol.CALL, table, n_unique=keys.shape[0], clock=ctx.clock_value, started=time.monotonic())
+        req.function = f
+        if ctx.layout.servers == 1:
+            slices = [np.arange(keys.shape[0])]
+        else:
+            order, offsets = ctx.placement.slice(keys)
+            slices = [order[offsets[s]:offsets[s + 1]] for s in range(ctx.layout.servers)]
+        for server, sel in enumerate(slices):
+            out = 4 * f.out_width * (sel.shape[0] if f.per_key else 1)
+            table._post(req, server, sel, protocol.REPLY_BYTES + out,
+                        lambda req_id, sel=sel: protocol.Call(table.id, req_id, req.clock, ctx.worker_index,
+                                                              function, keys[sel], args[sel]).pack())
+        return table._register(req)
+
+
+class SparseTable(TableRequests):
+    """A worker's handle on a sparse table (declared identically on every rank): its pulls,
+    pushes and push-pulls, and computation on the servers (:class:`ServerComputations`)."""
+
+    def __init__(self, ctx, table_id: int, spec: TableSpec):
+        super().__init__(ctx, table_id, spec)
+        self.computations = ServerComputations(self)
 
     def _send(self, op: int, keys: np.ndarray, grads: np.ndarray | None, ahead: int = 0, lent: bool = False) -> int:
         """Send a pull (``grads`` None) or a push of sorted unique ``keys``, sliced by server and
@@ -104,28 +276,6 @@ class SparseTable:
                                                        grads, pull_keys, req.ahead, in_pull, apart)
         self._post(req, server, pulled, protocol.reply_bytes(req.op, n_pull, self.dim),
                    lambda req_id: message(req_id).pack(self.ctx.pool.take), grads if apart else None, lent)
-
-    def _post(self, req: _Request, server: int, pulled, reply_bytes: int, pack, grads=None, lent=False) -> None:
-        """Post the receive of a reply of ``reply_bytes``, then send ``pack(req_id)`` to ``server`` (and ``grads`` after it, when they go apart;
-        ``lent``: see :meth:`_message`)."""
-        ctx = self.ctx
-        req_id = ctx.next_request_id()
-        reply = ctx.pool.take(reply_bytes)
-        msg = pack(req_id)
-        ctx.stats["bytes_sent"] += msg.nbytes + (0 if grads is None else grads.nbytes)
-        ctx.stats["bytes_received"] += reply_bytes
-        req.parts.append((pulled, reply))
-        req.pending += ctx.exchange(server, msg, reply, req_id, req.op, self.name)
-        if grads is not None:
-            sends = ctx.send_grads(server, grads, req.op)
-            if lent:
-                transport.wait(sends, ctx.stall_timeout_s, warn_after=ctx.stall_warn_s)
-            req.pending += sends
-
-    def _register(self, req: _Request) -> int:
-        ts = self.ctx.next_timestamp()
-        self._requests[ts] = req
-        return ts
 
     def ipushpull(self, push_keys, grads, pull_keys, aggregate: bool = False, unique: bool = False,
                   ahead: int = 0, in_pull: np.ndarray | None = None, donate: bool = False) -> int:
@@ -172,67 +322,16 @@ class SparseTable:
         return self._register(req)
 
     def imargins(self, keys, values, row_ids, n_rows: int) -> int:
-        """Computation on the servers: send a batch's nonzeros (keys, their values and row
-        numbers, a row's nonzeros consecutive, duplicates allowed) to the servers that own them;
-        ``wait`` returns each row's sums over all servers (float64, ``n_rows x
-        protocol.margin_width(dim)``): the margin for a dim-1 table (LR), or an FM's ``[sum w x,
-        sum V_f x, sum (V_f x)^2]``. Follow it with :meth:`iresiduals`. Weights never leave the
-        servers."""
-        ctx = self.ctx
-        keys = np.ascontiguousarray(keys, dtype=np.uint64).reshape(-1)
-        values = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
-        row_ids = np.ascontiguousarray(row_ids, dtype=np.int32).reshape(-1)
-        req = _Request(protocol.MARGINS, self, n_unique=n_rows, clock=ctx.clock_value, started=time.monotonic())
-        if ctx.layout.servers == 1:
-            parts = [(keys, values, row_ids)]
-        else:  # every server, each with its nonzeros in their order (it may own none)
-            order, offsets = ctx.placement.slice(keys)
-            parts = [(keys[sel], values[sel], row_ids[sel])
-                     for sel in (order[offsets[s]:offsets[s + 1]] for s in range(ctx.layout.servers))]
-        for server, (k, v, r) in enumerate(parts):
-            self._post(req, server, None, protocol.reply_bytes(protocol.MARGINS, n_rows, self.dim),
-                       lambda req_id, k=k, v=v, r=r: protocol.Margins(self.id, req_id, req.clock, ctx.worker_index,
-                                                                      k, v, r, n_rows).pack())
-        return self._register(req)
+        """Partial margins on the servers: :meth:`ServerComputations.imargins`."""
+        return self.computations.imargins(keys, values, row_ids, n_rows)
 
     def iresiduals(self, residuals) -> int:
-        """After :meth:`imargins`: per row, d loss / d margin (scaled as the gradient should be)
-        and, for an FM, the row's factor sums ``S_f`` (``n_rows x dim``, float64); the servers push
-        the resulting per-key gradients at this clock, and the worker's step ends (the clock
-        advances, as with :meth:`ipushpull`). ``wait`` returns None."""
-        ctx = self.ctx
-        residuals = np.ascontiguousarray(residuals, dtype=np.float64).reshape(-1, self.dim)
-        req = _Request(protocol.RESIDUALS, self, clock=ctx.clock_value, started=time.monotonic())
-        for server in range(ctx.layout.servers):
-            self._post(req, server, None, protocol.reply_bytes(protocol.RESIDUALS, 0, 1),
-                       lambda req_id: protocol.Residuals(self.id, req_id, req.clock, ctx.worker_index,
-                                                         residuals).pack())
-        ctx.advance_clock()
-        return self._register(req)
+        """Gradients from residuals on the servers: :meth:`ServerComputations.iresiduals`."""
+        return self.computations.iresiduals(residuals)
 
     def icall(self, function: int, keys, args=None) -> int:
-        """Run a declared server function (``ctx.server_function(name)``) over ``keys`` (any
-        order, duplicates allowed) with ``args`` (float32, a row of ``in_width`` per key). ``wait``
-        returns a row of ``out_width`` per key in request order, or for a reduction the sum over
-        the servers of their ``out_width`` values."""
-        ctx = self.ctx
-        f = ctx.functions[function]
-        keys = np.ascontiguousarray(keys, dtype=np.uint64).reshape(-1)
-        args = np.zeros((keys.shape[0], 0), np.float32) if args is None else \
-            np.ascontiguousarray(args, dtype=np.float32).reshape(keys.shape[0], f.in_width)
-        req = _Request(protocol.CALL, self, n_unique=keys.shape[0], clock=ctx.clock_value, started=time.monotonic())
-        req.function = f
-        if ctx.layout.servers == 1:
-            slices = [np.arange(keys.shape[0])]
-        else:
-            order, offsets = ctx.placement.slice(keys)
-            slices = [order[offsets[s]:offsets[s + 1]] for s in range(ctx.layout.servers)]
-        for server, sel in enumerate(slices):
-            out = 4 * f.out_width * (sel.shape[0] if f.per_key else 1)
-            self._post(req, server, sel, protocol.REPLY_BYTES + out,
-                       lambda req_id, sel=sel: protocol.Call(self.id, req_id, req.clock, ctx.worker_index,
-                                                             function, keys[sel], args[sel]).pack())
-        return self._register(req)
+        """Run a declared server function: :meth:`ServerComputations.icall`."""
+        return self.computations.icall(function, keys, args)
 
     def call(self, function: int, keys, args=None, timeout: float | None = None) -> np.ndarray:
         """:meth:`icall`, waiting for the result."""
@@ -289,61 +388,6 @@ class SparseTable:
             keys, grads = merged
         return keys, grads
 
-    def wait(self, ts: int, timeout: float | None = None):
-        """Wait for request ``ts``; returns the pulled rows for a pull, None for a push."""
-        req = self._requests.pop(ts)
-        ctx = self.ctx
-        t = time.perf_counter()
-        busy = ctx.stats["background_s"]
-        transport.wait(req.pending, ctx.stall_timeout_s if timeout is None else timeout,
-                       warn_after=ctx.stall_warn_s, max_sleep=transport.POLL_SHORT_MAX_SLEEP_S,
-                       background=ctx.run_background if ctx.background is not None else None)
-        ctx.stats["wait_s"] += time.perf_counter() - t - (ctx.stats["background_s"] - busy)
-        min_clock = None
-        for _, reply in req.parts:
-            h = protocol.reply_header(reply)
-            if h["status"] & protocol.STOP:
-                ctx.server_stop = signal.SIGINT if h["status"] & protocol.INTERRUPT else (ctx.server_stop or signal.SIGTERM)
-            self.server_counts[int(h["server"])] = (int(h["table_keys"]), int(h["admitted"]), int(h["evicted"]))
-            min_clock = int(h["min_clock"]) if min_clock is None else min(min_clock, int(h["min_clock"]))
-        if req.op in (protocol.PUSH, protocol.RESIDUALS):
-            return None
-        self.last_min_clock = min_clock
-        if min_clock is not None:
-            ctx.stats["max_staleness"] = max(ctx.stats["max_staleness"],
-                                             protocol.pull_clock(req.op, req.clock, req.ahead) - min_clock)
-        if req.op == protocol.CALL:
-            f = req.function
-            parts = [(sel, reply[protocol.REPLY_BYTES:].view(np.float32)) for sel, reply in req.parts]
-            if not f.per_key:  # a reduction: summed over the servers
-                return np.sum([p for _, p in parts], axis=0, dtype=np.float32)
-            out = np.empty((req.n_unique, f.out_width), dtype=np.float32)
-            for sel, p in parts:
-                out[sel] = p.reshape(-1, f.out_width)
-            return out
-        if req.op == protocol.MARGINS:  # the servers' partial sums
-            out = np.zeros((req.n_unique, protocol.margin_width(self.dim)), dtype=np.float64)
-            for _, reply in req.parts:
-                out += reply[protocol.REPLY_BYTES:].view(np.float64).reshape(out.shape)
-            return out if self.dim > 1 else out[:, 0]
-        values = [protocol.pulled_values(reply, self.dim) for _, reply in req.parts]
-        if len(req.parts) == 1 and req.expand is None and values[0].shape[0] == req.n_unique:
-            return values[0]  # one server answered for every key, in order
-        out = np.empty((req.n_unique, self.dim), dtype=np.float32)
-        for (chunk, _), v in zip(req.parts, values):
-            if v.shape[0]:
-                kkeys.scatter_rows(out, chunk, v)
-        return out if req.expand is None else kkeys.gather_rows(out, req.expand)
-
-    def key_counts(self) -> tuple[int, int, int]:
-        """(rows held, keys admitted, rows evicted) of this table over the servers, as their
-        latest replies to this worker said."""
-        c = list(self.server_counts.values())
-        return tuple(sum(x[i] for x in c) for i in range(3)) if c else (0, 0, 0)
-
-    def wait_all(self, timeout: float | None = None) -> None:
-        for ts in list(self._requests):
-            self.wait(ts, timeout)
 
 
 class DenseTable:

@@ -35,7 +35,66 @@ class ConfigMismatch(RuntimeError):
     """Ranks disagree on something that must be identical everywhere."""
 
 
-class Context(collectives.ContextCollectives):
+class TableDeclarations:
+    """A context's declarations of tables and server functions: collective, each checked identical
+    on every rank (:class:`ConfigMismatch` otherwise). The context keeps what they declare:
+    ``specs``, ``functions`` and ``tables``."""
+
+    def _check_same(self, what: str, value: int) -> None:
+        """Collective: raise on every rank if ranks passed different values."""
+        if not transport.agree(self.comm, value, self.stall_timeout_s, f"check of {what}"):
+            raise ConfigMismatch(f"{transport.rank_prefix(self.comm)}: ranks disagree on {what} "
+                                 f"(declare tables and settings identically on every rank)")
+
+    def sparse_table(self, name: str, dim: int = 1, optimizer: str = "sgd", params: dict | None = None,
+                     init: str = "zeros", init_scale: float = 0.01, seed: int = 0, key_bits: int = 64,
+                     features: Features | None = None, init_keys: tuple = ()) -> SparseTable:
+        """Declare a sparse table (collective; identical on every rank). ``key_bits``: keys are
+        (mostly) below ``2**key_bits`` (hashed features): up to 26 bits servers address rows
+        directly by key. ``features``: admission and eviction of keys (:class:`hpcps.ps.tables.Features`).
+        ``init_keys``: ``((key, values), ...)``, keys that start at given values instead of the
+        initializer (a regression's bias at the label mean)."""
+        if name in self.tables:
+            raise ValueError(f"table {name!r} is already declared")
+        spec = TableSpec(name, dim, optimizer, dict(params or {}), init, init_scale, seed, key_bits,
+                         features or Features(), tuple((int(k), tuple(float(x) for x in v)) for k, v in init_keys))
+        self._check_same(f"table {name!r}", spec.fingerprint())
+        self.specs.append(spec)
+        table = SparseTable(self, len(self.specs) - 1, spec)
+        self.tables[name] = table
+        return table
+
+    def server_function(self, name: str) -> int:
+        """Declare a registered server function (collective; :func:`hpcps.register_server_function`
+        on every rank first, with the same definition: checked). Returns its handle for
+        :meth:`hpcps.ps.client.SparseTable.call`."""
+        if name not in SERVER_FUNCTIONS:
+            raise ValueError(f"server function {name!r} is not registered; registered: {sorted(SERVER_FUNCTIONS)}")
+        f = SERVER_FUNCTIONS[name]
+        self._check_same(f"server function {name!r}", f.fingerprint())
+        self.functions.append(f)
+        return len(self.functions) - 1
+
+    def dense_table(self, name: str, size: int, optimizer: str = "sgd", params: dict | None = None,
+                    init: str = "zeros", init_scale: float = 0.01, seed: int = 0,
+                    initial: np.ndarray | None = None) -> DenseTable:
+        """Declare a dense table of ``size`` floats (collective; identical on every rank).
+        ``initial``: its starting values (else the initializer's)."""
+        chunks = -(-size // DenseTable.CHUNK)
+        init_keys = ()
+        if initial is not None:
+            padded = np.zeros(chunks * DenseTable.CHUNK, dtype=np.float32)
+            padded[:size] = np.asarray(initial, dtype=np.float32).reshape(-1)[:size]
+            init_keys = tuple((c, padded[c * DenseTable.CHUNK:(c + 1) * DenseTable.CHUNK].tolist()) for c in range(chunks))
+        sparse = self.sparse_table(name, DenseTable.CHUNK, optimizer, params, init, init_scale, seed,
+                                   key_bits=max(1, (chunks - 1).bit_length()),  # chunk keys 0..chunks-1
+                                   init_keys=init_keys)
+        table = DenseTable(self, sparse, size)
+        self.tables[name] = table
+        return table
+
+
+class Context(collectives.ContextCollectives, TableDeclarations):
     """One rank's view of the parameter server. ``net``: how it reaches the other ranks, and the
     communicators its collectives run over (:class:`hpcps.ps.transport.Transport`): every message
     and collective of the server, the client and the context goes through it."""
@@ -94,61 +153,6 @@ class Context(collectives.ContextCollectives):
         did = self.background()
         self.stats["background_s"] += time.perf_counter() - t
         return did
-
-    # -- declarations ------------------------------------------------------------------------
-
-    def _check_same(self, what: str, value: int) -> None:
-        """Collective: raise on every rank if ranks passed different values."""
-        if not transport.agree(self.comm, value, self.stall_timeout_s, f"check of {what}"):
-            raise ConfigMismatch(f"{transport.rank_prefix(self.comm)}: ranks disagree on {what} "
-                                 f"(declare tables and settings identically on every rank)")
-
-    def sparse_table(self, name: str, dim: int = 1, optimizer: str = "sgd", params: dict | None = None,
-                     init: str = "zeros", init_scale: float = 0.01, seed: int = 0, key_bits: int = 64,
-                     features: Features | None = None, init_keys: tuple = ()) -> SparseTable:
-        """Declare a sparse table (collective; identical on every rank). ``key_bits``: keys are
-        (mostly) below ``2**key_bits`` (hashed features): up to 26 bits servers address rows
-        directly by key. ``features``: admission and eviction of keys (:class:`hpcps.ps.tables.Features`).
-        ``init_keys``: ``((key, values), ...)``, keys that start at given values instead of the
-        initializer (a regression's bias at the label mean)."""
-        if name in self.tables:
-            raise ValueError(f"table {name!r} is already declared")
-        spec = TableSpec(name, dim, optimizer, dict(params or {}), init, init_scale, seed, key_bits,
-                         features or Features(), tuple((int(k), tuple(float(x) for x in v)) for k, v in init_keys))
-        self._check_same(f"table {name!r}", spec.fingerprint())
-        self.specs.append(spec)
-        table = SparseTable(self, len(self.specs) - 1, spec)
-        self.tables[name] = table
-        return table
-
-    def server_function(self, name: str) -> int:
-        """Declare a registered server function (collective; :func:`hpcps.register_server_function`
-        on every rank first, with the same definition: checked). Returns its handle for
-        :meth:`hpcps.ps.client.SparseTable.call`."""
-        if name not in SERVER_FUNCTIONS:
-            raise ValueError(f"server function {name!r} is not registered; registered: {sorted(SERVER_FUNCTIONS)}")
-        f = SERVER_FUNCTIONS[name]
-        self._check_same(f"server function {name!r}", f.fingerprint())
-        self.functions.append(f)
-        return len(self.functions) - 1
-
-    def dense_table(self, name: str, size: int, optimizer: str = "sgd", params: dict | None = None,
-                    init: str = "zeros", init_scale: float = 0.01, seed: int = 0,
-                    initial: np.ndarray | None = None) -> DenseTable:
-        """Declare a dense table of ``size`` floats (collective; identical on every rank).
-        ``initial``: its starting values (else the initializer's)."""
-        chunks = -(-size // DenseTable.CHUNK)
-        init_keys = ()
-        if initial is not None:
-            padded = np.zeros(chunks * DenseTable.CHUNK, dtype=np.float32)
-            padded[:size] = np.asarray(initial, dtype=np.float32).reshape(-1)[:size]
-            init_keys = tuple((c, padded[c * DenseTable.CHUNK:(c + 1) * DenseTable.CHUNK].tolist()) for c in range(chunks))
-        sparse = self.sparse_table(name, DenseTable.CHUNK, optimizer, params, init, init_scale, seed,
-                                   key_bits=max(1, (chunks - 1).bit_length()),  # chunk keys 0..chunks-1
-                                   init_keys=init_keys)
-        table = DenseTable(self, sparse, size)
-        self.tables[name] = table
-        return table
 
     # -- server ------------------------------------------------------------------------------
 
@@ -219,37 +223,9 @@ class Context(collectives.ContextCollectives):
         return signal.SIGINT if signal.SIGINT in (mine, theirs) else (mine or theirs)
 
     def save_checkpoint(self, root: str, step: int, manifest: dict, keep: int) -> str:
-        """First worker only: ask every server to write its shards into ``root/ckpt-<step>.tmp``
-        (each waits until every worker has reached this clock), then write the manifest with the
-        files' checksums and rename the directory. Returns the checkpoint's path."""
-        tmp = checkpoint.step_dir(root, step) + ".tmp"
-        try:
-            checkpoint.begin(root, step)
-        except OSError as e:
-            raise checkpoint.write_failure(tmp, e, "the first worker") from None
-        pending, replies = [], []
-        for server in range(self.layout.servers):
-            req_id = self.next_request_id()
-            reply = np.empty(protocol.reply_bytes(protocol.CHECKPOINT, 0, 0), dtype=np.uint8)
-            msg = protocol.Checkpoint(req_id, self.clock_value, self.worker_index, tmp).pack()
-            pending += self.exchange(server, msg, reply, req_id, protocol.CHECKPOINT)
-            replies.append(reply)
-        transport.wait(pending, self.stall_timeout_s, warn_after=self.stall_warn_s)
-        files = []
-        for server, reply in enumerate(replies):
-            size, digest = protocol.unpack_checkpoint_result(reply)
-            files.append({"name": os.path.basename(checkpoint.server_file(tmp, server)), "bytes": size, "xxh64": digest})
-        full = {"format": checkpoint.FORMAT, "version": checkpoint.VERSION, "clock": self.clock_value,
-                "layout": {"servers": self.layout.servers, "workers": self.layout.workers,
-                           "worker_groups": self.layout.worker_groups, "num_shards": self.placement.num_shards},
-                "tables": [{"name": s.name, "dim": s.dim, "optimizer": s.optimizer, "width": s.width,
-                            "init": s.init, "init_scale": s.init_scale, "seed": s.seed,
-                            "fingerprint": s.fingerprint()} for s in self.specs],
-                "files": files, **manifest}
-        try:
-            return checkpoint.commit(tmp, full, keep)
-        except OSError as e:
-            raise checkpoint.write_failure(os.path.join(tmp, checkpoint.MANIFEST), e, "the first worker") from None
+        """First worker only: every server's shards and a manifest into a new checkpoint under
+        ``root`` (:func:`write_checkpoint`); returns its path."""
+        return write_checkpoint(self, root, step, manifest, keep)
 
     def clock(self) -> int:
         """End this worker's iteration: tell every server; returns the new clock."""
@@ -356,7 +332,7 @@ class LocalContext(Context):
         for table in server.tables:
             table.set_contents(contents[table.spec.name])
         self.clock_value = clock
-        server.clocks[:] = clock
+        server.workers.clocks[:] = clock  # each worker's clock as the server knows it
 
     def finish_serving(self, timeout: float | None = None) -> None:
         if not self._done_sent:
@@ -369,6 +345,40 @@ class LocalContext(Context):
         self.finish_serving(timeout)
         self.net.free()
         self._finalized = True
+
+
+def write_checkpoint(ctx: Context, root: str, step: int, manifest: dict, keep: int) -> str:
+    """First worker only: ask every server to write its shards into ``root/ckpt-<step>.tmp``
+    (each waits until every worker has reached this clock), then write the manifest with the
+    files' checksums and rename the directory. Returns the checkpoint's path."""
+    tmp = checkpoint.step_dir(root, step) + ".tmp"
+    try:
+        checkpoint.begin(root, step)
+    except OSError as e:
+        raise checkpoint.write_failure(tmp, e, "the first worker") from None
+    pending, replies = [], []
+    for server in range(ctx.layout.servers):
+        req_id = ctx.next_request_id()
+        reply = np.empty(protocol.reply_bytes(protocol.CHECKPOINT, 0, 0), dtype=np.uint8)
+        msg = protocol.Checkpoint(req_id, ctx.clock_value, ctx.worker_index, tmp).pack()
+        pending += ctx.exchange(server, msg, reply, req_id, protocol.CHECKPOINT)
+        replies.append(reply)
+    transport.wait(pending, ctx.stall_timeout_s, warn_after=ctx.stall_warn_s)
+    files = []
+    for server, reply in enumerate(replies):
+        size, digest = protocol.unpack_checkpoint_result(reply)
+        files.append({"name": os.path.basename(checkpoint.server_file(tmp, server)), "bytes": size, "xxh64": digest})
+    full = {"format": checkpoint.FORMAT, "version": checkpoint.VERSION, "clock": ctx.clock_value,
+            "layout": {"servers": ctx.layout.servers, "workers": ctx.layout.workers,
+                       "worker_groups": ctx.layout.worker_groups, "num_shards": ctx.placement.num_shards},
+            "tables": [{"name": s.name, "dim": s.dim, "optimizer": s.optimizer, "width": s.width,
+                        "init": s.init, "init_scale": s.init_scale, "seed": s.seed,
+                        "fingerprint": s.fingerprint()} for s in ctx.specs],
+            "files": files, **manifest}
+    try:
+        return checkpoint.commit(tmp, full, keep)
+    except OSError as e:
+        raise checkpoint.write_failure(os.path.join(tmp, checkpoint.MANIFEST), e, "the first worker") from None
 
 
 def init(servers: int = 1, worker_groups: int | None = None, staleness: int = 0,

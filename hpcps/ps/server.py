@@ -55,6 +55,15 @@ def server_threads() -> TwoThreads | None:
     return TwoThreads() if value == "2" else None
 
 
+def server_tables(specs: list[TableSpec]) -> tuple[list[ServerTable], TwoThreads | None]:
+    """A server's table of each spec, and the threads they share (:func:`server_threads`)."""
+    tables = [ServerTable(s) for s in specs]
+    threads = server_threads()
+    for table in tables:
+        table.threads = threads
+    return tables, threads
+
+
 def registered_function(name: str) -> ServerFunction:
     """The server function registered under ``name`` (those of the servers' own requests)."""
     if name not in SERVER_FUNCTIONS:
@@ -62,10 +71,40 @@ def registered_function(name: str) -> ServerFunction:
     return SERVER_FUNCTIONS[name]
 
 
-def write_checkpoint_file(path: str, tables: list[ServerTable], server: int, placement: Placement,
+def call_result(f: ServerFunction, out, n: int, server: int) -> np.ndarray:
+    """Server function ``f``'s result ``out`` over ``n`` keys as float32, checked against the
+    shape it declares."""
+    out = np.asarray(out, dtype=np.float32)
+    want = (n, f.out_width) if f.per_key else (f.out_width,)
+    if out.size != int(np.prod(want)):
+        raise RuntimeError(f"server {server}: server function {f.name!r} returned shape {out.shape} "
+                           f"for {n} keys; it declares {want}")
+    return out
+
+
+def table_counts(tables: list[ServerTable]) -> dict:
+    """Each table's rows held, keys admitted and rows evicted (the server's final statistics)."""
+    return {"keys": [t.size for t in tables], "admitted": [t.admitted for t in tables],
+            "evicted": [t.evicted for t in tables]}
+
+
+def restore_checkpoint(tables: list[ServerTable], workers: WorkerClocks, ckpt: str, manifest: dict, server: int,
+                       placement: Placement) -> None:
+    """Load server ``server``'s shards of every table (under ``placement``) from checkpoint ``ckpt``,
+    and its clock as every worker's."""
+    where = (server, placement.shard_server, placement.num_servers)
+    for table in tables:
+        keys, rows = checkpoint.read_for_server(ckpt, manifest, table.spec.name, *where)
+        state = checkpoint.read_state_for_server(ckpt, manifest, table.spec.name, *where)
+        table.restore_checkpoint(keys, rows, state, manifest["clock"])
+    workers.clocks[:] = manifest["clock"]
+
+
+def write_checkpoint_file(ckpt: str, tables: list[ServerTable], server: int, placement: Placement,
                           clock: int) -> tuple[int, str]:
-    """Write server ``server``'s shards of ``tables`` (rows and state) into ``path``, once every
-    table is checked finite; returns the file's size and checksum."""
+    """Write server ``server``'s shards of ``tables`` (rows and state) into its file of checkpoint
+    directory ``ckpt``, once every table is checked finite; returns the file's size and checksum."""
+    path = checkpoint.server_file(ckpt, server)
     for table in tables:
         table.check_finite(f"checkpoint (step {clock})")
     parts = [(table.spec.name, *table.items(), table.state_arrays()) for table in tables]
@@ -135,10 +174,7 @@ class Server:
         self.functions = list(functions or [])  # declared ServerFunctions, by number
         self.index = server_index
         self.worker_rank0 = worker_rank0
-        self.tables = [ServerTable(s) for s in specs]
-        self.threads = server_threads()
-        for table in self.tables:
-            table.threads = self.threads
+        self.tables, self.threads = server_tables(specs)
         self.dims = [s.dim for s in specs]
         self.placement = placement
         self.staleness = staleness
@@ -165,11 +201,6 @@ class Server:
         self.readers = {protocol.PULL: self._serve_pull, protocol.PUSHPULL: self._serve_pull,
                         protocol.CHECKPOINT: self._write_checkpoint, protocol.MARGINS: self._serve_margins,
                         protocol.CALL: self._serve_call}
-
-    @property
-    def clocks(self) -> np.ndarray:
-        """Each worker's clock as this server knows it."""
-        return self.workers.clocks
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -216,8 +247,8 @@ class Server:
         """The gradients of the worker's last MARGINS nonzeros, pushed at clock c; then clock c + 1."""
         worker = source - self.worker_rank0
         keys, values, row_ids = self.fragments.pop((worker, r.table))
-        residuals = registered_function(RESIDUALS_FUNCTION).fn
-        uniq, grads = residuals(self.tables[r.table], keys, values, row_ids, r.residuals)
+        uniq, grads = registered_function(RESIDUALS_FUNCTION).fn(self.tables[r.table], keys, values, row_ids,
+                                                                 r.residuals)
         self._push(worker, protocol.Push(r.table, r.req_id, r.clock, r.worker, uniq, grads))
         self.workers.advance(worker, r.clock + 1)
         self._after_clock()
@@ -288,12 +319,7 @@ class Server:
     def _serve_call(self, source: int, r: protocol.Call) -> None:
         """Run a declared server function over the keys this server owns."""
         f = self.functions[r.function]
-        n = r.keys.shape[0]
-        out = np.asarray(f.fn(self.tables[r.table], r.keys, r.args), dtype=np.float32)
-        want = (n, f.out_width) if f.per_key else (f.out_width,)
-        if out.size != int(np.prod(want)):
-            raise RuntimeError(f"server {self.index}: server function {f.name!r} returned shape {out.shape} "
-                               f"for {n} keys; it declares {want}")
+        out = call_result(f, f.fn(self.tables[r.table], r.keys, r.args), r.keys.shape[0], self.index)
         reply, payload = self.replies.new(r.req_id, 4 * out.size, r.table)
         payload.view(np.float32)[:] = out.reshape(-1)
         self.replies.post(reply, source, r.req_id, f"call reply ({f.name})")
@@ -309,20 +335,14 @@ class Server:
         self.replies.post(reply, source, r.req_id, "margins reply")
 
     def _write_checkpoint(self, source: int, r: protocol.Checkpoint) -> None:
-        path = checkpoint.server_file(r.path, self.index)
-        size, digest = write_checkpoint_file(path, self.tables, self.index, self.placement, r.clock)
+        size, digest = write_checkpoint_file(r.path, self.tables, self.index, self.placement, r.clock)
         reply, payload = self.replies.new(r.req_id, protocol.CHECKPOINT_RESULT.itemsize)
         protocol.pack_checkpoint_result(payload, size, digest)
         self.replies.post(reply, source, r.req_id, "checkpoint reply")
 
     def restore(self, ckpt: str, manifest: dict) -> None:
         """Load this server's shards of every table (under the current placement) and the clock."""
-        where = (self.index, self.placement.shard_server, self.placement.num_servers)
-        for table in self.tables:
-            keys, rows = checkpoint.read_for_server(ckpt, manifest, table.spec.name, *where)
-            state = checkpoint.read_state_for_server(ckpt, manifest, table.spec.name, *where)
-            table.restore_checkpoint(keys, rows, state, manifest["clock"])
-        self.workers.clocks[:] = manifest["clock"]
+        restore_checkpoint(self.tables, self.workers, ckpt, manifest, self.index, self.placement)
 
     # -- loop --------------------------------------------------------------------------------
 
@@ -338,9 +358,7 @@ class Server:
 
     def final_stats(self) -> dict:
         """The serving statistics with each table's rows held, keys admitted and rows evicted."""
-        self.stats["keys"] = [t.size for t in self.tables]
-        self.stats["admitted"] = [t.admitted for t in self.tables]
-        self.stats["evicted"] = [t.evicted for t in self.tables]
+        self.stats.update(table_counts(self.tables))
         return self.stats
 
 
