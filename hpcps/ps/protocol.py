@@ -101,10 +101,6 @@ def stop_status(signum: int | None) -> int:
     return OK if signum is None else STOP | (INTERRUPT if signum == signal.SIGINT else 0)
 
 
-def pull_clock(self) -> int:
-        return pull_clock(self.op, self.clock, self.ahead)
-
-
 def pull_clock(op: int, clock: int, ahead: int = 0) -> int:
     """The clock a request's pull part is read at (a push-pull pulls after its clock advance,
     ``ahead`` clocks later still)."""
