@@ -7,7 +7,7 @@
   glob's matches. A glob or directory that matches no file is an error naming the key.
 * :func:`compression`: a file compressed with gzip, zstd, bzip2 or xz is told by its first bytes
   (not its name) and read as a stream (:func:`open_stream`; zstd needs the ``zstandard``
-  package, the ``zstd`` extra; gzip is read by ISA-L when the ``isal`` extra is installed, else
+  package, the ``zstd`` extra; gzip is read by ISA-L (the ``isal`` dependency) where it is installed, else
   by zlib); zip and lz4 are refused with the command that decompresses them.
 * :func:`split`: the pieces each worker reads. With at least as many files as workers, each
   worker reads whole files: worker ``w`` of ``W`` the files ``[w * n // W, (w + 1) * n // W)``
@@ -155,7 +155,7 @@ def compression(path: str, head: bytes | None = None) -> str:
 def open_stream(path: str, kind: str):
     """``path`` opened for reading its decompressed bytes (a binary file object with ``readinto``)."""
     if kind == "gzip":
-        try:  # ISA-L's inflate (the isal extra) reads gzip 3-4 times as fast as zlib, the same bytes
+        try:  # ISA-L's inflate (the isal dependency) reads gzip 3-4 times as fast as zlib, the same bytes
             from isal import igzip
         except ImportError:
             return gzip.open(path, "rb")
@@ -176,7 +176,7 @@ def open_stream(path: str, kind: str):
 
 def inflates_slowly(kind: str) -> bool:
     """Whether reading a ``kind`` stream costs more than parsing its text: bzip2 and xz, and
-    gzip through zlib (ISA-L, the ``isal`` extra, inflates 3-4 times as fast, zstd faster still).
+    gzip through zlib (ISA-L, the ``isal`` dependency, inflates 3-4 times as fast, zstd faster still).
     A part kept in memory inflates such a file once, not twice (see :class:`Tee`)."""
     if kind != "gzip":
         return kind in ("bzip2", "xz")
