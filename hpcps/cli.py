@@ -169,7 +169,7 @@ def _load_for_serving(args):
               f"arrays cannot be checked" + (f"; the data is checked against its config's {checks}" if checks else ""),
               file=sys.stderr, flush=True)
     ds = predictor.rows_of_file(args.data, args.format or "auto", args.skip_bad_lines, args.allow_other_hashing,
-                                args.hash_bits)
+                                args.hash_bits, need_labels=args.command == "eval")
     return predictor, ds
 
 

@@ -342,15 +342,17 @@ class LabelWatch:
 
 
 def _parse_blocks(path: str, start: int, end: int, fmt: str, hash_bits: int, skip_bad: bool, binary: bool,
-                  block_bytes: int = 0, fields: bool = False, state: tuple | None = None):
+                  block_bytes: int = 0, fields: bool = False, state: tuple | None = None, need_labels: bool = True):
     """Parse ``path[start:end]`` block by block: each block is read into one reusable buffer after
     the previous block's unfinished line, and parsed in place (no copies of the text). Yields
     ``(labels, indptr, indices, values, skipped)`` per block (new arrays: the buffer is reused).
 
     A read that ends before ``end`` (the file shrank) raises :class:`DataChanged`; so does, with
     ``state`` (:func:`file_state` when the ranges were cut), a file changed in any way, checked
-    before each block (one ``stat``)."""
+    before each block (one ``stat``). ``need_labels`` False: rows without a label are read (label
+    0; a registered format's parser is not asked)."""
     block_bytes = block_bytes or PARSE_BLOCK_BYTES
+    unlabeled = {} if need_labels else {"need_labels": False}
     buf = bytearray(min(block_bytes, end - start) + (1 << 16))
     view = memoryview(buf)
     seen = np.zeros(2, dtype=np.int64)  # binary labels: a 0 / a -1 met in an earlier block
@@ -386,11 +388,11 @@ def _parse_blocks(path: str, start: int, end: int, fmt: str, hash_bits: int, ski
             try:
                 if fmt == "criteo":
                     out = parse.parse_criteo(block, source=path, first_line=1, skip_bad=skip_bad, bits=hash_bits,
-                                             bias=int(BIAS_KEY), fields=fields)
+                                             bias=int(BIAS_KEY), fields=fields, **unlabeled)
                 else:
                     reader = TEXT_PARSERS.get(fmt, parse.parse_libsvm)
                     out = reader(block, source=path, first_line=1, skip_bad=skip_bad, binary=binary, seen=seen,
-                                 bias=int(BIAS_KEY), bits=hash_bits)
+                                 bias=int(BIAS_KEY), bits=hash_bits, **(unlabeled if fmt in BUILT_IN_FORMATS else {}))
             except parse.ParseError as e:
                 line = _count_newlines(path, 0, block_start)[0] + e.line
                 text = str(e).split(": ", 2)[-1] if str(e).count(": ") >= 2 else ""
@@ -449,12 +451,13 @@ def _other_format(fmt: str, line: str) -> str | None:
     columns = line.count("\t") + 1
     tokens = line.split()
     pairs = len(tokens) > 1 and all(":" in t for t in tokens[1:])
-    if fmt == "criteo" and columns != CRITEO_COLUMNS:
+    criteo = abs(columns - CRITEO_COLUMNS) <= 1  # (39: no label; 41: a weight after the label)
+    if fmt == "criteo" and not criteo:
         return (f"not a Criteo line: {columns} tab-separated column(s), where Criteo has {CRITEO_COLUMNS} (a label, "
-                f"13 integer and 26 categorical columns)"
+                f"13 integer and 26 categorical columns; 39 without the label, 41 with a weight after it)"
                 + ("; its fields are index:value pairs, as in libsvm: read it as libsvm (or auto)" if pairs else ""))
-    if fmt != "criteo" and columns == CRITEO_COLUMNS and not pairs:
-        return (f"not a {fmt} line: it has Criteo's {CRITEO_COLUMNS} tab-separated columns: read it as criteo "
+    if fmt != "criteo" and criteo and not pairs:
+        return (f"not a {fmt} line: it has Criteo's {columns} tab-separated columns: read it as criteo "
                 f"(or auto)")
     return None
 
@@ -479,20 +482,24 @@ def concatenate(parts: list) -> "Dataset":
 
 
 def _parse_part(path: str, start: int, end: int, fmt: str, hash_bits: int, skip_bad: bool, binary: bool,
-                fields: bool = False, state: tuple | None = None):
+                fields: bool = False, state: tuple | None = None, need_labels: bool = True):
     """The whole of ``path[start:end]``, parsed: ((labels, indptr, indices, values), skipped)."""
-    pieces = list(_parse_blocks(path, start, end, fmt, hash_bits, skip_bad, binary, fields=fields, state=state))
+    pieces = list(_parse_blocks(path, start, end, fmt, hash_bits, skip_bad, binary, fields=fields, state=state,
+                                need_labels=need_labels))
     return _concat(pieces), sum(p[4] for p in pieces)
 
 
 def load_part(path: str, part: int, parts: int, fmt: str = "auto", hash_bits: int = 24,
-              skip_bad: bool = False, cache_dir: str = "", binary: bool = False, fields: bool = False) -> Dataset:
+              skip_bad: bool = False, cache_dir: str = "", binary: bool = False, fields: bool = False,
+              need_labels: bool = True) -> Dataset:
     """Parse this worker's part of ``path`` (with the bias feature), through the cache if set.
 
     ``binary``: the labels are for the logistic loss; libsvm labels -1/+1 become 0/1, and any
     label other than 0, 1, -1, +1 is an error naming the line (Criteo labels are 0/1 anyway).
     ``fields``: keys carry their field above the hash bits (Criteo: the column; libffm keys
-    always do; libsvm and VW keys are all field 0).
+    always do; libsvm and VW keys are all field 0). ``need_labels`` False (rows to score): a row
+    without a label is read, with label 0 (libsvm and libffm lines that start with a feature, VW
+    lines that start with ``|`` or a tag, Criteo lines of 39 columns); else it is an error.
     """
     check_file(path)
     state = file_state(path)
@@ -501,12 +508,12 @@ def load_part(path: str, part: int, parts: int, fmt: str = "auto", hash_bits: in
     cache = None
     if cache_dir:
         cache = _cache_entry(cache_dir, path, part, parts, fmt, hash_bits, skip_bad, binary,
-                             fields and fmt == "criteo")
+                             fields and fmt == "criteo", need_labels)
         ds = _read_cache(cache, path, part, parts, state)
         if ds is not None:
             return ds
     (labels, indptr, indices, values), skipped = _parse_part(path, start, end, fmt, hash_bits, skip_bad, binary,
-                                                             fields, state)
+                                                             fields, state, need_labels)
     ds = Dataset(labels, indptr, indices, values, skipped, path, state=state)
     ds.check_finite()
     if cache:
@@ -518,7 +525,7 @@ CACHE_ARRAYS = ("labels", "indptr", "indices", "values")
 
 
 def _cache_entry(cache_dir: str, path: str, part: int, parts: int, fmt: str, hash_bits: int, skip_bad: bool,
-                 binary: bool, fields: bool) -> str:
+                 binary: bool, fields: bool, need_labels: bool = True) -> str:
     """The cache directory of a part parsed with these settings from the file ``path`` is now.
 
     The file is told by its path, size and modification time, and by its device, inode and
@@ -529,7 +536,8 @@ def _cache_entry(cache_dir: str, path: str, part: int, parts: int, fmt: str, has
     ctime alone (``chmod``, a new hard link) costs one parse, never a wrong row."""
     st = os.stat(path)
     tag = (f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{st.st_dev}|{st.st_ino}|{st.st_ctime_ns}|"
-           f"{part}/{parts}|{fmt}|{hash_bits}|{skip_bad}|{binary}" + ("|fields" if fields else ""))
+           f"{part}/{parts}|{fmt}|{hash_bits}|{skip_bad}|{binary}" + ("|fields" if fields else "")
+           + ("" if need_labels else "|unlabeled"))
     return os.path.join(cache_dir, hashlib.sha256(tag.encode()).hexdigest()[:20])
 
 

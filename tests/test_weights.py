@@ -1,0 +1,114 @@
+"""Unlabeled rows and weights (issue 38): ``hpcps predict`` and ``load_model`` read rows without
+labels in every format and score them as the same rows with labels, bit for bit; training and
+``hpcps eval`` refuse them, naming the file and line."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import hpcps
+from hpcps.train import data as tdata
+from hpcps.train import synth
+from hpcps_kernels import parse
+from test_faults import job, sets
+
+
+def strip_labels(path: str, fmt: str, out: str) -> str:
+    """The rows of ``path`` without their labels, as a user's file to score would hold them:
+    libsvm without its first token, Criteo without its first column (Criteo's own test files),
+    VW from its ``|`` on."""
+    with open(path) as f, open(out, "w") as g:
+        for line in f:
+            if fmt == "criteo":
+                g.write(line.split("\t", 1)[1])
+            elif fmt == "vw":
+                g.write(line[line.index("|"):])
+            else:
+                g.write(line.split(" ", 1)[1])
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """An LR model trained in one process on each format's file of one 3,000-row data set, and
+    each format's test file without labels."""
+    d = tmp_path_factory.mktemp("weights")
+    info = synth.generate(str(d / "data"), 3_000, 500, fields=8, seed=11, formats=("libsvm", "criteo", "vw"))
+    out = {}
+    for fmt in ("libsvm", "criteo", "vw"):
+        model = str(d / f"{fmt}.h5")
+        rc, text = job(0, ["train", *sets(data__train=info.files[f"train_{fmt}"], train__epochs=1,
+                                          train__progress=False, train__model_out=model)])
+        assert rc == 0, text
+        test = info.files[f"test_{fmt}"]
+        out[fmt] = (model, test, strip_labels(test, fmt, str(d / f"unlabeled.{fmt}")))
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["libsvm", "criteo", "vw"])
+def test_predict_scores_rows_without_labels_as_the_same_rows_with_them(trained, fmt, tmp_path):
+    model_path, labeled, unlabeled = trained[fmt]
+    model = hpcps.load_model(model_path)
+    assert np.array_equal(model.predict_proba(unlabeled), model.predict_proba(labeled))
+    files = []
+    for name, data in (("labeled", labeled), ("unlabeled", unlabeled)):
+        files.append(tmp_path / f"{name}.txt")
+        rc, out = job(0, ["predict", "--model", model_path, "--data", data, "--out", str(files[-1])])
+        assert rc == 0, out
+    assert files[0].read_bytes() == files[1].read_bytes() and len(files[0].read_text().splitlines()) == 500
+
+
+@pytest.mark.parametrize("fmt", ["libsvm", "criteo", "vw"])
+def test_training_and_eval_refuse_a_row_without_a_label_naming_its_line(trained, fmt, tmp_path):
+    model_path, labeled, unlabeled = trained[fmt]
+    mixed = tmp_path / f"mixed.{fmt}"
+    lines = open(labeled).read().splitlines(keepends=True)
+    mixed.write_text("".join(lines[:6]) + open(unlabeled).read().splitlines(keepends=True)[6] + "".join(lines[7:]))
+    rc, out = job(0, ["train", *sets(data__train=str(mixed), data__format=fmt, train__epochs=1,
+                                     train__progress=False)])
+    assert rc == 2 and f"{mixed}:7: a row without a label" in out, out
+    rc, out = job(0, ["eval", "--model", model_path, "--data", str(mixed)])
+    assert rc == 2 and f"{mixed}:7: a row without a label" in out, out
+    rc, out = job(0, ["predict", "--model", model_path, "--data", str(mixed), "--out", str(tmp_path / "p.txt")])
+    assert rc == 0, out
+
+
+CRITEO_LINE = "\t".join(["1", "", "3", "-1", "", "7", "100000"] + [""] * 7 + ["68fd1e64", "a", ""] + ["0123456789"] * 23)
+
+
+@pytest.mark.parametrize("fmt,labeled,unlabeled", [
+    ("libsvm", "1 3:1 7:0.5 qid:2\n-1 2:4\n", "3:1 7:0.5 qid:2\n2:4\n"),
+    ("libffm", "1 0:3:1 2:7:0.5\n0 1:2:4\n", "0:3:1 2:7:0.5\n1:2:4\n"),
+    ("vw", "1 |f a b:2 |g c\n-1 'tag|f d\n", "|f a b:2 |g c\n'tag|f d\n"),
+    ("criteo", CRITEO_LINE + "\n" + CRITEO_LINE.replace("1", "0", 1) + "\r\n",
+     CRITEO_LINE[2:] + "\n" + CRITEO_LINE[2:] + "\r\n"),
+])
+def test_a_line_without_a_label_parses_to_the_keys_of_the_line_with_one(fmt, labeled, unlabeled):
+    reader = {"libsvm": parse.parse_libsvm, "libffm": parse.parse_libffm, "vw": parse.parse_vw,
+              "criteo": parse.parse_criteo}[fmt]
+    kw = {"bits": 24} if fmt != "libsvm" else {}
+    want = reader(labeled.encode(), **kw)
+    got = reader(unlabeled.encode(), need_labels=False, **kw)
+    assert not got[0].any() and want[0].shape == got[0].shape == (2,)
+    for a, b in zip(want[1:4], got[1:4]):
+        assert np.array_equal(a, b)
+    with pytest.raises(parse.ParseError, match="^t:1: a row without a label"):
+        reader(unlabeled.encode(), source="t", **kw)
+    assert reader(unlabeled.encode(), skip_bad=True, **kw)[4] == 2
+
+
+def test_a_bad_criteo_line_keeps_the_error_of_its_40_columns():
+    """A line read as 39 or 41 columns only when 40 fail: a bad label is still a bad label."""
+    with pytest.raises(parse.ParseError, match="bad label"):
+        parse.parse_criteo(("2" + CRITEO_LINE[1:] + "\n").encode(), need_labels=False, with_weights=True)
+    with pytest.raises(parse.ParseError, match="expected 40 tab-separated columns"):
+        parse.parse_criteo((CRITEO_LINE + "\tx\tx\n").encode(), need_labels=False, with_weights=True)
+
+
+def test_load_part_reads_rows_without_labels_only_when_asked(trained, tmp_path):
+    _, _, unlabeled = trained["libsvm"]
+    ds = tdata.load_part(unlabeled, 0, 1, "libsvm", need_labels=False, cache_dir=str(tmp_path))
+    assert ds.rows == 500 and not ds.labels.any()
+    with pytest.raises(tdata.DataError, match=r":1: a row without a label"):
+        tdata.load_part(unlabeled, 0, 1, "libsvm", cache_dir=str(tmp_path))  # (not the unlabeled parse's cache)
