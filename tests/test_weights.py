@@ -112,3 +112,68 @@ def test_load_part_reads_rows_without_labels_only_when_asked(trained, tmp_path):
     assert ds.rows == 500 and not ds.labels.any()
     with pytest.raises(tdata.DataError, match=r":1: a row without a label"):
         tdata.load_part(unlabeled, 0, 1, "libsvm", cache_dir=str(tmp_path))  # (not the unlabeled parse's cache)
+
+
+# -- weights: a row of weight 2 trains as the row twice ---------------------------------------------
+
+def weighted_copies(path: str, fmt: str, d) -> tuple[str, str]:
+    """Two files of the rows of ``path``: every 7th row given weight 2 (VW: ``label 2 |...``;
+    Criteo: a weight column after the label), and the same rows with every 7th row repeated."""
+    weighted, repeated = d / f"weighted.{fmt}", d / f"repeated.{fmt}"
+    with open(path) as f, open(weighted, "w") as w, open(repeated, "w") as r:
+        for i, line in enumerate(f):
+            twice = i % 7 == 0
+            label, rest = line.split("\t" if fmt == "criteo" else " ", 1)
+            sep = "\t" if fmt == "criteo" else " "
+            w.write(f"{label}{sep}2{sep}{rest}" if twice else line)
+            r.write(line * (2 if twice else 1))
+    return str(weighted), str(repeated)
+
+
+def model_tables(path: str) -> dict:
+    from hpcps.train.model_file import ServingModel
+
+    m = ServingModel(path)
+    return {name: (t.keys, t.values) for name, t in m.tables.items()}
+
+
+@pytest.mark.parametrize("kind,fmt", [("lr", "vw"), ("fm", "criteo")])
+def test_a_weight_of_2_trains_as_the_row_repeated_under_bsp(kind, fmt, tmp_path):
+    """Under BSP, one step of plain SGD over every row (a batch as large as the file, 2 workers):
+    every row's gradient is taken at the same parameters, so the weighted file and the file with
+    the rows repeated give the same model but for the order of float32 sums."""
+    info = synth.generate(str(tmp_path / "data"), 700, 100, fields=6, seed=3, formats=(fmt,))
+    files = {"plain": info.files[f"train_{fmt}"]}
+    files["weighted"], files["repeated"] = weighted_copies(files["plain"], fmt, tmp_path)
+    models = {}
+    for name, path in files.items():
+        models[name] = str(tmp_path / f"{name}.h5")
+        rc, out = job(3, ["train", *sets(data__train=path, data__format=fmt, model__type=kind, model__factors=4,
+                                         model__bias_init="zero", optimizer__name="sgd", cluster__staleness=0,
+                                         train__epochs=1, train__batch_size=1000, train__progress=False,
+                                         train__model_out=models[name])])
+        assert rc == 0, out
+    plain, weighted, repeated = (model_tables(models[n]) for n in ("plain", "weighted", "repeated"))
+    for name, (keys, values) in repeated.items():
+        assert np.array_equal(weighted[name][0], keys)
+        np.testing.assert_allclose(weighted[name][1], values, rtol=1e-5, atol=1e-7)
+        assert not np.allclose(plain[name][1], values, rtol=1e-3, atol=1e-5)  # (the weights did something)
+
+
+@pytest.mark.parametrize("fmt", ["vw", "criteo"])
+def test_weights_come_through_streaming_shuffling_and_the_cache(fmt, tmp_path):
+    info = synth.generate(str(tmp_path / "data"), 600, 10, fields=6, seed=4, formats=(fmt,))
+    weighted, _ = weighted_copies(info.files[f"train_{fmt}"], fmt, tmp_path)
+    whole = tdata.load_part(weighted, 0, 1, fmt, cache_dir=str(tmp_path / "cache"))
+    assert whole.weights is not None and whole.weights.sum() == 600 + len(range(0, 600, 7))
+    cached = tdata.load_part(weighted, 0, 1, fmt, cache_dir=str(tmp_path / "cache"))
+    assert np.array_equal(cached.weights, whole.weights) and isinstance(cached.weights, np.memmap)
+    stream = tdata.PartStream(weighted, 0, 1, fmt, block_bytes=1 << 12).open()
+    got = [b for _, b in zip(range(7), stream.batches(97))]
+    assert np.array_equal(np.concatenate([b.weights for b in got if b.rows]), whole.weights)
+    shuffled = tdata.PartStream(weighted, 0, 1, fmt, block_bytes=1 << 12, shuffle_rows=50, shuffle_seed=1).open()
+    b = next(shuffled.batches(600))
+    order = tdata.window_order(600, 50, 1)
+    assert np.array_equal(b.weights, whole.weights[order]) and np.array_equal(b.labels, whole.labels[order])
+    plain = tdata.load_part(info.files[f"train_{fmt}"], 0, 1, fmt)
+    assert plain.weights is None  # (every weight 1: the kernels' unweighted path)

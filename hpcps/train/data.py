@@ -237,6 +237,7 @@ class Dataset:
     prepared: tuple | None = None
     keep_prepared: bool = False
     state: tuple | None = None  # the file's file_state when it was read (a loaded part)
+    weights: np.ndarray | None = None  # float32 (rows,): each row's importance weight; None: all 1
 
     def compact(self, uniq: np.ndarray, pos: np.ndarray) -> tuple:
         """Keep the batch's keys as its unique keys and each nonzero's int32 position among them
@@ -257,7 +258,8 @@ class Dataset:
         """Rows ``[lo, hi)`` (views, indptr rebased)."""
         lo, hi = min(lo, self.rows), min(hi, self.rows)
         a, b = self.indptr[lo], self.indptr[hi]
-        return Dataset(self.labels[lo:hi], self.indptr[lo:hi + 1] - a, self.indices[a:b], self.values[a:b])
+        return Dataset(self.labels[lo:hi], self.indptr[lo:hi + 1] - a, self.indices[a:b], self.values[a:b],
+                       weights=None if self.weights is None else self.weights[lo:hi])
 
     def take_rows(self, rows: np.ndarray) -> "Dataset":
         """A copy of the rows ``rows`` (row numbers, in any order)."""
@@ -266,7 +268,8 @@ class Dataset:
         np.cumsum(lengths, out=indptr[1:])
         starts = self.indptr[:-1][rows]
         at = np.repeat(starts - indptr[:-1], lengths) + np.arange(indptr[-1])
-        return Dataset(self.labels[rows], indptr, self.indices[at], self.values[at], 0, self.source)
+        return Dataset(self.labels[rows], indptr, self.indices[at], self.values[at], 0, self.source,
+                       weights=None if self.weights is None else self.weights[rows])
 
     def split_every(self, n: int, first_row: int, phase: int = -1) -> tuple["Dataset", "Dataset"]:
         """(the rows kept, every ``n``-th row held out), counting rows from ``first_row`` (this
@@ -280,7 +283,7 @@ class Dataset:
     def nbytes(self) -> int:
         keys = self.indices.nbytes if self.indices is not None else sum(a.nbytes for a in self.prepared or ())
         values = self.values.nbytes if self.values.base is not _ONES else 0
-        return self.labels.nbytes + self.indptr.nbytes + keys + values
+        return self.labels.nbytes + self.indptr.nbytes + keys + values + getattr(self.weights, "nbytes", 0)
 
     def check_finite(self) -> None:
         self.label_range()
@@ -352,7 +355,7 @@ def _parse_blocks(path: str, start: int, end: int, fmt: str, hash_bits: int, ski
     before each block (one ``stat``). ``need_labels`` False: rows without a label are read (label
     0; a registered format's parser is not asked)."""
     block_bytes = block_bytes or PARSE_BLOCK_BYTES
-    unlabeled = {} if need_labels else {"need_labels": False}
+    unlabeled = {"with_weights": True} if need_labels else {"need_labels": False, "with_weights": True}
     buf = bytearray(min(block_bytes, end - start) + (1 << 16))
     view = memoryview(buf)
     seen = np.zeros(2, dtype=np.int64)  # binary labels: a 0 / a -1 met in an earlier block
@@ -463,30 +466,45 @@ def _other_format(fmt: str, line: str) -> str | None:
 
 
 def _concat(pieces: list) -> tuple:
-    """One CSR part from consecutive (labels, indptr, indices, values) pieces."""
+    """One CSR part from consecutive (labels, indptr, indices, values[, weights]) pieces: (labels,
+    indptr, indices, values, weights), the weights None when no piece has any."""
     if not pieces:
-        return np.zeros(0, np.float32), np.zeros(1, np.int64), np.zeros(0, np.uint64), np.zeros(0, np.float32)
+        return np.zeros(0, np.float32), np.zeros(1, np.int64), np.zeros(0, np.uint64), np.zeros(0, np.float32), None
     if len(pieces) == 1:
-        return tuple(pieces[0][:4])
+        return (*pieces[0][:4], _weights_of(pieces[0]))
     labels = np.concatenate([p[0] for p in pieces])
     offsets = np.cumsum([0] + [p[1][-1] - p[1][0] for p in pieces[:-1]])
     indptr = np.concatenate([[0]] + [p[1][1:] - p[1][0] + o for p, o in zip(pieces, offsets)]).astype(np.int64)
     indices = np.concatenate([p[2] for p in pieces])
     values = np.concatenate([p[3] for p in pieces])
-    return labels, indptr, indices, values
+    weighted = [_weights_of(p) for p in pieces]
+    weights = None if all(w is None for w in weighted) else \
+        np.concatenate([np.ones(p[0].shape[0], np.float32) if w is None else w for p, w in zip(pieces, weighted)])
+    return labels, indptr, indices, values, weights
+
+
+def _weights_of(piece: tuple):
+    """The weights of a (labels, indptr, indices, values[, weights]) piece (None: every row's 1)."""
+    return piece[4] if len(piece) > 4 else None
 
 
 def concatenate(parts: list) -> "Dataset":
     """The rows of the Datasets ``parts``, in order, as one (without their keys' compaction)."""
-    return Dataset(*_concat([(p.labels, p.indptr, p.indices, p.values) for p in parts]))
+    return _joined([(p.labels, p.indptr, p.indices, p.values, p.weights) for p in parts])
+
+
+def _joined(pieces: list) -> "Dataset":
+    """The rows of (labels, indptr, indices, values[, weights]) pieces as one Dataset."""
+    *csr, weights = _concat(pieces)
+    return Dataset(*csr, weights=weights)
 
 
 def _parse_part(path: str, start: int, end: int, fmt: str, hash_bits: int, skip_bad: bool, binary: bool,
                 fields: bool = False, state: tuple | None = None, need_labels: bool = True):
-    """The whole of ``path[start:end]``, parsed: ((labels, indptr, indices, values), skipped)."""
+    """The whole of ``path[start:end]``, parsed: ((labels, indptr, indices, values, weights), skipped)."""
     pieces = list(_parse_blocks(path, start, end, fmt, hash_bits, skip_bad, binary, fields=fields, state=state,
                                 need_labels=need_labels))
-    return _concat(pieces), sum(p[4] for p in pieces)
+    return _concat([p[:4] + p[5:] for p in pieces]), sum(p[4] for p in pieces)
 
 
 def load_part(path: str, part: int, parts: int, fmt: str = "auto", hash_bits: int = 24,
@@ -512,9 +530,9 @@ def load_part(path: str, part: int, parts: int, fmt: str = "auto", hash_bits: in
         ds = _read_cache(cache, path, part, parts, state)
         if ds is not None:
             return ds
-    (labels, indptr, indices, values), skipped = _parse_part(path, start, end, fmt, hash_bits, skip_bad, binary,
-                                                             fields, state, need_labels)
-    ds = Dataset(labels, indptr, indices, values, skipped, path, state=state)
+    (labels, indptr, indices, values, weights), skipped = _parse_part(path, start, end, fmt, hash_bits, skip_bad,
+                                                                      binary, fields, state, need_labels)
+    ds = Dataset(labels, indptr, indices, values, skipped, path, state=state, weights=weights)
     ds.check_finite()
     if cache:
         _write_cache(cache, ds, part, parts)
@@ -565,6 +583,10 @@ def _read_cache(cache: str, path: str, part: int, parts: int, state: tuple) -> D
             skipped = int(f.read() or 0)
         labels, indptr, indices, values = (np.load(os.path.join(cache, f"{n}.npy"), mmap_mode="r")
                                            for n in CACHE_ARRAYS)
+        weighted = os.path.join(cache, "weights.npy")
+        weights = np.load(weighted, mmap_mode="r") if os.path.exists(weighted) else None
+        if weights is not None and weights.shape != labels.shape:
+            raise ValueError(f"{weights.shape[0]} weights for {labels.shape[0]} rows")
         rows, nnz = labels.shape[0], indices.shape[0]
         if (labels.ndim, indptr.ndim, indices.ndim, values.ndim) != (1, 1, 1, 1) or indptr.shape[0] != rows + 1 \
                 or values.shape[0] != nnz or int(indptr[0]) != 0 or int(indptr[-1]) != nnz:
@@ -576,7 +598,7 @@ def _read_cache(cache: str, path: str, part: int, parts: int, state: tuple) -> D
                        f"removed; the part is parsed from its text (and cached again)", e)
         shutil.rmtree(cache, ignore_errors=True)
         return None
-    return Dataset(labels, indptr, indices, values, skipped=skipped, source=path, state=state)
+    return Dataset(labels, indptr, indices, values, skipped=skipped, source=path, state=state, weights=weights)
 
 
 def _write_cache(cache: str, ds: Dataset, part: int, parts: int) -> None:
@@ -586,7 +608,7 @@ def _write_cache(cache: str, ds: Dataset, part: int, parts: int) -> None:
     tmp = cache + f".tmp{os.getpid()}"
     try:
         os.makedirs(tmp, exist_ok=True)
-        for n in CACHE_ARRAYS:
+        for n in CACHE_ARRAYS + (("weights",) if ds.weights is not None else ()):
             np.save(os.path.join(tmp, f"{n}.npy"), getattr(ds, n))
         with open(os.path.join(tmp, "done"), "w") as f:
             f.write(str(ds.skipped))
@@ -897,8 +919,7 @@ class PartStream:
         return self.slices.current
 
     def _dataset(self, out) -> Dataset:
-        labels, indptr, indices, values, sk = out
-        ds = Dataset(labels, indptr, indices, values, sk, self.path)
+        ds = Dataset(*out[:5], self.path, weights=_weights_of(out[:4] + out[5:]))
         self.labels.see(ds)  # (finite, their range)
         return ds
 
@@ -977,7 +998,7 @@ class PartStream:
         else:
             blocks = _skip_rows(blocks, to_skip)
         yield from _pieces(blocks, batch_size)
-        empty = Dataset(*_concat([]))
+        empty = _joined([])
         while True:
             yield empty
 
@@ -1021,13 +1042,13 @@ def _take(pending: list, n: int, have: int):
         p = pending[i]
         take = min(p.rows, n - got)
         b = p.batch(0, take)
-        pieces.append((b.labels, b.indptr, b.indices, b.values))
+        pieces.append((b.labels, b.indptr, b.indices, b.values, b.weights))
         got += take
         i += 1
     last = pending[i - 1]
     used = take
     rest = ([last.batch(used, last.rows)] if used < last.rows else []) + pending[i:]
-    return Dataset(*_concat(pieces)), rest, have - n
+    return _joined(pieces), rest, have - n
 
 
 def window_order(rows: int, window: int, seed: int, first: int = 0) -> np.ndarray:
