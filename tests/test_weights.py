@@ -177,3 +177,73 @@ def test_weights_come_through_streaming_shuffling_and_the_cache(fmt, tmp_path):
     assert np.array_equal(b.weights, whole.weights[order]) and np.array_equal(b.labels, whole.labels[order])
     plain = tdata.load_part(info.files[f"train_{fmt}"], 0, 1, fmt)
     assert plain.weights is None  # (every weight 1: the kernels' unweighted path)
+
+
+# -- weighted metrics, scikit-learn's definitions -----------------------------------------------------
+
+def test_weighted_metrics_are_scikit_learns():
+    from sklearn.metrics import log_loss, roc_auc_score, root_mean_squared_error
+
+    from hpcps_kernels import metrics
+
+    rng = np.random.default_rng(5)
+    y = (rng.random(4000) < 0.3).astype(np.float64)
+    margins = np.round(rng.normal(size=4000) + y, 1)  # (rounded: many ties)
+    w = rng.random(4000) * 3
+    w[::11] = 0.0
+    p = 1.0 / (1.0 + np.exp(-margins))
+    assert metrics.auc(y, margins, w) == pytest.approx(roc_auc_score(y, margins, sample_weight=w), abs=1e-12)
+    assert metrics.logloss(y, margins, w) == pytest.approx(log_loss(y, p, sample_weight=w), abs=1e-12)
+    assert metrics.rmse(y, margins, w) == pytest.approx(root_mean_squared_error(y, margins, sample_weight=w), abs=1e-12)
+    ones = np.ones(4000)  # weights of 1: exactly the unweighted figures
+    assert metrics.auc(y, margins, ones) == metrics.auc(y, margins) and \
+        metrics.logloss(y, margins, ones) == metrics.logloss(y, margins)
+    assert np.isnan(metrics.auc(y, margins, np.where(y > 0, 0.0, 1.0)))  # (positives that weigh nothing)
+
+
+def test_eval_weighs_the_rows_of_a_weighted_file(trained, tmp_path):
+    import json
+
+    from sklearn.metrics import log_loss, roc_auc_score
+
+    model_path, labeled, _ = trained["vw"]
+    weighted, _ = weighted_copies(labeled, "vw", tmp_path)
+    rc, out = job(0, ["eval", "--model", model_path, "--data", weighted])
+    assert rc == 0, out
+    got = json.loads([ln for ln in out.splitlines() if ln.startswith("{")][-1])
+    model = hpcps.load_model(model_path)
+    p = model.predict_proba(labeled)[:, 1]
+    y = tdata.load_part(labeled, 0, 1, "vw", binary=True).labels
+    w = np.where(np.arange(500) % 7 == 0, 2.0, 1.0)
+    assert got["auc"] == pytest.approx(roc_auc_score(y, p, sample_weight=w), abs=1e-9)
+    assert got["logloss"] == pytest.approx(log_loss(y, p, sample_weight=w), abs=1e-6)
+    assert got["auc"] != pytest.approx(roc_auc_score(y, p), abs=1e-9)
+
+
+# -- the estimators' sample_weight ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("make", [lambda: hpcps.SparseClassifier(model="fm", optimizer="sgd", epochs=1),
+                                  lambda: hpcps.SparseRegressor(optimizer="sgd", epochs=1)], ids=["fm", "lr"])
+def test_sample_weight_of_2_fits_as_the_row_repeated(make):
+    import scipy.sparse as sp
+
+    rng = np.random.default_rng(2)
+    X = sp.random(300, 50, density=0.1, format="csr", random_state=2)
+    y = (rng.random(300) < 0.4).astype(np.int64)
+    twice = np.arange(300) % 5 == 0
+    w = np.where(twice, 2.0, 1.0)
+    rows = np.repeat(np.arange(300), w.astype(int))
+    one_step = dict(batch_size=rows.shape[0])  # every row in one step, both ways
+    weighted = make().set_params(**one_step).fit(X, y, sample_weight=w)
+    repeated = make().set_params(**one_step).fit(X[rows], y[rows])
+    np.testing.assert_allclose(weighted.coef_, repeated.coef_, rtol=1e-5, atol=1e-8)
+    np.testing.assert_allclose(weighted.intercept_, repeated.intercept_, rtol=1e-5)
+    plain = make().set_params(**one_step).fit(X, y)
+    assert not np.allclose(plain.coef_, repeated.coef_, rtol=1e-3, atol=1e-6)
+    ones = make().set_params(**one_step).fit(X, y, sample_weight=np.ones(300))
+    assert np.array_equal(ones.coef_, plain.coef_)  # (weights of 1: bit for bit the unweighted fit)
+    again = make().set_params(**one_step)
+    again.partial_fit(X, y, sample_weight=w, **({"classes": [0, 1]} if hasattr(again, "predict_proba") else {}))
+    np.testing.assert_allclose(again.coef_, repeated.coef_, rtol=1e-5, atol=1e-8)
+    with pytest.raises(ValueError, match="[Nn]egative"):
+        make().fit(X, y, sample_weight=-w)
