@@ -321,6 +321,17 @@ def text_kernel(name: str, read_line, read_common_lines=_no_common_lines, with_v
     return njit(cache=True, nogil=True)(kernel)
 
 
+@register_jitable
+def _starts_with_feature(buf, j, stop):
+    """Whether the token at ``buf[j]`` holds a colon: a feature, where a libsvm line has its label
+    (a row without one)."""
+    while j < stop and buf[j] != SPACE and buf[j] != TAB:
+        if buf[j] == COLON:
+            return True
+        j += 1
+    return False
+
+
 @register_jitable(inline="always")
 def _libsvm_line(buf, i, n, indices, values, nnz, binary, seen, mask, field_shift):
     """A libsvm line, ``label idx:val ... [# comment]`` (``qid:N`` skipped); with ``field_shift >= 0``
@@ -340,11 +351,11 @@ def _libsvm_line(buf, i, n, indices, values, nnz, binary, seen, mask, field_shif
     j = _skip_blanks(buf, i, stop)
     if j >= stop:
         return end, BLANK, 0.0, -1, nnz, 1.0
-    first = j
-    lab, which, j, status = _read_label(buf, j, stop, binary, seen, False)
-    unlabeled = status != OK and j < stop and buf[j] == COLON  # a feature first: a row without a label
+    unlabeled = _starts_with_feature(buf, j, stop)
     if unlabeled:
-        lab, which, j, status = 0.0, -1, first, OK
+        lab, which, status = 0.0, -1, OK
+    else:
+        lab, which, j, status = _read_label(buf, j, stop, binary, seen, False)
     row_nnz = nnz
     while status == OK:
         j = _skip_blanks(buf, j, stop)
