@@ -137,8 +137,9 @@ def model_tables(path: str) -> dict:
     return {name: (t.keys, t.values) for name, t in m.tables.items()}
 
 
-@pytest.mark.parametrize("kind,fmt", [("lr", "vw"), ("fm", "criteo"), ("deepfm", "criteo")])
-def test_a_weight_of_2_trains_as_the_row_repeated_under_bsp(kind, fmt, tmp_path):
+@pytest.mark.parametrize("kind,fmt,compute", [("lr", "vw", "workers"), ("fm", "criteo", "workers"),
+                                              ("deepfm", "criteo", "workers"), ("fm", "vw", "servers")])
+def test_a_weight_of_2_trains_as_the_row_repeated_under_bsp(kind, fmt, compute, tmp_path):
     """Under BSP, one step of plain SGD over every row (a batch as large as the file, 2 workers;
     DeepFM's MLP by SGD too): every row's gradient is taken at the same parameters, so the
     weighted file and the file with the rows repeated give the same model but for the order of
@@ -151,7 +152,7 @@ def test_a_weight_of_2_trains_as_the_row_repeated_under_bsp(kind, fmt, tmp_path)
         models[name] = str(tmp_path / f"{name}.h5")
         rc, out = job(3, ["train", *sets(data__train=path, data__format=fmt, model__type=kind, model__factors=4,
                                          model__bias_init="zero", optimizer__name="sgd", cluster__staleness=0,
-                                         model__hidden=[8], model__dense_optimizer="sgd",
+                                         model__hidden=[8], model__dense_optimizer="sgd", model__compute=compute,
                                          train__epochs=1, train__batch_size=1000, train__progress=False,
                                          train__model_out=models[name])])
         assert rc == 0, out
