@@ -157,6 +157,7 @@ def _load_for_serving(args):
     """The model (a :class:`hpcps.train.predictor.Predictor`) and the rows of ``--data``, read as
     the model's keys were made: refused (one line, exit 2) when the data's hash bits or format
     would make other keys, unless ``--allow-other-hashing``, and when the data holds no rows."""
+    from hpcps.train import inputs
     from hpcps.train.predictor import Predictor
 
     predictor = Predictor(args.model)
@@ -168,6 +169,7 @@ def _load_for_serving(args):
         print(f"hpcps {args.command}: note: {args.model} was written before model files carried a checksum: its "
               f"arrays cannot be checked" + (f"; the data is checked against its config's {checks}" if checks else ""),
               file=sys.stderr, flush=True)
+    inputs.data_files(args.data, "--data")  # (a directory or glob without files: said so, naming --data)
     ds = predictor.rows_of_file(args.data, args.format or "auto", args.skip_bad_lines, args.allow_other_hashing,
                                 args.hash_bits, need_labels=args.command == "eval")
     return predictor, ds
@@ -195,11 +197,14 @@ def _cmd_predict(args) -> int:
 
     from hpcps import outputs
     from hpcps.train import data as tdata
+    from hpcps.train import inputs
     from hpcps.train.evaluation import write_scores
 
     out = "" if args.out == "-" else args.out  # "-": standard output
-    tdata.check_file(args.data)  # (what --data is, before it is compared with --out)
-    problem = outputs.clash([("--out", out)], [("--data", args.data), ("--model", args.model)])
+    files = inputs.data_files(args.data, "--data")  # (a file, a glob or a directory of part files)
+    for f in files:
+        tdata.check_file(f)  # (what --data is, before it is compared with --out)
+    problem = outputs.clash([("--out", out)], [*(("--data", f) for f in files), ("--model", args.model)])
     if problem:
         return _fail(problem)
     predictor, ds = _load_for_serving(args)
@@ -346,6 +351,17 @@ def _cmd_bench_vw(args) -> int:
     return 0
 
 
+def _cmd_bench_inputs(args) -> int:
+    from hpcps import outputs
+    from hpcps.bench import inputs as bench_inputs
+
+    results = bench_inputs.run(args.dir, args.rows, args.test_rows, args.ranks, args.repeats, args.epochs)
+    print(bench_inputs.format_results(results))
+    if args.json:
+        outputs.write_json(args.json, results, indent=1)
+    return 0
+
+
 def _inspect_model(path: str) -> int:
     """``hpcps inspect MODEL.h5``: what a model file holds and whether it is intact (exit 1 if
     damaged, 2 if it is no model file)."""
@@ -429,6 +445,15 @@ def _export_format(manifest: dict) -> str:
     return "" if fmt == "auto" else fmt
 
 
+def _checkpoint_directory_problem(path: str) -> str:
+    """What to say when ``path`` is a checkpoint.dir, not one of its checkpoints ('' if not)."""
+    from hpcps.ps import checkpoint
+
+    inside = checkpoint.complete_checkpoints(path) if not os.path.exists(os.path.join(path, checkpoint.MANIFEST)) else []
+    return (f"{path} is a checkpoint directory: name one of its checkpoints, e.g. the newest, {inside[-1]} "
+            f"(hpcps inspect {path} lists them)") if inside else ""
+
+
 def _checkpoint_tables(args) -> tuple[dict, list]:
     """The model attributes and the tables ``[(name, keys, values, table_attrs)]`` of the
     checkpoint ``args.ckpt`` (``--table``: that one only); a _Failure with its line and status."""
@@ -437,11 +462,6 @@ def _checkpoint_tables(args) -> tuple[dict, list]:
     from hpcps.ps import checkpoint
     from hpcps.train import model_file
 
-    inside = checkpoint.complete_checkpoints(args.ckpt) if not os.path.exists(
-        os.path.join(args.ckpt, checkpoint.MANIFEST)) else []
-    if inside:  # a checkpoint.dir, not one of its checkpoints
-        raise _Failure(f"{args.ckpt} is a checkpoint directory: name one of its checkpoints, e.g. the newest, "
-                       f"{inside[-1]} (hpcps inspect {args.ckpt} lists them)")
     try:
         m = checkpoint.verify(args.ckpt)
     except checkpoint.CheckpointError as e:  # damaged (1), or no checkpoint at all (2)
@@ -493,7 +513,8 @@ def _cmd_export(args) -> int:
     from hpcps.train import model_file
 
     from_model = os.path.isfile(args.ckpt)
-    problem = outputs.clash([("--out", args.out)], [("the model file" if from_model else "the checkpoint", args.ckpt)])
+    problem = "" if from_model else _checkpoint_directory_problem(args.ckpt)
+    problem = problem or outputs.clash([("--out", args.out)], [("the model file" if from_model else "the checkpoint", args.ckpt)])
     if problem:
         return _fail(problem)
     if from_model and args.format == "model":
@@ -752,6 +773,15 @@ def _add_bench(sub) -> None:
                    help="hpcps consistency per job: 0 = BSP, s > 0 = SSP s with train.pull_early (the pipelined step)")
     b.add_argument("--json", default="", help="also write the results here")
     b.set_defaults(func=_cmd_bench_vw)
+    b = bsub.add_parser("inputs", help="a training job from gzip text beside the same job from plain text (its own jobs)")
+    b.add_argument("--dir", default="/tmp/hpcps-bench-inputs", help="where the data and results go")
+    b.add_argument("--rows", type=count(), default=1_000_000)
+    b.add_argument("--test-rows", type=count(), default=50_000)
+    b.add_argument("--ranks", type=count(2), default=2, help="world size of each job (1 server + the rest workers)")
+    b.add_argument("--epochs", type=count(), default=1)
+    b.add_argument("--repeats", type=count(), default=3, help="jobs of each input, alternating plain and gzip")
+    b.add_argument("--json", default="", help="also write the results here")
+    b.set_defaults(func=_cmd_bench_inputs)
     b = bsub.add_parser("margins", help="computing on the servers (model.compute) vs pulling weights: bytes and speed")
     b.add_argument("--dir", default="/tmp/hpcps-bench-margins")
     b.add_argument("--rows", type=count(), default=300_000)

@@ -58,9 +58,10 @@ class Cluster:
 
 @dataclass(frozen=True)
 class Data:
-    train: str = described("", "training file (libsvm, Criteo TSV, VW or libffm); \"\" = generate one "
-                               "(see [synth])")
-    test: str = described("", "held-out file, evaluated after each epoch (\"\" = none)")
+    train: str = described("", "training data: a file, a list of files, a glob or a directory of part files "
+                               "(libsvm, Criteo TSV, VW or libffm; plain or gzip/zstd/bzip2/xz); \"\" = "
+                               "generate one (see [synth])")
+    test: str = described("", "held-out data (the same forms), evaluated after each epoch (\"\" = none)")
     format: str = described("auto", "the files' format; auto: a tab in the first line = criteo, a \"|\" or a "
                                     ".vw name = vw, field:index:value tokens or a .ffm name = libffm, "
                                     "else libsvm")
@@ -76,7 +77,7 @@ class Data:
     parse_thread: bool = described(False, "parse the part ahead on a thread of its own (for a spare core "
                                           "beside each worker), not in the steps' waits; the same rows in "
                                           "the same order")
-    predict: str = described("", "after training, score this file ... (\"\" = none)")
+    predict: str = described("", "after training, score this data (the same forms) ... (\"\" = none)")
     predict_out: str = described("", "... into this one, one score per row in input order")
 
 
@@ -93,11 +94,13 @@ class Synth:
 
 @dataclass(frozen=True)
 class Model:
-    type: str = described("lr", "lr (logistic or linear regression), fm (factorization machine), wdl "
-                                "(Wide & Deep) or deepfm, or a type registered from user code")
+    type: str = described("lr", "lr (logistic or linear regression), fm (factorization machine), ffm "
+                                "(field-aware FM), wdl (Wide & Deep) or deepfm, or a type registered from "
+                                "user code")
     loss: str = described("logistic", "logistic (labels 0/1 or -1/+1) or squared (any finite labels)")
-    factors: int = described(8, "fm: factors per key; wdl, deepfm: the embedding size")
-    init_scale: float = described(0.01, "fm, wdl, deepfm: std of the initial factors and embeddings "
+    factors: int = described(8, "fm: factors per key; ffm: factors per key and field; wdl, deepfm: the "
+                                "embedding size")
+    init_scale: float = described(0.01, "fm, ffm, wdl, deepfm: std of the initial factors and embeddings "
                                         "(lr starts at zeros)")
     seed: int = described(0, "seed of the initializer (and of the MLP's initial weights)")
     compute: str = described("workers", "servers: the servers compute margins and gradients and weights "
@@ -106,8 +109,8 @@ class Model:
                                        "label (its log-odds under the logistic loss, for lr and fm); zero")
     hidden: tuple = described((64, 32), "wdl, deepfm: the MLP's hidden layer sizes")
     activation: str = described("relu", "wdl, deepfm: the MLP's activation")
-    fields: int = described(0, "wdl, deepfm: fields per row; 0 = the format's (Criteo 39, libsvm and VW 1); "
-                               "libffm needs it")
+    fields: int = described(0, "ffm, wdl, deepfm: fields per row; 0 = the format's (Criteo 39, libsvm and "
+                               "VW 1); libffm needs it")
     dense_optimizer: str = described("adam", "wdl, deepfm: the MLP's optimizer on the servers (adam, adagrad "
                                              "or sgd)")
     dense_lr: float = described(0.0, "wdl, deepfm: the MLP's learning rate; 0 = 0.001 per 1000 rows in each "
@@ -258,7 +261,18 @@ def _coerce(where: str, value: Any, default: Any):
     raise ConfigError(f"{where}: expected {kind.__name__}, got {value!r}")
 
 
-BUILT_IN_MODELS = ("lr", "fm", "wdl", "deepfm")
+# the keys that name data: a path, a glob or a directory (a string), or a list of them
+FILE_LISTS = (("data", "train"), ("data", "test"), ("data", "predict"))
+
+
+def _file_list(where: str, value: list) -> str | tuple:
+    """A list of paths for a key of :data:`FILE_LISTS` (one path: that string)."""
+    if not value or not all(isinstance(x, str) and x for x in value):
+        raise ConfigError(f"{where}: expected a path or a list of paths, got {value!r}")
+    return value[0] if len(value) == 1 else tuple(value)
+
+
+BUILT_IN_MODELS = ("lr", "fm", "ffm", "wdl", "deepfm")
 CHOICES = {  # the keys whose values are names; models and data formats registered from user code add theirs
     ("data", "format"): ("auto", "libsvm", "criteo", "vw", "libffm"),
     ("model", "type"): BUILT_IN_MODELS,
@@ -303,7 +317,10 @@ def from_dict(raw: dict) -> Config:
         for key, value in values.items():
             if key not in defaults:
                 raise ConfigError(f"unknown config key {name}.{_name(key)}; [{name}] has {sorted(defaults)}")
-            kw[key] = _coerce(f"{name}.{key}", value, defaults[key])
+            if (name, key) in FILE_LISTS and isinstance(value, (list, tuple)):
+                kw[key] = _file_list(f"{name}.{key}", value)
+            else:
+                kw[key] = _coerce(f"{name}.{key}", value, defaults[key])
             if (name, key) in CHOICES and kw[key] not in CHOICES[(name, key)]:
                 raise ConfigError(f"{name}.{key} = {kw[key]!r}: expected one of {list(CHOICES[(name, key)])}")
         try:
@@ -325,7 +342,7 @@ def from_dict(raw: dict) -> Config:
         if why:
             raise ConfigError(f"optimizer.{key} {why}")
     model = sections.get("model") or Model()
-    if name == "ftrl" and "l2" not in params and model.type in ("fm", *DEEP) and model.loss == "logistic":
+    if name == "ftrl" and "l2" not in params and model.type in FACTORED and model.loss == "logistic":
         params["l2"] = FACTOR_FTRL_L2  # (a default: written out as if set, so checkpoints and tune's best.toml keep it)
     sections["optimizer"] = Optimizer(name, params)
     cfg = Config(**sections)
@@ -334,7 +351,9 @@ def from_dict(raw: dict) -> Config:
 
 
 DEEP = ("wdl", "deepfm")  # models with embeddings and an MLP
-# FTRL's default l2 for the models with factors or embeddings (fm, wdl, deepfm) under the logistic
+FIELDED = ("ffm", *DEEP)  # models that read each key's field (above the hash bits)
+FACTORED = ("fm", *FIELDED)  # models with factors or embeddings
+# FTRL's default l2 for the models with factors or embeddings (fm, ffm, wdl, deepfm) under the logistic
 # loss; LR and regression keep the registry's 0. Every tuned FM and DeepFM model of the tests' data
 # sets had l2 10 (docs/defaults-sweep.py), and it cut their defaults' gaps to the tuned models from
 # 0.0054-0.0076 to 0.0010-0.0027; on the LR sets and the ratings set (squared loss) it made things worse.
@@ -405,19 +424,20 @@ def _check(cfg: Config) -> None:
     if cfg.model.compute == "servers" and cfg.model.type not in BUILT_IN_MODELS:
         raise ConfigError(f"model.compute = 'servers' is for lr and fm; a registered model ({cfg.model.type}) "
                           f"computes on the workers")
-    if cfg.model.type in DEEP:
+    if cfg.model.type in FIELDED:
         if cfg.model.compute == "servers":
-            raise ConfigError(f"model.compute = 'servers' is for lr and fm; a {cfg.model.type}'s MLP runs on the workers")
+            raise ConfigError(f"model.compute = 'servers' is for lr and fm; {cfg.model.type} computes on the workers")
         if cfg.data.hash_bits > 48:
             raise ConfigError(f"data.hash_bits must be at most 48 for a {cfg.model.type} (a key carries its field "
                               f"above the hash bits; got {cfg.data.hash_bits})")
+    if cfg.model.type in DEEP:
         if cfg.model.dense_optimizer not in optim.REGISTRY:
             raise ConfigError(f"model.dense_optimizer = {cfg.model.dense_optimizer!r}: expected one of "
                               f"{sorted(optim.REGISTRY)}")
         if "lr" not in optim.get(cfg.model.dense_optimizer).params:
             raise ConfigError(f"model.dense_optimizer = {cfg.model.dense_optimizer!r} takes no learning rate "
                               f"(model.dense_lr); use adam, adagrad or sgd")
-    if cfg.model.type in ("fm", *DEEP) and cfg.model.init_scale <= 0:
+    if cfg.model.type in FACTORED and cfg.model.init_scale <= 0:
         raise ConfigError("model.init_scale must be greater than 0 for an fm (factors that all start at 0 "
                           "never move)")
     if bool(cfg.data.predict) != bool(cfg.data.predict_out):
@@ -447,8 +467,9 @@ def path_roles(cfg: Config, config_file: str = "", outputs=(), data: dict | None
     data = data or {"train": d.train, "test": d.test}
     outs = [("train.model_out", cfg.train.model_out), ("train.metrics", cfg.train.metrics),
             ("data.predict_out", d.predict_out), *outputs]
-    ins = [("data.train", data["train"]), ("data.test", data["test"]), ("data.predict", d.predict),
-           ("the config file", config_file or "")]
+    named = [("data.train", data["train"]), ("data.test", data["test"]), ("data.predict", d.predict)]
+    ins = [(key, p) for key, v in named for p in ([v] if isinstance(v, str) else v)]
+    ins.append(("the config file", config_file or ""))
     if cfg.checkpoint.resume not in ("", "auto"):
         ins.append(("checkpoint.resume", cfg.checkpoint.resume))
     return outs, ins, [("checkpoint.dir", cfg.checkpoint.dir)]
@@ -596,7 +617,7 @@ FEATURES_HELP = {
                   "hash (10 to 32)",
 }
 REGISTERED_CHOICES = {("model", "type"), ("data", "format")}  # (user code adds to these: listed in their text)
-OPTIMIZER_KEYS_HELP = ("the optimizer's own keys; a key left out takes its default (ftrl's l2 is 10 for fm, "
+OPTIMIZER_KEYS_HELP = ("the optimizer's own keys; a key left out takes its default (ftrl's l2 is 10 for fm, ffm, "
                        "wdl and deepfm under the logistic loss, else 0)")
 
 

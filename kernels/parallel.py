@@ -8,8 +8,8 @@ A server rank has a second core only while its workers wait for it without polli
 about 0.1-0.3 ms, so pushes of fewer than ``PARALLEL_MIN_KEYS`` keys and ``PARALLEL_MIN_VALUES``
 values (keys x values a key: a training step's pushes) stay on one thread. Pulls gain only when
 the worker sleeps through the server's work instead of spinning for the reply's transfer from the
-start (``hpcps.ps.protocol.announced``). ``hpcps bench ps`` measures both, with
-``HPCPS_SERVER_THREADS`` 1 against 2.
+start (the server then sends the reply's header apart, ``hpcps.ps.protocol.PAYLOAD_APART``).
+``hpcps bench ps`` measures both, with ``HPCPS_SERVER_THREADS`` 1 against 2.
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ def run_split(threads: TwoThreads | None, n: int, call: Callable[[int, int], obj
 
 def splits_pull(n: int, width: int) -> bool:
     """Whether a server (with two threads) runs a pull of ``n`` keys of ``width`` values in two
-    halves; its reply is then announced (``hpcps.ps.protocol.announced``), so that the worker sleeps
-    through it rather than spinning (a split pull is slower while the worker spins)."""
+    halves; the server then sends its reply's header apart (``hpcps.ps.protocol.PAYLOAD_APART``),
+    so that the worker sleeps through it rather than spinning (a split pull is slower while the
+    worker spins)."""
     return n * (width + PULL_KEY_VALUES) >= PARALLEL_MIN_PULL_WORK
 
 

@@ -22,7 +22,7 @@ import time
 import numpy as np
 from numba import njit
 
-from . import admission, deep, directindex, hashing, hashtable, init, keys, metrics, models, optim, parse, textgen, tuning
+from . import admission, deep, directindex, ffm, hashing, hashtable, init, keys, metrics, models, optim, parse, textgen, tuning
 from . import reference as ref
 
 ROOF_BYTES = 512 << 20
@@ -178,6 +178,23 @@ def bench_fm(rows, repeat, roof):
     t = median_time(lambda: models.fm_forward_backward(indptr, pos, vals, labels, w, V, gw, gV, 1.0, 0.0, 0, m), repeat)
     tr = median_time(lambda: ref.fm_forward_backward(indptr, pos, vals, labels, w, V, 1.0, 0.0), repeat)
     return [_row("fm_grad/k=8", idx.size, "nnz", t, tr, "scipy CSR (X@V, X.T@...)")]
+
+
+def bench_ffm(rows, repeat, roof):
+    """A field-aware FM's step (margins, loss, gradients) on Criteo-shaped rows: 39 fields, each
+    key's field above bit 24, k = 4; its cost is per pair of a row's nonzeros (741 a row)."""
+    rows = max(rows // 100, 1)
+    indptr, idx, vals, labels = criteo_batch(rows, 24)
+    fkeys = idx | (np.tile(np.arange(39, dtype=np.uint64), rows) << np.uint64(24))
+    uniq, pos = keys.unique_keys(fkeys)
+    fld = np.empty(fkeys.shape[0], np.int32)
+    ffm.nonzero_fields(fkeys, 24, 39, np.uint64(2**63), fld)
+    k = 4
+    P = (0.01 * np.random.default_rng(7).normal(size=(uniq.shape[0], 1 + 39 * k))).astype(np.float32)
+    G, m = np.empty_like(P), np.empty(0)
+    t = median_time(lambda: ffm.ffm_forward_backward(indptr, pos, fld, vals, labels, P, G, k, 1.0, 0.0, 0, m), repeat)
+    tr = median_time(lambda: ref.ffm_forward_backward(indptr, pos, fld, vals, labels, P, k, 1.0, 0.0), repeat)
+    return [_row("ffm_grad/39 fields k=4", rows * 39 * 38 // 2, "pairs", t, tr, "NumPy pairs gathered, np.add.at")]
 
 
 def bench_deep(rows, repeat, roof):
@@ -442,7 +459,7 @@ def bench_metrics(rows, repeat, roof):
 BENCHES = {
     "unique": bench_unique, "lr": bench_lr, "fm": bench_fm, "segment_reduce": bench_segment_reduce,
     "optim": bench_optim, "hashtable": bench_hashtable, "hashing": bench_hashing, "parse": bench_parse,
-    "metrics": bench_metrics, "deep": bench_deep,
+    "metrics": bench_metrics, "deep": bench_deep, "ffm": bench_ffm,
 }
 
 
@@ -486,6 +503,11 @@ def warmup_models() -> None:
     deep.embed_pool(indptr, pos, fkeys, vals, P[:, 1:], 30, 2, np.uint64(0), x)
     deep.embed_scatter(indptr, pos, fkeys, vals, x, 30, np.uint64(0), V)
     deep.embed_scatter(indptr, pos, fkeys, vals, x, 30, np.uint64(0), P[:, 1:])
+    fld = np.empty(idx.shape[0], np.int32)  # the field-aware FM: each nonzero's field, margins, a step
+    ffm.nonzero_fields(fkeys, 30, 2, np.uint64(0), fld)
+    F = np.zeros((len(uniq), 1 + 2 * 2), np.float32)
+    ffm.ffm_margins(indptr, pos, fld, vals, F, 2, np.empty(nrows))
+    ffm.ffm_forward_backward(indptr, pos, fld, vals, labels, F, np.empty_like(F), 2, 1.0, 0.0, 0, np.empty(0))
     W1 = np.zeros((len(uniq), 1), np.float32)[:, 0]  # a wide table's column, as the deep models pass it
     models.lr_partial_margins(pos, vals, row_ids, W1, np.empty(nrows))
     models.lr_residual_grads(pos, vals, row_ids, np.zeros(nrows), W1)

@@ -63,6 +63,45 @@ def fm_forward_backward(indptr, pos, vals, labels, w, V, scale, l2, loss=0):
     return total, gw.astype(np.float32), gV.astype(np.float32), m
 
 
+def ffm_pairs(indptr, fld):
+    """The pairs ``(a, b)``, ``a < b``, of nonzeros of one row that both have a field (``fld >= 0``)."""
+    lengths = np.diff(indptr)
+    firsts, seconds = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+    for n in np.unique(lengths):
+        starts = indptr[:-1][lengths == n]
+        i, j = np.triu_indices(n, 1)
+        firsts.append((starts[:, None] + i[None, :]).ravel())
+        seconds.append((starts[:, None] + j[None, :]).ravel())
+    a, b = np.concatenate(firsts), np.concatenate(seconds)
+    keep = (fld[a] >= 0) & (fld[b] >= 0)
+    return a[keep], b[keep]
+
+
+def ffm_forward_backward(indptr, pos, fld, vals, labels, P, k, scale, l2, loss=0):
+    """The field-aware FM: (summed loss, gradient like ``P``, margins), every pair of a row's
+    nonzeros gathered at once and scattered back with ``np.add.at``."""
+    rows, n = indptr.shape[0] - 1, P.shape[0]
+    P64 = P.astype(np.float64)
+    V = P64[:, 1:].reshape(n, -1, k)
+    x = vals.astype(np.float64)
+    row = np.repeat(np.arange(rows), np.diff(indptr))
+    a, b = ffm_pairs(indptr, fld)
+    va, vb = V[pos[a], fld[b]], V[pos[b], fld[a]]
+    c = x[a] * x[b]
+    m = (np.bincount(row, P64[pos, 0] * x, minlength=rows)
+         + np.bincount(row[a], np.einsum("pk,pk->p", va, vb) * c, minlength=rows))
+    total, g = _loss(m, labels.astype(np.float64), loss)
+    g = g * scale
+    G = np.zeros_like(P64)
+    np.add.at(G[:, 0], pos, g[row] * x)
+    GV = np.zeros_like(V)
+    gc = (g[row[a]] * c)[:, None]
+    np.add.at(GV, (pos[a], fld[b]), gc * vb)
+    np.add.at(GV, (pos[b], fld[a]), gc * va)
+    G[:, 1:] = GV.reshape(n, -1)
+    return total, G + l2 * P64, m
+
+
 def sgd(rows, slots, grads, lr, l2):
     dim = grads.shape[1]
     for i, s in enumerate(slots):

@@ -89,6 +89,54 @@ KNOBS = (
          PS_BENCH + " (HPCPS_SERVER_THREADS=1 against 2)", minimum=2),
     Knob("PULL_KEY_VALUES", 8, "a key's lookup costs about as much as copying this many values (in a "
          "pull's work)", PS_BENCH + " (HPCPS_SERVER_THREADS=1 against 2)", minimum=0),
+    # the parameter server: waits (hpcps.ps.transport)
+    Knob("POLL_SPIN_S", 50e-6, "a wait polls without sleeping this long first: a fast answer's latency stays "
+         "MPI's", PS_BENCH + " (1,000-key pulls)"),
+    Knob("POLL_MIN_SLEEP_S", 20e-6, "then it sleeps, from this long, doubling up to POLL_MAX_SLEEP_S: a "
+         "waiting rank leaves its core to the ranks computing", PS_BENCH),
+    Knob("POLL_MAX_SLEEP_S", 1e-3, "the longest sleep of a wait's back-off", PS_BENCH),
+    Knob("POLL_SHORT_MAX_SLEEP_S", 2e-4, "the longest sleep of a worker's wait for replies in the training "
+         "loop (sub-millisecond answers)", "hpcps bench vw (the training loop's examples/s)"),
+    Knob("POLL_MAX_ADAPTIVE_SPIN_S", 1e-3, "the longest a wait for large messages spins for their transfer",
+         PS_BENCH + " (100,000-key pushes and pulls)"),
+    Knob("SPIN_BYTES_PER_S", 2e9, "a wait for large messages polls without sleeping for as long as their "
+         "transfer takes at this rate: MPICH moves a large message only while both sides call into MPI",
+         PS_BENCH + " (100,000-key pushes and pulls)", minimum=1.0),
+    Knob("SPIN_RESET_BYTES", 1 << 20, "once a message this large of a wait is done (a request's send), the "
+         "wait spins only for the rest's transfer: a worker sleeps while the server works", PS_BENCH),
+    Knob("POLL_ACTIVE_MAX_SLEEP_S", 1e-4, "a serving loop's sleeps stay this short for POLL_ACTIVE_WINDOW_S "
+         "after its last work: a step's first request is answered at once, not after a grown back-off",
+         "hpcps bench deep (W&D, SSP 2, pipelined)"),
+    Knob("POLL_ACTIVE_WINDOW_S", 2e-3, "see POLL_ACTIVE_MAX_SLEEP_S: about a step's compute gap",
+         "hpcps bench deep (W&D, SSP 2, pipelined)"),
+    # the parameter server: large messages (hpcps.ps.transport, hpcps.ps.protocol)
+    Knob("POOL_MIN_BYTES", 16 << 20, "messages this large and larger go into reused buffers (no page faults of "
+         "fresh ones)", PS_BENCH + " --sizes 1000000", minimum=1),
+    Knob("POOL_MAX_BYTES", 1 << 30, "the buffers kept for reuse hold at most this much", PS_BENCH, minimum=0),
+    Knob("PAGE_BYTES", 4096, "the memory page that placements below are relative to (16 or 64 KiB on some "
+         "ARM machines)", PS_BENCH + " --sizes 1000000 --dim 64", minimum=64),
+    Knob("MESSAGE_PAGE_OFFSET", 2048, "a large message or pooled buffer starts this far into a page: MPICH's "
+         "copy into shared memory ran at a quarter of its speed from a page's first bytes",
+         PS_BENCH + " --sizes 1000000 --dim 64"),
+    Knob("PLACED_BYTES", 32 << 20, "requests whose gradients take this much are placed in memory (see "
+         "MESSAGE_PAGE_OFFSET; glibc's memcpy also slows at some offsets past its source's)",
+         PS_BENCH + " --sizes 1000000 --dim 64", minimum=1),
+    Knob("PAGE_EDGE_BYTES", 16, "gradients that start within this many bytes of a page's edge are copied "
+         "into a placed message rather than sent from their array", PS_BENCH + " --sizes 1000000 --dim 64"),
+    Knob("GRADS_APART_BYTES", 1 << 21, "gradients this large go as a message of their own, from the worker's "
+         "array (no copy)", PS_BENCH + " (100,000-key pushes)", minimum=1),
+    # the parameter server: a shard's index (hpcps.ps.tables, hpcps.ps.store, hpcps.ps.server_table)
+    Knob("DIRECT_MAX_BITS", 26, "keys of at most this many bits may be addressed directly (an int32 slot per "
+         "possible key: 256 MiB a server at 26 bits) instead of through a hash index",
+         KERNELS_BENCH + " --kernel hashtable (direct rows)", minimum=0),
+    Knob("DIRECT_AT_ONCE_BITS", 18, "up to this many key bits a shard is addressed directly from its first key",
+         KERNELS_BENCH + " --kernel hashtable (direct rows)", minimum=0),
+    Knob("DIRECT_FROM_SHIFT", 8, "above, a shard goes direct once it holds 2**(key_bits - this) keys: before, a "
+         "hash index costs less memory", KERNELS_BENCH + " --kernel hashtable (direct rows)", minimum=0),
+    Knob("FINITE_CHECK_VALUES", 1 << 20, "a table's numbers are checked for NaN and infinities this many at a time "
+         "(no temporary array the size of a table)", "mpiexec -n 2 hpcps bench checkpoint", minimum=1),
+    Knob("STOP_QUIET_S", 1.0, "on a stop signal, a rank other than the first waits this long before it speaks "
+         "for itself (one message for the job, not one a rank)", "tests/test_faults.py (signals)"),
     # training
     Knob("PARSE_BLOCK_BYTES", 1 << 30, "a worker's part of a text file is parsed in blocks of at most this "
          "many bytes (usually one): bounds the parse's buffers", "hpcps train with data.memory_mb", minimum=1 << 20),

@@ -165,3 +165,18 @@ def test_deep_benchmark_reports_stages_beside_numpy(tmp_path):
     ref = [r["numpy"] for r in lines if "numpy" in r][0]
     assert ref["examples_per_s"] > 0 and 0.3 < ref["train_loss"] < 0.8
     assert "vs NumPy" in proc.stdout
+
+
+def test_inputs_benchmark_times_gzip_beside_plain_text_alternating(tmp_path):
+    out = tmp_path / "inputs.json"
+    proc = subprocess.run([sys.executable, "-m", "hpcps.cli", "bench", "inputs", "--dir", str(tmp_path), "--rows",
+                           "5000", "--test-rows", "500", "--repeats", "2", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    res = json.load(open(out))
+    assert [len(res["wall_s"][k]) for k in ("plain", "gzip")] == [2, 2]
+    assert res["bytes"]["gzip"] < res["bytes"]["plain"] and res["gzip_over_plain"] > 0
+    assert all(c > 0 for k in ("plain", "gzip") for c in res["cpu_s"][k]) and res["cpu_gzip_over_plain"] > 0
+    order = [json.loads(line)["input"] for line in proc.stdout.splitlines() if line.startswith('{"repeat"')]
+    assert order == ["plain", "gzip", "plain", "gzip"]  # alternating: both meet the same load
+    assert "gzip / plain (medians):" in proc.stdout

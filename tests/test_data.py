@@ -39,7 +39,7 @@ def test_a_stream_counts_its_lines_on_a_thread_and_knows_an_empty_part(tmp_path,
     whole = data.PartStream(str(path), 0, 1, binary=True).open()
     assert whole.has_rows and whole.rows_bound == 3  # lines, the blank one included
     sizes = [data.PartStream(str(path), i, 5, binary=True).open() for i in range(5)]
-    empty = [s for s in sizes if s.start == s.end]
+    empty = [s for s in sizes if all(p.start == p.end for p in s.pieces)]
     assert empty and all(not s.has_rows and s.rows_bound == 0 for s in empty)
     assert sum(s.rows_bound for s in sizes) == 3
 
@@ -162,7 +162,7 @@ def test_bias_key_is_the_documented_hash():
 
 def test_parsing_in_small_blocks_gives_the_same_rows_and_line_numbers(dataset, tmp_path, monkeypatch):
     whole = data.load_part(dataset.files["train_criteo"], 0, 1)
-    monkeypatch.setattr(data, "BLOCK", 777)  # many blocks, lines cut at every block edge
+    monkeypatch.setattr(data, "PARSE_BLOCK_BYTES", 777)  # many blocks, lines cut at every block edge
     for parts in (1, 3):
         pieces = [data.load_part(dataset.files["train_criteo"], i, parts) for i in range(parts)]
         np.testing.assert_array_equal(np.concatenate([p.indices for p in pieces]), whole.indices)

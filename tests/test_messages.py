@@ -42,7 +42,7 @@ def test_a_pool_reuses_a_buffer_only_once_nothing_refers_to_it():
     assert pool.take(20000).nbytes == 20000 and pool.reused == 3
     big = [pool.take(300_000) for _ in range(4)]
     assert pool.held_bytes <= 1 << 20 and all(x.nbytes == 300_000 for x in big)
-    assert all(x.ctypes.data % 4096 == transport.POOL_PAGE_OFFSET for x in big)  # away from a page's edges
+    assert all(x.ctypes.data % 4096 == transport.MESSAGE_PAGE_OFFSET for x in big)  # away from a page's edges
     assert len({x.ctypes.data for x in big}) == 4
 
 
@@ -56,16 +56,16 @@ def test_large_gradients_are_packed_where_copies_run_fast_and_unpack_unchanged(m
         grads = rng.normal(size=(n, dim)).astype(np.float32)
         pull = rng.integers(0, 2**63, 7, dtype=np.uint64)
         for alloc in (None, pool.take):
-            msg = protocol.pack_request(protocol.PUSHPULL, 2, 11, 5, 1, keys, grads, pull, dim, alloc=alloc)
+            msg = protocol.PushPull(2, 11, 5, 1, keys, grads, pull).pack(alloc)
             r = protocol.unpack_request(msg, [1, 1, dim])
             np.testing.assert_array_equal(r.push_keys, keys)
             np.testing.assert_array_equal(r.grads, grads)
             np.testing.assert_array_equal(r.pull_keys, pull)
             assert (r.op, r.table, r.req_id, r.clock, r.worker) == (protocol.PUSHPULL, 2, 11, 5, 1)
             if grads.nbytes >= protocol.PLACED_BYTES:
-                past = (r.grads.ctypes.data - grads.ctypes.data) % protocol.PAGE
+                past = (r.grads.ctypes.data - grads.ctypes.data) % protocol.PAGE_BYTES
                 assert past == 0 or past >= 1024, past
-                shifts.add(msg.ctypes.data % protocol.PAGE)
+                shifts.add(msg.ctypes.data % protocol.PAGE_BYTES)
             assert msg.nbytes == protocol.request_bytes(n, 7, dim)
     assert shifts == {2048, 3072}  # (3072 where from 2048 the gradients would land 1-1023 bytes past)
 
@@ -105,6 +105,32 @@ def test_an_announced_reply_is_waited_for_asleep_until_its_header_comes(monkeypa
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_reply_says_in_its_header_whether_its_payload_comes_apart():
+    """The receiver of a reply posts one receive and reads the framing from the header the
+    server wrote (``protocol.PAYLOAD_APART``): a reply sent whole and one sent as header then
+    payload both arrive complete, with no size threshold on the receiving side."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD.Dup()
+    for apart, n in ((False, 1000), (True, 1000), (False, 1 << 20), (True, 1 << 20)):
+        if comm.rank == 0:
+            out = np.empty(protocol.REPLY_BYTES + 4 * n, np.uint8)
+            transport.wait(transport.start_recv_framed(comm, out, protocol.REPLY_BYTES, 1, 3, "reply",
+                                                       protocol.payload_apart), timeout=60)
+            assert protocol.payload_apart(out) == apart
+            assert int(protocol.reply_header(out)["req_id"]) == n
+            np.testing.assert_array_equal(protocol.pulled_values(out, 1)[:, 0], np.arange(n, dtype=np.float32))
+        elif comm.rank == 1:
+            buf, payload = protocol.pack_reply(n, protocol.OK, 0, 0, 4 * n, apart=apart)
+            payload.view(np.float32)[:] = np.arange(n, dtype=np.float32)
+            send = transport.start_send_announced if apart else transport.start_send
+            args = (comm, buf, protocol.REPLY_BYTES, 0, 3, "reply") if apart else (comm, buf, 0, 3, "reply")
+            transport.wait(send(*args), timeout=60)
+        comm.Barrier()
+    comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_large_pushes_and_pulls_through_pooled_buffers_carry_exact_values():
     """Pushes and pulls of 19 MB each way (pooled buffers on both sides, the gradients sent
     apart, the replies announced, the server's two threads): every pull holds the exact sums so
@@ -138,8 +164,8 @@ def test_a_request_with_its_gradients_apart_unpacks_to_the_same_arrays():
     keys, pull = np.arange(7, dtype=np.uint64) * 5, np.arange(3, dtype=np.uint64)
     grads = rng.normal(size=(7, 4)).astype(np.float32)
     in_pull = np.isin(keys, pull)
-    whole = protocol.pack_request(protocol.PUSHPULL, 1, 9, 4, 0, keys, grads, pull, 4, 0, in_pull)
-    apart = protocol.pack_request(protocol.PUSHPULL, 1, 9, 4, 0, keys, grads, pull, 4, 0, in_pull, apart=True)
+    whole = protocol.PushPull(1, 9, 4, 0, keys, grads, pull, 0, in_pull).pack()
+    apart = protocol.PushPull(1, 9, 4, 0, keys, grads, pull, 0, in_pull, grads_apart=True).pack()
     dims = [2, 4]
     assert apart.nbytes == whole.nbytes - grads.nbytes
     assert protocol.apart_grads_bytes(whole, dims) == 0 and protocol.apart_grads_bytes(apart, dims) == grads.nbytes
@@ -151,8 +177,8 @@ def test_a_request_with_its_gradients_apart_unpacks_to_the_same_arrays():
 
 
 def test_only_large_gradients_away_from_a_page_edge_go_apart():
-    raw = np.empty(protocol.GRADS_APART_BYTES + 2 * protocol.PAGE, np.uint8)
-    base = (-raw.ctypes.data) % protocol.PAGE  # the first page boundary in raw
+    raw = np.empty(protocol.GRADS_APART_BYTES + 2 * protocol.PAGE_BYTES, np.uint8)
+    base = (-raw.ctypes.data) % protocol.PAGE_BYTES  # the first page boundary in raw
     n = protocol.GRADS_APART_BYTES
     assert protocol.grads_apart(raw[base + 16:base + 16 + n].view(np.float32))
     assert protocol.grads_apart(raw[base + 2048:base + 2048 + n].view(np.float32))

@@ -60,10 +60,11 @@ def test_reading_a_part_of_a_file_that_shrank_raises_instead_of_spinning(small, 
     state = tdata.file_state(path)
     start_, end = tdata.byte_range(path, 0, 1)
     os.truncate(path, end // 3)
-    for fn in (lambda: list(tdata._parse_blocks(path, start_, end, "libsvm", 24, False, True, 1 << 16)),
-               lambda: list(tdata._parse_blocks(path, start_, end, "libsvm", 24, False, True, 1 << 16, state=state)),
+    piece = tdata.Piece(path, start_, end)
+    for fn in (lambda: list(tdata._parse_blocks(piece, "libsvm", 24, False, True, 1 << 16)),
+               lambda: list(tdata._parse_blocks(piece, "libsvm", 24, False, True, 1 << 16, state=state)),
                lambda: tdata._count_newlines(path, start_, end),
-               lambda: tdata.rows_bound(path, start_, end)):
+               lambda: tdata.rows_bound([piece])):
         how, e = _ends(fn)
         assert how == "raised" and isinstance(e, tdata.DataChanged), (how, e)
         assert str(e).startswith(f"data file {path} changed while this job read it (")
@@ -129,7 +130,8 @@ def test_a_test_file_with_fewer_rows_than_workers_is_evaluated_whole(small, tmp_
 @pytest.mark.parametrize("key", ["data__train", "data__test"])
 def test_a_directory_or_a_fifo_as_data_is_named_as_such(small, tmp_path, kind, key):
     """A directory or a FIFO given as a data file was reported "not found"; a FIFO must not hang
-    the job either (opening it waits for a writer)."""
+    the job either (opening it waits for a writer). A directory is one of part files: an empty one
+    is said to be so, naming the key."""
     path = tmp_path / "data.svm"
     if kind == "directory":
         path.mkdir()
@@ -137,9 +139,10 @@ def test_a_directory_or_a_fifo_as_data_is_named_as_such(small, tmp_path, kind, k
         os.mkfifo(path)
     given = {"data__train": small[0], key: str(path)}
     rc, out = job(2, ["train", *sets(train__progress=False, **given)], timeout=120)
-    what = "is a directory, not a file" if kind == "directory" else \
-        "is a FIFO (a named pipe), not a regular file: a job reads its data in byte ranges, once an epoch"
-    assert rc == 2 and f"data file {path} {what}" in out and "not found" not in out, out[-2000:]
+    said = (f"{key.replace('__', '.')} = '{path}': the directory holds no data file" if kind == "directory" else
+            f"data file {path} is a FIFO (a named pipe), not a regular file: a job reads its data in byte ranges, "
+            f"once an epoch")
+    assert rc == 2 and said in out and "not found" not in out, out[-2000:]
 
 
 # -- counts of zero and numbers that are not -------------------------------------------------------------

@@ -66,7 +66,7 @@ def test_other_labels_under_the_logistic_loss_name_the_line(text, line, reason):
 def test_mixed_labels_are_found_across_blocks(tmp_path, monkeypatch):
     path = tmp_path / "mixed.svm"
     path.write_bytes(b"".join(b"0 1:1\n" if i < 500 else b"-1 1:1\n" for i in range(1000)))
-    monkeypatch.setattr(tdata, "BLOCK", 256)  # many blocks: the 0s and the -1s are in different ones
+    monkeypatch.setattr(tdata, "PARSE_BLOCK_BYTES", 256)  # many blocks: the 0s and the -1s are in different ones
     with pytest.raises(tdata.DataError, match=rf"{path}:501: labels mix 0 and -1"):
         tdata.load_part(str(path), 0, 1, binary=True)
 

@@ -92,10 +92,13 @@ def test_a_compiled_knob_compiles_apart_and_finds_the_same_slots(tmp_path):
 
 
 def test_runtime_knobs_at_their_extremes_train_the_golden_model(tmp_path, monkeypatch):
-    """Every push and pull split over the server's two threads, and every reply announced;
-    scoring a row at a time: the golden LR run's model, unchanged."""
+    """Every push and pull split over the server's two threads, every reply's payload apart,
+    every gradient sent apart and every message placed and pooled, hash indexes instead of direct
+    ones, waits that never spin, scoring a row at a time: the golden LR run's model, unchanged."""
     for name, value in {"PARALLEL_MIN_KEYS": 2, "PARALLEL_MIN_VALUES": 2, "PARALLEL_MIN_PULL_WORK": 2,
-                        "EVAL_BATCH_ROWS": 1, "PARSE_BLOCK_BYTES": 1 << 20}.items():
+                        "EVAL_BATCH_ROWS": 1, "PARSE_BLOCK_BYTES": 1 << 20, "GRADS_APART_BYTES": 1,
+                        "PLACED_BYTES": 1, "POOL_MIN_BYTES": 1, "DIRECT_MAX_BITS": 0, "POLL_SPIN_S": 0.0,
+                        "POLL_MAX_SLEEP_S": 1e-5}.items():
         monkeypatch.setenv(tuning.ENV_PREFIX + name, str(value))
     monkeypatch.setenv("HPCPS_SERVER_THREADS", "2")
     name = "lr-bsp-1s2w"

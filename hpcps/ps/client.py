@@ -93,16 +93,20 @@ class SparseTable:
         (the transfer the wait for the reply would otherwise have done)."""
         n_pull = 0 if pull_keys is None else pull_keys.shape[0]
         apart = grads is not None and not self.ctx.local and protocol.grads_apart(grads)
+        worker = self.ctx.worker_index
+        if req.op == protocol.PULL:
+            message = lambda req_id: protocol.Pull(self.id, req_id, req.clock, worker, pull_keys)  # noqa: E731
+        elif req.op == protocol.PUSH:
+            message = lambda req_id: protocol.Push(self.id, req_id, req.clock, worker, push_keys, grads,  # noqa: E731
+                                                   apart)
+        else:
+            message = lambda req_id: protocol.PushPull(self.id, req_id, req.clock, worker, push_keys,  # noqa: E731
+                                                       grads, pull_keys, req.ahead, in_pull, apart)
         self._post(req, server, pulled, protocol.reply_bytes(req.op, n_pull, self.dim),
-                   lambda req_id: protocol.pack_request(req.op, self.id, req_id, req.clock, self.ctx.worker_index,
-                                                        push_keys, grads, pull_keys, self.dim, req.ahead, in_pull,
-                                                        self.ctx.pool.take, apart),
-                   grads if apart else None, lent, protocol.announced(req.op, n_pull, self.dim))
+                   lambda req_id: message(req_id).pack(self.ctx.pool.take), grads if apart else None, lent)
 
-    def _post(self, req: _Request, server: int, pulled, reply_bytes: int, pack, grads=None, lent=False,
-              announced: bool = False) -> None:
-        """Post the receive of a reply of ``reply_bytes`` (``announced``: see ``protocol.announced``),
-        then send ``pack(req_id)`` to ``server`` (and ``grads`` after it, when they go apart;
+    def _post(self, req: _Request, server: int, pulled, reply_bytes: int, pack, grads=None, lent=False) -> None:
+        """Post the receive of a reply of ``reply_bytes``, then send ``pack(req_id)`` to ``server`` (and ``grads`` after it, when they go apart;
         ``lent``: see :meth:`_message`)."""
         ctx = self.ctx
         req_id = ctx.next_request_id()
@@ -111,7 +115,7 @@ class SparseTable:
         ctx.stats["bytes_sent"] += msg.nbytes + (0 if grads is None else grads.nbytes)
         ctx.stats["bytes_received"] += reply_bytes
         req.parts.append((pulled, reply))
-        req.pending += ctx.exchange(server, msg, reply, req_id, req.op, self.name, announced)
+        req.pending += ctx.exchange(server, msg, reply, req_id, req.op, self.name)
         if grads is not None:
             sends = ctx.send_grads(server, grads, req.op)
             if lent:
@@ -187,8 +191,8 @@ class SparseTable:
                      for sel in (order[offsets[s]:offsets[s + 1]] for s in range(ctx.layout.servers))]
         for server, (k, v, r) in enumerate(parts):
             self._post(req, server, None, protocol.reply_bytes(protocol.MARGINS, n_rows, self.dim),
-                       lambda req_id, k=k, v=v, r=r: protocol.pack_margins(self.id, req_id, req.clock,
-                                                                            ctx.worker_index, k, v, r, n_rows))
+                       lambda req_id, k=k, v=v, r=r: protocol.Margins(self.id, req_id, req.clock, ctx.worker_index,
+                                                                      k, v, r, n_rows).pack())
         return self._register(req)
 
     def iresiduals(self, residuals) -> int:
@@ -201,7 +205,8 @@ class SparseTable:
         req = _Request(protocol.RESIDUALS, self, clock=ctx.clock_value, started=time.monotonic())
         for server in range(ctx.layout.servers):
             self._post(req, server, None, protocol.reply_bytes(protocol.RESIDUALS, 0, 1),
-                       lambda req_id: protocol.pack_residuals(self.id, req_id, req.clock, ctx.worker_index, residuals))
+                       lambda req_id: protocol.Residuals(self.id, req_id, req.clock, ctx.worker_index,
+                                                         residuals).pack())
         ctx.advance_clock()
         return self._register(req)
 
@@ -225,8 +230,8 @@ class SparseTable:
         for server, sel in enumerate(slices):
             out = 4 * f.out_width * (sel.shape[0] if f.per_key else 1)
             self._post(req, server, sel, protocol.REPLY_BYTES + out,
-                       lambda req_id, sel=sel: protocol.pack_call(self.id, req_id, req.clock, ctx.worker_index,
-                                                                  function, keys[sel], args[sel]))
+                       lambda req_id, sel=sel: protocol.Call(self.id, req_id, req.clock, ctx.worker_index,
+                                                             function, keys[sel], args[sel]).pack())
         return self._register(req)
 
     def call(self, function: int, keys, args=None, timeout: float | None = None) -> np.ndarray:

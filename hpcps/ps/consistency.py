@@ -23,9 +23,9 @@ class WorkerClocks:
         self.clocks = np.zeros(num_workers, dtype=np.int64)
         self.done = np.zeros(num_workers, dtype=bool)
         self.n_done = 0           # workers that sent DONE (the loop's test, without a NumPy reduction)
-        self.deferred: list[tuple[int, protocol.Request, float]] = []  # (source, request, since)
+        self.deferred: list[tuple[int, protocol.Message, float]] = []  # (source, request, since)
         # BSP: (clock, worker, seq, request) of pushes waiting for every worker to pass their clock
-        self.buffered: list[tuple[int, int, int, protocol.Request]] = []
+        self.buffered: list[tuple[int, int, int, protocol.Push]] = []
         self.seq = 0
 
     @property
@@ -42,7 +42,7 @@ class WorkerClocks:
         live = [c for c, d in zip(self.clocks.tolist(), self.done.tolist()) if not d]
         return min(live) if live else max(self.clocks.tolist(), default=0)
 
-    def ready(self, r: protocol.Request) -> bool:
+    def ready(self, r: protocol.Message) -> bool:
         """A pull waits for its clock - staleness; a checkpoint for every worker to reach its clock."""
         if r.op == protocol.CHECKPOINT:
             return r.clock <= self.min_clock()
@@ -57,12 +57,12 @@ class WorkerClocks:
             self.done[worker] = True
             self.n_done += 1
 
-    def keep_push(self, worker: int, r: protocol.Request) -> None:
+    def keep_push(self, worker: int, push: protocol.Push) -> None:
         """BSP: keep a push for its turn (:meth:`pushes_due`)."""
         self.seq += 1
-        self.buffered.append((r.clock, worker, self.seq, r))
+        self.buffered.append((push.clock, worker, self.seq, push))
 
-    def pushes_due(self) -> list[tuple[int, protocol.Request]]:
+    def pushes_due(self) -> list[tuple[int, protocol.Push]]:
         """BSP: the kept pushes of clocks every worker has passed, as (worker, request) in (clock,
         worker, seq) order (taken out of the kept ones)."""
         if not self.buffered:
@@ -73,10 +73,10 @@ class WorkerClocks:
             self.buffered = [b for b in self.buffered if b[0] >= limit]
         return [(worker, r) for _, worker, _, r in due]
 
-    def defer(self, source: int, r: protocol.Request, now: float) -> None:
+    def defer(self, source: int, r: protocol.Message, now: float) -> None:
         self.deferred.append((source, r, now))
 
-    def reads_due(self) -> list[tuple[int, protocol.Request]]:
+    def reads_due(self) -> list[tuple[int, protocol.Message]]:
         """The deferred reads the clocks now allow, as (source, request) in arrival order (taken
         out of the deferred ones)."""
         if not self.deferred:

@@ -26,7 +26,7 @@ from hpcps.ps import margins  # noqa: F401 - registers the server functions of M
 from hpcps.ps.client import DenseTable, SparseTable
 from hpcps.ps.layout import Layout, check_world
 from hpcps.ps.placement import DEFAULT_SHARDS, Placement
-from hpcps.ps.server import LocalServer, Server
+from hpcps.ps.server import Server
 from hpcps.ps.tables import SERVER_FUNCTIONS, Features, ServerFunction, TableSpec
 from hpcps_kernels import keys as kkeys
 
@@ -36,15 +36,17 @@ class ConfigMismatch(RuntimeError):
 
 
 class Context(collectives.ContextCollectives):
-    """One rank's view of the parameter server."""
+    """One rank's view of the parameter server. ``net``: how it reaches the other ranks, and the
+    communicators its collectives run over (:class:`hpcps.ps.transport.Transport`): every message
+    and collective of the server, the client and the context goes through it."""
 
     local = False  # a job of one process (LocalContext)
 
-    def __init__(self, comm, layout: Layout, staleness: int, num_shards: int,
+    def __init__(self, net: transport.Transport, layout: Layout, staleness: int, num_shards: int,
                  stall_warn_s: float, stall_timeout_s: float):
-        self.comm = comm
+        self.net = net
         self.layout = layout
-        self.rank = comm.Get_rank()
+        self.rank = net.rank
         self.is_server = layout.is_server(self.rank)
         self.is_worker = not self.is_server
         self.worker_index = layout.worker_index(self.rank) if self.is_worker else -1
@@ -54,21 +56,19 @@ class Context(collectives.ContextCollectives):
         self.stall_warn_s = stall_warn_s
         self.stall_timeout_s = stall_timeout_s
         self._init_state()
-        # Every rank here before the splits, which block and spin in MPI: a rank still importing
-        # would have to share its core with ranks spinning in the first split (0.2-0.6 s of CPU
-        # each on an oversubscribed node); this barrier sleeps, and names who never came.
-        transport.barrier(comm, stall_timeout_s, "start-up of every rank (communicators)")
-        # Worker groups: one communicator per group (servers get none).
-        self.group_comm = transport.split(comm, self.group, self.rank)
-        # All workers together (evaluation, data checks), and all servers together (export).
-        self.workers_comm = transport.split(comm, 0 if self.is_worker else -1, self.rank)
-        self.servers_comm = transport.split(comm, 0 if self.is_server else -1, self.rank)
         self._check_same("layout", hash((layout.servers, layout.worker_groups, staleness, num_shards)) & 0x7FFFFFFF)
-        self.hosts = transport.host_names(comm, stall_timeout_s)  # each rank's host, in rank order
+        self.hosts = transport.host_names(self.comm, stall_timeout_s)  # each rank's host, in rank order
+
+    # the communicators, all the transport's: every rank; this worker's group (servers get none);
+    # all workers together (evaluation, data checks) and all servers together (export)
+    comm = property(lambda self: self.net.world)
+    group_comm = property(lambda self: self.net.group)
+    workers_comm = property(lambda self: self.net.workers)
+    servers_comm = property(lambda self: self.net.servers)
 
     def _init_state(self) -> None:
-        """What a rank keeps apart from its layout and communicators (shared with LocalContext)."""
-        self.tag_ub = transport.tag_upper_bound(self.comm)
+        """What a rank keeps apart from its layout and transport (shared with LocalContext)."""
+        self.tag_ub = self.net.tag_ub
         self.pool = transport.BufferPool()  # large requests and replies
         self.specs: list[TableSpec] = []
         self.functions: list[ServerFunction] = []  # declared server functions, in order
@@ -164,7 +164,7 @@ class Context(collectives.ContextCollectives):
         """
         if not self.is_server:
             raise RuntimeError("serve() is for server ranks (ctx.is_server)")
-        server = Server(self.comm, self.rank, self.layout.workers, self.layout.servers, self.specs,
+        server = Server(self.net, self.rank, self.layout.workers, self.layout.servers, self.specs,
                         self.placement, self.staleness, self.stall_warn_s, self.functions, self.stall_timeout_s)
         self.server = server
         if restore is not None:
@@ -185,33 +185,27 @@ class Context(collectives.ContextCollectives):
         self._ts += 1
         return self._ts
 
-    def exchange(self, server: int, msg: np.ndarray, reply: np.ndarray, req_id: int, op: int, table: str = "",
-                 announced: bool = False) -> list:
-        """Post the receive of request ``req_id``'s reply into ``reply`` (``announced``: as header
-        then payload, ``protocol.announced``), then send ``msg`` to ``server``; returns the pending
-        transfers (for :func:`hpcps.ps.transport.wait`), described by the operation and table for
-        stall messages."""
+    def exchange(self, server: int, msg: np.ndarray, reply: np.ndarray, req_id: int, op: int, table: str = "") -> list:
+        """Post the receive of request ``req_id``'s reply into ``reply`` (whole, or its header then
+        its payload, as the header says: ``protocol.payload_apart``), then send ``msg`` to
+        ``server``; returns the pending transfers (for :func:`hpcps.ps.transport.wait`), described
+        by the operation and table for stall messages."""
         of = f" of table {table!r}" if table else ""
         tag, what = protocol.reply_tag(req_id, self.tag_ub), f"{protocol.OP_NAMES[op]} reply{of} (request {req_id}) from server"
-        if announced:
-            pending = transport.start_recv_announced(self.comm, reply, protocol.REPLY_BYTES, server, tag, what)
-        else:
-            pending = transport.start_recv(self.comm, reply, server, tag, what)
-        return pending + transport.start_send(self.comm, msg, server, protocol.TAG_REQUEST,
-                                              f"{protocol.OP_NAMES[op]} request to server")
+        pending = self.net.start_recv_framed(reply, protocol.REPLY_BYTES, server, tag, what, protocol.payload_apart)
+        return pending + self.net.start_send(msg, server, protocol.TAG_REQUEST, f"{protocol.OP_NAMES[op]} request to server")
 
     def send_grads(self, server: int, grads: np.ndarray, op: int) -> list:
         """Send the gradients of the request just sent to ``server`` as a message of their own
         (``protocol.GRADS_APART``); returns the pending sends."""
-        return transport.start_send(self.comm, grads, server, protocol.TAG_GRADS,
-                                    f"{protocol.OP_NAMES[op]} gradients to server")
+        return self.net.start_send(grads, server, protocol.TAG_GRADS, f"{protocol.OP_NAMES[op]} gradients to server")
 
     def _notify_servers(self, op: int) -> None:
         self._clock_sends = transport.completed(self._clock_sends)
         for server in range(self.layout.servers):
-            msg = protocol.pack_request(op, 0, 0, self.clock_value, self.worker_index)
-            self._clock_sends += transport.start_send(self.comm, msg, server, protocol.TAG_REQUEST,
-                                                 f"{protocol.OP_NAMES[op]} message to server")
+            msg = protocol.MESSAGES[op](self.clock_value, self.worker_index).pack()
+            self._clock_sends += self.net.start_send(msg, server, protocol.TAG_REQUEST,
+                                                     f"{protocol.OP_NAMES[op]} message to server")
 
     @property
     def stop_requested(self) -> bool:
@@ -233,13 +227,11 @@ class Context(collectives.ContextCollectives):
             checkpoint.begin(root, step)
         except OSError as e:
             raise checkpoint.write_failure(tmp, e, "the first worker") from None
-        words = protocol.encode_path(tmp)
         pending, replies = [], []
         for server in range(self.layout.servers):
             req_id = self.next_request_id()
             reply = np.empty(protocol.reply_bytes(protocol.CHECKPOINT, 0, 0), dtype=np.uint8)
-            msg = protocol.pack_request(protocol.CHECKPOINT, 0, req_id, self.clock_value, self.worker_index,
-                                        pull_keys=words)
+            msg = protocol.Checkpoint(req_id, self.clock_value, self.worker_index, tmp).pack()
             pending += self.exchange(server, msg, reply, req_id, protocol.CHECKPOINT)
             replies.append(reply)
         transport.wait(pending, self.stall_timeout_s, warn_after=self.stall_warn_s)
@@ -310,53 +302,44 @@ class Context(collectives.ContextCollectives):
         elif self.server_stats is None:
             self.serve()
         transport.barrier(self.comm, timeout, "finalize barrier")
-        for c in (self.group_comm, self.workers_comm, self.servers_comm, self.comm):
-            transport.free(c)
+        self.net.free()
         self._finalized = True
 
 
 class LocalContext(Context):
     """A job of one process (``hpcps train`` without mpiexec): the tables live in this process,
-    served by a :class:`hpcps.ps.server.LocalServer` that answers each request when it is sent, with
-    the same code (consistency, optimizers, admission, checkpoints) and no message. It behaves as
-    1 server + 1 worker: its checkpoints are those of that layout, and resume either way."""
+    in a :class:`hpcps.ps.server.Server` that the worker's requests reach through a
+    :class:`hpcps.ps.transport.Loopback`, which hands it each request as it is sent: the same
+    server and client code (consistency, optimizers, admission, checkpoints) with no message. It
+    behaves as 1 server + 1 worker: its checkpoints are those of that layout, and resume either way."""
 
     local = True
 
     def __init__(self, staleness: int, num_shards: int, stall_warn_s: float, stall_timeout_s: float):
-        comm = transport.self_comm()
-        self.comm = comm
+        self.net = transport.Loopback()
+        self.net.deliver = self._deliver
         self.layout = Layout.plan(2, 1, None, num_shards)
-        self.rank = 1                     # as the worker of 1 server + 1 worker
+        self.rank = self.net.rank         # as the worker of 1 server + 1 worker
         self.is_server, self.is_worker = False, True
         self.worker_index, self.group = 0, 0
         self.staleness = staleness
         self.placement = Placement(1, num_shards)
         self.stall_warn_s, self.stall_timeout_s = stall_warn_s, stall_timeout_s
         self._init_state()
-        self.group_comm, self.workers_comm, self.servers_comm = (transport.dup(comm) for _ in range(3))
         self.hosts: list[str] = []  # no ranks to place
-        self.server: LocalServer | None = None
+        self.server: Server | None = None
 
-    def _local_server(self) -> LocalServer:
+    def _deliver(self, source: int, msg: np.ndarray) -> None:
+        """A request from the worker: the in-process server handles it (and answers) at once."""
+        self._local_server().handle(source, msg)
+
+    def _local_server(self) -> Server:
         if self.server is None:
-            self.server = LocalServer(self.specs, self.placement, self.staleness, self.functions, self.stall_timeout_s)
+            self.server = Server(self.net, self.net.SERVER, 1, self.net.WORKER, self.specs, self.placement,
+                                 self.staleness, self.stall_warn_s, self.functions, self.stall_timeout_s)
         if len(self.server.tables) != len(self.specs) or len(self.server.functions) != len(self.functions):
             raise RuntimeError("declare every table and server function before the first request")
         return self.server
-
-    def exchange(self, server: int, msg: np.ndarray, reply: np.ndarray, req_id: int, op: int, table: str = "",
-                 announced: bool = False) -> list:
-        srv = self._local_server()
-        srv.handle(1, msg)
-        out = srv.outbox.pop(req_id, None)
-        if out is None:
-            raise RuntimeError(f"the in-process server deferred a {protocol.OP_NAMES[op]} request (one worker never waits)")
-        reply[:] = out
-        return []
-
-    def _notify_servers(self, op: int) -> None:
-        self._local_server().handle(1, protocol.pack_request(op, 0, 0, self.clock_value, self.worker_index))
 
     def restore(self, ckpt: str, manifest: dict) -> None:
         """Load a checkpoint into the in-process server (what server ranks do in :meth:`serve`)."""
@@ -384,8 +367,7 @@ class LocalContext(Context):
         if self._finalized:
             return
         self.finish_serving(timeout)
-        for c in (self.group_comm, self.workers_comm, self.servers_comm, self.comm):
-            transport.free(c)
+        self.net.free()
         self._finalized = True
 
 
@@ -418,6 +400,9 @@ def init(servers: int = 1, worker_groups: int | None = None, staleness: int = 0,
     layout = Layout.plan(base.Get_size(), servers, worker_groups, num_shards)
     transport.install_abort_handler()
     transport.set_stall_warning(stall_warn_s)
-    return Context(transport.dup(base), layout, staleness, num_shards, stall_warn_s, stall_timeout_s)
+    world = transport.dup(base)
+    rank = world.Get_rank()
+    net = transport.MPITransport.split(world, layout.group_of(rank), not layout.is_server(rank), stall_timeout_s)
+    return Context(net, layout, staleness, num_shards, stall_warn_s, stall_timeout_s)
 
 

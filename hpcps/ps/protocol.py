@@ -1,11 +1,16 @@
 """Wire format of parameter-server messages (pure: NumPy buffers, no MPI), defined in one place.
 
 Every request is one message of bytes: a header (:data:`REQUEST`, a NumPy structured dtype) and
-then, in order, the pushed keys (uint64, ``n_push``), their gradients (float32, ``n_push x dim``)
+then its op's arrays. Each op has its class (:class:`Pull`, :class:`Push`, :class:`PushPull`,
+:class:`Clock`, :class:`Done`, :class:`Checkpoint`, :class:`Margins`, :class:`Residuals`,
+:class:`Call`), whose fields are named for what they are and whose ``pack`` and ``unpack`` are the
+one place its message is written and read (:func:`unpack_request` picks the class). A push-pull's
+arrays, in order: the pushed keys (uint64, ``n_push``), their gradients (float32, ``n_push x dim``)
 and the pulled keys (uint64, ``n_pull``); large gradients follow as a second message
 (``GRADS_APART``, below). Every reply is one message: a header (:data:`REPLY`) followed by the
 pulled values (float32, ``n_pull x dim``) or, for a checkpoint, by :data:`CHECKPOINT_RESULT`; a
-large pull's goes as its header, then its payload (:func:`announced`). One message per request
+reply whose header has ``flags`` bit :data:`PAYLOAD_APART` goes as two messages instead, its
+header, then its payload (see :func:`payload_apart`). One message per request
 keeps matching trivial (a server receives whole requests with ``ANY_SOURCE``; a worker pre-posts
 the receive of each reply under a tag unique to that request) and needs no pickling. Requests are
 split by the client so that no message exceeds 2 GiB.
@@ -18,7 +23,7 @@ Operations:
   then the worker's clock advances to ``clock + 1``, then a pull of the next step's keys at that
   clock. Exactly PUSH(clock), CLOCK(clock + 1), PULL(clock + 1) in one message; its reply is also
   the push's acknowledgement. Sent to every server (each gets the clock), with empty parts where a
-  server owns none of the keys. ``reserved`` = ``ahead``: the pull reads at ``clock + 1 + ahead``
+  server owns none of the keys. The op's word (``reserved``) is ``ahead``: the pull reads at ``clock + 1 + ahead``
   (``train.pull_early`` pulls the batch after the next one, ``ahead`` = 1). With ``flags`` bit
   ``IN_PULL``, ``ceil(n_push / 8)`` bytes follow the pull keys: bit ``i`` (little-endian within a
   byte) says whether pushed key ``i`` is among this request's pulled keys. The server may then
@@ -29,7 +34,7 @@ Operations:
   the same rank as a second message of exactly ``n_push x dim`` float32 under ``TAG_GRADS``, sent
   from the worker's own array, without a copy into the request. A server receives them right
   after the request, so each request's gradients are the next ``TAG_GRADS`` message from its rank.
-* ``CHECKPOINT``: the directory's path, UTF-8, in the pull-key area (``n_pull`` words); its reply
+* ``CHECKPOINT``: the directory's path, UTF-8, after the header (``n_pull`` 8-byte words); its reply
   carries the size and checksum of the file the server wrote.
 * ``MARGINS`` (computation on the servers): a batch's nonzeros that this server owns, ``n_push``
   of them, as keys (uint64), values (float32) and row numbers (int32), for a batch of ``n_pull``
@@ -42,7 +47,7 @@ Operations:
   them into per-key gradients of its nonzeros and pushes them at ``clock``, then the worker's
   clock advances to ``clock + 1`` (like a push-pull without a pull). Its reply is the
   acknowledgement. Weights never leave the servers.
-* ``CALL``: a registered server function (``reserved`` = its number, in declaration order) over
+* ``CALL``: a registered server function (the op's word, ``reserved``: its number, in declaration order) over
   ``n_push`` keys (uint64) with ``n_pull`` float32 arguments each; read at ``clock`` like a pull.
   The reply holds its float32 results: a row per key, or one reduction.
 
@@ -58,10 +63,11 @@ from __future__ import annotations
 
 import signal
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
-from hpcps_kernels.parallel import splits_pull
+from hpcps_kernels.tuning import GRADS_APART_BYTES, MESSAGE_PAGE_OFFSET, PAGE_BYTES, PAGE_EDGE_BYTES, PLACED_BYTES
 
 
 PULL, PUSH, CLOCK, DONE, CHECKPOINT, PUSHPULL, MARGINS, RESIDUALS, CALL = 1, 2, 3, 4, 5, 6, 7, 8, 9
@@ -72,7 +78,7 @@ REQUEST = np.dtype([("op", "<i8"), ("table", "<i8"), ("req_id", "<i8"), ("n_push
                     ("n_pull", "<i8"), ("clock", "<i8"), ("worker", "<i8"), ("reserved", "<i8"),
                     ("flags", "<i8")])
 REPLY = np.dtype([("req_id", "<i8"), ("status", "<i8"), ("min_clock", "<i8"), ("server", "<i8"),
-                  ("table_keys", "<i8"), ("admitted", "<i8"), ("evicted", "<i8")])
+                  ("table_keys", "<i8"), ("admitted", "<i8"), ("evicted", "<i8"), ("flags", "<i8")])
 CHECKPOINT_RESULT = np.dtype([("file_bytes", "<i8"), ("xxh64", "S64")])
 HEADER_BYTES = REQUEST.itemsize
 REPLY_BYTES = REPLY.itemsize
@@ -84,6 +90,7 @@ TAG_GRADS = 2
 TAG_REPLY_BASE = 16
 IN_PULL = 1      # request flag: a push-pull's in-pull bits follow its pull keys
 GRADS_APART = 2  # request flag: its gradients follow as a message of their own (TAG_GRADS)
+PAYLOAD_APART = 1  # reply flag: the header is a message of its own, and the payload follows it
 OK = 0
 STOP = 2         # status bit: this server received a stop signal (SIGINT, SIGTERM or SIGUSR1)
 INTERRUPT = 4    # status bit, with STOP: the signal was SIGINT (the job stops with status 130, not 75)
@@ -94,27 +101,7 @@ def stop_status(signum: int | None) -> int:
     return OK if signum is None else STOP | (INTERRUPT if signum == signal.SIGINT else 0)
 
 
-@dataclass
-class Request:
-    """A request as received: header fields, and views of its arrays into the message."""
-
-    op: int
-    table: int
-    req_id: int
-    clock: int
-    worker: int
-    push_keys: np.ndarray
-    grads: np.ndarray | None
-    pull_keys: np.ndarray
-    row_ids: np.ndarray | None = None     # MARGINS: each nonzero's row
-    n_rows: int = 0                       # MARGINS, RESIDUALS: the batch's rows
-    residuals: np.ndarray | None = None   # RESIDUALS: d loss / d margin per row
-    function: int = 0                     # CALL: the server function's number
-    ahead: int = 0                        # PUSHPULL: its pull reads this many clocks after the next
-    in_pull: np.ndarray | None = None     # PUSHPULL: a bit per pushed key, set if it is pulled too
-
-    @property
-    def pull_clock(self) -> int:
+def pull_clock(self) -> int:
         return pull_clock(self.op, self.clock, self.ahead)
 
 
@@ -122,39 +109,6 @@ def pull_clock(op: int, clock: int, ahead: int = 0) -> int:
     """The clock a request's pull part is read at (a push-pull pulls after its clock advance,
     ``ahead`` clocks later still)."""
     return clock + 1 + ahead if op == PUSHPULL else clock
-
-
-def pack_margins(table: int, req_id: int, clock: int, worker: int, keys: np.ndarray, values: np.ndarray,
-                 row_ids: np.ndarray, n_rows: int) -> np.ndarray:
-    """A ``MARGINS`` request: keys, values and row numbers of ``keys.shape[0]`` nonzeros."""
-    n = keys.shape[0]
-    buf = np.empty(HEADER_BYTES + 16 * n, dtype=np.uint8)
-    buf[:HEADER_BYTES].view(REQUEST)[0] = (MARGINS, table, req_id, n, n_rows, clock, worker, 0, 0)
-    at = HEADER_BYTES
-    buf[at:at + 8 * n].view(np.uint64)[:] = keys
-    buf[at + 8 * n:at + 12 * n].view(np.float32)[:] = values
-    buf[at + 12 * n:at + 16 * n].view(np.int32)[:] = row_ids
-    return buf
-
-
-def pack_call(table: int, req_id: int, clock: int, worker: int, function: int, keys: np.ndarray,
-              args: np.ndarray) -> np.ndarray:
-    """A ``CALL`` request: keys and their float32 argument rows (``(n, width)``, width may be 0)."""
-    n, width = keys.shape[0], args.shape[1]
-    buf = np.empty(HEADER_BYTES + 8 * n + 4 * n * width, dtype=np.uint8)
-    buf[:HEADER_BYTES].view(REQUEST)[0] = (CALL, table, req_id, n, width, clock, worker, function, 0)
-    buf[HEADER_BYTES:HEADER_BYTES + 8 * n].view(np.uint64)[:] = keys
-    buf[HEADER_BYTES + 8 * n:].view(np.float32)[:] = args.reshape(-1)
-    return buf
-
-
-def pack_residuals(table: int, req_id: int, clock: int, worker: int, residuals: np.ndarray) -> np.ndarray:
-    """A ``RESIDUALS`` request: a float64 row per batch row (``(n_rows, dim)``)."""
-    n = residuals.shape[0]
-    buf = np.empty(HEADER_BYTES + 8 * residuals.size, dtype=np.uint8)
-    buf[:HEADER_BYTES].view(REQUEST)[0] = (RESIDUALS, table, req_id, 0, n, clock, worker, 0, 0)
-    buf[HEADER_BYTES:].view(np.float64)[:] = residuals.reshape(-1)
-    return buf
 
 
 def reply_tag(req_id: int, tag_ub: int) -> int:
@@ -184,20 +138,14 @@ def reply_bytes(op: int, n_pull: int, dim: int) -> int:
     return REPLY_BYTES + 4 * n_pull * dim
 
 
-# Where a large request is placed in memory. Two copies of 256 MB ran at a quarter of their
-# speed here (AMD EPYC, glibc's ``rep movsb``) depending only on addresses modulo a 4 KiB page:
-# glibc's memcpy when its destination lay 16-512 bytes past its source's offset in a page (55-69
-# against 13-15 ms; 0 and 1024-4080 bytes past were fast), and MPICH's copy of a message into
-# shared memory when the message began within 8 bytes of a page's start (95-99 against 22-29 ms;
-# 16-4080 bytes in were fast, 2048 the fastest): a 1,000,440-key dim-64 push took 158 against
-# 89 ms. (The memcpy of 64 MB and less ran at one speed wherever it went.) So a request whose
-# gradients take at least PLACED_BYTES starts MESSAGE_AT bytes into a page, or 1024 bytes
-# further where that would put the gradients 1-1023 bytes past their source's offset. (Gradients
-# of GRADS_APART_BYTES and more mostly go apart, from their own array.)
-PLACED_BYTES = 32 << 20
-PAGE = 4096
-MESSAGE_AT = 2048
-EDGE_BYTES = 16
+# Where a large request is placed in memory. Copies of large messages run at a fraction of their
+# speed depending only on addresses modulo a page (docs/benchmarks.md): glibc's memcpy when its
+# destination lies 16-512 bytes past its source's offset in a page, and MPICH's copy of a message
+# into shared memory when the message begins within a few bytes of a page's start. So a request
+# whose gradients take at least PLACED_BYTES starts MESSAGE_PAGE_OFFSET bytes into a page, or 1024
+# bytes further where that would put the gradients 1-1023 bytes past their source's offset.
+# (Gradients of GRADS_APART_BYTES and more mostly go apart, from their own array.) The numbers are
+# tuned knobs (hpcps_kernels.tuning).
 
 
 def _take(alloc, nbytes: int) -> np.ndarray:
@@ -206,51 +154,110 @@ def _take(alloc, nbytes: int) -> np.ndarray:
 
 
 def place(alloc, nbytes: int, at: int, like: np.ndarray) -> np.ndarray:
-    """``nbytes`` from ``alloc`` (default ``np.empty``) starting :data:`MESSAGE_AT` (or 1024 bytes
+    """``nbytes`` from ``alloc`` (default ``np.empty``) starting ``MESSAGE_PAGE_OFFSET`` (or 1024 bytes
     further) into a page, with byte ``at`` 0 or at least 1024 bytes past ``like``'s first byte's
     offset in a page (see above)."""
-    buf = _take(alloc, nbytes + PAGE)
-    for start in (MESSAGE_AT, MESSAGE_AT + 1024):
-        lo = (start - buf.ctypes.data) % PAGE
-        past = (buf.ctypes.data + lo + at - like.ctypes.data) % PAGE
+    buf = _take(alloc, nbytes + PAGE_BYTES)
+    for start in (MESSAGE_PAGE_OFFSET, MESSAGE_PAGE_OFFSET + 1024):
+        lo = (start - buf.ctypes.data) % PAGE_BYTES
+        past = (buf.ctypes.data + lo + at - like.ctypes.data) % PAGE_BYTES
         if past == 0 or past >= 1024:
             break
     return buf[lo:lo + nbytes]
 
 
-# Gradients of this many bytes or more go as a message of their own (GRADS_APART), from the
+# Gradients of GRADS_APART_BYTES or more go as a message of their own (GRADS_APART), from the
 # worker's array, unless the array starts where MPICH's copy is slow (see place).
-GRADS_APART_BYTES = 1 << 21
 
 
 def grads_apart(grads: np.ndarray) -> bool:
     """Whether a request's ``grads`` (contiguous float32) go as a message of their own."""
     if grads.nbytes < GRADS_APART_BYTES:
         return False
-    return EDGE_BYTES <= grads.ctypes.data % PAGE <= PAGE - EDGE_BYTES
+    return PAGE_EDGE_BYTES <= grads.ctypes.data % PAGE_BYTES <= PAGE_BYTES - PAGE_EDGE_BYTES
 
 
-def pack_request(op: int, table: int, req_id: int, clock: int, worker: int, push_keys: np.ndarray | None = None,
-                 grads: np.ndarray | None = None, pull_keys: np.ndarray | None = None, dim: int = 0,
-                 ahead: int = 0, in_pull: np.ndarray | None = None, alloc=None, apart: bool = False) -> np.ndarray:
-    """A request message; ``in_pull`` (PUSHPULL): a bool per pushed key, whether it is among
-    ``pull_keys`` (sent as bits, see the module docstring). ``alloc(nbytes)``: where the message
-    goes (a :class:`hpcps.ps.transport.BufferPool`'s ``take``; default ``np.empty``). ``apart``:
-    the gradients go as a message of their own (:data:`GRADS_APART`), not in this one."""
-    n_push = 0 if push_keys is None else push_keys.shape[0]
-    n_pull = 0 if pull_keys is None else pull_keys.shape[0]
-    flags = (IN_PULL if in_pull is not None and n_push else 0) | (GRADS_APART if apart and n_push else 0)
+# -- requests: a class per op, each packing and unpacking its own message ---------------------
+#
+# Every request message starts with the 9 int64 words of REQUEST: the op, the table, the request's
+# id, two sizes, the clock, the worker, a word of the op's own and the flags. What the sizes and
+# the op's word are is each op's own: its class says (``n_push``, ``n_pull`` and ``reserved`` are
+# the words' names in REQUEST).
+
+
+class Message:
+    """What every request has: its op (its class's) and the clock its read, if any, is made at."""
+
+    op: ClassVar[int] = 0
+    clock: int
+
+    @property
+    def pull_clock(self) -> int:
+        """The clock its read is made at: its own (a push-pull's is later, see :class:`PushPull`)."""
+        return self.clock
+
+
+@dataclass(eq=False)
+class TableMessage(Message):
+    """A request about a table: the table's number, the request's id (its reply's tag is made of
+    it; 0 where no reply comes), the sender's clock and the sending worker."""
+
+    table: int
+    req_id: int
+    clock: int
+    worker: int
+
+
+def _words(op: int, table: int, req_id: int, sizes: tuple[int, int], clock: int, worker: int, word: int = 0,
+           flags: int = 0) -> tuple:
+    """A request header's words, in REQUEST's order."""
+    return (op, table, req_id, sizes[0], sizes[1], clock, worker, word, flags)
+
+
+def _pack(words: tuple, nbytes: int, alloc=None) -> np.ndarray:
+    """A message of ``nbytes`` from ``alloc`` (default ``np.empty``) with its header written."""
+    buf = _take(alloc, nbytes)
+    buf[:HEADER_BYTES].view(REQUEST)[0] = words
+    return buf
+
+
+@dataclass(eq=False)
+class Pull(TableMessage):
+    """``PULL``: the rows of ``pull_keys`` read at ``clock``. Sizes: 0, the keys (uint64)."""
+
+    op: ClassVar[int] = PULL
+    pull_keys: np.ndarray
+
+    def pack(self, alloc=None) -> np.ndarray:
+        n = self.pull_keys.shape[0]
+        buf = _pack(_words(PULL, self.table, self.req_id, (0, n), self.clock, self.worker), HEADER_BYTES + 8 * n,
+                    alloc)
+        buf[HEADER_BYTES:].view(np.uint64)[:] = self.pull_keys
+        return buf
+
+    @classmethod
+    def unpack(cls, words: list, buf: np.ndarray, dims: list[int], grads: np.ndarray | None) -> "Pull":
+        _, table, req_id, _, n, clock, worker, _, _ = words
+        return cls(table, req_id, clock, worker, buf[HEADER_BYTES:HEADER_BYTES + 8 * n].view(np.uint64))
+
+
+def _pack_pushed(words: tuple, keys: np.ndarray, grads: np.ndarray, pull_keys: np.ndarray,
+                 in_pull: np.ndarray | None, alloc, apart: bool) -> np.ndarray:
+    """The layout of a push and a push-pull (sizes: the pushed keys, the pulled keys): the keys,
+    their gradients (unless ``apart``), the pulled keys, the in-pull bits (with ``IN_PULL``)."""
+    n_push, n_pull, dim = keys.shape[0], pull_keys.shape[0], grads.shape[1] if grads.ndim == 2 else 0
+    flags = words[8]
     nbytes = request_bytes(n_push, n_pull, dim, flags & IN_PULL, flags & GRADS_APART)
-    if n_push * dim * 4 >= PLACED_BYTES and not flags & GRADS_APART:  # the gradients' copy is most of the packing
+    if n_push * dim * 4 >= PLACED_BYTES and not apart:  # the gradients' copy is most of the packing
         buf = place(alloc, nbytes, HEADER_BYTES + 8 * n_push, grads)
     else:
         buf = _take(alloc, nbytes)
-    buf[:HEADER_BYTES].view(REQUEST)[0] = (op, table, req_id, n_push, n_pull, clock, worker, ahead, flags)
+    buf[:HEADER_BYTES].view(REQUEST)[0] = words
     at = HEADER_BYTES
     if n_push:
-        buf[at:at + 8 * n_push].view(np.uint64)[:] = push_keys
+        buf[at:at + 8 * n_push].view(np.uint64)[:] = keys
         at += 8 * n_push
-        if not flags & GRADS_APART:
+        if not apart:
             buf[at:at + 4 * n_push * dim].view(np.float32)[:] = grads.reshape(-1)
             at += 4 * n_push * dim
     if n_pull:
@@ -259,6 +266,212 @@ def pack_request(op: int, table: int, req_id: int, clock: int, worker: int, push
     if flags & IN_PULL:
         buf[at:] = np.packbits(in_pull, bitorder="little")
     return buf
+
+
+def _unpack_pushed(buf: np.ndarray, n_push: int, n_pull: int, dim: int, flags: int, grads: np.ndarray | None):
+    """(pushed keys, gradients, pulled keys, in-pull bits or None) of a push or a push-pull."""
+    at = HEADER_BYTES
+    keys = buf[at:at + 8 * n_push].view(np.uint64)
+    at += 8 * n_push
+    if flags & GRADS_APART:
+        grads = grads.view(np.float32).reshape(n_push, dim)
+    else:
+        grads = buf[at:at + 4 * n_push * dim].view(np.float32).reshape(n_push, dim)
+        at += 4 * n_push * dim
+    pull_keys = buf[at:at + 8 * n_pull].view(np.uint64)
+    at += 8 * n_pull
+    return keys, grads, pull_keys, buf[at:at + (n_push + 7) // 8] if flags & IN_PULL else None
+
+
+@dataclass(eq=False)
+class Push(TableMessage):
+    """``PUSH``: gradients (float32, ``n x dim``) of ``keys`` computed at ``clock``. Sizes: the
+    keys, 0. With ``GRADS_APART`` the gradients follow as a message of their own."""
+
+    op: ClassVar[int] = PUSH
+    keys: np.ndarray
+    grads: np.ndarray
+    grads_apart: bool = False  # the gradients go as a message of their own (GRADS_APART)
+
+    def pack(self, alloc=None) -> np.ndarray:
+        n = self.keys.shape[0]
+        apart = self.grads_apart and n > 0
+        words = _words(PUSH, self.table, self.req_id, (n, 0), self.clock, self.worker,
+                       flags=GRADS_APART if apart else 0)
+        return _pack_pushed(words, self.keys, self.grads, _NO_KEYS, None, alloc, apart)
+
+    @classmethod
+    def unpack(cls, words: list, buf: np.ndarray, dims: list[int], grads: np.ndarray | None) -> "Push":
+        _, table, req_id, n, _, clock, worker, _, flags = words
+        keys, grads, _, _ = _unpack_pushed(buf, n, 0, dims[table], flags, grads)
+        return cls(table, req_id, clock, worker, keys, grads, bool(flags & GRADS_APART))
+
+
+@dataclass(eq=False)
+class PushPull(TableMessage):
+    """``PUSHPULL``: :class:`Push` at ``clock``, the clock to ``clock + 1``, :class:`Pull` at
+    ``clock + 1 + ahead`` (see the module docstring). Sizes: the pushed keys, the pulled keys; the
+    op's word: ``ahead``. ``in_pull``: a bool per pushed key (packed) or its bits (unpacked)."""
+
+    op: ClassVar[int] = PUSHPULL
+    push_keys: np.ndarray
+    grads: np.ndarray
+    pull_keys: np.ndarray
+    ahead: int = 0
+    in_pull: np.ndarray | None = None
+    grads_apart: bool = False  # as for Push
+
+    @property
+    def pull_clock(self) -> int:
+        return pull_clock(PUSHPULL, self.clock, self.ahead)
+
+    def push(self) -> Push:
+        """Its push part."""
+        return Push(self.table, self.req_id, self.clock, self.worker, self.push_keys, self.grads, self.grads_apart)
+
+    def pack(self, alloc=None) -> np.ndarray:
+        n_push = self.push_keys.shape[0]
+        apart = self.grads_apart and n_push > 0
+        flags = (IN_PULL if self.in_pull is not None and n_push else 0) | (GRADS_APART if apart else 0)
+        words = _words(PUSHPULL, self.table, self.req_id, (n_push, self.pull_keys.shape[0]), self.clock,
+                       self.worker, self.ahead, flags)
+        return _pack_pushed(words, self.push_keys, self.grads, self.pull_keys, self.in_pull, alloc, apart)
+
+    @classmethod
+    def unpack(cls, words: list, buf: np.ndarray, dims: list[int], grads: np.ndarray | None) -> "PushPull":
+        _, table, req_id, n_push, n_pull, clock, worker, ahead, flags = words
+        keys, grads, pull_keys, in_pull = _unpack_pushed(buf, n_push, n_pull, dims[table], flags, grads)
+        return cls(table, req_id, clock, worker, keys, grads, pull_keys, ahead, in_pull, bool(flags & GRADS_APART))
+
+
+@dataclass(eq=False)
+class Clock(Message):
+    """``CLOCK``: the worker has reached ``clock``. Sizes 0; nothing follows the header."""
+
+    op: ClassVar[int] = CLOCK
+    clock: int
+    worker: int
+
+    def pack(self, alloc=None) -> np.ndarray:
+        return _pack(_words(self.op, 0, 0, (0, 0), self.clock, self.worker), HEADER_BYTES, alloc)
+
+    @classmethod
+    def unpack(cls, words: list, buf: np.ndarray, dims: list[int], grads: np.ndarray | None) -> "Clock":
+        return cls(words[5], words[6])
+
+
+class Done(Clock):
+    """``DONE``: the worker sends no more requests (its clock: its last). As :class:`Clock`."""
+
+    op: ClassVar[int] = DONE
+
+
+@dataclass(eq=False)
+class Checkpoint(Message):
+    """``CHECKPOINT``: write the server's shards into the directory ``path`` once every worker
+    has reached ``clock``. Sizes: 0, the path's 8-byte words (UTF-8, padded with NULs)."""
+
+    op: ClassVar[int] = CHECKPOINT
+    req_id: int
+    clock: int
+    worker: int
+    path: str
+
+    def pack(self, alloc=None) -> np.ndarray:
+        raw = self.path.encode()
+        raw += b"\0" * (-len(raw) % 8)
+        buf = _pack(_words(CHECKPOINT, 0, self.req_id, (0, len(raw) // 8), self.clock, self.worker),
+                    HEADER_BYTES + len(raw), alloc)
+        buf[HEADER_BYTES:] = np.frombuffer(raw, dtype=np.uint8)
+        return buf
+
+    @classmethod
+    def unpack(cls, words: list, buf: np.ndarray, dims: list[int], grads: np.ndarray | None) -> "Checkpoint":
+        _, _, req_id, _, n_words, clock, worker, _, _ = words
+        path = buf[HEADER_BYTES:HEADER_BYTES + 8 * n_words].tobytes().rstrip(b"\0").decode()
+        return cls(req_id, clock, worker, path)
+
+
+@dataclass(eq=False)
+class Margins(TableMessage):
+    """``MARGINS``: a batch's nonzeros this server owns, read at ``clock``: ``keys`` (uint64),
+    ``values`` (float32) and ``row_ids`` (int32, each nonzero's row of ``n_rows``). Sizes: the
+    nonzeros, the rows."""
+
+    op: ClassVar[int] = MARGINS
+    keys: np.ndarray
+    values: np.ndarray
+    row_ids: np.ndarray
+    n_rows: int
+
+    def pack(self, alloc=None) -> np.ndarray:
+        n = self.keys.shape[0]
+        buf = _pack(_words(MARGINS, self.table, self.req_id, (n, self.n_rows), self.clock, self.worker),
+                    HEADER_BYTES + 16 * n, alloc)
+        at = HEADER_BYTES
+        buf[at:at + 8 * n].view(np.uint64)[:] = self.keys
+        buf[at + 8 * n:at + 12 * n].view(np.float32)[:] = self.values
+        buf[at + 12 * n:at + 16 * n].view(np.int32)[:] = self.row_ids
+        return buf
+
+    @classmethod
+    def unpack(cls, words: list, buf: np.ndarray, dims: list[int], grads: np.ndarray | None) -> "Margins":
+        _, table, req_id, n, n_rows, clock, worker, _, _ = words
+        at = HEADER_BYTES
+        return cls(table, req_id, clock, worker, buf[at:at + 8 * n].view(np.uint64),
+                   buf[at + 8 * n:at + 12 * n].view(np.float32), buf[at + 12 * n:at + 16 * n].view(np.int32), n_rows)
+
+
+@dataclass(eq=False)
+class Residuals(TableMessage):
+    """``RESIDUALS``: per row of the worker's last :class:`Margins`, float64 ``n_rows x dim``
+    (see the module docstring), pushed at ``clock``. Sizes: 0, the rows."""
+
+    op: ClassVar[int] = RESIDUALS
+    residuals: np.ndarray
+
+    def pack(self, alloc=None) -> np.ndarray:
+        n = self.residuals.shape[0]
+        buf = _pack(_words(RESIDUALS, self.table, self.req_id, (0, n), self.clock, self.worker),
+                    HEADER_BYTES + 8 * self.residuals.size, alloc)
+        buf[HEADER_BYTES:].view(np.float64)[:] = self.residuals.reshape(-1)
+        return buf
+
+    @classmethod
+    def unpack(cls, words: list, buf: np.ndarray, dims: list[int], grads: np.ndarray | None) -> "Residuals":
+        _, table, req_id, _, n_rows, clock, worker, _, _ = words
+        rows = buf[HEADER_BYTES:].view(np.float64).reshape(n_rows, -1) if n_rows else np.zeros((0, dims[table]))
+        return cls(table, req_id, clock, worker, rows)
+
+
+@dataclass(eq=False)
+class Call(TableMessage):
+    """``CALL``: server function number ``function`` over ``keys`` (uint64) with a row of float32
+    ``args`` each (``n x width``, width may be 0), read at ``clock``. Sizes: the keys, the width;
+    the op's word: the function."""
+
+    op: ClassVar[int] = CALL
+    function: int
+    keys: np.ndarray
+    args: np.ndarray
+
+    def pack(self, alloc=None) -> np.ndarray:
+        n, width = self.keys.shape[0], self.args.shape[1]
+        buf = _pack(_words(CALL, self.table, self.req_id, (n, width), self.clock, self.worker, self.function),
+                    HEADER_BYTES + 8 * n + 4 * n * width, alloc)
+        buf[HEADER_BYTES:HEADER_BYTES + 8 * n].view(np.uint64)[:] = self.keys
+        buf[HEADER_BYTES + 8 * n:].view(np.float32)[:] = self.args.reshape(-1)
+        return buf
+
+    @classmethod
+    def unpack(cls, words: list, buf: np.ndarray, dims: list[int], grads: np.ndarray | None) -> "Call":
+        _, table, req_id, n, width, clock, worker, function, _ = words
+        at = HEADER_BYTES
+        return cls(table, req_id, clock, worker, function, buf[at:at + 8 * n].view(np.uint64),
+                   buf[at + 8 * n:at + 8 * n + 4 * n * width].view(np.float32).reshape(n, width))
+
+
+MESSAGES = {cls.op: cls for cls in (Pull, Push, PushPull, Clock, Done, Checkpoint, Margins, Residuals, Call)}
 
 
 def header(buf: np.ndarray):
@@ -280,59 +493,39 @@ def apart_grads_bytes(buf: np.ndarray, dims: list[int]) -> int:
     return 4 * n_push * dims[table] if op in (PUSH, PUSHPULL) else 0
 
 
-def unpack_request(buf: np.ndarray, dims: list[int], grads: np.ndarray | None = None) -> Request:
-    """A request's fields and arrays (views into ``buf``); ``grads``: the bytes of the gradients
-    that followed it (:data:`GRADS_APART`)."""
-    # the fields in REQUEST's order, in one call (reading a structured scalar field by field costs
+def unpack_request(buf: np.ndarray, dims: list[int], grads: np.ndarray | None = None) -> Message:
+    """The request in ``buf``, as its op's class (its arrays are views into ``buf``); ``dims``:
+    each table's; ``grads``: the bytes of the gradients that followed it (:data:`GRADS_APART`)."""
+    # the words in REQUEST's order, in one call (reading a structured scalar field by field costs
     # about 30 us a request on the server's critical path)
-    op, table, req_id, n_push, n_pull, clock, worker, reserved, flags = buf[:HEADER_BYTES].view(np.int64).tolist()
-    at = HEADER_BYTES
-    if op == CALL:
-        n = n_push
-        return Request(op, table, req_id, clock, worker, buf[at:at + 8 * n].view(np.uint64),
-                       buf[at + 8 * n:at + 8 * n + 4 * n * n_pull].view(np.float32).reshape(n, n_pull), _NO_KEYS,
-                       function=reserved)
-    if op == MARGINS:
-        n = n_push
-        return Request(op, table, req_id, clock, worker, buf[at:at + 8 * n].view(np.uint64),
-                       buf[at + 8 * n:at + 12 * n].view(np.float32).reshape(n, 1), _NO_KEYS,
-                       row_ids=buf[at + 12 * n:at + 16 * n].view(np.int32), n_rows=n_pull)
-    if op == RESIDUALS:
-        return Request(op, table, req_id, clock, worker, _NO_KEYS, None, _NO_KEYS, n_rows=n_pull,
-                       residuals=buf[at:].view(np.float64).reshape(n_pull, -1) if n_pull else
-                       np.zeros((0, dims[table]), np.float64))
-    dim = dims[table] if n_push else 0
-    push_keys = buf[at:at + 8 * n_push].view(np.uint64)
-    at += 8 * n_push
-    if flags & GRADS_APART:
-        grads = grads.view(np.float32).reshape(n_push, dim)
-    else:
-        grads = buf[at:at + 4 * n_push * dim].view(np.float32).reshape(n_push, dim) if n_push else None
-        at += 4 * n_push * dim
-    pull_keys = buf[at:at + 8 * n_pull].view(np.uint64)
-    at += 8 * n_pull
-    in_pull = buf[at:at + (n_push + 7) // 8] if flags & IN_PULL else None
-    return Request(op, table, req_id, clock, worker, push_keys, grads, pull_keys, ahead=reserved, in_pull=in_pull)
+    words = buf[:HEADER_BYTES].view(np.int64).tolist()
+    kind = MESSAGES.get(words[0])
+    if kind is None:
+        raise ValueError(f"unknown request op {words[0]}")
+    return kind.unpack(words, buf, dims, grads)
 
 
 def pack_reply(req_id: int, status: int, min_clock: int, server: int, payload_bytes: int,
-               counts: tuple[int, int, int] = (0, 0, 0), alloc=None) -> tuple[np.ndarray, np.ndarray]:
+               counts: tuple[int, int, int] = (0, 0, 0), alloc=None,
+               apart: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """A reply message and a view of its payload (to be filled); ``counts``: the table's
-    (rows held, keys admitted, rows evicted) on this server; ``alloc``: as for :func:`pack_request`."""
+    (rows held, keys admitted, rows evicted) on this server; ``alloc``: as for :func:`pack_request`;
+    ``apart``: it goes as its header, then its payload (:data:`PAYLOAD_APART`)."""
     buf = _take(alloc, REPLY_BYTES + payload_bytes)
-    buf[:REPLY_BYTES].view(REPLY)[0] = (req_id, status, min_clock, server, *counts)
+    buf[:REPLY_BYTES].view(REPLY)[0] = (req_id, status, min_clock, server, *counts,
+                                        PAYLOAD_APART if apart else 0)
     return buf, buf[REPLY_BYTES:]
 
 
-# A pull's reply (PULL, PUSHPULL) goes as two messages when the server runs the pull on two
-# threads (hpcps_kernels.parallel.splits_pull): the header, sent once the payload is ready, then
-# the payload (hpcps.ps.transport.start_send_announced). The waiting worker sleeps until the header
-# comes rather than spinning through the server's work, which leaves the core to the server's
-# second thread. Both sides tell from the request's pull keys and the table's dim.
-def announced(op: int, n_pull: int, dim: int) -> bool:
-    """Whether the reply to a request ``op`` pulling ``n_pull`` keys of ``dim`` values goes as
-    header then payload."""
-    return op in (PULL, PUSHPULL) and splits_pull(n_pull, dim)
+_REPLY_FLAGS_AT = REPLY.fields["flags"][1]
+
+
+def payload_apart(head: np.ndarray) -> bool:
+    """Whether the reply whose header is ``head`` (its first :data:`REPLY_BYTES`) goes as that
+    header, then its payload as a message of its own (:data:`PAYLOAD_APART`). The server decides
+    (a large pull it runs on two threads: the worker sleeps until the header comes rather than
+    spinning through the server's work); the worker reads it here, once the header has come."""
+    return bool(head[_REPLY_FLAGS_AT] & PAYLOAD_APART)  # (one byte read: this runs on every reply)
 
 
 def reply_header(buf: np.ndarray):
@@ -350,17 +543,6 @@ def pack_checkpoint_result(payload: np.ndarray, file_bytes: int, digest: str) ->
 def unpack_checkpoint_result(buf: np.ndarray) -> tuple[int, str]:
     r = buf[REPLY_BYTES:].view(CHECKPOINT_RESULT)[0]
     return int(r["file_bytes"]), r["xxh64"].decode()
-
-
-def encode_path(path: str) -> np.ndarray:
-    """A path as uint64 words (sent in a request's pull-key area)."""
-    raw = path.encode()
-    raw += b"\0" * (-len(raw) % 8)
-    return np.frombuffer(raw, dtype=np.uint64).copy()
-
-
-def decode_path(words: np.ndarray) -> str:
-    return words.tobytes().rstrip(b"\0").decode()
 
 
 def max_keys_per_message(dim: int, max_bytes: int) -> int:

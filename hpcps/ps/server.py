@@ -40,7 +40,7 @@ from hpcps.ps.consistency import WorkerClocks
 from hpcps.ps.placement import Placement
 from hpcps.ps.server_table import ServerTable
 from hpcps.ps.tables import MARGINS_FUNCTION, RESIDUALS_FUNCTION, SERVER_FUNCTIONS, ServerFunction, TableSpec
-from hpcps_kernels.parallel import TwoThreads
+from hpcps_kernels.parallel import TwoThreads, splits_pull
 
 # a checkpoint write that fails late, in HDF5's release of the file's objects, says so in one line
 transport.EXPLAINERS.append(checkpoint.explain_write_failure)
@@ -77,36 +77,39 @@ def write_checkpoint_file(path: str, tables: list[ServerTable], server: int, pla
 
 class Replies:
     """A server's replies: packed into pooled buffers with its stop status, the slowest worker's
-    clock and the request's table's counts (``protocol.pack_reply``), and sent without waiting
-    (:attr:`sending`: the sends in flight)."""
+    clock and the request's table's counts (``protocol.pack_reply``), and sent through ``net``
+    (the server's :class:`~hpcps.ps.transport.Transport`) without waiting (:attr:`sending`: the
+    sends in flight)."""
 
-    def __init__(self, comm, server_index: int, pool: transport.BufferPool, workers: WorkerClocks,
-                 tables: list[ServerTable]):
-        self.comm = comm
+    def __init__(self, net: transport.Transport, server_index: int, pool: transport.BufferPool,
+                 workers: WorkerClocks, tables: list[ServerTable]):
+        self.net = net
         self.index = server_index
         self.pool = pool
         self.workers = workers
         self.tables = tables
-        self.tag_ub = transport.tag_upper_bound(comm)
+        self.tag_ub = net.tag_ub
         self.sending: list[transport.Pending] = []
 
-    def new(self, req_id: int, payload_bytes: int, table: int = -1) -> tuple[np.ndarray, np.ndarray]:
-        """A reply to request ``req_id`` of table ``table`` (-1: none) and a view of its payload."""
+    def new(self, req_id: int, payload_bytes: int, table: int = -1,
+            apart: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """A reply to request ``req_id`` of table ``table`` (-1: none) and a view of its payload;
+        ``apart``: it goes as its header, then its payload (``protocol.PAYLOAD_APART``)."""
         status = protocol.stop_status(signals.requested())
         t = self.tables[table] if table >= 0 else None
         counts = (t.size, t.admitted, t.evicted) if t is not None else (0, 0, 0)
         return protocol.pack_reply(req_id, status, self.workers.min_clock(), self.index, payload_bytes, counts,
-                                   self.pool.take)
+                                   self.pool.take, apart)
 
-    def post(self, buf: np.ndarray, dest: int, req_id: int, what: str, announced: bool = False) -> None:
-        """Send a reply (``announced``: as header then payload, see ``protocol.announced``)."""
+    def post(self, buf: np.ndarray, dest: int, req_id: int, what: str) -> None:
+        """Send a reply, as its header says: whole, or its header then its payload."""
         tag = protocol.reply_tag(req_id, self.tag_ub)
-        if announced:
-            self.sending.extend(transport.start_send_announced(self.comm, buf, protocol.REPLY_BYTES, dest, tag, what))
+        if protocol.payload_apart(buf):
+            self.sending.extend(self.net.start_send_announced(buf, protocol.REPLY_BYTES, dest, tag, what))
         else:
-            self.sending.extend(transport.start_send(self.comm, buf, dest, tag, what))
+            self.sending.extend(self.net.start_send(buf, dest, tag, what))
 
-    def ack(self, dest: int, r: protocol.Request, what: str) -> None:
+    def ack(self, dest: int, r: protocol.Push | protocol.Residuals, what: str) -> None:
         """An empty reply: request ``r`` is done."""
         self.post(self.new(r.req_id, 0, r.table)[0], dest, r.req_id, what)
 
@@ -120,27 +123,15 @@ class Replies:
         self.sending = []
 
 
-class InProcessReplies(Replies):
-    """The replies of a server inside the worker's process: kept in :attr:`outbox` (req_id ->
-    reply bytes) for the worker to take, not sent."""
-
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.outbox: dict[int, np.ndarray] = {}
-
-    def post(self, buf: np.ndarray, dest: int, req_id: int, what: str, announced: bool = False) -> None:
-        self.outbox[req_id] = buf
-
-
 class Server:
-    """The serving loop of one server rank, and its handlers, one per request op."""
+    """The serving loop of one server rank, and its handlers, one per request op. ``net``: how it
+    reaches the workers (:class:`hpcps.ps.transport.MPITransport` on a server rank; a
+    :class:`~hpcps.ps.transport.Loopback` hands it each request of a job of one process)."""
 
-    replies_kind = Replies  # how its replies go
-
-    def __init__(self, comm, server_index: int, num_workers: int, worker_rank0: int,
+    def __init__(self, net: transport.Transport, server_index: int, num_workers: int, worker_rank0: int,
                  specs: list[TableSpec], placement: Placement, staleness: int,
                  stall_warn_s: float = 30.0, functions: list | None = None, stall_timeout_s: float = 300.0):
-        self.comm = comm
+        self.net = net
         self.functions = list(functions or [])  # declared ServerFunctions, by number
         self.index = server_index
         self.worker_rank0 = worker_rank0
@@ -155,7 +146,7 @@ class Server:
         self.stall_timeout_s = stall_timeout_s
         self.workers = WorkerClocks(num_workers, staleness)
         self.pool = transport.BufferPool()  # large requests and replies
-        self.replies = self.replies_kind(comm, server_index, self.pool, self.workers, self.tables)
+        self.replies = Replies(net, server_index, self.pool, self.workers, self.tables)
         self.stats = {"requests": 0, "idle_s": 0.0, "busy_s": 0.0, "deferred": 0}
         # (op, keys pushed, keys pulled, seconds handling it) of every request, when a list
         # (``hpcps bench ps``: the server's own time beside the round trip)
@@ -185,14 +176,14 @@ class Server:
     def handle(self, source: int, buf: np.ndarray, grads: np.ndarray | None = None) -> None:
         """Serve request ``buf`` from rank ``source`` (``grads``: its gradients, when they came
         apart)."""
-        r = protocol.unpack_request(buf, self.dims, grads)
+        try:
+            r = protocol.unpack_request(buf, self.dims, grads)
+        except ValueError as e:
+            raise RuntimeError(f"server {self.index}: {e} from rank {source}") from None
         self.stats["requests"] += 1
-        handler = self.handlers.get(r.op)
-        if handler is None:
-            raise RuntimeError(f"server {self.index}: unknown request op {r.op} from rank {source}")
-        handler(source, r)
+        self.handlers[r.op](source, r)
 
-    def _handle_push_pull(self, source: int, r: protocol.Request) -> None:
+    def _handle_push_pull(self, source: int, r: protocol.PushPull) -> None:
         """Push at clock c, clock c + 1, pull at clock c + 1 (+ ahead). When nothing else is to be
         served or applied in between (:meth:`_answers_at_once`), the push's keys the pull reads are
         updated, the pull answered, and then (the reply gone) the push's other keys."""
@@ -205,11 +196,11 @@ class Server:
             if rest is not None:
                 table.apply_after_reply(rest)
             return
-        self._push(worker, r)
+        self._push(worker, r.push())
         self._after_clock()
         self._serve_or_defer(source, r)
 
-    def _answers_at_once(self, r: protocol.Request) -> bool:
+    def _answers_at_once(self, r: protocol.PushPull) -> bool:
         """Whether a push-pull's push is applied now and its pull answered now, with nothing else
         served or applied in between: no push kept for its turn, no read waiting, no eviction due,
         under BSP every worker past the push's clock, and the pull ready."""
@@ -217,39 +208,38 @@ class Server:
             return False
         return (self.staleness != 0 or r.clock < self.workers.min_clock()) and self.workers.ready(r)
 
-    def _handle_push(self, source: int, r: protocol.Request) -> None:
+    def _handle_push(self, source: int, r: protocol.Push) -> None:
         self._push(source - self.worker_rank0, r)
         self.replies.ack(source, r, "push ack")
 
-    def _handle_residuals(self, source: int, r: protocol.Request) -> None:
+    def _handle_residuals(self, source: int, r: protocol.Residuals) -> None:
         """The gradients of the worker's last MARGINS nonzeros, pushed at clock c; then clock c + 1."""
         worker = source - self.worker_rank0
         keys, values, row_ids = self.fragments.pop((worker, r.table))
         residuals = registered_function(RESIDUALS_FUNCTION).fn
         uniq, grads = residuals(self.tables[r.table], keys, values, row_ids, r.residuals)
-        self._push(worker, protocol.Request(protocol.PUSH, r.table, r.req_id, r.clock, r.worker, uniq, grads,
-                                            r.pull_keys))
+        self._push(worker, protocol.Push(r.table, r.req_id, r.clock, r.worker, uniq, grads))
         self.workers.advance(worker, r.clock + 1)
         self._after_clock()
         self.replies.ack(source, r, "residuals ack")
 
-    def _handle_clock(self, source: int, r: protocol.Request) -> None:
+    def _handle_clock(self, source: int, r: protocol.Clock) -> None:
         self.workers.advance(source - self.worker_rank0, r.clock)
         self._after_clock()
 
-    def _handle_done(self, source: int, r: protocol.Request) -> None:
+    def _handle_done(self, source: int, r: protocol.Done) -> None:
         self.workers.finish(source - self.worker_rank0)
         self._apply_pushes_due()
         self._serve_reads_due()
 
-    def _push(self, worker: int, r: protocol.Request) -> None:
+    def _push(self, worker: int, push: protocol.Push) -> None:
         """Apply a push now (SSP/ASP), or keep it for its turn (BSP, see the module docstring)."""
-        if r.push_keys.shape[0] == 0:
+        if push.keys.shape[0] == 0:
             return
         if self.staleness == 0:
-            self.workers.keep_push(worker, r)
+            self.workers.keep_push(worker, push)
         else:
-            self.tables[r.table].push(r.push_keys, r.grads, r.clock, worker)
+            self.tables[push.table].push(push.keys, push.grads, push.clock, worker)
 
     def _after_clock(self) -> None:
         """A worker's clock advanced: the pushes, evictions and reads it allows."""
@@ -267,10 +257,10 @@ class Server:
 
     def _apply_pushes_due(self) -> None:
         """BSP: apply, in (clock, worker, seq) order, the pushes of clocks every worker has passed."""
-        for worker, r in self.workers.pushes_due():
-            self.tables[r.table].push(r.push_keys, r.grads, r.clock, worker)
+        for worker, push in self.workers.pushes_due():
+            self.tables[push.table].push(push.keys, push.grads, push.clock, worker)
 
-    def _serve_or_defer(self, source: int, r: protocol.Request) -> None:
+    def _serve_or_defer(self, source: int, r: protocol.Message) -> None:
         if self.workers.ready(r) or (r.op == protocol.PUSHPULL and r.pull_keys.shape[0] == 0):  # a bare push + clock
             self.readers[r.op](source, r)
         else:
@@ -283,20 +273,23 @@ class Server:
 
     # -- reads ---------------------------------------------------------------------------------
 
-    def _serve_pull(self, source: int, r: protocol.Request) -> None:
-        """Answer a pull, or a push-pull (whose reply is also its push's acknowledgement)."""
+    def _serve_pull(self, source: int, r: protocol.Pull | protocol.PushPull) -> None:
+        """Answer a pull, or a push-pull (whose reply is also its push's acknowledgement). A pull
+        the server runs on two threads (``splits_pull``) is answered as its header, sent once
+        the values are ready, then the values: the waiting worker sleeps until the header comes
+        rather than spinning through the server's work, which leaves the core to the second thread."""
         n, dim = r.pull_keys.shape[0], self.dims[r.table]
-        reply, payload = self.replies.new(r.req_id, 4 * n * dim, r.table)
+        reply, payload = self.replies.new(r.req_id, 4 * n * dim, r.table, splits_pull(n, dim))
         if n:
             self.tables[r.table].pull(r.pull_keys, payload.view(np.float32).reshape(n, dim),
                                       source - self.worker_rank0)
-        self.replies.post(reply, source, r.req_id, f"{protocol.OP_NAMES[r.op]} reply", protocol.announced(r.op, n, dim))
+        self.replies.post(reply, source, r.req_id, f"{protocol.OP_NAMES[r.op]} reply")
 
-    def _serve_call(self, source: int, r: protocol.Request) -> None:
+    def _serve_call(self, source: int, r: protocol.Call) -> None:
         """Run a declared server function over the keys this server owns."""
         f = self.functions[r.function]
-        n = r.push_keys.shape[0]
-        out = np.asarray(f.fn(self.tables[r.table], r.push_keys, r.grads), dtype=np.float32)
+        n = r.keys.shape[0]
+        out = np.asarray(f.fn(self.tables[r.table], r.keys, r.args), dtype=np.float32)
         want = (n, f.out_width) if f.per_key else (f.out_width,)
         if out.size != int(np.prod(want)):
             raise RuntimeError(f"server {self.index}: server function {f.name!r} returned shape {out.shape} "
@@ -305,19 +298,18 @@ class Server:
         payload.view(np.float32)[:] = out.reshape(-1)
         self.replies.post(reply, source, r.req_id, f"call reply ({f.name})")
 
-    def _serve_margins(self, source: int, r: protocol.Request) -> None:
+    def _serve_margins(self, source: int, r: protocol.Margins) -> None:
         """Partial margins of a batch's rows over this server's nonzeros; the nonzeros are kept
         for the worker's RESIDUALS."""
         width = protocol.margin_width(self.dims[r.table])
         reply, payload = self.replies.new(r.req_id, 8 * r.n_rows * width, r.table)
-        values = r.grads[:, 0]
         margins = registered_function(MARGINS_FUNCTION).fn
-        margins(self.tables[r.table], r.push_keys, values, r.row_ids, payload.view(np.float64).reshape(r.n_rows, width))
-        self.fragments[(source - self.worker_rank0, r.table)] = (r.push_keys, values, r.row_ids)
+        margins(self.tables[r.table], r.keys, r.values, r.row_ids, payload.view(np.float64).reshape(r.n_rows, width))
+        self.fragments[(source - self.worker_rank0, r.table)] = (r.keys, r.values, r.row_ids)
         self.replies.post(reply, source, r.req_id, "margins reply")
 
-    def _write_checkpoint(self, source: int, r: protocol.Request) -> None:
-        path = checkpoint.server_file(protocol.decode_path(r.pull_keys), self.index)
+    def _write_checkpoint(self, source: int, r: protocol.Checkpoint) -> None:
+        path = checkpoint.server_file(r.path, self.index)
         size, digest = write_checkpoint_file(path, self.tables, self.index, self.placement, r.clock)
         reply, payload = self.replies.new(r.req_id, protocol.CHECKPOINT_RESULT.itemsize)
         protocol.pack_checkpoint_result(payload, size, digest)
@@ -368,7 +360,7 @@ class ServingLoop:
         server = self.server
         server.stats.update(idle_gap_wall_s=0.0, idle_gap_cpu_s=0.0)
         while not server.workers.all_done or server.workers.waiting:
-            got = transport.probe_request(server.comm, protocol.TAG_REQUEST, server.pool.take)
+            got = server.net.probe_request(protocol.TAG_REQUEST, server.pool.take)
             if got is None:
                 self._idle()
                 continue
@@ -414,8 +406,8 @@ class ServingLoop:
         if not nbytes:
             return None
         grads = server.pool.take(nbytes)
-        transport.wait(transport.start_recv(server.comm, grads, source, protocol.TAG_GRADS,
-                                            f"gradients of request {protocol.header(buf)['req_id']} from rank {source}"),
+        transport.wait(server.net.start_recv(grads, source, protocol.TAG_GRADS,
+                                             f"gradients of request {protocol.header(buf)['req_id']} from rank {source}"),
                        timeout=server.stall_timeout_s, warn_after=server.stall_warn_s)
         return grads
 
@@ -424,21 +416,7 @@ class ServingLoop:
         for source, r, waited, need, behind in server.workers.stalled_reads(time.monotonic(), server.stall_warn_s,
                                                                              self.warned):
             sys.stderr.write(
-                f"hpcps: server {server.index} (rank {server.comm.Get_rank()}): {protocol.OP_NAMES[r.op]} from rank "
+                f"hpcps: server {server.index} (rank {server.net.rank}): {protocol.OP_NAMES[r.op]} from rank "
                 f"{source} at clock {r.pull_clock} waits {waited:.0f} s for rank(s) "
                 f"{[w + server.worker_rank0 for w in behind]} to reach clock {need} (staleness {server.staleness})\n")
             sys.stderr.flush()
-
-
-class LocalServer(Server):
-    """A server inside the worker's process (a job of one process): the worker hands it each
-    request as bytes and it answers at once into :attr:`outbox` (req_id -> reply bytes); no
-    message is sent. With one worker nothing is ever deferred: its own clock is the slowest."""
-
-    replies_kind = InProcessReplies
-
-    def __init__(self, specs: list[TableSpec], placement: Placement, staleness: int, functions: list,
-                 stall_timeout_s: float = 300.0):
-        super().__init__(transport.self_comm(), 0, 1, 1, specs, placement, staleness, functions=functions,
-                         stall_timeout_s=stall_timeout_s)
-        self.outbox = self.replies.outbox

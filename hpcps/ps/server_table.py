@@ -17,6 +17,7 @@ from hpcps.ps.store import RowStore
 from hpcps.ps.tables import TableSpec
 from hpcps_kernels import keys as kkeys
 from hpcps_kernels.parallel import TwoThreads
+from hpcps_kernels.tuning import FINITE_CHECK_VALUES
 
 
 class NonFiniteTable(RuntimeError):
@@ -26,13 +27,12 @@ class NonFiniteTable(RuntimeError):
     exit_status = 1  # a run-time failure (see hpcps.errors)
 
 
-FINITE_CHUNK = 1 << 20  # numbers checked at once (no temporary array the size of a table)
 
 
 def count_non_finite_rows(rows: np.ndarray) -> int:
     """How many rows of ``rows`` (2-d) hold a NaN or an infinity, checked in chunks."""
     bad = 0
-    step = max(1, FINITE_CHUNK // max(rows.shape[1], 1))
+    step = max(1, FINITE_CHECK_VALUES // max(rows.shape[1], 1))
     for lo in range(0, rows.shape[0], step):
         bad += int((~np.isfinite(rows[lo:lo + step])).any(axis=1).sum())
     return bad

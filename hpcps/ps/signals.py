@@ -17,10 +17,11 @@ import sys
 import threading
 import time
 
+from hpcps_kernels.tuning import STOP_QUIET_S
+
 STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130
 _PRIORITY = {signal.SIGINT: 3, signal.SIGTERM: 2, signal.SIGUSR1: 1}  # which one a stop reports
-QUIET_S = 1.0  # how long a rank other than the first waits before it speaks for itself
 
 _state: dict = {"signal": None, "installed": False, "defer": True, "prefix": "hpcps: ", "first": True,
                 "why": "", "end": os._exit}
@@ -62,7 +63,7 @@ def stop_now(signum: int, again: bool = False) -> None:
     """Print one line and end the process (or job, see :func:`install`) with the exit status
     128 + ``signum``, without Python's teardown."""
     if not _state["first"]:
-        time.sleep(QUIET_S)
+        time.sleep(STOP_QUIET_S)
     name = signal.Signals(signum).name
     why = "again before the checkpoint was written" if again else _state["why"]
     sys.stdout.flush()

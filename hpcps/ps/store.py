@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from hpcps.ps.tables import DIRECT_AT_ONCE_BITS, DIRECT_FROM_SHIFT, TableSpec
+from hpcps.ps.tables import TableSpec
 from hpcps_kernels import init as kinit
 from hpcps_kernels import keys as kkeys
 from hpcps_kernels.directindex import DirectKeyIndex
 from hpcps_kernels.hashtable import KeyIndex
 from hpcps_kernels.parallel import TwoThreads, run_split
+from hpcps_kernels.tuning import DIRECT_AT_ONCE_BITS, DIRECT_FROM_SHIFT
 
 # Pulls whose slots a server keeps per worker and table for the pushes of the same keys: 2, the
 # last pull and the one before it, which train.pull_early's push follows (the next batch's pull

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 from hpcps_kernels import init as kinit
 from hpcps_kernels import optim
+from hpcps_kernels.tuning import DIRECT_MAX_BITS
 
 @dataclass(frozen=True)
 class Features:
@@ -102,9 +103,6 @@ def register_server_function(name: str, fn, out_width: int, in_width: int = 0, p
     return f
 
 
-DIRECT_MAX_BITS = 26  # direct addressing costs 4 * 2**key_bits bytes per server: 256 MiB at 26 bits
-DIRECT_AT_ONCE_BITS = 18  # up to here (1 MiB of index) a shard is addressed directly from its first key ...
-DIRECT_FROM_SHIFT = 8     # ... above, once it holds 2**(key_bits - 8) keys (64 k at 24 bits); a hash index before
 
 
 @dataclass(frozen=True)

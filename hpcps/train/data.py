@@ -19,7 +19,6 @@ import hashlib
 import math
 import os
 import shutil
-import stat
 import sys
 import threading
 from collections import deque
@@ -27,69 +26,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hpcps.train import inputs
+from hpcps.train.inputs import BOM, DataChanged, DataError, Piece, check_file, check_unchanged, file_state
 from hpcps_kernels import parse
 from hpcps_kernels.tuning import PARSE_BLOCK_BYTES
 
 # feature_key(0xB1A5, "bias"), written out so that importing this module compiles nothing
 BIAS_KEY = np.uint64(871999724124195170)
-
-
-class DataError(ValueError):
-    """Bad or missing input data; the message names the file (and line)."""
-
-    exit_status = 2  # the user must change something (see hpcps.errors)
-
-
-class DataChanged(DataError):
-    """A data file changed (its size, modification time or inode) while a job reads it."""
-
-
-def check_file(path: str, what: str = "data") -> None:
-    """Raise :class:`DataError` unless ``path`` is a regular file: say what it is instead (missing,
-    a directory, a FIFO...). A FIFO is never opened: that would wait for a writer for ever, and a
-    part is read in byte ranges, by several ranks, once an epoch."""
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        if path == "-":
-            raise DataError(f"{what} file '-': hpcps reads {what} from a file, not from standard input (it reads "
-                            f"a file in byte ranges, on several ranks): save it to a file first") from None
-        raise DataError(f"{what} file {path} not found") from None
-    except OSError as e:
-        raise DataError(f"{what} file {path}: {e.strerror}") from None
-    if stat.S_ISREG(mode):
-        return
-    if stat.S_ISDIR(mode):
-        raise DataError(f"{what} file {path} is a directory, not a file")
-    kind = ("a FIFO (a named pipe)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
-            else "a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
-            else "not a regular file")
-    raise DataError(f"{what} file {path} is {kind}, not a regular file: a job reads its data in byte ranges, "
-                    f"once an epoch")
-
-
-def file_state(path: str) -> tuple[int, int, int, int]:
-    """(size, modification time in ns, inode, device) of ``path``: what tells that it changed."""
-    st = os.stat(path)
-    return st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev
-
-
-def check_unchanged(path: str, then: tuple) -> None:
-    """Raise :class:`DataChanged` when ``path`` is no longer the file of :func:`file_state` ``then``
-    (one ``stat``: cheap enough for every slice read)."""
-    try:
-        now = file_state(path)
-    except FileNotFoundError:
-        how = "removed"
-    except OSError as e:
-        how = f"unreadable: {e.strerror or e}"
-    else:
-        if now == then:
-            return
-        how = (f"{then[0]} bytes when the job started, {now[0]} now" if now[0] != then[0] else
-               "replaced by another file" if now[2:] != then[2:] else "rewritten: a new modification time")
-    raise DataChanged(f"data file {path} changed while this job read it ({how}); a job reads its training file "
-                      f"again each epoch, so it must stay as it was: copy it before changing it")
 
 
 def _short_read(path: str, at: int, end: int) -> DataChanged:
@@ -109,97 +52,108 @@ def _short_read(path: str, at: int, end: int) -> DataChanged:
 HASHED_FORMATS = ("criteo", "vw")
 
 
-BOM = b"\xef\xbb\xbf"  # UTF-8's byte-order mark
-
-# the first bytes of compressed files, and the command that decompresses one
-COMPRESSED = ((b"\x1f\x8b", "gzip", "gunzip"), (b"\x28\xb5\x2f\xfd", "zstd", "unzstd"), (b"BZh", "bzip2", "bunzip2"),
-              (b"\xfd7zXZ\x00", "xz", "unxz"), (b"PK\x03\x04", "zip", "unzip"), (b"\x04\x22\x4d\x18", "lz4", "unlz4"))
-
-
 def check_text(path: str, head: bytes) -> None:
-    """Raise :class:`DataError` when ``head`` (a file's first bytes) opens a compressed file:
-    hpcps reads plain text (a compressed file's bytes would read as a bad label)."""
-    for magic, kind, command in COMPRESSED:
-        if head.startswith(magic):
-            raise DataError(f"data file {path} is {kind}-compressed: hpcps reads plain text; decompress it first "
-                            f"({command} {path})")
+    """Raise :class:`DataError` when ``head`` (a file's first bytes) opens a compressed file
+    hpcps cannot read as a stream (:func:`hpcps.train.inputs.compression`)."""
+    inputs.compression(path, head)
 
 
-def detect_format(path: str, fmt: str) -> str:
-    """``fmt``, or with ``"auto"`` the format of ``path`` from its first line. Raises DataError for
-    what is not a regular file (see :func:`check_file`) and for a compressed file (:func:`check_text`).
+def detect_format(spec, fmt: str) -> str:
+    """``fmt``, or with ``"auto"`` the format of the files ``spec`` names (a path, a glob, a
+    directory or a list: :func:`hpcps.train.inputs.data_files`) from their first file's first
+    line. Raises DataError for what is not a regular file (see :func:`check_file`) and for a
+    compressed file hpcps cannot read (:func:`check_text`); a gzip, zstd, bzip2 or xz file is
+    read through its decompressed first bytes.
 
     A first line with a ``|`` is VW; with a tab, Criteo TSV, unless its fields are ``index:value``
     pairs (libsvm or libffm with tabs between the fields, which their parsers take)."""
+    path = inputs.data_files(spec)[0]
     check_file(path)
     with open(path, "rb") as f:
         head = f.read(4096)
-    check_text(path, head)
+    kind = inputs.compression(path, head)
     if fmt != "auto":
         return fmt
+    if kind:
+        with inputs.open_stream(path, kind) as f:
+            head = f.read(4096)
     first = head.split(b"\n", 1)[0]
-    if b"|" in first or path.endswith(".vw"):
+    name = path.rsplit(".", 1)[0] if kind and path.endswith((".gz", ".zst", ".bz2", ".xz")) else path
+    if b"|" in first or name.endswith(".vw"):
         return "vw"
     tokens = first.split()
     pairs = len(tokens) > 1 and all(b":" in t for t in tokens[1:])
     if b"\t" in first and not pairs:
         return "criteo"
-    return "libffm" if path.endswith(".ffm") or (len(tokens) > 1 and tokens[1].count(b":") == 2) else "libsvm"
+    return "libffm" if name.endswith(".ffm") or (len(tokens) > 1 and tokens[1].count(b":") == 2) else "libsvm"
 
 
 def byte_range(path: str, part: int, parts: int, size: int | None = None) -> tuple[int, int]:
     """Bytes ``[start, end)`` of part ``part`` of ``parts``, both at line starts (of a file of
-    ``size`` bytes: its size now unless given). The first line starts after a UTF-8 byte-order
-    mark (which some editors write first): a BOM is no label."""
+    ``size`` bytes: its size now unless given); see :func:`hpcps.train.inputs.line_start`."""
     size = os.path.getsize(path) if size is None else size
-
-    def line_start(pos: int) -> int:
-        if pos <= 0:
-            with open(path, "rb") as f:
-                return len(BOM) if f.read(len(BOM)) == BOM and size >= len(BOM) else 0
-        if pos >= size:
-            return size
-        with open(path, "rb") as f:
-            f.seek(pos - 1)
-            while True:
-                chunk = f.read(1 << 16)
-                if not chunk:
-                    return size
-                i = chunk.find(b"\n")
-                if i >= 0:
-                    return f.tell() - len(chunk) + i + 1
-    return line_start(size * part // parts), line_start(size * (part + 1) // parts)
+    return tuple(inputs.line_start(path, size * k // parts, size) for k in (part, part + 1))
 
 
-def fingerprint(path: str, span: int = 1 << 20) -> dict:
-    """What identifies a data file's contents cheaply: its size and the XXH64 of its first and
-    last ``span`` bytes (recorded in checkpoints, compared when resuming)."""
+def fingerprint(spec, span: int = 1 << 20) -> dict:
+    """What identifies the contents of the files ``spec`` names cheaply: their size and the XXH64
+    of each file's first and last ``span`` bytes (recorded in checkpoints, compared when
+    resuming). One file: its path; several: the first's, and the number of files (each read
+    ``span / files`` bytes at each end, at least 4 KiB: thousands of part files cost what a few do)."""
     from hpcps_kernels.hashing import xxh64
 
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(span)
-        f.seek(max(0, size - span))
-        tail = f.read(span)
-    raw = np.frombuffer(head + tail, dtype=np.uint8)
-    return {"path": os.path.abspath(path), "bytes": size,
-            "head_tail_xxh64": f"{int(xxh64(raw, 0, raw.shape[0], np.uint64(0))):016x}"}
+    files = inputs.data_files(spec)
+    span = max(1 << 12, span // len(files))
+    raw, size = b"", 0
+    for path in files:
+        check_file(path)
+        n = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(span)
+            f.seek(max(0, n - span))
+            raw += head + f.read(span)
+        size += n
+    raw = np.frombuffer(raw, dtype=np.uint8)
+    out = {"path": os.path.abspath(files[0]), "bytes": size,
+           "head_tail_xxh64": f"{int(xxh64(raw, 0, raw.shape[0], np.uint64(0))):016x}"}
+    if len(files) > 1:
+        out["files"] = len(files)
+    return out
 
 
-def _count_newlines(path: str, start: int, end: int, kernel: bool = True) -> tuple[int, bytes]:
+def _count_newlines(path: str, start: int, end: int | None, kernel: bool = True, kind: str = "",
+                    tee: inputs.Tee | None = None) -> tuple[int, bytes]:
     """(newlines in ``path[start:end]``, its last byte), read in 4 MiB pieces into one reused
     buffer and counted by the nogil count kernel: this must not hold the part in memory (a memory
     map of it would count in the process's resident memory). ``kernel`` False: counted by
     ``bytearray.count`` instead, which holds the GIL and is 5x slower here but needs no numba
-    call, whose first in a process costs about 0.2 s (see :func:`rows_at_least`)."""
+    call, whose first in a process costs about 0.2 s (see :func:`rows_at_least`). ``kind``: the
+    file's compression; its decompressed bytes are counted (``start`` 0), to ``end`` or, None,
+    to their end; ``tee``: each piece read is handed to it too (then its end or the error)."""
+    try:
+        n, last = _count_read(path, start, end, kernel, kind, tee)
+    except BaseException as e:
+        if tee is not None:
+            tee.finish(e)
+        raise
+    if tee is not None:
+        tee.finish()
+    return n, last
+
+
+def _count_read(path: str, start: int, end: int | None, kernel: bool, kind: str, tee) -> tuple[int, bytes]:
+    """See :func:`_count_newlines`."""
     n, last = 0, b""
-    buf = bytearray(min(4 << 20, max(end - start, 1)))
+    buf = bytearray(min(4 << 20, max(end - start, 1)) if end is not None else 4 << 20)
     view = memoryview(buf)
-    with open(path, "rb") as f:
-        f.seek(start)
-        left = end - start
+    with inputs.open_stream(path, kind) as f:
+        if start:
+            f.seek(start)
+        left = end - start if end is not None else 1 << 62
         while left > 0:
-            got = f.readinto(view[:min(len(buf), left)])
+            got = _read_into(f, view[:min(len(buf), left)], path)
+            if not got and end is None:
+                break
             if not got:  # the file shrank since ``end`` was known
                 raise _short_read(path, end - left, end)
             if kernel:
@@ -210,6 +164,8 @@ def _count_newlines(path: str, start: int, end: int, kernel: bool = True) -> tup
                 n += buf.count(b"\n", 0, got)
             last = bytes(view[got - 1:got])
             left -= got
+            if tee is not None:
+                tee.put(bytes(view[:got]))
     return n, last
 
 
@@ -236,7 +192,7 @@ class Dataset:
     # among them), set by compact(), which then drops ``indices``
     prepared: tuple | None = None
     keep_prepared: bool = False
-    state: tuple | None = None  # the file's file_state when it was read (a loaded part)
+    state: dict | None = None  # its files' part_states when they were read (a loaded part)
     weights: np.ndarray | None = None  # float32 (rows,): each row's importance weight; None: all 1
 
     def compact(self, uniq: np.ndarray, pos: np.ndarray) -> tuple:
@@ -344,32 +300,36 @@ class LabelWatch:
             sys.stderr.flush()
 
 
-def _parse_blocks(path: str, start: int, end: int, fmt: str, hash_bits: int, skip_bad: bool, binary: bool,
-                  block_bytes: int = 0, fields: bool = False, state: tuple | None = None, need_labels: bool = True):
-    """Parse ``path[start:end]`` block by block: each block is read into one reusable buffer after
-    the previous block's unfinished line, and parsed in place (no copies of the text). Yields
-    ``(labels, indptr, indices, values, skipped)`` per block (new arrays: the buffer is reused).
+def _parse_blocks(piece: Piece, fmt: str, hash_bits: int, skip_bad: bool, binary: bool,
+                  block_bytes: int = 0, fields: bool = False, state: tuple | None = None, stream=None,
+                  need_labels: bool = True):
+    """Parse ``piece`` (bytes ``[start, end)`` of a file, or a compressed file's whole stream)
+    block by block: each block is read into one reusable buffer after the previous block's
+    unfinished line, and parsed in place (no copies of the text). Yields ``(labels, indptr,
+    indices, values, skipped)`` per block (new arrays: the buffer is reused).
 
     A read that ends before ``end`` (the file shrank) raises :class:`DataChanged`; so does, with
     ``state`` (:func:`file_state` when the ranges were cut), a file changed in any way, checked
-    before each block (one ``stat``). ``need_labels`` False: rows without a label are read (label
-    0; a registered format's parser is not asked)."""
+    before each block (one ``stat``). ``stream``: where a compressed piece's text is read from
+    (an :class:`hpcps.train.inputs.Tee`), if not from the file. ``need_labels`` False: rows without
+    a label are read (label 0; a registered format's parser is not asked)."""
+    path, kind = piece.path, piece.compression
     block_bytes = block_bytes or PARSE_BLOCK_BYTES
-    unlabeled = {"with_weights": True} if need_labels else {"need_labels": False, "with_weights": True}
-    buf = bytearray(min(block_bytes, end - start) + (1 << 16))
+    end = piece.end if not kind else 1 << 62  # (a stream: read to its end)
+    buf = bytearray(min(block_bytes, end - piece.start) + (1 << 16))
     view = memoryview(buf)
     seen = np.zeros(2, dtype=np.int64)  # binary labels: a 0 / a -1 met in an earlier block
     carry = 0          # bytes of an unfinished line at the front of buf
-    block_start = start  # file offset of buf[0]
+    block_start = pos = piece.start  # offset of buf[0], and of the next byte read (decompressed, in a stream)
     try:
-        f = open(path, "rb")
+        f = stream if stream is not None else inputs.open_stream(path, kind)
     except OSError as e:
         if state is not None:
             check_unchanged(path, state)  # (removed or replaced: says so)
         raise DataError(f"data file {path}: {e.strerror or e}") from None
     with f:
-        f.seek(start)
-        pos = start
+        if pos:
+            f.seek(pos)
         while pos < end or carry:
             want = min(block_bytes, end - pos)
             if len(buf) < carry + want:  # a line longer than the spare room: grow
@@ -378,10 +338,15 @@ def _parse_blocks(path: str, start: int, end: int, fmt: str, hash_bits: int, ski
                 view = memoryview(buf)
             if state is not None:
                 check_unchanged(path, state)
-            got = f.readinto(view[carry:carry + want]) if want > 0 else 0
-            if got < want:  # (a regular file reads short only at its end)
+            got = _read_into(f, view[carry:carry + want], path) if want > 0 else 0
+            if got < want and not kind:  # (a regular file reads short only at its end)
                 raise _short_read(path, pos + got, end)
+            if got < want:
+                end = pos + got
             pos += got
+            if kind and pos == got and buf[:len(BOM)] == BOM:  # a stream's BOM is no label (as line_start's)
+                buf[:got - len(BOM)] = buf[len(BOM):got]
+                got -= len(BOM)
             n = carry + got
             cut = n if pos >= end else buf.rfind(b"\n", 0, n) + 1
             if cut == 0:  # no line end yet: read more
@@ -389,15 +354,9 @@ def _parse_blocks(path: str, start: int, end: int, fmt: str, hash_bits: int, ski
                 continue
             block = np.frombuffer(view[:cut], dtype=np.uint8)
             try:
-                if fmt == "criteo":
-                    out = parse.parse_criteo(block, source=path, first_line=1, skip_bad=skip_bad, bits=hash_bits,
-                                             bias=int(BIAS_KEY), fields=fields, **unlabeled)
-                else:
-                    reader = TEXT_PARSERS.get(fmt, parse.parse_libsvm)
-                    out = reader(block, source=path, first_line=1, skip_bad=skip_bad, binary=binary, seen=seen,
-                                 bias=int(BIAS_KEY), bits=hash_bits, **(unlabeled if fmt in BUILT_IN_FORMATS else {}))
+                out = _parse_block(block, path, fmt, hash_bits, skip_bad, binary, fields, seen, need_labels)
             except parse.ParseError as e:
-                line = _count_newlines(path, 0, block_start)[0] + e.line
+                line = _count_newlines(path, 0, block_start, kind=kind)[0] + e.line
                 text = str(e).split(": ", 2)[-1] if str(e).count(": ") >= 2 else ""
                 raise DataError(f"{path}:{line}: " + (_other_format(fmt, e.text) or e.reason
                                                        + (f": {text}" if text else ""))) from None
@@ -409,6 +368,36 @@ def _parse_blocks(path: str, start: int, end: int, fmt: str, hash_bits: int, ski
             buf[:carry] = buf[cut:n]
             block_start += cut
             yield out
+
+
+def _read_into(f, view, path: str) -> int:
+    """``f.readinto(view)`` until ``view`` is full or the file ends (a stream may return less);
+    a damaged compressed stream is a :class:`DataError` naming the file."""
+    got = 0
+    try:
+        while got < len(view):
+            n = f.readinto(view[got:])
+            if not n:
+                break
+            got += n
+    except Exception as e:  # noqa: BLE001 - each decompressor has its own (zlib.error, ZstdError, EOFError...)
+        if isinstance(e, DataError) or (isinstance(e, OSError) and e.errno is not None):
+            raise  # said already (by the line count, through a Tee); or a failing disk, not a damaged stream
+        raise DataError(f"data file {path}: its compressed stream is damaged or cut short ({e})") from None
+    return got
+
+
+def _parse_block(block, path: str, fmt: str, hash_bits: int, skip_bad: bool, binary: bool, fields: bool, seen,
+                 need_labels: bool = True):
+    """One block of whole lines of ``path``, parsed as ``fmt`` (the built-in formats' rows with
+    their weights, and without labels unless ``need_labels``)."""
+    rows = {"with_weights": True} if need_labels else {"need_labels": False, "with_weights": True}
+    if fmt == "criteo":
+        return parse.parse_criteo(block, source=path, first_line=1, skip_bad=skip_bad, bits=hash_bits,
+                                  bias=int(BIAS_KEY), fields=fields, **rows)
+    reader = TEXT_PARSERS.get(fmt, parse.parse_libsvm)
+    return reader(block, source=path, first_line=1, skip_bad=skip_bad, binary=binary, seen=seen,
+                  bias=int(BIAS_KEY), bits=hash_bits, **(rows if fmt in BUILT_IN_FORMATS else {}))
 
 
 # data.format -> its parser, ``parse(block, *, source, first_line, skip_bad, binary, seen, bias,
@@ -499,40 +488,63 @@ def _joined(pieces: list) -> "Dataset":
     return Dataset(*csr, weights=weights)
 
 
-def _parse_part(path: str, start: int, end: int, fmt: str, hash_bits: int, skip_bad: bool, binary: bool,
-                fields: bool = False, state: tuple | None = None, need_labels: bool = True):
-    """The whole of ``path[start:end]``, parsed: ((labels, indptr, indices, values, weights), skipped)."""
-    pieces = list(_parse_blocks(path, start, end, fmt, hash_bits, skip_bad, binary, fields=fields, state=state,
-                                need_labels=need_labels))
-    return _concat([p[:4] + p[5:] for p in pieces]), sum(p[4] for p in pieces)
+def part_states(pieces: list[Piece]) -> dict:
+    """The :func:`file_state` of each file of ``pieces``, by path: what their reads are checked against."""
+    return {p.path: file_state(p.path) for p in pieces}
 
 
-def load_part(path: str, part: int, parts: int, fmt: str = "auto", hash_bits: int = 24,
-              skip_bad: bool = False, cache_dir: str = "", binary: bool = False, fields: bool = False,
-              need_labels: bool = True) -> Dataset:
-    """Parse this worker's part of ``path`` (with the bias feature), through the cache if set.
+def check_part_unchanged(states: dict) -> None:
+    """Raise :class:`DataChanged` if a file of :func:`part_states` ``states`` changed."""
+    for path, state in states.items():
+        check_unchanged(path, state)
+
+
+def part_source(pieces: list[Piece]) -> str:
+    """How messages name a part read from ``pieces`` (:func:`hpcps.train.inputs.describe`)."""
+    return inputs.describe(list(dict.fromkeys(p.path for p in pieces)))
+
+
+def _parse_pieces(pieces: list[Piece], fmt: str, hash_bits: int, skip_bad: bool, binary: bool,
+                  block_bytes: int = 0, fields: bool = False, states: dict | None = None, streams: dict | None = None,
+                  need_labels: bool = True):
+    """:func:`_parse_blocks` over each of ``pieces`` in turn (``states``: their files'
+    :func:`part_states`, checked before each block; ``streams``: by piece number, where a
+    compressed piece's text is read from)."""
+    for i, p in enumerate(pieces):
+        yield from _parse_blocks(p, fmt, hash_bits, skip_bad, binary, block_bytes, fields,
+                                 states.get(p.path) if states else None, (streams or {}).get(i), need_labels)
+
+
+def load_part(path, part: int, parts: int, fmt: str = "auto", hash_bits: int = 24, skip_bad: bool = False,
+              cache_dir: str = "", binary: bool = False, fields: bool = False, key: str = "data",
+              idle_ok: bool = False, need_labels: bool = True) -> Dataset:
+    """Parse this worker's part of the files ``path`` names (a path, glob, directory or list:
+    :func:`hpcps.train.inputs.part_of`), with the bias feature, through the cache if set.
 
     ``binary``: the labels are for the logistic loss; libsvm labels -1/+1 become 0/1, and any
     label other than 0, 1, -1, +1 is an error naming the line (Criteo labels are 0/1 anyway).
     ``fields``: keys carry their field above the hash bits (Criteo: the column; libffm keys
-    always do; libsvm and VW keys are all field 0). ``need_labels`` False (rows to score): a row
-    without a label is read, with label 0 (libsvm and libffm lines that start with a feature, VW
-    lines that start with ``|`` or a tag, Criteo lines of 39 columns); else it is an error.
+    always do; libsvm and VW keys are all field 0). ``key``: the configuration key messages name;
+    ``idle_ok``: this worker may read nothing (:func:`hpcps.train.inputs.split`).
+    ``need_labels`` False (rows to score): a row without a label is read, with label 0 (libsvm
+    and libffm lines that start with a feature, VW lines that start with ``|`` or a tag, Criteo
+    lines of 39 columns); else it is an error.
     """
-    check_file(path)
-    state = file_state(path)
+    pieces = inputs.part_of(path, part, parts, key, idle_ok)
+    state = part_states(pieces)
     fmt = detect_format(path, fmt)
-    start, end = byte_range(path, part, parts, state[0])
+    source = part_source(pieces)
     cache = None
     if cache_dir:
-        cache = _cache_entry(cache_dir, path, part, parts, fmt, hash_bits, skip_bad, binary,
+        cache = _cache_entry(cache_dir, pieces, part, parts, fmt, hash_bits, skip_bad, binary,
                              fields and fmt == "criteo", need_labels)
-        ds = _read_cache(cache, path, part, parts, state)
+        ds = _read_cache(cache, source, part, parts, state)
         if ds is not None:
             return ds
-    (labels, indptr, indices, values, weights), skipped = _parse_part(path, start, end, fmt, hash_bits, skip_bad,
-                                                                      binary, fields, state, need_labels)
-    ds = Dataset(labels, indptr, indices, values, skipped, path, state=state, weights=weights)
+    blocks = list(_parse_pieces(pieces, fmt, hash_bits, skip_bad, binary, fields=fields, states=state,
+                                need_labels=need_labels))
+    *csr, weights = _concat([b[:4] + b[5:] for b in blocks])
+    ds = Dataset(*csr, sum(b[4] for b in blocks), source, state=state, weights=weights)
     ds.check_finite()
     if cache:
         _write_cache(cache, ds, part, parts)
@@ -542,20 +554,24 @@ def load_part(path: str, part: int, parts: int, fmt: str = "auto", hash_bits: in
 CACHE_ARRAYS = ("labels", "indptr", "indices", "values")
 
 
-def _cache_entry(cache_dir: str, path: str, part: int, parts: int, fmt: str, hash_bits: int, skip_bad: bool,
-                 binary: bool, fields: bool, need_labels: bool = True) -> str:
-    """The cache directory of a part parsed with these settings from the file ``path`` is now.
+def _cache_entry(cache_dir: str, pieces: list[Piece], part: int, parts: int, fmt: str, hash_bits: int,
+                 skip_bad: bool, binary: bool, fields: bool, need_labels: bool = True) -> str:
+    """The cache directory of a part parsed with these settings from ``pieces`` of files as they
+    are now.
 
-    The file is told by its path, size and modification time, and by its device, inode and
+    A file is told by its path, size and modification time, and by its device, inode and
     status-change time (``st_ctime_ns``): a file rewritten in place with its size and modification
     time kept (``os.utime``, ``touch -r``, ``rsync -t``) still gets a new ctime, which no call can
     set back, and a file replaced by another gets another inode. A hash of the contents would tell
     it too but read the whole file on every start, which the cache is there to avoid; a change of
     ctime alone (``chmod``, a new hard link) costs one parse, never a wrong row."""
-    st = os.stat(path)
-    tag = (f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{st.st_dev}|{st.st_ino}|{st.st_ctime_ns}|"
-           f"{part}/{parts}|{fmt}|{hash_bits}|{skip_bad}|{binary}" + ("|fields" if fields else "")
-           + ("" if need_labels else "|unlabeled"))
+    tag = ""
+    for p in pieces:
+        st = os.stat(p.path)
+        tag += (f"{os.path.abspath(p.path)}|{st.st_size}|{st.st_mtime_ns}|{st.st_dev}|{st.st_ino}|{st.st_ctime_ns}|"
+                f"{p.start}-{p.end}|")
+    tag += (f"{part}/{parts}|{fmt}|{hash_bits}|{skip_bad}|{binary}" + ("|fields" if fields else "")
+            + ("" if need_labels else "|unlabeled"))
     return os.path.join(cache_dir, hashlib.sha256(tag.encode()).hexdigest()[:20])
 
 
@@ -571,7 +587,7 @@ def _cache_warning(message: str, e: BaseException, where: str = "") -> None:
     sys.stderr.flush()
 
 
-def _read_cache(cache: str, path: str, part: int, parts: int, state: tuple) -> Dataset | None:
+def _read_cache(cache: str, path: str, part: int, parts: int, state: dict) -> Dataset | None:
     """The part from its cache entry (memory-mapped), or None when there is none. A damaged entry
     (cut short, unreadable, arrays that do not fit together) is one warning and removed, so that
     the part is parsed and cached again instead of failing every start the same way."""
@@ -623,29 +639,47 @@ def _write_cache(cache: str, ds: Dataset, part: int, parts: int) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def rows_at_least(path: str, enough: int) -> int:
-    """The lines of ``path``, counted until ``enough`` (then ``enough``; 0 for a file it cannot read):
-    reads at most as far as the ``enough``-th line. Counted without numba: the first rank counts
-    for the others (the auto batch size) while they wait, and a first numba call there cost 0.2 s
-    of that wait, which each rank pays anyway, at the same time, when it starts its context."""
-    n, at, piece = 0, 0, 16 << 20
+def rows_at_least(spec, enough: int) -> int:
+    """The lines of the files ``spec`` names, counted until ``enough`` (then ``enough``; 0 for
+    files it cannot read): reads at most as far as the ``enough``-th line (of a compressed file,
+    of its decompressed stream). Counted without numba: the first rank counts for the others (the
+    auto batch size) while they wait, and a first numba call there cost 0.2 s of that wait, which
+    each rank pays anyway, at the same time, when it starts its context."""
+    n = 0
     try:
-        size = os.path.getsize(path)
-        while at < size and n < enough:
-            got, last = _count_newlines(path, at, min(at + piece, size), kernel=False)
-            n, at = n + got, at + piece
-    except OSError:  # (loading the part says what is wrong with it, on every rank)
+        for path in inputs.data_files(spec):
+            check_file(path)  # (a FIFO is never opened: that would wait for a writer)
+            n += _lines_at_least(path, enough - n, inputs.compression(path))
+            if n >= enough:
+                break
+    except (OSError, DataError):  # (loading the part says what is wrong with it, on every rank)
         return 0
-    if at >= size and size and last != b"\n":
-        n += 1
     return min(n, enough)
 
 
-def rows_bound(path: str, start: int, end: int) -> int:
-    """At most how many rows ``path[start:end]`` holds (its lines; blank, comment and skipped
-    lines make it an upper bound)."""
-    n, last = _count_newlines(path, start, end)
-    return n + (1 if last not in (b"", b"\n") else 0)
+def _lines_at_least(path: str, enough: int, kind: str) -> int:
+    """The lines of ``path`` (compressed as ``kind`` says), counted until ``enough``."""
+    n, last = 0, b""
+    buf = bytearray(4 << 20)
+    with inputs.open_stream(path, kind) as f:
+        while n < enough:
+            got = _read_into(f, memoryview(buf), path)
+            if not got:
+                return n + (1 if last not in (b"", b"\n") else 0)
+            n += buf.count(b"\n", 0, got)
+            last = bytes(buf[got - 1:got])
+    return n
+
+
+def rows_bound(pieces: list[Piece], tees: dict | None = None) -> int:
+    """At most how many rows ``pieces`` hold (their lines; blank, comment and skipped lines make
+    it an upper bound). ``tees``: by piece number, where a compressed piece's text goes too."""
+    total = 0
+    for i, p in enumerate(pieces):
+        n, last = _count_newlines(p.path, p.start, None if p.compression else p.end, kind=p.compression,
+                                  tee=(tees or {}).get(i))
+        total += n + (1 if last not in (b"", b"\n") else 0)
+    return total
 
 
 class _Pass:
@@ -846,21 +880,27 @@ class PartStream:
 
     PUMP_BYTES = 1 << 19  # text parsed per pump: ~2,000 Criteo rows, about a millisecond
 
-    def __init__(self, path: str, part: int, parts: int, fmt: str = "auto", hash_bits: int = 24,
+    def __init__(self, path, part: int, parts: int, fmt: str = "auto", hash_bits: int = 24,
                  skip_bad: bool = False, binary: bool = False, memory_mb: float = 0.0, block_bytes: int = 0,
-                 fields: bool = False, shuffle_rows: int = 0, shuffle_seed: int = 0, warn_labels: bool = False):
-        check_file(path)
-        self.state = file_state(path)  # what the byte ranges were cut from: checked at every read
-        self.labels = LabelWatch(path, warn_labels)  # (warn_labels: the squared loss)
-        self.path, self.fmt = path, detect_format(path, fmt)
+                 fields: bool = False, shuffle_rows: int = 0, shuffle_seed: int = 0, warn_labels: bool = False,
+                 key: str = "data"):
+        self.pieces = inputs.part_of(path, part, parts, key)  # (path: a file, glob, directory or list of them)
+        self.state = part_states(self.pieces)  # what the byte ranges were cut from: checked at every read
+        self.path = part_source(self.pieces)
+        self.labels = LabelWatch(self.path, warn_labels)  # (warn_labels: the squared loss)
+        self.fmt = detect_format(path, fmt)
         self.hash_bits, self.skip_bad, self.binary, self.fields = hash_bits, skip_bad, binary, fields
-        self.start, self.end = byte_range(path, part, parts, self.state[0])
         # the part's lines are counted on a thread (reading and counting release the GIL) while
-        # the rest of the start-up goes on, needed only for the number of steps (see rows_bound)
-        self._rows_bound: int | BaseException | None = None
-        self._counting = threading.Thread(target=self._count_rows, name="hpcps-count-rows", daemon=True)
-        self._counting.start()
+        # the rest of the start-up goes on, needed only for the number of steps (see rows_bound). A
+        # part kept in memory inflates a slow stream once: the first pass parses the text the count
+        # inflated, held until then (a fast one is inflated twice rather than held)
         self.keep = memory_mb <= 0
+        tees = {i: inputs.Tee() for i, p in enumerate(self.pieces)
+                if self.keep and inputs.inflates_slowly(p.compression)}
+        self._first_pass_streams = tees
+        self._rows_bound: int | BaseException | None = None
+        self._counting = threading.Thread(target=self._count_rows, args=(tees,), name="hpcps-count-rows", daemon=True)
+        self._counting.start()
         budget = memory_mb * (1 << 20)
         # a parsed byte of text takes up to about 3 bytes in arrays (Criteo: 40 keys of 8 bytes, values
         # of 4, per line of ~250 characters): slices of a tenth of the budget, at most half of it ahead
@@ -871,11 +911,13 @@ class PartStream:
         self.slices = SlicesAhead(self._generator, self._dataset, self.keep,
                                   float("inf") if self.keep else budget / 2)
 
-    def _count_rows(self) -> None:
+    def _count_rows(self, tees: dict) -> None:
         try:
-            self._rows_bound = rows_bound(self.path, self.start, self.end)
+            self._rows_bound = rows_bound(self.pieces, tees)
         except BaseException as e:  # (raised where the count is read)
             self._rows_bound = e
+            for tee in tees.values():  # (a piece not reached: its reader gets the error, not a wait)
+                tee.finish(e)
 
     @property
     def rows_bound(self) -> int:
@@ -895,7 +937,8 @@ class PartStream:
         first = self.slices.first
         if first is not None and first.rows > 0:
             return True
-        if self.end - self.start <= self.block_bytes:
+        one = self.pieces[0]
+        if len(self.pieces) == 1 and not one.compression and one.end - one.start <= self.block_bytes:
             return False
         return self.rows_bound > 0
 
@@ -924,13 +967,15 @@ class PartStream:
         return ds
 
     def _generator(self):
-        return _parse_blocks(self.path, self.start, self.end, self.fmt, self.hash_bits, self.skip_bad,
-                             self.binary, self.block_bytes, self.fields, self.state)
+        """A pass's slices: the first reads the compressed pieces' text the count inflates."""
+        streams, self._first_pass_streams = self._first_pass_streams, None
+        return _parse_pieces(self.pieces, self.fmt, self.hash_bits, self.skip_bad, self.binary, self.block_bytes,
+                             self.fields, self.state, streams)
 
     def check_unchanged(self) -> None:
         """Raise :class:`DataChanged` if the file is no longer the one the job opened (the
         training calls it at each epoch: a part kept in memory reads no block to check)."""
-        check_unchanged(self.path, self.state)
+        check_part_unchanged(self.state)
 
     def open(self) -> "PartStream":
         """Parse the first slice now (raises DataError for a bad line in it)."""
@@ -1101,7 +1146,7 @@ class LoadedPart:
         """As :meth:`PartStream.check_unchanged` (the part is in memory: a changed file would
         not be read again, but the job's record of its data would be wrong)."""
         if self.state is not None:
-            check_unchanged(self.path, self.state)
+            check_part_unchanged(self.state)
 
     def batches(self, batch_size: int, skip: int = 0):
         lo = skip * batch_size

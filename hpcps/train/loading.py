@@ -2,7 +2,7 @@
 
 Workers load their part of each data file (the training file as a stream), and every rank agrees
 on what the files say before the model is declared: whether each loaded (every failing rank's
-message on every rank), the fields per row of a deep model, and the bias weight's initial value.
+message on every rank), the fields per row of a model that reads them, and the bias weight's initial value.
 """
 
 from __future__ import annotations
@@ -14,57 +14,64 @@ import numpy as np
 
 from hpcps import config
 from hpcps.train import data as tdata
+from hpcps.train import inputs
 from hpcps.train.models import resolve_fields
 from hpcps.train.plan import TrainError
 
 
-def load_part(ctx, cfg, path: str, what: str, stream: bool = False):
+KEYS = {"training": "data.train", "test": "data.test", "prediction": "data.predict"}  # (what: its key)
+
+
+def load_part(ctx, cfg, path, what: str, stream: bool = False):
     """Collective over the world: workers load their part of ``path`` (or open it as a
     :class:`~hpcps.train.data.PartStream`, parsing its first block); any error is raised on every
     rank with every failing rank's message. A file without a row is an error; so is, for the
     training file, a worker's part without one (a test or prediction file's rows are gathered).
-    The rows of a prediction file may come without labels."""
+    The rows of a prediction file may come without labels. ``path``: a file, a glob, a directory
+    of part files or a list of them (:func:`hpcps.train.inputs.data_files`)."""
     ds, error, empty = None, None, np.zeros(3, dtype=np.int64)  # workers: without rows, all, of an empty file
     if ctx.is_worker and path:
         try:
             d = cfg.data
-            fields = cfg.model.type in config.DEEP  # keys carry their field
+            fields = cfg.model.type in config.FIELDED  # keys carry their field
             squared = cfg.model.loss == "squared"  # (labels far from the first rows' get a warning)
             if stream and not d.cache_dir:
                 ds = tdata.PartStream(path, ctx.worker_index, ctx.layout.workers, d.format, d.hash_bits,
                                       d.skip_bad_lines, cfg.model.loss == "logistic", d.memory_mb,
                                       fields=fields, shuffle_rows=d.shuffle_rows, shuffle_seed=d.shuffle_seed,
-                                      warn_labels=squared).open()
+                                      warn_labels=squared, key=KEYS.get(what, "data")).open()
                 rows = int(ds.has_rows)  # (the part's count goes on, on a thread, until steps are agreed)
             else:
                 ds = tdata.load_part(path, ctx.worker_index, ctx.layout.workers, d.format, d.hash_bits,
                                      d.skip_bad_lines, d.cache_dir, binary=cfg.model.loss == "logistic",
-                                     fields=fields, need_labels=what != "prediction")
+                                     fields=fields, key=KEYS.get(what, "data"), idle_ok=not stream,
+                                     need_labels=what != "prediction")
                 rows = ds.rows
                 if stream:
                     ds = tdata.LoadedPart(ds, d.shuffle_rows, d.shuffle_seed, warn_labels=squared)
-            empty[:] = (rows == 0, 1, os.path.getsize(path) == 0)
+            empty[:] = (rows == 0, 1, sum(os.path.getsize(f) for f in inputs.data_files(path)) == 0)
         except (tdata.DataError, OSError) as e:
             error = str(e)
     errors = ctx.every_rank.failures(error, f"loading of {what} data")
     if errors:
         raise TrainError("cannot load data:\n  " + "\n  ".join(errors))
     if path:
+        named = inputs.describe(inputs.data_files(path))
         no_rows, workers, zero_bytes = ctx.every_rank.reduce(empty, "sum", f"count of the {what} parts without rows")
         if no_rows == workers:
-            raise TrainError(f"cannot load data: {what} file {path} holds no rows: "
+            raise TrainError(f"cannot load data: {what} file {named} holds no rows: "
                              + ("it is empty" if zero_bytes else "its lines are all blank or comments"
                                 + (" or bad lines skipped" if cfg.data.skip_bad_lines else "")))
         if no_rows and stream:
-            raise TrainError(f"cannot load data: {what} file {path}: a worker's byte range holds no rows ({no_rows} "
-                             f"of {workers} workers); use fewer workers or more data")
+            raise TrainError(f"cannot load data: {what} file {named}: a worker's byte range holds no rows "
+                             f"({no_rows} of {workers} workers); use fewer workers or more data")
     return ds
 
 
 def model_fields(ctx, cfg, train_path: str) -> int:
-    """Collective: the fields per row of a deep model (1 for the others); a libffm file without
-    ``model.fields`` is an error on every rank."""
-    if cfg.model.type not in config.DEEP:
+    """Collective: the fields per row of a model that reads fields (ffm, wdl, deepfm; 1 for the
+    others); a libffm file without ``model.fields`` is an error on every rank."""
+    if cfg.model.type not in config.FIELDED:
         return 1
     error, fields = None, 1
     if ctx.every_rank.is_first:

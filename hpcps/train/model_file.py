@@ -2,7 +2,7 @@
 
 Schema (``format = "hpcps-model"``, ``version = 3``):
 
-* attributes: ``model`` (lr | fm | wdl | deepfm), ``loss``, ``config`` (the training config,
+* attributes: ``model`` (lr | fm | ffm | wdl | deepfm), ``loss``, ``config`` (the training config,
   JSON), ``tables`` (the table names, JSON list, the first being the main one), ``fields``;
   what its keys mean (:func:`trained_on`): ``hash_bits``, ``input_format`` (libsvm | criteo |
   vw | libffm, as the training file was read) and ``key_hashing`` (how that format makes keys);
@@ -123,7 +123,7 @@ def _fill(f: h5py.File, tables: list, attrs: dict) -> None:
     f.attrs["xxh64"] = digest({a: _plain(x) for a, x in f.attrs.items()}, written)
 
 
-MAIN_TABLE = {"lr": "w", "fm": "fm", "wdl": "wide", "deepfm": "fm"}
+MAIN_TABLE = {"lr": "w", "fm": "fm", "ffm": "ffm", "wdl": "wide", "deepfm": "fm"}
 
 READABLE_FORMATS = ("text", "npz")
 

@@ -3,6 +3,10 @@
 * ``lr``: one table ``w`` of dim 1 (initialised to zeros); margin = sum of w[key] * value.
 * ``fm``: one table ``fm`` of dim 1 + k holding, per key, ``[w | v_1..v_k]`` (one pull per batch for
   both); margin = linear part + pairwise interactions (:func:`hpcps_kernels.models.fm_forward_backward`).
+* ``ffm``: one table ``ffm`` of dim 1 + fields * k holding, per key, ``[w | v_{.,0} | .. |
+  v_{.,fields-1}]``; margin = linear part + field-aware pairwise interactions
+  (:mod:`hpcps_kernels.ffm`).
+* ``wdl``, ``deepfm``: :class:`DeepModel`.
 
 Every row carries the bias key (:data:`hpcps.train.data.BIAS_KEY`), so the bias is a weight like
 any other. L2 regularisation is the server optimizer's ``l2``.
@@ -14,9 +18,11 @@ import time
 
 import numpy as np
 
-from hpcps.config import BUILT_IN_MODELS, DEEP, add_choice
+from hpcps.config import BUILT_IN_MODELS, DEEP, FIELDED, add_choice
 from hpcps.train.data import BIAS_KEY
+from hpcps.train.ffm import batch_fields, ffm_margins, field_error
 from hpcps_kernels import deep as kdeep
+from hpcps_kernels import ffm as kffm
 from hpcps_kernels import keys as kkeys
 from hpcps_kernels import models as kmodels
 
@@ -157,6 +163,33 @@ class FactorizationMachine(Model):
                                     g[:, 0], g[:, 1:], 0.0, 0.0, self.loss, out)
 
 
+class FieldAwareFM(Model):
+    """The field-aware FM (libffm, xLearn): one table ``ffm`` of ``1 + fields * factors`` values a
+    key (its weight, then a vector of ``factors`` for each field it can meet). A key's field is in
+    its bits above ``data.hash_bits`` (libffm: the field written; Criteo: the column)."""
+
+    reads_keys = True  # a key's field is in its high bits
+
+    def __init__(self, ctx, cfg, bias: float = 0.0, suffix: str = "", fields: int = 1):
+        self.fields, self.k, self.shift = fields, cfg.model.factors, cfg.data.hash_bits
+        self.key_bits = min(64, self.shift + max(1, (fields - 1).bit_length()))
+        super().__init__(ctx, cfg, bias, suffix)
+
+    def declare_tables(self, ctx, cfg):
+        dim = 1 + self.fields * self.k
+        return [ctx.sparse_table("ffm" + self.suffix, dim=dim, optimizer=cfg.optimizer.name, params=cfg.optimizer.params,
+                                 init="normal", init_scale=cfg.model.init_scale, seed=cfg.model.seed,
+                                 key_bits=self.key_bits, features=cfg.features, init_keys=self.bias_init_keys(dim))]
+
+    def forward_backward(self, batch, pos, params, grads, scale, dense_ready=None):
+        fld = batch_fields(batch, self.shift, self.fields)
+        return kffm.ffm_forward_backward(batch.indptr, pos, fld, batch.values, batch.labels, params[0], grads[0],
+                                         self.k, scale, 0.0, self.loss, np.empty(0))
+
+    def margins_into(self, batch, pos, params, out):
+        out[:] = ffm_margins(batch, pos, params[0], self.k, self.shift, self.fields)
+
+
 FORMAT_FIELDS = {"criteo": 39, "libsvm": 1, "vw": 1}  # fields per row by format (libffm: say model.fields)
 
 
@@ -167,7 +200,7 @@ def resolve_fields(cfg, fmt: str) -> int:
         return cfg.model.fields
     if fmt not in FORMAT_FIELDS:
         raise ValueError(f"model.fields: set the number of fields of the {fmt} data (its largest field id + 1) "
-                         f"for a {cfg.model.type}")
+                         f"for model.type = {cfg.model.type!r}")
     return FORMAT_FIELDS[fmt]
 
 
@@ -192,9 +225,7 @@ class DeepNet:
         bad = kdeep.embed_pool(batch.indptr, pos, batch.indices, batch.values, self._embeddings(params),
                                self.shift, self.fields, BIAS_KEY, x)
         if bad >= 0:
-            field = int(batch.indices[bad]) >> self.shift
-            raise ValueError(f"a feature of field {field} in a model of {self.fields} fields (model.fields = "
-                             f"{self.fields}; a key's field is key >> data.hash_bits)")
+            raise field_error(int(batch.indices[bad]) >> self.shift, self.fields)
         return x
 
     def _shallow(self, batch, pos, row_ids, params) -> tuple[np.ndarray, np.ndarray | None]:
@@ -334,9 +365,9 @@ class DeepModel(Model):
         out[:] = self.net.margins(batch, pos, params, self.mlp)
 
 
-# model.type -> the Model subclass that trains it, built as cls(ctx, cfg, bias, suffix) (the deep
-# models, which also take their fields per row, are DeepModel)
-MODELS: dict[str, type] = {"lr": LinearModel, "fm": FactorizationMachine}
+# model.type -> the Model subclass that trains it, built as cls(ctx, cfg, bias, suffix), plus
+# fields=<fields per row> for the models that read fields (config.FIELDED; the deep models are DeepModel)
+MODELS: dict[str, type] = {"lr": LinearModel, "fm": FactorizationMachine, "ffm": FieldAwareFM}
 
 
 def register_model(name: str, cls: type, replace: bool = False) -> type:
@@ -360,6 +391,8 @@ def make_model(ctx, cfg, bias: float = 0.0, fields: int = 1, suffix: str = "") -
     if cfg.model.type not in MODELS:
         raise ValueError(f"model.type = {cfg.model.type!r} is not registered on this rank; registered: "
                          f"{sorted([*MODELS, *DEEP])} (hpcps.register_model on every rank)")
+    if cfg.model.type in FIELDED:
+        return MODELS[cfg.model.type](ctx, cfg, bias, suffix, fields=fields)
     return MODELS[cfg.model.type](ctx, cfg, bias, suffix)
 
 
@@ -372,14 +405,14 @@ class Grid(Model):
     each member's loss; the loss the step returns is 0 (a member that diverges does not stop the
     others: see :mod:`hpcps.train.tune`).
 
-    Members are all LR/FM or all deep (W&D, DeepFM: the same fields per row). A deep member keeps
+    Members are all LR/FM or all read fields (FFM, W&D, DeepFM: the same fields per row). A deep member keeps
     its own MLP (``mlp@i``): its gradient allreduced in the group and pushed, its pulls when due,
     by the step pipeline (:attr:`mlp_models`: the members, in order)."""
 
     def __init__(self, ctx, cfgs: list, bias: float = 0.0, fields: int = 1):
-        deep = [c.model.type in DEEP for c in cfgs]
-        if any(deep) and not all(deep):
-            raise ValueError("a grid's models are all lr/fm or all wdl/deepfm (a deep model reads its fields)")
+        fielded = [c.model.type in FIELDED for c in cfgs]
+        if any(fielded) and not all(fielded):
+            raise ValueError("a grid's models are all lr/fm or all wdl/deepfm/ffm (these read each row's fields)")
         for c in cfgs:
             if c.model.compute != "workers":
                 raise ValueError(f"a grid's models compute on the workers (got model.compute = {c.model.compute!r})")
@@ -388,7 +421,7 @@ class Grid(Model):
         super().__init__(ctx, cfgs[0], bias)
         self.member_loss = np.zeros(len(cfgs))
         self.deep = [m for m in self.members if isinstance(m, DeepModel)]
-        self.reads_keys = bool(self.deep)
+        self.reads_keys = any(m.reads_keys for m in self.members)
         if self.deep:
             self.compute_empty = self.times_compute = True  # each member's group collectives and stages
             for m in self.deep:
@@ -451,20 +484,24 @@ class Scorer:
     servers: the same computation as training's."""
 
     def __init__(self, model):
-        if model.kind not in ("lr", "fm", *DEEP_TABLES):
+        if model.kind not in ("lr", "fm", "ffm", *DEEP_TABLES):
             raise ValueError(f"a model of type {model.kind!r} (registered by its training script) cannot be served "
-                             f"from its file: hpcps eval and predict serve lr, fm, wdl and deepfm models")
+                             f"from its file: hpcps eval and predict serve lr, fm, ffm, wdl and deepfm models")
         self.model = model
         self.net = None
+        cfg = model.config
+        m, self.shift = cfg.get("model", {}), int(cfg.get("data", {}).get("hash_bits", 24))
+        self.fields = int(model.attrs.get("fields", 1))
+        self.k = (model.dim - 1) // self.fields  # (an ffm's row: a weight and a vector for each field)
         if model.kind in DEEP_TABLES:
-            cfg = model.config
-            m, hash_bits = cfg.get("model", {}), cfg.get("data", {}).get("hash_bits", 24)
-            self.net = DeepNet(model.kind, int(m["factors"]), int(model.attrs.get("fields", 1)), int(hash_bits),
-                               m["hidden"], m.get("activation", "relu"), LOSSES[model.loss])
+            self.net = DeepNet(model.kind, int(m["factors"]), self.fields, self.shift, m["hidden"],
+                               m.get("activation", "relu"), LOSSES[model.loss])
             self.mlp = model.dense("mlp", self.net.size)
 
     def margins(self, batch) -> np.ndarray:
         uniq, pos = kkeys.unique_keys(batch.indices)
+        if self.model.kind == "ffm":
+            return ffm_margins(batch, pos, self.model.pull(uniq), self.k, self.shift, self.fields)
         if self.net is None:
             return margins_from_params(self.model.kind, batch, pos, self.model.pull(uniq), self.model.loss)
         params = [self.model.tables[name].pull(uniq) for name in DEEP_TABLES[self.model.kind]]

@@ -53,13 +53,22 @@ def gradient_scale(cfg, group_size: int) -> float:
     return 1.0 if cfg.train.gradient == "sum" else 1.0 / (cfg.train.batch_size * group_size)
 
 
-def data_position_meaning(cfg, train_path: str, workers: int) -> dict:
-    """What a checkpoint's data position refers to: the training file, the batch size, the
-    number of workers (each reads its own byte range) and the shuffle of their rows, if any."""
+def data_position_meaning(cfg, train_path, workers: int) -> dict:
+    """What a checkpoint's data position refers to: the training files (their sizes and
+    fingerprints, :func:`hpcps.train.data.fingerprint`), the batch size, the number of workers
+    (each reads its own files or byte range, :func:`hpcps.train.inputs.split`) and the shuffle of
+    their rows, if any. The position itself is a step: row ``(step - 1) * batch_size`` of each
+    worker's part, its files read in order, so the same files and workers mean the same rows."""
     meaning = {"train": tdata.fingerprint(train_path), "batch_size": cfg.train.batch_size, "workers": workers}
     if cfg.data.shuffle_rows:  # (absent when off: checkpoints written before the key resume as before)
         meaning["shuffle"] = [cfg.data.shuffle_rows, cfg.data.shuffle_seed]
     return meaning
+
+
+def _files_said(fp: dict) -> str:
+    """The training files of a :func:`hpcps.train.data.fingerprint`, as a message names them."""
+    more = fp.get("files", 1) - 1
+    return f"{fp.get('path')}" + (f" and {more} more file(s)" if more else "")
 
 
 def check_same_data(manifest: dict, now: dict) -> str | None:
@@ -70,9 +79,10 @@ def check_same_data(manifest: dict, now: dict) -> str | None:
         return None  # written before checkpoints recorded their data (version 1)
     problems = []
     a, b = then["train"], now["train"]
-    if (a.get("bytes"), a.get("head_tail_xxh64")) != (b["bytes"], b["head_tail_xxh64"]):
-        problems.append(f"the training file differs ({a.get('path')}, {a.get('bytes')} bytes, then; "
-                        f"{b['path']}, {b['bytes']} bytes, now)")
+    if (a.get("bytes"), a.get("head_tail_xxh64"), a.get("files", 1)) != (b["bytes"], b["head_tail_xxh64"],
+                                                                           b.get("files", 1)):
+        problems.append(f"the training file differs ({_files_said(a)}, {a.get('bytes')} bytes, then; "
+                        f"{_files_said(b)}, {b['bytes']} bytes, now)")
     for key, what in (("batch_size", "train.batch_size"), ("workers", "the number of workers")):
         if then.get(key) != now[key]:
             problems.append(f"{what} was {then.get(key)}, now {now[key]}")
@@ -158,8 +168,11 @@ def agree_on_plan(cfg, world) -> RunPlan:
         cfg = replace(cfg, train=replace(cfg.train, batch_size=auto_batch_size(rows, workers)))
     plan = RunPlan(cfg, auto, restore, run_id, paths, synth_info, input_format, workers)
     problem = None
-    if world.is_first and restore is not None and not ck.allow_other_data and os.path.isfile(paths["train"]):
-        problem = check_same_data(restore[1], plan.data_meaning())
+    if world.is_first and restore is not None and not ck.allow_other_data:
+        try:
+            problem = check_same_data(restore[1], plan.data_meaning())
+        except (OSError, tdata.DataError):
+            pass  # (missing or unreadable data is reported where it is loaded)
     errors = world.failures(problem, "check of the resumed data position")
     if errors:
         raise TrainError(f"cannot resume {restore[0]}: " + errors[0].split(": ", 1)[1])

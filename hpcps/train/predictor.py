@@ -50,7 +50,7 @@ class Predictor:
         self.scorer = Scorer(self.model)
         self.path, self.kind, self.loss = path, self.model.kind, self.model.loss
         self.hash_bits = self.model.hash_bits or 24
-        self.deep = self.kind in config.DEEP
+        self.fielded = self.kind in config.FIELDED  # (its rows need their fields)
 
     def rows_of_file(self, path: str, fmt: str = "auto", skip_bad_lines: bool = False,
                      allow_other_hashing: bool = False, hash_bits: int = 0, need_labels: bool = False) -> Dataset:
@@ -69,7 +69,7 @@ class Predictor:
         if problem:
             raise config.ConfigError(problem)
         ds = tdata.load_part(path, 0, 1, fmt, hash_bits, skip_bad_lines, binary=self.loss == "logistic",
-                             fields=self.deep, need_labels=need_labels)
+                             fields=self.fielded, need_labels=need_labels)
         if ds.rows == 0:
             why = (f"each of its {ds.skipped} lines with data was skipped as bad" if ds.skipped
                    else "the file is empty or holds only blank and comment lines")
@@ -81,7 +81,7 @@ class Predictor:
         feature ``j``, masked to the model's hash bits, and every row gets the bias feature."""
         import scipy.sparse as sp
 
-        if self.deep:
+        if self.fielded:
             raise ValueError(f"a {self.kind} model scores rows with fields: give a libffm or Criteo file, not a matrix")
         X = sp.csr_matrix(X)  # (its rows as they are: a column twice in a row is two features, as in a file)
         mask = np.uint64(2**self.hash_bits - 1) if self.hash_bits < 64 else np.uint64(2**64 - 1)

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import math
 import os
+import shlex
 import time
 
 from hpcps import outputs
 from hpcps.ps import checkpoint
 from hpcps.ps.collectives import World
 from hpcps.train import data as tdata
+from hpcps.train import inputs
 from hpcps.train.checkpointing import EXIT_INTERRUPTED
 from hpcps.train.evaluation import end_job_on
 from hpcps.train.progress import STATUS_ENV, Progress, summary_table, write_status
@@ -106,7 +108,8 @@ class Reporter:
         self.examples += rows
         whole_epoch = self.first_step == 1
         if not self.examples and whole_epoch:  # (its loss would read 0)
-            stop(f"error: the training file {self.plan.paths['train']} holds no rows: an epoch of {self.steps} steps read "
+            named = inputs.describe(inputs.data_files(self.plan.paths["train"]))
+            stop(f"error: the training file {named} holds no rows: an epoch of {self.steps} steps read "
                  f"none (its lines are all blank or comments"
                  + (" or bad lines skipped)" if self.cfg.data.skip_bad_lines else ")"), 2)
         total_loss = workers.total(float(self.loss_sum), "agreement of the workers")
@@ -232,7 +235,8 @@ def summary_rows(summary: dict, elapsed: float, wait: float, key_counts: dict, l
 def next_steps(cfg, paths: dict, ckpt: str | None, synth_info: dict | None = None) -> str:
     """Where a run's outputs went, and the commands to try next with them."""
     tr = cfg.train
-    test = paths.get("test") or "TEST_FILE"
+    test = paths.get("test")  # (a glob is quoted for the shell; a list of files is no one --data)
+    test = shlex.quote(test) if test and isinstance(test, str) else "TEST_FILE"
     model = tr.model_out or "MODEL.h5"
     out = ["where things went:"]
     if synth_info:

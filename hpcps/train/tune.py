@@ -95,10 +95,10 @@ def member_raws(raw: dict, grid: list[tuple[str, list]]) -> list[tuple[dict, dic
             cfg = config.from_dict(r)
         except config.ConfigError as e:
             raise config.ConfigError(f"grid point {_describe(point)}: {e}") from None
-        out.append((point, r, cfg.model.type in config.DEEP))
+        out.append((point, r, cfg.model.type in config.FIELDED))
     if len({deep for _, _, deep in out}) > 1:
-        raise config.ConfigError("--grid model.type: a grid's models are all lr/fm or all wdl/deepfm "
-                                 "(a deep model reads each row's fields)")
+        raise config.ConfigError("--grid model.type: a grid's models are all lr/fm or all wdl/deepfm/ffm "
+                                 "(these read each row's fields)")
     return [(point, r) for point, r, _ in out]
 
 
