@@ -138,7 +138,8 @@ def model_tables(path: str) -> dict:
 
 
 @pytest.mark.parametrize("kind,fmt,compute", [("lr", "vw", "workers"), ("fm", "criteo", "workers"),
-                                              ("deepfm", "criteo", "workers"), ("fm", "vw", "servers")])
+                                              ("deepfm", "criteo", "workers"), ("ffm", "criteo", "workers"),
+                                              ("fm", "vw", "servers")])
 def test_a_weight_of_2_trains_as_the_row_repeated_under_bsp(kind, fmt, compute, tmp_path):
     """Under BSP, one step of plain SGD over every row (a batch as large as the file, 2 workers;
     DeepFM's MLP by SGD too): every row's gradient is taken at the same parameters, so the

@@ -184,7 +184,7 @@ class FieldAwareFM(Model):
     def forward_backward(self, batch, pos, params, grads, scale, dense_ready=None):
         fld = batch_fields(batch, self.shift, self.fields)
         return kffm.ffm_forward_backward(batch.indptr, pos, fld, batch.values, batch.labels, params[0], grads[0],
-                                         self.k, scale, 0.0, self.loss, np.empty(0))
+                                         self.k, scale, 0.0, self.loss, np.empty(0), batch.weights)
 
     def margins_into(self, batch, pos, params, out):
         out[:] = ffm_margins(batch, pos, params[0], self.k, self.shift, self.fields)
