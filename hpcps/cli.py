@@ -171,7 +171,7 @@ def _load_for_serving(args):
               file=sys.stderr, flush=True)
     inputs.data_files(args.data, "--data")  # (a directory or glob without files: said so, naming --data)
     ds = predictor.rows_of_file(args.data, args.format or "auto", args.skip_bad_lines, args.allow_other_hashing,
-                                args.hash_bits)
+                                args.hash_bits, need_labels=args.command == "eval")
     return predictor, ds
 
 
@@ -183,11 +183,11 @@ def _cmd_eval(args) -> int:
 
     predictor, ds = _load_for_serving(args)
     m = predictor.decision_function(ds)
-    y = ds.labels.astype(np.float64)
+    y, w = ds.labels.astype(np.float64), ds.weights  # (weights: None unless the rows have some)
     if predictor.loss == "logistic":
-        res = {"rows": int(ds.rows), "logloss": metrics.logloss(y, m), "auc": metrics.auc(y, m)}
+        res = {"rows": int(ds.rows), "logloss": metrics.logloss(y, m, w), "auc": metrics.auc(y, m, w)}
     else:
-        res = {"rows": int(ds.rows), "rmse": float(np.sqrt(np.mean((m - y) ** 2)))}
+        res = {"rows": int(ds.rows), "rmse": metrics.rmse(y, m, w)}
     print(outputs.dumps(res))  # (an AUC of rows of one class is null, not NaN)
     return 0
 

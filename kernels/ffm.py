@@ -52,10 +52,12 @@ def ffm_margins(indptr, pos, fld, vals, P, k, out):
 
 
 @njit(cache=True, nogil=True)
-def ffm_forward_backward(indptr, pos, fld, vals, labels, P, G, k, scale, l2, loss, margins):
+def ffm_forward_backward(indptr, pos, fld, vals, labels, P, G, k, scale, l2, loss, margins, weights=None):
     """The summed loss of the batch (``loss``: :data:`hpcps_kernels.models.LOGISTIC` or
     ``SQUARED``) and its gradients times ``scale`` into ``G`` (overwritten), plus ``l2 * P`` for
     every unique key when ``l2 > 0``. Writes the margins to ``margins`` when it is not empty.
+    ``weights``: the rows' importance weights (None: all 1, pruned at compile time), as in
+    :mod:`hpcps_kernels.models`.
     Row by row: a row's gradients are scattered while its parameters are still in cache."""
     G[:, :] = 0.0
     m, dm = np.empty(1, dtype=np.float64), np.empty(1, dtype=np.float64)
@@ -65,7 +67,10 @@ def ffm_forward_backward(indptr, pos, fld, vals, labels, P, G, k, scale, l2, los
         m[0] = _row(a, b, pos, fld, vals, P, k, 0.0, G, False)
         if margins.shape[0] > 0:
             margins[r] = m[0]
-        total += lr_residuals(m, labels[r:r + 1], scale, loss, dm)
+        if weights is None:
+            total += lr_residuals(m, labels[r:r + 1], scale, loss, dm)
+        else:
+            total += lr_residuals(m, labels[r:r + 1], scale, loss, dm, weights[r:r + 1])
         _row(a, b, pos, fld, vals, P, k, dm[0], G, True)
     if l2 > 0.0:
         for u in range(P.shape[0]):

@@ -11,6 +11,12 @@ Losses (``loss`` argument): ``LOGISTIC`` (logloss of sigmoid(margin), labels in 
 gradients are of that sum times ``scale`` (pass ``1/rows`` for the mean), plus ``l2 * w`` once
 per unique key of the batch when ``l2 > 0`` (the L2 term of the keys the batch touches).
 Margins are accumulated in float64.
+
+``weights`` (float32 per row, or None: every row's 1): each row's importance weight, which
+multiplies its loss and its gradient, so a row of weight 2 counts as the row twice (as VW's
+importance weights, LightGBM's and scikit-learn's sample weights). None compiles a kernel of its
+own without the multiplication (numba prunes the ``weights is None`` branches), so an unweighted
+batch runs the code it ran before weights existed.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ def _loss_and_dmargin(m, y, loss):
 
 
 @njit(cache=True, nogil=True)  # a parse thread (data.parse_thread) runs beside it
-def lr_forward_backward(indptr, pos, vals, labels, w, grad, scale, l2, loss):
+def lr_forward_backward(indptr, pos, vals, labels, w, grad, scale, l2, loss, weights=None):
     """Logistic/linear regression: one fused pass over the nonzeros.
 
     ``grad`` (float32, like ``w``) is overwritten. Returns the summed loss (float64).
@@ -59,6 +65,8 @@ def lr_forward_backward(indptr, pos, vals, labels, w, grad, scale, l2, loss):
         for j in range(indptr[r], indptr[r + 1]):
             m += np.float64(w[pos[j]]) * vals[j]
         lo, g = _loss_and_dmargin(m, labels[r], loss)
+        if weights is not None:
+            lo, g = lo * weights[r], g * weights[r]
         total += lo
         g *= scale
         for j in range(indptr[r], indptr[r + 1]):
@@ -80,7 +88,7 @@ def lr_predict(indptr, pos, vals, w, out):
 
 
 @njit(cache=True, nogil=True)  # a parse thread (data.parse_thread) runs beside it
-def fm_forward_backward(indptr, pos, vals, labels, w, V, gw, gV, scale, l2, loss, margins):
+def fm_forward_backward(indptr, pos, vals, labels, w, V, gw, gV, scale, l2, loss, margins, weights=None):
     """Second-order factorization machine in O(nnz * k); gradients overwrite ``gw``, ``gV``.
 
     margin = sum_i w_i x_i + 1/2 sum_f [(sum_i V_if x_i)^2 - sum_i V_if^2 x_i^2], where a key
@@ -130,6 +138,8 @@ def fm_forward_backward(indptr, pos, vals, labels, w, V, gw, gV, scale, l2, loss
         if margins.shape[0] > 0:
             margins[r] = m
         lo, g = _loss_and_dmargin(m, labels[r], loss)
+        if weights is not None:
+            lo, g = lo * weights[r], g * weights[r]
         total += lo
         g *= scale
         for j in range(a, b):
@@ -204,11 +214,14 @@ def lr_residual_grads(pos, vals, row_ids, residuals, grad):
 
 
 @njit(cache=True)
-def lr_residuals(margins, labels, scale, loss, out):
-    """Each row's d loss / d margin times ``scale`` into ``out``; returns the summed loss."""
+def lr_residuals(margins, labels, scale, loss, out, weights=None):
+    """Each row's d loss / d margin times ``scale`` (and its weight) into ``out``; returns the
+    summed loss."""
     total = 0.0
     for r in range(margins.shape[0]):
         lo, g = _loss_and_dmargin(margins[r], labels[r], loss)
+        if weights is not None:
+            lo, g = lo * weights[r], g * weights[r]
         total += lo
         out[r] = g * scale
     return total
@@ -280,9 +293,9 @@ def fm_residual_grads(pos, vals, row_ids, V, residuals, gw, gV):
 
 
 @njit(cache=True)
-def fm_residuals(partials, labels, scale, loss, out):
+def fm_residuals(partials, labels, scale, loss, out, weights=None):
     """From the servers' summed ``[L, S_1..S_k, Q]`` per row: each row's margin
-    ``L + 1/2 sum S_f^2 - 1/2 Q``, then ``out[row] = [d loss / d margin * scale, S_1..S_k]``;
+    ``L + 1/2 sum S_f^2 - 1/2 Q``, then ``out[row] = [d loss / d margin * scale (* weight), S_1..S_k]``;
     returns the summed loss."""
     k = partials.shape[1] - 2
     total = 0.0
@@ -292,6 +305,8 @@ def fm_residuals(partials, labels, scale, loss, out):
             m += 0.5 * partials[r, 1 + f] * partials[r, 1 + f]
         m -= 0.5 * partials[r, 1 + k]
         lo, g = _loss_and_dmargin(m, labels[r], loss)
+        if weights is not None:
+            lo, g = lo * weights[r], g * weights[r]
         total += lo
         out[r, 0] = g * scale
         for f in range(k):

@@ -48,18 +48,23 @@ MIXED_LABELS = 8
 BAD_WEIGHT = 9
 NO_BAR = 10
 BAD_FIELD = 11
+NO_LABEL = 12
+NO_WEIGHTS = 13
 MESSAGES = {
     BAD_LABEL: "bad label",
     BAD_INDEX: "bad feature index (expected a non-negative integer below 2**64)",
     MISSING_COLON: "expected index:value",
     BAD_VALUE: "bad number",
     NOT_FINITE: "value is NaN or infinite",
-    BAD_COLUMNS: "expected 40 tab-separated columns (label, 13 integers, 26 categories)",
+    BAD_COLUMNS: "expected 40 tab-separated columns (label, 13 integers, 26 categories; 39 without the label, "
+                 "41 with a weight after it)",
     NOT_BINARY: "label must be 0 or 1 (or -1 or +1) for the logistic loss",
     MIXED_LABELS: "labels mix 0 and -1: a file is either 0/1 or -1/+1 for the logistic loss",
-    BAD_WEIGHT: "an importance weight other than 1 (not supported) or a stray token before '|'",
+    BAD_WEIGHT: "bad importance weight (a number >= 0 after the label) or a stray token before '|'",
     NO_BAR: "expected 'label [weight] [\'tag]|namespace features' (no '|')",
     BAD_FIELD: "expected field:index:value with a field id below 65536",
+    NO_LABEL: "a row without a label: training and evaluation need labels (hpcps predict reads rows without them)",
+    NO_WEIGHTS: "an importance weight other than 1, where the caller takes no weights (with_weights=False)",
 }
 
 SPACE, TAB, NL, CR, HASH, COLON, BAR, QUOTE = 32, 9, 10, 13, 35, 58, 124, 39
@@ -234,26 +239,32 @@ def _parse_value(buf, j, stop):
 #
 # A format's line reader, ``read_line(buf, i, n, indices, values, nnz, binary, seen, mask,
 # field_shift)``, parses the line that starts at ``buf[i]``: its keys (and values) go to
-# ``indices[nnz:]`` (``values[nnz:]``). It returns ``(end, status, label, which, row_nnz)``: the index
-# of the line's newline (``n`` for a last line without one), ``OK``, ``BLANK`` (no row: a blank or
-# comment line) or an error code, the label, which of ``seen`` the label marks (-1: none), and
-# where the row's keys end. A format may also read runs of its common lines faster
+# ``indices[nnz:]`` (``values[nnz:]``). It returns ``(end, status, label, which, row_nnz, weight)``:
+# the index of the line's newline (``n`` for a last line without one), ``OK``, ``UNLABELED`` (a row
+# without a label, label 0), ``BLANK`` (no row: a blank or comment line) or an error code, the
+# label, which of ``seen`` the label marks (-1: none), where the row's keys end, and the row's
+# importance weight (1 unless the line gives one). A format may also read runs of its common lines faster
 # (``read_common_lines``, see :func:`_criteo_common_lines`). :func:`text_kernel` makes a kernel from
 # them: the loop that counts lines, skips or reports bad ones and finishes each row, in one place.
 
 BLANK = -1  # a line reader's status for a line without a row (never reported)
+UNLABELED = -2  # a line reader's status for a row without a label (OK, or NO_LABEL where labels are needed)
 
 
 @register_jitable(inline="always")
-def _no_common_lines(buf, i, labels, indptr, indices, rows, nnz, mask, with_bias, bias, field_shift):
+def _no_common_lines(buf, i, labels, weights, indptr, indices, rows, nnz, mask, with_bias, bias, field_shift):
     return i, rows, nnz, 0
 
 
 def text_kernel(name: str, read_line, read_common_lines=_no_common_lines, with_values: bool = True):
-    """The parse kernel ``name(buf, labels, indptr, indices, values, skip_bad, binary, seen,
-    with_bias, bias, mask, field_shift)`` of the format that ``read_line`` reads (see above): the
-    rows of the whole lines in ``buf`` into the preallocated CSR arrays. Returns ``(rows, nnz,
-    status, bad line index (0-based), lines skipped)``.
+    """The parse kernel ``name(buf, labels, weights, indptr, indices, values, skip_bad, binary, seen,
+    with_bias, bias, mask, field_shift, need_labels, weighted)`` of the format that ``read_line``
+    reads (see above): the rows of the whole lines in ``buf`` into the preallocated CSR arrays, and
+    each row's importance weight into ``weights``. Returns ``(rows, nnz, status, bad line index
+    (0-based), lines skipped)``.
+
+    ``need_labels``: a row without a label is an error (``NO_LABEL``; else its label is 0);
+    ``weighted`` False: so is a weight other than 1 (``NO_WEIGHTS``).
 
     ``binary``: labels for the logistic loss, in {0, 1} or {-1, +1}, -1 stored as 0; ``seen``
     (int64[2]) says whether a label 0 / -1 was met, here or in an earlier chunk of the same file
@@ -264,7 +275,8 @@ def text_kernel(name: str, read_line, read_common_lines=_no_common_lines, with_v
     ``read_line`` and ``read_common_lines`` must be register_jitable functions, not njit
     dispatchers: numba's disk cache keys a closure by its pickled cells, and a pickled dispatcher
     carries an id of its process, so a kernel closing over one would compile again in every process."""
-    def kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen, with_bias, bias, mask, field_shift):
+    def kernel(buf, labels, weights, indptr, indices, values, skip_bad, binary, seen, with_bias, bias, mask,
+               field_shift, need_labels, weighted):
         n = buf.shape[0]
         i = 0
         line = 0
@@ -273,13 +285,17 @@ def text_kernel(name: str, read_line, read_common_lines=_no_common_lines, with_v
         skipped = 0
         indptr[0] = 0
         while i < n:
-            i, rows, nnz, lines = read_common_lines(buf, i, labels, indptr, indices, rows, nnz, mask, with_bias,
-                                                    bias, field_shift)
+            i, rows, nnz, lines = read_common_lines(buf, i, labels, weights, indptr, indices, rows, nnz, mask,
+                                                    with_bias, bias, field_shift)
             line += lines
             if i >= n:
                 break
-            end, status, lab, which, row_nnz = read_line(buf, i, n, indices, values, nnz, binary, seen, mask,
-                                                         field_shift)
+            end, status, lab, which, row_nnz, wt = read_line(buf, i, n, indices, values, nnz, binary, seen, mask,
+                                                             field_shift)
+            if status == UNLABELED:
+                status = NO_LABEL if need_labels else OK
+            if status == OK and wt != 1.0 and not weighted:
+                status = NO_WEIGHTS
             if status == OK:
                 if with_bias:
                     indices[row_nnz] = bias
@@ -287,6 +303,7 @@ def text_kernel(name: str, read_line, read_common_lines=_no_common_lines, with_v
                         values[row_nnz] = 1.0
                     row_nnz += 1
                 labels[rows] = lab
+                weights[rows] = wt
                 rows += 1
                 nnz = row_nnz
                 indptr[rows] = nnz
@@ -302,6 +319,17 @@ def text_kernel(name: str, read_line, read_common_lines=_no_common_lines, with_v
 
     kernel.__name__ = kernel.__qualname__ = name
     return njit(cache=True, nogil=True)(kernel)
+
+
+@register_jitable
+def _starts_with_feature(buf, j, stop):
+    """Whether the token at ``buf[j]`` holds a colon: a feature, where a libsvm line has its label
+    (a row without one)."""
+    while j < stop and buf[j] != SPACE and buf[j] != TAB:
+        if buf[j] == COLON:
+            return True
+        j += 1
+    return False
 
 
 @register_jitable(inline="always")
@@ -322,8 +350,12 @@ def _libsvm_line(buf, i, n, indices, values, nnz, binary, seen, mask, field_shif
         stop = comment
     j = _skip_blanks(buf, i, stop)
     if j >= stop:
-        return end, BLANK, 0.0, -1, nnz
-    lab, which, j, status = _read_label(buf, j, stop, binary, seen, False)
+        return end, BLANK, 0.0, -1, nnz, 1.0
+    unlabeled = _starts_with_feature(buf, j, stop)
+    if unlabeled:
+        lab, which, status = 0.0, -1, OK
+    else:
+        lab, which, j, status = _read_label(buf, j, stop, binary, seen, False)
     row_nnz = nnz
     while status == OK:
         j = _skip_blanks(buf, j, stop)
@@ -372,7 +404,7 @@ def _libsvm_line(buf, i, n, indices, values, nnz, binary, seen, mask, field_shif
         indices[row_nnz] = key
         values[row_nnz] = v
         row_nnz += 1
-    return end, status, lab, which, row_nnz
+    return end, UNLABELED if unlabeled and status == OK else status, lab, which, row_nnz, 1.0
 
 
 libsvm_kernel = text_kernel("libsvm_kernel", _libsvm_line)
@@ -383,15 +415,21 @@ def _vw_line(buf, i, n, indices, values, nnz, binary, seen, mask, field_shift):
     """A Vowpal Wabbit text line: ``label [weight] ['tag]|ns[:scale] f[:v] ... |ns2 ...``.
 
     A feature's key is ``xxh64(name, seed=xxh64(namespace))`` masked with ``mask`` (the namespace's
-    whole name, empty for ``| f``); its value is ``v`` (default 1) times the namespace's scale. An
-    importance weight must be 1; a tag is ignored."""
+    whole name, empty for ``| f``); its value is ``v`` (default 1) times the namespace's scale. The
+    importance weight (default 1) is a finite number >= 0; a tag is ignored. A line that starts with
+    ``|`` or a tag has no label."""
     end, stop = _line_bounds(buf, i, n)
     j = _skip_blanks(buf, i, stop)
     if j >= stop:
-        return end, BLANK, 0.0, -1, nnz
-    lab, which, j, status = _read_label(buf, j, stop, binary, seen, True)
-    # before the first bar: an optional weight (must be 1) and an optional 'tag
-    n_before = 0
+        return end, BLANK, 0.0, -1, nnz, 1.0
+    unlabeled = buf[j] == BAR or buf[j] == QUOTE
+    if unlabeled:
+        lab, which, status = 0.0, -1, OK
+    else:
+        lab, which, j, status = _read_label(buf, j, stop, binary, seen, True)
+    # before the first bar: an optional weight (after a label) and an optional 'tag
+    n_before = 1 if unlabeled else 0
+    weight = 1.0
     while status == OK:
         j = _skip_blanks(buf, j, stop)
         if j >= stop:
@@ -403,9 +441,9 @@ def _vw_line(buf, i, n, indices, values, nnz, binary, seen, mask, field_shift):
             while j < stop and not _ends_token(buf[j], True):
                 j += 1
             continue
-        wt, j, st = _parse_float(buf, j, stop)
+        weight, j, st = _parse_float(buf, j, stop)
         n_before += 1
-        if st != OK or wt != 1.0 or n_before > 1 or (j < stop and not _ends_token(buf[j], True)):
+        if st != OK or weight < 0.0 or n_before > 1 or (j < stop and not _ends_token(buf[j], True)):
             status = BAD_WEIGHT
     row_nnz = nnz
     seed = np.uint64(0)
@@ -443,7 +481,7 @@ def _vw_line(buf, i, n, indices, values, nnz, binary, seen, mask, field_shift):
         indices[row_nnz] = key
         values[row_nnz] = v * scale
         row_nnz += 1
-    return end, status, lab, which, row_nnz
+    return end, UNLABELED if unlabeled and status == OK else status, lab, which, row_nnz, weight
 
 
 vw_kernel = text_kernel("vw_kernel", _vw_line)
@@ -493,20 +531,18 @@ def _tab_or_newline_in(w):
 
 
 @register_jitable
-def _criteo_common_lines(buf, i, labels, indptr, indices, rows, nnz, mask, with_bias, bias, field_shift):
+def _criteo_common_lines(buf, i, labels, weights, indptr, indices, rows, nnz, mask, with_bias, bias, field_shift):
     """Parse lines of the common Criteo shape from ``i`` on, as :func:`_criteo_line` would: a
     label 0 or 1, 13 integer columns (empty or ``-?digits``), 26 categories, the last ending at a
     newline with no CR before it. Stops at the first line of any other kind (malformed, a CR,
     the file's last line without a newline, a blank line), which :func:`_criteo_line` then
-    parses, so errors and odd lines keep its exact handling. Returns ``(i, rows, nnz, lines)``:
+    parses, so errors and odd lines (without a label, with a weight) keep its exact handling. Returns ``(i, rows, nnz, lines)``:
     where it stopped, the counts so far, and the lines it parsed.
 
     The same keys as :func:`_criteo_line`, faster: no search for each column's end nor a branch
     on the column's kind per column, and a category of 8 bytes is one word read, checked for a
     tab or newline in one test, with its end byte at a known place."""
-    n = buf.shape[0]
-    buckets = _BUCKETS
-    lines = 0
+    n, buckets, lines = buf.shape[0], _BUCKETS, 0
     # Known non-negative, the indices need no wrap-around test for negative values (numba's
     # indexing of a value that might be negative slowed the loop down by half)
     i, rows, nnz = max(i, 0), max(rows, 0), max(nnz, 0)
@@ -567,6 +603,7 @@ def _criteo_common_lines(buf, i, labels, indptr, indices, rows, nnz, mask, with_
             indices[row_nnz] = bias
             row_nnz += 1
         labels[rows] = np.float32(buf[i] - 48)
+        weights[rows] = 1.0
         nnz = row_nnz
         rows += 1
         indptr[rows] = nnz
@@ -575,21 +612,21 @@ def _criteo_common_lines(buf, i, labels, indptr, indices, rows, nnz, mask, with_
     return i, rows, nnz, lines
 
 
-@register_jitable(inline="always")
-def _criteo_line(buf, i, n, indices, values, nnz, binary, seen, mask, field_shift):
-    """A Criteo TSV line in one pass over its bytes: a column ends at a tab or at the line's end
-    (a CR before the newline is not part of the line); 40 columns, keys as the module says."""
-    c0 = buf[i]
-    if c0 == NL or (c0 == CR and (i + 1 == n or buf[i + 1] == NL)):  # blank line
-        return (i if c0 == NL else i + 1), BLANK, 0.0, -1, nnz
+@register_jitable
+def _criteo_columns(buf, i, n, indices, nnz, mask, field_shift, lead):
+    """The columns of the Criteo line at ``buf[i]`` in one pass over its bytes, read with ``lead``
+    columns before the 39 of the features: 0 (no label), 1 (the label) or 2 (the label and an
+    importance weight). A column ends at a tab or at the line's end (a CR before the newline is
+    not part of the line); keys as the module says. Returns ``(end, status, label, row_nnz,
+    weight)``."""
     buckets = _BUCKETS
     status = OK
     row_nnz = nnz
     col = 0
     j = i
     lab = 0.0
+    weight = 1.0
     eol = False
-    fbits = np.uint64(0)
     while True:
         a = j
         c = np.uint8(0)
@@ -603,13 +640,20 @@ def _criteo_line(buf, i, n, indices, values, nnz, binary, seen, mask, field_shif
             eol = True
             if b > a and buf[b - 1] == CR:
                 b -= 1
-        if col == 0:
+        f = col - lead  # the feature's column: fields 0-12 the integers, 13-38 the categories
+        fbits = np.uint64(f) << np.uint64(field_shift) if field_shift >= 0 and f >= 0 else np.uint64(0)
+        if f < 0 and col == 0:
             if b - a == 1 and (buf[a] == 48 or buf[a] == 49):
                 lab = float(buf[a] - 48)
             else:
                 status = BAD_LABEL
                 break
-        elif col <= 13:
+        elif f < 0:
+            weight, k, st = _parse_float(buf, a, b)
+            if st != OK or k != b or weight < 0.0:
+                status = BAD_WEIGHT
+                break
+        elif f <= 12:
             if b > a:
                 neg = buf[a] == 45
                 k = a + 1 if neg else a
@@ -625,28 +669,45 @@ def _criteo_line(buf, i, n, indices, values, nnz, binary, seen, mask, field_shif
                     status = BAD_VALUE
                     break
                 bucket = _integer_bucket(v, neg, buckets)
-                indices[row_nnz] = xxh64_u64(np.uint64(bucket), np.uint64(col - 1)) & mask | fbits
+                indices[row_nnz] = xxh64_u64(np.uint64(bucket), np.uint64(f)) & mask | fbits
                 row_nnz += 1
-        elif col <= 39:
+        elif f <= 38:
             if b - a == 8:  # Criteo's categories: 8 hex digits, hashed as one 64-bit word
-                indices[row_nnz] = xxh64_u64(read64(buf, a), np.uint64(col - 1)) & mask | fbits
+                indices[row_nnz] = xxh64_u64(read64(buf, a), np.uint64(f)) & mask | fbits
                 row_nnz += 1
             elif b > a:
-                indices[row_nnz] = xxh64(buf, a, b, np.uint64(col - 1)) & mask | fbits
+                indices[row_nnz] = xxh64(buf, a, b, np.uint64(f)) & mask | fbits
                 row_nnz += 1
         else:
             status = BAD_COLUMNS
             break
         col += 1
-        if field_shift >= 0:
-            fbits = np.uint64(col - 1) << np.uint64(field_shift)
         if eol:
             break
         j += 1  # skip the tab
-    if status == OK and col != 40:
+    if status == OK and col != lead + 39:
         status = BAD_COLUMNS
     end = j if eol else _line_end(buf, j, n)  # after an error: the rest of the line
-    return end, status, lab, -1, row_nnz
+    return end, status, lab, row_nnz, weight
+
+
+@register_jitable(inline="always")
+def _criteo_line(buf, i, n, indices, values, nnz, binary, seen, mask, field_shift):
+    """A Criteo TSV line (see :func:`_criteo_columns`): 40 columns, a label and the features; 39,
+    the features of a row without a label (as Criteo's own test files); 41, a label, an importance
+    weight (a number >= 0) and the features (the weight after the label, as in VW's ``label
+    weight |...``). The line is read as 40 columns, and only when that fails as 39 or 41: the
+    other counts cost a second read, and an error is that of the first."""
+    c0 = buf[i]
+    if c0 == NL or (c0 == CR and (i + 1 == n or buf[i + 1] == NL)):  # blank line
+        return (i if c0 == NL else i + 1), BLANK, 0.0, -1, nnz, 1.0
+    end, status, lab, row_nnz, weight = _criteo_columns(buf, i, n, indices, nnz, mask, field_shift, 1)
+    if status != OK:
+        for lead in (0, 2):
+            e, st, lb, r, w = _criteo_columns(buf, i, n, indices, nnz, mask, field_shift, lead)
+            if st == OK:
+                return e, UNLABELED if lead == 0 else OK, lb, -1, r, w
+    return end, status, lab, -1, row_nnz, weight
 
 
 # Criteo's keys are hashed, every value is 1 (the wrapper returns shared ones)
@@ -693,40 +754,52 @@ def _mask(bits: int) -> np.uint64:
 
 
 def parse_libsvm(data, *, source: str = "<bytes>", first_line: int = 1, skip_bad: bool = False,
-                 binary: bool = False, seen: np.ndarray | None = None, bias: int | None = None, bits: int = 64):
+                 binary: bool = False, seen: np.ndarray | None = None, bias: int | None = None, bits: int = 64,
+                 need_labels: bool = True, with_weights: bool = False):
     """Parse libsvm text. Returns ``(labels f32, indptr i64, indices u64, values f32, skipped)``
-    (views of arrays sized for the worst case: no copy).
+    (views of arrays sized for the worst case: no copy); with ``with_weights``, then each row's
+    importance weight (f32), or None when every row's is 1 (a libsvm line has none: VW and
+    Criteo lines may).
 
     ``first_line`` is the number of the chunk's first line in its file (for error messages).
     ``binary``: labels for the logistic loss, {0, 1} or {-1, +1} (stored as 0/1); ``seen`` carries
     which of 0 and -1 earlier chunks of the same file had (int64[2], updated in place).
     ``bias``: a key appended to every row with value 1. Indices are reduced to ``bits`` bits (the
-    bias key is not).
+    bias key is not). ``need_labels`` False: a line may start with its first feature (a row to
+    score, label 0); else that is an error naming the line.
     """
     buf = _as_bytes(data)
     max_rows = int(count_byte(buf, NL)) + 1
     max_nnz = int(count_byte(buf, COLON)) + (max_rows if bias is not None else 0)
-    return _parse_text(libsvm_kernel, buf, max_rows, max_nnz, source, first_line, skip_bad, binary, seen, bias, bits)
+    return _parse_text(libsvm_kernel, buf, max_rows, max_nnz, source, first_line, skip_bad, binary, seen, bias, bits,
+                       need_labels=need_labels, with_weights=with_weights)
 
 
 def _parse_text(kernel, buf, max_rows, max_nnz, source, first_line, skip_bad, binary, seen, bias, bits,
-                field_shift=-1, with_values=True):
+                field_shift=-1, with_values=True, need_labels=True, with_weights=False):
     """Run a parse kernel (see :func:`text_kernel`) on ``buf`` into arrays of the given bounds."""
     labels = np.empty(max_rows, dtype=np.float32)
+    weights = np.empty(max_rows, dtype=np.float32)
     indptr = np.empty(max_rows + 1, dtype=np.int64)
     indices = np.empty(max_nnz, dtype=np.uint64)
     values = np.empty(max_nnz if with_values else 0, dtype=np.float32)
     if seen is None:
         seen = np.zeros(2, dtype=np.int64)
-    rows, nnz, status, bad, skipped = kernel(buf, labels, indptr, indices, values, skip_bad, binary, seen,
-                                             bias is not None, np.uint64(bias or 0), _mask(bits), field_shift)
+    rows, nnz, status, bad, skipped = kernel(buf, labels, weights, indptr, indices, values, skip_bad, binary, seen,
+                                             bias is not None, np.uint64(bias or 0), _mask(bits), field_shift,
+                                             need_labels, with_weights)
     if status != OK:
         raise ParseError(source, first_line + bad, MESSAGES[status], _line_text(buf, bad))
-    return labels[:rows], indptr[: rows + 1], indices[:nnz], values[:nnz] if with_values else ones(nnz), int(skipped)
+    out = labels[:rows], indptr[: rows + 1], indices[:nnz], values[:nnz] if with_values else ones(nnz), int(skipped)
+    if not with_weights:
+        return out
+    weights = weights[:rows]
+    return (*out, None if (weights == 1.0).all() else weights)
 
 
 def parse_libffm(data, *, source: str = "<bytes>", first_line: int = 1, skip_bad: bool = False,
-                 binary: bool = False, seen: np.ndarray | None = None, bias: int | None = None, bits: int = 24):
+                 binary: bool = False, seen: np.ndarray | None = None, bias: int | None = None, bits: int = 24,
+                 need_labels: bool = True, with_weights: bool = False):
     """Parse libffm text, ``label field:index:value ...``: a key is ``field << bits | (index &
     mask)`` (so ``key >> bits`` is its field; ``bits`` at most 48). Otherwise as :func:`parse_libsvm`."""
     if not 1 <= bits <= 48:
@@ -735,31 +808,36 @@ def parse_libffm(data, *, source: str = "<bytes>", first_line: int = 1, skip_bad
     max_rows = int(count_byte(buf, NL)) + 1
     max_nnz = int(count_byte(buf, COLON)) // 2 + 1 + (max_rows if bias is not None else 0)
     return _parse_text(libsvm_kernel, buf, max_rows, max_nnz, source, first_line, skip_bad, binary, seen, bias,
-                       bits, bits)
+                       bits, bits, need_labels=need_labels, with_weights=with_weights)
 
 
 def parse_vw(data, *, source: str = "<bytes>", first_line: int = 1, skip_bad: bool = False,
-             binary: bool = False, seen: np.ndarray | None = None, bias: int | None = None, bits: int = 64):
+             binary: bool = False, seen: np.ndarray | None = None, bias: int | None = None, bits: int = 64,
+             need_labels: bool = True, with_weights: bool = False):
     """Parse Vowpal Wabbit text (see :func:`_vw_line`); arguments and result as
-    :func:`parse_libsvm`."""
+    :func:`parse_libsvm`. Without ``with_weights`` an importance weight other than 1 is an error."""
     buf = _as_bytes(data)
     max_rows = int(count_byte(buf, NL)) + 1
     max_nnz = int(count_byte(buf, SPACE)) + int(count_byte(buf, TAB)) + int(count_byte(buf, BAR)) + 2 * max_rows
-    return _parse_text(vw_kernel, buf, max_rows, max_nnz, source, first_line, skip_bad, binary, seen, bias, bits)
+    return _parse_text(vw_kernel, buf, max_rows, max_nnz, source, first_line, skip_bad, binary, seen, bias, bits,
+                       need_labels=need_labels, with_weights=with_weights)
 
 
 def parse_criteo(data, *, source: str = "<bytes>", first_line: int = 1, skip_bad: bool = False,
-                 bits: int = 64, bias: int | None = None, fields: bool = False):
+                 bits: int = 64, bias: int | None = None, fields: bool = False, need_labels: bool = True,
+                 with_weights: bool = False):
     """Parse Criteo TSV. Returns ``(labels f32, indptr i64, indices u64, values f32, skipped)``
     (views, no copy); keys are reduced to ``bits`` bits; ``bias``: a key appended to every row.
-    ``fields``: a key carries its column's field (0..38) above the ``bits`` (``key >> bits``)."""
+    ``fields``: a key carries its column's field (0..38) above the ``bits`` (``key >> bits``).
+    ``need_labels``, ``with_weights``: as :func:`parse_libsvm` (a line of 39 columns has no label,
+    one of 41 a weight after its label: see :func:`_criteo_line`)."""
     if fields and not 1 <= bits <= 48:
         raise ValueError(f"Criteo keys with fields need hash bits between 1 and 48 (got {bits})")
     buf = _as_bytes(data)
     max_rows = int(count_byte(buf, NL)) + 1
     max_nnz = max_rows * (40 if bias is not None else 39)
     return _parse_text(criteo_kernel, buf, max_rows, max_nnz, source, first_line, skip_bad, False, None, bias, bits,
-                       bits if fields else -1, with_values=False)
+                       bits if fields else -1, with_values=False, need_labels=need_labels, with_weights=with_weights)
 
 
 @njit(cache=True)

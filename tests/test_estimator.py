@@ -29,14 +29,20 @@ from test_train import hpcps_job, sets  # noqa: E402
 # the checks scikit-learn skips by itself here, and why
 EXPECTED_SKIPS = {"check_array_api_input",            # needs SCIPY_ARRAY_API=1 and an array library
                   "check_classifier_data_not_an_array",  # pandas is not installed
-                  "check_regressor_data_not_an_array"}
+                  "check_regressor_data_not_an_array", "check_sample_weights_pandas_series"}
+# the checks expected to fail, and why (scikit-learn's own SGDClassifier expects them to fail too)
+EXPECTED_FAILURES = dict.fromkeys(
+    ("check_sample_weight_equivalence_on_dense_data", "check_sample_weight_equivalence_on_sparse_data"),
+    "minibatch training on float32 parameters: a row of weight 2 is the row twice within its step, but the "
+    "repeated rows make other steps (the automatic batch size counts rows), and the float32 sums differ past "
+    "the check's rtol of 1e-7 (tests/test_weights.py checks the equivalence where the steps are the same)")
 
 
 @pytest.mark.parametrize("make", [lambda: hpcps.SparseClassifier(), lambda: hpcps.SparseClassifier(model="fm"),
                                   lambda: hpcps.SparseRegressor(), lambda: hpcps.SparseRegressor(model="fm")],
                          ids=["classifier-lr", "classifier-fm", "regressor-lr", "regressor-fm"])
 def test_passes_scikit_learns_estimator_checks(make):
-    results = check_estimator(make(), on_fail=None)
+    results = check_estimator(make(), on_fail=None, expected_failed_checks=EXPECTED_FAILURES)
     failed = [(r["check_name"], repr(r["exception"])[:300]) for r in results if r["status"] == "failed"]
     assert not failed, failed
     skipped = {r["check_name"] for r in results if r["status"] == "skipped"}

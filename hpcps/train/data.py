@@ -193,6 +193,7 @@ class Dataset:
     prepared: tuple | None = None
     keep_prepared: bool = False
     state: dict | None = None  # its files' part_states when they were read (a loaded part)
+    weights: np.ndarray | None = None  # float32 (rows,): each row's importance weight; None: all 1
 
     def compact(self, uniq: np.ndarray, pos: np.ndarray) -> tuple:
         """Keep the batch's keys as its unique keys and each nonzero's int32 position among them
@@ -213,7 +214,8 @@ class Dataset:
         """Rows ``[lo, hi)`` (views, indptr rebased)."""
         lo, hi = min(lo, self.rows), min(hi, self.rows)
         a, b = self.indptr[lo], self.indptr[hi]
-        return Dataset(self.labels[lo:hi], self.indptr[lo:hi + 1] - a, self.indices[a:b], self.values[a:b])
+        return Dataset(self.labels[lo:hi], self.indptr[lo:hi + 1] - a, self.indices[a:b], self.values[a:b],
+                       weights=None if self.weights is None else self.weights[lo:hi])
 
     def take_rows(self, rows: np.ndarray) -> "Dataset":
         """A copy of the rows ``rows`` (row numbers, in any order)."""
@@ -222,7 +224,8 @@ class Dataset:
         np.cumsum(lengths, out=indptr[1:])
         starts = self.indptr[:-1][rows]
         at = np.repeat(starts - indptr[:-1], lengths) + np.arange(indptr[-1])
-        return Dataset(self.labels[rows], indptr, self.indices[at], self.values[at], 0, self.source)
+        return Dataset(self.labels[rows], indptr, self.indices[at], self.values[at], 0, self.source,
+                       weights=None if self.weights is None else self.weights[rows])
 
     def split_every(self, n: int, first_row: int, phase: int = -1) -> tuple["Dataset", "Dataset"]:
         """(the rows kept, every ``n``-th row held out), counting rows from ``first_row`` (this
@@ -236,7 +239,7 @@ class Dataset:
     def nbytes(self) -> int:
         keys = self.indices.nbytes if self.indices is not None else sum(a.nbytes for a in self.prepared or ())
         values = self.values.nbytes if self.values.base is not _ONES else 0
-        return self.labels.nbytes + self.indptr.nbytes + keys + values
+        return self.labels.nbytes + self.indptr.nbytes + keys + values + getattr(self.weights, "nbytes", 0)
 
     def check_finite(self) -> None:
         self.label_range()
@@ -298,7 +301,8 @@ class LabelWatch:
 
 
 def _parse_blocks(piece: Piece, fmt: str, hash_bits: int, skip_bad: bool, binary: bool,
-                  block_bytes: int = 0, fields: bool = False, state: tuple | None = None, stream=None):
+                  block_bytes: int = 0, fields: bool = False, state: tuple | None = None, stream=None,
+                  need_labels: bool = True):
     """Parse ``piece`` (bytes ``[start, end)`` of a file, or a compressed file's whole stream)
     block by block: each block is read into one reusable buffer after the previous block's
     unfinished line, and parsed in place (no copies of the text). Yields ``(labels, indptr,
@@ -307,7 +311,8 @@ def _parse_blocks(piece: Piece, fmt: str, hash_bits: int, skip_bad: bool, binary
     A read that ends before ``end`` (the file shrank) raises :class:`DataChanged`; so does, with
     ``state`` (:func:`file_state` when the ranges were cut), a file changed in any way, checked
     before each block (one ``stat``). ``stream``: where a compressed piece's text is read from
-    (an :class:`hpcps.train.inputs.Tee`), if not from the file."""
+    (an :class:`hpcps.train.inputs.Tee`), if not from the file. ``need_labels`` False: rows without
+    a label are read (label 0; a registered format's parser is not asked)."""
     path, kind = piece.path, piece.compression
     block_bytes = block_bytes or PARSE_BLOCK_BYTES
     end = piece.end if not kind else 1 << 62  # (a stream: read to its end)
@@ -349,7 +354,7 @@ def _parse_blocks(piece: Piece, fmt: str, hash_bits: int, skip_bad: bool, binary
                 continue
             block = np.frombuffer(view[:cut], dtype=np.uint8)
             try:
-                out = _parse_block(block, path, fmt, hash_bits, skip_bad, binary, fields, seen)
+                out = _parse_block(block, path, fmt, hash_bits, skip_bad, binary, fields, seen, need_labels)
             except parse.ParseError as e:
                 line = _count_newlines(path, 0, block_start, kind=kind)[0] + e.line
                 text = str(e).split(": ", 2)[-1] if str(e).count(": ") >= 2 else ""
@@ -382,14 +387,17 @@ def _read_into(f, view, path: str) -> int:
     return got
 
 
-def _parse_block(block, path: str, fmt: str, hash_bits: int, skip_bad: bool, binary: bool, fields: bool, seen):
-    """One block of whole lines of ``path``, parsed as ``fmt``."""
+def _parse_block(block, path: str, fmt: str, hash_bits: int, skip_bad: bool, binary: bool, fields: bool, seen,
+                 need_labels: bool = True):
+    """One block of whole lines of ``path``, parsed as ``fmt`` (the built-in formats' rows with
+    their weights, and without labels unless ``need_labels``)."""
+    rows = {"with_weights": True} if need_labels else {"need_labels": False, "with_weights": True}
     if fmt == "criteo":
         return parse.parse_criteo(block, source=path, first_line=1, skip_bad=skip_bad, bits=hash_bits,
-                                  bias=int(BIAS_KEY), fields=fields)
+                                  bias=int(BIAS_KEY), fields=fields, **rows)
     reader = TEXT_PARSERS.get(fmt, parse.parse_libsvm)
     return reader(block, source=path, first_line=1, skip_bad=skip_bad, binary=binary, seen=seen,
-                  bias=int(BIAS_KEY), bits=hash_bits)
+                  bias=int(BIAS_KEY), bits=hash_bits, **(rows if fmt in BUILT_IN_FORMATS else {}))
 
 
 # data.format -> its parser, ``parse(block, *, source, first_line, skip_bad, binary, seen, bias,
@@ -435,33 +443,49 @@ def _other_format(fmt: str, line: str) -> str | None:
     columns = line.count("\t") + 1
     tokens = line.split()
     pairs = len(tokens) > 1 and all(":" in t for t in tokens[1:])
-    if fmt == "criteo" and columns != CRITEO_COLUMNS:
+    criteo = abs(columns - CRITEO_COLUMNS) <= 1  # (39: no label; 41: a weight after the label)
+    if fmt == "criteo" and not criteo:
         return (f"not a Criteo line: {columns} tab-separated column(s), where Criteo has {CRITEO_COLUMNS} (a label, "
-                f"13 integer and 26 categorical columns)"
+                f"13 integer and 26 categorical columns; 39 without the label, 41 with a weight after it)"
                 + ("; its fields are index:value pairs, as in libsvm: read it as libsvm (or auto)" if pairs else ""))
-    if fmt != "criteo" and columns == CRITEO_COLUMNS and not pairs:
-        return (f"not a {fmt} line: it has Criteo's {CRITEO_COLUMNS} tab-separated columns: read it as criteo "
+    if fmt != "criteo" and criteo and not pairs:
+        return (f"not a {fmt} line: it has Criteo's {columns} tab-separated columns: read it as criteo "
                 f"(or auto)")
     return None
 
 
 def _concat(pieces: list) -> tuple:
-    """One CSR part from consecutive (labels, indptr, indices, values) pieces."""
+    """One CSR part from consecutive (labels, indptr, indices, values[, weights]) pieces: (labels,
+    indptr, indices, values, weights), the weights None when no piece has any."""
     if not pieces:
-        return np.zeros(0, np.float32), np.zeros(1, np.int64), np.zeros(0, np.uint64), np.zeros(0, np.float32)
+        return np.zeros(0, np.float32), np.zeros(1, np.int64), np.zeros(0, np.uint64), np.zeros(0, np.float32), None
     if len(pieces) == 1:
-        return tuple(pieces[0][:4])
+        return (*pieces[0][:4], _weights_of(pieces[0]))
     labels = np.concatenate([p[0] for p in pieces])
     offsets = np.cumsum([0] + [p[1][-1] - p[1][0] for p in pieces[:-1]])
     indptr = np.concatenate([[0]] + [p[1][1:] - p[1][0] + o for p, o in zip(pieces, offsets)]).astype(np.int64)
     indices = np.concatenate([p[2] for p in pieces])
     values = np.concatenate([p[3] for p in pieces])
-    return labels, indptr, indices, values
+    weighted = [_weights_of(p) for p in pieces]
+    weights = None if all(w is None for w in weighted) else \
+        np.concatenate([np.ones(p[0].shape[0], np.float32) if w is None else w for p, w in zip(pieces, weighted)])
+    return labels, indptr, indices, values, weights
+
+
+def _weights_of(piece: tuple):
+    """The weights of a (labels, indptr, indices, values[, weights]) piece (None: every row's 1)."""
+    return piece[4] if len(piece) > 4 else None
 
 
 def concatenate(parts: list) -> "Dataset":
     """The rows of the Datasets ``parts``, in order, as one (without their keys' compaction)."""
-    return Dataset(*_concat([(p.labels, p.indptr, p.indices, p.values) for p in parts]))
+    return _joined([(p.labels, p.indptr, p.indices, p.values, p.weights) for p in parts])
+
+
+def _joined(pieces: list) -> "Dataset":
+    """The rows of (labels, indptr, indices, values[, weights]) pieces as one Dataset."""
+    *csr, weights = _concat(pieces)
+    return Dataset(*csr, weights=weights)
 
 
 def part_states(pieces: list[Piece]) -> dict:
@@ -481,18 +505,19 @@ def part_source(pieces: list[Piece]) -> str:
 
 
 def _parse_pieces(pieces: list[Piece], fmt: str, hash_bits: int, skip_bad: bool, binary: bool,
-                  block_bytes: int = 0, fields: bool = False, states: dict | None = None, streams: dict | None = None):
+                  block_bytes: int = 0, fields: bool = False, states: dict | None = None, streams: dict | None = None,
+                  need_labels: bool = True):
     """:func:`_parse_blocks` over each of ``pieces`` in turn (``states``: their files'
     :func:`part_states`, checked before each block; ``streams``: by piece number, where a
     compressed piece's text is read from)."""
     for i, p in enumerate(pieces):
         yield from _parse_blocks(p, fmt, hash_bits, skip_bad, binary, block_bytes, fields,
-                                 states.get(p.path) if states else None, (streams or {}).get(i))
+                                 states.get(p.path) if states else None, (streams or {}).get(i), need_labels)
 
 
 def load_part(path, part: int, parts: int, fmt: str = "auto", hash_bits: int = 24, skip_bad: bool = False,
               cache_dir: str = "", binary: bool = False, fields: bool = False, key: str = "data",
-              idle_ok: bool = False) -> Dataset:
+              idle_ok: bool = False, need_labels: bool = True) -> Dataset:
     """Parse this worker's part of the files ``path`` names (a path, glob, directory or list:
     :func:`hpcps.train.inputs.part_of`), with the bias feature, through the cache if set.
 
@@ -501,6 +526,9 @@ def load_part(path, part: int, parts: int, fmt: str = "auto", hash_bits: int = 2
     ``fields``: keys carry their field above the hash bits (Criteo: the column; libffm keys
     always do; libsvm and VW keys are all field 0). ``key``: the configuration key messages name;
     ``idle_ok``: this worker may read nothing (:func:`hpcps.train.inputs.split`).
+    ``need_labels`` False (rows to score): a row without a label is read, with label 0 (libsvm
+    and libffm lines that start with a feature, VW lines that start with ``|`` or a tag, Criteo
+    lines of 39 columns); else it is an error.
     """
     pieces = inputs.part_of(path, part, parts, key, idle_ok)
     state = part_states(pieces)
@@ -509,12 +537,14 @@ def load_part(path, part: int, parts: int, fmt: str = "auto", hash_bits: int = 2
     cache = None
     if cache_dir:
         cache = _cache_entry(cache_dir, pieces, part, parts, fmt, hash_bits, skip_bad, binary,
-                             fields and fmt == "criteo")
+                             fields and fmt == "criteo", need_labels)
         ds = _read_cache(cache, source, part, parts, state)
         if ds is not None:
             return ds
-    blocks = list(_parse_pieces(pieces, fmt, hash_bits, skip_bad, binary, fields=fields, states=state))
-    ds = Dataset(*_concat(blocks), sum(b[4] for b in blocks), source, state=state)
+    blocks = list(_parse_pieces(pieces, fmt, hash_bits, skip_bad, binary, fields=fields, states=state,
+                                need_labels=need_labels))
+    *csr, weights = _concat([b[:4] + b[5:] for b in blocks])
+    ds = Dataset(*csr, sum(b[4] for b in blocks), source, state=state, weights=weights)
     ds.check_finite()
     if cache:
         _write_cache(cache, ds, part, parts)
@@ -525,7 +555,7 @@ CACHE_ARRAYS = ("labels", "indptr", "indices", "values")
 
 
 def _cache_entry(cache_dir: str, pieces: list[Piece], part: int, parts: int, fmt: str, hash_bits: int,
-                 skip_bad: bool, binary: bool, fields: bool) -> str:
+                 skip_bad: bool, binary: bool, fields: bool, need_labels: bool = True) -> str:
     """The cache directory of a part parsed with these settings from ``pieces`` of files as they
     are now.
 
@@ -540,7 +570,8 @@ def _cache_entry(cache_dir: str, pieces: list[Piece], part: int, parts: int, fmt
         st = os.stat(p.path)
         tag += (f"{os.path.abspath(p.path)}|{st.st_size}|{st.st_mtime_ns}|{st.st_dev}|{st.st_ino}|{st.st_ctime_ns}|"
                 f"{p.start}-{p.end}|")
-    tag += f"{part}/{parts}|{fmt}|{hash_bits}|{skip_bad}|{binary}" + ("|fields" if fields else "")
+    tag += (f"{part}/{parts}|{fmt}|{hash_bits}|{skip_bad}|{binary}" + ("|fields" if fields else "")
+            + ("" if need_labels else "|unlabeled"))
     return os.path.join(cache_dir, hashlib.sha256(tag.encode()).hexdigest()[:20])
 
 
@@ -568,6 +599,10 @@ def _read_cache(cache: str, path: str, part: int, parts: int, state: dict) -> Da
             skipped = int(f.read() or 0)
         labels, indptr, indices, values = (np.load(os.path.join(cache, f"{n}.npy"), mmap_mode="r")
                                            for n in CACHE_ARRAYS)
+        weighted = os.path.join(cache, "weights.npy")
+        weights = np.load(weighted, mmap_mode="r") if os.path.exists(weighted) else None
+        if weights is not None and weights.shape != labels.shape:
+            raise ValueError(f"{weights.shape[0]} weights for {labels.shape[0]} rows")
         rows, nnz = labels.shape[0], indices.shape[0]
         if (labels.ndim, indptr.ndim, indices.ndim, values.ndim) != (1, 1, 1, 1) or indptr.shape[0] != rows + 1 \
                 or values.shape[0] != nnz or int(indptr[0]) != 0 or int(indptr[-1]) != nnz:
@@ -579,7 +614,7 @@ def _read_cache(cache: str, path: str, part: int, parts: int, state: dict) -> Da
                        f"removed; the part is parsed from its text (and cached again)", e)
         shutil.rmtree(cache, ignore_errors=True)
         return None
-    return Dataset(labels, indptr, indices, values, skipped=skipped, source=path, state=state)
+    return Dataset(labels, indptr, indices, values, skipped=skipped, source=path, state=state, weights=weights)
 
 
 def _write_cache(cache: str, ds: Dataset, part: int, parts: int) -> None:
@@ -589,7 +624,7 @@ def _write_cache(cache: str, ds: Dataset, part: int, parts: int) -> None:
     tmp = cache + f".tmp{os.getpid()}"
     try:
         os.makedirs(tmp, exist_ok=True)
-        for n in CACHE_ARRAYS:
+        for n in CACHE_ARRAYS + (("weights",) if ds.weights is not None else ()):
             np.save(os.path.join(tmp, f"{n}.npy"), getattr(ds, n))
         with open(os.path.join(tmp, "done"), "w") as f:
             f.write(str(ds.skipped))
@@ -927,8 +962,7 @@ class PartStream:
         return self.slices.current
 
     def _dataset(self, out) -> Dataset:
-        labels, indptr, indices, values, sk = out
-        ds = Dataset(labels, indptr, indices, values, sk, self.path)
+        ds = Dataset(*out[:5], self.path, weights=_weights_of(out[:4] + out[5:]))
         self.labels.see(ds)  # (finite, their range)
         return ds
 
@@ -1009,7 +1043,7 @@ class PartStream:
         else:
             blocks = _skip_rows(blocks, to_skip)
         yield from _pieces(blocks, batch_size)
-        empty = Dataset(*_concat([]))
+        empty = _joined([])
         while True:
             yield empty
 
@@ -1053,13 +1087,13 @@ def _take(pending: list, n: int, have: int):
         p = pending[i]
         take = min(p.rows, n - got)
         b = p.batch(0, take)
-        pieces.append((b.labels, b.indptr, b.indices, b.values))
+        pieces.append((b.labels, b.indptr, b.indices, b.values, b.weights))
         got += take
         i += 1
     last = pending[i - 1]
     used = take
     rest = ([last.batch(used, last.rows)] if used < last.rows else []) + pending[i:]
-    return Dataset(*_concat(pieces)), rest, have - n
+    return _joined(pieces), rest, have - n
 
 
 def window_order(rows: int, window: int, seed: int, first: int = 0) -> np.ndarray:

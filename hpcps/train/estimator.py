@@ -14,7 +14,9 @@ the bias key, as in the training files.
 After ``fit`` the model is plain NumPy: ``coef_``, ``intercept_`` (and ``factors_`` for an FM);
 the tables' rows with their optimizer state are kept too, so :meth:`partial_fit` continues where
 training stopped (FTRL's and AdaGrad's accumulators included) and a pickled estimator resumes.
-scikit-learn (>= 1.6) is needed only here.
+``sample_weight`` multiplies each row's loss and gradient (as VW's importance weights in ``hpcps
+train``): a row of weight 2 counts as the row twice within its step. scikit-learn (>= 1.6) is
+needed only here.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import numpy as np
 import scipy.sparse as sp
 from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin
 from sklearn.utils.multiclass import check_classification_targets
-from sklearn.utils.validation import check_is_fitted, validate_data
+from sklearn.utils.validation import _check_sample_weight, check_is_fitted, validate_data
 
 from hpcps import config
 from hpcps.ps.context import LocalContext
@@ -103,9 +105,10 @@ class _SparseModel(BaseEstimator):
 
     # -- training ---------------------------------------------------------------------------
 
-    def _train(self, X, labels: np.ndarray, epochs: int) -> None:
+    def _train(self, X, labels: np.ndarray, epochs: int, weights: np.ndarray | None = None) -> None:
         """``epochs`` passes over ``X`` in batches of ``batch_size`` rows, continuing from the
-        tables kept by an earlier call (``tables_``) if there are any."""
+        tables kept by an earlier call (``tables_``) if there are any; ``weights``: each row's
+        (None: all 1)."""
         cfg = self._config(self.n_features_in_)
         tr = cfg.train
         ctx = LocalContext(staleness=0, num_shards=cfg.cluster.num_shards,
@@ -114,17 +117,22 @@ class _SparseModel(BaseEstimator):
             resumed = getattr(self, "tables_", None)
             bias = 0.0
             if not resumed:  # the bias that predicts the first labels' mean (model.bias_init = "auto")
-                bias = bias_for(np.mean(labels[:BIAS_ROWS], dtype=np.float64), self._loss)
+                first = None if weights is None else weights[:BIAS_ROWS]
+                mean = np.average(labels[:BIAS_ROWS].astype(np.float64), weights=first) \
+                    if first is None or first.sum() > 0 else np.mean(labels[:BIAS_ROWS], dtype=np.float64)
+                bias = bias_for(mean, self._loss)
             model = make_model(ctx, cfg, bias)
             if resumed:
                 ctx.load_tables(resumed, self.clock_)
             data = _rows(X, labels)
+            data.weights = weights
             size = tr.batch_size or auto_batch_size(data.rows, 1)
             batches = [data.batch(lo, lo + size) for lo in range(0, data.rows, size)] * epochs
             pipeline = StepPipeline(ctx, model)
             losses = [pipeline.step(batch, 1.0, batches[i + 1:i + 3]) for i, batch in enumerate(batches)]
             pipeline.finish()
-            self.train_loss_ = float(np.sum(losses[-(len(batches) // epochs):]) / data.rows)  # the last epoch's
+            total = data.rows if weights is None else max(float(weights.sum(dtype=np.float64)), 1e-300)
+            self.train_loss_ = float(np.sum(losses[-(len(batches) // epochs):]) / total)  # the last epoch's
             self.tables_ = ctx.tables_contents()
             self.clock_ = ctx.clock_value
             keys = np.append(np.arange(self.n_features_in_, dtype=np.uint64), BIAS_KEY)
@@ -145,11 +153,15 @@ class _SparseModel(BaseEstimator):
         data = _rows(sp.csr_matrix(X), bias_pos=self.n_features_in_)
         return margins_from_params(self.model, data, data.indices, self._params, self._loss)
 
-    def _check(self, X, y, reset: bool):
-        """(X as CSR, y), validated; ``reset``: a first fit (learns ``n_features_in_``)."""
+    def _check(self, X, y, reset: bool, sample_weight=None):
+        """(X as CSR, y, the rows' weights as float32 or None), validated; ``reset``: a first fit
+        (learns ``n_features_in_``). Weights are finite and non-negative, one per row, not all 0."""
         X, y = validate_data(self, X, y, accept_sparse="csr", dtype=np.float64, reset=reset,
                              y_numeric=self._loss == "squared")
-        return sp.csr_matrix(X), y
+        if sample_weight is not None:
+            sample_weight = _check_sample_weight(sample_weight, X, dtype=np.float64,
+                                                 ensure_non_negative=True).astype(np.float32)
+        return sp.csr_matrix(X), y, sample_weight
 
     def _forget(self) -> None:
         """A new fit starts from scratch: no tables kept from an earlier one."""
@@ -182,16 +194,17 @@ class SparseClassifier(ClassifierMixin, _SparseModel):
     "auto"`` does. More than two classes: wrap it, ``sklearn.multiclass.OneVsRestClassifier(SparseClassifier())``.
     """
 
-    def fit(self, X, y):
+    def fit(self, X, y, sample_weight=None):
+        """Train from scratch; ``sample_weight``: each row's weight (None: all 1)."""
         self._forget()
-        X, y = self._check(X, y, reset=True)
+        X, y, sample_weight = self._check(X, y, True, sample_weight)
         self.classes_ = self._classes(y)
-        return self._fit_binary(X, y, self.epochs)
+        return self._fit_binary(X, y, self.epochs, sample_weight)
 
-    def partial_fit(self, X, y, classes=None):
+    def partial_fit(self, X, y, classes=None, sample_weight=None):
         """One pass over ``X`` (the first call needs ``classes``, as scikit-learn's SGDClassifier)."""
         first = not hasattr(self, "classes_")
-        X, y = self._check(X, y, reset=first)
+        X, y, sample_weight = self._check(X, y, first, sample_weight)
         if first:
             if classes is None:
                 raise ValueError("classes must be passed on the first call to partial_fit")
@@ -201,7 +214,7 @@ class SparseClassifier(ClassifierMixin, _SparseModel):
         unknown = np.setdiff1d(np.unique(y), self.classes_)
         if unknown.size:
             raise ValueError(f"y holds labels not in classes: {list(unknown)}")
-        return self._fit_binary(X, y, 1)
+        return self._fit_binary(X, y, 1, sample_weight)
 
     def _classes(self, y) -> np.ndarray:
         check_classification_targets(y)
@@ -213,8 +226,8 @@ class SparseClassifier(ClassifierMixin, _SparseModel):
                              f"sklearn.multiclass.OneVsRestClassifier(SparseClassifier())")
         return classes
 
-    def _fit_binary(self, X, y, epochs: int):
-        self._train(X, (y == self.classes_[1]).astype(np.float32), epochs)
+    def _fit_binary(self, X, y, epochs: int, sample_weight=None):
+        self._train(X, (y == self.classes_[1]).astype(np.float32), epochs, sample_weight)
         return self
 
     def decision_function(self, X) -> np.ndarray:
@@ -245,16 +258,17 @@ class SparseRegressor(RegressorMixin, _SparseModel):
 
     _loss = "squared"
 
-    def fit(self, X, y):
+    def fit(self, X, y, sample_weight=None):
+        """Train from scratch; ``sample_weight``: each row's weight (None: all 1)."""
         self._forget()
-        X, y = self._check(X, y, reset=True)
-        self._train(X, y.astype(np.float32), self.epochs)
+        X, y, sample_weight = self._check(X, y, True, sample_weight)
+        self._train(X, y.astype(np.float32), self.epochs, sample_weight)
         return self
 
-    def partial_fit(self, X, y):
+    def partial_fit(self, X, y, sample_weight=None):
         """One pass over ``X``, continuing from the last call."""
-        X, y = self._check(X, y, reset=not hasattr(self, "coef_"))
-        self._train(X, y.astype(np.float32), 1)
+        X, y, sample_weight = self._check(X, y, not hasattr(self, "coef_"), sample_weight)
+        self._train(X, y.astype(np.float32), 1, sample_weight)
         return self
 
     def predict(self, X) -> np.ndarray:

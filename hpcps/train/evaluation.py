@@ -1,5 +1,6 @@
 """Scoring with the model on the servers: the exact metrics of a held-out set (logloss and AUC,
-or RMSE for the squared loss) and the predictions of a file, collective over the workers.
+or RMSE for the squared loss; weighted by the rows' importance weights where it has any) and the
+predictions of a file, collective over the workers.
 
 Each worker scores its own part; the margins are gathered on the first worker, which computes the
 metrics over every row (or writes every score, in input order) and shares them.
@@ -50,14 +51,17 @@ def evaluate_columns(ctx, pipeline, margins, columns: int, ds: tdata.Dataset | N
                        [np.zeros((0, columns))])
     labels = ds.labels[:n].astype(np.float64) if ds is not None else np.zeros(0)
     all_y = _gather_on_first(ctx, labels)
+    weights = ds.weights if ds is not None and ds.weights is not None else np.ones(n, dtype=np.float32)
+    all_w = _gather_on_first(ctx, weights[:n].astype(np.float64))
+    all_w = None if all_w is None or (all_w == 1.0).all() else all_w  # (unweighted: the same sums as before)
     out = np.zeros((columns, 3))
     for c in range(columns):
         all_m = _gather_on_first(ctx, m[:, c])
         if ctx.among_workers.is_first and all_m.size:
             if loss == "logistic":
-                out[c] = (metrics.logloss(all_y, all_m), metrics.auc(all_y, all_m), all_m.size)
+                out[c] = (metrics.logloss(all_y, all_m, all_w), metrics.auc(all_y, all_m, all_w), all_m.size)
             else:
-                out[c] = (float(np.sqrt(np.mean((all_m - all_y) ** 2))), np.nan, all_m.size)
+                out[c] = (metrics.rmse(all_y, all_m, all_w), np.nan, all_m.size)
     ctx.among_workers.share_from_first(out, "broadcast of metrics")
     if loss == "logistic":
         return [{"test_logloss": float(o[0]), "test_auc": float(o[1]), "test_rows": int(o[2])} for o in out]

@@ -27,8 +27,8 @@ def load_part(ctx, cfg, path, what: str, stream: bool = False):
     :class:`~hpcps.train.data.PartStream`, parsing its first block); any error is raised on every
     rank with every failing rank's message. A file without a row is an error; so is, for the
     training file, a worker's part without one (a test or prediction file's rows are gathered).
-    ``path``: a file, a glob, a directory of part files or a list of them
-    (:func:`hpcps.train.inputs.data_files`)."""
+    The rows of a prediction file may come without labels. ``path``: a file, a glob, a directory
+    of part files or a list of them (:func:`hpcps.train.inputs.data_files`)."""
     ds, error, empty = None, None, np.zeros(3, dtype=np.int64)  # workers: without rows, all, of an empty file
     if ctx.is_worker and path:
         try:
@@ -44,7 +44,8 @@ def load_part(ctx, cfg, path, what: str, stream: bool = False):
             else:
                 ds = tdata.load_part(path, ctx.worker_index, ctx.layout.workers, d.format, d.hash_bits,
                                      d.skip_bad_lines, d.cache_dir, binary=cfg.model.loss == "logistic",
-                                     fields=fields, key=KEYS.get(what, "data"), idle_ok=not stream)
+                                     fields=fields, key=KEYS.get(what, "data"), idle_ok=not stream,
+                                     need_labels=what != "prediction")
                 rows = ds.rows
                 if stream:
                     ds = tdata.LoadedPart(ds, d.shuffle_rows, d.shuffle_seed, warn_labels=squared)

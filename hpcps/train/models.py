@@ -112,9 +112,9 @@ class Model:
             self.margins_into(batch, pos, params, out)
         return out
 
-    def residuals(self, partials, labels, scale, out) -> float:
-        """``model.compute = "servers"``: each row's residual given its partial sums, into ``out``;
-        returns the summed loss."""
+    def residuals(self, partials, labels, scale, out, weights=None) -> float:
+        """``model.compute = "servers"``: each row's residual given its partial sums, into ``out``
+        (``weights``: the rows' importance weights, None: all 1); returns the summed loss."""
         raise NotImplementedError
 
     def non_finite_tables(self, params: list) -> list[str]:
@@ -124,8 +124,8 @@ class Model:
 
 
 class LinearModel(Model):
-    def residuals(self, partials, labels, scale, out) -> float:
-        return kmodels.lr_residuals(partials, labels, scale, self.loss, out[:, 0])
+    def residuals(self, partials, labels, scale, out, weights=None) -> float:
+        return kmodels.lr_residuals(partials, labels, scale, self.loss, out[:, 0], weights)
 
     def declare_tables(self, ctx, cfg):
         return [ctx.sparse_table("w" + self.suffix, dim=1, optimizer=cfg.optimizer.name, params=cfg.optimizer.params,
@@ -134,15 +134,15 @@ class LinearModel(Model):
 
     def forward_backward(self, batch, pos, params, grads, scale, dense_ready=None):
         return kmodels.lr_forward_backward(batch.indptr, pos, batch.values, batch.labels, params[0][:, 0],
-                                           grads[0][:, 0], scale, 0.0, self.loss)
+                                           grads[0][:, 0], scale, 0.0, self.loss, batch.weights)
 
     def margins_into(self, batch, pos, params, out):
         kmodels.lr_predict(batch.indptr, pos, batch.values, params[0][:, 0], out)
 
 
 class FactorizationMachine(Model):
-    def residuals(self, partials, labels, scale, out) -> float:
-        return kmodels.fm_residuals(partials, labels, scale, self.loss, out)
+    def residuals(self, partials, labels, scale, out, weights=None) -> float:
+        return kmodels.fm_residuals(partials, labels, scale, self.loss, out, weights)
 
     def declare_tables(self, ctx, cfg):
         return [ctx.sparse_table("fm" + self.suffix, dim=1 + cfg.model.factors, optimizer=cfg.optimizer.name,
@@ -153,7 +153,8 @@ class FactorizationMachine(Model):
     def forward_backward(self, batch, pos, params, grads, scale, dense_ready=None):
         p, g = params[0], grads[0]
         return kmodels.fm_forward_backward(batch.indptr, pos, batch.values, batch.labels, p[:, 0],
-                                           p[:, 1:], g[:, 0], g[:, 1:], scale, 0.0, self.loss, np.empty(0))
+                                           p[:, 1:], g[:, 0], g[:, 1:], scale, 0.0, self.loss, np.empty(0),
+                                           batch.weights)
 
     def margins_into(self, batch, pos, params, out):
         p = params[0]
@@ -183,7 +184,7 @@ class FieldAwareFM(Model):
     def forward_backward(self, batch, pos, params, grads, scale, dense_ready=None):
         fld = batch_fields(batch, self.shift, self.fields)
         return kffm.ffm_forward_backward(batch.indptr, pos, fld, batch.values, batch.labels, params[0], grads[0],
-                                         self.k, scale, 0.0, self.loss, np.empty(0))
+                                         self.k, scale, 0.0, self.loss, np.empty(0), batch.weights)
 
     def margins_into(self, batch, pos, params, out):
         out[:] = ffm_margins(batch, pos, params[0], self.k, self.shift, self.fields)
@@ -260,7 +261,7 @@ class DeepNet:
             deep, hs = kdeep.mlp_forward(mlp, self.layers, x, self.act)
             margins = shallow + deep
             dm = np.empty(rows, dtype=np.float64)
-            loss = kmodels.lr_residuals(margins, batch.labels, scale, self.loss, dm) if rows else 0.0
+            loss = kmodels.lr_residuals(margins, batch.labels, scale, self.loss, dm, batch.weights) if rows else 0.0
             dx = kdeep.mlp_backward(mlp, self.layers, hs, dm.astype(np.float32), self.act, mlp_grad)
         t = tick(self.stages, "mlp", t)
         if between is not None:

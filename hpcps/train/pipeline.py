@@ -258,7 +258,7 @@ class StepPipeline:
         row_ids = np.repeat(np.arange(rows, dtype=np.int32), np.diff(batch.indptr))
         partials = table.wait(table.imargins(batch.indices, batch.values, row_ids, rows))
         residuals = np.empty((rows, table.dim), dtype=np.float64)
-        loss = self.model.residuals(partials, batch.labels, scale, residuals) if rows else 0.0
+        loss = self.model.residuals(partials, batch.labels, scale, residuals, batch.weights) if rows else 0.0
         if not math.isfinite(loss):
             raise NonFiniteError(loss, [table.name] if not np.isfinite(partials).all() else [])
         self.pending = [(table, table.iresiduals(residuals))]  # ends the step (the clock)

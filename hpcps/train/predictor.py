@@ -53,10 +53,12 @@ class Predictor:
         self.fielded = self.kind in config.FIELDED  # (its rows need their fields)
 
     def rows_of_file(self, path: str, fmt: str = "auto", skip_bad_lines: bool = False,
-                     allow_other_hashing: bool = False, hash_bits: int = 0) -> Dataset:
+                     allow_other_hashing: bool = False, hash_bits: int = 0, need_labels: bool = False) -> Dataset:
         """The rows of a data file, read as the model's training read its rows (its hash bits,
         unless ``hash_bits``); a file whose keys would not be the model's (other hash bits,
-        another format's key hashing) is refused unless ``allow_other_hashing``."""
+        another format's key hashing) is refused unless ``allow_other_hashing``. Rows may come
+        without labels (label 0: libsvm lines that start with a feature, VW lines that start
+        with ``|``, Criteo lines of 39 columns), unless ``need_labels`` (to evaluate)."""
         fmt = tdata.detect_format(path, fmt or "auto")  # (what the file is, if not a regular file)
         if fmt not in KEY_HASHING:
             raise tdata.DataError(f"--format {fmt!r}: expected one of {sorted(KEY_HASHING)}")
@@ -67,7 +69,7 @@ class Predictor:
         if problem:
             raise config.ConfigError(problem)
         ds = tdata.load_part(path, 0, 1, fmt, hash_bits, skip_bad_lines, binary=self.loss == "logistic",
-                             fields=self.fielded)
+                             fields=self.fielded, need_labels=need_labels)
         if ds.rows == 0:
             why = (f"each of its {ds.skipped} lines with data was skipped as bad" if ds.skipped
                    else "the file is empty or holds only blank and comment lines")
