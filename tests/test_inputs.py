@@ -205,11 +205,12 @@ def test_a_directory_glob_list_and_gzip_give_the_model_of_one_plain_file(criteo,
     assert_same_model(train(os.path.dirname(criteo["gz"][0]), tmp_path, "gz-zlib", without_isal=True), reference)
 
 
-def test_a_gzipped_criteo_directory_trains_on_two_workers_and_resumes_exactly(criteo, tmp_path):
+def test_a_gzipped_criteo_directory_trains_on_two_workers_resumes_exactly_and_scores_unlabeled_rows(criteo, tmp_path):
     """The done-when test of issue 38's inputs: a gzipped directory of 4 Criteo part files trains
     under mpiexec -n 3 (1 server, 2 workers, each reading 2 whole files), is stopped mid-epoch
     after a checkpoint, resumes, and ends with the model of the run never stopped, bit for bit.
-    Its test file is one gzip file: the first worker reads it whole, the second nothing."""
+    Its test file is one gzip file: the first worker reads it whole, the second nothing. The model
+    then scores that test file without its labels through predict and load_model."""
     gz_dir = os.path.dirname(criteo["gz"][0])
     common = dict(data__test=criteo["test_gz"], train__batch_size=20, train__epochs=2, train__progress=False,
                   cluster__servers=1, cluster__staleness=0, checkpoint__every_steps=20)
@@ -236,6 +237,22 @@ def test_a_gzipped_criteo_directory_trains_on_two_workers_and_resumes_exactly(cr
     resumed = train(gz_dir, tmp_path, "resumed", n=3, said=f"resuming from {newest}", checkpoint__dir=str(ck),
                     checkpoint__resume="auto", **common)
     assert_same_model(resumed, reference)
+    # ... and scores an unlabeled test file (Criteo's test.txt: no label column), gzipped, through
+    # hpcps predict and through hpcps.load_model: the scores of the same rows with their labels
+    unlabeled = tmp_path / "unlabeled.tsv.gz"
+    rows = gzip.decompress(open(criteo["test_gz"], "rb").read()).splitlines(keepends=True)
+    unlabeled.write_bytes(gzip.compress(b"".join(r.split(b"\t", 1)[1] for r in rows)))
+    model = str(tmp_path / "resumed.h5")
+    scores = {}
+    for name, rows_file in (("labeled", criteo["test_gz"]), ("unlabeled", str(unlabeled))):
+        rc, out = job(0, ["predict", "--model", model, "--data", rows_file, "--out", str(tmp_path / f"{name}.txt")])
+        assert rc == 0 and f"{len(rows)} scores written" in out, out
+        scores[name] = open(tmp_path / f"{name}.txt").read()
+    assert scores["unlabeled"] == scores["labeled"]
+    import hpcps
+
+    proba = hpcps.load_model(model).predict_proba(str(unlabeled))[:, 1]
+    assert np.abs(proba - np.loadtxt(tmp_path / "unlabeled.txt")).max() <= 5e-7  # (predict writes 6 decimals)
 
 
 def test_a_gzipped_directory_is_cached_and_streamed_again_each_epoch(criteo, tmp_path):
