@@ -104,6 +104,9 @@ KNOBS = (
          PS_BENCH + " (100,000-key pushes and pulls)", minimum=1.0),
     Knob("SPIN_RESET_BYTES", 1 << 20, "once a message this large of a wait is done (a request's send), the "
          "wait spins only for the rest's transfer: a worker sleeps while the server works", PS_BENCH),
+    Knob("SPIN_WHOLE_REPLY_BYTES", 1 << 20, "a worker's wait spins for a reply smaller than this as for a "
+         "whole message (only larger pulls are split and their payload sent apart): a worker sleeping "
+         "while a reply transfers stretches the transfer", PS_BENCH + " --sizes 1000 --dim 64 (pull)", minimum=0),
     Knob("POLL_ACTIVE_MAX_SLEEP_S", 1e-4, "a serving loop's sleeps stay this short for POLL_ACTIVE_WINDOW_S "
          "after its last work: a step's first request is answered at once, not after a grown back-off",
          "hpcps bench deep (W&D, SSP 2, pipelined)"),

@@ -59,7 +59,7 @@ from mpi4py import MPI
 from hpcps_kernels.tuning import (MESSAGE_PAGE_OFFSET, PAGE_BYTES, POLL_ACTIVE_MAX_SLEEP_S,
                                   POLL_ACTIVE_WINDOW_S, POLL_MAX_ADAPTIVE_SPIN_S, POLL_MAX_SLEEP_S,
                                   POLL_MIN_SLEEP_S, POLL_SHORT_MAX_SLEEP_S, POLL_SPIN_S, POOL_MAX_BYTES,
-                                  POOL_MIN_BYTES, SPIN_BYTES_PER_S, SPIN_RESET_BYTES)
+                                  POOL_MIN_BYTES, SPIN_BYTES_PER_S, SPIN_RESET_BYTES, SPIN_WHOLE_REPLY_BYTES)
 
 # Largest element count sent in one MPI message: counts are C ints, and MPICH has trouble with
 # messages over 2 GiB. 2**31 - 1 bytes, rounded down to a multiple of 8.
@@ -440,7 +440,9 @@ def start_recv_framed(comm: MPI.Comm, out: np.ndarray, head: int, source: int, t
     """Receive into ``out`` a message whose first ``head`` bytes say how it comes: whole, as
     :func:`start_send` sends it, or, where ``rest_apart(out[:head])`` holds once they have come,
     as its head then the rest, as :func:`start_send_announced` sends it. The rest's receive is
-    posted once the head has come; a :func:`wait` spins for the head only, then for the rest."""
+    posted once the head has come. A :func:`wait` spins for the whole message where it is smaller
+    than SPIN_WHOLE_REPLY_BYTES (a reply that size comes whole: only larger pulls are split), else
+    for the head only (a worker sleeps through a large pull's work), then for the rest."""
     if not out.flags.c_contiguous:
         raise ValueError("start_recv_framed needs a C-contiguous output array")
     flat = out.reshape(-1).view(np.uint8)
@@ -451,7 +453,8 @@ def start_recv_framed(comm: MPI.Comm, out: np.ndarray, head: int, source: int, t
             return start_recv(comm, flat[head:], source, tag, what)
         return start_recv(comm, flat[first.nbytes:], source, tag, what) if flat.nbytes > first.nbytes else []
 
-    return [Pending(comm.Irecv(first, source=source, tag=tag), what, source, (out, first), head, then=rest)]
+    spin = first.nbytes if flat.nbytes < SPIN_WHOLE_REPLY_BYTES else head
+    return [Pending(comm.Irecv(first, source=source, tag=tag), what, source, (out, first), spin, then=rest)]
 
 
 def tag_upper_bound(comm: MPI.Comm) -> int:
