@@ -1,0 +1,167 @@
+"""Parquet and CSV with a header (pyarrow): the same rows give the model of the libsvm file
+written by the documented rule (a float column c: key c with its value; any other column:
+xxh64(str(value), seed=c) masked to the hash bits, value 1; nulls left out), bit for bit."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+pa = pytest.importorskip("pyarrow", reason="the parquet extra (pyarrow) is not installed")
+import pyarrow.csv as pcsv  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+import xxhash  # noqa: E402
+
+from hpcps.train import data  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_faults import job, sets  # noqa: E402
+from test_inputs import assert_same_model, train  # noqa: E402
+
+BITS = 18
+ROWS = 3_000
+
+
+def table(seed: int = 3) -> "pa.Table":
+    """Avazu-like rows: a 0/1 label, a weight, two float columns (with nulls), a string and an integer id."""
+    rng = np.random.default_rng(seed)
+    f0 = rng.normal(size=ROWS).astype(np.float32)
+    f1 = rng.uniform(size=ROWS).astype(np.float32)
+    site = rng.choice(["a1f", "b22", "c3", "dd9", "e"], ROWS)
+    c1 = rng.integers(1000, 1010, ROWS)
+    margin = f0 + (site == "b22") - 0.5 * (c1 % 3 == 0)
+    label = (rng.uniform(size=ROWS) < 1 / (1 + np.exp(-margin))).astype(np.int64)
+    return pa.table({"click": label, "f0": pa.array(f0, mask=rng.uniform(size=ROWS) < 0.1),
+                     "site": pa.array(site, mask=rng.uniform(size=ROWS) < 0.05), "f1": f1, "C1": c1,
+                     "w": rng.choice([0.5, 1.0, 2.0], ROWS)})
+
+
+def libsvm_lines(t, features: list[str], label: str = "click") -> list[bytes]:
+    """The libsvm lines of the rule (keys computed with the xxHash C library, not hpcps's)."""
+    names, mask = t.column_names, (1 << BITS) - 1
+    cols = {n: t.column(n).to_pylist() for n in features}
+    out = []
+    for r, y in enumerate(t.column(label).to_pylist()):
+        fields = []
+        for n in features:
+            c, v = names.index(n), cols[n][r]
+            if v is None:
+                continue
+            if pa.types.is_floating(t.column(n).type):
+                fields.append(f"{c}:{float(np.float32(v))!r}")
+            else:
+                fields.append(f"{xxhash.xxh64_intdigest(str(v).encode(), seed=c) & mask}:1")
+        out.append((" ".join([str(y), *fields]) + "\n").encode())
+    return out
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("parquet")
+    t = table()
+    everything = ["f0", "site", "f1", "C1"]
+    out = {"dir": d, "table": t}
+    out["svm"] = str(d / "rows.svm")
+    lines = libsvm_lines(t, everything)
+    open(out["svm"], "wb").writelines(lines)
+    out["parquet"] = str(d / "rows.parquet")
+    pq.write_table(t.drop(["w"]), out["parquet"], row_group_size=700)
+    out["csv"] = str(d / "rows.csv")
+    pcsv.write_csv(t.drop(["w"]), out["csv"])
+    for kind, n in (("parts", 3), ("svm_parts", 4), ("pq4", 4)):
+        os.makedirs(d / kind)
+    for i in range(3):
+        pq.write_table(t.drop(["w"]).slice(i * 1000, 1000), str(d / "parts" / f"part-{i:05d}.parquet"))
+    (d / "parts" / "_SUCCESS").touch()
+    for i in range(4):
+        pq.write_table(t.drop(["w"]).slice(i * 750, 750), str(d / "pq4" / f"part-{i:05d}.parquet"))
+        open(d / "svm_parts" / f"part-{i:05d}", "wb").writelines(lines[i * 750:(i + 1) * 750])
+    return out
+
+
+def fit(spec, tmp, name, n=0, **kv):
+    return train(spec, tmp, name, n, data__hash_bits=BITS, data__label_column="click", **kv)
+
+
+def test_a_float_column_is_its_index_and_a_categorical_one_is_hashed_per_column(files):
+    ds = data.load_part(files["parquet"], 0, 1, "auto", BITS, columns=data.tables.Columns("click"))
+    ref = data.load_part(files["svm"], 0, 1, "libsvm", BITS)
+    for a in ("labels", "indptr", "indices", "values"):
+        np.testing.assert_array_equal(getattr(ds, a), getattr(ref, a))
+    assert data.detect_format(files["csv"], "auto") == "csv" and data.detect_format(files["parquet"], "auto") == "parquet"
+
+
+def test_parquet_a_directory_of_parts_and_csv_give_the_libsvm_files_model(files, tmp_path):
+    reference = fit(files["svm"], tmp_path, "svm")
+    for name, spec in (("parquet", files["parquet"]), ("parts", str(files["dir"] / "parts")), ("csv", files["csv"])):
+        assert_same_model(fit(spec, tmp_path, name), reference)
+
+
+@pytest.mark.mpi
+def test_two_workers_reading_whole_parquet_parts_make_the_libsvm_parts_model(files, tmp_path):
+    """mpiexec -n 3: 1 server and 2 workers, each reading 2 whole part files of either kind."""
+    reference = fit(str(files["dir"] / "svm_parts"), tmp_path, "svm", 3)
+    assert_same_model(fit(str(files["dir"] / "pq4"), tmp_path, "pq", 3), reference)
+
+
+def test_named_feature_columns_and_a_weight_column(files, tmp_path):
+    d = files["dir"]
+    svm = str(d / "some.svm")
+    open(svm, "wb").writelines(libsvm_lines(files["table"], ["site", "f1"]))
+    reference = fit(svm, tmp_path, "some-svm")
+    assert_same_model(fit(files["parquet"], tmp_path, "some", data__feature_columns="site, f1"), reference)
+    weighted = str(d / "weighted.parquet")
+    pq.write_table(files["table"], weighted)
+    csv = str(d / "weighted.csv")
+    pcsv.write_csv(files["table"], csv)
+    a = fit(weighted, tmp_path, "w-pq", data__weight_column="w", data__feature_columns="site,f1")
+    assert_same_model(fit(csv, tmp_path, "w-csv", data__weight_column="w", data__feature_columns="site,f1"), a)
+    assert not np.array_equal(a.values, reference.values)  # (the weights count)
+
+
+def test_a_missing_column_is_named(files, tmp_path):
+    rc, out = job(0, ["train", *sets(data__train=files["parquet"], data__feature_columns="site,nope",
+                                     data__label_column="click", train__progress=False)], timeout=120)
+    assert rc == 2 and "no column 'nope'" in out and files["parquet"] in out, out[-2000:]
+    rc, out = job(0, ["train", *sets(data__train=files["csv"], train__progress=False)], timeout=120)
+    assert rc == 2 and "no column 'label'" in out, out[-2000:]
+
+
+def test_test_and_predict_files_in_parquet_score_as_libsvm(files, tmp_path):
+    outs = {}
+    for name, spec in (("svm", files["svm"]), ("pq", files["parquet"])):
+        pred = str(tmp_path / f"{name}.pred")
+        model = fit(spec, tmp_path, name, data__test=spec, data__predict=spec, data__predict_out=pred,
+                    train__metrics=str(tmp_path / f"{name}.jsonl"))
+        outs[name] = (model, open(pred).read(), open(tmp_path / f"{name}.jsonl").read())
+    assert_same_model(outs["pq"][0], outs["svm"][0])
+    assert outs["pq"][1] == outs["svm"][1] and outs["pq"][1].count("\n") == ROWS
+    assert [ln.split('"time')[0] for ln in outs["pq"][2].splitlines() if "auc" in ln] == \
+        [ln.split('"time')[0] for ln in outs["svm"][2].splitlines() if "auc" in ln]
+    # hpcps predict and load_model read Parquet too (with the default column names: the label's "label")
+    named = str(tmp_path / "named.parquet")
+    pq.write_table(files["table"].drop(["w"]).rename_columns(["label", "f0", "site", "f1", "C1"]), named)
+    scores = tmp_path / "scores.txt"
+    rc, out = job(0, ["predict", "--model", str(tmp_path / "pq.h5"), "--data", named, "--out", str(scores)])
+    assert rc == 0, out[-2000:]
+    expected = np.loadtxt(tmp_path / "pq.pred")
+    assert np.abs(np.loadtxt(scores) - expected).max() <= 5e-7
+    import hpcps
+
+    assert np.abs(hpcps.load_model(str(tmp_path / "pq.h5")).predict_proba(named)[:, 1] - expected).max() <= 5e-7
+
+
+def test_without_pyarrow_loading_says_what_to_install(files, tmp_path):
+    """A package named pyarrow that fails to import comes first on the job's path, as without the extra."""
+    import subprocess
+
+    hide = tmp_path / "without-pyarrow" / "pyarrow"
+    hide.mkdir(parents=True)
+    (hide / "__init__.py").write_text("raise ImportError('the parquet extra, left out')\n")
+    proc = subprocess.run([sys.executable, "-m", "hpcps.cli", "train", *sets(data__train=files["parquet"],
+                                                                             train__progress=False)],
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(hide.parent)))
+    assert proc.returncode == 2 and "pip install 'hpcps[parquet]'" in proc.stderr + proc.stdout, proc.stderr[-2000:]
