@@ -71,7 +71,7 @@ def files(tmp_path_factory):
     pq.write_table(t.drop(["w"]), out["parquet"], row_group_size=700)
     out["csv"] = str(d / "rows.csv")
     pcsv.write_csv(t.drop(["w"]), out["csv"])
-    for kind, n in (("parts", 3), ("svm_parts", 4), ("pq4", 4)):
+    for kind in ("parts", "svm_parts", "pq4", "svm_halves"):
         os.makedirs(d / kind)
     for i in range(3):
         pq.write_table(t.drop(["w"]).slice(i * 1000, 1000), str(d / "parts" / f"part-{i:05d}.parquet"))
@@ -79,6 +79,8 @@ def files(tmp_path_factory):
     for i in range(4):
         pq.write_table(t.drop(["w"]).slice(i * 750, 750), str(d / "pq4" / f"part-{i:05d}.parquet"))
         open(d / "svm_parts" / f"part-{i:05d}", "wb").writelines(lines[i * 750:(i + 1) * 750])
+    for i in range(2):
+        open(d / "svm_halves" / f"part-{i:05d}", "wb").writelines(lines[i * 1500:(i + 1) * 1500])
     return out
 
 
@@ -92,6 +94,9 @@ def test_a_float_column_is_its_index_and_a_categorical_one_is_hashed_per_column(
     for a in ("labels", "indptr", "indices", "values"):
         np.testing.assert_array_equal(getattr(ds, a), getattr(ref, a))
     assert data.detect_format(files["csv"], "auto") == "csv" and data.detect_format(files["parquet"], "auto") == "parquet"
+    # the automatic batch size counts a table's rows (not a Parquet file's newline bytes, a CSV's header)
+    for spec in (files["parquet"], files["csv"], str(files["dir"] / "parts")):
+        assert data.rows_at_least(spec, 10**6) == ROWS
 
 
 def test_parquet_a_directory_of_parts_and_csv_give_the_libsvm_files_model(files, tmp_path):
@@ -101,10 +106,13 @@ def test_parquet_a_directory_of_parts_and_csv_give_the_libsvm_files_model(files,
 
 
 @pytest.mark.mpi
-def test_two_workers_reading_whole_parquet_parts_make_the_libsvm_parts_model(files, tmp_path):
-    """mpiexec -n 3: 1 server and 2 workers, each reading 2 whole part files of either kind."""
+def test_two_workers_reading_whole_parquet_parts_or_row_ranges_make_the_libsvm_parts_model(files, tmp_path):
+    """mpiexec -n 3: 1 server and 2 workers, each reading 2 whole part files of either kind; and
+    one Parquet file cut in 2 row ranges, the rows of 2 libsvm files of half the rows each."""
     reference = fit(str(files["dir"] / "svm_parts"), tmp_path, "svm", 3)
     assert_same_model(fit(str(files["dir"] / "pq4"), tmp_path, "pq", 3), reference)
+    halves = fit(str(files["dir"] / "svm_halves"), tmp_path, "svm-halves", 3)
+    assert_same_model(fit(files["parquet"], tmp_path, "pq-rows", 3), halves)
 
 
 def test_named_feature_columns_and_a_weight_column(files, tmp_path):

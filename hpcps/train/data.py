@@ -647,17 +647,22 @@ def _write_cache(cache: str, ds: Dataset, part: int, parts: int) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def rows_at_least(spec, enough: int) -> int:
+def rows_at_least(spec, enough: int, fmt: str = "auto") -> int:
     """The lines of the files ``spec`` names, counted until ``enough`` (then ``enough``; 0 for
     files it cannot read): reads at most as far as the ``enough``-th line (of a compressed file,
     of its decompressed stream). Counted without numba: the first rank counts for the others (the
     auto batch size) while they wait, and a first numba call there cost 0.2 s of that wait, which
-    each rank pays anyway, at the same time, when it starts its context."""
+    each rank pays anyway, at the same time, when it starts its context. Tables (``fmt`` or
+    detected: :func:`detect_format`) count their rows, not lines."""
     n = 0
     try:
+        table = detect_format(spec, fmt)
         for path in inputs.data_files(spec):
             check_file(path)  # (a FIFO is never opened: that would wait for a writer)
-            n += _lines_at_least(path, enough - n, inputs.compression(path))
+            if table in tables.FORMATS:
+                n += tables.rows_of(path, table)
+            else:
+                n += _lines_at_least(path, enough - n, inputs.compression(path))
             if n >= enough:
                 break
     except (OSError, DataError):  # (loading the part says what is wrong with it, on every rank)
