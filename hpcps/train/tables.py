@@ -13,7 +13,8 @@ the file's columns (from 0):
 
 Then the bias feature, as in every format. Which worker reads what: with at least as many files
 as workers, whole files (as the text formats); else the rows of the files taken end to end, cut
-in equal ranges. A :class:`~hpcps.train.inputs.Piece` of a table is rows ``[start, end)`` of its
+in equal ranges (of a Parquet file, only the row groups that hold a worker's rows are read, one
+at a time). A :class:`~hpcps.train.inputs.Piece` of a table is rows ``[start, end)`` of its
 file, with ``compression`` :data:`TABLE`.
 """
 
@@ -109,13 +110,34 @@ def blocks(piece: Piece, fmt: str, hash_bits: int, binary: bool, bias: int, colu
     text parsers yield them: ``(labels, indptr, indices, values, skipped, weights)``."""
     if piece.end <= piece.start:
         return
-    table = read(piece.path, fmt).slice(piece.start, piece.end - piece.start)
-    names = table.column_names
-    label, weight, features = _columns(piece.path, names, columns, need_labels)
     mask = np.uint64((1 << hash_bits) - 1) if hash_bits < 64 else np.uint64(2 ** 64 - 1)
-    for lo in range(0, table.num_rows, BLOCK_ROWS):
-        t = table.slice(lo, BLOCK_ROWS)
-        yield _block(piece.path, t, names, label, weight, features, mask, binary, bias)
+    chosen = None
+    for table in _row_ranges(piece, fmt):
+        if chosen is None:
+            names = table.column_names
+            chosen = _columns(piece.path, names, columns, need_labels)
+        for lo in range(0, table.num_rows, BLOCK_ROWS):
+            yield _block(piece.path, table.slice(lo, BLOCK_ROWS), names, *chosen, mask, binary, bias)
+
+
+def _row_ranges(piece: Piece, fmt: str):
+    """Tables of rows ``[start, end)`` of ``piece.path``, in order: of a Parquet file, one a row
+    group that holds some (the other row groups are not read), of a CSV file the whole range."""
+    if fmt != "parquet":
+        yield read(piece.path, fmt).slice(piece.start, piece.end - piece.start)
+        return
+    pa, pq, _ = pyarrow_modules()
+    try:
+        f = pq.ParquetFile(piece.path)
+        at = 0
+        for g in range(f.metadata.num_row_groups):
+            n = f.metadata.row_group(g).num_rows
+            a, b = max(piece.start, at), min(piece.end, at + n)
+            if b > a:
+                yield f.read_row_group(g).slice(a - at, b - a)
+            at += n
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"data file {piece.path}: not a readable parquet file: {e}") from None
 
 
 def _columns(path: str, names: list, columns: Columns, need_labels: bool):
