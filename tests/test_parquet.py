@@ -173,3 +173,24 @@ def test_without_pyarrow_loading_says_what_to_install(files, tmp_path):
                                                                              train__progress=False)],
                           capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(hide.parent)))
     assert proc.returncode == 2 and "pip install 'hpcps[parquet]'" in proc.stderr + proc.stdout, proc.stderr[-2000:]
+
+
+def test_ffm_on_parquet_reads_each_feature_column_as_its_field(files, tmp_path):
+    """The libffm file of the rule, field = the column's position among the feature columns."""
+    ffm = str(tmp_path / "rows.ffm")
+    t, mask = files["table"], (1 << BITS) - 1
+    names = t.column_names
+    with open(ffm, "w") as f:
+        for r, y in enumerate(t.column("click").to_pylist()):
+            out = [str(y)]
+            for field, n in enumerate(["f0", "site", "f1", "C1"]):
+                c, v = names.index(n), t.column(n)[r].as_py()
+                if v is None:
+                    continue
+                if pa.types.is_floating(t.column(n).type):
+                    out.append(f"{field}:{c}:{float(np.float32(v))!r}")
+                else:
+                    out.append(f"{field}:{xxhash.xxh64_intdigest(str(v).encode(), seed=c) & mask}:1")
+            f.write(" ".join(out) + "\n")
+    kv = {"model__type": "ffm", "model__fields": 4, "train__epochs": 1}
+    assert_same_model(fit(files["parquet"], tmp_path, "ffm-pq", **kv), fit(ffm, tmp_path, "ffm-ffm", **kv))

@@ -516,7 +516,7 @@ def _parse_pieces(pieces: list[Piece], fmt: str, hash_bits: int, skip_bad: bool,
     compressed piece's text is read from; ``columns``: a table's, :mod:`hpcps.train.tables`)."""
     for i, p in enumerate(pieces):
         if p.compression == tables.TABLE:
-            yield from tables.blocks(p, fmt, hash_bits, binary, int(BIAS_KEY), columns, need_labels)
+            yield from tables.blocks(p, fmt, hash_bits, binary, int(BIAS_KEY), columns, need_labels, fields)
             continue
         yield from _parse_blocks(p, fmt, hash_bits, skip_bad, binary, block_bytes, fields,
                                  states.get(p.path) if states else None, (streams or {}).get(i), need_labels)

@@ -11,7 +11,8 @@ the file's columns (from 0):
   categorical columns are hashed per field);
 * a null is no feature.
 
-Then the bias feature, as in every format. Which worker reads what: with at least as many files
+Then the bias feature, as in every format. For the fielded models (FFM, W&D, DeepFM) a key
+carries its column's position among the feature columns above the hash bits, as libffm's. Which worker reads what: with at least as many files
 as workers, whole files (as the text formats); else the rows of the files taken end to end, cut
 in equal ranges (of a Parquet file, only the row groups that hold a worker's rows are read, one
 at a time). A :class:`~hpcps.train.inputs.Piece` of a table is rows ``[start, end)`` of its
@@ -105,11 +106,16 @@ def part_of(spec, part: int, parts: int, fmt: str, key: str = "data", idle_ok: b
 
 
 def blocks(piece: Piece, fmt: str, hash_bits: int, binary: bool, bias: int, columns: Columns,
-           need_labels: bool = True):
+           need_labels: bool = True, fields: bool = False):
     """Rows ``[start, end)`` of the table ``piece.path`` in blocks of :data:`BLOCK_ROWS`, as the
-    text parsers yield them: ``(labels, indptr, indices, values, skipped, weights)``."""
+    text parsers yield them: ``(labels, indptr, indices, values, skipped, weights)``. ``fields``:
+    a key carries its feature column's position among the feature columns above the hash bits (as
+    libffm's ``field << bits | index``)."""
     if piece.end <= piece.start:
         return
+    if fields and not 1 <= hash_bits <= 48:
+        raise DataError(f"data file {piece.path}: keys with fields need data.hash_bits between 1 and 48 "
+                        f"(got {hash_bits})")
     mask = np.uint64((1 << hash_bits) - 1) if hash_bits < 64 else np.uint64(2 ** 64 - 1)
     chosen = None
     for table in _row_ranges(piece, fmt):
@@ -117,7 +123,8 @@ def blocks(piece: Piece, fmt: str, hash_bits: int, binary: bool, bias: int, colu
             names = table.column_names
             chosen = _columns(piece.path, names, columns, need_labels)
         for lo in range(0, table.num_rows, BLOCK_ROWS):
-            yield _block(piece.path, table.slice(lo, BLOCK_ROWS), names, *chosen, mask, binary, bias)
+            yield _block(piece.path, table.slice(lo, BLOCK_ROWS), names, *chosen, mask, binary, bias,
+                         hash_bits if fields else -1)
 
 
 def _row_ranges(piece: Piece, fmt: str):
@@ -152,8 +159,9 @@ def _columns(path: str, names: list, columns: Columns, need_labels: bool):
     return label, columns.weight, features
 
 
-def _block(path, t, names, label, weight, features, mask, binary, bias):
-    """One block of a table's rows in CSR, with the bias key last in each row."""
+def _block(path, t, names, label, weight, features, mask, binary, bias, shift):
+    """One block of a table's rows in CSR, with the bias key last in each row (``shift`` >= 0: each
+    key with its feature column's position above that bit)."""
     pa = pyarrow_modules()[0]
     rows = t.num_rows
     labels = _floats(t.column(label), path, label) if label else np.zeros(rows, np.float32)
@@ -164,7 +172,7 @@ def _block(path, t, names, label, weight, features, mask, binary, bias):
                             f"(expected 0/1 or -1/+1)")
         labels = np.where(labels == -1, np.float32(0), labels).astype(np.float32)
     keys, vals, present = [], [], []
-    for name in features:
+    for field, name in enumerate(features):
         c = names.index(name)
         col = t.column(name)
         if pa.types.is_floating(col.type):
@@ -176,6 +184,8 @@ def _block(path, t, names, label, weight, features, mask, binary, bias):
             keys.append(_hashed(col, c, mask))
             vals.append(np.ones(rows, np.float32))
             present.append(np.asarray(col.is_valid()))
+        if shift >= 0:
+            keys[-1] |= np.uint64(field) << np.uint64(shift)
     keys.append(np.full(rows, np.uint64(bias), np.uint64))
     vals.append(np.ones(rows, np.float32))
     present.append(np.ones(rows, bool))
