@@ -39,21 +39,23 @@ def table(seed: int = 3) -> "pa.Table":
                      "w": rng.choice([0.5, 1.0, 2.0], ROWS)})
 
 
-def libsvm_lines(t, features: list[str], label: str = "click") -> list[bytes]:
-    """The libsvm lines of the rule (keys computed with the xxHash C library, not hpcps's)."""
+def libsvm_lines(t, features: list[str], label: str = "click", fielded: bool = False) -> list[bytes]:
+    """The libsvm lines of the rule (keys computed with the xxHash C library, not hpcps's);
+    ``fielded``: libffm lines, a feature's field its column's position among ``features``."""
     names, mask = t.column_names, (1 << BITS) - 1
     cols = {n: t.column(n).to_pylist() for n in features}
     out = []
     for r, y in enumerate(t.column(label).to_pylist()):
         fields = []
-        for n in features:
+        for field, n in enumerate(features):
             c, v = names.index(n), cols[n][r]
             if v is None:
                 continue
+            head = f"{field}:" if fielded else ""
             if pa.types.is_floating(t.column(n).type):
-                fields.append(f"{c}:{float(np.float32(v))!r}")
+                fields.append(f"{head}{c}:{float(np.float32(v))!r}")
             else:
-                fields.append(f"{xxhash.xxh64_intdigest(str(v).encode(), seed=c) & mask}:1")
+                fields.append(f"{head}{xxhash.xxh64_intdigest(str(v).encode(), seed=c) & mask}:1")
         out.append((" ".join([str(y), *fields]) + "\n").encode())
     return out
 
@@ -178,19 +180,6 @@ def test_without_pyarrow_loading_says_what_to_install(files, tmp_path):
 def test_ffm_on_parquet_reads_each_feature_column_as_its_field(files, tmp_path):
     """The libffm file of the rule, field = the column's position among the feature columns."""
     ffm = str(tmp_path / "rows.ffm")
-    t, mask = files["table"], (1 << BITS) - 1
-    names = t.column_names
-    with open(ffm, "w") as f:
-        for r, y in enumerate(t.column("click").to_pylist()):
-            out = [str(y)]
-            for field, n in enumerate(["f0", "site", "f1", "C1"]):
-                c, v = names.index(n), t.column(n)[r].as_py()
-                if v is None:
-                    continue
-                if pa.types.is_floating(t.column(n).type):
-                    out.append(f"{field}:{c}:{float(np.float32(v))!r}")
-                else:
-                    out.append(f"{field}:{xxhash.xxh64_intdigest(str(v).encode(), seed=c) & mask}:1")
-            f.write(" ".join(out) + "\n")
+    open(ffm, "wb").writelines(libsvm_lines(files["table"], ["f0", "site", "f1", "C1"], fielded=True))
     kv = {"model__type": "ffm", "model__fields": 4, "train__epochs": 1}
     assert_same_model(fit(files["parquet"], tmp_path, "ffm-pq", **kv), fit(ffm, tmp_path, "ffm-ffm", **kv))
