@@ -151,17 +151,18 @@ def test_test_and_predict_files_in_parquet_score_as_libsvm(files, tmp_path):
     assert outs["pq"][1] == outs["svm"][1] and outs["pq"][1].count("\n") == ROWS
     assert [ln.split('"time')[0] for ln in outs["pq"][2].splitlines() if "auc" in ln] == \
         [ln.split('"time')[0] for ln in outs["svm"][2].splitlines() if "auc" in ln]
-    # hpcps predict and load_model read Parquet too (with the default column names: the label's "label")
-    named = str(tmp_path / "named.parquet")
-    pq.write_table(files["table"].drop(["w"]).rename_columns(["label", "f0", "site", "f1", "C1"]), named)
-    scores = tmp_path / "scores.txt"
-    rc, out = job(0, ["predict", "--model", str(tmp_path / "pq.h5"), "--data", named, "--out", str(scores)])
+    # hpcps predict, eval and load_model read Parquet too, with the columns the training named
+    # (data.label_column = "click": no feature, though the model file's rows have it)
+    model, scores = str(tmp_path / "pq.h5"), tmp_path / "scores.txt"
+    rc, out = job(0, ["predict", "--model", model, "--data", files["parquet"], "--out", str(scores)])
     assert rc == 0, out[-2000:]
     expected = np.loadtxt(tmp_path / "pq.pred")
     assert np.abs(np.loadtxt(scores) - expected).max() <= 5e-7
     import hpcps
 
-    assert np.abs(hpcps.load_model(str(tmp_path / "pq.h5")).predict_proba(named)[:, 1] - expected).max() <= 5e-7
+    assert np.abs(hpcps.load_model(model).predict_proba(files["csv"])[:, 1] - expected).max() <= 5e-7
+    rc, out = job(0, ["eval", "--model", model, "--data", files["parquet"]])
+    assert rc == 0 and '"auc"' in out, out[-2000:]
 
 
 def test_without_pyarrow_loading_says_what_to_install(files, tmp_path):

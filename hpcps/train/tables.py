@@ -45,8 +45,12 @@ class Columns:
     @classmethod
     def of(cls, data) -> "Columns":
         """The columns of a config's ``[data]``."""
-        names = tuple(n.strip() for n in data.feature_columns.split(",") if n.strip())
-        return cls(data.label_column, data.weight_column, names)
+        return cls.named(data.label_column, data.weight_column, data.feature_columns)
+
+    @classmethod
+    def named(cls, label: str = "label", weight: str = "", features: str = "") -> "Columns":
+        """The columns ``[data]``'s keys name (``features`` comma-separated)."""
+        return cls(label, weight, tuple(n.strip() for n in features.split(",") if n.strip()))
 
 
 def pyarrow_modules():
