@@ -184,3 +184,28 @@ def test_ffm_on_parquet_reads_each_feature_column_as_its_field(files, tmp_path):
     open(ffm, "wb").writelines(libsvm_lines(files["table"], ["f0", "site", "f1", "C1"], fielded=True))
     kv = {"model__type": "ffm", "model__fields": 4, "train__epochs": 1}
     assert_same_model(fit(files["parquet"], tmp_path, "ffm-pq", **kv), fit(ffm, tmp_path, "ffm-ffm", **kv))
+
+
+@pytest.mark.mpi
+def test_a_parquet_file_in_row_ranges_resumes_exactly(files, tmp_path):
+    """mpiexec -n 3, one Parquet file cut in 2 row ranges: stopped mid-epoch after a checkpoint,
+    resumed, it ends with the model of the run never stopped, bit for bit."""
+    from hpcps.ps import checkpoint
+    from test_faults import start
+    from test_inputs import stopped_after_checkpoint
+
+    common = dict(train__batch_size=20, train__epochs=2, train__progress=False, cluster__servers=1,
+                  cluster__staleness=0, checkpoint__every_steps=20)
+    reference = fit(files["parquet"], tmp_path, "reference", 3, checkpoint__dir=str(tmp_path / "ck-ref"), **common)
+    ck = tmp_path / "ck"
+    proc = start(3, ["train", *sets(train__model_out=str(tmp_path / "never.h5"), checkpoint__dir=str(ck),
+                                    data__train=files["parquet"], data__hash_bits=BITS, data__label_column="click",
+                                    **common)])
+    rc, out = stopped_after_checkpoint(proc, str(ck), 20)
+    assert rc == 75, out[-3000:]
+    newest, manifest = checkpoint.newest_good(str(ck))
+    assert manifest["position"]["epoch"] == 1 and manifest["position"]["step"] < 1500 // 20, manifest["position"]
+    assert manifest["data"]["workers"] == 2, manifest["data"]
+    resumed = fit(files["parquet"], tmp_path, "resumed", 3, said=f"resuming from {newest}", checkpoint__dir=str(ck),
+                  checkpoint__resume="auto", **common)
+    assert_same_model(resumed, reference)
