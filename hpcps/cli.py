@@ -635,7 +635,7 @@ def counts(lo: int = 1, hi: int | None = None):
 
 def _serving_args(p):
     p.add_argument("--model", required=True, help="model file written by train (train.model_out) or export")
-    p.add_argument("--data", required=True, help="libsvm, Criteo TSV, VW or libffm file")
+    p.add_argument("--data", required=True, help="libsvm, Criteo TSV, VW, libffm, Parquet or CSV file")
     p.add_argument("--format", default="", help="libsvm | criteo | vw | libffm (default: detected from the file)")
     p.add_argument("--hash-bits", type=int, default=0, help="key bits (default: the model's)")
     p.add_argument("--skip-bad-lines", action="store_true")

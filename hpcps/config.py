@@ -64,7 +64,13 @@ class Data:
     test: str = described("", "held-out data (the same forms), evaluated after each epoch (\"\" = none)")
     format: str = described("auto", "the files' format; auto: a tab in the first line = criteo, a \"|\" or a "
                                     ".vw name = vw, field:index:value tokens or a .ffm name = libffm, "
-                                    "else libsvm")
+                                    "Parquet's magic bytes = parquet, a .csv name = csv (a header line; "
+                                    "parquet and csv need pip install 'hpcps[parquet]'), else libsvm")
+    label_column: str = described("label", "parquet, csv: the label's column (a row to score may lack it)")
+    weight_column: str = described("", "parquet, csv: the rows' weights' column (\"\" = every row's weight 1)")
+    feature_columns: str = described("", "parquet, csv: the feature columns, comma-separated (\"\" = every "
+                                         "other column); a float column c gives key c with its value, any "
+                                         "other is categorical: xxh64(str(value), seed=c), value 1")
     hash_bits: int = described(24, "keys are masked to this many bits (Criteo hashes and libsvm indices alike)")
     skip_bad_lines: bool = described(False, "count and skip malformed lines instead of stopping")
     cache_dir: str = described("", "binary cache of parsed parts, memory-mapped on later runs (\"\" = none); "
@@ -274,7 +280,7 @@ def _file_list(where: str, value: list) -> str | tuple:
 
 BUILT_IN_MODELS = ("lr", "fm", "ffm", "wdl", "deepfm")
 CHOICES = {  # the keys whose values are names; models and data formats registered from user code add theirs
-    ("data", "format"): ("auto", "libsvm", "criteo", "vw", "libffm"),
+    ("data", "format"): ("auto", "libsvm", "criteo", "vw", "libffm", "parquet", "csv"),
     ("model", "type"): BUILT_IN_MODELS,
     ("model", "activation"): ("relu", "tanh"),
     ("model", "loss"): ("logistic", "squared"),

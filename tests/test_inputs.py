@@ -205,6 +205,22 @@ def test_a_directory_glob_list_and_gzip_give_the_model_of_one_plain_file(criteo,
     assert_same_model(train(os.path.dirname(criteo["gz"][0]), tmp_path, "gz-zlib", without_isal=True), reference)
 
 
+def stopped_after_checkpoint(proc, ck: str, step: int) -> tuple[int, str]:
+    """Wait for the checkpoint of ``step`` in ``ck`` of the 3-rank job ``proc``, then signal a worker
+    (rank 2): a checkpoint at the next step, then exit 75. (exit status, output)."""
+    try:
+        assert wait_for(lambda: os.path.exists(checkpoint.step_dir(ck, step)), 240, proc), "no checkpoint"
+        pids = rank_pids(ck)
+        assert set(pids) == {0, 1, 2}, pids
+        os.kill(pids[2], signal.SIGUSR1)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    return proc.returncode, out
+
+
 def test_a_gzipped_criteo_directory_trains_on_two_workers_resumes_exactly_and_scores_unlabeled_rows(criteo, tmp_path):
     """The done-when test of issue 38's inputs: a gzipped directory of 4 Criteo part files trains
     under mpiexec -n 3 (1 server, 2 workers, each reading 2 whole files), is stopped mid-epoch
@@ -218,18 +234,8 @@ def test_a_gzipped_criteo_directory_trains_on_two_workers_resumes_exactly_and_sc
     ck = tmp_path / "ck"
     args = ["train", *sets(train__model_out=str(tmp_path / "never.h5"), checkpoint__dir=str(ck), **common),
             "--set", f"data.train={_toml(gz_dir)}"]
-    proc = start(3, args)
-    try:
-        assert wait_for(lambda: os.path.exists(checkpoint.step_dir(str(ck), 60)), 240, proc), "no checkpoint"
-        pids = rank_pids(str(ck))
-        assert set(pids) == {0, 1, 2}, pids
-        os.kill(pids[2], signal.SIGUSR1)  # a worker: a checkpoint at the next step, then exit 75
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-    assert proc.returncode == 75, out[-3000:]
+    rc, out = stopped_after_checkpoint(start(3, args), str(ck), 60)
+    assert rc == 75, out[-3000:]
     newest, manifest = checkpoint.newest_good(str(ck))
     steps_an_epoch = -(-4_000 // 20)  # (2 whole files of 2,000 rows a worker)
     assert manifest["position"]["step"] < steps_an_epoch and manifest["position"]["epoch"] == 1, manifest["position"]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hpcps.train import inputs
+from hpcps.train import inputs, tables
 from hpcps.train.inputs import BOM, DataChanged, DataError, Piece, check_file, check_unchanged, file_state
 from hpcps_kernels import parse
 from hpcps_kernels.tuning import PARSE_BLOCK_BYTES
@@ -61,7 +61,7 @@ def check_text(path: str, head: bytes) -> None:
 def detect_format(spec, fmt: str) -> str:
     """``fmt``, or with ``"auto"`` the format of the files ``spec`` names (a path, a glob, a
     directory or a list: :func:`hpcps.train.inputs.data_files`) from their first file's first
-    line. Raises DataError for what is not a regular file (see :func:`check_file`) and for a
+    line; a Parquet file by its magic bytes, a CSV file by its ``.csv`` name. Raises DataError for what is not a regular file (see :func:`check_file`) and for a
     compressed file hpcps cannot read (:func:`check_text`); a gzip, zstd, bzip2 or xz file is
     read through its decompressed first bytes.
 
@@ -71,6 +71,8 @@ def detect_format(spec, fmt: str) -> str:
     check_file(path)
     with open(path, "rb") as f:
         head = f.read(4096)
+    if fmt in tables.FORMATS or (fmt == "auto" and head.startswith(tables.PARQUET_MAGIC)):
+        return "parquet" if fmt == "auto" else fmt
     kind = inputs.compression(path, head)
     if fmt != "auto":
         return fmt
@@ -79,6 +81,8 @@ def detect_format(spec, fmt: str) -> str:
             head = f.read(4096)
     first = head.split(b"\n", 1)[0]
     name = path.rsplit(".", 1)[0] if kind and path.endswith((".gz", ".zst", ".bz2", ".xz")) else path
+    if name.endswith(".csv") and not kind:
+        return "csv"
     if b"|" in first or name.endswith(".vw"):
         return "vw"
     tokens = first.split()
@@ -404,7 +408,7 @@ def _parse_block(block, path: str, fmt: str, hash_bits: int, skip_bad: bool, bin
 # bits)`` returning ``(labels, indptr, indices, values, skipped)``: see :func:`register_format`
 # (Criteo, whose parser takes its fields instead of labels' settings, is called apart)
 TEXT_PARSERS = {"libsvm": parse.parse_libsvm, "vw": parse.parse_vw, "libffm": parse.parse_libffm}
-BUILT_IN_FORMATS = ("auto", "libsvm", "criteo", "vw", "libffm")
+BUILT_IN_FORMATS = ("auto", "libsvm", "criteo", "vw", "libffm", *tables.FORMATS)
 
 
 def register_format(name: str, parser, replace: bool = False):
@@ -506,18 +510,21 @@ def part_source(pieces: list[Piece]) -> str:
 
 def _parse_pieces(pieces: list[Piece], fmt: str, hash_bits: int, skip_bad: bool, binary: bool,
                   block_bytes: int = 0, fields: bool = False, states: dict | None = None, streams: dict | None = None,
-                  need_labels: bool = True):
+                  need_labels: bool = True, columns: tables.Columns = tables.Columns()):
     """:func:`_parse_blocks` over each of ``pieces`` in turn (``states``: their files'
     :func:`part_states`, checked before each block; ``streams``: by piece number, where a
-    compressed piece's text is read from)."""
+    compressed piece's text is read from; ``columns``: a table's, :mod:`hpcps.train.tables`)."""
     for i, p in enumerate(pieces):
+        if p.compression == tables.TABLE:
+            yield from tables.blocks(p, fmt, hash_bits, binary, int(BIAS_KEY), columns, need_labels, fields)
+            continue
         yield from _parse_blocks(p, fmt, hash_bits, skip_bad, binary, block_bytes, fields,
                                  states.get(p.path) if states else None, (streams or {}).get(i), need_labels)
 
 
 def load_part(path, part: int, parts: int, fmt: str = "auto", hash_bits: int = 24, skip_bad: bool = False,
               cache_dir: str = "", binary: bool = False, fields: bool = False, key: str = "data",
-              idle_ok: bool = False, need_labels: bool = True) -> Dataset:
+              idle_ok: bool = False, need_labels: bool = True, columns: tables.Columns = tables.Columns()) -> Dataset:
     """Parse this worker's part of the files ``path`` names (a path, glob, directory or list:
     :func:`hpcps.train.inputs.part_of`), with the bias feature, through the cache if set.
 
@@ -528,21 +535,22 @@ def load_part(path, part: int, parts: int, fmt: str = "auto", hash_bits: int = 2
     ``idle_ok``: this worker may read nothing (:func:`hpcps.train.inputs.split`).
     ``need_labels`` False (rows to score): a row without a label is read, with label 0 (libsvm
     and libffm lines that start with a feature, VW lines that start with ``|`` or a tag, Criteo
-    lines of 39 columns); else it is an error.
+    lines of 39 columns); else it is an error. ``columns``: the columns of a Parquet or CSV table
+    (:mod:`hpcps.train.tables`).
     """
-    pieces = inputs.part_of(path, part, parts, key, idle_ok)
-    state = part_states(pieces)
     fmt = detect_format(path, fmt)
+    pieces = part_of(path, part, parts, fmt, key, idle_ok)
+    state = part_states(pieces)
     source = part_source(pieces)
     cache = None
-    if cache_dir:
+    if cache_dir and fmt not in tables.FORMATS:  # (a table is read through pyarrow, uncached)
         cache = _cache_entry(cache_dir, pieces, part, parts, fmt, hash_bits, skip_bad, binary,
                              fields and fmt == "criteo", need_labels)
         ds = _read_cache(cache, source, part, parts, state)
         if ds is not None:
             return ds
     blocks = list(_parse_pieces(pieces, fmt, hash_bits, skip_bad, binary, fields=fields, states=state,
-                                need_labels=need_labels))
+                                need_labels=need_labels, columns=columns))
     *csr, weights = _concat([b[:4] + b[5:] for b in blocks])
     ds = Dataset(*csr, sum(b[4] for b in blocks), source, state=state, weights=weights)
     ds.check_finite()
@@ -639,17 +647,22 @@ def _write_cache(cache: str, ds: Dataset, part: int, parts: int) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def rows_at_least(spec, enough: int) -> int:
+def rows_at_least(spec, enough: int, fmt: str = "auto") -> int:
     """The lines of the files ``spec`` names, counted until ``enough`` (then ``enough``; 0 for
     files it cannot read): reads at most as far as the ``enough``-th line (of a compressed file,
     of its decompressed stream). Counted without numba: the first rank counts for the others (the
     auto batch size) while they wait, and a first numba call there cost 0.2 s of that wait, which
-    each rank pays anyway, at the same time, when it starts its context."""
+    each rank pays anyway, at the same time, when it starts its context. Tables (``fmt`` or
+    detected: :func:`detect_format`) count their rows, not lines."""
     n = 0
     try:
+        table = detect_format(spec, fmt)
         for path in inputs.data_files(spec):
             check_file(path)  # (a FIFO is never opened: that would wait for a writer)
-            n += _lines_at_least(path, enough - n, inputs.compression(path))
+            if table in tables.FORMATS:
+                n += tables.rows_of(path, table)
+            else:
+                n += _lines_at_least(path, enough - n, inputs.compression(path))
             if n >= enough:
                 break
     except (OSError, DataError):  # (loading the part says what is wrong with it, on every rank)
@@ -671,11 +684,22 @@ def _lines_at_least(path: str, enough: int, kind: str) -> int:
     return n
 
 
+def part_of(path, part: int, parts: int, fmt: str, key: str = "data", idle_ok: bool = False) -> list[Piece]:
+    """The pieces worker ``part`` of ``parts`` reads of the files ``path`` names, read as ``fmt``
+    (row ranges of tables, :func:`hpcps.train.tables.part_of`; else :func:`hpcps.train.inputs.part_of`)."""
+    if fmt in tables.FORMATS:
+        return tables.part_of(path, part, parts, fmt, key, idle_ok)
+    return inputs.part_of(path, part, parts, key, idle_ok)
+
+
 def rows_bound(pieces: list[Piece], tees: dict | None = None) -> int:
     """At most how many rows ``pieces`` hold (their lines; blank, comment and skipped lines make
     it an upper bound). ``tees``: by piece number, where a compressed piece's text goes too."""
     total = 0
     for i, p in enumerate(pieces):
+        if p.compression == tables.TABLE:  # (rows of a table)
+            total += p.end - p.start
+            continue
         n, last = _count_newlines(p.path, p.start, None if p.compression else p.end, kind=p.compression,
                                   tee=(tees or {}).get(i))
         total += n + (1 if last not in (b"", b"\n") else 0)
@@ -883,12 +907,13 @@ class PartStream:
     def __init__(self, path, part: int, parts: int, fmt: str = "auto", hash_bits: int = 24,
                  skip_bad: bool = False, binary: bool = False, memory_mb: float = 0.0, block_bytes: int = 0,
                  fields: bool = False, shuffle_rows: int = 0, shuffle_seed: int = 0, warn_labels: bool = False,
-                 key: str = "data"):
-        self.pieces = inputs.part_of(path, part, parts, key)  # (path: a file, glob, directory or list of them)
+                 key: str = "data", columns: tables.Columns = tables.Columns()):
+        self.fmt = detect_format(path, fmt)
+        self.pieces = part_of(path, part, parts, self.fmt, key)  # (path: a file, glob, directory or list of them)
         self.state = part_states(self.pieces)  # what the byte ranges were cut from: checked at every read
         self.path = part_source(self.pieces)
         self.labels = LabelWatch(self.path, warn_labels)  # (warn_labels: the squared loss)
-        self.fmt = detect_format(path, fmt)
+        self.columns = columns
         self.hash_bits, self.skip_bad, self.binary, self.fields = hash_bits, skip_bad, binary, fields
         # the part's lines are counted on a thread (reading and counting release the GIL) while
         # the rest of the start-up goes on, needed only for the number of steps (see rows_bound). A
@@ -970,7 +995,7 @@ class PartStream:
         """A pass's slices: the first reads the compressed pieces' text the count inflates."""
         streams, self._first_pass_streams = self._first_pass_streams, None
         return _parse_pieces(self.pieces, self.fmt, self.hash_bits, self.skip_bad, self.binary, self.block_bytes,
-                             self.fields, self.state, streams)
+                             self.fields, self.state, streams, columns=self.columns)
 
     def check_unchanged(self) -> None:
         """Raise :class:`DataChanged` if the file is no longer the one the job opened (the

@@ -14,7 +14,7 @@ import numpy as np
 
 from hpcps import config
 from hpcps.train import data as tdata
-from hpcps.train import inputs
+from hpcps.train import inputs, tables
 from hpcps.train.models import resolve_fields
 from hpcps.train.plan import TrainError
 
@@ -39,13 +39,14 @@ def load_part(ctx, cfg, path, what: str, stream: bool = False):
                 ds = tdata.PartStream(path, ctx.worker_index, ctx.layout.workers, d.format, d.hash_bits,
                                       d.skip_bad_lines, cfg.model.loss == "logistic", d.memory_mb,
                                       fields=fields, shuffle_rows=d.shuffle_rows, shuffle_seed=d.shuffle_seed,
-                                      warn_labels=squared, key=KEYS.get(what, "data")).open()
+                                      warn_labels=squared, key=KEYS.get(what, "data"),
+                                      columns=tables.Columns.of(d)).open()
                 rows = int(ds.has_rows)  # (the part's count goes on, on a thread, until steps are agreed)
             else:
                 ds = tdata.load_part(path, ctx.worker_index, ctx.layout.workers, d.format, d.hash_bits,
                                      d.skip_bad_lines, d.cache_dir, binary=cfg.model.loss == "logistic",
                                      fields=fields, key=KEYS.get(what, "data"), idle_ok=not stream,
-                                     need_labels=what != "prediction")
+                                     need_labels=what != "prediction", columns=tables.Columns.of(d))
                 rows = ds.rows
                 if stream:
                     ds = tdata.LoadedPart(ds, d.shuffle_rows, d.shuffle_seed, warn_labels=squared)

@@ -44,7 +44,9 @@ HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 KEY_HASHING = {"libsvm": "the feature indices as written, masked to the hash bits",
                "criteo": "XXH64 of each column's token, seeded by its column, masked to the hash bits",
                "vw": "XXH64 of each feature name, seeded by its namespace, masked to the hash bits",
-               "libffm": "each feature's field above the hash bits, its index below"}
+               "libffm": "each feature's field above the hash bits, its index below",
+               "parquet": "a float column's index; XXH64 of any other column's str(value), seeded by its index",
+               "csv": "a float column's index; XXH64 of any other column's str(value), seeded by its index"}
 
 
 class ModelFileError(ValueError):

@@ -163,7 +163,7 @@ def agree_on_plan(cfg, world) -> RunPlan:
     auto = not cfg.train.batch_size
     if auto:  # from the training file's rows (counted as far as it matters)
         enough = AUTO_BATCH_MAX * AUTO_BATCH_STEPS * workers
-        rows = tdata.rows_at_least(paths["train"], enough) if world.is_first else 0
+        rows = tdata.rows_at_least(paths["train"], enough, cfg.data.format) if world.is_first else 0
         rows = world.first_decides(rows, "broadcast of the training file's rows")
         cfg = replace(cfg, train=replace(cfg.train, batch_size=auto_batch_size(rows, workers)))
     plan = RunPlan(cfg, auto, restore, run_id, paths, synth_info, input_format, workers)

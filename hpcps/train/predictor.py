@@ -14,6 +14,7 @@ import numpy as np
 
 from hpcps import config
 from hpcps.train import data as tdata
+from hpcps.train import tables
 from hpcps.train.data import BIAS_KEY, Dataset
 from hpcps.train.model_file import KEY_HASHING, ServingModel
 from hpcps.train.models import Scorer
@@ -58,7 +59,9 @@ class Predictor:
         unless ``hash_bits``); a file whose keys would not be the model's (other hash bits,
         another format's key hashing) is refused unless ``allow_other_hashing``. Rows may come
         without labels (label 0: libsvm lines that start with a feature, VW lines that start
-        with ``|``, Criteo lines of 39 columns), unless ``need_labels`` (to evaluate)."""
+        with ``|``, Criteo lines of 39 columns), unless ``need_labels`` (to evaluate). A Parquet
+        or CSV table's columns are those the training named ([data] label_column, weight_column,
+        feature_columns)."""
         fmt = tdata.detect_format(path, fmt or "auto")  # (what the file is, if not a regular file)
         if fmt not in KEY_HASHING:
             raise tdata.DataError(f"--format {fmt!r}: expected one of {sorted(KEY_HASHING)}")
@@ -68,8 +71,11 @@ class Predictor:
         problem = None if allow_other_hashing else self.model.mismatch(path, fmt, hash_bits)
         if problem:
             raise config.ConfigError(problem)
+        d = self.model.config.get("data", {})  # (a table's columns: those the training named)
+        columns = tables.Columns.named(d.get("label_column", "label"), d.get("weight_column", ""),
+                                       d.get("feature_columns", ""))
         ds = tdata.load_part(path, 0, 1, fmt, hash_bits, skip_bad_lines, binary=self.loss == "logistic",
-                             fields=self.fielded, need_labels=need_labels)
+                             fields=self.fielded, need_labels=need_labels, columns=columns)
         if ds.rows == 0:
             why = (f"each of its {ds.skipped} lines with data was skipped as bad" if ds.skipped
                    else "the file is empty or holds only blank and comment lines")
