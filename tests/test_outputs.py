@@ -278,8 +278,8 @@ def test_serving_commands_tell_a_wrong_path_from_a_damaged_file(data, tmp_path):
     (tmp_path / "dir").mkdir()
     rc, out = job(0, ["predict", "--model", data["model"], "--data", data["test_libsvm"], "--out", str(tmp_path / "dir")])
     assert rc == 2 and "is a directory" in out and sorted(os.listdir(tmp_path)) == ["ck", "dir"], out
-    rc, out = job(0, ["eval", "--model", data["model"], "--data", data["test_libsvm"], "--format", "parquet"])
-    assert rc == 2 and "--format 'parquet'" in out, out  # (it was read as libsvm)
+    rc, out = job(0, ["eval", "--model", data["model"], "--data", data["test_libsvm"], "--format", "avro"])
+    assert rc == 2 and "--format 'avro'" in out, out  # (it was read as libsvm; parquet is a format now)
     rc, out = job(0, ["eval", "--model", ckpt, "--data", data["test_libsvm"]])
     assert rc == 2 and "checkpoint directory" in out and "export" in out, out
     (tmp_path / "empty.h5").write_bytes(b"")

@@ -58,16 +58,17 @@ def check_text(path: str, head: bytes) -> None:
     inputs.compression(path, head)
 
 
-def detect_format(spec, fmt: str) -> str:
+def detect_format(spec, fmt: str, key: str = "data") -> str:
     """``fmt``, or with ``"auto"`` the format of the files ``spec`` names (a path, a glob, a
     directory or a list: :func:`hpcps.train.inputs.data_files`) from their first file's first
-    line; a Parquet file by its magic bytes, a CSV file by its ``.csv`` name. Raises DataError for what is not a regular file (see :func:`check_file`) and for a
-    compressed file hpcps cannot read (:func:`check_text`); a gzip, zstd, bzip2 or xz file is
-    read through its decompressed first bytes.
+    line; a Parquet file by its magic bytes, a CSV file by its ``.csv`` name (``key``: the
+    configuration key an error names). Raises DataError for what is not a regular file (see
+    :func:`check_file`) and for a compressed file hpcps cannot read (:func:`check_text`); a gzip,
+    zstd, bzip2 or xz file is read through its decompressed first bytes.
 
     A first line with a ``|`` is VW; with a tab, Criteo TSV, unless its fields are ``index:value``
     pairs (libsvm or libffm with tabs between the fields, which their parsers take)."""
-    path = inputs.data_files(spec)[0]
+    path = inputs.data_files(spec, key)[0]
     check_file(path)
     with open(path, "rb") as f:
         head = f.read(4096)
@@ -538,7 +539,7 @@ def load_part(path, part: int, parts: int, fmt: str = "auto", hash_bits: int = 2
     lines of 39 columns); else it is an error. ``columns``: the columns of a Parquet or CSV table
     (:mod:`hpcps.train.tables`).
     """
-    fmt = detect_format(path, fmt)
+    fmt = detect_format(path, fmt, key)
     pieces = part_of(path, part, parts, fmt, key, idle_ok)
     state = part_states(pieces)
     source = part_source(pieces)
@@ -908,7 +909,7 @@ class PartStream:
                  skip_bad: bool = False, binary: bool = False, memory_mb: float = 0.0, block_bytes: int = 0,
                  fields: bool = False, shuffle_rows: int = 0, shuffle_seed: int = 0, warn_labels: bool = False,
                  key: str = "data", columns: tables.Columns = tables.Columns()):
-        self.fmt = detect_format(path, fmt)
+        self.fmt = detect_format(path, fmt, key)
         self.pieces = part_of(path, part, parts, self.fmt, key)  # (path: a file, glob, directory or list of them)
         self.state = part_states(self.pieces)  # what the byte ranges were cut from: checked at every read
         self.path = part_source(self.pieces)
