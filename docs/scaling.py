@@ -29,6 +29,7 @@ from hpcps.train import scaling  # noqa: E402
 from hpcps.train.scaling import Job, Machine, cluster, step  # noqa: E402
 
 NODES = (1, 10, 100, 1000)
+AUTO_NODES = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
 
 
 @lru_cache(maxsize=None)
@@ -75,7 +76,7 @@ def tables() -> str:
     lines += [_row(name, step(job, m)) for name, job, m in rows]
     lines += ["", "The layout auto picks (cluster.layout = \"auto\"), 16 ranks a node:", ""]
     for requests in ("worker", "group"):
-        for nodes in NODES:
+        for nodes in AUTO_NODES:
             c = auto(nodes, requests=requests)
             lines.append(_row(f"{nodes} nodes: S={c.servers}, g={c.group}, B={c.batch}, {requests}", c.step))
     lines += ["", "Server ranks whose memory holds the model (128 GB nodes of 16 ranks):"]

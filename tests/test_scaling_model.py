@@ -97,7 +97,8 @@ def test_the_fit_gives_back_the_constants_its_inputs_were_made_with():
 
 
 def _by_hand(ranks: int, cap: int):
-    """choose's rule written out: every layout, the best within 5 %, fewest rows a group step."""
+    """choose's rule written out: every layout; of those within 5 % of the best, the fewest rows a
+    group step, then the smallest group, then the fastest."""
     rows = []
     for S in range(1, ranks):
         W = ranks - S
@@ -106,7 +107,7 @@ def _by_hand(ranks: int, cap: int):
                 rows.append((scaling.step(replace(JOB, servers=S, workers=W, group=g, batch=B), M)["examples_per_s"],
                              S, W // g, g, B))
     best = max(r[0] for r in rows)
-    return min((r for r in rows if r[0] >= 0.95 * best), key=lambda r: (r[4] * r[3], r[3], -r[1]))[1:]
+    return min((r for r in rows if r[0] >= 0.95 * best), key=lambda r: (r[4] * r[3], r[3], -r[0]))[1:]
 
 
 def test_auto_picks_the_layout_the_model_ranks_first():

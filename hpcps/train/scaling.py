@@ -21,14 +21,14 @@ import numpy as np
 # The machine's constants: written by `python docs/scaling.py fit` (see fit()); edit them there.
 # --- fitted: begin ---
 FITTED = {
-    "server_pull_keys_per_s": 30e6,
-    "server_push_keys_per_s": 30e6,
-    "server_request_s": 40e-6,
-    "worker_request_s": 40e-6,
-    "worker_rows_per_s": 400e3,
-    "local_bytes_per_s": 10e9,
-    "local_latency_s": 5e-6,
     "requests": "worker",
+    "local_latency_s": 8.366e-05,
+    "local_bytes_per_s": 1.182e+10,
+    "server_pull_keys_per_s": 4.67e+07,
+    "server_push_keys_per_s": 1.604e+07,
+    "server_request_s": 5.005e-05,
+    "worker_request_s": 0,
+    "worker_rows_per_s": 1.178e+05,
 }
 # --- fitted: end ---
 
@@ -209,7 +209,7 @@ def choose(ranks: int, job: Job, m: Machine, servers: int = 0, groups: int = 0, 
     (or the cap alone, below the smallest); at most ``max_servers`` servers and groups of ``max_group``.
     Among the layouts within :data:`NEAR` of the best, the one with
     the fewest rows a group's step (g·B: the smallest effective batch), then the smallest group,
-    then the most servers."""
+    then the fastest."""
     found = []
     for S in [servers] if servers else [c for c in _server_counts(ranks) if c <= max_servers]:
         W = ranks - S
@@ -230,7 +230,7 @@ def choose(ranks: int, job: Job, m: Machine, servers: int = 0, groups: int = 0, 
                          f"{groups or 'any number of'} worker group(s)")
     best = max(f[0] for f in found)
     eps, S, G, g, B, W, r = min((f for f in found if f[0] >= (1 - NEAR) * best),
-                                key=lambda f: (f[4] * f[3], f[3], -f[1], -f[0]))
+                                key=lambda f: (f[4] * f[3], f[3], -f[0], f[1]))
     return Choice(S, G, g, B, W, r)
 
 
