@@ -9,6 +9,7 @@
 #
 #   bash docs/measure-scaling.sh [ROWS]      # default 300000 rows
 #   FIT=0 bash docs/measure-scaling.sh       # the points only, with the constants as they are
+#   REQUESTS=group bash docs/measure-scaling.sh  # the code sends one request per server per group
 set -euo pipefail
 ROWS=${1:-300000}
 ROOT=$(pwd)
@@ -47,7 +48,7 @@ if [ "${FIT:-1}" = 1 ]; then
     train 1 1 "$WORK/fit-$i.json"
   done
   "$PY" docs/scaling.py fit --ps "$WORK"/ps-*.jsonl --mpi "$WORK"/mpi-*.jsonl --job "$WORK"/fit-*.json \
-    --batch 1000 --cores "$CORES"
+    --batch 1000 --cores "$CORES" ${REQUESTS:+--requests "$REQUESTS"}
 fi
 
 HERE="{\"cores\": $CORES}"
