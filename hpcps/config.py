@@ -45,6 +45,10 @@ def described(default, help: str):
 
 @dataclass(frozen=True)
 class Cluster:
+    layout: str = described("manual", "manual: the servers, worker groups and batch as set; auto: the scaling "
+                                      "model (docs/scaling.md) picks cluster.servers, cluster.worker_groups and "
+                                      "train.batch_size from the world's size, the model and the data's keys a "
+                                      "batch, each one the user set (not at its default) kept")
     servers: int = described(1, "server ranks (the first ranks of the world)")
     worker_groups: int = described(0, "worker groups; 0 = one per worker. A group merges its pushes "
                                       "(train.aggregate)")
@@ -287,6 +291,7 @@ CHOICES = {  # the keys whose values are names; models and data formats register
     ("model", "compute"): ("workers", "servers"),
     ("model", "bias_init"): ("auto", "zero"),
     ("train", "gradient"): ("sum", "mean"),
+    ("cluster", "layout"): ("manual", "auto"),
     ("checkpoint", "on_signal"): ("exit", "continue"),
     ("checkpoint", "existing"): ("error", "replace"),
 }

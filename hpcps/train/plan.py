@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import math
 import os
+import socket
+import zlib
 from dataclasses import dataclass, replace
 
 from hpcps import config, outputs
 from hpcps.ps import checkpoint
 from hpcps.train import data as tdata
-from hpcps.train import synth
+from hpcps.train import inputs, scaling, synth, tables
+from hpcps_kernels import optim
 
 
 class TrainError(RuntimeError):
@@ -159,9 +162,11 @@ def agree_on_plan(cfg, world) -> RunPlan:
     run_id = claim_checkpoints(cfg, world, restore)
     paths, synth_info = resolve_data(cfg, world)
     input_format = _training_format(cfg, world, paths, synth_info)
-    workers = world.size - cfg.cluster.servers if world.size > 1 else 1  # one process: one worker
     auto = not cfg.train.batch_size
-    if auto:  # from the training file's rows (counted as far as it matters)
+    if cfg.cluster.layout == "auto":  # before the world is split: servers, groups and batch
+        cfg = choose_layout(cfg, world, paths["train"], input_format)
+    workers = world.size - cfg.cluster.servers if world.size > 1 else 1  # one process: one worker
+    if not cfg.train.batch_size:  # from the training file's rows (counted as far as it matters)
         enough = AUTO_BATCH_MAX * AUTO_BATCH_STEPS * workers
         rows = tdata.rows_at_least(paths["train"], enough, cfg.data.format) if world.is_first else 0
         rows = world.first_decides(rows, "broadcast of the training file's rows")
@@ -266,3 +271,94 @@ def resolve_data(cfg, world) -> tuple[dict, dict | None]:
     if "error" in info:
         raise TrainError(info["error"])
     return {"train": info["train"], "test": info["test"]}, info
+
+
+# cluster.layout = "auto": the keys a batch holds are measured on the first rows of the training
+# data (at most HEAD_ROWS, from its first HEAD_BYTES of text); compressed files and tables are not
+# read ahead, and the model's curve of hpcps gen-data's Zipf data stands in for them.
+HEAD_ROWS, HEAD_BYTES = 20_000, 4 << 20
+
+
+def head_keys(cfg, path, fmt: str) -> tuple[scaling.KeyCurve, float]:
+    """The distinct keys of the first rows of the training data, by rows (or the Zipf curve), and
+    the rows a byte of its text (0 where it was not read)."""
+    try:
+        first = inputs.data_files(path, "data.train")[0]
+        if not fmt or fmt in tables.FORMATS or inputs.compression(first):
+            return scaling.KeyCurve(), 0.0
+        size = os.path.getsize(first)
+        parts = max(1, size // HEAD_BYTES)
+        ds = tdata.load_part(first, 0, parts, fmt, cfg.data.hash_bits, cfg.data.skip_bad_lines, key="data.train")
+    except (OSError, tdata.DataError):  # (reported where the data is loaded)
+        return scaling.KeyCurve(), 0.0
+    n = min(ds.rows, HEAD_ROWS)
+    if n < 100:
+        return scaling.KeyCurve(), 0.0
+    curve = scaling.KeyCurve.of_csr(ds.indptr[:n + 1], ds.indices, f"the first {n:,} rows of {first}")
+    return curve, ds.rows / (size / parts)
+
+
+def training_rows(cfg, path, ranks: int, rows_a_byte: float) -> int:
+    """The training files' rows (first rank), as far as the batches :func:`decide_layout` tries
+    need them: counted up to an epoch of AUTO_BATCH_STEPS steps of AUTO_BATCH_MAX rows on every
+    worker, beyond that estimated from the files' sizes and ``rows_a_byte`` (plain text)."""
+    enough = AUTO_BATCH_MAX * AUTO_BATCH_STEPS * max(1, ranks - 1)
+    try:
+        rows = tdata.rows_at_least(path, enough, cfg.data.format)
+        if rows >= enough and rows_a_byte:
+            rows = max(rows, int(sum(os.path.getsize(f) for f in inputs.data_files(path)) * rows_a_byte))
+    except (OSError, tdata.DataError):
+        rows = 0  # (reported where the data is loaded)
+    return rows
+
+
+def model_shape(cfg) -> tuple[int, int, int]:
+    """(floats a key, the optimizer's state floats a float, tables a step touches) of the model."""
+    m = cfg.model
+    dim, tables_ = {"lr": (1, 1), "fm": (1 + m.factors, 1), "ffm": (1 + max(m.fields, 1) * m.factors, 1),
+                    "wdl": (1 + m.factors, 2), "deepfm": (1 + m.factors, 2)}.get(m.type, (1, 1))
+    state = (optim.width(cfg.optimizer.name, dim) - dim) // dim
+    return dim, state, tables_
+
+
+def decide_layout(cfg, ranks: int, hosts: int, cores: int, keys: scaling.KeyCurve, rows: int
+                  ) -> tuple[int, int, int, str]:
+    """cluster.layout = "auto" (the first rank): (servers, worker_groups, batch_size, the line
+    that says why), each part the user set (not at its default) kept. ``rows``: the training
+    file's rows (:func:`training_rows`): batches as :func:`auto_batch_size` makes them at most,
+    or beyond AUTO_BATCH_MAX rows, up to 10,000, as long as an epoch keeps AUTO_BATCH_STEPS steps."""
+    cl, tr = cfg.cluster, cfg.train
+    fixed = {k: v for k, v in (("cluster.servers", cl.servers if cl.servers != 1 else 0),
+                               ("cluster.worker_groups", cl.worker_groups), ("train.batch_size", tr.batch_size)) if v}
+    dim, state, tables_ = model_shape(cfg)
+    job = scaling.Job(dim=dim, state=state, staleness=cl.staleness, hosts=hosts, tables=tables_, keys=keys)
+    def cap(workers: int) -> int:
+        return min(scaling.BATCHES[-1], max(AUTO_BATCH_MIN, math.ceil(rows / workers / AUTO_BATCH_STEPS)))
+    merges = tr.aggregate and cfg.model.compute == "workers"  # (else a group is one worker)
+    c = scaling.choose(ranks, job, scaling.Machine(cores=cores), fixed.get("cluster.servers", 0),
+                       fixed.get("cluster.worker_groups", 0), fixed.get("train.batch_size", 0), cap,
+                       max_servers=cl.num_shards, max_group=scaling.MAX_GROUP if merges else 1)
+    groups = 0 if c.groups == c.workers and not cl.worker_groups else c.groups
+    return c.servers, groups, c.batch, scaling.explain(c, fixed) + f"; keys a batch from {keys.source}"
+
+
+def choose_layout(cfg, world, path, fmt: str):
+    """Collective over the world, before it is split: ``cfg`` with the servers, worker groups and
+    batch ``cluster.layout = "auto"`` picks (:func:`decide_layout`, on the first rank, printed there)."""
+    if world.size == 1:
+        if world.is_first:
+            print("hpcps train: layout auto: one process runs its server and its worker inside it: nothing to "
+                  "place", flush=True)
+        return cfg
+    names = world.sizes(zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF, "the hosts' names")
+    cpus = world.sizes(len(os.sched_getaffinity(0)), "the hosts' cores")
+    picked = None
+    if world.is_first:
+        per_host = dict(zip(names.tolist(), cpus.tolist()))
+        keys, rows_a_byte = head_keys(cfg, path, fmt)
+        rows = 0 if cfg.train.batch_size else training_rows(cfg, path, world.size, rows_a_byte)
+        picked = decide_layout(cfg, world.size, len(per_host), sum(per_host.values()), keys, rows)
+        print(f"hpcps train: {picked[3]}", flush=True)
+    servers, groups, batch, _ = world.first_decides(picked, "broadcast of the layout")
+    return replace(cfg, cluster=replace(cfg.cluster, servers=servers, worker_groups=groups),
+                   train=replace(cfg.train, batch_size=batch))

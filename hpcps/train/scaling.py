@@ -1,0 +1,323 @@
+"""The scaling model of one training step, and the layout ``cluster.layout = "auto"`` picks with it.
+
+A step of every worker: the keys, bytes and requests it sends, the time each part of the job takes
+(the workers' rows, the servers' keys and requests, the network, the cores the ranks share) and
+which part is the slowest (docs/scaling.md explains each formula). :func:`choose` searches the
+servers, the worker groups' size and the batch for the highest modelled throughput.
+
+Pure Python and NumPy, no MPI: ``docs/scaling.py`` draws its tables and picture from it, and
+``python docs/scaling.py fit`` re-fits :data:`FITTED` from ``hpcps bench ps``, ``hpcps bench mpi``
+and a 2-rank job's summary (:func:`fit`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+# The machine's constants: written by `python docs/scaling.py fit` (see fit()); edit them there.
+# --- fitted: begin ---
+FITTED = {
+    "requests": "worker",
+    "local_latency_s": 8.366e-05,
+    "local_bytes_per_s": 1.182e+10,
+    "server_pull_keys_per_s": 4.67e+07,
+    "server_push_keys_per_s": 1.604e+07,
+    "server_request_s": 5.005e-05,
+    "worker_request_s": 0,
+    "worker_rows_per_s": 1.178e+05,
+}
+# --- fitted: end ---
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What one core and one link do (the fitted constants, plus what a cluster is assumed to be)."""
+
+    cores: int = 2                         # cores the ranks share, over all hosts
+    server_pull_keys_per_s: float = FITTED["server_pull_keys_per_s"]  # a pull's keys: lookup and copy
+    server_push_keys_per_s: float = FITTED["server_push_keys_per_s"]  # a push's keys: lookup and FTRL
+    server_floats_per_s: float = 93e6      # each float of a key's row beyond the 3 of FTRL at dim 1
+    server_request_s: float = FITTED["server_request_s"]  # a server's fixed cost of one request
+    worker_request_s: float = FITTED["worker_request_s"]  # a worker's fixed cost of one round trip
+    worker_rows_per_s: float = FITTED["worker_rows_per_s"]  # parse, unique and gradient, 39 fields
+    local_bytes_per_s: float = FITTED["local_bytes_per_s"]  # between ranks of one host
+    local_latency_s: float = FITTED["local_latency_s"]
+    link_bytes_per_s: float = 25e9 / 8     # a host's link to the others (25 Gb/s Ethernet assumed)
+    latency_s: float = 5e-6                # one way across hosts
+    straggler_cv: float = 0.10             # spread of a worker's step time (coefficient of variation)
+
+
+# Distinct keys in the first rows of `hpcps gen-data`'s Zipf data (each of 39 fields Zipf(1.25)
+# over a vocabulary between 10 and 10^6, 0-20 % missing), sampled by docs/scaling.py's
+# zipf_unique_keys: the curve used when the training data cannot be read ahead.
+ZIPF_KEYS = ((100, 1749), (250, 3410), (500, 5548), (1000, 9070), (2000, 14749), (4000, 23968), (8000, 38927),
+             (16000, 62532), (32000, 99196), (64000, 156624), (128000, 244802), (256000, 378237),
+             (512000, 574926))
+
+
+@dataclass(frozen=True)
+class KeyCurve:
+    """Distinct keys in a number of rows, from points measured on the data: interpolated in
+    log-log, and beyond the last point a power law through the last two (Heaps' law)."""
+
+    points: tuple = ZIPF_KEYS
+    source: str = "the Zipf data of hpcps gen-data"
+
+    @classmethod
+    def of_csr(cls, indptr: np.ndarray, indices: np.ndarray, source: str) -> "KeyCurve":
+        """The curve of rows given as CSR (``indices[indptr[i]:indptr[i + 1]]``: row i's keys),
+        at 100, 200, 400, ... rows and all of them."""
+        rows = indptr.shape[0] - 1
+        counts = [n for n in (100 << i for i in range(40)) if n < rows] + [rows]
+        points = tuple((n, max(1, int(np.unique(indices[:indptr[n]]).size))) for n in counts if n > 0)
+        return cls(points or ((1, 1),), source)
+
+    def __call__(self, rows: float) -> float:
+        r = np.array([p[0] for p in self.points], float)
+        u = np.array([p[1] for p in self.points], float)
+        if rows <= r[0] or r.size == 1:
+            return float(u[0] * min(1.0, rows / r[0]) if rows <= r[0] else u[0] * rows / r[0])
+        if rows <= r[-1]:
+            return float(np.exp(np.interp(math.log(rows), np.log(r), np.log(u))))
+        slope = min(1.0, math.log(u[-1] / u[-2]) / math.log(r[-1] / r[-2]))
+        return float(u[-1] * (rows / r[-1]) ** slope)
+
+
+@dataclass(frozen=True)
+class Job:
+    servers: int = 1
+    workers: int = 1
+    group: int = 1                     # workers per group (their pushes are merged before sending)
+    batch: int = 1000                  # rows per worker per step
+    dim: int = 1                       # floats per key (1 = LR; FM: 1 + factors)
+    state: int = 2                     # optimizer state floats per float (FTRL 2, AdaGrad 1, SGD 0)
+    staleness: int = 0                 # 0 = BSP, s = SSP, -1 = ASP
+    dense_bytes: int = 0               # an MLP allreduced inside each group (deep models)
+    hosts: int = 1                     # hosts the ranks are spread over (1 = shared memory)
+    tables: int = 1                    # sparse tables a step touches
+    requests: str = FITTED["requests"]  # "worker": a pull per worker, a push per group, per table;
+                                       # "group": one request per server per group, pull and push, all tables
+    keys: KeyCurve = field(default_factory=KeyCurve)
+
+
+def _requests(job: Job, u: float, ug: float) -> dict:
+    """Keys and requests: a worker's own, and each server's, per step."""
+    S, W, g, t = job.servers, job.workers, job.group, job.tables
+    groups = W / g
+    touched = S * (1 - (1 - 1 / S) ** u)       # servers holding some of a worker's keys
+    touched_g = S * (1 - (1 - 1 / S) ** ug)    # ... of a group's
+    if job.requests == "group":                # the group pulls and pushes its merged keys at once
+        return {"pull_keys": groups * ug / S, "push_keys": groups * ug / S,
+                "server_requests": 2 * groups * touched_g / S, "worker_requests": 2 * touched_g / g,
+                "keys_per_request": ug / touched_g}
+    return {"pull_keys": W * u / S, "push_keys": groups * ug / S,
+            "server_requests": t * (W * touched + groups * touched_g) / S,
+            "worker_requests": t * (touched + touched_g / g), "keys_per_request": u / touched}
+
+
+def step(job: Job, m: Machine) -> dict:
+    """One step of every worker: the bytes and requests, each part's time and the slowest."""
+    S, W, g, d = job.servers, job.workers, job.group, job.dim
+    u, ug = job.keys(job.batch), job.keys(job.batch * g)      # a worker's keys, and its group's
+    row_bytes = 8 + 4 * d                                     # a key and its floats
+    if job.requests == "group":   # the group gathers its keys and scatters the rows: its share of both
+        worker_bytes = 2 * ug * row_bytes / g
+    else:                         # its own pull (keys out, rows back), its share of the group's push
+        worker_bytes = u * row_bytes + ug * row_bytes / g
+    rq = _requests(job, u, ug)
+    extra_floats = max(0, d * (1 + job.state) - 3) / m.server_floats_per_s
+    server_s = (rq["pull_keys"] * (1 / m.server_pull_keys_per_s + extra_floats)
+                + rq["push_keys"] * (1 / m.server_push_keys_per_s + extra_floats)
+                + rq["server_requests"] * m.server_request_s)
+    worker_s = job.batch / m.worker_rows_per_s
+    remote = job.hosts > 1
+    bw, lat = (m.link_bytes_per_s, m.latency_s) if remote else (m.local_bytes_per_s, m.local_latency_s)
+    # bytes through one host's link per step: the servers' traffic on it (both ways)
+    net_s = W * worker_bytes / job.hosts / bw if remote else 0.0
+    served = (u if job.requests == "worker" else ug / g) / S / m.server_push_keys_per_s
+    own_s = 4 * lat + worker_bytes / bw + served + rq["worker_requests"] * m.worker_request_s
+    if job.requests == "group" and g > 1:     # the exchange inside the group (shared memory if on one host)
+        inside = g <= (S + W) / job.hosts
+        glat, gbw = (m.local_latency_s, m.local_bytes_per_s) if inside else (m.latency_s, m.link_bytes_per_s)
+        own_s += 2 * (g - 1) * glat + 2 * ug * row_bytes / gbw
+    allreduce_s = (2 * (g - 1) / g * job.dense_bytes / bw + 2 * (g - 1) * lat) if g > 1 else 0.0
+    spread = m.straggler_cv * worker_s * math.sqrt(2 * math.log(W)) if W > 1 else 0.0
+    straggler_s = 0.0 if job.staleness < 0 else spread / (job.staleness + 1)
+    # every rank shares the cores: the CPU work of a step cannot take less than this
+    worker_cpu_s = worker_s + rq["worker_requests"] * m.worker_request_s
+    cpu_s = (W * worker_cpu_s + S * server_s) / min(m.cores, S + W)
+    parts = {"worker compute + round trips": worker_s + own_s, "server keys + requests": server_s,
+             "network": net_s, "CPU shared by ranks": cpu_s}
+    slowest = max(parts, key=parts.get)
+    t = parts[slowest] + allreduce_s + straggler_s
+    return {"step_s": t, "examples_per_s": W * job.batch / t, "bottleneck": slowest, **parts,
+            "allreduce": allreduce_s, "stragglers": straggler_s, "unique_per_worker": u,
+            "server_requests": rq["server_requests"], "keys_per_request": rq["keys_per_request"],
+            "bytes_per_worker": worker_bytes, "messages_per_worker": 2 * rq["worker_requests"]}
+
+
+def cluster(nodes: int, ranks_per_node: int = 16, server_share: float = 0.25, **job) -> tuple[Job, Machine]:
+    """A cluster of ``nodes`` nodes of ``ranks_per_node`` cores on 25 Gb/s Ethernet, a
+    ``server_share`` of the ranks servers; ``job``: the other fields of the :class:`Job`."""
+    ranks = nodes * ranks_per_node
+    S = max(1, round(ranks * server_share))
+    return Job(servers=S, workers=ranks - S, hosts=nodes, **job), Machine(cores=ranks)
+
+
+def servers_for(features: float, dim: int, state: int = 2, node_bytes: float = 128e9,
+                ranks_per_node: int = 16) -> int:
+    """Server ranks whose memory holds ``features`` keys: 4 bytes a float and its optimizer
+    state, 1.5x for the table's slack, 8 bytes a key (per rank: 80 % of a node's memory / its ranks)."""
+    per_key = 4 * dim * (1 + state) * 1.5 + 8
+    return math.ceil(features * per_key / (node_bytes * 0.8 / ranks_per_node))
+
+
+BATCHES = (1000, 2000, 5000, 10000)  # the batches auto tries (rows per worker a step)
+MAX_GROUP = 64                       # the largest worker group auto tries (and no more than a host's ranks:
+                                     # a group merges its keys in shared memory, as KunPeng's do)
+NEAR = 0.05                          # layouts within 5 % of the best count as as fast
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The layout :func:`choose` picked: servers, workers per group, batch, and its step."""
+
+    servers: int
+    groups: int                        # worker groups (cluster.worker_groups; as many as workers: 0)
+    group: int                         # workers a group (the model's; the last group may differ)
+    batch: int
+    workers: int
+    step: dict
+
+
+def _server_counts(ranks: int) -> list[int]:
+    """The server counts tried: every one up to 64, then about 40 a decade."""
+    counts = set(range(1, min(ranks - 1, 64) + 1))
+    counts |= {int(round(x)) for x in np.geomspace(64, max(ranks - 1, 64), 160)}
+    return sorted(c for c in counts if 1 <= c < ranks)
+
+
+def choose(ranks: int, job: Job, m: Machine, servers: int = 0, groups: int = 0, batch: int = 0,
+           batch_cap=lambda workers: BATCHES[-1], max_servers: int = 1 << 30, max_group: int = MAX_GROUP) -> Choice:
+    """The layout of ``ranks`` ranks with the highest modelled throughput: ``job`` gives the rest
+    (model, data, hosts); ``servers``, ``groups`` (the number of worker groups) and ``batch``, when
+    not 0, are fixed by the user. Batches are those of :data:`BATCHES` up to ``batch_cap(workers)``
+    (or the cap alone, below the smallest); at most ``max_servers`` servers and groups of ``max_group``.
+    Among the layouts within :data:`NEAR` of the best, the one with
+    the fewest rows a group's step (g·B: the smallest effective batch), then the smallest group,
+    then the fastest."""
+    found = []
+    for S in [servers] if servers else [c for c in _server_counts(ranks) if c <= max_servers]:
+        W = ranks - S
+        if W < 1:
+            continue
+        cap = batch_cap(W)
+        batches = [batch] if batch else ([b for b in BATCHES if b <= cap] or [max(1, cap)])
+        most = min(W, max_group, math.ceil(ranks / job.hosts))
+        sizes = ([(groups, max(1, round(W / groups)))] if groups else
+                 [(W // g, g) for g in range(1, most + 1) if W % g == 0])
+        for G, g in sizes:
+            for B in batches:
+                if G <= W:
+                    r = step(replace(job, servers=S, workers=W, group=g, batch=B), m)
+                    found.append((r["examples_per_s"], S, G, g, B, W, r))
+    if not found:
+        raise ValueError(f"no layout of {ranks} ranks with {servers or 'any number of'} server(s) and "
+                         f"{groups or 'any number of'} worker group(s)")
+    best = max(f[0] for f in found)
+    eps, S, G, g, B, W, r = min((f for f in found if f[0] >= (1 - NEAR) * best),
+                                key=lambda f: (f[4] * f[3], f[3], -f[0], f[1]))
+    return Choice(S, G, g, B, W, r)
+
+
+def explain(c: Choice, fixed: dict) -> str:
+    """The plan in one line: what was picked, the step it models and what bounds it; ``fixed``:
+    the parts the user set (their keys), which auto kept."""
+    r = c.step
+    kept = f" ({', '.join(f'{k} as set' for k in fixed)})" if fixed else ""
+    return (f"layout auto: {c.servers} server(s), {c.groups} group(s) of {c.group}, batch {c.batch}{kept} — "
+            f"the model's step: {r['step_s'] * 1e3:.2f} ms, {r['examples_per_s']:,.0f} examples/s, bottleneck "
+            f"{r['bottleneck']}, {r['keys_per_request']:.0f} keys a request")
+
+
+def _robust_line(xs, ys) -> tuple[float, float]:
+    """Intercept and slope of ys over xs, robust to a slow outlier on a busy machine (Theil-Sen:
+    the median of the slopes between pairs, the median of what each point leaves for the intercept)."""
+    x, y = np.asarray(xs, float), np.asarray(ys, float)
+    slopes = [(y[j] - y[i]) / (x[j] - x[i]) for i in range(x.size) for j in range(i + 1, x.size) if x[j] != x[i]]
+    slope = float(np.median(slopes))
+    return float(np.median(y - slope * x)), slope
+
+
+def _medians(rows: list[dict], by: tuple, of: tuple) -> list[dict]:
+    """One row per value of the keys ``by``, with the median of each of ``of`` over its rows."""
+    groups: dict = {}
+    for r in rows:
+        if all(k in r for k in by + of):
+            groups.setdefault(tuple(r[k] for k in by), []).append(r)
+    return [{**dict(zip(by, key)), **{k: float(np.median([r[k] for r in rs])) for k in of}}
+            for key, rs in sorted(groups.items())]
+
+
+def fit(ps_rows: list[dict], mpi_rows: list[dict], jobs: list[dict], batch: int, cores: int,
+        requests: str = "worker") -> dict:
+    """The constants of :data:`FITTED`, from the rows of one or more runs of each (medians over
+    the runs): ``hpcps bench ps --json`` (the server's own time of a pull and of a push,
+    ``server_s``, over their keys, a robust line each: its intercept is the server's fixed cost
+    of a request (the mean of the two) and its slope the cost of a key; the worker's round trip
+    less the server's time, at 0 keys, less two one-way latencies: the worker's cost of a
+    request), ``hpcps bench mpi --json`` (the one-way time of the smallest message with hpcps's
+    waits: the latency; the largest bytes/s: the bandwidth) and the ``--summary-json`` of jobs of
+    1 server and 1 worker on ``cores`` cores, ``batch`` rows a step: the worker's rows/s that
+    makes the model's throughput of that job the median measured."""
+    out: dict = {"requests": requests}
+    mpi = _medians(mpi_rows, ("bytes",), ("wait_one_way_s",))
+    if not mpi:
+        raise ValueError("no hpcps bench mpi --json rows")
+    out["local_latency_s"] = mpi[0]["wait_one_way_s"]
+    out["local_bytes_per_s"] = max(r["bytes"] / r["wait_one_way_s"] for r in mpi)
+    ps = _medians(ps_rows, ("op", "keys"), ("time_s", "server_s"))
+    fixed, rest = [], []
+    for op, name in (("pull", "server_pull_keys_per_s"), ("push+apply", "server_push_keys_per_s")):
+        rows = [r for r in ps if r["op"] == op]
+        if len(rows) < 2:
+            raise ValueError(f"hpcps bench ps rows: need the server's time of {op} at 2 sizes or more (--sizes)")
+        a, b = _robust_line([r["keys"] for r in rows], [r["server_s"] for r in rows])
+        fixed.append(max(a, 0.0))
+        out[name] = 1.0 / b if b > 0 else 1e12
+        rest.append(_robust_line([r["keys"] for r in rows], [r["time_s"] - r["server_s"] for r in rows])[0])
+    out["server_request_s"] = float(np.mean(fixed))
+    out["worker_request_s"] = max(0.0, float(np.mean(rest)) - 2 * out["local_latency_s"])
+    m = replace(Machine(cores=cores), **{k: v for k, v in out.items() if k != "requests"})
+    if not jobs or any((j.get("servers"), j.get("workers")) != (1, 1) for j in jobs):
+        raise ValueError("the jobs' summaries: need one or more of 1 server and 1 worker")
+    job = Job(servers=1, workers=1, batch=batch, requests=requests)
+    out["worker_rows_per_s"] = _worker_rate(job, m, float(np.median([j["examples_per_s"] for j in jobs])))
+    return out
+
+
+def _worker_rate(job: Job, m: Machine, measured: float) -> float:
+    """The worker's rows/s at which the model's throughput of ``job`` is ``measured`` (bisection
+    in log; the model's throughput grows with the rate, up to what the servers bound it to)."""
+    lo, hi = 1e3, 1e9
+    for _ in range(100):
+        mid = math.sqrt(lo * hi)
+        if step(job, replace(m, worker_rows_per_s=mid))["examples_per_s"] < measured:
+            lo = mid
+        else:
+            hi = mid
+    return float(f"{math.sqrt(lo * hi):.4g}")
+
+
+FITTED_BLOCK = re.compile(r"(# --- fitted: begin ---\n)(.*?)(# --- fitted: end ---)", re.S)
+
+
+def fitted_source(source: str, fitted: dict) -> str:
+    """This module's source ``source`` with :data:`FITTED` replaced by ``fitted``."""
+    body = "".join(f"    \"{k}\": \"{v}\",\n" if isinstance(v, str) else f"    \"{k}\": {float(v):.4g},\n"
+                   for k, v in fitted.items())
+    return FITTED_BLOCK.sub(lambda mt: mt.group(1) + "FITTED = {\n" + body + "}\n" + mt.group(3), source, count=1)
