@@ -344,10 +344,10 @@ def _cmd_bench_vw(args) -> int:
     from hpcps.bench import vw as bench_vw
 
     results = bench_vw.run(args.dir, args.rows, args.test_rows, args.ranks, args.epochs, args.alpha, args.vw_alpha,
-                           args.hash_bits, args.staleness)
+                           args.hash_bits, args.staleness, args.formats, args.repeat)
     print(bench_vw.format_results(results, args.rows))
-    if args.json:
-        outputs.write_json(args.json, results, indent=1)
+    if args.json:  # every job's record, then the medians and ratios of the table
+        outputs.write_json(args.json, {"runs": results, "table": bench_vw.compare(results)}, indent=1)
     return 0
 
 
@@ -633,6 +633,16 @@ def counts(lo: int = 1, hi: int | None = None):
     return parse
 
 
+def bench_formats(text: str) -> list[str]:
+    """An argparse type: ``bench vw --formats``, comma-separated, each of libsvm and criteo at most once."""
+    formats = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    unknown = [f for f in formats if f not in ("libsvm", "criteo")]
+    if unknown or not formats:
+        raise argparse.ArgumentTypeError(f"{'unknown format ' + ', '.join(map(repr, unknown)) if unknown else 'empty'}; "
+                                         f"expected libsvm, criteo (comma-separated)")
+    return formats
+
+
 def _serving_args(p):
     p.add_argument("--model", required=True, help="model file written by train (train.model_out) or export")
     p.add_argument("--data", required=True, help="libsvm, Criteo TSV, VW, libffm, Parquet or CSV file")
@@ -764,12 +774,16 @@ def _add_bench(sub) -> None:
     b.add_argument("--dir", default="/tmp/hpcps-bench-vw", help="where the data and results go")
     b.add_argument("--rows", type=count(), default=1_500_000)
     b.add_argument("--test-rows", type=count(), default=100_000)
-    b.add_argument("--ranks", type=counts(2), default="2,3", help="hpcps world sizes (1 server + the rest workers)")
+    b.add_argument("--ranks", type=counts(2), default="2", help="hpcps world sizes (1 server + the rest workers)")
     b.add_argument("--epochs", type=counts(), default="1,3")
+    b.add_argument("--formats", type=bench_formats, default="libsvm,criteo",
+                   help="the text hpcps reads, comma-separated: libsvm, criteo (VW reads its own text of the same rows)")
+    b.add_argument("--repeat", type=count(), default=3,
+                   help="rounds: each runs every job once, hpcps's then VW's (medians and the pairs' ratios)")
     b.add_argument("--alpha", type=float, default=0.1, help="hpcps FTRL alpha")
     b.add_argument("--vw-alpha", type=float, default=0.05, help="VW --ftrl_alpha (0.05 was VW's best of 0.005/0.05/0.5 here)")
     b.add_argument("--hash-bits", type=count(1, 64), default=24)
-    b.add_argument("--staleness", type=counts(0), default="0,1",
+    b.add_argument("--staleness", type=counts(0), default="0",
                    help="hpcps consistency per job: 0 = BSP, s > 0 = SSP s with train.pull_early (the pipelined step)")
     b.add_argument("--json", default="", help="also write the results here")
     b.set_defaults(func=_cmd_bench_vw)
