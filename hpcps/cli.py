@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import hashlib
 import json
 import os
 import re
 import sys
 
-from hpcps.ps import signals
-from hpcps.malloc import keep_freed_memory
 
 
 def _fail(message: str, rank: int | None = None, status: int = 2) -> int:
@@ -127,6 +126,7 @@ def _cmd_train(args) -> int:
     raw, _, status = _collective_config(args, world)
     if raw is None:
         return status
+    _startup_over()
     try:
         result = loop.run(config.from_dict(raw), world.comm)
     except loop.TrainError as e:
@@ -146,6 +146,7 @@ def _cmd_tune(args) -> int:
                                               lambda raw: tune.member_raws(raw, tune.parse_grid(args.grid)))
     if raw is None:
         return status
+    _startup_over()
     try:
         result = tune.run(members, args.out, world.comm, args.folds)
     except (loop.TrainError, ValueError, outputs.OutputError) as e:  # (OutputError: --out's write)
@@ -836,12 +837,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hpcps.malloc import keep_freed_memory
+
     keep_freed_memory()
     args = build_parser().parse_args(argv)
     from hpcps.outputs import OutputError
+    from hpcps.ps import signals  # (NumPy and numba come with it: after entry's gc.disable)
 
     if args.command in ("train", "tune"):
         signals.install()  # a stop signal before training starts is kept for its first step
+    else:
+        _startup_over()
     try:
         return args.func(args)
     except KeyboardInterrupt:  # (the commands without signals.install: one line, no traceback)
@@ -854,6 +860,19 @@ def main(argv: list[str] | None = None) -> int:
         if sys.excepthook is not sys.__excepthook__:  # the abort handler: it ends every rank of the job
             raise
         return _fail_unexpected(e)
+
+
+def _startup_over() -> None:
+    """The garbage collector back on where :func:`entry` turned it off for the start-up, with
+    every object made so far frozen out of its passes (``gc.freeze``). Start-up makes hundreds of
+    thousands of long-lived objects (NumPy's, numba's and MPI's modules, hpcps's), which the
+    collector's passes walked again and again to free nothing: about 0.09 s of each rank's CPU
+    in a short job, most of it before the first step (docs/benchmarks.md). A ``train`` or
+    ``tune`` ends its start-up once its ranks agree on the configuration; the other commands at
+    once. Nothing changes where the collector was on (``main`` called by a program of its own)."""
+    if not gc.isenabled():
+        gc.freeze()
+        gc.enable()
 
 
 def _fail_unexpected(e: BaseException) -> int:
@@ -881,6 +900,7 @@ def entry() -> None:
     goes the normal way (a traceback, or the abort handler's message). So does every exit
     under a profiler or a tracer (``python -m cProfile``, coverage), which write their results
     at the interpreter's exit, and with ``HPCPS_QUICK_EXIT=0``."""
+    gc.disable()  # until the command's start-up is over (_startup_over)
     code = main()
     if (os.environ.get("HPCPS_QUICK_EXIT", "1") == "0" or sys.getprofile() is not None
             or sys.gettrace() is not None):
