@@ -866,8 +866,9 @@ def _startup_over() -> None:
     """The garbage collector back on where :func:`entry` turned it off for the start-up, with
     every object made so far frozen out of its passes (``gc.freeze``). Start-up makes hundreds of
     thousands of long-lived objects (NumPy's, numba's and MPI's modules, hpcps's), which the
-    collector's passes walked again and again to free nothing: about 0.09 s of each rank's CPU
-    in a short job, most of it before the first step (docs/benchmarks.md). A ``train`` or
+    collector's passes walked again and again: about 0.09 s of each rank's CPU in a short job,
+    most of it before the first step, to free some 2,000 objects, which freezing keeps instead
+    (the same peak memory, docs/benchmarks.md). A ``train`` or
     ``tune`` ends its start-up once its ranks agree on the configuration; the other commands at
     once. Nothing changes where the collector was on (``main`` called by a program of its own)."""
     if not gc.isenabled():
