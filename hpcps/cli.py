@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import hashlib
 import json
 import os
 import re
 import sys
 
-from hpcps.ps import signals
-from hpcps.malloc import keep_freed_memory
 
 
 def _fail(message: str, rank: int | None = None, status: int = 2) -> int:
@@ -127,6 +126,7 @@ def _cmd_train(args) -> int:
     raw, _, status = _collective_config(args, world)
     if raw is None:
         return status
+    _startup_over()
     try:
         result = loop.run(config.from_dict(raw), world.comm)
     except loop.TrainError as e:
@@ -146,6 +146,7 @@ def _cmd_tune(args) -> int:
                                               lambda raw: tune.member_raws(raw, tune.parse_grid(args.grid)))
     if raw is None:
         return status
+    _startup_over()
     try:
         result = tune.run(members, args.out, world.comm, args.folds)
     except (loop.TrainError, ValueError, outputs.OutputError) as e:  # (OutputError: --out's write)
@@ -344,10 +345,10 @@ def _cmd_bench_vw(args) -> int:
     from hpcps.bench import vw as bench_vw
 
     results = bench_vw.run(args.dir, args.rows, args.test_rows, args.ranks, args.epochs, args.alpha, args.vw_alpha,
-                           args.hash_bits, args.staleness)
+                           args.hash_bits, args.staleness, args.formats, args.repeat)
     print(bench_vw.format_results(results, args.rows))
-    if args.json:
-        outputs.write_json(args.json, results, indent=1)
+    if args.json:  # every job's record, then the medians and ratios of the table
+        outputs.write_json(args.json, {"runs": results, "table": bench_vw.compare(results)}, indent=1)
     return 0
 
 
@@ -633,6 +634,16 @@ def counts(lo: int = 1, hi: int | None = None):
     return parse
 
 
+def bench_formats(text: str) -> list[str]:
+    """An argparse type: ``bench vw --formats``, comma-separated, each of libsvm and criteo at most once."""
+    formats = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    unknown = [f for f in formats if f not in ("libsvm", "criteo")]
+    if unknown or not formats:
+        raise argparse.ArgumentTypeError(f"{'unknown format ' + ', '.join(map(repr, unknown)) if unknown else 'empty'}; "
+                                         f"expected libsvm, criteo (comma-separated)")
+    return formats
+
+
 def _serving_args(p):
     p.add_argument("--model", required=True, help="model file written by train (train.model_out) or export")
     p.add_argument("--data", required=True, help="libsvm, Criteo TSV, VW, libffm, Parquet or CSV file")
@@ -764,12 +775,16 @@ def _add_bench(sub) -> None:
     b.add_argument("--dir", default="/tmp/hpcps-bench-vw", help="where the data and results go")
     b.add_argument("--rows", type=count(), default=1_500_000)
     b.add_argument("--test-rows", type=count(), default=100_000)
-    b.add_argument("--ranks", type=counts(2), default="2,3", help="hpcps world sizes (1 server + the rest workers)")
+    b.add_argument("--ranks", type=counts(2), default="2", help="hpcps world sizes (1 server + the rest workers)")
     b.add_argument("--epochs", type=counts(), default="1,3")
+    b.add_argument("--formats", type=bench_formats, default="libsvm,criteo",
+                   help="the text hpcps reads, comma-separated: libsvm, criteo (VW reads its own text of the same rows)")
+    b.add_argument("--repeat", type=count(), default=3,
+                   help="rounds: each runs every job once, hpcps's then VW's (medians and the pairs' ratios)")
     b.add_argument("--alpha", type=float, default=0.1, help="hpcps FTRL alpha")
     b.add_argument("--vw-alpha", type=float, default=0.05, help="VW --ftrl_alpha (0.05 was VW's best of 0.005/0.05/0.5 here)")
     b.add_argument("--hash-bits", type=count(1, 64), default=24)
-    b.add_argument("--staleness", type=counts(0), default="0,1",
+    b.add_argument("--staleness", type=counts(0), default="0",
                    help="hpcps consistency per job: 0 = BSP, s > 0 = SSP s with train.pull_early (the pipelined step)")
     b.add_argument("--json", default="", help="also write the results here")
     b.set_defaults(func=_cmd_bench_vw)
@@ -822,12 +837,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hpcps.malloc import keep_freed_memory
+
     keep_freed_memory()
     args = build_parser().parse_args(argv)
     from hpcps.outputs import OutputError
+    from hpcps.ps import signals  # (NumPy and numba come with it: after entry's gc.disable)
 
     if args.command in ("train", "tune"):
         signals.install()  # a stop signal before training starts is kept for its first step
+    else:
+        _startup_over()
     try:
         return args.func(args)
     except KeyboardInterrupt:  # (the commands without signals.install: one line, no traceback)
@@ -840,6 +860,20 @@ def main(argv: list[str] | None = None) -> int:
         if sys.excepthook is not sys.__excepthook__:  # the abort handler: it ends every rank of the job
             raise
         return _fail_unexpected(e)
+
+
+def _startup_over() -> None:
+    """The garbage collector back on where :func:`entry` turned it off for the start-up, with
+    every object made so far frozen out of its passes (``gc.freeze``). Start-up makes hundreds of
+    thousands of long-lived objects (NumPy's, numba's and MPI's modules, hpcps's), which the
+    collector's passes walked again and again: about 0.09 s of each rank's CPU in a short job,
+    most of it before the first step, to free some 2,000 objects, which freezing keeps instead
+    (the same peak memory, docs/benchmarks.md). A ``train`` or
+    ``tune`` ends its start-up once its ranks agree on the configuration; the other commands at
+    once. Nothing changes where the collector was on (``main`` called by a program of its own)."""
+    if not gc.isenabled():
+        gc.freeze()
+        gc.enable()
 
 
 def _fail_unexpected(e: BaseException) -> int:
@@ -867,6 +901,7 @@ def entry() -> None:
     goes the normal way (a traceback, or the abort handler's message). So does every exit
     under a profiler or a tracer (``python -m cProfile``, coverage), which write their results
     at the interpreter's exit, and with ``HPCPS_QUICK_EXIT=0``."""
+    gc.disable()  # until the command's start-up is over (_startup_over)
     code = main()
     if (os.environ.get("HPCPS_QUICK_EXIT", "1") == "0" or sys.getprofile() is not None
             or sys.gettrace() is not None):

@@ -124,18 +124,37 @@ def test_ps_benchmark_reports_throughput_beside_raw_mpi():
     assert "idle server CPU" in proc.stdout
 
 
-def test_vw_benchmark_runs_both_systems(tmp_path):
+def test_vw_benchmark_runs_both_systems_on_both_formats_in_pairs(tmp_path):
     pytest.importorskip("vowpalwabbit")
+    out = tmp_path / "vw.json"
     proc = subprocess.run([sys.executable, "-m", "hpcps.cli", "bench", "vw", "--dir", str(tmp_path), "--rows", "20000",
-                           "--test-rows", "2000", "--ranks", "2", "--epochs", "1"],
+                           "--test-rows", "2000", "--epochs", "1", "--repeat", "2", "--json", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    print(proc.stdout[-1500:])
     table = proc.stdout.splitlines()
-    assert any(line.startswith("hpcps ") for line in table) and any(line.startswith("vw ") for line in table)
-    header = next(line for line in table if line.startswith("system"))
-    assert "wait" in header and "RSS MB" in header
-    # both consistency models by default: BSP, and SSP 1 with the pipelined step (train.pull_early)
-    assert {line.split()[2] for line in table if line.startswith("hpcps ")} == {"BSP", "SSP"}
+    header = next(line for line in table if line.startswith("system")).split()
+    for column in ("format", "wait", "vs", "pairs", "RSS", "VW", "RSS/VW"):
+        assert column in header, header
+    ours = [line.split() for line in table if line.startswith("hpcps ")]
+    # by default: libsvm text and Criteo TSV, 2 ranks, BSP; 2 rounds, so 2 pairs' ratios each
+    assert sorted(r[1] for r in ours) == ["criteo", "libsvm"] and {r[3] for r in ours} == {"BSP"}
+    assert all(r[5] == "2" and len(r[-4].split("/")) == 2 for r in ours), ours
+    doc = json.loads(out.read_text())
+    runs, rows = doc["runs"], doc["table"]
+    assert sorted((r["system"], r["format"], r["round"]) for r in runs) == [
+        ("hpcps", "criteo", 0), ("hpcps", "criteo", 1), ("hpcps", "libsvm", 0), ("hpcps", "libsvm", 1),
+        ("vw", "vw", 0), ("vw", "vw", 1)]
+    vw = {r["round"]: r for r in runs if r["system"] == "vw"}
+    for row in (r for r in rows if r["system"] == "hpcps"):
+        mine = sorted((r for r in runs if r["system"] == "hpcps" and r["format"] == row["format"]),
+                      key=lambda r: r["round"])
+        # each pair's ratio is VW's wall time over hpcps's in the same round; the row gives their median
+        assert row["pair_ratios"] == [vw[r["round"]]["wall_s"] / r["wall_s"] for r in mine]
+        assert row["vs_vw"] == pytest.approx(sum(row["pair_ratios"]) / 2)
+        assert row["rss_vs_vw"] == pytest.approx(row["peak_rss_mb"] / row["vw_peak_rss_mb"]) and row["vw_peak_rss_mb"] > 0
+    # the same rows read from either text train the same model
+    assert len({r["test_logloss"] for r in runs if r["system"] == "hpcps"}) == 1
 
 
 def test_margins_benchmark_compares_bytes_and_speed_of_both_paths(tmp_path):

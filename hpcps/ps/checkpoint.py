@@ -46,7 +46,6 @@ import time
 import uuid
 from dataclasses import dataclass
 
-import h5py
 import numpy as np
 
 from hpcps.outputs import fsync_path, h5_failure  # (fsync_path: also hpcps.ps.checkpoint's)
@@ -174,6 +173,8 @@ def explain_write_failure(exc: BaseException) -> tuple[str, str] | None:
 
 
 def _write_tables(path: str, server: int, servers: int, num_shards: int, tables: list[tuple]) -> None:
+    import h5py  # (on first use: a job that writes and reads no checkpoint never loads HDF5)
+
     with h5py.File(path, "w") as f:
         f.attrs.update(format=FORMAT, version=VERSION, server=server, servers=servers, num_shards=num_shards)
         for name, keys, rows, *state in tables:
@@ -460,6 +461,8 @@ def newest_good(root: str, report=say, move_damaged: bool = False) -> tuple[str,
 
 
 def _read(path: str, table: str) -> tuple[np.ndarray, np.ndarray]:
+    import h5py  # (on first use: a job that writes and reads no checkpoint never loads HDF5)
+
     with h5py.File(path, "r") as f:
         g = f[f"tables/{table}"]
         keys = np.empty(g["keys"].shape, dtype=np.uint64)
@@ -506,6 +509,7 @@ def read_state_for_server(ckpt: str, manifest: dict, table: str, server: int, sh
     ``count_buckets`` / ``count_values`` (counters shared by hash: every file's, summed, when the
     layout changed). The counters ``admitted`` and ``evicted`` come back only with the same layout.
     Empty for a checkpoint written without them."""
+    import h5py  # (on first use, as in _write_tables)
     same = (manifest["layout"]["servers"] == num_servers and manifest["layout"]["num_shards"] == shard_server.shape[0])
     paths = [server_file(ckpt, server)] if same else [os.path.join(ckpt, e["name"]) for e in manifest["files"]]
     wanted = shard_server == server
@@ -546,6 +550,7 @@ class Summary:
 
 def inspect(ckpt: str) -> Summary:
     """What a checkpoint holds and whether it is intact."""
+    import h5py  # (on first use, as in _write_tables)
     try:
         m = verify(ckpt)
         ok, problem = True, ""

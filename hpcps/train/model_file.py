@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 
-import h5py
 import numpy as np
 
 from hpcps import outputs
@@ -106,7 +105,7 @@ def write(path: str, keys, values=None, attrs: dict | None = None) -> None:
     outputs.write_h5(path, lambda f: _fill(f, keys, attrs), need + (64 << 10) + need // 100)  # (+ HDF5's metadata)
 
 
-def _fill(f: h5py.File, tables: list, attrs: dict) -> None:
+def _fill(f, tables: list, attrs: dict) -> None:  # (f: an h5py.File)
     f.attrs["format"] = FORMAT
     f.attrs["version"] = VERSION
     for k, v in attrs.items():
@@ -218,6 +217,8 @@ def _not_a_model(path: str, what: str) -> ModelFileError:
 def _read(path: str) -> tuple[dict, list[tuple[str, dict, np.ndarray, np.ndarray]]]:
     """The attributes and tables ``(name, attributes, keys, values)`` of the model file at
     ``path``; a ModelFileError when it is no model file (status 2) or a damaged one (1)."""
+    import h5py  # (on first use: a training job that writes no model file never loads HDF5)
+
     if not os.path.exists(path):
         raise FileNotFoundError(f"model file {path} not found")
     if os.path.isdir(path):

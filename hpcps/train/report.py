@@ -40,7 +40,8 @@ class Reporter:
         self.status_path = os.environ.get(STATUS_ENV, "") if first else ""
         self.counting = cfg.features.admission or cfg.features.eviction  # key counts in the progress line
         self.last_status = 0.0
-        self.t0 = time.perf_counter()
+        self.t0 = time.perf_counter()  # the first step begins about now (Trainer.plan_steps ends)
+        self.startup_s = process_age_s()  # from this process's start to here (None where unknown)
         self.waited_before = 0.0  # ctx.stats["wait_s"] at the end of the last epoch
         self.examples = 0  # rows trained, over every worker, in the epochs ended
         self.loss_sum, self.rows, self.first_step = 0.0, 0, 1  # this epoch's, on this worker
@@ -175,6 +176,7 @@ class Reporter:
         ``early`` stopping's."""
         ctx, examples, cfg = self.ctx, self.examples, self.cfg
         summary = {"examples": examples, "time_s": elapsed, "examples_per_s": examples / elapsed if examples else None,
+                   "startup_s": self.startup_s,
                    "workers": ctx.layout.workers, "servers": ctx.layout.servers, **last_record,
                    "max_wait_s": ending["wait"], "max_staleness": ctx.stats["max_staleness"],
                    "bad_lines_skipped": ending["skipped"], "peak_rss_mb_worker": ending["worker_rss"],
@@ -202,6 +204,18 @@ class Reporter:
         rows = summary_rows(summary, elapsed, wait, key_counts, self.ctx.layout, self.cfg, self.plan.synth_info)
         print(summary_table(rows), flush=True)
         print(next_steps(self.cfg, self.plan.paths, written if ck.dir else None, self.plan.synth_info), flush=True)
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process was started (exec'd by ``mpiexec``'s launcher: the interpreter,
+    imports, MPI's start and everything after), from Linux's ``/proc/self/stat`` (in clock ticks,
+    1/100 s here) against the boot-time clock; None where those are not there."""
+    try:
+        with open("/proc/self/stat") as f:
+            started = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+        return max(time.clock_gettime(time.CLOCK_BOOTTIME) - started, 0.0)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
 
 
 def rows_said(train) -> str:

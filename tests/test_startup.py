@@ -1,0 +1,42 @@
+"""A job's start-up: what it loads before training, and the summary's ``startup_s`` (from the
+process's start to the first step). No timing bound here (docs/benchmarks.md has the figures)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from hpcps.train import synth
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from run import mpiexec  # noqa: E402
+
+
+def test_the_command_and_the_training_loop_load_no_hdf5_or_arrow_until_asked():
+    # h5py is loaded by the first checkpoint or model file, pyarrow by the first Parquet or CSV file
+    probe = ("import sys, hpcps.cli, hpcps.train.loop; "
+             "print(sorted(m for m in ('h5py', 'pyarrow') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr[-2000:]
+
+
+def test_a_two_rank_job_says_its_startup_within_its_wall_time(tmp_path):
+    s = synth.generate(str(tmp_path / "d"), 100, 100, seed=3, formats=("libsvm",))
+    summary = tmp_path / "s.json"
+    cmd = [*mpiexec(), "-n", "2", sys.executable, "-m", "hpcps.cli", "train",
+           "--set", f"data.train={json.dumps(s.files['train_libsvm'])}",
+           "--set", f"data.test={json.dumps(s.files['test_libsvm'])}",
+           "--set", "train.progress=false", "--set", "train.epochs=1", "--summary-json", str(summary)]
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    wall = time.perf_counter() - t
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    got = json.loads(summary.read_text())
+    # from the first worker's start to its first step: more than nothing, less than the whole job
+    # less the training (time_s, from the first step to the summary)
+    assert 0 < got["startup_s"] < wall - got["time_s"], (got["startup_s"], got["time_s"], wall)
+    assert got["examples"] == 100
