@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -784,3 +785,21 @@ def test_split_by_bits_keeps_each_part_in_order(dim):
         got = keys.split_by_bits(np.packbits(mask, bitorder="little"), slots, grads)
         for a, b in zip(got, (slots[mask], grads[mask], slots[~mask], grads[~mask])):
             np.testing.assert_array_equal(a, b)
+
+
+def test_profiler_prints_each_kernel_s_roofline_fraction_and_names_its_bound(capsys):
+    """The kernels of issue 39's bar: each row carries its fraction of a roofline measured in the
+    same run and the bound it is held to (no figure is asserted: timings are not tested)."""
+    from hpcps_kernels import profiler
+
+    args = ["bench", "--rows", "4000", "--repeat", "1", "--json"]
+    for k in ("fm", "metrics", "deep", "segment_reduce"):
+        args += ["--kernel", k]
+    assert profiler.main(args) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    roof = rows[0]["roofline"]
+    assert all(roof[k] > 0 for k in ("triad_gb_s", "sgemm_gflop_s", "softplus_m_s", "random_access_m_s"))
+    bound = {r["kernel"].split("/")[0]: r for r in rows[1:] if r["bound"]}
+    assert {"fm_grad", "logloss", "mlp fwd+bwd", "sort_reduce"} <= set(bound)
+    for r in bound.values():
+        assert r["roofline_fraction"] > 0 and r["speedup"] > 0
