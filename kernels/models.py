@@ -37,15 +37,12 @@ SQUARED = 1
 def _loss_and_dmargin(m, y, loss):
     """(loss, d loss / d margin) of one row."""
     if loss == LOGISTIC:
-        # softplus(m) - y*m, stably; sigmoid(m) stably.
-        if m >= 0.0:
-            e = math.exp(-m)
-            sp = m + math.log1p(e)
-            p = 1.0 / (1.0 + e)
-        else:
-            e = math.exp(m)
-            sp = math.log1p(e)
-            p = e / (1.0 + e)
+        # softplus(m) - y*m, stably; sigmoid(m) stably: with e = exp(-|m|), softplus is
+        # max(m, 0) + log1p(e) and sigmoid 1 / (1 + e) or e / (1 + e). Selects, not branches (the
+        # sign of a margin is as random as its label), the same figures bit for bit.
+        e = math.exp(-abs(m))
+        sp = (m if m > 0.0 else 0.0) + math.log1p(e)
+        p = (1.0 if m >= 0.0 else e) / (1.0 + e)
         return sp - y * m, p - y
     d = m - y
     return 0.5 * d * d, d
@@ -96,37 +93,40 @@ def fm_forward_backward(indptr, pos, vals, labels, w, V, gw, gV, scale, l2, loss
     sparse vector as scipy would. Writes each row's margin to ``margins`` when it is not empty.
     Returns the summed loss.
 
-    The rows of ``w``, ``V``, ``gw``, ``gV`` a nonzero needs are prefetched ``PREFETCH_NONZEROS`` nonzeros
-    early, in the row's first pass: the batch's parameters exceed L2, and without it the kernel
-    waits on one cache miss after another.
+    A row's repeated keys are found by a small table of the row's own positions (:func:`_fm_row_merge`),
+    which stays in L1, not by a scratch entry per key of the batch. The rows of ``w``, ``V``, ``gw``,
+    ``gV`` a nonzero needs are prefetched ``PREFETCH_NONZEROS`` nonzeros early, in that first pass:
+    the batch's parameters exceed L2, and without it the kernel waits on one cache miss after another.
     """
-    u_count = w.shape[0]
     k = V.shape[1]
     gw[:] = 0.0
     gV[:, :] = 0.0
-    # per key: [last row that touched it (or -2 - row once merged), its merged value in that row]
-    scratch = np.full((u_count, 2), -1.0, dtype=np.float64)
+    longest = 1
+    for r in range(indptr.shape[0] - 1):
+        longest = max(longest, indptr[r + 1] - indptr[r])
+    cap = 64
+    while cap < 2 * longest:
+        cap *= 2
+    # the row's table: a slot's row (-1: never used), position, and nonzero (its offset in the row);
+    # per nonzero of the row: its merged value, and whether it carries it (False: a later copy)
+    table = np.full((cap, 3), -1, dtype=np.int64)
+    xs = np.empty(longest, dtype=np.float64)
+    first = np.empty(longest, dtype=np.bool_)
     s = np.zeros(k, dtype=np.float64)
     total = 0.0
     for r in range(indptr.shape[0] - 1):
         a, b = indptr[r], indptr[r + 1]
-        row = np.float64(r)
-        merged = -2.0 - row
-        dup = _fm_merge_keys(pos, vals, a, b, row, scratch, w, V, gw, gV)
+        dup = _fm_row_merge(pos, vals, a, b, r, table, xs, first, w, V, gw, gV)
         # With a repeated key, its first nonzero carries the merged value and later copies are
-        # skipped (marked "merged"); rows without one (nearly all) skip the scratch entirely.
+        # skipped; rows without one (nearly all) read their values straight.
         m = 0.0
         sq = 0.0
         s[:] = 0.0
         for j in range(a, b):
+            if dup and not first[j - a]:
+                continue
             p = pos[j]
-            if dup:
-                if scratch[p, 0] != row:
-                    continue
-                scratch[p, 0] = merged
-                x = scratch[p, 1]
-            else:
-                x = np.float64(vals[j])
+            x = xs[j - a] if dup else np.float64(vals[j])
             m += np.float64(w[p]) * x
             for f in range(k):
                 v = np.float64(V[p, f]) * x
@@ -143,14 +143,10 @@ def fm_forward_backward(indptr, pos, vals, labels, w, V, gw, gV, scale, l2, loss
         total += lo
         g *= scale
         for j in range(a, b):
+            if dup and not first[j - a]:
+                continue
             p = pos[j]
-            if dup:
-                if scratch[p, 0] != merged:
-                    continue
-                scratch[p, 0] = row  # visited
-                x = scratch[p, 1]
-            else:
-                x = np.float64(vals[j])
+            x = xs[j - a] if dup else np.float64(vals[j])
             gx = g * x
             gw[p] += gx
             for f in range(k):
@@ -161,27 +157,39 @@ def fm_forward_backward(indptr, pos, vals, labels, w, V, gw, gV, scale, l2, loss
 
 
 @njit(inline="always")
-def _fm_merge_keys(pos, vals, a, b, row, scratch, w, V, gw, gV):
+def _fm_row_merge(pos, vals, a, b, row, table, xs, first, w, V, gw, gV):
     """The first pass of :func:`fm_forward_backward` over row ``row`` (nonzeros ``a:b``): each
-    key's summed value into ``scratch`` (``[row, value]``), prefetching the parameters of the
-    nonzero ``PREFETCH_NONZEROS`` on. Returns whether a key repeats in the row."""
+    key's summed value into ``xs`` at its first nonzero (``first``), through ``table`` (open
+    addressing on the position's mixed bits, its slots stamped with the row so it is never
+    cleared), prefetching the parameters of the nonzero ``PREFETCH_NONZEROS`` on. Returns whether
+    a key repeats in the row."""
     nnz = pos.shape[0]
+    mask = table.shape[0] - 1
+    shift = np.uint64(64 - 6)
+    while (np.int64(1) << (np.uint64(64) - shift)) < table.shape[0]:
+        shift -= np.uint64(1)
     dup = False
     for j in range(a, b):
         if j + PREFETCH_NONZEROS < nnz:
             q = pos[j + PREFETCH_NONZEROS]
-            prefetch(scratch[q], 0)
             prefetch(w, q)
             prefetch(V[q], 0)
             prefetch(gw, q)
             prefetch(gV[q], 0)
-        p = pos[j]
-        if scratch[p, 0] != row:
-            scratch[p, 0] = row
-            scratch[p, 1] = vals[j]
-        else:
-            scratch[p, 1] += vals[j]
-            dup = True
+        p = np.int64(pos[j])
+        h = np.int64((np.uint64(p) * np.uint64(0x9E3779B97F4A7C15)) >> shift) & mask
+        while True:
+            if table[h, 0] != row:
+                table[h, 0], table[h, 1], table[h, 2] = row, p, j - a
+                xs[j - a] = vals[j]
+                first[j - a] = True
+                break
+            if table[h, 1] == p:
+                xs[table[h, 2]] += vals[j]
+                first[j - a] = False
+                dup = True
+                break
+            h = (h + 1) & mask
     return dup
 
 

@@ -1,11 +1,23 @@
 """Standalone profiler of the kernels: ``python -m hpcps_kernels {warmup,bench,tuning}``.
 
 ``bench`` times every kernel on Criteo-shaped batches (39 nonzeros per row, Zipf-distributed
-tokens per field, keys in a 2**24 or 2**40 space) beside its NumPy/SciPy reference, and beside two
+tokens per field, keys in a 2**24 or 2**40 space) beside its NumPy/SciPy reference, and beside the
 roofline figures it measures in the same run on this machine:
 
 * sequential read bandwidth (GB/s): one core summing a 512 MiB array;
-* random-access rate (M/s): one core gathering from a 512 MiB table at random positions.
+* memory bandwidth (GB/s): a STREAM triad ``a = b + s * c`` over three 128 MiB arrays, counting
+  the three arrays' bytes;
+* random-access rate (M/s): one core gathering from a 512 MiB table at random positions;
+* sgemm (GFLOP/s): one BLAS call multiplying float32 matrices of 1000 x 400 and 400 x 400 (the
+  shape of the profiled MLP's largest product: the floor for its GEMMs);
+* exp + log1p (M/s): the two libm calls of a stable softplus, per element of a cached array.
+
+Each kernel's ``roof`` column is its fraction of the roofline that bounds it, computed from what
+it must move or compute per item (its ``bound`` column names which: bytes at the triad's
+bandwidth, random accesses at the gather rate measured on the kernel's own positions, flops at
+sgemm's rate, softplus calls at libm's rate, a radix sort's passes). The probe of that bound
+runs in turn with the kernel and its reference (:func:`median_times`), so that the machine's load
+weighs on all three alike.
 
 Figures are medians of ``--repeat`` runs after a warm-up call; speed-up = reference time / kernel
 time from the same run. Single-threaded on purpose: parallelism comes from MPI ranks.
@@ -15,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -22,7 +35,8 @@ import time
 import numpy as np
 from numba import njit
 
-from . import admission, deep, directindex, ffm, hashing, hashtable, init, keys, metrics, models, optim, parse, textgen, tuning
+from . import (admission, deep, directindex, ffm, hashing, hashtable, init, keys, metrics, models, optim, parse, reduce,
+               textgen, tuning)
 from . import reference as ref
 
 ROOF_BYTES = 512 << 20
@@ -56,14 +70,77 @@ def median_time(fn, repeat: int) -> float:
     return float(np.median(times))
 
 
+@njit(cache=True)
+def _triad(a, b, c, s):
+    for i in range(a.shape[0]):
+        a[i] = b[i] + s * c[i]
+
+
+@njit(cache=True)
+def _softplus_sum(x):
+    s = 0.0
+    for i in range(x.shape[0]):
+        s += math.log1p(math.exp(-abs(x[i])))
+    return s
+
+
+def median_times(fns, repeat: int) -> list:
+    """Medians of ``repeat`` timed runs of each of ``fns``, run in turn (a, b, c, a, b, c, ...)
+    after a warm-up call of each: on a shared machine a change of load then slows them alike,
+    and their ratios hold where separate medians would not."""
+    for fn in fns:
+        fn()
+    times = [[] for _ in fns]
+    for _ in range(repeat):
+        for fn, ts in zip(fns, times):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+    return [float(np.median(ts)) for ts in times]
+
+
+def gather_probe(table, idx):
+    """(a run, its count): gathering ``table[idx]``, the floor of a kernel that reads its model
+    rows at those positions."""
+    return (lambda: _random_gather(table, idx)), idx.shape[0]
+
+
+def triad_probe():
+    """(a run, its bytes): a STREAM triad over three 128 MiB float64 arrays."""
+    b, c = (np.ones(ROOF_BYTES // 32, dtype=np.float64) for _ in range(2))
+    out = np.empty_like(b)
+    return (lambda: _triad(out, b, c, 3.0)), 3 * b.nbytes
+
+
+def sgemm_probe():
+    """(a run, its flops): sgemm at the shape of the profiled MLP's largest product (1000 rows,
+    400 x 400 weights)."""
+    rng = np.random.default_rng(0)
+    h, w = rng.normal(size=(1000, 400)).astype(np.float32), rng.normal(size=(400, 400)).astype(np.float32)
+    return (lambda: h @ w), 2 * h.size * w.shape[1]
+
+
+def softplus_probe():
+    """(a run, its count): log1p(exp(-|x|)) over a cached array."""
+    x = np.random.default_rng(0).normal(size=1 << 18) * 3
+    return (lambda: _softplus_sum(x)), x.shape[0]
+
+
 def rooflines(repeat: int) -> dict:
+    """The machine's rooflines, for the header; a kernel's ``roof`` column is computed from the
+    probe of its own bound, timed in turn with the kernel (:func:`median_times`)."""
     rng = np.random.default_rng(0)
     a = np.ones(ROOF_BYTES // 8, dtype=np.float64)
     t = median_time(lambda: _seq_read(a), repeat)
     seq = a.nbytes / t
-    idx = rng.integers(0, a.shape[0], 1 << 24)
-    t = median_time(lambda: _random_gather(a, idx), repeat)
-    return {"seq_read_gb_s": seq / 1e9, "random_access_m_s": idx.shape[0] / t / 1e6}
+    gather, n_gather = gather_probe(a, rng.integers(0, a.shape[0], 1 << 24))
+    t_ra = median_time(gather, repeat)
+    del a, gather
+    (triad, triad_bytes), (sgemm, flops), (softplus, n_sp) = triad_probe(), sgemm_probe(), softplus_probe()
+    t_tr, t_mm, t_sp = median_times([triad, sgemm, softplus], repeat)
+    return {"seq_read_gb_s": seq / 1e9, "random_access_m_s": n_gather / t_ra / 1e6,
+            "triad_gb_s": triad_bytes / t_tr / 1e9, "sgemm_gflop_s": flops / t_mm / 1e9,
+            "softplus_m_s": n_sp / t_sp / 1e6}
 
 
 # -- data ----------------------------------------------------------------------------------------
@@ -106,10 +183,10 @@ def criteo_text(rows: int, seed: int = 0) -> bytes:
 
 # -- benchmarks ----------------------------------------------------------------------------------
 
-def _row(name, n, unit, t, t_ref=None, ref_name="", roof=None, extra=None):
+def _row(name, n, unit, t, t_ref=None, ref_name="", roof=None, extra=None, bound=""):
     r = {"kernel": name, "n": n, "unit": unit, "time_s": t, "rate": n / t,
          "ref": ref_name, "ref_time_s": t_ref, "speedup": (t_ref / t) if t_ref else None,
-         "roofline_fraction": roof}
+         "roofline_fraction": roof, "bound": bound}
     r.update(extra or {})
     return r
 
@@ -144,9 +221,14 @@ def bench_lr(rows, repeat, roof):
         uniq, pos = keys.unique_keys(idx)
         w = np.random.default_rng(1).normal(size=len(uniq)).astype(np.float32) * 0.01
         g = np.empty_like(w)
-        t = median_time(lambda: models.lr_forward_backward(indptr, pos, vals, labels, w, g, 1.0 / rows, 0.0, 0), repeat)
-        tr = median_time(lambda: ref.lr_forward_backward(indptr, pos, vals, labels, w, 1.0 / rows, 0.0), repeat)
-        out.append(_row(f"lr_grad/2^{bits} (u={len(uniq)})", idx.size, "nnz", t, tr, "scipy CSR X@w, X.T@g"))
+        # two random accesses a nonzero (read w, add into grad) at the rate of gathering w[pos] alone
+        gather, n_gather = gather_probe(w, pos)
+        t, tr, t_ga = median_times([
+            lambda: models.lr_forward_backward(indptr, pos, vals, labels, w, g, 1.0 / rows, 0.0, 0),
+            lambda: ref.lr_forward_backward(indptr, pos, vals, labels, w, 1.0 / rows, 0.0), gather], repeat)
+        ga = n_gather / t_ga / 1e6
+        out.append(_row(f"lr_grad/2^{bits} (u={len(uniq)})", idx.size, "nnz", t, tr, "scipy CSR X@w, X.T@g",
+                        2 * idx.size / t / 1e6 / ga, bound=f"2 random accesses/nnz, gather {ga:.0f} M/s"))
     # Roofline case: positions straight into a 2^26-entry weight vector (256 MiB, beyond any cache);
     # two random accesses per nonzero (read w, update grad). At least 200k rows, so the pass over
     # the nonzeros dwarfs the zeroing of the gradient buffer that is subtracted from it.
@@ -163,7 +245,8 @@ def bench_lr(rows, repeat, roof):
     t = median_time(run, repeat) - t_zero
     rate = 2 * idx.size / t / 1e6
     out.append(_row("lr_grad/2^26 weights (256 MiB)", idx.size, "nnz", t, None, "",
-                    rate / roof["random_access_m_s"], {"random_accesses_m_s": rate}))
+                    rate / roof["random_access_m_s"], {"random_accesses_m_s": rate},
+                    "2 random accesses/nnz, 512 MiB gather"))
     return out
 
 
@@ -175,9 +258,14 @@ def bench_fm(rows, repeat, roof):
     w = (0.01 * rng.normal(size=len(uniq))).astype(np.float32)
     V = (0.01 * rng.normal(size=(len(uniq), 8))).astype(np.float32)
     gw, gV, m = np.empty_like(w), np.empty_like(V), np.empty(0)
-    t = median_time(lambda: models.fm_forward_backward(indptr, pos, vals, labels, w, V, gw, gV, 1.0, 0.0, 0, m), repeat)
-    tr = median_time(lambda: ref.fm_forward_backward(indptr, pos, vals, labels, w, V, 1.0, 0.0), repeat)
-    return [_row("fm_grad/k=8", idx.size, "nnz", t, tr, "scipy CSR (X@V, X.T@...)")]
+    # four random accesses a nonzero (w, V's row, and both added into) at the rate of gathering w[pos]
+    gather, n_gather = gather_probe(w, pos)
+    t, tr, t_ga = median_times([
+        lambda: models.fm_forward_backward(indptr, pos, vals, labels, w, V, gw, gV, 1.0, 0.0, 0, m),
+        lambda: ref.fm_forward_backward(indptr, pos, vals, labels, w, V, 1.0, 0.0), gather], repeat)
+    ga = n_gather / t_ga / 1e6
+    return [_row("fm_grad/k=8", idx.size, "nnz", t, tr, "scipy CSR (X@V, X.T@...)", 4 * idx.size / t / 1e6 / ga,
+                 bound=f"4 random accesses/nnz, gather {ga:.0f} M/s")]
 
 
 def bench_ffm(rows, repeat, roof):
@@ -231,9 +319,13 @@ def bench_deep(rows, repeat, roof):
         _, g = ref.mlp(params, 39 * k, hidden, xb, "relu", np.float32)
         g(dout)
 
-    t = median_time(step, repeat)
-    tr = median_time(step_ref, repeat)
-    out.append(_row("mlp fwd+bwd/312-400-400-1", xb.shape[0], "row", t, tr, "NumPy float32 (same BLAS)"))
+    sgemm, sgemm_flops = sgemm_probe()
+    t, tr, t_mm = median_times([step, step_ref, sgemm], repeat)
+    # a multiply-add per weight and row forward, two backward (the weights' and the input's gradients)
+    flops = 6 * xb.shape[0] * sum(a * b for _, a, b, _ in layers)
+    peak = sgemm_flops / t_mm / 1e9
+    out.append(_row("mlp fwd+bwd/312-400-400-1", xb.shape[0], "row", t, tr, "NumPy float32 (same BLAS)",
+                    flops / t / 1e9 / peak, bound=f"{flops / 1e9:.2f} GFLOP at sgemm's {peak:.0f} GFLOP/s"))
     return out
 
 
@@ -246,9 +338,20 @@ def bench_segment_reduce(rows, repeat, roof):
         k = np.concatenate(parts)
         v = np.ones((k.size, dim), dtype=np.float32)
         pv = [(p, np.ones((p.size, dim), dtype=np.float32)) for p in parts]
-        tr = median_time(lambda: ref.segment_reduce(k, v), repeat)
-        t = median_time(lambda: keys.segment_reduce(k, v), repeat)
+        triad, triad_bytes = triad_probe()
+        tr, t, t_sort, t_tr = median_times([lambda: ref.segment_reduce(k, v), lambda: keys.segment_reduce(k, v),
+                                            lambda: reduce.sort_reduce(k, v), triad], repeat)
+        bw = triad_bytes / t_tr / 1e9
         out.append(_row(f"segment_reduce/dim={dim} (any order)", k.size, "keys", t, tr, "np.unique + np.add.at"))
+        # the bytes of a radix sort and a pass summing its runs: the keys read to count digits,
+        # each key with its index read and written by every pass, then read with its row, and the
+        # unique keys with their sums written
+        passes = sum(1 for b in range(8) if np.unique((k >> np.uint64(8 * b)) & np.uint64(255)).size > 1)
+        u = np.unique(k).size
+        moved = k.size * (8 + 32 * passes + 16 + 4 * dim) + u * (8 + 4 * dim)
+        out.append(_row(f"sort_reduce/dim={dim} (any order)", k.size, "keys", t_sort, tr, "np.unique + np.add.at",
+                        moved / t_sort / 1e9 / bw,
+                        bound=f"{passes}-pass radix sort, {moved / k.size:.0f} B/key at the triad's {bw:.1f} GB/s"))
         t = median_time(lambda: keys.merge_sorted(pv), repeat)
         out.append(_row(f"merge_sorted/dim={dim} (4 sorted)", k.size, "keys", t, tr, "np.unique + np.add.at"))
     return out
@@ -451,9 +554,12 @@ def bench_metrics(rows, repeat, roof):
     s = rng.normal(size=n) + y
     t = median_time(lambda: metrics.auc(y, s), repeat)
     tr = median_time(lambda: ref.auc(y, s), repeat)
-    t2 = median_time(lambda: metrics.logloss(y, s), repeat)
-    tr2 = median_time(lambda: ref.logloss(y, s), repeat)
-    return [_row("auc", n, "rows", t, tr, "scipy rankdata"), _row("logloss", n, "rows", t2, tr2, "NumPy logaddexp")]
+    softplus, n_sp = softplus_probe()
+    t2, tr2, t_sp = median_times([lambda: metrics.logloss(y, s), lambda: ref.logloss(y, s), softplus], repeat)
+    sp_rate = n_sp / t_sp / 1e6
+    return [_row("auc", n, "rows", t, tr, "scipy rankdata"),
+            _row("logloss", n, "rows", t2, tr2, "NumPy logaddexp", n / t2 / 1e6 / sp_rate,
+                 bound=f"exp + log1p a row at libm's {sp_rate:.0f} M/s")]
 
 
 BENCHES = {
@@ -517,6 +623,8 @@ def warmup_models() -> None:
         _, hs = deep.mlp_forward(mp, layers, x, deep.ACTIVATIONS[act])
         deep.mlp_backward(mp, layers, hs, np.ones(nrows, np.float32), deep.ACTIVATIONS[act], np.empty(size, np.float32))
     keys.segment_reduce(idx, np.ones((idx.size, 1), dtype=np.float32))
+    for dim in (1, 3):
+        reduce.sort_reduce(idx, np.ones((idx.size, dim), dtype=np.float32))
     keys.merge_sorted([(uniq, np.ones((uniq.size, 1), np.float32))] * 2)
     keys.is_sorted_unique(uniq)
     keys.reusable_slots(uniq, np.zeros(uniq.size, np.int64), uniq, np.empty(uniq.size, np.int64))
@@ -613,7 +721,7 @@ def _kernel_dispatchers() -> list:
     """Every kernel's dispatcher in this package (the compiled functions its modules define)."""
     from numba.core.registry import CPUDispatcher
 
-    mods = (admission, deep, directindex, hashing, hashtable, init, keys, metrics, models, optim, parse, textgen)
+    mods = (admission, deep, directindex, hashing, hashtable, init, keys, metrics, models, optim, parse, reduce, textgen)
     return [obj for mod in mods for obj in vars(mod).values()
             if isinstance(obj, CPUDispatcher) and obj.__module__ == mod.__name__]
 
@@ -660,7 +768,8 @@ def _fmt(r, roof) -> str:
     if "random_accesses_m_s" in r:
         extra = f"  {r['random_accesses_m_s']:.0f} M random accesses/s"
     ref_t = f"{r['ref_time_s'] * 1e3:9.1f}" if r["ref_time_s"] else "        -"
-    return f"{r['kernel']:<34} {r['time_s'] * 1e3:9.2f} {rate_s}  {ref_t} {sp} {rf}  {r['ref']}{extra}"
+    bound = f"  [bound: {r['bound']}]" if r.get("bound") else ""
+    return f"{r['kernel']:<34} {r['time_s'] * 1e3:9.2f} {rate_s}  {ref_t} {sp} {rf}  {r['ref']}{extra}{bound}"
 
 
 def main(argv: list[str]) -> int:
@@ -687,7 +796,8 @@ def main(argv: list[str]) -> int:
         print(json.dumps({"roofline": roof}))
     else:
         print(f"rooflines (1 core): sequential read {roof['seq_read_gb_s']:.1f} GB/s, "
-              f"random access {roof['random_access_m_s']:.0f} M/s (512 MiB table)")
+              f"random access {roof['random_access_m_s']:.0f} M/s (512 MiB table), triad {roof['triad_gb_s']:.1f} GB/s, "
+              f"sgemm {roof['sgemm_gflop_s']:.0f} GFLOP/s, exp + log1p {roof['softplus_m_s']:.0f} M/s")
         print(f"{'kernel':<34} {'ms':>9} {'throughput':>13}  {'ref ms':>9} {'speedup':>8} {'roof':>5}  reference")
     for name in args.kernel or list(BENCHES):
         for r in BENCHES[name](args.rows, args.repeat, roof):
