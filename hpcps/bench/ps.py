@@ -20,6 +20,9 @@ from hpcps_kernels import optim
 from hpcps_kernels.profiler import rooflines
 
 SIZES = [1_000, 10_000, 100_000, 1_000_000]
+# the request rows: bursts of BURST small requests sent at once, the server's time per request
+REQUEST_SIZES = [100, 1_000]
+BURST = 400
 
 
 def _median_time(fn, reps: int) -> float:
@@ -73,6 +76,12 @@ def run(sizes=SIZES, reps: int = 5, dim: int = 1, optimizer: str = "ftrl", key_b
             raw[n] = nbytes / (float(np.median(bench_mpi.blocking_pingpong(world, nbytes, reps, peer))) / 2)
         transport.barrier(world, 60)
     waiting = _waiting_cost(world, rank, server, worker)
+    raw_requests = {}
+    for n in REQUEST_SIZES:
+        for op, n_push, n_pull in (("pull", 0, n), ("push+apply", n, 0)):
+            raw_requests[op, n] = bench_mpi.request_stream(
+                world, protocol.request_bytes(n_push, n_pull, dim),
+                protocol.reply_bytes(protocol.PULL, n_pull, dim), BURST, reps, server, worker)
     transport.free(world)
 
     # 2. the parameter server: 1 server, the first worker drives, others idle
@@ -84,7 +93,7 @@ def run(sizes=SIZES, reps: int = 5, dim: int = 1, optimizer: str = "ftrl", key_b
         # idle spells (the worker sleeps 2 s below) tell what an idle server costs
         idle = stats["idle_gap_cpu_s"] / max(stats["idle_gap_wall_s"], 1e-9)
         print(f"idle server CPU (over {stats['idle_gap_wall_s']:.1f} s without requests): {idle:.1%}", flush=True)
-        inside = _server_times(stats["trace"])
+        inside = (_server_times(stats["trace"]), _server_cpu_per_request(stats["trace"]))
     elif ctx.worker_index == 0:
         rows = []
         rng = np.random.default_rng(0)
@@ -105,6 +114,7 @@ def run(sizes=SIZES, reps: int = 5, dim: int = 1, optimizer: str = "ftrl", key_b
                 rows.append({"op": op, "keys": int(keys.size), "time_s": t, "keys_per_s": keys.size / t,
                              "gb_per_s": gbs, "raw_mpi_gb_per_s": raw[n] / 1e9, "ratio": gbs / (raw[n] / 1e9),
                              "roofline_keys_per_s": roof, "roofline_ratio": keys.size / t / roof})
+        rows += _request_rows(ctx, table, rng, dim, reps, raw_requests)
         time.sleep(2.0)  # let the server idle
         rows.append({"op": "waiting", **waiting})
     ctx.finalize()
@@ -113,13 +123,56 @@ def run(sizes=SIZES, reps: int = 5, dim: int = 1, optimizer: str = "ftrl", key_b
     inside = transport.bcast_object(world, inside, root=server, timeout=60, what="the server's request times")
     transport.free(world)
     width = optim.width(optimizer, dim)
+    inside, cpu = inside
     for r in rows or []:
-        if (r["op"], r.get("keys")) in inside:
+        if r["op"] == "requests":
+            if (r["request"], r["keys"]) in inside:
+                r["server_us"] = inside[r["request"], r["keys"]][0] * 1e6
+            if (r["request"], r["keys"]) in cpu:
+                r["server_cpu_us_per_request"] = cpu[r["request"], r["keys"]] * 1e6
+        elif (r["op"], r.get("keys")) in inside:
             t, received, sent = inside[r["op"], r.get("keys")]
             rate = r["keys"] / t
             r.update(server_s=t, server_keys_per_s=rate, server_roofline_ratio=rate / r["roofline_keys_per_s"],
                      server_gb_per_s=r["keys"] * _moved_bytes(r["op"], dim, width) / t / 1e9,
                      request_bytes=received, reply_bytes=sent)
+    return rows
+
+
+def _burst(ctx, messages: list, reply_bytes: int, op: int) -> float:
+    """Seconds per request for ``messages`` (packed, with their request ids) sent to the server
+    at once, their replies' receives posted first, until every reply has come."""
+    replies = [np.empty(reply_bytes, dtype=np.uint8) for _ in messages]
+    t = time.perf_counter()
+    pending = []
+    for (req_id, msg), reply in zip(messages, replies):
+        pending += ctx.exchange(0, msg, reply, req_id, op)
+    transport.wait(pending, 60, max_sleep=bench_mpi.BURST_MAX_SLEEP_S)
+    return (time.perf_counter() - t) / len(messages)
+
+
+def _request_rows(ctx, table, rng, dim: int, reps: int, raw: dict) -> list[dict]:
+    """The server's fixed cost per request: bursts of BURST pulls, and pushes, of REQUEST_SIZES
+    keys, packed before the clock starts (the worker only posts them), beside raw MPI's blocking
+    calls carrying the same bytes (``hpcps.bench.mpi.request_stream``)."""
+    rows = []
+    for n in REQUEST_SIZES:
+        keys = np.unique(rng.integers(0, 2**63, n, dtype=np.uint64))
+        grads = rng.normal(size=(keys.size, dim)).astype(np.float32)
+        table.wait(table.push(keys, grads))  # create the keys
+        for op, name in ((protocol.PULL, "pull"), (protocol.PUSH, "push+apply")):
+            def pack(req_id):
+                if op == protocol.PULL:
+                    return protocol.Pull(table.id, req_id, ctx.clock_value, ctx.worker_index, keys).pack()
+                return protocol.Push(table.id, req_id, ctx.clock_value, ctx.worker_index, keys, grads).pack()
+            times = []
+            for _ in range(reps + 1):  # one warm-up burst
+                ids = [ctx.next_request_id() for _ in range(BURST)]
+                times.append(_burst(ctx, [(i, pack(i)) for i in ids],
+                                    protocol.reply_bytes(op, 0 if op == protocol.PUSH else keys.size, dim), op))
+            t = float(np.median(times[1:]))
+            rows.append({"op": "requests", "request": name, "keys": int(keys.size), "us_per_request": t * 1e6,
+                         "raw_mpi_us_per_request": raw[name, n] * 1e6, "ratio": t / raw[name, n]})
     return rows
 
 
@@ -130,13 +183,26 @@ def _moved_bytes(op: str, dim: int, width: int) -> int:
     return 4 * dim + 2 * 4 * width if op == "push+apply" else 2 * 4 * dim
 
 
+def _server_cpu_per_request(trace: list) -> dict:
+    """``{(op, keys): s}``: the serving loop's median CPU seconds per request where requests of
+    the same op and size came one after the other (a burst of :func:`_request_rows`): the
+    difference between their starts' CPU clocks, so receipt, handling, reply and polling, whatever
+    else runs on the machine."""
+    seen: dict = {}
+    for before, after in zip(trace, trace[1:]):
+        if before[:3] == after[:3] and after[0] in (protocol.PUSH, protocol.PULL):
+            name, n = ("push+apply", after[1]) if after[0] == protocol.PUSH else ("pull", after[2])
+            seen.setdefault((name, n), []).append(after[-1] - before[-1])
+    return {k: float(np.median(v)) for k, v in seen.items() if len(v) >= BURST // 2}
+
+
 def _server_times(trace: list) -> dict:
     """Per push, and per pull, of each size, with the op named as in the result rows: the median
     seconds the server spent on one, and the median bytes it received for one and sent in reply,
     as the messages carried them: ``{(op, keys): (s, bytes received, bytes sent)}``. The first
     push of each size, which creates its keys and is not timed on the worker either, is left out."""
     seen: dict = {}
-    for op, n_push, n_pull, *measured in trace:
+    for op, n_push, n_pull, *measured, _ in trace:
         if op == protocol.PUSH:
             seen.setdefault(("push+apply", n_push), []).append(measured)
         elif op == protocol.PULL:
@@ -152,7 +218,7 @@ def format_rows(rows: list[dict], optimizer: str) -> str:
     out = [f"{'op':<11} {'keys':>9} {'ms':>9} {'Mkeys/s':>9} {'vs roofline':>11} {'GB/s':>7} {'raw MPI GB/s':>13} "
            f"{'ratio':>6} {'server ms':>10} {'server vs roofline':>19} {'server GB/s':>12}"]
     for r in rows:
-        if r["op"] == "waiting":
+        if r["op"] in ("waiting", "requests"):
             continue
         inside = (f" {r['server_s'] * 1e3:>10.2f} {r['server_roofline_ratio']:>19.0%} {r['server_gb_per_s']:>12.1f}"
                   if "server_s" in r else f" {'-':>10} {'-':>19} {'-':>12}")
@@ -171,4 +237,25 @@ def format_rows(rows: list[dict], optimizer: str) -> str:
         out.append(f"waiting 1 s for a message, worker CPU: blocking MPI Recv {w['blocking Recv']:.0%}, "
                    f"hpcps wait {w['hpcps wait']:.0%}")
         out.append(f"8-byte round trip: blocking {w['rtt_blocking_us']:.1f} us, hpcps wait {w['rtt_wait_us']:.1f} us")
+    out += format_request_rows([r for r in rows if r["op"] == "requests"])
     return "\n".join(out)
+
+
+def format_request_rows(rows: list[dict]) -> list[str]:
+    """The request rows: microseconds per request in a burst, beside raw MPI's for the same bytes."""
+    if not rows:
+        return []
+    out = [f"{'requests':<11} {'keys':>9} {'us/request':>11} {'raw MPI us':>11} {'ratio':>6} {'server us':>10} "
+           f"{'server CPU us/request':>22}"]
+    for r in rows:
+        server = f"{r['server_us']:>10.1f}" if "server_us" in r else f"{'-':>10}"
+        server += (f" {r['server_cpu_us_per_request']:>22.1f}" if "server_cpu_us_per_request" in r
+                   else f" {'-':>22}")
+        out.append(f"{r['request']:<11} {r['keys']:>9} {r['us_per_request']:>11.1f} "
+                   f"{r['raw_mpi_us_per_request']:>11.1f} {r['ratio']:>5.1f}x {server}")
+    out.append(f"(requests: {BURST} requests sent at once, packed beforehand, until every reply has come: the "
+               f"server's fixed cost per request with its keys' work; raw MPI: the same bytes each way over blocking "
+               f"MPI calls, answered by a loop that only receives and replies; server us: its own median time on one, "
+               f"from its receipt to the reply queued; server CPU us/request: the serving loop's CPU time per request of "
+               f"a burst, receipt and polling included: its fixed cost, the scaling model's r, with the keys' work)")
+    return out

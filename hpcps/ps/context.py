@@ -162,9 +162,10 @@ class Context(collectives.ContextCollectives, TableDeclarations):
         Args:
             restore: (checkpoint directory, its manifest): load this server's shards first.
             trace: the statistics get ``trace``, a list of ``(op, keys pushed, keys pulled,
-                seconds, bytes received, bytes sent)`` per request handled: seconds from its
-                receipt to its reply queued; the bytes of its messages (their size as received)
-                and of the replies queued meanwhile.
+                seconds, bytes received, bytes sent, CPU clock)`` per request handled: seconds from
+                its receipt to its reply queued; the bytes of its messages (their size as received)
+                and of the replies queued meanwhile; the process's CPU seconds when it began
+                (their differences: the serving loop's CPU time per request, receipt included).
         """
         if not self.is_server:
             raise RuntimeError("serve() is for server ranks (ctx.is_server)")

@@ -411,7 +411,7 @@ class ServingLoop:
             h = protocol.header(buf)
             server.trace.append((int(h["op"]), int(h["n_push"]), int(h["n_pull"]), busy,
                                  buf.nbytes + (0 if grads is None else grads.nbytes),
-                                 sum(p.nbytes for p in server.replies.sending[queued:])))
+                                 sum(p.nbytes for p in server.replies.sending[queued:]), cpu))
         # keep polling without sleep while the replies just queued should be in transfer
         self.poll.reset(sum(p.nbytes for p in server.replies.sending))
         self.last_request = (time.perf_counter(), time.process_time())

@@ -673,6 +673,18 @@ def blocking_pingpong_reference(comm: MPI.Comm, peer: int, first: bool, buf: np.
     return times[1:]
 
 
+def blocking_serve_reference(comm: MPI.Comm, requests: int, request_bytes: int, reply_bytes: int, tag: int) -> None:
+    """Receive ``requests`` messages of ``request_bytes`` from any rank with MPI's blocking calls,
+    answering each with ``reply_bytes`` under ``tag + 1``: the raw floor of a server's requests
+    (spins a core; benchmarks only)."""
+    buf = np.empty(max(request_bytes, 1), dtype=np.uint8)
+    reply = np.zeros(max(reply_bytes, 1), dtype=np.uint8)
+    status = MPI.Status()
+    for _ in range(requests):
+        comm.Recv(buf[:request_bytes], source=MPI.ANY_SOURCE, tag=tag, status=status)
+        comm.Send(reply[:reply_bytes], dest=status.Get_source(), tag=tag + 1)
+
+
 def blocking_recv_reference(comm: MPI.Comm, buf: np.ndarray, source: int, tag: int) -> None:
     """MPI's blocking Recv (spins a core while it waits): a benchmark reference only."""
     comm.Recv(buf, source=source, tag=tag)
