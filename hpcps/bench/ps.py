@@ -93,7 +93,7 @@ def run(sizes=SIZES, reps: int = 5, dim: int = 1, optimizer: str = "ftrl", key_b
         # idle spells (the worker sleeps 2 s below) tell what an idle server costs
         idle = stats["idle_gap_cpu_s"] / max(stats["idle_gap_wall_s"], 1e-9)
         print(f"idle server CPU (over {stats['idle_gap_wall_s']:.1f} s without requests): {idle:.1%}", flush=True)
-        inside = (_server_times(stats["trace"]), _server_cpu_per_request(stats["trace"]))
+        inside = _server_times(stats["trace"])
     elif ctx.worker_index == 0:
         rows = []
         rng = np.random.default_rng(0)
@@ -123,15 +123,12 @@ def run(sizes=SIZES, reps: int = 5, dim: int = 1, optimizer: str = "ftrl", key_b
     inside = transport.bcast_object(world, inside, root=server, timeout=60, what="the server's request times")
     transport.free(world)
     width = optim.width(optimizer, dim)
-    inside, cpu = inside
     for r in rows or []:
-        if r["op"] == "requests":
-            if (r["request"], r["keys"]) in inside:
-                r["server_us"] = inside[r["request"], r["keys"]][0] * 1e6
-            if (r["request"], r["keys"]) in cpu:
-                r["server_cpu_us_per_request"] = cpu[r["request"], r["keys"]] * 1e6
+        if r["op"] == "requests" and (r["request"], r["keys"]) in inside:
+            r["server_us"] = inside[r["request"], r["keys"]][0] * 1e6
+            r["server_loop_us"] = inside[r["request"], r["keys"]][3] * 1e6
         elif (r["op"], r.get("keys")) in inside:
-            t, received, sent = inside[r["op"], r.get("keys")]
+            t, received, sent, _ = inside[r["op"], r.get("keys")]
             rate = r["keys"] / t
             r.update(server_s=t, server_keys_per_s=rate, server_roofline_ratio=rate / r["roofline_keys_per_s"],
                      server_gb_per_s=r["keys"] * _moved_bytes(r["op"], dim, width) / t / 1e9,
@@ -183,26 +180,14 @@ def _moved_bytes(op: str, dim: int, width: int) -> int:
     return 4 * dim + 2 * 4 * width if op == "push+apply" else 2 * 4 * dim
 
 
-def _server_cpu_per_request(trace: list) -> dict:
-    """``{(op, keys): s}``: the serving loop's median CPU seconds per request where requests of
-    the same op and size came one after the other (a burst of :func:`_request_rows`): the
-    difference between their starts' CPU clocks, so receipt, handling, reply and polling, whatever
-    else runs on the machine."""
-    seen: dict = {}
-    for before, after in zip(trace, trace[1:]):
-        if before[:3] == after[:3] and after[0] in (protocol.PUSH, protocol.PULL):
-            name, n = ("push+apply", after[1]) if after[0] == protocol.PUSH else ("pull", after[2])
-            seen.setdefault((name, n), []).append(after[-1] - before[-1])
-    return {k: float(np.median(v)) for k, v in seen.items() if len(v) >= BURST // 2}
-
-
 def _server_times(trace: list) -> dict:
     """Per push, and per pull, of each size, with the op named as in the result rows: the median
-    seconds the server spent on one, and the median bytes it received for one and sent in reply,
-    as the messages carried them: ``{(op, keys): (s, bytes received, bytes sent)}``. The first
+    seconds the server spent on one, the median bytes it received for one and sent in reply, as
+    the messages carried them, and the median seconds from the poll that found one to its reply
+    queued: ``{(op, keys): (s, bytes received, bytes sent, s with receipt)}``. The first
     push of each size, which creates its keys and is not timed on the worker either, is left out."""
     seen: dict = {}
-    for op, n_push, n_pull, *measured, _ in trace:
+    for op, n_push, n_pull, *measured in trace:
         if op == protocol.PUSH:
             seen.setdefault(("push+apply", n_push), []).append(measured)
         elif op == protocol.PULL:
@@ -210,7 +195,7 @@ def _server_times(trace: list) -> dict:
     out = {}
     for k, v in seen.items():
         m = np.median(v[1:] if k[0] == "push+apply" and len(v) > 1 else v, axis=0)
-        out[k] = (float(m[0]), int(m[1]), int(m[2]))
+        out[k] = (float(m[0]), int(m[1]), int(m[2]), float(m[3]))
     return out
 
 
@@ -246,16 +231,16 @@ def format_request_rows(rows: list[dict]) -> list[str]:
     if not rows:
         return []
     out = [f"{'requests':<11} {'keys':>9} {'us/request':>11} {'raw MPI us':>11} {'ratio':>6} {'server us':>10} "
-           f"{'server CPU us/request':>22}"]
+           f"{'server us with receipt':>22}"]
     for r in rows:
         server = f"{r['server_us']:>10.1f}" if "server_us" in r else f"{'-':>10}"
-        server += (f" {r['server_cpu_us_per_request']:>22.1f}" if "server_cpu_us_per_request" in r
-                   else f" {'-':>22}")
+        server += f" {r['server_loop_us']:>22.1f}" if "server_loop_us" in r else f" {'-':>22}"
         out.append(f"{r['request']:<11} {r['keys']:>9} {r['us_per_request']:>11.1f} "
                    f"{r['raw_mpi_us_per_request']:>11.1f} {r['ratio']:>5.1f}x {server}")
     out.append(f"(requests: {BURST} requests sent at once, packed beforehand, until every reply has come: the "
                f"server's fixed cost per request with its keys' work; raw MPI: the same bytes each way over blocking "
                f"MPI calls, answered by a loop that only receives and replies; server us: its own median time on one, "
-               f"from its receipt to the reply queued; server CPU us/request: the serving loop's CPU time per request of "
-               f"a burst, receipt and polling included: its fixed cost, the scaling model's r, with the keys' work)")
+               f"from its receipt to the reply queued; with receipt: from the poll that found "
+               f"it, its receipt included: the serving loop's cost of one request (the scaling model's r, with the "
+               f"keys' work))")
     return out

@@ -162,10 +162,10 @@ class Context(collectives.ContextCollectives, TableDeclarations):
         Args:
             restore: (checkpoint directory, its manifest): load this server's shards first.
             trace: the statistics get ``trace``, a list of ``(op, keys pushed, keys pulled,
-                seconds, bytes received, bytes sent, CPU clock)`` per request handled: seconds from
-                its receipt to its reply queued; the bytes of its messages (their size as received)
-                and of the replies queued meanwhile; the process's CPU seconds when it began
-                (their differences: the serving loop's CPU time per request, receipt included).
+                seconds, bytes received, bytes sent, seconds with receipt)`` per request handled:
+                seconds from its receipt to its reply queued; the bytes of its messages (their size
+                as received) and of the replies queued meanwhile; seconds from the poll that found
+                it to its reply queued (the serving loop's cost of one request).
         """
         if not self.is_server:
             raise RuntimeError("serve() is for server ranks (ctx.is_server)")
@@ -333,7 +333,7 @@ class LocalContext(Context):
         for table in server.tables:
             table.set_contents(contents[table.spec.name])
         self.clock_value = clock
-        server.workers.clocks[:] = clock  # each worker's clock as the server knows it
+        server.workers.set_all(clock)  # each worker's clock as the server knows it
 
     def finish_serving(self, timeout: float | None = None) -> None:
         if not self._done_sent:

@@ -407,6 +407,9 @@ def start_send(comm: MPI.Comm, array: np.ndarray, dest: int, tag: int, what: str
 
     The receiver must post :func:`start_recv` with an array of the same size in bytes.
     """
+    if array.dtype == np.uint8 and array.ndim == 1 and array.nbytes <= MAX_MESSAGE_BYTES \
+            and array.flags.c_contiguous:  # a message of bytes, whole (every request and reply)
+        return [Pending(comm.Isend(array, dest=dest, tag=tag), what, dest, (array,), array.nbytes)]
     array = np.ascontiguousarray(array)
     return [Pending(comm.Isend(c, dest=dest, tag=tag), what, dest, (array, c), c.nbytes) for c in _chunks(array)]
 
