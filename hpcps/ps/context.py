@@ -31,6 +31,15 @@ from hpcps.ps.tables import SERVER_FUNCTIONS, Features, ServerFunction, TableSpe
 from hpcps_kernels import keys as kkeys
 
 
+# what a request and its reply are, in stall messages
+_REQUEST_WHAT = {op: f"{name} request to server" for op, name in protocol.OP_NAMES.items()}
+
+
+def _reply_what(op: int, table: str, req_id: int) -> str:
+    of = f" of table {table!r}" if table else ""
+    return f"{protocol.OP_NAMES[op]} reply{of} (request {req_id}) from server"
+
+
 class ConfigMismatch(RuntimeError):
     """Ranks disagree on something that must be identical everywhere."""
 
@@ -195,10 +204,10 @@ class Context(collectives.ContextCollectives, TableDeclarations):
         its payload, as the header says: ``protocol.payload_apart``), then send ``msg`` to
         ``server``; returns the pending transfers (for :func:`hpcps.ps.transport.wait`), described
         by the operation and table for stall messages."""
-        of = f" of table {table!r}" if table else ""
-        tag, what = protocol.reply_tag(req_id, self.tag_ub), f"{protocol.OP_NAMES[op]} reply{of} (request {req_id}) from server"
+        tag = protocol.reply_tag(req_id, self.tag_ub)
+        what = transport.Described(_reply_what, (op, table, req_id))  # (written out only in a stall message)
         pending = self.net.start_recv_framed(reply, protocol.REPLY_BYTES, server, tag, what, protocol.payload_apart)
-        return pending + self.net.start_send(msg, server, protocol.TAG_REQUEST, f"{protocol.OP_NAMES[op]} request to server")
+        return pending + self.net.start_send(msg, server, protocol.TAG_REQUEST, _REQUEST_WHAT[op])
 
     def send_grads(self, server: int, grads: np.ndarray, op: int) -> list:
         """Send the gradients of the request just sent to ``server`` as a message of their own

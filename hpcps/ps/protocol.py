@@ -529,6 +529,7 @@ def payload_apart(head: np.ndarray) -> bool:
 
 
 def reply_header(buf: np.ndarray):
+    """A reply's header as a structured scalar (``h["req_id"]``, ...); :func:`reply_words` is faster."""
     return buf[:REPLY_BYTES].view(REPLY)[0]
 
 

@@ -226,6 +226,19 @@ def install_abort_handler() -> None:
     threading.excepthook = thread_hook
 
 
+class Described:
+    """What a transfer is for, written out (``fn(*args)``) only when a stall message needs it:
+    a request's description costs nothing on the way of every request."""
+
+    __slots__ = ("fn", "args")
+
+    def __init__(self, fn: Callable[..., str], args: tuple):
+        self.fn, self.args = fn, args
+
+    def __str__(self) -> str:
+        return self.fn(*self.args)
+
+
 @dataclass
 class Pending:
     """A nonblocking request with what it is for (used in stall messages) and its buffers.
@@ -234,7 +247,7 @@ class Pending:
     """
 
     request: MPI.Request
-    what: str
+    what: str | Described
     peer: int = -1
     buffers: tuple = ()
     nbytes: int = 0
@@ -334,7 +347,7 @@ def _test(todo: Sequence[Pending]) -> tuple[list[Pending], bool, int]:
 
 def describe(todo: Sequence[Pending]) -> str:
     peers = sorted({p.peer for p in todo if p.peer >= 0})
-    whats = sorted({p.what for p in todo})
+    whats = sorted({str(p.what) for p in todo})
     s = ", ".join(whats)
     if peers:
         s += f" (from rank{'s' if len(peers) > 1 else ''} {', '.join(map(str, peers))})"
