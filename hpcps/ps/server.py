@@ -140,8 +140,7 @@ class Replies:
         """A reply to request ``req_id`` of table ``table`` (-1: none) and a view of its payload;
         ``apart``: it goes as its header, then its payload (``protocol.PAYLOAD_APART``)."""
         status = protocol.stop_status(signals.requested())
-        t = self.tables[table] if table >= 0 else None
-        counts = (t.size, t.admitted, t.evicted) if t is not None else (0, 0, 0)
+        counts = self.tables[table].counts() if table >= 0 else (0, 0, 0)
         return protocol.pack_reply(req_id, status, self.workers.min_clock(), self.index, payload_bytes, counts,
                                    self.pool.take, apart)
 
