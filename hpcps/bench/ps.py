@@ -99,10 +99,7 @@ def run(sizes=SIZES, reps: int = 5, dim: int = 1, optimizer: str = "ftrl", key_b
         rng = np.random.default_rng(0)
         roof = rooflines(3)["random_access_m_s"] * 1e6  # random accesses/s of one core, this run
         for n in sizes:
-            if key_bits < 40:  # distinct keys of a bounded (hashed) key space
-                keys = np.sort(rng.choice(2**key_bits, size=min(n, 2**key_bits), replace=False)).astype(np.uint64)
-            else:
-                keys = np.unique(rng.integers(0, 2**min(key_bits, 63), n, dtype=np.uint64))
+            keys = _keys(rng, n, key_bits)
             grads = rng.normal(size=(keys.size, dim)).astype(np.float32)
             table.wait(table.push(keys, grads))  # create the keys
             t_push = _median_time(lambda: table.wait(table.push(keys, grads)), reps)
@@ -114,7 +111,7 @@ def run(sizes=SIZES, reps: int = 5, dim: int = 1, optimizer: str = "ftrl", key_b
                 rows.append({"op": op, "keys": int(keys.size), "time_s": t, "keys_per_s": keys.size / t,
                              "gb_per_s": gbs, "raw_mpi_gb_per_s": raw[n] / 1e9, "ratio": gbs / (raw[n] / 1e9),
                              "roofline_keys_per_s": roof, "roofline_ratio": keys.size / t / roof})
-        rows += _request_rows(ctx, table, rng, dim, reps, raw_requests)
+        rows += _request_rows(ctx, table, rng, dim, reps, raw_requests, key_bits)
         time.sleep(2.0)  # let the server idle
         rows.append({"op": "waiting", **waiting})
     ctx.finalize()
@@ -148,13 +145,20 @@ def _burst(ctx, messages: list, reply_bytes: int, op: int) -> float:
     return (time.perf_counter() - t) / len(messages)
 
 
-def _request_rows(ctx, table, rng, dim: int, reps: int, raw: dict) -> list[dict]:
+def _keys(rng, n: int, key_bits: int) -> np.ndarray:
+    """About ``n`` distinct sorted keys below ``2**key_bits``."""
+    if key_bits < 40:  # distinct keys of a bounded (hashed) key space
+        return np.sort(rng.choice(2**key_bits, size=min(n, 2**key_bits), replace=False)).astype(np.uint64)
+    return np.unique(rng.integers(0, 2**min(key_bits, 63), n, dtype=np.uint64))
+
+
+def _request_rows(ctx, table, rng, dim: int, reps: int, raw: dict, key_bits: int) -> list[dict]:
     """The server's fixed cost per request: bursts of BURST pulls, and pushes, of REQUEST_SIZES
     keys, packed before the clock starts (the worker only posts them), beside raw MPI's blocking
     calls carrying the same bytes (``hpcps.bench.mpi.request_stream``)."""
     rows = []
     for n in REQUEST_SIZES:
-        keys = np.unique(rng.integers(0, 2**63, n, dtype=np.uint64))
+        keys = _keys(rng, n, key_bits)
         grads = rng.normal(size=(keys.size, dim)).astype(np.float32)
         table.wait(table.push(keys, grads))  # create the keys
         for op, name in ((protocol.PULL, "pull"), (protocol.PUSH, "push+apply")):
