@@ -78,7 +78,7 @@ def run(sizes=SIZES, reps: int = 5, dim: int = 1, optimizer: str = "ftrl", key_b
     waiting = _waiting_cost(world, rank, server, worker)
     raw_requests = {}
     for n in REQUEST_SIZES:
-        for op, n_push, n_pull in (("pull", 0, n), ("push+apply", n, 0)):
+        for op, n_push, n_pull in (("pull", 0, n), ("push+apply", n, 0), ("push-pull", n, n)):
             raw_requests[op, n] = bench_mpi.request_stream(
                 world, protocol.request_bytes(n_push, n_pull, dim),
                 protocol.reply_bytes(protocol.PULL, n_pull, dim), BURST, reps, server, worker)
@@ -153,19 +153,22 @@ def _keys(rng, n: int, key_bits: int) -> np.ndarray:
 
 
 def _request_rows(ctx, table, rng, dim: int, reps: int, raw: dict, key_bits: int) -> list[dict]:
-    """The server's fixed cost per request: bursts of BURST pulls, and pushes, of REQUEST_SIZES
-    keys, packed before the clock starts (the worker only posts them), beside raw MPI's blocking
+    """The server's fixed cost per request: bursts of BURST pulls, pushes and push-pulls (a
+    training step's request: the same keys pushed and pulled) of REQUEST_SIZES keys, packed before the clock starts (the worker only posts them), beside raw MPI's blocking
     calls carrying the same bytes (``hpcps.bench.mpi.request_stream``)."""
     rows = []
     for n in REQUEST_SIZES:
         keys = _keys(rng, n, key_bits)
         grads = rng.normal(size=(keys.size, dim)).astype(np.float32)
         table.wait(table.push(keys, grads))  # create the keys
-        for op, name in ((protocol.PULL, "pull"), (protocol.PUSH, "push+apply")):
+        for op, name in ((protocol.PULL, "pull"), (protocol.PUSH, "push+apply"), (protocol.PUSHPULL, "push-pull")):
             def pack(req_id):
                 if op == protocol.PULL:
                     return protocol.Pull(table.id, req_id, ctx.clock_value, ctx.worker_index, keys).pack()
-                return protocol.Push(table.id, req_id, ctx.clock_value, ctx.worker_index, keys, grads).pack()
+                if op == protocol.PUSH:
+                    return protocol.Push(table.id, req_id, ctx.clock_value, ctx.worker_index, keys, grads).pack()
+                # (the same clock each time: under ASP the pull is answered at once)
+                return protocol.PushPull(table.id, req_id, ctx.clock_value, ctx.worker_index, keys, grads, keys).pack()
             times = []
             for _ in range(reps + 1):  # one warm-up burst
                 ids = [ctx.next_request_id() for _ in range(BURST)]
@@ -196,6 +199,8 @@ def _server_times(trace: list) -> dict:
             seen.setdefault(("push+apply", n_push), []).append(measured)
         elif op == protocol.PULL:
             seen.setdefault(("pull", n_pull), []).append(measured)
+        elif op == protocol.PUSHPULL:
+            seen.setdefault(("push-pull", n_pull), []).append(measured)
     out = {}
     for k, v in seen.items():
         m = np.median(v[1:] if k[0] == "push+apply" and len(v) > 1 else v, axis=0)
