@@ -18,6 +18,9 @@ import numpy as np
 
 from hpcps.ps import transport
 
+# a burst's wait sleeps at most this long between polls (its last sleep stays small beside it)
+BURST_MAX_SLEEP_S = 50e-6
+
 SIZES = [8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 23, 1 << 26]
 
 
@@ -43,6 +46,30 @@ def blocking_pingpong(comm, nbytes: int, reps: int, peer: int) -> list[float]:
     """Round-trip times of ``reps`` ping-pongs of ``nbytes`` with ``peer`` over blocking calls."""
     buf = np.zeros(max(nbytes, 1), dtype=np.uint8)
     return transport.blocking_pingpong_reference(comm, peer, comm.Get_rank() < peer, buf, reps)
+
+
+def request_stream(comm, request_bytes: int, reply_bytes: int, requests: int, reps: int, server: int, worker: int,
+                   timeout: float = 60.0) -> float | None:
+    """Seconds per request when ``worker`` sends ``requests`` messages of ``request_bytes`` at once
+    and ``server`` answers each with ``reply_bytes`` over blocking MPI calls: the raw floor of a
+    parameter server's fixed cost per request, the reference of ``bench ps``'s request rows.
+    Median of ``reps`` bursts after one warm-up, on ``worker`` (None elsewhere)."""
+    rank = comm.Get_rank()
+    times = []
+    for _ in range(reps + 1):
+        if rank == server:
+            transport.blocking_serve_reference(comm, requests, request_bytes, reply_bytes, 3)
+        elif rank == worker:
+            msgs = [np.zeros(max(request_bytes, 1), dtype=np.uint8)[:request_bytes] for _ in range(requests)]
+            replies = [np.empty(max(reply_bytes, 1), dtype=np.uint8)[:reply_bytes] for _ in range(requests)]
+            t = time.perf_counter()
+            pending = []
+            for msg, reply in zip(msgs, replies):
+                pending += transport.start_recv(comm, reply, server, 4, "reply")
+                pending += transport.start_send(comm, msg, server, 3, "request")
+            transport.wait(pending, timeout, max_sleep=BURST_MAX_SLEEP_S)
+            times.append((time.perf_counter() - t) / requests)
+    return float(np.median(times[1:])) if rank == worker else None
 
 
 def run_on_world(sizes=SIZES, reps: int = 10) -> list[dict]:

@@ -20,6 +20,9 @@ from hpcps_kernels import optim
 from hpcps_kernels.profiler import rooflines
 
 SIZES = [1_000, 10_000, 100_000, 1_000_000]
+# the request rows: bursts of BURST small requests sent at once, the server's time per request
+REQUEST_SIZES = [100, 1_000]
+BURST = 400
 
 
 def _median_time(fn, reps: int) -> float:
@@ -73,6 +76,12 @@ def run(sizes=SIZES, reps: int = 5, dim: int = 1, optimizer: str = "ftrl", key_b
             raw[n] = nbytes / (float(np.median(bench_mpi.blocking_pingpong(world, nbytes, reps, peer))) / 2)
         transport.barrier(world, 60)
     waiting = _waiting_cost(world, rank, server, worker)
+    raw_requests = {}
+    for n in REQUEST_SIZES:
+        for op, n_push, n_pull in (("pull", 0, n), ("push+apply", n, 0), ("push-pull", n, n)):
+            raw_requests[op, n] = bench_mpi.request_stream(
+                world, protocol.request_bytes(n_push, n_pull, dim),
+                protocol.reply_bytes(protocol.PULL, n_pull, dim), BURST, reps, server, worker)
     transport.free(world)
 
     # 2. the parameter server: 1 server, the first worker drives, others idle
@@ -90,10 +99,7 @@ def run(sizes=SIZES, reps: int = 5, dim: int = 1, optimizer: str = "ftrl", key_b
         rng = np.random.default_rng(0)
         roof = rooflines(3)["random_access_m_s"] * 1e6  # random accesses/s of one core, this run
         for n in sizes:
-            if key_bits < 40:  # distinct keys of a bounded (hashed) key space
-                keys = np.sort(rng.choice(2**key_bits, size=min(n, 2**key_bits), replace=False)).astype(np.uint64)
-            else:
-                keys = np.unique(rng.integers(0, 2**min(key_bits, 63), n, dtype=np.uint64))
+            keys = _keys(rng, n, key_bits)
             grads = rng.normal(size=(keys.size, dim)).astype(np.float32)
             table.wait(table.push(keys, grads))  # create the keys
             t_push = _median_time(lambda: table.wait(table.push(keys, grads)), reps)
@@ -105,6 +111,7 @@ def run(sizes=SIZES, reps: int = 5, dim: int = 1, optimizer: str = "ftrl", key_b
                 rows.append({"op": op, "keys": int(keys.size), "time_s": t, "keys_per_s": keys.size / t,
                              "gb_per_s": gbs, "raw_mpi_gb_per_s": raw[n] / 1e9, "ratio": gbs / (raw[n] / 1e9),
                              "roofline_keys_per_s": roof, "roofline_ratio": keys.size / t / roof})
+        rows += _request_rows(ctx, table, rng, dim, reps, raw_requests, key_bits)
         time.sleep(2.0)  # let the server idle
         rows.append({"op": "waiting", **waiting})
     ctx.finalize()
@@ -114,12 +121,62 @@ def run(sizes=SIZES, reps: int = 5, dim: int = 1, optimizer: str = "ftrl", key_b
     transport.free(world)
     width = optim.width(optimizer, dim)
     for r in rows or []:
-        if (r["op"], r.get("keys")) in inside:
-            t, received, sent = inside[r["op"], r.get("keys")]
+        if r["op"] == "requests" and (r["request"], r["keys"]) in inside:
+            r["server_us"] = inside[r["request"], r["keys"]][0] * 1e6
+            r["server_loop_us"] = inside[r["request"], r["keys"]][3] * 1e6
+        elif (r["op"], r.get("keys")) in inside:
+            t, received, sent, _ = inside[r["op"], r.get("keys")]
             rate = r["keys"] / t
             r.update(server_s=t, server_keys_per_s=rate, server_roofline_ratio=rate / r["roofline_keys_per_s"],
                      server_gb_per_s=r["keys"] * _moved_bytes(r["op"], dim, width) / t / 1e9,
                      request_bytes=received, reply_bytes=sent)
+    return rows
+
+
+def _burst(ctx, messages: list, reply_bytes: int, op: int) -> float:
+    """Seconds per request for ``messages`` (packed, with their request ids) sent to the server
+    at once, their replies' receives posted first, until every reply has come."""
+    replies = [np.empty(reply_bytes, dtype=np.uint8) for _ in messages]
+    t = time.perf_counter()
+    pending = []
+    for (req_id, msg), reply in zip(messages, replies):
+        pending += ctx.exchange(0, msg, reply, req_id, op)
+    transport.wait(pending, 60, max_sleep=bench_mpi.BURST_MAX_SLEEP_S)
+    return (time.perf_counter() - t) / len(messages)
+
+
+def _keys(rng, n: int, key_bits: int) -> np.ndarray:
+    """About ``n`` distinct sorted keys below ``2**key_bits``."""
+    if key_bits < 40:  # distinct keys of a bounded (hashed) key space
+        return np.sort(rng.choice(2**key_bits, size=min(n, 2**key_bits), replace=False)).astype(np.uint64)
+    return np.unique(rng.integers(0, 2**min(key_bits, 63), n, dtype=np.uint64))
+
+
+def _request_rows(ctx, table, rng, dim: int, reps: int, raw: dict, key_bits: int) -> list[dict]:
+    """The server's fixed cost per request: bursts of BURST pulls, pushes and push-pulls (a
+    training step's request: the same keys pushed and pulled) of REQUEST_SIZES keys, packed before the clock starts (the worker only posts them), beside raw MPI's blocking
+    calls carrying the same bytes (``hpcps.bench.mpi.request_stream``)."""
+    rows = []
+    for n in REQUEST_SIZES:
+        keys = _keys(rng, n, key_bits)
+        grads = rng.normal(size=(keys.size, dim)).astype(np.float32)
+        table.wait(table.push(keys, grads))  # create the keys
+        for op, name in ((protocol.PULL, "pull"), (protocol.PUSH, "push+apply"), (protocol.PUSHPULL, "push-pull")):
+            def pack(req_id):
+                if op == protocol.PULL:
+                    return protocol.Pull(table.id, req_id, ctx.clock_value, ctx.worker_index, keys).pack()
+                if op == protocol.PUSH:
+                    return protocol.Push(table.id, req_id, ctx.clock_value, ctx.worker_index, keys, grads).pack()
+                # (the same clock each time: under ASP the pull is answered at once)
+                return protocol.PushPull(table.id, req_id, ctx.clock_value, ctx.worker_index, keys, grads, keys).pack()
+            times = []
+            for _ in range(reps + 1):  # one warm-up burst
+                ids = [ctx.next_request_id() for _ in range(BURST)]
+                times.append(_burst(ctx, [(i, pack(i)) for i in ids],
+                                    protocol.reply_bytes(op, 0 if op == protocol.PUSH else keys.size, dim), op))
+            t = float(np.median(times[1:]))
+            rows.append({"op": "requests", "request": name, "keys": int(keys.size), "us_per_request": t * 1e6,
+                         "raw_mpi_us_per_request": raw[name, n] * 1e6, "ratio": t / raw[name, n]})
     return rows
 
 
@@ -132,8 +189,9 @@ def _moved_bytes(op: str, dim: int, width: int) -> int:
 
 def _server_times(trace: list) -> dict:
     """Per push, and per pull, of each size, with the op named as in the result rows: the median
-    seconds the server spent on one, and the median bytes it received for one and sent in reply,
-    as the messages carried them: ``{(op, keys): (s, bytes received, bytes sent)}``. The first
+    seconds the server spent on one, the median bytes it received for one and sent in reply, as
+    the messages carried them, and the median seconds from the poll that found one to its reply
+    queued: ``{(op, keys): (s, bytes received, bytes sent, s with receipt)}``. The first
     push of each size, which creates its keys and is not timed on the worker either, is left out."""
     seen: dict = {}
     for op, n_push, n_pull, *measured in trace:
@@ -141,10 +199,12 @@ def _server_times(trace: list) -> dict:
             seen.setdefault(("push+apply", n_push), []).append(measured)
         elif op == protocol.PULL:
             seen.setdefault(("pull", n_pull), []).append(measured)
+        elif op == protocol.PUSHPULL:
+            seen.setdefault(("push-pull", n_pull), []).append(measured)
     out = {}
     for k, v in seen.items():
         m = np.median(v[1:] if k[0] == "push+apply" and len(v) > 1 else v, axis=0)
-        out[k] = (float(m[0]), int(m[1]), int(m[2]))
+        out[k] = (float(m[0]), int(m[1]), int(m[2]), float(m[3]))
     return out
 
 
@@ -152,7 +212,7 @@ def format_rows(rows: list[dict], optimizer: str) -> str:
     out = [f"{'op':<11} {'keys':>9} {'ms':>9} {'Mkeys/s':>9} {'vs roofline':>11} {'GB/s':>7} {'raw MPI GB/s':>13} "
            f"{'ratio':>6} {'server ms':>10} {'server vs roofline':>19} {'server GB/s':>12}"]
     for r in rows:
-        if r["op"] == "waiting":
+        if r["op"] in ("waiting", "requests"):
             continue
         inside = (f" {r['server_s'] * 1e3:>10.2f} {r['server_roofline_ratio']:>19.0%} {r['server_gb_per_s']:>12.1f}"
                   if "server_s" in r else f" {'-':>10} {'-':>19} {'-':>12}")
@@ -171,4 +231,25 @@ def format_rows(rows: list[dict], optimizer: str) -> str:
         out.append(f"waiting 1 s for a message, worker CPU: blocking MPI Recv {w['blocking Recv']:.0%}, "
                    f"hpcps wait {w['hpcps wait']:.0%}")
         out.append(f"8-byte round trip: blocking {w['rtt_blocking_us']:.1f} us, hpcps wait {w['rtt_wait_us']:.1f} us")
+    out += format_request_rows([r for r in rows if r["op"] == "requests"])
     return "\n".join(out)
+
+
+def format_request_rows(rows: list[dict]) -> list[str]:
+    """The request rows: microseconds per request in a burst, beside raw MPI's for the same bytes."""
+    if not rows:
+        return []
+    out = [f"{'requests':<11} {'keys':>9} {'us/request':>11} {'raw MPI us':>11} {'ratio':>6} {'server us':>10} "
+           f"{'server us with receipt':>22}"]
+    for r in rows:
+        server = f"{r['server_us']:>10.1f}" if "server_us" in r else f"{'-':>10}"
+        server += f" {r['server_loop_us']:>22.1f}" if "server_loop_us" in r else f" {'-':>22}"
+        out.append(f"{r['request']:<11} {r['keys']:>9} {r['us_per_request']:>11.1f} "
+                   f"{r['raw_mpi_us_per_request']:>11.1f} {r['ratio']:>5.1f}x {server}")
+    out.append(f"(requests: {BURST} requests sent at once, packed beforehand, until every reply has come: the "
+               f"server's fixed cost per request with its keys' work; raw MPI: the same bytes each way over blocking "
+               f"MPI calls, answered by a loop that only receives and replies; server us: its own median time on one, "
+               f"from its receipt to the reply queued; with receipt: from the poll that found "
+               f"it, its receipt included: the serving loop's cost of one request (the scaling model's r, with the "
+               f"keys' work))")
+    return out

@@ -118,11 +118,11 @@ class TableRequests:
         ctx.stats["wait_s"] += time.perf_counter() - t - (ctx.stats["background_s"] - busy)
         min_clock = None
         for _, reply in req.parts:
-            h = protocol.reply_header(reply)
-            if h["status"] & protocol.STOP:
-                ctx.server_stop = signal.SIGINT if h["status"] & protocol.INTERRUPT else (ctx.server_stop or signal.SIGTERM)
-            self.server_counts[int(h["server"])] = (int(h["table_keys"]), int(h["admitted"]), int(h["evicted"]))
-            min_clock = int(h["min_clock"]) if min_clock is None else min(min_clock, int(h["min_clock"]))
+            _, status, server_min_clock, server, table_keys, admitted, evicted, _ = protocol.reply_words(reply)
+            if status & protocol.STOP:
+                ctx.server_stop = signal.SIGINT if status & protocol.INTERRUPT else (ctx.server_stop or signal.SIGTERM)
+            self.server_counts[server] = (table_keys, admitted, evicted)
+            min_clock = server_min_clock if min_clock is None else min(min_clock, server_min_clock)
         if req.op in (protocol.PUSH, protocol.RESIDUALS):
             return None
         self.last_min_clock = min_clock

@@ -27,6 +27,7 @@ class WorkerClocks:
         # BSP: (clock, worker, seq, request) of pushes waiting for every worker to pass their clock
         self.buffered: list[tuple[int, int, int, protocol.Push]] = []
         self.seq = 0
+        self._min_clock: int | None = None  # min_clock() until a clock moves (every reply carries it)
 
     @property
     def waiting(self) -> bool:
@@ -38,9 +39,16 @@ class WorkerClocks:
         return self.n_done >= self.num_workers
 
     def min_clock(self) -> int:
-        """The smallest clock of the workers not done (plain Python: a few workers, called per request)."""
-        live = [c for c, d in zip(self.clocks.tolist(), self.done.tolist()) if not d]
-        return min(live) if live else max(self.clocks.tolist(), default=0)
+        """The smallest clock of the workers not done (kept until a clock moves: called per request)."""
+        if self._min_clock is None:
+            live = [c for c, d in zip(self.clocks.tolist(), self.done.tolist()) if not d]
+            self._min_clock = min(live) if live else max(self.clocks.tolist(), default=0)
+        return self._min_clock
+
+    def set_all(self, clock: int) -> None:
+        """Every worker's clock is ``clock`` (a restored checkpoint's)."""
+        self.clocks[:] = clock
+        self._min_clock = None
 
     def ready(self, r: protocol.Message) -> bool:
         """A pull waits for its clock - staleness; a checkpoint for every worker to reach its clock."""
@@ -49,13 +57,16 @@ class WorkerClocks:
         return self.staleness < 0 or r.pull_clock - self.staleness <= self.min_clock()
 
     def advance(self, worker: int, clock: int) -> None:
-        self.clocks[worker] = max(self.clocks[worker], clock)
+        if clock > self.clocks[worker]:
+            self.clocks[worker] = clock
+            self._min_clock = None
 
     def finish(self, worker: int) -> None:
         """``worker`` sent DONE: the others no longer wait for its clock."""
         if not self.done[worker]:
             self.done[worker] = True
             self.n_done += 1
+            self._min_clock = None
 
     def keep_push(self, worker: int, push: protocol.Push) -> None:
         """BSP: keep a push for its turn (:meth:`pushes_due`)."""

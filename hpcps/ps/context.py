@@ -31,6 +31,15 @@ from hpcps.ps.tables import SERVER_FUNCTIONS, Features, ServerFunction, TableSpe
 from hpcps_kernels import keys as kkeys
 
 
+# what a request and its reply are, in stall messages
+_REQUEST_WHAT = {op: f"{name} request to server" for op, name in protocol.OP_NAMES.items()}
+
+
+def _reply_what(op: int, table: str, req_id: int) -> str:
+    of = f" of table {table!r}" if table else ""
+    return f"{protocol.OP_NAMES[op]} reply{of} (request {req_id}) from server"
+
+
 class ConfigMismatch(RuntimeError):
     """Ranks disagree on something that must be identical everywhere."""
 
@@ -162,9 +171,10 @@ class Context(collectives.ContextCollectives, TableDeclarations):
         Args:
             restore: (checkpoint directory, its manifest): load this server's shards first.
             trace: the statistics get ``trace``, a list of ``(op, keys pushed, keys pulled,
-                seconds, bytes received, bytes sent)`` per request handled: seconds from its
-                receipt to its reply queued; the bytes of its messages (their size as received)
-                and of the replies queued meanwhile.
+                seconds, bytes received, bytes sent, seconds with receipt)`` per request handled:
+                seconds from its receipt to its reply queued; the bytes of its messages (their size
+                as received) and of the replies queued meanwhile; seconds from the poll that found
+                it to its reply queued (the serving loop's cost of one request).
         """
         if not self.is_server:
             raise RuntimeError("serve() is for server ranks (ctx.is_server)")
@@ -194,10 +204,10 @@ class Context(collectives.ContextCollectives, TableDeclarations):
         its payload, as the header says: ``protocol.payload_apart``), then send ``msg`` to
         ``server``; returns the pending transfers (for :func:`hpcps.ps.transport.wait`), described
         by the operation and table for stall messages."""
-        of = f" of table {table!r}" if table else ""
-        tag, what = protocol.reply_tag(req_id, self.tag_ub), f"{protocol.OP_NAMES[op]} reply{of} (request {req_id}) from server"
+        tag = protocol.reply_tag(req_id, self.tag_ub)
+        what = transport.Described(_reply_what, (op, table, req_id))  # (written out only in a stall message)
         pending = self.net.start_recv_framed(reply, protocol.REPLY_BYTES, server, tag, what, protocol.payload_apart)
-        return pending + self.net.start_send(msg, server, protocol.TAG_REQUEST, f"{protocol.OP_NAMES[op]} request to server")
+        return pending + self.net.start_send(msg, server, protocol.TAG_REQUEST, _REQUEST_WHAT[op])
 
     def send_grads(self, server: int, grads: np.ndarray, op: int) -> list:
         """Send the gradients of the request just sent to ``server`` as a message of their own
@@ -332,7 +342,7 @@ class LocalContext(Context):
         for table in server.tables:
             table.set_contents(contents[table.spec.name])
         self.clock_value = clock
-        server.workers.clocks[:] = clock  # each worker's clock as the server knows it
+        server.workers.set_all(clock)  # each worker's clock as the server knows it
 
     def finish_serving(self, timeout: float | None = None) -> None:
         if not self._done_sent:

@@ -62,6 +62,7 @@ stop signal, and ``INTERRUPT`` with it: that signal was SIGINT. There is no erro
 from __future__ import annotations
 
 import signal
+import struct
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -82,6 +83,13 @@ REPLY = np.dtype([("req_id", "<i8"), ("status", "<i8"), ("min_clock", "<i8"), ("
 CHECKPOINT_RESULT = np.dtype([("file_bytes", "<i8"), ("xxh64", "S64")])
 HEADER_BYTES = REQUEST.itemsize
 REPLY_BYTES = REPLY.itemsize
+# the same headers as struct formats: every field is a little-endian int64, and struct writes and
+# reads a header's words about ten times faster than a structured NumPy scalar (on every request)
+_REQUEST_WORDS = struct.Struct("<" + "q" * len(REQUEST.names))
+_REPLY_WORDS = struct.Struct("<" + "q" * len(REPLY.names))
+assert all(REQUEST.fields[n][0] == np.dtype("<i8") for n in REQUEST.names)
+assert all(REPLY.fields[n][0] == np.dtype("<i8") for n in REPLY.names)
+assert _REQUEST_WORDS.size == HEADER_BYTES and _REPLY_WORDS.size == REPLY_BYTES
 
 _NO_KEYS = np.zeros(0, dtype=np.uint64)
 
@@ -213,7 +221,7 @@ def _words(op: int, table: int, req_id: int, sizes: tuple[int, int], clock: int,
 def _pack(words: tuple, nbytes: int, alloc=None) -> np.ndarray:
     """A message of ``nbytes`` from ``alloc`` (default ``np.empty``) with its header written."""
     buf = _take(alloc, nbytes)
-    buf[:HEADER_BYTES].view(REQUEST)[0] = words
+    _REQUEST_WORDS.pack_into(buf, 0, *words)
     return buf
 
 
@@ -248,7 +256,7 @@ def _pack_pushed(words: tuple, keys: np.ndarray, grads: np.ndarray, pull_keys: n
         buf = place(alloc, nbytes, HEADER_BYTES + 8 * n_push, grads)
     else:
         buf = _take(alloc, nbytes)
-    buf[:HEADER_BYTES].view(REQUEST)[0] = words
+    _REQUEST_WORDS.pack_into(buf, 0, *words)
     at = HEADER_BYTES
     if n_push:
         buf[at:at + 8 * n_push].view(np.uint64)[:] = keys
@@ -475,9 +483,6 @@ def header(buf: np.ndarray):
     return buf[:HEADER_BYTES].view(REQUEST)[0]
 
 
-assert all(REQUEST.fields[n][0] == np.dtype("<i8") for n in REQUEST.names)  # read as one int64 array below
-
-
 _FLAGS_AT = REQUEST.fields["flags"][1]
 
 
@@ -485,7 +490,7 @@ def apart_grads_bytes(buf: np.ndarray, dims: list[int]) -> int:
     """The size of the gradients message that follows request ``buf`` (0: none)."""
     if not buf[_FLAGS_AT] & GRADS_APART:  # (one byte read: this runs on every request)
         return 0
-    op, table, _, n_push, _, _, _, _, flags = buf[:HEADER_BYTES].view(np.int64).tolist()
+    op, table, _, n_push, _, _, _, _, flags = _REQUEST_WORDS.unpack_from(buf)
     return 4 * n_push * dims[table] if op in (PUSH, PUSHPULL) else 0
 
 
@@ -494,7 +499,7 @@ def unpack_request(buf: np.ndarray, dims: list[int], grads: np.ndarray | None = 
     each table's; ``grads``: the bytes of the gradients that followed it (:data:`GRADS_APART`)."""
     # the words in REQUEST's order, in one call (reading a structured scalar field by field costs
     # about 30 us a request on the server's critical path)
-    words = buf[:HEADER_BYTES].view(np.int64).tolist()
+    words = _REQUEST_WORDS.unpack_from(buf)
     kind = MESSAGES.get(words[0])
     if kind is None:
         raise ValueError(f"unknown request op {words[0]}")
@@ -508,8 +513,7 @@ def pack_reply(req_id: int, status: int, min_clock: int, server: int, payload_by
     (rows held, keys admitted, rows evicted) on this server; ``alloc``: as for :func:`pack_request`;
     ``apart``: it goes as its header, then its payload (:data:`PAYLOAD_APART`)."""
     buf = _take(alloc, REPLY_BYTES + payload_bytes)
-    buf[:REPLY_BYTES].view(REPLY)[0] = (req_id, status, min_clock, server, *counts,
-                                        PAYLOAD_APART if apart else 0)
+    _REPLY_WORDS.pack_into(buf, 0, req_id, status, min_clock, server, *counts, PAYLOAD_APART if apart else 0)
     return buf, buf[REPLY_BYTES:]
 
 
@@ -525,7 +529,14 @@ def payload_apart(head: np.ndarray) -> bool:
 
 
 def reply_header(buf: np.ndarray):
+    """A reply's header as a structured scalar (``h["req_id"]``, ...); :func:`reply_words` is faster."""
     return buf[:REPLY_BYTES].view(REPLY)[0]
+
+
+def reply_words(buf: np.ndarray) -> tuple:
+    """A reply header's words, in REPLY's order (``req_id, status, min_clock, server, table_keys,
+    admitted, evicted, flags``): what a worker reads of every reply."""
+    return _REPLY_WORDS.unpack_from(buf)
 
 
 def pulled_values(buf: np.ndarray, dim: int) -> np.ndarray:

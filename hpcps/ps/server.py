@@ -97,7 +97,7 @@ def restore_checkpoint(tables: list[ServerTable], workers: WorkerClocks, ckpt: s
         keys, rows = checkpoint.read_for_server(ckpt, manifest, table.spec.name, *where)
         state = checkpoint.read_state_for_server(ckpt, manifest, table.spec.name, *where)
         table.restore_checkpoint(keys, rows, state, manifest["clock"])
-    workers.clocks[:] = manifest["clock"]
+    workers.set_all(manifest["clock"])
 
 
 def write_checkpoint_file(ckpt: str, tables: list[ServerTable], server: int, placement: Placement,
@@ -112,6 +112,10 @@ def write_checkpoint_file(ckpt: str, tables: list[ServerTable], server: int, pla
         return checkpoint.write_server_file(path, server, placement.num_servers, placement.num_shards, parts)
     except OSError as e:
         raise checkpoint.write_failure(path, e, f"server {server}") from None
+
+
+# what a reply is, in stall messages (made once, not per reply)
+_REPLY_WHAT = {op: f"{name} reply" for op, name in protocol.OP_NAMES.items()}
 
 
 class Replies:
@@ -129,14 +133,14 @@ class Replies:
         self.tables = tables
         self.tag_ub = net.tag_ub
         self.sending: list[transport.Pending] = []
+        self.posted_bytes = 0  # bytes of the replies posted since the serving loop last looked
 
     def new(self, req_id: int, payload_bytes: int, table: int = -1,
             apart: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """A reply to request ``req_id`` of table ``table`` (-1: none) and a view of its payload;
         ``apart``: it goes as its header, then its payload (``protocol.PAYLOAD_APART``)."""
         status = protocol.stop_status(signals.requested())
-        t = self.tables[table] if table >= 0 else None
-        counts = (t.size, t.admitted, t.evicted) if t is not None else (0, 0, 0)
+        counts = self.tables[table].counts() if table >= 0 else (0, 0, 0)
         return protocol.pack_reply(req_id, status, self.workers.min_clock(), self.index, payload_bytes, counts,
                                    self.pool.take, apart)
 
@@ -144,9 +148,15 @@ class Replies:
         """Send a reply, as its header says: whole, or its header then its payload."""
         tag = protocol.reply_tag(req_id, self.tag_ub)
         if protocol.payload_apart(buf):
-            self.sending.extend(self.net.start_send_announced(buf, protocol.REPLY_BYTES, dest, tag, what))
+            self.sending += self.net.start_send_announced(buf, protocol.REPLY_BYTES, dest, tag, what)
         else:
-            self.sending.extend(self.net.start_send(buf, dest, tag, what))
+            self.sending += self.net.start_send(buf, dest, tag, what)
+        self.posted_bytes += buf.nbytes
+
+    def take_posted_bytes(self) -> int:
+        """The bytes of the replies posted since the last call."""
+        n, self.posted_bytes = self.posted_bytes, 0
+        return n
 
     def ack(self, dest: int, r: protocol.Push | protocol.Residuals, what: str) -> None:
         """An empty reply: request ``r`` is done."""
@@ -314,7 +324,7 @@ class Server:
         if n:
             self.tables[r.table].pull(r.pull_keys, payload.view(np.float32).reshape(n, dim),
                                       source - self.worker_rank0)
-        self.replies.post(reply, source, r.req_id, f"{protocol.OP_NAMES[r.op]} reply")
+        self.replies.post(reply, source, r.req_id, _REPLY_WHAT[r.op])
 
     def _serve_call(self, source: int, r: protocol.Call) -> None:
         """Run a declared server function over the keys this server owns."""
@@ -372,49 +382,52 @@ class ServingLoop:
         self.poll = transport.Poller()
         self.warned: set = set()  # the stalled reads already reported
         self.last_check = time.monotonic()
-        self.last_request = (time.perf_counter(), time.process_time())
+        self.last_request = time.perf_counter()  # when the last request's handling ended
+        self.idle_since_cpu: float | None = time.process_time()  # the CPU clock when the loop went idle
 
     def run(self) -> None:
         server = self.server
         server.stats.update(idle_gap_wall_s=0.0, idle_gap_cpu_s=0.0)
         while not server.workers.all_done or server.workers.waiting:
+            probed = time.perf_counter()
             got = server.net.probe_request(protocol.TAG_REQUEST, server.pool.take)
             if got is None:
                 self._idle()
                 continue
             source, buf = got
             grads = self._apart_grads(source, buf)  # (a transfer: before the request's own time)
-            self._handle_timed(source, buf, grads)
+            self._handle_timed(source, buf, grads, probed)
 
     def _idle(self) -> None:
         """No request: finish the sends that are done, check for stalled reads now and then, sleep."""
         server = self.server
         server.replies.drop_completed()
+        if self.idle_since_cpu is None:  # (read once per idle spell, not per request)
+            self.idle_since_cpu = time.process_time()
         now = time.monotonic()
         if now - self.last_check > 1.0:
             self._warn_of_stalled_reads()
             self.last_check = now
         server.stats["idle_s"] += self.poll.idle()
 
-    def _handle_timed(self, source: int, buf: np.ndarray, grads: np.ndarray | None) -> None:
+    def _handle_timed(self, source: int, buf: np.ndarray, grads: np.ndarray | None, probed: float) -> None:
         server, stats = self.server, self.server.stats
         t = time.perf_counter()
-        cpu = time.process_time()
-        if t - self.last_request[0] > 0.5:  # a quiet spell: what did waiting cost?
-            stats["idle_gap_wall_s"] += t - self.last_request[0]
-            stats["idle_gap_cpu_s"] += cpu - self.last_request[1]
-        queued = len(server.replies.sending)
+        if t - self.last_request > 0.5 and self.idle_since_cpu is not None:  # a quiet spell: what did waiting cost?
+            stats["idle_gap_wall_s"] += t - self.last_request
+            stats["idle_gap_cpu_s"] += time.process_time() - self.idle_since_cpu
+        self.idle_since_cpu = None
         server.handle(source, buf, grads)
-        busy = time.perf_counter() - t
-        stats["busy_s"] += busy
-        if server.trace is not None:  # (the bytes as MPI carried them: the probed size, the sends queued)
+        end = time.perf_counter()
+        stats["busy_s"] += end - t
+        sent = server.replies.take_posted_bytes()
+        if server.trace is not None:  # (the bytes as MPI carried them: the probed size, the replies queued)
             h = protocol.header(buf)
-            server.trace.append((int(h["op"]), int(h["n_push"]), int(h["n_pull"]), busy,
-                                 buf.nbytes + (0 if grads is None else grads.nbytes),
-                                 sum(p.nbytes for p in server.replies.sending[queued:])))
+            server.trace.append((int(h["op"]), int(h["n_push"]), int(h["n_pull"]), end - t,
+                                 buf.nbytes + (0 if grads is None else grads.nbytes), sent, end - probed))
         # keep polling without sleep while the replies just queued should be in transfer
-        self.poll.reset(sum(p.nbytes for p in server.replies.sending))
-        self.last_request = (time.perf_counter(), time.process_time())
+        self.poll.reset(sent)
+        self.last_request = end
 
     def _apart_grads(self, source: int, buf: np.ndarray) -> np.ndarray | None:
         """The gradients that follow a request from ``source`` as a message of their own

@@ -79,6 +79,10 @@ class ServerTable:
         """Each row's last update (by slot), when rows may be evicted."""
         return self.policies.eviction.last if self.policies.eviction is not None else None
 
+    def counts(self) -> tuple[int, int, int]:
+        """(rows held, keys admitted, rows evicted): what every reply about the table carries."""
+        return self.store.index.size, self.policies.admitted, self.policies.evicted
+
     @property
     def max_keys(self) -> int:
         """The rows the memory budget allows (0: no budget)."""

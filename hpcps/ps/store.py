@@ -20,7 +20,7 @@ from hpcps_kernels import init as kinit
 from hpcps_kernels import keys as kkeys
 from hpcps_kernels.directindex import DirectKeyIndex
 from hpcps_kernels.hashtable import KeyIndex
-from hpcps_kernels.parallel import TwoThreads, run_split
+from hpcps_kernels.parallel import TwoThreads, run_split, splits_pull
 from hpcps_kernels.tuning import DIRECT_AT_ONCE_BITS, DIRECT_FROM_SHIFT
 
 # Pulls whose slots a server keeps per worker and table for the pushes of the same keys: 2, the
@@ -97,11 +97,15 @@ class RowStore:
             slots = self.index.pull(keys, self.rows, s.dim, self.init_kind, s.init_scale, s.seed, out, threads)
         else:
             slots = self.index.lookup(keys)
-            run_split(threads, keys.shape[0], lambda lo, hi: kinit.pull_rows(
-                self.rows, slots[lo:hi], keys[lo:hi], s.dim, self.init_kind, s.init_scale, s.seed, out[lo:hi]),
-                s.dim, pull=True)
-        for key, values in self.init_keys:  # absent keys with given initial values
-            out[(keys == key) & (slots < 0)] = values
+            if splits_pull(keys.shape[0], s.dim) and threads is not None:
+                run_split(threads, keys.shape[0], lambda lo, hi: kinit.pull_rows(
+                    self.rows, slots[lo:hi], keys[lo:hi], s.dim, self.init_kind, s.init_scale, s.seed, out[lo:hi]),
+                    s.dim, pull=True)
+            else:  # (most pulls: no closure on the way of every request)
+                kinit.pull_rows(self.rows, slots, keys, s.dim, self.init_kind, s.init_scale, s.seed, out)
+        if self.init_keys:
+            for key, values in self.init_keys:  # absent keys with given initial values
+                out[(keys == key) & (slots < 0)] = values
         return slots
 
     def push_in_one_pass(self, keys: np.ndarray, grads: np.ndarray, rule: int, params: np.ndarray,

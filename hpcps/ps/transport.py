@@ -226,6 +226,19 @@ def install_abort_handler() -> None:
     threading.excepthook = thread_hook
 
 
+class Described:
+    """What a transfer is for, written out (``fn(*args)``) only when a stall message needs it:
+    a request's description costs nothing on the way of every request."""
+
+    __slots__ = ("fn", "args")
+
+    def __init__(self, fn: Callable[..., str], args: tuple):
+        self.fn, self.args = fn, args
+
+    def __str__(self) -> str:
+        return self.fn(*self.args)
+
+
 @dataclass
 class Pending:
     """A nonblocking request with what it is for (used in stall messages) and its buffers.
@@ -234,7 +247,7 @@ class Pending:
     """
 
     request: MPI.Request
-    what: str
+    what: str | Described
     peer: int = -1
     buffers: tuple = ()
     nbytes: int = 0
@@ -334,7 +347,7 @@ def _test(todo: Sequence[Pending]) -> tuple[list[Pending], bool, int]:
 
 def describe(todo: Sequence[Pending]) -> str:
     peers = sorted({p.peer for p in todo if p.peer >= 0})
-    whats = sorted({p.what for p in todo})
+    whats = sorted({str(p.what) for p in todo})
     s = ", ".join(whats)
     if peers:
         s += f" (from rank{'s' if len(peers) > 1 else ''} {', '.join(map(str, peers))})"
@@ -407,6 +420,9 @@ def start_send(comm: MPI.Comm, array: np.ndarray, dest: int, tag: int, what: str
 
     The receiver must post :func:`start_recv` with an array of the same size in bytes.
     """
+    if array.dtype == np.uint8 and array.ndim == 1 and array.nbytes <= MAX_MESSAGE_BYTES \
+            and array.flags.c_contiguous:  # a message of bytes, whole (every request and reply)
+        return [Pending(comm.Isend(array, dest=dest, tag=tag), what, dest, (array,), array.nbytes)]
     array = np.ascontiguousarray(array)
     return [Pending(comm.Isend(c, dest=dest, tag=tag), what, dest, (array, c), c.nbytes) for c in _chunks(array)]
 
@@ -671,6 +687,18 @@ def blocking_pingpong_reference(comm: MPI.Comm, peer: int, first: bool, buf: np.
             comm.Send(buf, dest=peer, tag=6)
         times.append(time.perf_counter() - t)
     return times[1:]
+
+
+def blocking_serve_reference(comm: MPI.Comm, requests: int, request_bytes: int, reply_bytes: int, tag: int) -> None:
+    """Receive ``requests`` messages of ``request_bytes`` from any rank with MPI's blocking calls,
+    answering each with ``reply_bytes`` under ``tag + 1``: the raw floor of a server's requests
+    (spins a core; benchmarks only)."""
+    buf = np.empty(max(request_bytes, 1), dtype=np.uint8)
+    reply = np.zeros(max(reply_bytes, 1), dtype=np.uint8)
+    status = MPI.Status()
+    for _ in range(requests):
+        comm.Recv(buf[:request_bytes], source=MPI.ANY_SOURCE, tag=tag, status=status)
+        comm.Send(reply[:reply_bytes], dest=status.Get_source(), tag=tag + 1)
 
 
 def blocking_recv_reference(comm: MPI.Comm, buf: np.ndarray, source: int, tag: int) -> None:
