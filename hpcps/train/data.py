@@ -29,7 +29,7 @@ import numpy as np
 from hpcps.train import inputs, tables
 from hpcps.train.inputs import BOM, DataChanged, DataError, Piece, check_file, check_unchanged, file_state
 from hpcps_kernels import parse
-from hpcps_kernels.tuning import PARSE_BLOCK_BYTES
+from hpcps_kernels.tuning import PARSE_AHEAD_BYTES, PARSE_BLOCK_BYTES
 
 # feature_key(0xB1A5, "bias"), written out so that importing this module compiles nothing
 BIAS_KEY = np.uint64(871999724124195170)
@@ -728,7 +728,7 @@ class SlicesAhead:
     makes a slice's Dataset; ``keep``: every parsed slice is kept for the next passes (the part
     is held in memory); ``ahead_limit``: bytes of parsed rows held ahead at most."""
 
-    THREAD_AHEAD_BYTES = 64 << 20  # parsed rows a parse thread holds ahead at most (start_thread)
+    THREAD_AHEAD_BYTES = PARSE_AHEAD_BYTES  # parsed rows a parse thread holds ahead at most (start_thread)
 
     def __init__(self, generator, dataset, keep: bool, ahead_limit: float):
         self.generator, self.dataset = generator, dataset
@@ -1046,12 +1046,13 @@ class PartStream:
         self.slices.stop_thread()
 
     def keep_no_slices(self) -> None:
-        """The training keeps its batches itself (compacted, see :meth:`Dataset.compact`): keep
-        no parsed slice for the next passes, so a slice's memory goes once its batches are
-        compacted. Pumps still parse the whole part ahead: held to a budget, the first epoch of
-        a 3-epoch job ran slower (the worker's waits slept instead of parsing) for a peak memory
-        about a sixth lower."""
+        """Keep no parsed slice for the next passes: the training keeps its batches itself
+        (compacted, see :meth:`Dataset.compact`), or has one pass. A slice's memory goes once
+        its batches are trained on (or compacted), and pumps hold at most ``PARSE_AHEAD_BYTES``
+        of parsed rows ahead (kernels/tuning.py): the whole part parsed ahead in the wide form
+        was the worker's peak memory (about 3 times VW's on 1.6 M libsvm rows) for no speed."""
         self.slices.keep_slices = False
+        self.slices.ahead_limit = min(self.slices.ahead_limit, PARSE_AHEAD_BYTES)
 
     def forget(self) -> None:
         """Drop the parsed slices (the training keeps its own batches from here on); a later

@@ -42,8 +42,8 @@ class BatchFeed:
         self.for_next_epochs: dict[int, tuple] | None = (
             {} if tr.epochs > 1 and isinstance(train, tdata.PartStream) and train.keep
             and cfg.model.compute == "workers" and not keys_needed else None)
-        if self.for_next_epochs is not None:
-            train.keep_no_slices()
+        if self.for_next_epochs is not None or (tr.epochs == 1 and isinstance(train, tdata.PartStream)):
+            train.keep_no_slices()  # (one pass: nothing reads a slice twice)
         self.held_out: dict[int, tdata.Dataset] = {}  # the held-out rows of the batches made
         self.collecting = False  # this epoch's held-out rows make the holdout set
         self.holdout_pieces: list[tdata.Dataset] = []
