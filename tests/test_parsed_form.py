@@ -1,0 +1,61 @@
+"""The parsed form of a worker's rows: libsvm's one-pass reader of common lines, and the compact
+form of the batches kept for later epochs, each checked to give exactly the rows of the general
+path (bit for bit)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hpcps_kernels import parse
+
+LINES = [
+    b"1 3:1 17:1 123456789:1",
+    b"0 5:0.25 6:1e-3 7:-2",           # values other than 1
+    b"1 00000000000000000042:1 9999999999999999999:1",  # 20 digits (the line reader), and 19 (masked)
+    b"0 1:1 ",                          # a trailing blank
+    b"1  2:1\t3:1",                     # runs of blanks and a tab
+    b"# a comment",
+    b"",
+    b"1 4:1 # a comment after the features",
+    b"0 qid:3 8:1",
+    b"1.0 9:1",                          # a label of another form
+    b"+1 10:1",
+    b"1 11:1\r",                         # a CR
+    b"0 12:1.5 13:1",
+]
+
+
+def _rows(text: bytes, **kw):
+    return parse.parse_libsvm(np.frombuffer(text, np.uint8), bias=7, bits=24, **kw)
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_common_libsvm_lines_parse_as_the_line_reader_reads_them(binary):
+    rng = np.random.default_rng(3)
+    lines = [LINES[i] for i in rng.integers(0, len(LINES), 400)]
+    text = b"\n".join(lines) + b"\n"
+    # a blank before each line: no line is of the common shape, the line reader reads them all
+    general = b"\n".join(b" " + ln for ln in lines) + b"\n"
+    fast, slow = _rows(text, binary=binary), _rows(general, binary=binary)
+    for a, b in zip(fast[:4], slow[:4]):
+        np.testing.assert_array_equal(a, b)
+        assert a.dtype == b.dtype
+    assert fast[0].shape[0] == 400 - sum(ln.startswith((b"#", b"\x00")) or not ln for ln in lines)
+
+
+def test_a_zero_label_after_a_minus_one_is_still_an_error_in_a_common_line():
+    with pytest.raises(parse.ParseError, match=r"^f\.svm:2: labels mix 0 and -1"):
+        parse.parse_libsvm(b"-1 1:1\n0 2:1\n", source="f.svm", binary=True)
+    seen = np.zeros(2, np.int64)
+    parse.parse_libsvm(b"0 1:1\n1 2:1\n", binary=True, seen=seen)  # (the common reader marks the 0)
+    assert list(seen) == [1, 0]
+    with pytest.raises(parse.ParseError, match="labels mix 0 and -1"):
+        parse.parse_libsvm(b"-1 1:1\n", binary=True, seen=seen)
+
+
+def test_a_last_line_without_its_newline_and_a_bad_line_in_a_run_of_common_ones():
+    labels, indptr, indices, values, _ = _rows(b"1 1:1\n0 2:1")
+    assert list(labels) == [1, 0] and list(indices) == [1, 7, 2, 7]
+    with pytest.raises(parse.ParseError, match=r"^<bytes>:3: bad number"):
+        _rows(b"1 1:1\n0 2:1\n1 3:x\n0 4:1\n")
