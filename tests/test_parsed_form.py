@@ -59,3 +59,58 @@ def test_a_last_line_without_its_newline_and_a_bad_line_in_a_run_of_common_ones(
     assert list(labels) == [1, 0] and list(indices) == [1, 7, 2, 7]
     with pytest.raises(parse.ParseError, match=r"^<bytes>:3: bad number"):
         _rows(b"1 1:1\n0 2:1\n1 3:x\n0 4:1\n")
+
+
+def _compacted(indices: np.ndarray):
+    from hpcps.train import data
+    from hpcps_kernels import keys as kkeys
+
+    rows = indices.shape[0]
+    b = data.Dataset(np.zeros(rows, np.float32), np.arange(rows + 1, dtype=np.int64), indices.copy(),
+                     np.ones(rows, np.float32))
+    uniq, pos = b.compact(*kkeys.dedup_keys(indices))
+    kept_uniq, kept_pos = b.prepared
+    np.testing.assert_array_equal(kept_uniq[kept_pos], indices)  # every key back, exactly
+    np.testing.assert_array_equal(kept_uniq, uniq)
+    np.testing.assert_array_equal(kept_pos, pos)
+    assert kept_uniq.dtype == np.uint64 and kept_pos.dtype == np.int32
+    return b.compacted
+
+
+def test_the_compact_form_of_24_bit_keys_and_the_bias_is_32_bit_keys_and_16_bit_positions():
+    from hpcps.train.data import BIAS_KEY
+
+    rng = np.random.default_rng(1)
+    keys = np.concatenate([rng.integers(0, 2**24, 5000, dtype=np.uint64), [BIAS_KEY] * 100])
+    c = _compacted(rng.permutation(keys))
+    assert c.keys.dtype == np.uint32 and c.pos.dtype == np.uint16 and list(c.high) == [BIAS_KEY]
+
+
+def test_a_batch_past_the_narrow_position_limit_keeps_int32_positions():
+    keys = np.arange(70_000, dtype=np.uint64) * np.uint64(7)  # 70,000 unique keys > 65,536
+    c = _compacted(np.concatenate([keys, keys[:10]]))
+    assert c.pos.dtype == np.int32 and c.keys.dtype == np.uint32
+    c = _compacted(np.arange(1 << 16, dtype=np.uint64))  # exactly 65,536: still narrow
+    assert c.pos.dtype == np.uint16
+
+
+def test_keys_of_more_than_32_bits_stay_64_bit_keys():
+    rng = np.random.default_rng(2)
+    keys = rng.integers(0, 2**40, 3000, dtype=np.uint64)  # hash_bits 40: nearly all above 2**32
+    c = _compacted(keys)
+    assert c.keys.dtype == np.uint64 and c.high_at is None
+    few = np.concatenate([rng.integers(0, 2**20, 3000, dtype=np.uint64), rng.integers(2**33, 2**40, 50, dtype=np.uint64)])
+    c = _compacted(few)  # a few wide keys: apart, the rest narrow
+    assert c.keys.dtype == np.uint32 and c.high.shape[0] == 50
+
+
+@pytest.mark.parametrize("fmt", ["libsvm", "criteo", "vw"])
+def test_the_compact_form_gives_back_every_batch_of_every_format_exactly(tmp_path, fmt):
+    from hpcps.train import data, synth
+
+    d = synth.generate(str(tmp_path), 3000, 10, fields=39, seed=4, hash_bits=24, formats=(fmt,))
+    whole = data.load_part(d.files[f"train_{fmt}"], 0, 1, fmt, binary=True)
+    for lo in range(0, whole.rows, 700):
+        b = whole.batch(lo, lo + 700)
+        c = _compacted(b.indices)
+        assert c.keys.dtype == np.uint32 and c.pos.dtype == np.uint16

@@ -185,6 +185,38 @@ def ones(n: int) -> np.ndarray:
     return _ONES[:n]
 
 
+class CompactKeys:
+    """A kept batch's unique keys and each nonzero's position among them, in the narrowest form
+    that holds them exactly: keys as uint32 when at most a quarter of them need more bits (those,
+    such as the bias key, kept apart with their places), positions as uint16 when the batch has at
+    most 65,536 unique keys. :meth:`wide` gives back (uint64 keys, int32 positions), equal to the
+    pair kept, for a step (a copy of a batch's keys: microseconds against its step)."""
+
+    __slots__ = ("keys", "high_at", "high", "pos")
+    NARROW_POSITIONS = 1 << 16  # unique keys a batch may have for uint16 positions
+
+    def __init__(self, uniq: np.ndarray, pos: np.ndarray):
+        high_at = np.flatnonzero(uniq > np.uint64(0xFFFFFFFF))
+        if 4 * high_at.shape[0] > uniq.shape[0]:  # mostly keys of more bits (hash_bits > 32): as they are
+            self.keys, self.high_at, self.high = uniq, None, None
+        else:
+            self.keys, self.high_at, self.high = uniq.astype(np.uint32), high_at, uniq[high_at]
+        self.pos = pos.astype(np.uint16 if uniq.shape[0] <= self.NARROW_POSITIONS else np.int32)
+
+    def wide(self) -> tuple:
+        """(unique keys as uint64, positions as int32)."""
+        if self.high_at is None:
+            uniq = self.keys
+        else:
+            uniq = self.keys.astype(np.uint64)
+            uniq[self.high_at] = self.high
+        return uniq, self.pos.astype(np.int32)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.keys, self.high_at, self.high, self.pos) if a is not None)
+
+
 @dataclass
 class Dataset:
     labels: np.ndarray      # float32 (rows,)
@@ -193,23 +225,29 @@ class Dataset:
     values: np.ndarray      # float32 (nnz,)
     skipped: int = 0
     source: str = ""
-    # a batch the training keeps for its next epochs: (unique keys, int32 position of each nonzero
-    # among them), set by compact(), which then drops ``indices``
-    prepared: tuple | None = None
+    # a batch the training keeps for its next epochs: its unique keys and each nonzero's position
+    # among them, set by compact(), which then drops ``indices``
+    compacted: CompactKeys | None = None
     keep_prepared: bool = False
     state: dict | None = None  # its files' part_states when they were read (a loaded part)
     weights: np.ndarray | None = None  # float32 (rows,): each row's importance weight; None: all 1
 
+    @property
+    def prepared(self) -> tuple | None:
+        """A compacted batch's (unique keys uint64, int32 position of each nonzero among them)."""
+        return None if self.compacted is None else self.compacted.wide()
+
     def compact(self, uniq: np.ndarray, pos: np.ndarray) -> tuple:
-        """Keep the batch's keys as its unique keys and each nonzero's int32 position among them
-        (``uniq[pos] == indices``), and drop ``indices``: 4 bytes a nonzero and 8 a unique key
-        instead of 8 a nonzero, and no deduplication in the next epochs. Values that are all 1
-        (Criteo, binary features) become a view of one shared array of ones. Returns the pair."""
-        self.prepared = (uniq, pos.astype(np.int32))
+        """Keep the batch's keys as its unique keys and each nonzero's position among them
+        (``uniq[pos] == indices``; :class:`CompactKeys`: 2 bytes a nonzero and 4 a unique key at
+        most 2**32 where the batch allows, instead of 8 a nonzero), and drop ``indices``: no
+        deduplication in the next epochs. Values that are all 1 (Criteo, binary features) become
+        a view of one shared array of ones. Returns (uniq, int32 pos) for this step."""
+        self.compacted = CompactKeys(uniq, pos)
         self.indices = None
         if self.values.shape[0] and (self.values == 1.0).all():
             self.values = ones(self.values.shape[0])
-        return self.prepared
+        return uniq, pos.astype(np.int32)
 
     @property
     def rows(self) -> int:
@@ -242,7 +280,7 @@ class Dataset:
 
     @property
     def nbytes(self) -> int:
-        keys = self.indices.nbytes if self.indices is not None else sum(a.nbytes for a in self.prepared or ())
+        keys = self.indices.nbytes if self.indices is not None else getattr(self.compacted, "nbytes", 0)
         values = self.values.nbytes if self.values.base is not _ONES else 0
         return self.labels.nbytes + self.indptr.nbytes + keys + values + getattr(self.weights, "nbytes", 0)
 
