@@ -114,3 +114,28 @@ def test_the_compact_form_gives_back_every_batch_of_every_format_exactly(tmp_pat
         b = whole.batch(lo, lo + 700)
         c = _compacted(b.indices)
         assert c.keys.dtype == np.uint32 and c.pos.dtype == np.uint16
+
+
+def test_a_narrowed_batch_gives_a_step_the_same_row_offsets():
+    from hpcps.train import data
+    from hpcps_kernels import keys as kkeys
+
+    rng = np.random.default_rng(5)
+    for longest in (200, 300, 70_000):  # uint8, uint16 lengths; past 65,535 the offsets stay
+        lengths = rng.integers(0, longest, 50)
+        lengths[7] = longest
+        indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        nnz = int(indptr[-1])
+        b = data.Dataset(np.zeros(50, np.float32), indptr.copy(), np.arange(nnz, dtype=np.uint64) % 977,
+                         np.ones(nnz, np.float32))
+        b.compact(*kkeys.dedup_keys(b.indices))
+        before = b.nbytes
+        b.narrow_rows()
+        step = b.for_a_step()
+        np.testing.assert_array_equal(step.indptr, indptr)
+        assert step.indptr.dtype == np.int64 and step.prepared[0].shape == b.prepared[0].shape
+        if longest <= 0xFFFF:
+            assert b.indptr is None and b.row_lengths.dtype == (np.uint8 if longest <= 255 else np.uint16)
+            assert b.nbytes < before
+        else:
+            assert step is b
