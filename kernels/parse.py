@@ -252,7 +252,8 @@ UNLABELED = -2  # a line reader's status for a row without a label (OK, or NO_LA
 
 
 @register_jitable(inline="always")
-def _no_common_lines(buf, i, labels, weights, indptr, indices, rows, nnz, mask, with_bias, bias, field_shift):
+def _no_common_lines(buf, i, labels, weights, indptr, indices, values, rows, nnz, mask, with_bias, bias, field_shift,
+                     binary, seen):
     return i, rows, nnz, 0
 
 
@@ -285,8 +286,8 @@ def text_kernel(name: str, read_line, read_common_lines=_no_common_lines, with_v
         skipped = 0
         indptr[0] = 0
         while i < n:
-            i, rows, nnz, lines = read_common_lines(buf, i, labels, weights, indptr, indices, rows, nnz, mask,
-                                                    with_bias, bias, field_shift)
+            i, rows, nnz, lines = read_common_lines(buf, i, labels, weights, indptr, indices, values, rows, nnz,
+                                                    mask, with_bias, bias, field_shift, binary, seen)
             line += lines
             if i >= n:
                 break
@@ -407,7 +408,74 @@ def _libsvm_line(buf, i, n, indices, values, nnz, binary, seen, mask, field_shif
     return end, UNLABELED if unlabeled and status == OK else status, lab, which, row_nnz, 1.0
 
 
-libsvm_kernel = text_kernel("libsvm_kernel", _libsvm_line)
+@register_jitable(inline="always")
+def _libsvm_common_lines(buf, i, labels, weights, indptr, indices, values, rows, nnz, mask, with_bias, bias,
+                         field_shift, binary, seen):
+    """Parse lines of the common libsvm shape from ``i`` on, as :func:`_libsvm_line` would, in one
+    pass over their bytes: a label ``0`` or ``1``, then ``index:value`` pairs (an index of at most
+    19 digits) each after one space, the last ending at a newline. Stops at the first line of any
+    other kind (a comment, ``qid``, a CR, tabs or runs of blanks, a label of another form, a bad
+    or last unfinished line), which the line reader reads. Returns ``(i, rows, nnz, lines)``.
+
+    The general reader first finds the line's end and any comment, then reads the tokens: two
+    passes, the second with a test for a comment's end and ``qid`` per token (half the speed)."""
+    n, lines = buf.shape[0], 0
+    if field_shift >= 0:  # libffm: the general reader
+        return i, rows, nnz, 0
+    i, rows, nnz = max(i, 0), max(rows, 0), max(nnz, 0)  # (known non-negative: no wrap-around tests)
+    while i + 2 < n:
+        c = buf[i]
+        if not (c == 48 or c == 49) or buf[i + 1] != SPACE or (binary and c == 48 and seen[1]):
+            break  # (a 0 after a -1: the reader says so)
+        j = i + 2
+        row_nnz = nnz
+        ok = True
+        while True:  # at an index's first digit
+            start = j
+            key = np.uint64(0)
+            while j < n and _is_digit(buf[j]):
+                key = key * np.uint64(10) + np.uint64(buf[j] - 48)
+                j += 1
+            if j == start or j - start > 19 or j + 1 >= n or buf[j] != COLON:
+                ok = False
+                break
+            j += 1
+            if buf[j] == 49 and (buf[j + 1] == SPACE or buf[j + 1] == NL):
+                v = 1.0
+                j += 1
+            else:
+                v, j, st = _parse_float(buf, j, n)
+                if st != OK or j >= n or not (buf[j] == SPACE or buf[j] == NL):
+                    ok = False
+                    break
+            indices[row_nnz] = key & mask
+            values[row_nnz] = v
+            row_nnz += 1
+            if buf[j] == NL:
+                break
+            j += 1
+            if j >= n or not _is_digit(buf[j]):  # a blank more, a comment, qid, a trailing blank
+                ok = False
+                break
+        if not ok:
+            break
+        if with_bias:
+            indices[row_nnz] = bias
+            values[row_nnz] = 1.0
+            row_nnz += 1
+        labels[rows] = np.float32(c - 48)
+        weights[rows] = 1.0
+        if binary and c == 48:
+            seen[0] = 1
+        nnz = row_nnz
+        rows += 1
+        indptr[rows] = nnz
+        lines += 1
+        i = j + 1
+    return i, rows, nnz, lines
+
+
+libsvm_kernel = text_kernel("libsvm_kernel", _libsvm_line, _libsvm_common_lines)
 
 
 @register_jitable(inline="always")
@@ -531,7 +599,8 @@ def _tab_or_newline_in(w):
 
 
 @register_jitable
-def _criteo_common_lines(buf, i, labels, weights, indptr, indices, rows, nnz, mask, with_bias, bias, field_shift):
+def _criteo_common_lines(buf, i, labels, weights, indptr, indices, values, rows, nnz, mask, with_bias, bias,
+                         field_shift, binary, seen):
     """Parse lines of the common Criteo shape from ``i`` on, as :func:`_criteo_line` would: a
     label 0 or 1, 13 integer columns (empty or ``-?digits``), 26 categories, the last ending at a
     newline with no CR before it. Stops at the first line of any other kind (malformed, a CR,

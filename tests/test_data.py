@@ -255,10 +255,15 @@ def test_a_compacted_batch_keeps_its_keys_as_unique_keys_and_int32_positions(dat
     indices = b.indices.copy()
     before = b.nbytes
     uniq, pos = b.compact(*kkeys.dedup_keys(b.indices))
-    assert b.indices is None and b.prepared[1] is pos and pos.dtype == np.int32
+    assert b.indices is None and pos.dtype == np.int32
     np.testing.assert_array_equal(uniq[pos], indices)
+    kept_uniq, kept_pos = b.prepared  # the compact form widened: the same pair
+    assert kept_uniq.dtype == np.uint64 and kept_pos.dtype == np.int32
+    np.testing.assert_array_equal(kept_uniq, uniq)
+    np.testing.assert_array_equal(kept_pos, pos)
+    assert b.compacted.keys.dtype == np.uint32 and b.compacted.pos.dtype == np.uint16  # 24 bits, < 65,536 keys
     assert (b.values == 1).all() and b.values.base is data.ones(1).base  # Criteo's ones: one shared array
-    assert b.nbytes == b.labels.nbytes + b.indptr.nbytes + uniq.nbytes + pos.nbytes < before
+    assert b.nbytes == b.labels.nbytes + b.indptr.nbytes + b.compacted.nbytes < before
     c = whole.batch(0, 50)  # values other than 1 stay
     values = np.linspace(0.5, 2.0, c.values.shape[0]).astype(np.float32)
     c = data.Dataset(c.labels, c.indptr, c.indices, values.copy())

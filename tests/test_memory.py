@@ -25,11 +25,12 @@ BUDGET_MB = 6
 SLACK_MB = 24
 
 
-def _train(path: str, out: str, memory_mb: float) -> dict:
+def _train(path: str, out: str, memory_mb: float, epochs: int = 2, env: dict | None = None) -> dict:
     cmd = [*mpiexec(), "-n", "2", *HPCPS, "train", "--set", f"data.train={json.dumps(path)}",
-           "--set", 'data.format="criteo"', "--set", "data.hash_bits=20", "--set", "train.epochs=2",
+           "--set", 'data.format="criteo"', "--set", "data.hash_bits=20", "--set", f"train.epochs={epochs}",
            "--set", "train.progress=false", "--set", f"data.memory_mb={memory_mb}", "--summary-json", out]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     return json.load(open(out))
 
@@ -52,6 +53,20 @@ def test_worker_peak_memory_stays_within_the_budget_on_a_file_ten_times_larger(t
     # allocated with room to grow (x 1.5), plus the index
     model_mb = 2**20 * (12 + 8) * 1.5 / 2**20
     assert large["peak_rss_mb_server"] - small["peak_rss_mb_server"] <= model_mb + SLACK_MB
+
+
+def test_one_epoch_at_the_defaults_holds_no_more_than_its_parse_ahead_whatever_the_file(tmp_path):
+    """data.memory_mb = 0 (the default) keeps a part in memory for later epochs; with one epoch
+    nothing is kept, and the rows parsed ahead are held to PARSE_AHEAD_BYTES (here 4 MiB)."""
+    big = synth.generate(str(tmp_path / "big"), 260_000, 10, fields=39, seed=5, hash_bits=20, formats=("criteo",))
+    tiny = synth.generate(str(tmp_path / "tiny"), 500, 10, fields=39, seed=5, hash_bits=20, formats=("criteo",))
+    ahead = {"HPCPS_TUNE_PARSE_AHEAD_BYTES": str(4 << 20)}
+    small = _train(tiny.files["train_criteo"], str(tmp_path / "tiny.json"), 0, 1, ahead)
+    large = _train(big.files["train_criteo"], str(tmp_path / "big.json"), 0, 1, ahead)
+    assert large["examples"] == 260_000
+    parsed_mb = 260_000 * 40 * 8 / 2**20  # the part's keys alone, parsed: 79 MiB
+    growth = large["peak_rss_mb_worker"] - small["peak_rss_mb_worker"]
+    assert growth <= 4 + SLACK_MB < parsed_mb, (small["peak_rss_mb_worker"], large["peak_rss_mb_worker"])
 
 
 def _malloc_tuned(env: dict) -> str:

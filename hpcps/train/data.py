@@ -29,7 +29,7 @@ import numpy as np
 from hpcps.train import inputs, tables
 from hpcps.train.inputs import BOM, DataChanged, DataError, Piece, check_file, check_unchanged, file_state
 from hpcps_kernels import parse
-from hpcps_kernels.tuning import PARSE_BLOCK_BYTES
+from hpcps_kernels.tuning import PARSE_AHEAD_BYTES, PARSE_BLOCK_BYTES
 
 # feature_key(0xB1A5, "bias"), written out so that importing this module compiles nothing
 BIAS_KEY = np.uint64(871999724124195170)
@@ -185,6 +185,38 @@ def ones(n: int) -> np.ndarray:
     return _ONES[:n]
 
 
+class CompactKeys:
+    """A kept batch's unique keys and each nonzero's position among them, in the narrowest form
+    that holds them exactly: keys as uint32 when at most a quarter of them need more bits (those,
+    such as the bias key, kept apart with their places), positions as uint16 when the batch has at
+    most 65,536 unique keys. :meth:`wide` gives back (uint64 keys, int32 positions), equal to the
+    pair kept, for a step (a copy of a batch's keys: microseconds against its step)."""
+
+    __slots__ = ("keys", "high_at", "high", "pos")
+    NARROW_POSITIONS = 1 << 16  # unique keys a batch may have for uint16 positions
+
+    def __init__(self, uniq: np.ndarray, pos: np.ndarray):
+        high_at = np.flatnonzero(uniq > np.uint64(0xFFFFFFFF))
+        if 4 * high_at.shape[0] > uniq.shape[0]:  # mostly keys of more bits (hash_bits > 32): as they are
+            self.keys, self.high_at, self.high = uniq, None, None
+        else:
+            self.keys, self.high_at, self.high = uniq.astype(np.uint32), high_at, uniq[high_at]
+        self.pos = pos.astype(np.uint16 if uniq.shape[0] <= self.NARROW_POSITIONS else np.int32)
+
+    def wide(self) -> tuple:
+        """(unique keys as uint64, positions as int32)."""
+        if self.high_at is None:
+            uniq = self.keys
+        else:
+            uniq = self.keys.astype(np.uint64)
+            uniq[self.high_at] = self.high
+        return uniq, self.pos.astype(np.int32)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.keys, self.high_at, self.high, self.pos) if a is not None)
+
+
 @dataclass
 class Dataset:
     labels: np.ndarray      # float32 (rows,)
@@ -193,23 +225,52 @@ class Dataset:
     values: np.ndarray      # float32 (nnz,)
     skipped: int = 0
     source: str = ""
-    # a batch the training keeps for its next epochs: (unique keys, int32 position of each nonzero
-    # among them), set by compact(), which then drops ``indices``
-    prepared: tuple | None = None
+    # a batch the training keeps for its next epochs: its unique keys and each nonzero's position
+    # among them, set by compact(), which then drops ``indices``
+    compacted: CompactKeys | None = None
     keep_prepared: bool = False
     state: dict | None = None  # its files' part_states when they were read (a loaded part)
     weights: np.ndarray | None = None  # float32 (rows,): each row's importance weight; None: all 1
+    row_lengths: np.ndarray | None = None  # uint8/uint16 (rows,): a narrowed batch's rows (indptr None)
+
+    @property
+    def prepared(self) -> tuple | None:
+        """A compacted batch's (unique keys uint64, int32 position of each nonzero among them)."""
+        return None if self.compacted is None else self.compacted.wide()
 
     def compact(self, uniq: np.ndarray, pos: np.ndarray) -> tuple:
-        """Keep the batch's keys as its unique keys and each nonzero's int32 position among them
-        (``uniq[pos] == indices``), and drop ``indices``: 4 bytes a nonzero and 8 a unique key
-        instead of 8 a nonzero, and no deduplication in the next epochs. Values that are all 1
-        (Criteo, binary features) become a view of one shared array of ones. Returns the pair."""
-        self.prepared = (uniq, pos.astype(np.int32))
+        """Keep the batch's keys as its unique keys and each nonzero's position among them
+        (``uniq[pos] == indices``; :class:`CompactKeys`: 2 bytes a nonzero and 4 a unique key at
+        most 2**32 where the batch allows, instead of 8 a nonzero), and drop ``indices``: no
+        deduplication in the next epochs. Values that are all 1 (Criteo, binary features) become
+        a view of one shared array of ones. Returns (uniq, int32 pos) for this step."""
+        self.compacted = CompactKeys(uniq, pos)
         self.indices = None
         if self.values.shape[0] and (self.values == 1.0).all():
             self.values = ones(self.values.shape[0])
-        return self.prepared
+        return uniq, pos.astype(np.int32)
+
+    def narrow_rows(self) -> None:
+        """A batch kept between its epochs: its row offsets as each row's length, uint8 where no
+        row has more than 255 nonzeros (uint16 up to 65,535): 1 byte a row instead of 8 (see
+        :meth:`for_a_step`)."""
+        if self.indptr is None:
+            return
+        lengths = np.diff(self.indptr)
+        longest = int(lengths.max()) if lengths.shape[0] else 0
+        if longest <= 0xFFFF:
+            self.row_lengths = lengths.astype(np.uint8 if longest <= 0xFF else np.uint16)
+            self.indptr = None
+
+    def for_a_step(self) -> "Dataset":
+        """The batch as a step reads it: itself, or a narrowed one (:meth:`narrow_rows`) with its
+        int64 row offsets back (the same offsets) on a new Dataset sharing the rest."""
+        if self.indptr is not None:
+            return self
+        indptr = np.zeros(self.row_lengths.shape[0] + 1, dtype=np.int64)
+        np.cumsum(self.row_lengths, out=indptr[1:])
+        return Dataset(self.labels, indptr, self.indices, self.values, self.skipped, self.source, self.compacted,
+                       self.keep_prepared, self.state, self.weights)
 
     @property
     def rows(self) -> int:
@@ -242,9 +303,10 @@ class Dataset:
 
     @property
     def nbytes(self) -> int:
-        keys = self.indices.nbytes if self.indices is not None else sum(a.nbytes for a in self.prepared or ())
+        keys = self.indices.nbytes if self.indices is not None else getattr(self.compacted, "nbytes", 0)
         values = self.values.nbytes if self.values.base is not _ONES else 0
-        return self.labels.nbytes + self.indptr.nbytes + keys + values + getattr(self.weights, "nbytes", 0)
+        rows = self.indptr if self.indptr is not None else self.row_lengths
+        return self.labels.nbytes + rows.nbytes + keys + values + getattr(self.weights, "nbytes", 0)
 
     def check_finite(self) -> None:
         self.label_range()
@@ -728,7 +790,7 @@ class SlicesAhead:
     makes a slice's Dataset; ``keep``: every parsed slice is kept for the next passes (the part
     is held in memory); ``ahead_limit``: bytes of parsed rows held ahead at most."""
 
-    THREAD_AHEAD_BYTES = 64 << 20  # parsed rows a parse thread holds ahead at most (start_thread)
+    THREAD_AHEAD_BYTES = PARSE_AHEAD_BYTES  # parsed rows a parse thread holds ahead at most (start_thread)
 
     def __init__(self, generator, dataset, keep: bool, ahead_limit: float):
         self.generator, self.dataset = generator, dataset
@@ -1046,12 +1108,13 @@ class PartStream:
         self.slices.stop_thread()
 
     def keep_no_slices(self) -> None:
-        """The training keeps its batches itself (compacted, see :meth:`Dataset.compact`): keep
-        no parsed slice for the next passes, so a slice's memory goes once its batches are
-        compacted. Pumps still parse the whole part ahead: held to a budget, the first epoch of
-        a 3-epoch job ran slower (the worker's waits slept instead of parsing) for a peak memory
-        about a sixth lower."""
+        """Keep no parsed slice for the next passes: the training keeps its batches itself
+        (compacted, see :meth:`Dataset.compact`), or has one pass. A slice's memory goes once
+        its batches are trained on (or compacted), and pumps hold at most ``PARSE_AHEAD_BYTES``
+        of parsed rows ahead (kernels/tuning.py): the whole part parsed ahead in the wide form
+        was the worker's peak memory (about 3 times VW's on 1.6 M libsvm rows) for no speed."""
         self.slices.keep_slices = False
+        self.slices.ahead_limit = min(self.slices.ahead_limit, PARSE_AHEAD_BYTES)
 
     def forget(self) -> None:
         """Drop the parsed slices (the training keeps its own batches from here on); a later

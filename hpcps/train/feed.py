@@ -42,8 +42,8 @@ class BatchFeed:
         self.for_next_epochs: dict[int, tuple] | None = (
             {} if tr.epochs > 1 and isinstance(train, tdata.PartStream) and train.keep
             and cfg.model.compute == "workers" and not keys_needed else None)
-        if self.for_next_epochs is not None:
-            train.keep_no_slices()
+        if self.for_next_epochs is not None or (tr.epochs == 1 and isinstance(train, tdata.PartStream)):
+            train.keep_no_slices()  # (one pass: nothing reads a slice twice)
         self.held_out: dict[int, tdata.Dataset] = {}  # the held-out rows of the batches made
         self.collecting = False  # this epoch's held-out rows make the holdout set
         self.holdout_pieces: list[tdata.Dataset] = []
@@ -54,7 +54,7 @@ class BatchFeed:
             j = i % self.steps
             got = self.for_next_epochs.get(j) if self.for_next_epochs is not None else None
             if got is not None:
-                b, held = got
+                b, held = got[0].for_a_step(), got[1]
             else:
                 b, held = self._from_pass(j), None
                 if self.holdout_every:
@@ -105,7 +105,10 @@ class BatchFeed:
     def take(self, i: int) -> tdata.Dataset:
         """The batch of step ``i``, now trained on (the previous one's is dropped)."""
         batch = self.batch_at(i)
-        self.by_step.pop(i - 1, None)
+        done = self.by_step.pop(i - 1, None)
+        kept = self.for_next_epochs.get((i - 1) % self.steps) if self.for_next_epochs is not None else None
+        if kept is not None and kept[0] is done and done.compacted is not None:
+            done.narrow_rows()  # (trained on: kept with its rows' lengths, not offsets, till its next epoch)
         held = self.held_out.pop(i, None)
         if self.collecting and held is not None and held.rows:
             self.holdout_pieces.append(held)

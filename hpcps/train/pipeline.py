@@ -145,8 +145,9 @@ class StepPipeline:
         for p in self.ahead:
             if p.batch is batch:
                 return p
-        if batch.prepared is not None:  # a batch kept from an earlier epoch: deduplicated then
-            return PreparedBatch(batch, *batch.prepared, from_earlier_epoch=True)
+        prepared = batch.prepared  # (widened from the compact form: once)
+        if prepared is not None:  # a batch kept from an earlier epoch: deduplicated then
+            return PreparedBatch(batch, *prepared, from_earlier_epoch=True)
         uniq, pos = (kkeys.unique_keys(batch.indices) if self.sorted else
                      kkeys.dedup_keys(batch.indices, self.model.hashed_keys))
         if batch.keep_prepared:  # kept for the next epochs: compact from now on
