@@ -398,11 +398,11 @@ def _cmd_inspect(args) -> int:
     paths = [args.ckpt]
     if not os.path.exists(os.path.join(args.ckpt, checkpoint.MANIFEST)):
         paths = checkpoint.complete_checkpoints(args.ckpt) or paths  # a checkpoint.dir: list them all
-        partial = sorted(n for n in os.listdir(args.ckpt) if re.fullmatch(r"ckpt-\d+\.tmp", n))
+        partial = sorted(n for n in os.listdir(args.ckpt) if re.fullmatch(r"(ckpt|delta)-\d+\.tmp", n))
         if paths == [args.ckpt] and partial:  # a checkpoint.dir whose only checkpoints are unfinished
             print(f"{args.ckpt}: DAMAGED: no complete checkpoint, only unfinished writes: {', '.join(partial)}")
             return 1
-        if paths == [args.ckpt] and not re.fullmatch(r"ckpt-\d+(\.tmp)?", os.path.basename(os.path.normpath(args.ckpt))):
+        if paths == [args.ckpt] and not re.fullmatch(r"(ckpt|delta)-\d+(\.tmp)?", os.path.basename(os.path.normpath(args.ckpt))):
             return _fail(f"{args.ckpt} is not an hpcps checkpoint or checkpoint directory (no {checkpoint.MANIFEST}, "
                          f"no ckpt-* directories in it)")
     aside = {d: len(os.listdir(os.path.join(args.ckpt, d))) for d in (checkpoint.DAMAGED, checkpoint.REPLACED,
@@ -420,6 +420,9 @@ def _cmd_inspect(args) -> int:
                   f"clock {m.get('clock')}, reason {m.get('reason')!r}, run {checkpoint.run_of(m)}")
             print(f"  written by {lay.get('servers')} server(s), {lay.get('workers')} worker(s); "
                   f"{lay.get('num_shards')} virtual shards; {s.bytes / 1e6:.1f} MB in {len(m.get('files', []))} file(s)")
+            if m.get("snapshot") == "delta":  # (its keys: the rows changed since the snapshot before)
+                print(f"  delta snapshot over {m['base']['name']}, after {len(m['deltas_before'])} delta(s); "
+                      f"keys below: the rows changed since the snapshot before")
             for t in m.get("tables", []):
                 print(f"  table {t['name']!r}: dim {t['dim']}, {t['optimizer']}, {s.keys.get(t['name'], '?')} keys")
         bad += not s.ok

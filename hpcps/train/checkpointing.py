@@ -52,6 +52,7 @@ class Checkpointing:
         self.deltas_on = bool(self.cfg.checkpoint.dir and (self.cfg.checkpoint.delta_every_steps or self.cfg.checkpoint.delta_every_s))
         self.commits = deltas.Commits()
         self.chain: dict | None = None
+        self.delta_pauses: list[float] = []  # first worker: how long training waited for each delta
 
     def agree_on_resumed(self, global_step: int) -> None:
         """Collective over the workers: the checkpoint resumed counts as this run's newest when it
@@ -106,11 +107,16 @@ class Checkpointing:
         if ck.dir and ck.final and not preempted and self.saved_at != global_step:
             self.save(self.cfg.train.epochs + 1, 1, global_step, "end of training")
         self._delta_committed()
+        if self.delta_pauses:
+            p = self.delta_pauses
+            print(f"hpcps train: {len(p)} delta snapshot(s); training waited {sum(p):.2f} s for them in all "
+                  f"(median {sorted(p)[len(p) // 2]:.3f} s, longest {max(p):.3f} s)", flush=True)
 
     def save(self, epoch_next: int, step_next: int, global_step: int, reason: str, delta: bool = False) -> None:
         """Collective over the workers: a checkpoint (or a delta snapshot, when one can be taken)
         whose position is the step to run next."""
         ctx, cfg = self.ctx, self.cfg
+        t = time.perf_counter()
         self.pipeline.finish()  # every worker: its pushes acknowledged
         if self.first:
             self._delta_committed()  # (the one before, written)
@@ -124,6 +130,7 @@ class Checkpointing:
             if delta:
                 ctx.save_checkpoint(cfg.checkpoint.dir, global_step, {**manifest, "snapshot": "delta", **self.chain},
                                     cfg.checkpoint.keep, delta=self.commits)
+                self.delta_pauses.append(time.perf_counter() - t)  # (the rows copied; written meanwhile)
             else:
                 path = ctx.save_checkpoint(cfg.checkpoint.dir, global_step, manifest, cfg.checkpoint.keep,
                                            track=self.deltas_on)
