@@ -1,6 +1,7 @@
 """Delta snapshots: whole jobs that write them, are killed (kill -9) and resumed from a chain (a
 full checkpoint and the deltas over it), compared bit for bit with a run never stopped (BSP); a
-damaged delta in the chain; resharding from a chain; retention; the chaos schedule under them."""
+damaged delta in the chain; resharding from a chain; admission and eviction; retention; export; a failed
+write; the chaos schedule under them."""
 
 from __future__ import annotations
 
@@ -80,12 +81,12 @@ def delta_args(data, ckpt_dir, model_out, servers=1, **sets):
     return out
 
 
-def start_and_kill(data, tmp, rank, after, servers=1):
+def start_and_kill(data, tmp, rank, after, servers=1, **sets):
     """Start a job with delta snapshots; once the snapshot ``after`` (a directory name) is
     committed, kill -9 ``rank``. Returns the job's output."""
     ckdir = tmp / "ck"
     n = servers + 2
-    proc = subprocess.Popen([*mpiexec(), "-n", str(n), *HPCPS, *delta_args(data, ckdir, tmp / "never.h5", servers)],
+    proc = subprocess.Popen([*mpiexec(), "-n", str(n), *HPCPS, *delta_args(data, ckdir, tmp / "never.h5", servers, **sets)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
     deadline = time.monotonic() + 240
@@ -166,6 +167,19 @@ def test_resharding_a_delta_chain_from_2_servers_onto_1(job_data, reference, tmp
     rc, out = run_job(3, delta_args(job_data, tmp_path / "ck", tmp_path / "model.h5") + ["--resume", "auto"])
     assert rc == 0 and f"resuming from {found}" in out, out[-3000:]
     assert_same_model(tmp_path / "model.h5", reference)
+
+
+def test_admission_and_eviction_resume_from_a_delta_chain_bit_identical(job_data, tmp_path):
+    feats = {"features.admit_count": 2, "features.evict_after_steps": 150, "features.evict_every_steps": 50}
+    rc, ref_out = run_job(3, delta_args(job_data, tmp_path / "ref-ck", tmp_path / "ref.h5", **{
+        **feats, "checkpoint.delta_every_steps": 0}))
+    assert rc == 0, ref_out[-3000:]
+    start_and_kill(job_data, tmp_path, 0, "delta-0000000700", **feats)
+    rc, out = run_job(3, delta_args(job_data, tmp_path / "ck", tmp_path / "model.h5", **feats) + ["--resume", "auto"])
+    assert rc == 0 and "resuming from" in out and "/delta-" in out.split("resuming from")[1].splitlines()[0], out[-3000:]
+    counts = [ln for ln in ref_out.splitlines() if ln.startswith("keys on the servers")]
+    assert "evicted" in counts[0] and counts == [ln for ln in out.splitlines() if ln.startswith("keys on the servers")]
+    assert_same_model(tmp_path / "model.h5", ServingModel(str(tmp_path / "ref.h5")))
 
 
 @pytest.mark.timeout(900)
