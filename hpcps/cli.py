@@ -399,11 +399,11 @@ def _cmd_inspect(args) -> int:
     paths = [args.ckpt]
     if not os.path.exists(os.path.join(args.ckpt, checkpoint.MANIFEST)):
         paths = checkpoint.complete_checkpoints(args.ckpt) or paths  # a checkpoint.dir: list them all
-        partial = sorted(n for n in os.listdir(args.ckpt) if re.fullmatch(r"ckpt-\d+\.tmp", n))
+        partial = sorted(n for n in os.listdir(args.ckpt) if re.fullmatch(r"(ckpt|delta)-\d+\.tmp", n))
         if paths == [args.ckpt] and partial:  # a checkpoint.dir whose only checkpoints are unfinished
             print(f"{args.ckpt}: DAMAGED: no complete checkpoint, only unfinished writes: {', '.join(partial)}")
             return 1
-        if paths == [args.ckpt] and not re.fullmatch(r"ckpt-\d+(\.tmp)?", os.path.basename(os.path.normpath(args.ckpt))):
+        if paths == [args.ckpt] and not re.fullmatch(r"(ckpt|delta)-\d+(\.tmp)?", os.path.basename(os.path.normpath(args.ckpt))):
             return _fail(f"{args.ckpt} is not an hpcps checkpoint or checkpoint directory (no {checkpoint.MANIFEST}, "
                          f"no ckpt-* directories in it)")
     aside = {d: len(os.listdir(os.path.join(args.ckpt, d))) for d in (checkpoint.DAMAGED, checkpoint.REPLACED,
@@ -421,6 +421,9 @@ def _cmd_inspect(args) -> int:
                   f"clock {m.get('clock')}, reason {m.get('reason')!r}, run {checkpoint.run_of(m)}")
             print(f"  written by {lay.get('servers')} server(s), {lay.get('workers')} worker(s); "
                   f"{lay.get('num_shards')} virtual shards; {s.bytes / 1e6:.1f} MB in {len(m.get('files', []))} file(s)")
+            if m.get("snapshot") == "delta":  # (its keys: the rows changed since the snapshot before)
+                print(f"  delta snapshot over {m['base']['name']}, after {len(m['deltas_before'])} delta(s); "
+                      f"keys below: the rows changed since the snapshot before")
             for t in m.get("tables", []):
                 print(f"  table {t['name']!r}: dim {t['dim']}, {t['optimizer']}, {s.keys.get(t['name'], '?')} keys")
         bad += not s.ok
@@ -460,13 +463,11 @@ def _checkpoint_tables(args) -> tuple[dict, list]:
     checkpoint ``args.ckpt`` (``--table``: that one only); a _Failure with its line and status."""
     import numpy as np
 
-    from hpcps.ps import checkpoint
+    from hpcps.ps import deltas
     from hpcps.train import model_file
 
-    try:
-        m = checkpoint.verify(args.ckpt)
-    except checkpoint.CheckpointError as e:  # damaged (1), or no checkpoint at all (2)
-        raise _Failure(str(e), 1 if os.path.isfile(os.path.join(args.ckpt, checkpoint.MANIFEST)) else 2) from None
+    m = _verified_snapshot(args.ckpt)
+    since = (args.since, _verified_snapshot(args.since)) if getattr(args, "since", "") else None
     tables = [t["name"] for t in m["tables"]]
     names = [args.table] if args.table else tables
     if args.table and args.table not in tables:
@@ -476,17 +477,38 @@ def _checkpoint_tables(args) -> tuple[dict, list]:
     out = []
     for name in names:
         spec = next(t for t in m["tables"] if t["name"] == name)
-        keys, rows = checkpoint.read_shards(args.ckpt, m, name, np.ones(m["layout"]["num_shards"], dtype=bool))
+        keys, rows = deltas.read_table(args.ckpt, m, name)  # (a delta snapshot: over its chain)
+        if since:
+            keys, rows, removed = deltas.changed_since(keys, rows, *deltas.read_table(*since, name))
         if "init" in spec:
             init = {k: spec[k] for k in ("init", "init_scale", "seed")}
         else:  # checkpoints written before the manifest named each table's initializer
             init = {"init": "normal" if model_cfg.get("type") == "fm" else "zeros",
                     "init_scale": model_cfg.get("init_scale", 0.01), "seed": model_cfg.get("seed", 0)}
         out.append((name, keys, rows[:, : spec["dim"]], {"dim": spec["dim"], **init}))
+        if since:  # the keys a serving copy drops: a table of their own, values 0
+            out.append((f"{name}.removed", removed, np.zeros((removed.shape[0], 1), np.float32), {"dim": 1}))
     attrs = {"model": model_cfg.get("type", "lr"), "loss": model_cfg.get("loss", "logistic"),
              "config": json.dumps(cfg), "fields": m.get("fields", 1),
-             **model_file.trained_on(_export_format(m), cfg.get("data", {}).get("hash_bits", 24))}
+             **model_file.trained_on(_export_format(m), cfg.get("data", {}).get("hash_bits", 24)),
+             **({"delta_since": os.path.basename(os.path.normpath(args.since))} if since else {})}
     return attrs, out
+
+
+def _verified_snapshot(path: str) -> dict:
+    """The manifest of the checkpoint or delta snapshot ``path``, its chain verified; a _Failure
+    (1: damaged, 2: no checkpoint) with its line."""
+    from hpcps.ps import checkpoint
+
+    try:
+        m = checkpoint.verify(path)
+        found = checkpoint.good_part_of_chain(path, m, lambda line: None) if checkpoint.is_delta(path) else (path, m)
+        if not found or found[0] != path:
+            raise checkpoint.CheckpointError(f"{path}: its chain of delta snapshots is broken (hpcps inspect "
+                                             f"{os.path.dirname(os.path.normpath(path))} says where)")
+        return m
+    except checkpoint.CheckpointError as e:  # damaged (1), or no checkpoint at all (2)
+        raise _Failure(str(e), 1 if os.path.isfile(os.path.join(path, checkpoint.MANIFEST)) else 2) from None
 
 
 def _model_file_tables(args) -> tuple[dict, list]:
@@ -518,6 +540,8 @@ def _cmd_export(args) -> int:
     problem = problem or outputs.clash([("--out", args.out)], [("the model file" if from_model else "the checkpoint", args.ckpt)])
     if problem:
         return _fail(problem)
+    if from_model and args.since:
+        return _fail(f"export --since: {args.ckpt} is a model file; a delta model is made from a checkpoint")
     if from_model and args.format == "model":
         return _fail(f"{args.ckpt} is a model file already: --format text or npz writes it for other tools")
     try:
@@ -729,6 +753,9 @@ def _add_model_files(sub) -> None:
     x.add_argument("ckpt", metavar="SOURCE", help="a checkpoint, or (with --format text or npz) a model file")
     x.add_argument("--out", required=True)
     x.add_argument("--table", default="", help="table to export (default: every table)")
+    x.add_argument("--since", default="", metavar="CKPT",
+                   help="a delta model: only the rows changed since the checkpoint CKPT, and per table NAME a "
+                        "table NAME.removed of the keys gone since (see docs/operations.md)")
     x.add_argument("--format", choices=("model", "text", "npz"), default="model",
                    help="model: an HDF5 model file (default); text: '#' lines of attributes, then key<TAB>values "
                         "by key; npz: NumPy's archive of NAME.keys and NAME.values")

@@ -160,7 +160,12 @@ class Checkpoint:
     dir: str = described("", "where checkpoints go (\"\" = none)")
     every_steps: int = described(0, "checkpoint every N steps (0 = off)")
     every_s: float = described(0.0, "checkpoint every T seconds (0 = off)")
-    keep: int = described(3, "good checkpoints of this run kept")
+    keep: int = described(3, "good full checkpoints of this run kept (each with its delta snapshots)")
+    delta_every_steps: int = described(0, "a delta snapshot (only the rows changed since the snapshot before) "
+                                          "every N steps (0 = off)")
+    delta_every_s: float = described(0.0, "a delta snapshot every T seconds (0 = off)")
+    full_every: int = described(10, "with delta snapshots: a full checkpoint instead of every Nth delta (bounds "
+                                    "the chain a restore reads)")
     on_signal: str = described("exit", "after a SIGUSR1/SIGTERM checkpoint: exit (status 75) or continue")
     final: bool = described(True, "checkpoint at the end of training")
     resume: str = described("", "\"\" = start fresh, auto = the newest good checkpoint in dir, or a "
@@ -400,6 +405,9 @@ RANGES = {
     ("checkpoint", "every_steps"): (0, INF, False),
     ("checkpoint", "every_s"): (0, INF, False),
     ("checkpoint", "keep"): (1, INF, False),
+    ("checkpoint", "delta_every_steps"): (0, INF, False),
+    ("checkpoint", "delta_every_s"): (0, INF, False),
+    ("checkpoint", "full_every"): (1, INF, False),
 }
 
 

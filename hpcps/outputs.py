@@ -26,7 +26,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-_CKPT = re.compile(r"^ckpt-\d+(\.tmp)?$")
+_CKPT = re.compile(r"^(ckpt|delta)-\d+(\.tmp)?$")  # a checkpoint, or a delta snapshot
 
 
 class OutputError(Exception):
@@ -66,7 +66,7 @@ CHECKPOINT_ASIDE = ("damaged", "replaced", "superseded")
 
 
 def _in_checkpoint(path: str, root: str, aside: bool = False) -> str | None:
-    """The ``ckpt-*`` directory under ``root`` that is or holds ``path``, if one does (``aside``:
+    """The ``ckpt-*`` (or ``delta-*``) directory under ``root`` that is or holds ``path``, if one does (``aside``:
     or the directory checkpoints are moved aside to, :data:`CHECKPOINT_ASIDE`)."""
     if not inside(path, root):
         return None

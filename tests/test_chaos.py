@@ -31,15 +31,21 @@ SEED = 20261122
 RANKS = 3
 
 
-def train_args(data, ckpt_dir, model_out):
+def train_args(data, ckpt_dir, model_out, extra=None):
     sets = {"data.train": json.dumps(data[0]), "data.test": json.dumps(data[1]), "train.batch_size": 10,
             "train.epochs": 3, "train.progress": "false", "cluster.servers": 1, "cluster.staleness": 0,
             "checkpoint.dir": json.dumps(str(ckpt_dir)), "checkpoint.every_steps": 200,
-            "train.model_out": json.dumps(str(model_out))}
+            "train.model_out": json.dumps(str(model_out)), **(extra or {})}
     return ["train"] + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
 
 
 def test_supervised_run_survives_three_random_kill_9s_bit_identical(tmp_path):
+    chaos_run(tmp_path)
+
+
+def chaos_run(tmp_path, extra=None) -> str:
+    """The seeded schedule of three kill -9s under ``supervise`` (job settings ``extra`` on top),
+    checked bit for bit against an uninterrupted run; returns the supervised run's output."""
     info = synth.generate(str(tmp_path / "data"), 20_000, 2_000, fields=10, seed=11, formats=("libsvm",))
     data = info.files["train_libsvm"], info.files["test_libsvm"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -54,7 +60,7 @@ def test_supervised_run_survives_three_random_kill_9s_bit_identical(tmp_path):
     ck = tmp_path / "ck"
     status = tmp_path / "status.json"
     cmd = [*HPCPS, "supervise", "--max-restarts", "5", "--backoff", "0.5", "--",
-           *mpiexec(), "-n", str(RANKS), *HPCPS, *train_args(data, ck, tmp_path / "model.h5")]
+           *mpiexec(), "-n", str(RANKS), *HPCPS, *train_args(data, ck, tmp_path / "model.h5", extra)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(env, HPCPS_STATUS_FILE=str(status)))
     killed_pids: set[int] = set()
@@ -85,3 +91,4 @@ def test_supervised_run_survives_three_random_kill_9s_bit_identical(tmp_path):
     a, b = ServingModel(str(tmp_path / "model.h5")), ServingModel(str(tmp_path / "ref.h5"))
     np.testing.assert_array_equal(a.keys, b.keys)
     np.testing.assert_array_equal(a.values, b.values)  # bit for bit
+    return out

@@ -31,6 +31,12 @@ that fails is reported and the previous one is used. The newest ``keep`` complet
 are kept. Restoring with the same layout, each server reads its own file; onto another number
 of servers, each server reads every file and keeps the keys of the shards the new placement gives
 it (whole shards move; keys never change shard).
+
+Delta snapshots (:mod:`hpcps.ps.deltas`) are directories ``delta-<step>`` of the same form, whose
+server files hold only the rows changed since the snapshot before (and the keys removed); the
+manifest (``"snapshot": "delta"``) names its base full checkpoint and the deltas before it, each
+with its manifest's checksum. Such a chain is restored whole; retention counts full checkpoints
+and deletes a delta with its base.
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ FORMAT = "hpcps-checkpoint"
 VERSION = 2            # 2: the manifest carries its own checksum (version 1 is still read)
 READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
-_NAME = re.compile(r"^ckpt-(\d{10})$")
+_NAME = re.compile(r"^(ckpt|delta)-(\d{10})$")  # a full checkpoint, or a delta snapshot
 # where checkpoints that are not deleted go, inside a checkpoint directory
 DAMAGED, REPLACED, SUPERSEDED = "damaged", "replaced", "superseded"
 UNNAMED_RUN = "unnamed"  # the lineage of checkpoints written before manifests named their run
@@ -84,7 +90,19 @@ def run_of(manifest: dict) -> str:
 
 def step_of(ckpt: str) -> int:
     """The step in a checkpoint directory's name."""
-    return int(os.path.basename(os.path.normpath(ckpt))[5:15])
+    return int(_NAME.match(os.path.basename(os.path.normpath(ckpt)))[2])
+
+
+def is_delta(ckpt: str) -> bool:
+    """Whether a snapshot directory (or its ``.tmp``) is a delta snapshot, by its name."""
+    return os.path.basename(os.path.normpath(ckpt)).startswith("delta-")
+
+
+def _order(name: str) -> tuple:
+    """Snapshots in the order they were taken: by step (a full checkpoint before a delta of the
+    same step)."""
+    m = _NAME.match(name)
+    return int(m[2]), m[1] == "delta"
 
 
 def move_aside(path: str, under: str) -> str:
@@ -102,14 +120,15 @@ def move_aside(path: str, under: str) -> str:
     return target
 
 
-def step_dir(root: str, step: int) -> str:
-    return os.path.join(root, f"ckpt-{step:010d}")
+def step_dir(root: str, step: int, kind: str = "ckpt") -> str:
+    """``root/ckpt-<step>`` (kind ``"delta"``: ``root/delta-<step>``)."""
+    return os.path.join(root, f"{kind}-{step:010d}")
 
 
-def begin(root: str, step: int) -> str:
-    """The empty directory ``root/ckpt-<step>.tmp`` that a checkpoint is written into (what an
-    interrupted write left under that name is removed: it was never a checkpoint)."""
-    tmp = step_dir(root, step) + ".tmp"
+def begin(root: str, step: int, kind: str = "ckpt") -> str:
+    """The empty directory ``root/ckpt-<step>.tmp`` (or ``delta-``) that a checkpoint is written
+    into (what an interrupted write left under that name is removed: it was never a checkpoint)."""
+    tmp = step_dir(root, step, kind) + ".tmp"
     if os.path.isdir(tmp):
         shutil.rmtree(tmp)
     os.makedirs(tmp)
@@ -278,7 +297,7 @@ def complete_checkpoints(root: str) -> list[str]:
     """Complete checkpoint directories under ``root``, oldest first."""
     if not root or not os.path.isdir(root):
         return []
-    found = sorted(n for n in os.listdir(root) if _NAME.match(n))
+    found = sorted((n for n in os.listdir(root) if _NAME.match(n)), key=_order)
     return [os.path.join(root, n) for n in found]
 
 
@@ -302,19 +321,23 @@ def quarantine(ckpt: str, why: str, report=say) -> str:
 
 
 def prune(root: str, keep: int, run_id: str, report=say) -> list[str]:
-    """Retention: of the complete checkpoints of the run ``run_id`` in ``root``, keep the newest
-    ``keep`` that are good and delete the older ones; returns those deleted. Checkpoints of other
-    runs are never touched. Only when there is something to delete are the kept ones verified
-    (:func:`verify`, once per checkpoint as long as its files are unchanged): a damaged one is
-    moved under ``damaged/`` and does not count. Unfinished writes (``.tmp``) older than the run's
-    newest checkpoint are removed."""
-    ours, unreadable = [], []
+    """Retention: of the complete full checkpoints of the run ``run_id`` in ``root``, keep the
+    newest ``keep`` that are good and delete the older ones, each with the delta snapshots taken
+    over it; returns those deleted. Checkpoints of other runs are never touched. Only when there
+    is something to delete are the kept ones verified (:func:`verify`, once per checkpoint as long
+    as its files are unchanged): a damaged one is moved under ``damaged/`` and does not count.
+    Unfinished writes (``.tmp``) older than the run's newest checkpoint are removed."""
+    ours, unreadable, deltas = [], [], {}
     for ckpt in complete_checkpoints(root):
         try:
-            if run_of(read_manifest(ckpt)) == run_id:
-                ours.append(ckpt)
+            m = read_manifest(ckpt)
         except CheckpointError as e:
             unreadable.append((ckpt, str(e)))
+            continue
+        if run_of(m) == run_id and is_delta(ckpt):
+            deltas.setdefault(m["base"]["name"], []).append(ckpt)
+        elif run_of(m) == run_id:
+            ours.append(ckpt)
     deleted: list[str] = []
     if len(ours) > keep:
         for ckpt, why in unreadable:  # (in a directory a run has claimed: damaged, not another run's)
@@ -322,8 +345,9 @@ def prune(root: str, keep: int, run_id: str, report=say) -> list[str]:
         kept = 0
         for ckpt in reversed(ours):
             if kept >= keep:
-                shutil.rmtree(ckpt, ignore_errors=True)
-                deleted.append(ckpt)
+                for gone in [*deltas.get(os.path.basename(ckpt), []), ckpt]:  # (its deltas first)
+                    shutil.rmtree(gone, ignore_errors=True)
+                    deleted.append(gone)
                 continue
             try:
                 verify(ckpt, trust_unchanged=True)
@@ -331,9 +355,9 @@ def prune(root: str, keep: int, run_id: str, report=say) -> list[str]:
             except CheckpointError as e:
                 quarantine(ckpt, str(e).split(": ", 1)[-1], report)
     if ours:
-        newest = os.path.basename(ours[-1])
+        newest = _order(os.path.basename(ours[-1]))
         for n in os.listdir(root):
-            if n.endswith(".tmp") and _NAME.match(n[:-4]) and n[:-4] < newest:
+            if n.endswith(".tmp") and _NAME.match(n[:-4]) and _order(n[:-4]) < newest:
                 shutil.rmtree(os.path.join(root, n), ignore_errors=True)
     return deleted
 
@@ -450,14 +474,51 @@ def verify(ckpt: str, trust_unchanged: bool = False) -> dict:
 
 def newest_good(root: str, report=say, move_damaged: bool = False) -> tuple[str, dict] | None:
     """The newest checkpoint under ``root`` that verifies; damaged ones are reported and skipped,
-    and with ``move_damaged`` moved under ``damaged/`` (:func:`quarantine`)."""
+    and with ``move_damaged`` moved under ``damaged/`` (:func:`quarantine`). A delta snapshot
+    counts with its chain (:func:`good_part_of_chain`): its base and the deltas before it."""
+    bad_bases: set[str] = set()
     for ckpt in reversed(complete_checkpoints(root)):
         try:
-            return ckpt, verify(ckpt)
+            m = verify(ckpt)
         except CheckpointError as e:
             moved = quarantine(ckpt, "", lambda line: None) if move_damaged else ""
             report(f"hpcps: checkpoint skipped: {e}" + (f"; moved to {moved}" if moved else ""))
+            continue
+        if not is_delta(ckpt):
+            return ckpt, m
+        if m["base"]["name"] not in bad_bases:
+            found = good_part_of_chain(ckpt, m, report, move_damaged)
+            if found:
+                return found
+            bad_bases.add(m["base"]["name"])
     return None
+
+
+def chain_links(ckpt: str, manifest: dict) -> list[tuple[str, str]]:
+    """(path, manifest checksum) of the snapshots a delta is taken over, its base first: the
+    base full checkpoint, then the deltas before it in order."""
+    root = os.path.dirname(os.path.normpath(ckpt))
+    return [(os.path.join(root, e["name"]), e["manifest_xxh64"]) for e in [manifest["base"], *manifest["deltas_before"]]]
+
+
+def good_part_of_chain(ckpt: str, manifest: dict, report=say, move_damaged: bool = False) -> tuple[str, dict] | None:
+    """The newest snapshot of a delta's chain (itself verified) that can be restored: itself when
+    its base and every delta before it verify and are the snapshots it was taken over; else the
+    one before the first damaged delta (which is reported in one line and, with ``move_damaged``,
+    moved under ``damaged/``); None when the base is missing or damaged."""
+    last = None
+    for path, digest in chain_links(ckpt, manifest):
+        try:
+            m = verify(path, trust_unchanged=True)
+            if m.get("manifest_xxh64") != digest:
+                raise CheckpointError(f"{path}: not the snapshot {os.path.basename(ckpt)} was taken over (its manifest differs)")
+        except CheckpointError as e:
+            moved = quarantine(path, "", lambda line: None) if move_damaged and os.path.isdir(path) else ""
+            then = f"resuming from {last[0]}, the last good one" if last else "its deltas cannot be used"
+            report(f"hpcps: delta chain of {ckpt} broken: {e}" + (f" (moved to {moved})" if moved else "") + f"; {then}")
+            return last
+        last = (path, m)
+    return ckpt, manifest
 
 
 def _read(path: str, table: str) -> tuple[np.ndarray, np.ndarray]:

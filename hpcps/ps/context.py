@@ -21,7 +21,7 @@ from typing import Callable
 
 import numpy as np
 
-from hpcps.ps import checkpoint, collectives, protocol, signals, transport
+from hpcps.ps import checkpoint, collectives, deltas, protocol, signals, transport
 from hpcps.ps import margins  # noqa: F401 - registers the server functions of MARGINS and RESIDUALS
 from hpcps.ps.client import DenseTable, SparseTable
 from hpcps.ps.layout import Layout, check_world
@@ -232,10 +232,10 @@ class Context(collectives.ContextCollectives, TableDeclarations):
         mine, theirs = signals.requested(), self.server_stop or None
         return signal.SIGINT if signal.SIGINT in (mine, theirs) else (mine or theirs)
 
-    def save_checkpoint(self, root: str, step: int, manifest: dict, keep: int) -> str:
+    def save_checkpoint(self, root: str, step: int, manifest: dict, keep: int, delta=None, track: bool = False) -> str:
         """First worker only: every server's shards and a manifest into a new checkpoint under
         ``root`` (:func:`write_checkpoint`); returns its path."""
-        return write_checkpoint(self, root, step, manifest, keep)
+        return write_checkpoint(self, root, step, manifest, keep, delta, track)
 
     def clock(self) -> int:
         """End this worker's iteration: tell every server; returns the new clock."""
@@ -357,13 +357,17 @@ class LocalContext(Context):
         self._finalized = True
 
 
-def write_checkpoint(ctx: Context, root: str, step: int, manifest: dict, keep: int) -> str:
+def write_checkpoint(ctx: Context, root: str, step: int, manifest: dict, keep: int,
+                     delta: deltas.Commits | None = None, track: bool = False) -> str:
     """First worker only: ask every server to write its shards into ``root/ckpt-<step>.tmp``
     (each waits until every worker has reached this clock), then write the manifest with the
-    files' checksums and rename the directory. Returns the checkpoint's path."""
-    tmp = checkpoint.step_dir(root, step) + ".tmp"
+    files' checksums and rename the directory. Returns the checkpoint's path. ``delta``: a delta
+    snapshot ``delta-<step>`` instead, committed by ``delta`` once written (:mod:`hpcps.ps.deltas`);
+    ``track``: delta snapshots follow this checkpoint."""
+    kind = "delta" if delta is not None else "ckpt"
+    tmp = checkpoint.step_dir(root, step, kind) + ".tmp"
     try:
-        checkpoint.begin(root, step)
+        deltas.begin(root, step, kind, track)
     except OSError as e:
         raise checkpoint.write_failure(tmp, e, "the first worker") from None
     pending, replies = [], []
@@ -385,6 +389,8 @@ def write_checkpoint(ctx: Context, root: str, step: int, manifest: dict, keep: i
                         "init": s.init, "init_scale": s.init_scale, "seed": s.seed,
                         "fingerprint": s.fingerprint()} for s in ctx.specs],
             "files": files, **manifest}
+    if delta is not None:
+        return delta.start(tmp, full, ctx.layout.servers, keep, ctx.stall_timeout_s)
     try:
         return checkpoint.commit(tmp, full, keep)
     except OSError as e:

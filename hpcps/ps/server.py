@@ -35,7 +35,7 @@ import time
 
 import numpy as np
 
-from hpcps.ps import checkpoint, protocol, signals, transport
+from hpcps.ps import checkpoint, deltas, protocol, signals, transport
 from hpcps.ps.consistency import WorkerClocks
 from hpcps.ps.placement import Placement
 from hpcps.ps.server_table import ServerTable
@@ -92,11 +92,7 @@ def restore_checkpoint(tables: list[ServerTable], workers: WorkerClocks, ckpt: s
                        placement: Placement) -> None:
     """Load server ``server``'s shards of every table (under ``placement``) from checkpoint ``ckpt``,
     and its clock as every worker's."""
-    where = (server, placement.shard_server, placement.num_servers)
-    for table in tables:
-        keys, rows = checkpoint.read_for_server(ckpt, manifest, table.spec.name, *where)
-        state = checkpoint.read_state_for_server(ckpt, manifest, table.spec.name, *where)
-        table.restore_checkpoint(keys, rows, state, manifest["clock"])
+    deltas.restore(tables, ckpt, manifest, server, placement.shard_server, placement.num_servers)  # (or a delta's chain)
     workers.set_all(manifest["clock"])
 
 
@@ -193,6 +189,7 @@ class Server:
         self.workers = WorkerClocks(num_workers, staleness)
         self.pool = transport.BufferPool()  # large requests and replies
         self.replies = Replies(net, server_index, self.pool, self.workers, self.tables)
+        self.snapshots = deltas.DeltaWriter(server_index, placement.num_servers, placement.num_shards)
         self.stats = {"requests": 0, "idle_s": 0.0, "busy_s": 0.0, "deferred": 0}
         # (op, keys pushed, keys pulled, seconds handling it) of every request, when a list
         # (``hpcps bench ps``: the server's own time beside the round trip)
@@ -345,7 +342,7 @@ class Server:
         self.replies.post(reply, source, r.req_id, "margins reply")
 
     def _write_checkpoint(self, source: int, r: protocol.Checkpoint) -> None:
-        size, digest = write_checkpoint_file(r.path, self.tables, self.index, self.placement, r.clock)
+        size, digest = self.snapshots.snapshot(r.path, r.clock, self.tables, self.placement, write_checkpoint_file)
         reply, payload = self.replies.new(r.req_id, protocol.CHECKPOINT_RESULT.itemsize)
         protocol.pack_checkpoint_result(payload, size, digest)
         self.replies.post(reply, source, r.req_id, "checkpoint reply")
@@ -359,6 +356,7 @@ class Server:
     def serve(self) -> dict:
         """Serve until every worker has sent DONE; returns statistics."""
         ServingLoop(self).run()
+        self.snapshots.wait()  # (a delta snapshot's file being written)
         self.replies.finish(self.stall_timeout_s)
         if self.threads is not None:
             self.threads.close()

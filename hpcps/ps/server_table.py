@@ -131,6 +131,7 @@ class ServerTable:
         self.policies.rows_created(self.store.create_rows(keys, slots, first_new), first_new)
         self.opt.apply(self.store.rows, slots, grads, self.spec.params, self.threads)
         self.policies.touch(slots, clock)
+        self.store.mark_changed(slots)
         return None
 
     def _push_in_one_pass(self, keys: np.ndarray, grads: np.ndarray, first_new: int, clock: int) -> None:
@@ -139,6 +140,7 @@ class ServerTable:
         slots = np.empty(keys.shape[0], dtype=np.int64)
         todo = self.store.push_in_one_pass(keys, grads, self.fused, self.fused_params, slots, self.threads)
         self.policies.touch(slots, clock, not_done=todo)
+        self.store.mark_changed(slots, not_done=todo)
         if todo.shape[0] == 0:
             return None
         keys, grads = keys[todo], grads[todo]
@@ -148,6 +150,7 @@ class ServerTable:
                                 in_pull: np.ndarray) -> tuple | None:
         """The keys the next pull reads updated now; the others returned for :meth:`apply_after_reply`."""
         self.policies.rows_created(self.store.create_rows(keys, slots, first_new), first_new)
+        self.store.mark_changed(slots)  # (the rest too: applied before anything reads the table)
         slots, grads, rest_slots, rest_grads = kkeys.split_by_bits(in_pull, slots, grads)
         self.opt.apply(self.store.rows, slots, grads, self.spec.params, self.threads)
         return (rest_slots, rest_grads) if rest_slots.shape[0] else None
@@ -168,6 +171,7 @@ class ServerTable:
         """Replace the contents with ``keys`` and their rows (restoring a checkpoint: every row
         counts as updated at ``clock``)."""
         self.store.load(keys, rows)
+        self.store.mark_changed(np.arange(self.store.size))  # (while changes are tracked: every row)
         self.policies.loaded(clock)
 
     def restore_checkpoint(self, keys: np.ndarray, rows: np.ndarray, state: dict, clock: int) -> None:

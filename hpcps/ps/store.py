@@ -7,6 +7,11 @@ keys are bounded (``key_bits`` <= 26: hashed features) and the shard holds enoug
 (from 2**(key_bits - 8) keys: the same slots), else a :class:`~hpcps_kernels.hashtable.KeyIndex`
 (any uint64 keys).
 
+Changes since the last snapshot (delta snapshots, :mod:`hpcps.ps.deltas`): once
+:meth:`RowStore.track_changes` is called, a mark per slot says which rows a push changed, and the
+keys removed (evicted) are kept, until :meth:`RowStore.take_changes` hands them over. Off (no
+cost) until then.
+
 A pull's slots are kept per worker (:data:`RESOLVED_PULLS` of them) so that the push of the same
 keys that follows (the next step of a push-pull) takes them instead of looking the keys up again.
 """
@@ -45,6 +50,8 @@ class RowStore:
         # step after the next batch's pull) takes those slots instead of looking the keys up again
         self.resolved: dict[int, list] = {}
         self.reused = 0  # keys of pushes whose slots came from a pull before
+        self.changed: np.ndarray | None = None  # a mark per slot: changed since the last snapshot
+        self.removed: list[np.ndarray] = []  # keys removed since the last snapshot
 
     # -- the index -----------------------------------------------------------------------------
 
@@ -123,6 +130,10 @@ class RowStore:
             rows = np.zeros((self.index.key_capacity, self.spec.width), dtype=np.float32)
             rows[:first_new] = self.rows[:first_new]
             self.rows = rows
+            if self.changed is not None:
+                changed = np.zeros(rows.shape[0], dtype=np.bool_)
+                changed[:first_new] = self.changed[:first_new]
+                self.changed = changed
         added = self.index.size - first_new
         if added:
             s = self.spec
@@ -166,10 +177,47 @@ class RowStore:
     # -- contents ------------------------------------------------------------------------------
 
     def load(self, keys: np.ndarray, rows: np.ndarray) -> None:
-        """Replace the contents with ``keys`` and their rows (a new index: the rows may move)."""
+        """Replace the contents with ``keys`` and their rows (a new index: the rows may move).
+        While changes are tracked, the changed rows kept stay marked, and the keys gone are
+        remembered as removed (an eviction)."""
+        old_keys, old_changed = (self.items()[0], self.changed) if self.changed is not None else (None, None)
         self.index = self._new_index(np.ascontiguousarray(keys, dtype=np.uint64))
         self.rows = np.zeros((self.index.key_capacity, self.spec.width), dtype=np.float32)
         self.rows[: keys.shape[0]] = rows
+        if old_keys is not None:
+            self.changed = np.zeros(self.rows.shape[0], dtype=np.bool_)
+            slots = self.index.lookup(old_keys)
+            self.removed.append(old_keys[slots < 0].copy())
+            kept_changed = slots[old_changed[: old_keys.shape[0]] & (slots >= 0)]
+            self.changed[kept_changed] = True
+
+    # -- changes since the last snapshot ---------------------------------------------------------
+
+    def track_changes(self) -> None:
+        """From now on, mark the rows changed and remember the keys removed (nothing yet)."""
+        self.changed = np.zeros(self.rows.shape[0], dtype=np.bool_)
+        self.removed = []
+
+    def mark_changed(self, slots: np.ndarray, not_done: np.ndarray | None = None) -> None:
+        """The rows at ``slots`` (but the positions ``not_done``) were changed."""
+        if self.changed is None:
+            return
+        if not_done is not None and not_done.shape[0]:
+            slots = np.delete(slots, not_done)
+        self.changed[slots] = True
+
+    def take_changes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(keys, rows, slots) of the rows changed since the last call (copies), and the keys
+        removed since and not stored now; the marks start again from none."""
+        n = self.index.size
+        slots = np.flatnonzero(self.changed[:n])
+        keys, rows = self.index.keys[:n][slots], np.take(self.rows, slots, axis=0)
+        removed = np.unique(np.concatenate(self.removed)) if self.removed else np.zeros(0, dtype=np.uint64)
+        if removed.shape[0]:
+            removed = removed[self.index.lookup(removed) < 0]  # (a key removed, then stored again: in keys)
+        self.changed[:] = False
+        self.removed = []
+        return keys, rows, slots, removed
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         """(keys, rows) of everything stored, in slot order (views)."""

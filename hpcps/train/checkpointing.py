@@ -6,14 +6,20 @@ directory, at the next step (a checkpoint, then exit 130 after SIGINT, 75 after 
 training goes on with ``on_signal = "continue"``); without one, at once (exit 128 + the signal).
 Every worker agrees on each decision; the first worker asks the servers to write and writes the
 manifest, whose position is the step to run next.
+
+Delta snapshots (``delta_every_steps`` / ``delta_every_s``, :mod:`hpcps.ps.deltas`) are taken at the
+same points over the run's newest full checkpoint, written while training goes on; every
+``full_every``-th one, the first one with no full checkpoint to be taken over (none yet in this
+run's lineage, or one resumed from elsewhere), and the one after a delta that failed, are full.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
-from hpcps.ps import signals
+from hpcps.ps import checkpoint, deltas, signals
 
 EXIT_PREEMPTED = 75  # the job stopped on SIGUSR1/SIGTERM after writing a checkpoint (EX_TEMPFAIL)
 EXIT_INTERRUPTED = signals.EXIT_INTERRUPTED  # 130: the job stopped on SIGINT (after its checkpoint, if any)
@@ -39,8 +45,14 @@ class Checkpointing:
         self.workers = ctx.among_workers
         self.written: str | None = None  # the newest checkpoint this run wrote (first worker)
         self.data_meaning = plan.data_meaning() if (first and self.cfg.checkpoint.dir) else None
-        self.last_save = time.monotonic()
+        self.last_save = self.last_snapshot = time.monotonic()
         self.saved_at = -1  # the step of this run's newest checkpoint in checkpoint.dir
+        # first worker, with delta snapshots: the chain they extend ({"base": {name, manifest_xxh64},
+        # "deltas_before": [...]}), None until a full checkpoint they can be taken over
+        self.deltas_on = bool(self.cfg.checkpoint.dir and (self.cfg.checkpoint.delta_every_steps or self.cfg.checkpoint.delta_every_s))
+        self.commits = deltas.Commits()
+        self.chain: dict | None = None
+        self.delta_pauses: list[float] = []  # first worker: how long training waited for each delta
 
     def agree_on_resumed(self, global_step: int) -> None:
         """Collective over the workers: the checkpoint resumed counts as this run's newest when it
@@ -49,6 +61,16 @@ class Checkpointing:
         here = self.plan.resumes_from_its_checkpoint_dir()
         if self.workers.smallest(int(here), "agreement on the checkpoint resumed"):
             self.saved_at = global_step
+            if self.first and self.deltas_on and deltas.tracked(self.plan.restore[0]):
+                self._extend_chain(*self.plan.restore)
+
+    def _extend_chain(self, ckpt: str, manifest: dict) -> None:
+        """The next delta is taken over ``ckpt`` (a full checkpoint marked for deltas, or a delta)."""
+        link = {"name": os.path.basename(os.path.normpath(ckpt)), "manifest_xxh64": manifest["manifest_xxh64"]}
+        if checkpoint.is_delta(ckpt):
+            self.chain = {"base": manifest["base"], "deltas_before": [*manifest["deltas_before"], link]}
+        else:
+            self.chain = {"base": link, "deltas_before": []}
 
     def if_due(self, epoch: int, step: int, global_step: int) -> int:
         """Collective over the workers, after step ``step`` of ``epoch``: a checkpoint when one is
@@ -57,19 +79,23 @@ class Checkpointing:
         ck = self.cfg.checkpoint
         if not ck.dir:
             return 0
-        # 3 = SIGINT somewhere, 2 = another stop signal, 1 = a periodic checkpoint is due; all workers agree
+        # 4 = SIGINT somewhere, 3 = another stop signal, 2 = a periodic checkpoint is due, 1 = a
+        # delta snapshot is; all workers agree
         sig = self.ctx.stop_signal
-        want = (3 if sig == signal.SIGINT else 2) if sig else int(
+        now = time.monotonic()
+        want = (4 if sig == signal.SIGINT else 3) if sig else 2 if (
             bool(ck.every_steps and global_step % ck.every_steps == 0)
-            or bool(self.first and ck.every_s and time.monotonic() - self.last_save >= ck.every_s))
+            or bool(self.first and ck.every_s and now - self.last_save >= ck.every_s)) else int(
+            bool(ck.delta_every_steps and global_step % ck.delta_every_steps == 0)
+            or bool(self.first and ck.delta_every_s and now - self.last_snapshot >= ck.delta_every_s))
         want = self.workers.largest(want, "agreement on checkpointing")
         if not want:
             return 0
-        self.save(epoch, step + 1, global_step, "signal" if want >= 2 else "periodic")
-        self.saved_at, self.last_save = global_step, time.monotonic()
-        if want >= 2:
-            if ck.on_signal == "exit" or want == 3:  # (SIGINT always stops)
-                return EXIT_INTERRUPTED if want == 3 else EXIT_PREEMPTED
+        self.save(epoch, step + 1, global_step, "signal" if want >= 3 else "periodic", delta=want == 1)
+        self.saved_at, self.last_snapshot = global_step, time.monotonic()
+        if want >= 3:
+            if ck.on_signal == "exit" or want == 4:  # (SIGINT always stops)
+                return EXIT_INTERRUPTED if want == 4 else EXIT_PREEMPTED
             signals.clear()
             self.ctx.server_stop = 0
         return 0
@@ -80,18 +106,48 @@ class Checkpointing:
         ck = self.cfg.checkpoint
         if ck.dir and ck.final and not preempted and self.saved_at != global_step:
             self.save(self.cfg.train.epochs + 1, 1, global_step, "end of training")
+        self._delta_committed()
+        if self.delta_pauses:
+            p = self.delta_pauses
+            print(f"hpcps train: {len(p)} delta snapshot(s); training waited {sum(p):.2f} s for them in all "
+                  f"(median {sorted(p)[len(p) // 2]:.3f} s, longest {max(p):.3f} s)", flush=True)
 
-    def save(self, epoch_next: int, step_next: int, global_step: int, reason: str) -> None:
-        """Collective over the workers: a checkpoint whose position is the step to run next."""
+    def save(self, epoch_next: int, step_next: int, global_step: int, reason: str, delta: bool = False) -> None:
+        """Collective over the workers: a checkpoint (or a delta snapshot, when one can be taken)
+        whose position is the step to run next."""
         ctx, cfg = self.ctx, self.cfg
+        t = time.perf_counter()
         self.pipeline.finish()  # every worker: its pushes acknowledged
         if self.first:
-            path = ctx.save_checkpoint(cfg.checkpoint.dir, global_step, {
+            self._delta_committed()  # (the one before, written)
+            delta = delta and self.chain is not None and len(self.chain["deltas_before"]) + 1 < cfg.checkpoint.full_every
+            manifest = {
                 "run_id": self.plan.run_id, "model_fingerprint": cfg.model_fingerprint(), "config": cfg.to_dict(),
                 "reason": reason,
                 "position": {"epoch": epoch_next, "step": step_next, "global_step": global_step},
                 "data": {**self.data_meaning, "random_state": "none: the loop draws no random numbers"},
-                "fields": self.model.fields, "input_format": self.plan.input_format}, cfg.checkpoint.keep)
-            self.written = path
-            print(f"hpcps train: checkpoint {path} ({reason})", flush=True)
+                "fields": self.model.fields, "input_format": self.plan.input_format}
+            if delta:
+                ctx.save_checkpoint(cfg.checkpoint.dir, global_step, {**manifest, "snapshot": "delta", **self.chain},
+                                    cfg.checkpoint.keep, delta=self.commits)
+                self.delta_pauses.append(time.perf_counter() - t)  # (the rows copied; written meanwhile)
+            else:
+                path = ctx.save_checkpoint(cfg.checkpoint.dir, global_step, manifest, cfg.checkpoint.keep,
+                                           track=self.deltas_on)
+                self.written, self.last_save = path, time.monotonic()
+                if self.deltas_on:
+                    self._extend_chain(path, checkpoint.read_manifest(path))
+                print(f"hpcps train: checkpoint {path} ({reason})", flush=True)
         self.workers.wait_for_all("checkpoint barrier")
+
+    def _delta_committed(self) -> None:
+        """First worker: wait for the delta snapshot being committed; the next one is taken over
+        it, or, when it failed, the next snapshot is a full one."""
+        if not self.first or self.commits.thread is None:
+            return
+        self.commits.wait()
+        if self.commits.last:
+            self.written = self.commits.last[0]
+            self._extend_chain(self.commits.last[0], checkpoint.read_manifest(self.commits.last[0]))
+        else:
+            self.chain = None

@@ -1,0 +1,273 @@
+"""Delta snapshots: only the rows changed since the snapshot before, written while training goes on.
+No MPI here (the server and the first worker call it; the on-disk form is :mod:`hpcps.ps.checkpoint`'s).
+
+A full checkpoint written with deltas to follow holds the file :data:`TRACK`: from it on, each
+server marks the rows a push changes and remembers the keys evicted (:meth:`RowStore.track_changes
+<hpcps.ps.store.RowStore.track_changes>`). A delta snapshot ``delta-<step>`` is taken at the same
+consistent point as a full checkpoint (the same request, the same position in the manifest):
+
+* each server copies its changed rows (with their optimizer state, and their last update where
+  rows age), the keys removed since, and its admission counts whole, then replies at once, and
+  writes its file on a thread (:class:`DeltaWriter`); a file ``server-<s>.h5.written`` beside it
+  says its size and checksum, or why it could not be written;
+* the first worker's :class:`Commits` waits for those on a thread of its own, writes the manifest
+  (its base full checkpoint and the deltas before it, each with its manifest's checksum) and
+  renames the directory (:func:`hpcps.ps.checkpoint.commit`). A write that failed is reported in
+  one line, nothing is committed, and the next snapshot is a full one.
+
+The next snapshot waits for the previous write (on the servers and on the first worker).
+:func:`restore` reads a chain: the base's rows, then each delta's in order (a key in a delta
+replaces its row, a removed key goes), sharded for the current placement like a full checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+
+import h5py
+import numpy as np
+
+from hpcps.ps import checkpoint
+from hpcps.ps.server_table import ServerTable, count_non_finite_rows
+from hpcps_kernels.hashing import shard_of
+
+TRACK = "deltas-follow"  # in a full checkpoint: delta snapshots are taken over it
+WRITTEN = ".written"     # beside a delta's server file: its size and checksum, or its error
+
+
+def begin(root: str, step: int, kind: str, track: bool) -> str:
+    """The directory a snapshot is written into (:func:`hpcps.ps.checkpoint.begin`), marked
+    :data:`TRACK` when deltas follow it."""
+    tmp = checkpoint.begin(root, step, kind)
+    if track:
+        open(os.path.join(tmp, TRACK), "w").close()
+    return tmp
+
+
+def tracked(ckpt: str) -> bool:
+    """Whether the servers track changes from this snapshot on (a delta, or a full checkpoint
+    with deltas to follow)."""
+    return checkpoint.is_delta(ckpt) or os.path.exists(os.path.join(ckpt, TRACK))
+
+
+def track_changes(tables: list[ServerTable]) -> None:
+    for table in tables:
+        table.store.track_changes()
+
+
+# -- the server's side ------------------------------------------------------------------------
+
+
+def changed_part(table: ServerTable) -> tuple:
+    """(name, keys, rows, state) of the rows of ``table`` changed since the last snapshot (copies):
+    ``state`` holds the keys removed since, each changed row's last update (rows that age) and the
+    admission counts and counters whole."""
+    keys, rows, slots, removed = table.store.take_changes()
+    state = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in table.state_arrays().items() if k != "last"}
+    if table.last is not None:
+        state["last"] = table.last[slots]
+    return table.spec.name, keys, rows, {**state, "removed": removed}
+
+
+class DeltaWriter:
+    """A server's delta snapshots: the changed rows copied when asked (:meth:`take`), their file
+    written on a thread; one write at a time (:meth:`wait`)."""
+
+    def __init__(self, server: int, servers: int, num_shards: int):
+        self.server, self.servers, self.num_shards = server, servers, num_shards
+        self.thread: threading.Thread | None = None
+
+    def wait(self) -> None:
+        """Until the previous delta's file is written."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+
+    def snapshot(self, path: str, clock: int, tables: list[ServerTable], placement, write_full) -> tuple[int, str]:
+        """The snapshot of ``clock`` into ``path``: a delta (:meth:`take`; its size and checksum
+        come later, beside its file: (0, "") now), or a full one, ``write_full(path, tables,
+        server, placement, clock)``, once the delta before it is written; changes are tracked
+        from a full one marked :data:`TRACK` on. Returns (bytes, checksum) of the file."""
+        if checkpoint.is_delta(path):
+            self.take(path, tables)
+            return 0, ""
+        self.wait()
+        written = write_full(path, tables, self.server, placement, clock)
+        if tracked(path):
+            track_changes(tables)
+        return written
+
+    def take(self, path: str, tables: list[ServerTable]) -> None:
+        """Copy the rows changed since the last snapshot now, and write them into ``path`` (the
+        delta's directory) on a thread."""
+        self.wait()
+        parts = [changed_part(t) for t in tables]
+        self.thread = threading.Thread(target=self._write, args=(path, parts), name="delta write", daemon=True)
+        self.thread.start()
+
+    def _write(self, ckpt: str, parts: list[tuple]) -> None:
+        path = checkpoint.server_file(ckpt, self.server)
+        try:
+            bad = sum(count_non_finite_rows(rows) for _, _, rows, _ in parts)
+            if bad:
+                raise ValueError(f"{bad:,} changed rows hold NaN or infinite numbers")
+            size, digest = checkpoint.write_server_file(path, self.server, self.servers, self.num_shards, parts)
+            result = {"bytes": size, "xxh64": digest}
+        except OSError as e:
+            result = {"error": str(checkpoint.write_failure(path, e, f"server {self.server}"))}
+        except (ValueError, RuntimeError) as e:
+            result = {"error": f"server {self.server} cannot write {path}: {e}"}
+        try:
+            with open(path + WRITTEN + ".part", "w") as f:
+                json.dump(result, f)
+            os.replace(path + WRITTEN + ".part", path + WRITTEN)
+        except OSError:
+            pass  # (the first worker times out waiting, and says so)
+
+
+# -- the first worker's side ------------------------------------------------------------------
+
+
+class Commits:
+    """The first worker's delta commits, on a thread: :meth:`start` one when its servers have
+    copied their rows, :meth:`wait` for it before the next snapshot. :attr:`last` is the newest
+    delta committed (path, manifest checksum); :attr:`failed` says why the newest one was not."""
+
+    def __init__(self, report=checkpoint.say):
+        self.report = report
+        self.thread: threading.Thread | None = None
+        self.last: tuple[str, str] | None = None
+        self.failed = ""
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+
+    def start(self, tmp: str, manifest: dict, servers: int, keep: int, timeout: float) -> str:
+        """Commit the delta in ``tmp`` once its ``servers`` files are written; returns the path it
+        will have."""
+        self.wait()
+        self.last, self.failed = None, ""
+        self.thread = threading.Thread(target=self._commit, args=(tmp, manifest, servers, keep, timeout),
+                                       name="delta commit", daemon=True)
+        self.thread.start()
+        return tmp[:-4]
+
+    def _commit(self, tmp: str, manifest: dict, servers: int, keep: int, timeout: float) -> None:
+        files, deadline = [], time.monotonic() + timeout
+        for server in range(servers):
+            path = checkpoint.server_file(tmp, server)
+            result = _wait_for(path + WRITTEN, deadline)
+            if "error" in result:
+                return self._fail(tmp, result["error"])
+            files.append({"name": os.path.basename(path), "bytes": result["bytes"], "xxh64": result["xxh64"]})
+            os.remove(path + WRITTEN)
+        try:
+            final = checkpoint.commit(tmp, {**manifest, "files": files}, keep, self.report)
+            self.last = final, checkpoint.read_manifest(final)["manifest_xxh64"]
+        except (OSError, checkpoint.CheckpointError) as e:
+            return self._fail(tmp, str(checkpoint.write_failure(os.path.join(tmp, checkpoint.MANIFEST), e, "the first worker")
+                                       if isinstance(e, OSError) else e))
+        self.report(f"hpcps train: delta snapshot {final} ({manifest.get('reason', '')})")
+
+    def _fail(self, tmp: str, why: str) -> None:
+        self.failed = why
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.report(f"hpcps train: delta snapshot {tmp[:-4]} not written: {why}; the next snapshot is a full one")
+
+
+def _wait_for(path: str, deadline: float) -> dict:
+    """The JSON file ``path`` once it is there (polled, sleeping), or an error past ``deadline``."""
+    pause = 0.002
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            return {"error": f"{path} not written in time (a server stopped?)"}
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+    with open(path) as f:
+        return json.load(f)
+
+
+# -- restore ----------------------------------------------------------------------------------
+
+
+def _removed_for_server(path: str, table: str, wanted: np.ndarray | None) -> np.ndarray:
+    with h5py.File(path, "r") as f:
+        g = f[f"tables/{table}"]
+        removed = g["removed"][()] if "removed" in g else np.zeros(0, dtype=np.uint64)
+    if wanted is not None and not wanted.all():
+        removed = removed[wanted[shard_of(removed, wanted.shape[0])]]
+    return removed
+
+
+def apply_delta(keys: np.ndarray, rows: np.ndarray, last: np.ndarray | None, delta: tuple) -> tuple:
+    """(keys, rows, last) after a delta's (keys, rows, last, removed): its keys' rows replace
+    theirs, its removed keys go."""
+    dkeys, drows, dlast, removed = delta
+    gone = np.isin(keys, np.concatenate([dkeys, removed]))
+    keys, rows = np.concatenate([keys[~gone], dkeys]), np.concatenate([rows[~gone], drows])
+    if last is not None and dlast is not None:
+        last = np.concatenate([last[~gone], dlast])
+    return keys, rows, last
+
+
+def chain_of(ckpt: str, manifest: dict) -> list[tuple[str, dict]]:
+    """(path, manifest) of the snapshots a restore of ``ckpt`` reads, in order: itself for a full
+    checkpoint; for a delta, its base, the deltas before it, and itself."""
+    links = checkpoint.chain_links(ckpt, manifest) if checkpoint.is_delta(ckpt) else []
+    return [*((p, checkpoint.read_manifest(p)) for p, _ in links), (ckpt, manifest)]
+
+
+def changed_since(keys: np.ndarray, rows: np.ndarray, old_keys: np.ndarray, old_rows: np.ndarray) -> tuple:
+    """(keys, rows) of a table that are new or differ from its rows ``old_keys``/``old_rows`` (an
+    earlier snapshot), and the keys it had then and has no more."""
+    order = np.argsort(old_keys, kind="stable")
+    old_keys, old_rows = old_keys[order], old_rows[order]
+    at = np.minimum(np.searchsorted(old_keys, keys), max(old_keys.shape[0] - 1, 0))
+    had = (old_keys[at] == keys) if old_keys.shape[0] else np.zeros(keys.shape[0], dtype=bool)
+    same = had.copy()
+    same[had] = (old_rows[at[had]].view(np.uint32) == rows[had].view(np.uint32)).all(axis=1)  # (bit for bit)
+    removed = old_keys[~np.isin(old_keys, keys)]
+    return keys[~same], rows[~same], removed
+
+
+def read_table(ckpt: str, manifest: dict, table: str) -> tuple[np.ndarray, np.ndarray]:
+    """(keys, rows) of every shard of ``table`` in the snapshot ``ckpt`` (a delta: over its chain)."""
+    chain = chain_of(ckpt, manifest)
+    every = np.ones(manifest["layout"]["num_shards"], dtype=bool)
+    keys, rows = checkpoint.read_shards(*chain[0], table, every)
+    for path, m in chain[1:]:
+        removed = [_removed_for_server(os.path.join(path, e["name"]), table, None) for e in m["files"]]
+        dkeys, drows = checkpoint.read_shards(path, m, table, every)
+        keys, rows, _ = apply_delta(keys, rows, None, (dkeys, drows, None, np.concatenate(removed)))
+    return keys, rows
+
+
+def restore(tables: list[ServerTable], ckpt: str, manifest: dict, server: int, shard_server: np.ndarray,
+            num_servers: int) -> None:
+    """Load server ``server``'s shards of every table (under the placement ``shard_server`` of
+    ``num_servers`` servers) from the snapshot ``ckpt``: a full checkpoint, or a delta read over
+    its chain; then track changes when deltas follow it."""
+    chain = chain_of(ckpt, manifest)
+    where = (server, shard_server, num_servers)
+    for table in tables:
+        name = table.spec.name
+        keys, rows = checkpoint.read_for_server(chain[0][0], chain[0][1], name, *where)
+        state = checkpoint.read_state_for_server(chain[0][0], chain[0][1], name, *where)
+        for path, m in chain[1:]:
+            same = m["layout"]["servers"] == num_servers and m["layout"]["num_shards"] == shard_server.shape[0]
+            files = [checkpoint.server_file(path, server)] if same else [os.path.join(path, e["name"]) for e in m["files"]]
+            removed = np.concatenate([_removed_for_server(f, name, None if same else shard_server == server)
+                                      for f in files]) if files else np.zeros(0, dtype=np.uint64)
+            dkeys, drows = checkpoint.read_for_server(path, m, name, *where)
+            dstate = checkpoint.read_state_for_server(path, m, name, *where)
+            keys, rows, last = apply_delta(keys, rows, state.get("last"), (dkeys, drows, dstate.get("last"), removed))
+            state = {**dstate, **({"last": last} if last is not None else {})}
+        table.restore_checkpoint(keys, rows, state, manifest["clock"])
+    if tracked(ckpt):
+        track_changes(tables)

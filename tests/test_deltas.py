@@ -1,0 +1,190 @@
+"""Delta snapshots: whole jobs that write them, are killed (kill -9) and resumed from a chain (a
+full checkpoint and the deltas over it), compared bit for bit with a run never stopped (BSP); a
+damaged delta in the chain; resharding from a chain; admission and eviction; retention; export; a failed
+write; the chaos schedule under them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from hpcps.ps import checkpoint, deltas
+from hpcps.ps.server_table import ServerTable
+from hpcps.ps.tables import Features, TableSpec
+from hpcps.train.model_file import ServingModel
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from run import mpiexec  # noqa: E402
+from test_chaos import chaos_run  # noqa: E402
+from test_checkpoint import (HPCPS, assert_same_model, job_data, rank_pids, reference,  # noqa: E402,F401
+                             run_job, train_args)
+
+DELTAS = {"checkpoint.every_steps": 0, "checkpoint.delta_every_steps": 100, "checkpoint.full_every": 4}
+
+
+@pytest.mark.parametrize("key_bits", [12, 64])  # (a direct index, a hash index)
+def test_a_chain_of_changed_parts_gives_the_table_exactly_through_admission_and_eviction(key_bits):
+    t = ServerTable(TableSpec("w", optimizer="ftrl", key_bits=key_bits, features=Features(
+        admit_count=2, evict_after_steps=3, evict_every_steps=2)))
+    t.store.track_changes()
+    keys, rows, last = np.zeros(0, np.uint64), np.zeros((0, 3), np.float32), np.zeros(0, np.int64)
+    rng = np.random.default_rng(5)
+    removed_seen = 0
+    for clock in range(1, 40):
+        pushed = np.unique(rng.integers(0, 3000 if clock < 20 else 300, 200).astype(np.uint64))
+        t.push(pushed, rng.normal(size=(pushed.shape[0], 1)).astype(np.float32), clock)
+        t.evict_if_due(clock)
+        if clock % 3 == 0:  # a delta
+            name, dkeys, drows, state = deltas.changed_part(t)
+            removed_seen += state["removed"].shape[0]
+            keys, rows, last = deltas.apply_delta(keys, rows, last, (dkeys, drows, state["last"], state["removed"]))
+            now_keys, now_rows = t.items()
+            order, now = np.argsort(keys), np.argsort(now_keys)
+            np.testing.assert_array_equal(keys[order], now_keys[now])
+            np.testing.assert_array_equal(rows[order], now_rows[now])
+            np.testing.assert_array_equal(last[order], t.last[: now_keys.shape[0]][now])
+            assert state["evicted"] == t.evicted and ("pending_keys" in state or "count_buckets" in state)
+    assert removed_seen > 0 and t.evicted > 0  # (eviction ran, and the deltas said which keys went)
+
+
+def test_a_delta_whose_write_fails_is_one_line_and_nothing_is_committed(tmp_path):
+    t = ServerTable(TableSpec("w", optimizer="ftrl"))
+    t.store.track_changes()
+    t.push(np.arange(10, dtype=np.uint64), np.ones((10, 1), np.float32), 1)
+    tmp = checkpoint.begin(str(tmp_path), 5, "delta")
+    os.makedirs(checkpoint.server_file(tmp, 0))  # (a directory where the server's file goes)
+    writer, said = deltas.DeltaWriter(0, 1, 64), []
+    commits = deltas.Commits(report=said.append)
+    writer.take(tmp, [t])
+    commits.start(tmp, {"format": checkpoint.FORMAT, "version": checkpoint.VERSION, "layout": {}}, 1, 3, 60)
+    writer.wait()
+    commits.wait()
+    assert commits.last is None and "server 0 cannot write" in commits.failed, commits.failed
+    assert len(said) == 1 and "not written" in said[0] and "the next snapshot is a full one" in said[0], said
+    assert not os.path.exists(tmp) and checkpoint.complete_checkpoints(str(tmp_path)) == []
+
+
+def delta_args(data, ckpt_dir, model_out, servers=1, **sets):
+    """The jobs of tests/test_checkpoint.py (2 workers, 600 steps an epoch, 1,200 in all) with a
+    snapshot every 100 steps: a full checkpoint, then 3 deltas over it, and again."""
+    out = train_args(data, ckpt_dir, model_out, servers=servers)
+    for k, v in {**DELTAS, **sets}.items():
+        out += ["--set", f"{k}={v}"]
+    return out
+
+
+def start_and_kill(data, tmp, rank, after, servers=1, **sets):
+    """Start a job with delta snapshots; once the snapshot ``after`` (a directory name) is
+    committed, kill -9 ``rank``. Returns the job's output."""
+    ckdir = tmp / "ck"
+    n = servers + 2
+    proc = subprocess.Popen([*mpiexec(), "-n", str(n), *HPCPS, *delta_args(data, ckdir, tmp / "never.h5", servers, **sets)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    deadline = time.monotonic() + 240
+    while not os.path.exists(ckdir / after):
+        assert proc.poll() is None, f"the job ended before {after}:\n{proc.stdout.read()[-3000:]}"
+        assert time.monotonic() < deadline, f"{after} never appeared"
+        time.sleep(0.02)
+    pids = rank_pids(str(ckdir))
+    assert set(pids) == set(range(n)), pids
+    os.kill(pids[rank], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0, out[-3000:]
+    return out
+
+
+def test_a_job_with_deltas_trains_the_same_model_and_keeps_each_deltas_base(job_data, reference, tmp_path):
+    rc, out = run_job(3, delta_args(job_data, tmp_path / "ck", tmp_path / "model.h5", **{"checkpoint.keep": 2}))
+    assert rc == 0, out[-3000:]
+    assert_same_model(tmp_path / "model.h5", reference)  # (snapshots change nothing)
+    assert "delta snapshot" in out
+    # retention (keep 2): the 2 newest full checkpoints (900 and the final one), the deltas taken
+    # over the older one (1,000 to 1,200), each with its base; the older chains went whole
+    names = sorted(n for n in os.listdir(tmp_path / "ck"))
+    fulls = [n for n in names if n.startswith("ckpt-")]
+    deltas = [n for n in names if n.startswith("delta-")]
+    assert len(fulls) == 2 and fulls[0] == "ckpt-0000000900" and deltas, names
+    for n in deltas:
+        m = checkpoint.read_manifest(str(tmp_path / "ck" / n))
+        assert m["base"]["name"] == fulls[0] and checkpoint.step_of(n) > 900, (n, names)
+    # export: the model at the newest delta (over its chain), and a delta model since its base,
+    # which applied to the base's model (replace the keys it has, drop NAME.removed) gives it
+    ck = tmp_path / "ck"
+    for args in ([deltas[-1], "--out", "new.h5"], [fulls[0], "--out", "old.h5"],
+                 [deltas[-1], "--since", str(ck / fulls[0]), "--out", "delta.h5"]):
+        done = subprocess.run([*HPCPS, "export", str(ck / args[0]), *[str(tmp_path / a) if a.endswith(".h5") else a
+                                                                      for a in args[1:]]],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+    new, old, delta = (ServingModel(str(tmp_path / n)).tables for n in ("new.h5", "old.h5", "delta.h5"))
+    assert 0 < delta["w"].keys.shape[0] < new["w"].keys.shape[0]
+    keep = ~np.isin(old["w"].keys, np.concatenate([delta["w"].keys, delta["w.removed"].keys]))
+    keys = np.concatenate([old["w"].keys[keep], delta["w"].keys])
+    values = np.concatenate([old["w"].values[keep], delta["w"].values])
+    order = np.argsort(keys)
+    np.testing.assert_array_equal(keys[order], new["w"].keys)
+    np.testing.assert_array_equal(values[order], new["w"].values)
+
+
+def test_kill_9_then_resume_from_a_delta_chain_is_bit_identical(job_data, reference, tmp_path):
+    start_and_kill(job_data, tmp_path, 0, "delta-0000000700")  # (the server)
+    found, m = checkpoint.newest_good(str(tmp_path / "ck"))
+    assert checkpoint.is_delta(found) and m["base"]["name"] == "ckpt-0000000500", found
+    rc, out = run_job(3, delta_args(job_data, tmp_path / "ck", tmp_path / "model.h5") + ["--resume", "auto"])
+    assert rc == 0 and f"resuming from {found}" in out, out[-3000:]
+    assert_same_model(tmp_path / "model.h5", reference)
+
+
+def test_a_damaged_delta_stops_the_chain_and_resume_goes_on_from_the_one_before(job_data, reference, tmp_path):
+    start_and_kill(job_data, tmp_path, 1, "delta-0000000700")  # (a worker)
+    ck = tmp_path / "ck"
+    damaged = ck / "delta-0000000600" / "server-0.h5"
+    with open(damaged, "r+b") as f:
+        f.seek(os.path.getsize(damaged) // 2)
+        f.write(b"\xff" * 64)
+    rc, out = run_job(3, delta_args(job_data, ck, tmp_path / "model.h5") + ["--resume", "auto"])
+    assert rc == 0, out[-3000:]
+    said = [ln for ln in out.splitlines() if "delta chain" in ln]
+    assert len(said) == 1 and "delta-0000000600" in said[0] and "fails its XXH64 checksum" in said[0], out[-3000:]
+    assert f"resuming from {ck / 'ckpt-0000000500'}" in out, out[-3000:]
+    assert os.path.isdir(ck / "damaged" / "delta-0000000600")
+    assert_same_model(tmp_path / "model.h5", reference)
+
+
+def test_resharding_a_delta_chain_from_2_servers_onto_1(job_data, reference, tmp_path):
+    start_and_kill(job_data, tmp_path, 3, "delta-0000000300", servers=2)  # (a worker of 2 servers + 2 workers)
+    found, m = checkpoint.newest_good(str(tmp_path / "ck"))
+    assert checkpoint.is_delta(found) and m["layout"]["servers"] == 2 and len(m["deltas_before"]) >= 1, found
+    rc, out = run_job(3, delta_args(job_data, tmp_path / "ck", tmp_path / "model.h5") + ["--resume", "auto"])
+    assert rc == 0 and f"resuming from {found}" in out, out[-3000:]
+    assert_same_model(tmp_path / "model.h5", reference)
+
+
+def test_admission_and_eviction_resume_from_a_delta_chain_bit_identical(job_data, tmp_path):
+    feats = {"features.admit_count": 2, "features.evict_after_steps": 150, "features.evict_every_steps": 50}
+    rc, ref_out = run_job(3, delta_args(job_data, tmp_path / "ref-ck", tmp_path / "ref.h5", **{
+        **feats, "checkpoint.delta_every_steps": 0}))
+    assert rc == 0, ref_out[-3000:]
+    start_and_kill(job_data, tmp_path, 0, "delta-0000000700", **feats)
+    rc, out = run_job(3, delta_args(job_data, tmp_path / "ck", tmp_path / "model.h5", **feats) + ["--resume", "auto"])
+    assert rc == 0 and "resuming from" in out and "/delta-" in out.split("resuming from")[1].splitlines()[0], out[-3000:]
+    counts = [ln for ln in ref_out.splitlines() if ln.startswith("keys on the servers")]
+    assert "evicted" in counts[0] and counts == [ln for ln in out.splitlines() if ln.startswith("keys on the servers")]
+    assert_same_model(tmp_path / "model.h5", ServingModel(str(tmp_path / "ref.h5")))
+
+
+@pytest.mark.timeout(900)
+def test_chaos_schedule_under_delta_snapshots_and_supervise_is_bit_identical(tmp_path):
+    out = chaos_run(tmp_path, {"checkpoint.every_steps": 0, "checkpoint.delta_every_steps": 50,
+                               "checkpoint.full_every": 5})
+    restarts = [ln for ln in out.splitlines() if "hpcps supervise: job failed" in ln]
+    assert "delta snapshot" in out and any("/delta-" in ln for ln in restarts), restarts  # (resumed from a delta)
