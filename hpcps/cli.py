@@ -216,9 +216,8 @@ def _cmd_predict(args) -> int:
         try:
             np.savetxt(sys.stdout, scores, fmt="%.6f")
             sys.stdout.flush()
-        except BrokenPipeError:  # the reader stopped early (| head): quietly, as a killed writer would
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            return 128 + 13  # (SIGPIPE)
+        except BrokenPipeError:
+            return _reader_gone()
     print(f"hpcps predict: {ds.rows} scores written to {out or 'standard output'}",
           file=sys.stdout if out else sys.stderr)  # (with -, standard output holds the scores only)
     return 0
@@ -880,6 +879,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # (the commands without signals.install: one line, no traceback)
         _fail("interrupted (SIGINT)")
         return signals.EXIT_INTERRUPTED
+    except BrokenPipeError:  # the reader stopped early (`hpcps inspect DIR | head`): quietly
+        return _reader_gone()
     except Exception as e:  # noqa: BLE001 - one line, not a traceback (HPCPS_DEBUG=1 shows it)
         if args.command in ("eval", "predict", "gen-data", "export", "inspect", "plot") and \
                 isinstance(e, (OSError, ValueError, RuntimeError, OutputError)):
@@ -887,6 +888,13 @@ def main(argv: list[str] | None = None) -> int:
         if sys.excepthook is not sys.__excepthook__:  # the abort handler: it ends every rank of the job
             raise
         return _fail_unexpected(e)
+
+
+def _reader_gone() -> int:
+    """Standard output's reader stopped early (``| head``): no message, and the status a writer
+    killed by SIGPIPE would have; standard output pointed at /dev/null so the exit's flush is quiet."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 128 + 13  # (SIGPIPE)
 
 
 def _startup_over() -> None:

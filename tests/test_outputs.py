@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import stat
+import subprocess
 import threading
 
 import h5py
@@ -267,6 +268,22 @@ def test_inspect_describes_a_model_file_and_tells_other_files_apart(data, tmp_pa
     (tmp_path / "ck" / "ckpt-0000000005.tmp").mkdir(parents=True)  # a checkpoint.dir with an unfinished write only
     rc, out = job(0, ["inspect", str(tmp_path / "ck")])
     assert rc == 1 and "DAMAGED" in out and "ckpt-0000000005.tmp" in out, out
+
+
+def test_a_reader_that_stops_early_ends_inspect_and_predict_quietly(data):
+    """``hpcps inspect | head`` and ``hpcps predict --out - | head``: the reader gone before the
+    writer writes (a pipe whose reading end is closed) is no error message, and the status of a
+    writer killed by SIGPIPE (141), for every command that writes to standard output."""
+    from test_faults import ENV, HPCPS
+    for args in (["inspect", data["model"]],
+                 ["predict", "--model", data["model"], "--data", data["test_libsvm"], "--out", "-"]):
+        r, w = os.pipe()
+        os.close(r)
+        try:
+            proc = subprocess.run([*HPCPS, *args], stdout=w, stderr=subprocess.PIPE, text=True, timeout=120, env=ENV)
+        finally:
+            os.close(w)
+        assert proc.returncode == 128 + 13 and "error" not in proc.stderr.lower(), (args, proc.returncode, proc.stderr)
 
 
 def test_serving_commands_tell_a_wrong_path_from_a_damaged_file(data, tmp_path):
