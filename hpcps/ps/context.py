@@ -23,7 +23,7 @@ import numpy as np
 
 from hpcps.ps import checkpoint, collectives, protocol, signals, transport
 from hpcps.ps import margins  # noqa: F401 - registers the server functions of MARGINS and RESIDUALS
-from hpcps.ps.client import DenseTable, SparseTable
+from hpcps.ps.client import DenseTable, SparseTable, TableSet
 from hpcps.ps.layout import Layout, check_world
 from hpcps.ps.placement import DEFAULT_SHARDS, Placement
 from hpcps.ps.server import Server
@@ -146,8 +146,9 @@ class Context(collectives.ContextCollectives, TableDeclarations):
         self._ts = 0
         self._clock_sends: list[transport.Pending] = []
         # wait_s: time waiting for the servers; background_s: time of background work done
-        # during those waits (not counted as waiting)
-        self.stats = {"wait_s": 0.0, "max_staleness": 0, "background_s": 0.0, "bytes_sent": 0, "bytes_received": 0}
+        # during those waits (not counted as waiting); requests: the requests sent to the servers
+        self.stats = {"wait_s": 0.0, "max_staleness": 0, "background_s": 0.0, "bytes_sent": 0, "bytes_received": 0,
+                      "requests": 0}
         self.server_stats: dict | None = None
         self.server_stop = 0       # the stop signal a server reported (SIGINT or SIGTERM for the others), or 0
         # work a worker does while it waits for the servers instead of sleeping (the training loop
@@ -205,9 +206,15 @@ class Context(collectives.ContextCollectives, TableDeclarations):
         ``server``; returns the pending transfers (for :func:`hpcps.ps.transport.wait`), described
         by the operation and table for stall messages."""
         tag = protocol.reply_tag(req_id, self.tag_ub)
+        self.stats["requests"] += 1
         what = transport.Described(_reply_what, (op, table, req_id))  # (written out only in a stall message)
         pending = self.net.start_recv_framed(reply, protocol.REPLY_BYTES, server, tag, what, protocol.payload_apart)
         return pending + self.net.start_send(msg, server, protocol.TAG_REQUEST, _REQUEST_WHAT[op])
+
+    def table_set(self, tables: list[SparseTable]) -> TableSet:
+        """Sparse tables a step reads and updates at the same keys, their requests as one message
+        per server (:class:`hpcps.ps.client.TableSet`)."""
+        return TableSet(self, tables)
 
     def send_grads(self, server: int, grads: np.ndarray, op: int) -> list:
         """Send the gradients of the request just sent to ``server`` as a message of their own
@@ -218,6 +225,7 @@ class Context(collectives.ContextCollectives, TableDeclarations):
         self._clock_sends = transport.completed(self._clock_sends)
         for server in range(self.layout.servers):
             msg = protocol.MESSAGES[op](self.clock_value, self.worker_index).pack()
+            self.stats["requests"] += 1
             self._clock_sends += self.net.start_send(msg, server, protocol.TAG_REQUEST,
                                                      f"{protocol.OP_NAMES[op]} message to server")
 

@@ -32,6 +32,8 @@ import numpy as np
 from hpcps.train.models import NonFiniteError, tick
 from hpcps_kernels import keys as kkeys
 
+_NO_KEYS = np.zeros(0, dtype=np.uint64)
+
 
 @dataclass
 class PreparedBatch:
@@ -107,6 +109,59 @@ class DenseSync:
         self.take()
 
 
+class StepRequests:
+    """A step's requests for the rows and gradients of a model's sparse tables: each table's own,
+    or, for several tables (a tune grid, a deep model), one message per server carrying every
+    table (:class:`hpcps.ps.client.TableSet`: the same keys, the same numbers). What
+    :meth:`ipull` and the push-pulls leave in a batch's ``pulls``, :meth:`rows` takes."""
+
+    def __init__(self, ctx, sparse: list):
+        self.ctx = ctx
+        self.sparse = sparse
+        self.together = ctx.table_set(sparse) if ctx.is_worker and len(sparse) > 1 else None
+
+    def ipull(self, uniq: np.ndarray, ahead: int = 0):
+        """Start pulling every table's rows of ``uniq`` (distinct keys)."""
+        if self.together is not None:
+            return self.together.ipull(uniq, unique=True, ahead=ahead)
+        return [t.ipull(uniq, unique=True, ahead=ahead) for t in self.sparse]
+
+    def rows(self, pulls) -> list:
+        """Every table's rows of a pull or push-pull started here."""
+        if self.together is not None:
+            return self.together.wait(pulls)
+        return [t.wait(x) for t, x in zip(self.sparse, pulls)]
+
+    def push_and_clock(self, keys, grads: list, aggregate: bool) -> list:
+        """Every table's push and the clock; returns the (table, timestamp) to wait for."""
+        if self.together is not None:
+            return [(self.together, self.together.ipushpull(keys, grads, _NO_KEYS))]
+        pending = [(tb, tb.push(keys, g, aggregate=aggregate, unique=True, donate=True))
+                   for tb, g in zip(self.sparse, grads)]
+        self.ctx.clock()
+        return pending
+
+    def push_and_pull(self, keys, grads: list, aggregate: bool, pulls: list, in_pull) -> list:
+        """Every table's push, the clock, and the pulls of ``pulls`` ((batch, ahead) each, the
+        first in the push's round trip: ``in_pull``, which of ``keys`` it reads, or None); sets
+        each batch's ``pulls``, returns the pushes' (table, timestamp) to wait for."""
+        (got, ahead), later = pulls[0], pulls[1:]
+        if self.together is not None:
+            got.pulls = self.together.ipushpull(keys, grads, got.uniq, ahead=ahead, in_pull=in_pull)
+            pending = []
+        else:
+            head, rest = self.sparse[0], list(zip(self.sparse[1:], grads[1:]))
+            # the other tables' pushes go before the clock that the first table's push-pull
+            # carries, and their pulls after it (so under BSP they see every push of the step)
+            pending = [(tb, tb.push(keys, g, aggregate=aggregate, unique=True, donate=True)) for tb, g in rest]
+            ts = head.ipushpull(keys, grads[0], got.uniq, aggregate=aggregate, unique=True, ahead=ahead,
+                                in_pull=in_pull, donate=True)
+            got.pulls = [ts] + [tb.ipull(got.uniq, unique=True, ahead=ahead) for tb, _ in rest]
+        for got, ahead in later:  # (the pipeline filling up: its first step)
+            got.pulls = self.ipull(got.uniq, ahead)
+        return pending
+
+
 class StepPipeline:
     """The messages of a model's training steps (the module's docstring says their order), its
     evaluation pulls, and the time of each stage (:meth:`stage_times`)."""
@@ -128,6 +183,7 @@ class StepPipeline:
         self.pulls_ahead = cfg.train.pull_early and cfg.cluster.staleness != 0 and not ctx.local
         self.stages = model.stages  # seconds per stage (the deep models time their own inside)
         self.dense = [DenseSync(ctx, m) for m in model.mlp_models]
+        self.requests = StepRequests(ctx, self.sparse)
         self.dense_of = {id(d.model): d for d in self.dense}
 
     def _time(self, stage: str, since: float) -> float:
@@ -156,8 +212,7 @@ class StepPipeline:
     def _fetch(self, cur: PreparedBatch) -> None:
         """The rows of every table for ``cur`` (pulls of all tables in flight together)."""
         if cur.params is None:
-            ts = cur.pulls if cur.pulls is not None else [t.ipull(cur.uniq, unique=True) for t in self.sparse]
-            cur.params = [t.wait(x) for t, x in zip(self.sparse, ts)]
+            cur.params = self.requests.rows(cur.pulls if cur.pulls is not None else self.requests.ipull(cur.uniq))
             cur.pulls = None
 
     def _wait_pending(self) -> None:
@@ -194,9 +249,7 @@ class StepPipeline:
         if upcoming:
             self._push_and_pull_ahead(cur, keys, grads, aggregate, upcoming)
         else:
-            self.pending += [(tb, tb.push(keys, g, aggregate=aggregate, unique=True, donate=True))
-                             for tb, g in zip(self.sparse, grads)]
-            self.ctx.clock()
+            self.pending += self.requests.push_and_clock(keys, grads, aggregate)
         for d in self.dense:
             d.after_clock()
         self._time("push", t)
@@ -205,27 +258,18 @@ class StepPipeline:
     def _push_and_pull_ahead(self, cur: PreparedBatch, keys, grads: list, aggregate: bool, upcoming) -> None:
         """The step's pushes, its clock and the pulls of the batches ahead (the module's
         docstring), and the deduplication of a later batch while the servers work."""
-        head, rest = self.sparse[0], list(zip(self.sparse[1:], grads[1:]))
         nxt = self._prepare(upcoming[0])
         early = self.pulls_ahead and len(upcoming) > 1
         pulls = [(nxt, 0)] if nxt.pulls is None and nxt.params is None else []
         if early:  # the batch after the next, for the clock after the next
             pulls.append((self._prepare(upcoming[1]), 1))
-        # the other tables' pushes go before the clock that the first table's push-pull carries,
-        # and their pulls after it (so under BSP they see every push of the step)
-        self.pending += [(tb, tb.push(keys, g, aggregate=aggregate, unique=True, donate=True)) for tb, g in rest]
         if pulls:
-            got, ahead = pulls[0]
+            got = pulls[0][0]
             in_pull = cur.in_pull[1] if cur.in_pull is not None and cur.in_pull[0] is got and keys is cur.uniq \
                 else None
-            ts = head.ipushpull(keys, grads[0], got.uniq, aggregate=aggregate, unique=True, ahead=ahead,
-                                in_pull=in_pull, donate=True)
-            got.pulls = [ts] + [tb.ipull(got.uniq, unique=True, ahead=ahead) for tb, _ in rest]
-            for got, ahead in pulls[1:]:  # (the pipeline filling up: its first step)
-                got.pulls = [tb.ipull(got.uniq, unique=True, ahead=ahead) for tb in self.sparse]
+            self.pending += self.requests.push_and_pull(keys, grads, aggregate, pulls, in_pull)
         else:  # the rows of every batch left are on their way
-            self.pending.append((head, head.push(keys, grads[0], aggregate=aggregate, unique=True, donate=True)))
-            self.ctx.clock()
+            self.pending += self.requests.push_and_clock(keys, grads, aggregate)
         self.ahead = [nxt] + [got for got, _ in pulls if got is not nxt]
         after_pulled = upcoming[1 + early] if len(upcoming) > 1 + early else None
         if after_pulled is not None:  # overlaps the servers' work on the push-pull just sent
@@ -270,7 +314,7 @@ class StepPipeline:
         self._wait_pending()
         for p in self.ahead:
             if p.pulls is not None:
-                p.params = [t.wait(x) for t, x in zip(self.sparse, p.pulls)]
+                p.params = self.requests.rows(p.pulls)
                 p.pulls = None
         for d in self.dense:
             d.finish()
@@ -278,8 +322,7 @@ class StepPipeline:
     def pull_rows(self, batch) -> tuple:
         """(pos, the rows of every table) for a batch outside training (pulls in flight together)."""
         uniq, pos = kkeys.unique_keys(batch.indices)
-        ts = [t.ipull(uniq) for t in self.sparse]
-        return pos, [t.wait(x) for t, x in zip(self.sparse, ts)]
+        return pos, self.requests.rows(self.requests.ipull(uniq))
 
     def margins(self, batch) -> np.ndarray:
         """The model's margins of a batch outside training (its rows pulled now)."""
