@@ -1,16 +1,26 @@
 """Requests per step: a step that touches several tables sends one message per server
-(``hpcps.ps.client.TableSet``), with the numbers of each table's own requests, bit for bit.
+(``hpcps.ps.client.TableSet``), and with ``train.group_pull`` a worker group sends one per server
+for the group; the numbers are those of each table's and each worker's own requests, bit for bit.
 
 Each MPI test runs at the world size of its ``mpi`` marker (tests/run.py).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+
 import numpy as np
 import pytest
 
 import hpcps
 from hpcps.ps import protocol
+from hpcps.train import synth
+from hpcps.train.model_file import ServingModel
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_train import hpcps_job, sets  # noqa: E402
 
 FTRL = dict(optimizer="ftrl", params={"alpha": 0.1, "l1": 0.01}, init="uniform", init_scale=0.1, seed=3)
 
@@ -122,3 +132,57 @@ def test_a_step_of_several_tables_is_one_request_per_server_with_the_same_number
     for x, y in zip(together.wait(together.ipull(everything)), [t.pull(everything) for t in b]):
         np.testing.assert_array_equal(x, y)
     ctx.finalize()
+
+
+# -- whole jobs: a worker group's pull (train.group_pull) ---------------------------------------
+
+def _fixed_width_rows(path, rows: int, seed: int = 3) -> str:
+    """libsvm rows of equal length, so every worker's part of the file has the same rows."""
+    rng = np.random.default_rng(seed)
+    with open(path, "w") as f:
+        for _ in range(rows):
+            keys = np.sort(rng.choice(np.arange(1, 300_000), 10, replace=False))
+            f.write(f"{rng.integers(0, 2)} " + " ".join(f"{k:07d}:1" for k in keys) + "\n")
+    return str(path)
+
+
+def _job(tmp_path, name: str, group_pull: bool, extra: list) -> dict:
+    out = tmp_path / f"{name}.h5"
+    hpcps_job(5, ["train", *extra, *sets(cluster__servers=1, cluster__worker_groups=2, cluster__staleness=0,
+                                          train__group_pull=group_pull, train__progress=False, train__epochs=2,
+                                          train__model_out=str(out)),
+                  "--summary-json", str(tmp_path / f"{name}.json")])
+    return {"summary": json.loads((tmp_path / f"{name}.json").read_text()), "model": ServingModel(str(out))}
+
+
+def _assert_same_tables(a: ServingModel, b: ServingModel) -> None:
+    assert list(a.tables) == list(b.tables)
+    for name in a.tables:
+        np.testing.assert_array_equal(a.tables[name].keys, b.tables[name].keys)
+        np.testing.assert_array_equal(a.tables[name].values, b.tables[name].values, err_msg=f"table {name}")
+
+
+def test_a_group_pull_sends_one_request_per_server_per_group_with_the_same_model(tmp_path):
+    """1 server + 2 groups of 2 workers, BSP, LR, 2 epochs of 4 steps on equal parts: with
+    train.group_pull each group's first rank pushes and pulls for the group (the others send
+    only the first pull), so the job sends G x steps + W requests instead of W x (steps + 2) (a
+    push-pull a step, the first pull, the last step's push and clock apart); the model is the
+    same bit for bit."""
+    train = _fixed_width_rows(tmp_path / "train.svm", 800)
+    common = sets(data__train=train, data__hash_bits=20, model__type="lr", train__batch_size=50)
+    off, on = _job(tmp_path, "off", False, common), _job(tmp_path, "on", True, common)
+    workers, groups, steps = 4, 2, 2 * 800 // (4 * 50)
+    assert off["summary"]["requests_sent"] == workers * (steps + 2)
+    assert on["summary"]["requests_sent"] == groups * steps + workers
+    _assert_same_tables(off["model"], on["model"])
+
+
+def test_a_group_pull_of_a_deep_model_trains_the_same_model(tmp_path):
+    """wdl (a wide and an embedding table, pulled and pushed together, and the MLP) with
+    train.group_pull: every table the same bit for bit as without it."""
+    d = synth.deep(str(tmp_path / "deep"), 4000, 100, seed=5)
+    common = sets(data__train=d["train"], data__hash_bits=16, model__fields=d["fields"], model__type="wdl",
+                  train__batch_size=250)
+    off, on = _job(tmp_path, "off", False, common), _job(tmp_path, "on", True, common)
+    assert on["summary"]["requests_sent"] < off["summary"]["requests_sent"]
+    _assert_same_tables(off["model"], on["model"])

@@ -42,6 +42,7 @@ class _Request:
     started: float = 0.0
     function: object = None                         # CALL: the ServerFunction
     ahead: int = 0                                  # PUSHPULL: its pull reads this many clocks later
+    clock_workers: int = 1                          # PUSHPULL: the workers whose clock it carries
 
 
 def call_result(req: _Request) -> np.ndarray:
@@ -294,12 +295,14 @@ class SparseTable(TableRequests):
                                                    apart)
         else:
             message = lambda req_id: protocol.PushPull(self.id, req_id, req.clock, worker, push_keys,  # noqa: E731
-                                                       grads, pull_keys, req.ahead, in_pull, apart)
+                                                       grads, pull_keys, req.ahead, in_pull, apart,
+                                                       req.clock_workers)
         self._post(req, server, pulled, protocol.reply_bytes(req.op, n_pull, self.dim),
                    lambda req_id: message(req_id).pack(self.ctx.pool.take), grads if apart else None, lent)
 
     def ipushpull(self, push_keys, grads, pull_keys, aggregate: bool = False, unique: bool = False,
-                  ahead: int = 0, in_pull: np.ndarray | None = None, donate: bool = False) -> int:
+                  ahead: int = 0, in_pull: np.ndarray | None = None, donate: bool = False,
+                  clock_workers: int = 1) -> int:
         """Push a step's gradients, end the step (the clock), and start pulling the next step's
         keys, in one message to each server (ps-lite's ZPushPull). Returns a timestamp for
         :meth:`wait`, which returns the pulled rows.
@@ -313,7 +316,9 @@ class SparseTable(TableRequests):
         (:func:`hpcps_kernels.keys.member_mask`, best computed while the worker waits anyway):
         the servers then update the other keys after they have replied, which shortens the wait
         by that part of the push, with the same numbers. Ignored where a group merges its pushes.
-        ``donate``: as for :meth:`push`.
+        ``donate``: as for :meth:`push`. ``clock_workers``: the step's clock is that of as many
+        workers from this one on (a worker group's first rank pushing and pulling for its group:
+        ``protocol.CLOCK_WORKERS_SHIFT``).
         """
         ctx = self.ctx
         if not unique or (aggregate and ctx.group_comm.Get_size() > 1):
@@ -325,10 +330,13 @@ class SparseTable(TableRequests):
             pull_keys, expand = kkeys.unique_keys(pull_keys)
         if max(push_keys.shape[0], pull_keys.shape[0]) > self.max_keys:  # too big for one message
             self.wait(self._send(protocol.PUSH, push_keys, grads, lent=not donate))
-            ctx.clock()
+            if clock_workers > 1:  # the group's clock, as a bare push-pull
+                self.wait(self.ipushpull(_NO_KEYS, grads[:0], _NO_KEYS, unique=True, clock_workers=clock_workers))
+            else:
+                ctx.clock()
             return self.ipull(pull_keys[expand] if expand is not None else pull_keys, ahead=ahead)
         req = _Request(protocol.PUSHPULL, self, n_unique=pull_keys.shape[0], clock=ctx.clock_value,
-                       started=time.monotonic(), expand=expand, ahead=ahead)
+                       started=time.monotonic(), expand=expand, ahead=ahead, clock_workers=clock_workers)
         if ctx.layout.servers == 1:  # nothing to slice: no hashing of keys, no copies
             self._message(req, 0, np.arange(pull_keys.shape[0]), push_keys, grads, pull_keys, in_pull, lent=not donate)
         else:
@@ -445,11 +453,13 @@ class TableSet:
         self._send(req, _NO_KEYS, empty, keys, None)
         return self._register(req)
 
-    def ipushpull(self, push_keys, grads: list, pull_keys, ahead: int = 0, in_pull: np.ndarray | None = None) -> int:
+    def ipushpull(self, push_keys, grads: list, pull_keys, ahead: int = 0, in_pull: np.ndarray | None = None,
+                  clock_workers: int = 1) -> int:
         """Push every table's gradients of ``push_keys`` (distinct, any order), end the step (the
         clock), and start pulling every table's rows of ``pull_keys`` (distinct; none: the push
         and the clock alone), as :meth:`SparseTable.ipushpull` with ``unique`` for each table.
-        ``in_pull``: a bool per pushed key, whether it is among ``pull_keys``."""
+        ``in_pull``: a bool per pushed key, whether it is among ``pull_keys``; ``clock_workers``: as
+        for :meth:`SparseTable.ipushpull`."""
         ctx = self.ctx
         push_keys = np.ascontiguousarray(push_keys, dtype=np.uint64).reshape(-1)
         pull_keys = np.ascontiguousarray(pull_keys, dtype=np.uint64).reshape(-1)
@@ -460,10 +470,11 @@ class TableSet:
             pushes = [(t, t.push(push_keys, g, unique=True, donate=True)) for t, g in rest]
             for t, ts in pushes:  # (before the clock that the first table's push-pull carries)
                 t.wait(ts)
-            ts = head.ipushpull(push_keys, grads[0], pull_keys, unique=True, ahead=ahead, donate=True)
+            ts = head.ipushpull(push_keys, grads[0], pull_keys, unique=True, ahead=ahead, donate=True,
+                                clock_workers=clock_workers)
             return self._register([(head, ts)] + [(t, t.ipull(pull_keys, unique=True, ahead=ahead)) for t, _ in rest])
         req = _Request(protocol.PUSHPULLS, self.tables[0], n_unique=pull_keys.shape[0], clock=ctx.clock_value,
-                       started=time.monotonic(), ahead=ahead)
+                       started=time.monotonic(), ahead=ahead, clock_workers=clock_workers)
         self._send(req, push_keys, grads, pull_keys, in_pull)
         ctx.advance_clock()
         return self._register(req)
@@ -491,7 +502,7 @@ class TableSet:
             head._post(req, server, sel, reply_bytes(sel.shape[0], self.dims),
                        lambda req_id, keys=keys, g=g, pulled=pulled, bits=bits: kind(
                            self.ids, req_id, req.clock, ctx.worker_index, keys, g, pulled, req.ahead,
-                           bits).pack(ctx.pool.take))
+                           bits, req.clock_workers).pack(ctx.pool.take))
 
     def _register(self, req) -> int:
         ts = self.ctx.next_timestamp()

@@ -103,7 +103,46 @@ class TableDeclarations:
         return table
 
 
-class Context(collectives.ContextCollectives, TableDeclarations):
+class GroupExchanges:
+    """A worker group's exchanges through its first rank (collective over the group): merged
+    pushes (``train.aggregate``) and the group's pulls (``train.group_pull``). Needs
+    ``group_comm`` and ``stall_timeout_s`` (a context's)."""
+
+    def gather_to_leader(self, keys: np.ndarray, grads: np.ndarray, dim: int):
+        """Group collective: merge every member's (sorted unique) keys and gradients on the
+        group's rank 0. Returns (keys, sums) there, None elsewhere."""
+        g = self.group_comm
+        t = self.stall_timeout_s
+        counts = transport.allgather_int(g, keys.shape[0], t, "gather of push sizes")
+        all_keys = transport.gatherv(g, keys, counts, 0, t, "gather of pushed keys")
+        all_grads = transport.gatherv(g, grads.reshape(-1), counts * dim, 0, t, "gather of pushed gradients")
+        if g.Get_rank() != 0:
+            return None
+        all_grads = all_grads.reshape(-1, dim)
+        bounds = np.concatenate([[0], np.cumsum(counts)])
+        parts = [(all_keys[bounds[i]:bounds[i + 1]], all_grads[bounds[i]:bounds[i + 1]]) for i in range(len(counts))]
+        return kkeys.merge_sorted(parts)
+
+    def gather_keys_to_leader(self, keys: np.ndarray) -> list[np.ndarray] | None:
+        """Group collective: every member's ``keys`` (uint64), in member order, on the group's
+        first rank; None elsewhere."""
+        g, t = self.group_comm, self.stall_timeout_s
+        counts = transport.allgather_int(g, keys.shape[0], t, "gather of pulled key counts")
+        every = transport.gatherv(g, np.ascontiguousarray(keys, dtype=np.uint64), counts, 0, t, "gather of pulled keys")
+        return None if every is None else np.split(every, np.cumsum(counts)[:-1])
+
+    def scatter_rows_from_leader(self, parts: list[np.ndarray] | None, rows: int, width: int) -> np.ndarray:
+        """Group collective: the group's first rank hands each member its rows (``parts``, float32
+        ``n_m x width`` in member order, there only); returns this member's ``rows x width``."""
+        out = np.empty((rows, width), dtype=np.float32)
+        if parts is None:
+            return transport.scatterv(self.group_comm, None, None, out, 0, self.stall_timeout_s, "scatter of pulled rows")
+        counts = np.array([p.size for p in parts], dtype=np.int64)
+        return transport.scatterv(self.group_comm, np.concatenate([p.reshape(-1) for p in parts]), counts, out, 0,
+                                  self.stall_timeout_s, "scatter of pulled rows")
+
+
+class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges):
     """One rank's view of the parameter server. ``net``: how it reaches the other ranks, and the
     communicators its collectives run over (:class:`hpcps.ps.transport.Transport`): every message
     and collective of the server, the client and the context goes through it."""
@@ -255,21 +294,6 @@ class Context(collectives.ContextCollectives, TableDeclarations):
         """End this worker's iteration when a push-pull has told every server already."""
         self.clock_value += 1
         return self.clock_value
-
-    def gather_to_leader(self, keys: np.ndarray, grads: np.ndarray, dim: int):
-        """Group collective: merge every member's (sorted unique) keys and gradients on the
-        group's rank 0. Returns (keys, sums) there, None elsewhere."""
-        g = self.group_comm
-        t = self.stall_timeout_s
-        counts = transport.allgather_int(g, keys.shape[0], t, "gather of push sizes")
-        all_keys = transport.gatherv(g, keys, counts, 0, t, "gather of pushed keys")
-        all_grads = transport.gatherv(g, grads.reshape(-1), counts * dim, 0, t, "gather of pushed gradients")
-        if g.Get_rank() != 0:
-            return None
-        all_grads = all_grads.reshape(-1, dim)
-        bounds = np.concatenate([[0], np.cumsum(counts)])
-        parts = [(all_keys[bounds[i]:bounds[i + 1]], all_grads[bounds[i]:bounds[i + 1]]) for i in range(len(counts))]
-        return kkeys.merge_sorted(parts)
 
     # -- end ---------------------------------------------------------------------------------
 

@@ -28,7 +28,10 @@ Operations:
   ``IN_PULL``, ``ceil(n_push / 8)`` bytes follow the pull keys: bit ``i`` (little-endian within a
   byte) says whether pushed key ``i`` is among this request's pulled keys. The server may then
   apply the push's other keys after it has replied (nothing it replies reads them), so the
-  worker's wait is shorter by that part of the push.
+  worker's wait is shorter by that part of the push. The flags from bit ``CLOCK_WORKERS_SHIFT``
+  on, where not 0: the clock advance is that of as many workers from the sender on (a worker
+  group's first rank, whose push carries the group's merged gradients and whose pull the group's
+  keys: ``train.group_pull``; the others send nothing that step).
 * Large gradients (:data:`GRADS_APART_BYTES`, a ``PUSH`` or ``PUSHPULL`` to a server rank) go
   apart: with ``flags`` bit ``GRADS_APART`` the message holds no gradients, and they follow from
   the same rank as a second message of exactly ``n_push x dim`` float32 under ``TAG_GRADS``, sent
@@ -104,6 +107,7 @@ TAG_GRADS = 2
 TAG_REPLY_BASE = 16
 IN_PULL = 1      # request flag: a push-pull's in-pull bits follow its pull keys
 GRADS_APART = 2  # request flag: its gradients follow as a message of their own (TAG_GRADS)
+CLOCK_WORKERS_SHIFT = 8  # request flags from this bit on: the workers whose clock a push-pull carries (0: 1)
 PAYLOAD_APART = 1  # reply flag: the header is a message of its own, and the payload follows it
 OK = 0
 STOP = 2         # status bit: this server received a stop signal (SIGINT, SIGTERM or SIGUSR1)
@@ -130,6 +134,11 @@ def request_bytes(n_push: int, n_pull: int, dim: int, in_pull: bool = False, gra
     """The bytes of a request message (without its gradients when they go apart)."""
     return (HEADER_BYTES + (8 + (0 if grads_apart else 4 * dim)) * n_push + 8 * n_pull
             + (-(-n_push // 8) if in_pull else 0))
+
+
+def clock_workers_flags(n: int) -> int:
+    """The request flags saying that a push-pull carries the clock of ``n`` workers."""
+    return n << CLOCK_WORKERS_SHIFT if n > 1 else 0
 
 
 def margin_width(dim: int) -> int:
@@ -330,6 +339,7 @@ class PushPull(TableMessage):
     ahead: int = 0
     in_pull: np.ndarray | None = None
     grads_apart: bool = False  # as for Push
+    clock_workers: int = 1  # the workers (from ``worker`` on) whose clock it advances
 
     @property
     def pull_clock(self) -> int:
@@ -342,7 +352,8 @@ class PushPull(TableMessage):
     def pack(self, alloc=None) -> np.ndarray:
         n_push = self.push_keys.shape[0]
         apart = self.grads_apart and n_push > 0
-        flags = (IN_PULL if self.in_pull is not None and n_push else 0) | (GRADS_APART if apart else 0)
+        flags = (IN_PULL if self.in_pull is not None and n_push else 0) | (GRADS_APART if apart else 0) \
+            | clock_workers_flags(self.clock_workers)
         words = _words(PUSHPULL, self.table, self.req_id, (n_push, self.pull_keys.shape[0]), self.clock,
                        self.worker, self.ahead, flags)
         return _pack_pushed(words, self.push_keys, self.grads, self.pull_keys, self.in_pull, alloc, apart)
@@ -351,7 +362,8 @@ class PushPull(TableMessage):
     def unpack(cls, words: list, buf: np.ndarray, dims: list[int], grads: np.ndarray | None) -> "PushPull":
         _, table, req_id, n_push, n_pull, clock, worker, ahead, flags = words
         keys, grads, pull_keys, in_pull = _unpack_pushed(buf, n_push, n_pull, dims[table], flags, grads)
-        return cls(table, req_id, clock, worker, keys, grads, pull_keys, ahead, in_pull, bool(flags & GRADS_APART))
+        return cls(table, req_id, clock, worker, keys, grads, pull_keys, ahead, in_pull, bool(flags & GRADS_APART),
+                   max(1, flags >> CLOCK_WORKERS_SHIFT))
 
 
 @dataclass(eq=False)
@@ -527,6 +539,7 @@ class TablesPushPull(Message):
     pull_keys: np.ndarray
     ahead: int = 0
     in_pull: np.ndarray | None = None
+    clock_workers: int = 1  # as for PushPull
 
     @property
     def pull_clock(self) -> int:
@@ -535,9 +548,9 @@ class TablesPushPull(Message):
     def pack(self, alloc=None) -> np.ndarray:
         n_tables, n_push, n_pull = len(self.tables), self.push_keys.shape[0], self.pull_keys.shape[0]
         dims = [g.shape[1] for g in self.grads]
-        flags = IN_PULL if self.in_pull is not None and n_push else 0
+        flags = (IN_PULL if self.in_pull is not None and n_push else 0) | clock_workers_flags(self.clock_workers)
         buf = _pack(_words(self.op, n_tables, self.req_id, (n_push, n_pull), self.clock, self.worker, self.ahead,
-                           flags), tables_request_bytes(n_tables, n_push, n_pull, dims, bool(flags)), alloc)
+                           flags), tables_request_bytes(n_tables, n_push, n_pull, dims, bool(flags & IN_PULL)), alloc)
         at = HEADER_BYTES + 8 * n_tables
         buf[HEADER_BYTES:at].view(np.int64)[:] = self.tables
         buf[at:at + 8 * n_push].view(np.uint64)[:] = self.push_keys
@@ -547,7 +560,7 @@ class TablesPushPull(Message):
         for g in self.grads:
             buf[at:at + 4 * g.size].view(np.float32)[:] = g.reshape(-1)
             at += 4 * g.size
-        if flags:
+        if flags & IN_PULL:
             buf[at:] = np.packbits(self.in_pull, bitorder="little")
         return buf
 
@@ -565,7 +578,8 @@ class TablesPushPull(Message):
             table_grads.append(buf[at:at + 4 * n_push * dims[t]].view(np.float32).reshape(n_push, dims[t]))
             at += 4 * n_push * dims[t]
         in_pull = buf[at:at + (n_push + 7) // 8] if flags & IN_PULL else None
-        return cls(tables, req_id, clock, worker, push_keys, table_grads, pull_keys, ahead, in_pull)
+        return cls(tables, req_id, clock, worker, push_keys, table_grads, pull_keys, ahead, in_pull,
+                   max(1, flags >> CLOCK_WORKERS_SHIFT))
 
 
 class TablesPull(TablesPushPull):

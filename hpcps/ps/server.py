@@ -290,7 +290,7 @@ class Server(ServerReads):
         served or applied in between (:meth:`_answers_at_once`), the push's keys the pull reads are
         updated, the pull answered, and then (the reply gone) the push's other keys."""
         worker = source - self.worker_rank0
-        self.workers.advance(worker, r.clock + 1)
+        self._advance(worker, r)
         if r.in_pull is not None and self._answers_at_once(r):
             table = self.tables[r.table]
             rest = table.push(r.push_keys, r.grads, r.clock, worker, in_pull=r.in_pull)
@@ -307,7 +307,7 @@ class Server(ServerReads):
         clock c, the clock c + 1 once, then every table's pull (the push's keys the pull does not
         read applied after the reply, as there)."""
         worker = source - self.worker_rank0
-        self.workers.advance(worker, r.clock + 1)
+        self._advance(worker, r)
         if r.in_pull is not None and self._answers_at_once(r):
             rests = [(self.tables[t], self.tables[t].push(r.push_keys, g, r.clock, worker, in_pull=r.in_pull))
                      for t, g in zip(r.tables, r.grads)]
@@ -320,6 +320,11 @@ class Server(ServerReads):
             self._push(worker, protocol.Push(t, r.req_id, r.clock, r.worker, r.push_keys, g))
         self._after_clock()
         self._serve_or_defer(source, r)
+
+    def _advance(self, worker: int, r: protocol.PushPull | protocol.TablesPushPull) -> None:
+        """A push-pull's clock advance: the sender's, or its group's (``clock_workers`` from it on)."""
+        for w in range(worker, worker + r.clock_workers):
+            self.workers.advance(w, r.clock + 1)
 
     def _answers_at_once(self, r: protocol.PushPull | protocol.TablesPushPull) -> bool:
         """Whether a push-pull's push is applied now and its pull answered now, with nothing else

@@ -109,16 +109,79 @@ class DenseSync:
         self.take()
 
 
+@dataclass
+class GroupPull:
+    """A pull made for a worker group (``train.group_pull``): on its first rank, the push-pull's
+    (what waits for it, timestamp), the union of the members' keys and each member's keys; on
+    the others, nothing but this member's number of keys."""
+
+    rows: int
+    waits: tuple | None = None
+    union: np.ndarray | None = None
+    members: list | None = None
+
+
+class GroupPulls:
+    """``train.group_pull`` (KunPeng's aggregation): the group's first rank pushes the group's
+    merged gradients and pulls the rows of the union of its members' next keys, in one request per
+    server that carries every member's clock (``clock_workers``); it then hands each member its
+    rows inside the group. The other members send the servers nothing during the steps. Under
+    BSP every row is the one a member's own pull would read (the same clock), so the numbers do
+    not change."""
+
+    def __init__(self, ctx, requests: "StepRequests"):
+        self.ctx = ctx
+        self.requests = requests
+        self.size = ctx.group_comm.Get_size()
+        self.leader = ctx.group_comm.Get_rank() == 0
+        self.widths = [t.dim for t in requests.sparse]
+
+    def push_and_pull(self, keys, grads: list, pull_keys: np.ndarray, ahead: int) -> tuple:
+        """Group collective: the step's push, clock and pull of ``pull_keys`` (each member's);
+        returns (the GroupPull, the pushes to wait for: none, the reply is the acknowledgement)."""
+        members = self.ctx.gather_keys_to_leader(pull_keys)
+        if not self.leader:
+            self.ctx.advance_clock()
+            return GroupPull(pull_keys.shape[0]), []
+        union = kkeys.unique_keys(np.concatenate(members))[0]
+        waits = self.requests.push_pull(keys, grads, union, ahead, clock_workers=self.size)
+        return GroupPull(pull_keys.shape[0], waits, union, members), []
+
+    def push_and_clock(self, keys, grads: list) -> list:
+        """The group's push and every member's clock (the first rank sends them)."""
+        if not self.leader:
+            self.ctx.advance_clock()
+            return []
+        return [self.requests.push_pull(keys, grads, _NO_KEYS, clock_workers=self.size)]
+
+    def rows(self, p: GroupPull) -> list:
+        """Group collective: this member's rows of every table."""
+        width = sum(self.widths)
+        parts = None
+        if p.waits is not None:
+            waiter, ts = p.waits
+            got = waiter.wait(ts)
+            got = [got] if isinstance(got, np.ndarray) else got
+            union_rows = got[0] if len(got) == 1 else np.hstack(got)
+            parts = [union_rows[np.searchsorted(p.union, k)] for k in p.members]
+        mine = self.ctx.scatter_rows_from_leader(parts, p.rows, width)
+        if len(self.widths) == 1:
+            return [mine]
+        return [np.ascontiguousarray(x) for x in np.split(mine, np.cumsum(self.widths)[:-1], axis=1)]
+
+
 class StepRequests:
     """A step's requests for the rows and gradients of a model's sparse tables: each table's own,
     or, for several tables (a tune grid, a deep model), one message per server carrying every
     table (:class:`hpcps.ps.client.TableSet`: the same keys, the same numbers). What
     :meth:`ipull` and the push-pulls leave in a batch's ``pulls``, :meth:`rows` takes."""
 
-    def __init__(self, ctx, sparse: list):
+    def __init__(self, ctx, sparse: list, group_pull: bool = False):
         self.ctx = ctx
         self.sparse = sparse
         self.together = ctx.table_set(sparse) if ctx.is_worker and len(sparse) > 1 else None
+        self.group_pull = group_pull
+        self.group = GroupPulls(ctx, self) if group_pull else None
 
     def ipull(self, uniq: np.ndarray, ahead: int = 0):
         """Start pulling every table's rows of ``uniq`` (distinct keys)."""
@@ -128,12 +191,16 @@ class StepRequests:
 
     def rows(self, pulls) -> list:
         """Every table's rows of a pull or push-pull started here."""
+        if isinstance(pulls, GroupPull):
+            return self.group.rows(pulls)
         if self.together is not None:
             return self.together.wait(pulls)
         return [t.wait(x) for t, x in zip(self.sparse, pulls)]
 
     def push_and_clock(self, keys, grads: list, aggregate: bool) -> list:
         """Every table's push and the clock; returns the (table, timestamp) to wait for."""
+        if self.group is not None:
+            return self.group.push_and_clock(keys, grads)
         if self.together is not None:
             return [(self.together, self.together.ipushpull(keys, grads, _NO_KEYS))]
         pending = [(tb, tb.push(keys, g, aggregate=aggregate, unique=True, donate=True))
@@ -141,12 +208,23 @@ class StepRequests:
         self.ctx.clock()
         return pending
 
+    def push_pull(self, keys, grads: list, pull_keys, ahead: int = 0, in_pull=None, clock_workers: int = 1):
+        """(what waits for it, the timestamp) of every table's push-pull of distinct keys (of the
+        group's merged push: no further aggregation)."""
+        if self.together is not None:
+            return self.together, self.together.ipushpull(keys, grads, pull_keys, ahead, in_pull, clock_workers)
+        head = self.sparse[0]
+        return head, head.ipushpull(keys, grads[0], pull_keys, unique=True, ahead=ahead, in_pull=in_pull, donate=True,
+                                    clock_workers=clock_workers)
+
     def push_and_pull(self, keys, grads: list, aggregate: bool, pulls: list, in_pull) -> list:
         """Every table's push, the clock, and the pulls of ``pulls`` ((batch, ahead) each, the
         first in the push's round trip: ``in_pull``, which of ``keys`` it reads, or None); sets
         each batch's ``pulls``, returns the pushes' (table, timestamp) to wait for."""
         (got, ahead), later = pulls[0], pulls[1:]
-        if self.together is not None:
+        if self.group is not None:
+            got.pulls, pending = self.group.push_and_pull(keys, grads, got.uniq, ahead)
+        elif self.together is not None:
             got.pulls = self.together.ipushpull(keys, grads, got.uniq, ahead=ahead, in_pull=in_pull)
             pending = []
         else:
@@ -183,7 +261,9 @@ class StepPipeline:
         self.pulls_ahead = cfg.train.pull_early and cfg.cluster.staleness != 0 and not ctx.local
         self.stages = model.stages  # seconds per stage (the deep models time their own inside)
         self.dense = [DenseSync(ctx, m) for m in model.mlp_models]
-        self.requests = StepRequests(ctx, self.sparse)
+        # train.group_pull: the group's first rank pushes and pulls for the group (see StepRequests)
+        group_pull = cfg.train.group_pull and self.sorted and not self.on_servers
+        self.requests = StepRequests(ctx, self.sparse, group_pull)
         self.dense_of = {id(d.model): d for d in self.dense}
 
     def _time(self, stage: str, since: float) -> float:
@@ -282,7 +362,7 @@ class StepPipeline:
         """(keys, gradients per table, whether the pushes still aggregate). Several tables whose
         pushes a worker group merges are merged in one gather (their rows side by side: the same
         keys) instead of one per table; the group's first rank then pushes the sums."""
-        if not (self.sorted and len(grads) > 1):
+        if not (self.sorted and (len(grads) > 1 or self.requests.group_pull)):
             return uniq, grads, self.aggregate
         widths = [g.shape[1] for g in grads]
         merged = self.ctx.gather_to_leader(uniq, np.hstack(grads).astype(np.float32, copy=False), sum(widths))
