@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from hpcps.train import synth
 from hpcps.train.model_file import ServingModel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_ps import run_script  # noqa: E402
 from test_train import hpcps_job, sets  # noqa: E402
 
 FTRL = dict(optimizer="ftrl", params={"alpha": 0.1, "l1": 0.01}, init="uniform", init_scale=0.1, seed=3)
@@ -186,3 +188,36 @@ def test_a_group_pull_of_a_deep_model_trains_the_same_model(tmp_path):
     off, on = _job(tmp_path, "off", False, common), _job(tmp_path, "on", True, common)
     assert on["summary"]["requests_sent"] < off["summary"]["requests_sent"]
     _assert_same_tables(off["model"], on["model"])
+
+
+def test_a_group_clock_lets_the_others_on_and_a_stall_still_names_the_group_behind(tmp_path):
+    """1 server, workers 0 and 1 in a group, worker 2 alone, BSP. Group 0's first rank carries its
+    member's clock (``clock_workers=2``), the member sends nothing: worker 2's pulls are answered
+    with both groups' pushes, exactly. Once group 0 stops after 3 steps, worker 2's next pull
+    waits, and the server names both ranks of that group as behind; the job ends on the stall."""
+    script = tmp_path / "group_clock.py"
+    script.write_text(textwrap.dedent("""
+        import time, numpy as np, hpcps
+        ctx = hpcps.init(servers=1, worker_groups=2, staleness=0, stall_warn_s=1, stall_timeout_s=4)
+        t = ctx.sparse_table("w", optimizer="sgd", params={"lr": 1.0})
+        keys, g = np.arange(3, dtype=np.uint64), np.ones((3, 1), np.float32)
+        if ctx.is_server:
+            ctx.serve()
+        elif ctx.worker_index == 0:
+            for it in range(3):
+                t.wait(t.ipushpull(keys, g, keys, unique=True, clock_workers=2))
+            time.sleep(120)
+        elif ctx.worker_index == 1:
+            time.sleep(120)
+        else:
+            for it in range(5):
+                print("step", it, t.wait(t.ipushpull(keys, g, keys, unique=True))[:, 0].tolist(), flush=True)
+        ctx.finalize()
+    """))
+    rc, out, took = run_script(script, 4)
+    assert rc != 0
+    assert took < 40
+    for it in range(3):  # both groups pushed -1 per key at each clock before the pull's
+        assert f"step {it} {[-2.0 * (it + 1)] * 3}" in out
+    assert "step 3" not in out
+    assert "waits" in out and "rank(s) [1, 2]" in out  # the server names the group behind
