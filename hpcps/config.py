@@ -153,6 +153,10 @@ class Train:
                                    "epoch's model (0 = train every epoch; needs holdout)")
     pull_early: bool = described(False, "SSP/ASP: each step also pulls the rows of the batch after the next "
                                         "(the pipelined step; changes nothing under BSP)")
+    group_pull: bool = described(False, "a worker group's first rank pulls the rows of the union of its members' "
+                                        "keys with the group's merged push and hands each member its rows: one "
+                                        "request per server per group a step instead of one per worker (KunPeng's "
+                                        "aggregation; needs train.aggregate; the same numbers)")
 
 
 @dataclass(frozen=True)
@@ -438,6 +442,8 @@ def _check(cfg: Config) -> None:
     if cfg.model.compute == "servers" and cfg.cluster.worker_groups:
         raise ConfigError("model.compute = 'servers' needs one worker per group (cluster.worker_groups = 0): "
                           "each worker's rows go to the servers, there is no group merge")
+    if cfg.train.group_pull and not cfg.train.aggregate:
+        raise ConfigError("train.group_pull needs train.aggregate = true (the group's first rank pushes for the group)")
     if cfg.train.pull_early and cfg.model.compute == "servers":
         raise ConfigError("train.pull_early is for model.compute = 'workers' (the servers' computation pulls nothing)")
     if cfg.model.compute == "servers" and cfg.model.type not in BUILT_IN_MODELS:

@@ -288,6 +288,17 @@ def test_bsp_equals_the_sequential_reference_exactly(servers, optimizer, params)
     ctx.finalize()
 
 
+def run_script(script, ranks: int, timeout: float = 90) -> tuple[int, str, float]:
+    """(exit status, output, seconds) of ``script`` under ``mpiexec -n ranks``, within ``timeout``."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from run import mpiexec
+
+    start = time.monotonic()
+    proc = subprocess.run([*mpiexec(), "-n", str(ranks), sys.executable, str(script)], capture_output=True,
+                          text=True, timeout=timeout, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
+
+
 def test_a_request_nobody_answers_is_reported_then_aborts_the_job(tmp_path):
     """Worker 2 never clocks; worker 1's BSP pull at clock 1 can never be answered."""
     script = tmp_path / "stall.py"
@@ -304,15 +315,9 @@ def test_a_request_nobody_answers_is_reported_then_aborts_the_job(tmp_path):
             time.sleep(120)
         ctx.finalize()
     """))
-    sys.path.insert(0, os.path.dirname(__file__))
-    from run import mpiexec
-
-    start = time.monotonic()
-    proc = subprocess.run([*mpiexec(), "-n", "3", sys.executable, str(script)], capture_output=True,
-                          text=True, timeout=90, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0
-    assert time.monotonic() - start < 40
+    rc, out, took = run_script(script, 3)
+    assert rc != 0
+    assert took < 40
     assert "still waiting" in out and "pull reply of table 'w'" in out
     assert "no answer after 4 s" in out and "(from rank 0)" in out
     assert "waits" in out and "rank(s) [2]" in out  # the server names the worker that is behind

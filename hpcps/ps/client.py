@@ -27,6 +27,8 @@ from hpcps.ps import protocol, transport
 from hpcps.ps.tables import TableSpec
 from hpcps_kernels import keys as kkeys
 
+_NO_KEYS = np.zeros(0, dtype=np.uint64)
+
 
 @dataclass
 class _Request:
@@ -40,6 +42,7 @@ class _Request:
     started: float = 0.0
     function: object = None                         # CALL: the ServerFunction
     ahead: int = 0                                  # PUSHPULL: its pull reads this many clocks later
+    clock_workers: int = 1                          # PUSHPULL: the workers whose clock it carries
 
 
 def call_result(req: _Request) -> np.ndarray:
@@ -62,6 +65,34 @@ def margins_result(req: _Request, dim: int) -> np.ndarray:
     for _, reply in req.parts:
         out += reply[protocol.REPLY_BYTES:].view(np.float64).reshape(out.shape)
     return out if dim > 1 else out[:, 0]
+
+
+def read_reply_header(ctx, reply: np.ndarray) -> tuple[int, tuple[int, int, int], int]:
+    """(the server, its counts of the request's table, the slowest worker's clock it knew) of a
+    reply; a stop status it carries is kept in ``ctx.server_stop``."""
+    _, status, min_clock, server, table_keys, admitted, evicted, _ = protocol.reply_words(reply)
+    if status & protocol.STOP:
+        ctx.server_stop = signal.SIGINT if status & protocol.INTERRUPT else (ctx.server_stop or signal.SIGTERM)
+    return server, (table_keys, admitted, evicted), min_clock
+
+
+def wait_for_replies(ctx, req: _Request, timeout: float | None) -> None:
+    """Wait for a request's transfers (the context's background work meanwhile), timed in
+    ``ctx.stats["wait_s"]`` less that work."""
+    t = time.perf_counter()
+    busy = ctx.stats["background_s"]
+    transport.wait(req.pending, ctx.stall_timeout_s if timeout is None else timeout,
+                   warn_after=ctx.stall_warn_s, max_sleep=transport.POLL_SHORT_MAX_SLEEP_S,
+                   background=ctx.run_background if ctx.background is not None else None)
+    ctx.stats["wait_s"] += time.perf_counter() - t - (ctx.stats["background_s"] - busy)
+
+
+def note_staleness(ctx, req: _Request, min_clock: int | None) -> None:
+    """The staleness a pull observed (its read's clock less the slowest worker's), into the
+    context's ``max_staleness``."""
+    if min_clock is not None:
+        ctx.stats["max_staleness"] = max(ctx.stats["max_staleness"],
+                                         protocol.pull_clock(req.op, req.clock, req.ahead) - min_clock)
 
 
 class TableRequests:
@@ -110,25 +141,16 @@ class TableRequests:
         """Wait for request ``ts``; returns the pulled rows for a pull, None for a push."""
         req = self._requests.pop(ts)
         ctx = self.ctx
-        t = time.perf_counter()
-        busy = ctx.stats["background_s"]
-        transport.wait(req.pending, ctx.stall_timeout_s if timeout is None else timeout,
-                       warn_after=ctx.stall_warn_s, max_sleep=transport.POLL_SHORT_MAX_SLEEP_S,
-                       background=ctx.run_background if ctx.background is not None else None)
-        ctx.stats["wait_s"] += time.perf_counter() - t - (ctx.stats["background_s"] - busy)
+        wait_for_replies(ctx, req, timeout)
         min_clock = None
         for _, reply in req.parts:
-            _, status, server_min_clock, server, table_keys, admitted, evicted, _ = protocol.reply_words(reply)
-            if status & protocol.STOP:
-                ctx.server_stop = signal.SIGINT if status & protocol.INTERRUPT else (ctx.server_stop or signal.SIGTERM)
-            self.server_counts[server] = (table_keys, admitted, evicted)
+            server, counts, server_min_clock = read_reply_header(ctx, reply)
+            self.server_counts[server] = counts
             min_clock = server_min_clock if min_clock is None else min(min_clock, server_min_clock)
         if req.op in (protocol.PUSH, protocol.RESIDUALS):
             return None
         self.last_min_clock = min_clock
-        if min_clock is not None:
-            ctx.stats["max_staleness"] = max(ctx.stats["max_staleness"],
-                                             protocol.pull_clock(req.op, req.clock, req.ahead) - min_clock)
+        note_staleness(ctx, req, min_clock)
         if req.op == protocol.CALL:
             return call_result(req)
         if req.op == protocol.MARGINS:
@@ -273,12 +295,14 @@ class SparseTable(TableRequests):
                                                    apart)
         else:
             message = lambda req_id: protocol.PushPull(self.id, req_id, req.clock, worker, push_keys,  # noqa: E731
-                                                       grads, pull_keys, req.ahead, in_pull, apart)
+                                                       grads, pull_keys, req.ahead, in_pull, apart,
+                                                       req.clock_workers)
         self._post(req, server, pulled, protocol.reply_bytes(req.op, n_pull, self.dim),
                    lambda req_id: message(req_id).pack(self.ctx.pool.take), grads if apart else None, lent)
 
     def ipushpull(self, push_keys, grads, pull_keys, aggregate: bool = False, unique: bool = False,
-                  ahead: int = 0, in_pull: np.ndarray | None = None, donate: bool = False) -> int:
+                  ahead: int = 0, in_pull: np.ndarray | None = None, donate: bool = False,
+                  clock_workers: int = 1) -> int:
         """Push a step's gradients, end the step (the clock), and start pulling the next step's
         keys, in one message to each server (ps-lite's ZPushPull). Returns a timestamp for
         :meth:`wait`, which returns the pulled rows.
@@ -292,7 +316,9 @@ class SparseTable(TableRequests):
         (:func:`hpcps_kernels.keys.member_mask`, best computed while the worker waits anyway):
         the servers then update the other keys after they have replied, which shortens the wait
         by that part of the push, with the same numbers. Ignored where a group merges its pushes.
-        ``donate``: as for :meth:`push`.
+        ``donate``: as for :meth:`push`. ``clock_workers``: the step's clock is that of as many
+        workers from this one on (a worker group's first rank pushing and pulling for its group:
+        ``protocol.CLOCK_WORKERS_SHIFT``).
         """
         ctx = self.ctx
         if not unique or (aggregate and ctx.group_comm.Get_size() > 1):
@@ -304,10 +330,13 @@ class SparseTable(TableRequests):
             pull_keys, expand = kkeys.unique_keys(pull_keys)
         if max(push_keys.shape[0], pull_keys.shape[0]) > self.max_keys:  # too big for one message
             self.wait(self._send(protocol.PUSH, push_keys, grads, lent=not donate))
-            ctx.clock()
+            if clock_workers > 1:  # the group's clock, as a bare push-pull
+                self.wait(self.ipushpull(_NO_KEYS, grads[:0], _NO_KEYS, unique=True, clock_workers=clock_workers))
+            else:
+                ctx.clock()
             return self.ipull(pull_keys[expand] if expand is not None else pull_keys, ahead=ahead)
         req = _Request(protocol.PUSHPULL, self, n_unique=pull_keys.shape[0], clock=ctx.clock_value,
-                       started=time.monotonic(), expand=expand, ahead=ahead)
+                       started=time.monotonic(), expand=expand, ahead=ahead, clock_workers=clock_workers)
         if ctx.layout.servers == 1:  # nothing to slice: no hashing of keys, no copies
             self._message(req, 0, np.arange(pull_keys.shape[0]), push_keys, grads, pull_keys, in_pull, lent=not donate)
         else:
@@ -388,6 +417,131 @@ class SparseTable(TableRequests):
             keys, grads = merged
         return keys, grads
 
+
+class TableSet:
+    """Sparse tables that a step reads and updates at the same keys (a tune grid's members, a deep
+    model's wide and embedding tables): their pulls and push-pulls go as one message per server
+    (``protocol.PULLS``, ``protocol.PUSHPULLS``) instead of one per table. ``wait`` returns the
+    pulled rows of every table, in the set's order.
+
+    A request too large for one message per server goes as the tables' own requests instead
+    (what ``wait`` returns is the same)."""
+
+    def __init__(self, ctx, tables: list[SparseTable]):
+        self.ctx = ctx
+        self.tables = list(tables)
+        self.ids = tuple(t.id for t in self.tables)
+        self.dims = [t.dim for t in self.tables]
+        self._requests: dict[int, _Request | list] = {}
+
+    def _fits(self, n_push: int, n_pull: int) -> bool:
+        limit = transport.MAX_MESSAGE_BYTES
+        return (protocol.tables_request_bytes(len(self.ids), n_push, n_pull, self.dims, True) <= limit
+                and protocol.tables_reply_bytes(n_pull, self.dims) <= limit)
+
+    def ipull(self, keys, unique: bool = False, ahead: int = 0) -> int:
+        """Start pulling every table's rows of ``keys``, as :meth:`SparseTable.ipull`."""
+        keys = np.ascontiguousarray(keys, dtype=np.uint64).reshape(-1)
+        if not self._fits(0, keys.shape[0]):
+            return self._register([(t, t.ipull(keys, unique, ahead)) for t in self.tables])
+        expand = None
+        if not unique and not kkeys.is_sorted_unique(keys):
+            keys, expand = kkeys.unique_keys(keys)
+        req = _Request(protocol.PULLS, self.tables[0], n_unique=keys.shape[0], clock=self.ctx.clock_value + ahead,
+                       started=time.monotonic(), expand=expand)
+        empty = [np.zeros((0, d), np.float32) for d in self.dims]
+        self._send(req, _NO_KEYS, empty, keys, None)
+        return self._register(req)
+
+    def ipushpull(self, push_keys, grads: list, pull_keys, ahead: int = 0, in_pull: np.ndarray | None = None,
+                  clock_workers: int = 1) -> int:
+        """Push every table's gradients of ``push_keys`` (distinct, any order), end the step (the
+        clock), and start pulling every table's rows of ``pull_keys`` (distinct; none: the push
+        and the clock alone), as :meth:`SparseTable.ipushpull` with ``unique`` for each table.
+        ``in_pull``: a bool per pushed key, whether it is among ``pull_keys``; ``clock_workers``: as
+        for :meth:`SparseTable.ipushpull`."""
+        ctx = self.ctx
+        push_keys = np.ascontiguousarray(push_keys, dtype=np.uint64).reshape(-1)
+        pull_keys = np.ascontiguousarray(pull_keys, dtype=np.uint64).reshape(-1)
+        grads = [np.ascontiguousarray(g, dtype=np.float32).reshape(push_keys.shape[0], d)
+                 for g, d in zip(grads, self.dims)]
+        if not self._fits(push_keys.shape[0], pull_keys.shape[0]):  # each table's own requests
+            head, rest = self.tables[0], list(zip(self.tables[1:], grads[1:]))
+            pushes = [(t, t.push(push_keys, g, unique=True, donate=True)) for t, g in rest]
+            for t, ts in pushes:  # (before the clock that the first table's push-pull carries)
+                t.wait(ts)
+            ts = head.ipushpull(push_keys, grads[0], pull_keys, unique=True, ahead=ahead, donate=True,
+                                clock_workers=clock_workers)
+            return self._register([(head, ts)] + [(t, t.ipull(pull_keys, unique=True, ahead=ahead)) for t, _ in rest])
+        req = _Request(protocol.PUSHPULLS, self.tables[0], n_unique=pull_keys.shape[0], clock=ctx.clock_value,
+                       started=time.monotonic(), ahead=ahead, clock_workers=clock_workers)
+        self._send(req, push_keys, grads, pull_keys, in_pull)
+        ctx.advance_clock()
+        return self._register(req)
+
+    def _send(self, req: _Request, push_keys, grads: list, pull_keys, in_pull) -> None:
+        """One message to every server (each needs the clock; a pull only those owning keys)."""
+        ctx, head = self.ctx, self.tables[0]
+        kind = protocol.MESSAGES[req.op]
+        every = req.op == protocol.PUSHPULLS
+        reply_bytes = protocol.tables_reply_bytes  # (of a server's share of the pulled keys)
+        if ctx.layout.servers == 1:
+            parts = [(push_keys, grads, np.arange(pull_keys.shape[0]), in_pull)]
+        else:
+            push_order, push_offsets = ctx.placement.slice(push_keys)
+            pull_order, pull_offsets = ctx.placement.slice(pull_keys)
+            parts = []
+            for server in range(ctx.layout.servers):
+                sp = push_order[push_offsets[server]:push_offsets[server + 1]]
+                sl = pull_order[pull_offsets[server]:pull_offsets[server + 1]]
+                parts.append((push_keys[sp], [g[sp] for g in grads], sl, None if in_pull is None else in_pull[sp]))
+        for server, (keys, g, sel, bits) in enumerate(parts):
+            if not every and sel.shape[0] == 0:
+                continue
+            pulled = pull_keys if ctx.layout.servers == 1 else pull_keys[sel]
+            head._post(req, server, sel, reply_bytes(sel.shape[0], self.dims),
+                       lambda req_id, keys=keys, g=g, pulled=pulled, bits=bits: kind(
+                           self.ids, req_id, req.clock, ctx.worker_index, keys, g, pulled, req.ahead,
+                           bits, req.clock_workers).pack(ctx.pool.take))
+
+    def _register(self, req) -> int:
+        ts = self.ctx.next_timestamp()
+        self._requests[ts] = req
+        return ts
+
+    def wait(self, ts: int, timeout: float | None = None) -> list[np.ndarray]:
+        """Wait for request ``ts``; returns every table's pulled rows (none after a bare push)."""
+        req = self._requests.pop(ts)
+        if isinstance(req, list):  # the tables' own requests
+            return [t.wait(x, timeout) for t, x in req]
+        ctx = self.ctx
+        wait_for_replies(ctx, req, timeout)
+        # one server answered for every key, in order: its rows as they came
+        whole = ctx.layout.servers == 1 and len(req.parts) == 1
+        out = None if whole else [np.empty((req.n_unique, d), dtype=np.float32) for d in self.dims]
+        min_clock = None
+        for sel, reply in req.parts:
+            server, _, server_min_clock = read_reply_header(ctx, reply)
+            counts, values = protocol.tables_reply_parts(reply, sel.shape[0], self.dims)
+            for table, c in zip(self.tables, counts.tolist()):
+                table.server_counts[server] = tuple(c)
+            if whole:
+                out = values
+            else:
+                for o, v in zip(out, values):
+                    if v.shape[0]:
+                        kkeys.scatter_rows(o, sel, v)
+            min_clock = server_min_clock if min_clock is None else min(min_clock, server_min_clock)
+        for table in self.tables:
+            table.last_min_clock = min_clock
+        note_staleness(ctx, req, min_clock)
+        if out is None:  # (nothing pulled)
+            out = [np.empty((0, d), dtype=np.float32) for d in self.dims]
+        return out if req.expand is None else [kkeys.gather_rows(o, req.expand) for o in out]
+
+    def wait_all(self, timeout: float | None = None) -> None:
+        for ts in list(self._requests):
+            self.wait(ts, timeout)
 
 
 class DenseTable:

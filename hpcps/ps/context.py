@@ -23,7 +23,7 @@ import numpy as np
 
 from hpcps.ps import checkpoint, collectives, deltas, protocol, signals, transport
 from hpcps.ps import margins  # noqa: F401 - registers the server functions of MARGINS and RESIDUALS
-from hpcps.ps.client import DenseTable, SparseTable
+from hpcps.ps.client import DenseTable, SparseTable, TableSet
 from hpcps.ps.layout import Layout, check_world
 from hpcps.ps.placement import DEFAULT_SHARDS, Placement
 from hpcps.ps.server import Server
@@ -103,7 +103,46 @@ class TableDeclarations:
         return table
 
 
-class Context(collectives.ContextCollectives, TableDeclarations):
+class GroupExchanges:
+    """A worker group's exchanges through its first rank (collective over the group): merged
+    pushes (``train.aggregate``) and the group's pulls (``train.group_pull``). Needs
+    ``group_comm`` and ``stall_timeout_s`` (a context's)."""
+
+    def gather_to_leader(self, keys: np.ndarray, grads: np.ndarray, dim: int):
+        """Group collective: merge every member's (sorted unique) keys and gradients on the
+        group's rank 0. Returns (keys, sums) there, None elsewhere."""
+        g = self.group_comm
+        t = self.stall_timeout_s
+        counts = transport.allgather_int(g, keys.shape[0], t, "gather of push sizes")
+        all_keys = transport.gatherv(g, keys, counts, 0, t, "gather of pushed keys")
+        all_grads = transport.gatherv(g, grads.reshape(-1), counts * dim, 0, t, "gather of pushed gradients")
+        if g.Get_rank() != 0:
+            return None
+        all_grads = all_grads.reshape(-1, dim)
+        bounds = np.concatenate([[0], np.cumsum(counts)])
+        parts = [(all_keys[bounds[i]:bounds[i + 1]], all_grads[bounds[i]:bounds[i + 1]]) for i in range(len(counts))]
+        return kkeys.merge_sorted(parts)
+
+    def gather_keys_to_leader(self, keys: np.ndarray) -> list[np.ndarray] | None:
+        """Group collective: every member's ``keys`` (uint64), in member order, on the group's
+        first rank; None elsewhere."""
+        g, t = self.group_comm, self.stall_timeout_s
+        counts = transport.allgather_int(g, keys.shape[0], t, "gather of pulled key counts")
+        every = transport.gatherv(g, np.ascontiguousarray(keys, dtype=np.uint64), counts, 0, t, "gather of pulled keys")
+        return None if every is None else np.split(every, np.cumsum(counts)[:-1])
+
+    def scatter_rows_from_leader(self, parts: list[np.ndarray] | None, rows: int, width: int) -> np.ndarray:
+        """Group collective: the group's first rank hands each member its rows (``parts``, float32
+        ``n_m x width`` in member order, there only); returns this member's ``rows x width``."""
+        out = np.empty((rows, width), dtype=np.float32)
+        if parts is None:
+            return transport.scatterv(self.group_comm, None, None, out, 0, self.stall_timeout_s, "scatter of pulled rows")
+        counts = np.array([p.size for p in parts], dtype=np.int64)
+        return transport.scatterv(self.group_comm, np.concatenate([p.reshape(-1) for p in parts]), counts, out, 0,
+                                  self.stall_timeout_s, "scatter of pulled rows")
+
+
+class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges):
     """One rank's view of the parameter server. ``net``: how it reaches the other ranks, and the
     communicators its collectives run over (:class:`hpcps.ps.transport.Transport`): every message
     and collective of the server, the client and the context goes through it."""
@@ -146,8 +185,9 @@ class Context(collectives.ContextCollectives, TableDeclarations):
         self._ts = 0
         self._clock_sends: list[transport.Pending] = []
         # wait_s: time waiting for the servers; background_s: time of background work done
-        # during those waits (not counted as waiting)
-        self.stats = {"wait_s": 0.0, "max_staleness": 0, "background_s": 0.0, "bytes_sent": 0, "bytes_received": 0}
+        # during those waits (not counted as waiting); requests: the requests sent to the servers
+        self.stats = {"wait_s": 0.0, "max_staleness": 0, "background_s": 0.0, "bytes_sent": 0, "bytes_received": 0,
+                      "requests": 0}
         self.server_stats: dict | None = None
         self.server_stop = 0       # the stop signal a server reported (SIGINT or SIGTERM for the others), or 0
         # work a worker does while it waits for the servers instead of sleeping (the training loop
@@ -205,9 +245,15 @@ class Context(collectives.ContextCollectives, TableDeclarations):
         ``server``; returns the pending transfers (for :func:`hpcps.ps.transport.wait`), described
         by the operation and table for stall messages."""
         tag = protocol.reply_tag(req_id, self.tag_ub)
+        self.stats["requests"] += 1
         what = transport.Described(_reply_what, (op, table, req_id))  # (written out only in a stall message)
         pending = self.net.start_recv_framed(reply, protocol.REPLY_BYTES, server, tag, what, protocol.payload_apart)
         return pending + self.net.start_send(msg, server, protocol.TAG_REQUEST, _REQUEST_WHAT[op])
+
+    def table_set(self, tables: list[SparseTable]) -> TableSet:
+        """Sparse tables a step reads and updates at the same keys, their requests as one message
+        per server (:class:`hpcps.ps.client.TableSet`)."""
+        return TableSet(self, tables)
 
     def send_grads(self, server: int, grads: np.ndarray, op: int) -> list:
         """Send the gradients of the request just sent to ``server`` as a message of their own
@@ -218,6 +264,7 @@ class Context(collectives.ContextCollectives, TableDeclarations):
         self._clock_sends = transport.completed(self._clock_sends)
         for server in range(self.layout.servers):
             msg = protocol.MESSAGES[op](self.clock_value, self.worker_index).pack()
+            self.stats["requests"] += 1
             self._clock_sends += self.net.start_send(msg, server, protocol.TAG_REQUEST,
                                                      f"{protocol.OP_NAMES[op]} message to server")
 
@@ -247,21 +294,6 @@ class Context(collectives.ContextCollectives, TableDeclarations):
         """End this worker's iteration when a push-pull has told every server already."""
         self.clock_value += 1
         return self.clock_value
-
-    def gather_to_leader(self, keys: np.ndarray, grads: np.ndarray, dim: int):
-        """Group collective: merge every member's (sorted unique) keys and gradients on the
-        group's rank 0. Returns (keys, sums) there, None elsewhere."""
-        g = self.group_comm
-        t = self.stall_timeout_s
-        counts = transport.allgather_int(g, keys.shape[0], t, "gather of push sizes")
-        all_keys = transport.gatherv(g, keys, counts, 0, t, "gather of pushed keys")
-        all_grads = transport.gatherv(g, grads.reshape(-1), counts * dim, 0, t, "gather of pushed gradients")
-        if g.Get_rank() != 0:
-            return None
-        all_grads = all_grads.reshape(-1, dim)
-        bounds = np.concatenate([[0], np.cumsum(counts)])
-        parts = [(all_keys[bounds[i]:bounds[i + 1]], all_grads[bounds[i]:bounds[i + 1]]) for i in range(len(counts))]
-        return kkeys.merge_sorted(parts)
 
     # -- end ---------------------------------------------------------------------------------
 

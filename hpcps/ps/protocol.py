@@ -28,7 +28,10 @@ Operations:
   ``IN_PULL``, ``ceil(n_push / 8)`` bytes follow the pull keys: bit ``i`` (little-endian within a
   byte) says whether pushed key ``i`` is among this request's pulled keys. The server may then
   apply the push's other keys after it has replied (nothing it replies reads them), so the
-  worker's wait is shorter by that part of the push.
+  worker's wait is shorter by that part of the push. The flags from bit ``CLOCK_WORKERS_SHIFT``
+  on, where not 0: the clock advance is that of as many workers from the sender on (a worker
+  group's first rank, whose push carries the group's merged gradients and whose pull the group's
+  keys: ``train.group_pull``; the others send nothing that step).
 * Large gradients (:data:`GRADS_APART_BYTES`, a ``PUSH`` or ``PUSHPULL`` to a server rank) go
   apart: with ``flags`` bit ``GRADS_APART`` the message holds no gradients, and they follow from
   the same rank as a second message of exactly ``n_push x dim`` float32 under ``TAG_GRADS``, sent
@@ -47,6 +50,10 @@ Operations:
   them into per-key gradients of its nonzeros and pushes them at ``clock``, then the worker's
   clock advances to ``clock + 1`` (like a push-pull without a pull). Its reply is the
   acknowledgement. Weights never leave the servers.
+* ``PULLS`` and ``PUSHPULLS``: a :class:`Pull` and a :class:`PushPull` of several tables over the
+  same keys (a step of a tune grid or a deep model touches every table at the batch's keys), one
+  message instead of one per table (:class:`TablesPushPull`). Its reply carries each table's
+  counts and pulled values (:func:`tables_reply_bytes`, :func:`tables_reply_parts`).
 * ``CALL``: a registered server function (the op's word, ``reserved``: its number, in declaration order) over
   ``n_push`` keys (uint64) with ``n_pull`` float32 arguments each; read at ``clock`` like a pull.
   The reply holds its float32 results: a row per key, or one reduction.
@@ -72,8 +79,10 @@ from hpcps_kernels.tuning import GRADS_APART_BYTES, MESSAGE_PAGE_OFFSET, PAGE_BY
 
 
 PULL, PUSH, CLOCK, DONE, CHECKPOINT, PUSHPULL, MARGINS, RESIDUALS, CALL = 1, 2, 3, 4, 5, 6, 7, 8, 9
+PULLS, PUSHPULLS = 10, 11  # a pull and a push-pull of several tables over the same keys
 OP_NAMES = {PULL: "pull", PUSH: "push", CLOCK: "clock", DONE: "done", CHECKPOINT: "checkpoint",
-            PUSHPULL: "push-pull", MARGINS: "margins", RESIDUALS: "residuals", CALL: "call"}
+            PUSHPULL: "push-pull", MARGINS: "margins", RESIDUALS: "residuals", CALL: "call",
+            PULLS: "tables pull", PUSHPULLS: "tables push-pull"}
 
 REQUEST = np.dtype([("op", "<i8"), ("table", "<i8"), ("req_id", "<i8"), ("n_push", "<i8"),
                     ("n_pull", "<i8"), ("clock", "<i8"), ("worker", "<i8"), ("reserved", "<i8"),
@@ -98,6 +107,7 @@ TAG_GRADS = 2
 TAG_REPLY_BASE = 16
 IN_PULL = 1      # request flag: a push-pull's in-pull bits follow its pull keys
 GRADS_APART = 2  # request flag: its gradients follow as a message of their own (TAG_GRADS)
+CLOCK_WORKERS_SHIFT = 8  # request flags from this bit on: the workers whose clock a push-pull carries (0: 1)
 PAYLOAD_APART = 1  # reply flag: the header is a message of its own, and the payload follows it
 OK = 0
 STOP = 2         # status bit: this server received a stop signal (SIGINT, SIGTERM or SIGUSR1)
@@ -112,7 +122,7 @@ def stop_status(signum: int | None) -> int:
 def pull_clock(op: int, clock: int, ahead: int = 0) -> int:
     """The clock a request's pull part is read at (a push-pull pulls after its clock advance,
     ``ahead`` clocks later still)."""
-    return clock + 1 + ahead if op == PUSHPULL else clock
+    return clock + 1 + ahead if op in (PUSHPULL, PUSHPULLS) else clock
 
 
 def reply_tag(req_id: int, tag_ub: int) -> int:
@@ -124,6 +134,11 @@ def request_bytes(n_push: int, n_pull: int, dim: int, in_pull: bool = False, gra
     """The bytes of a request message (without its gradients when they go apart)."""
     return (HEADER_BYTES + (8 + (0 if grads_apart else 4 * dim)) * n_push + 8 * n_pull
             + (-(-n_push // 8) if in_pull else 0))
+
+
+def clock_workers_flags(n: int) -> int:
+    """The request flags saying that a push-pull carries the clock of ``n`` workers."""
+    return n << CLOCK_WORKERS_SHIFT if n > 1 else 0
 
 
 def margin_width(dim: int) -> int:
@@ -324,6 +339,7 @@ class PushPull(TableMessage):
     ahead: int = 0
     in_pull: np.ndarray | None = None
     grads_apart: bool = False  # as for Push
+    clock_workers: int = 1  # the workers (from ``worker`` on) whose clock it advances
 
     @property
     def pull_clock(self) -> int:
@@ -336,7 +352,8 @@ class PushPull(TableMessage):
     def pack(self, alloc=None) -> np.ndarray:
         n_push = self.push_keys.shape[0]
         apart = self.grads_apart and n_push > 0
-        flags = (IN_PULL if self.in_pull is not None and n_push else 0) | (GRADS_APART if apart else 0)
+        flags = (IN_PULL if self.in_pull is not None and n_push else 0) | (GRADS_APART if apart else 0) \
+            | clock_workers_flags(self.clock_workers)
         words = _words(PUSHPULL, self.table, self.req_id, (n_push, self.pull_keys.shape[0]), self.clock,
                        self.worker, self.ahead, flags)
         return _pack_pushed(words, self.push_keys, self.grads, self.pull_keys, self.in_pull, alloc, apart)
@@ -345,7 +362,8 @@ class PushPull(TableMessage):
     def unpack(cls, words: list, buf: np.ndarray, dims: list[int], grads: np.ndarray | None) -> "PushPull":
         _, table, req_id, n_push, n_pull, clock, worker, ahead, flags = words
         keys, grads, pull_keys, in_pull = _unpack_pushed(buf, n_push, n_pull, dims[table], flags, grads)
-        return cls(table, req_id, clock, worker, keys, grads, pull_keys, ahead, in_pull, bool(flags & GRADS_APART))
+        return cls(table, req_id, clock, worker, keys, grads, pull_keys, ahead, in_pull, bool(flags & GRADS_APART),
+                   max(1, flags >> CLOCK_WORKERS_SHIFT))
 
 
 @dataclass(eq=False)
@@ -475,7 +493,108 @@ class Call(TableMessage):
                    buf[at + 8 * n:at + 8 * n + 4 * n * width].view(np.float32).reshape(n, width))
 
 
-MESSAGES = {cls.op: cls for cls in (Pull, Push, PushPull, Clock, Done, Checkpoint, Margins, Residuals, Call)}
+def tables_request_bytes(n_tables: int, n_push: int, n_pull: int, dims: list[int], in_pull: bool = False) -> int:
+    """The bytes of a :class:`TablesPushPull` (or :class:`TablesPull`) message."""
+    return (HEADER_BYTES + 8 * n_tables + 8 * (n_push + n_pull) + 4 * n_push * sum(dims)
+            + (-(-n_push // 8) if in_pull else 0))
+
+
+def tables_reply_bytes(n_pull: int, dims: list[int]) -> int:
+    """The bytes of the reply to a :class:`TablesPushPull`: the header, each table's (rows held,
+    keys admitted, rows evicted) as int64, then each table's pulled values (float32, ``n_pull x
+    dim``) in the request's order of tables."""
+    return REPLY_BYTES + 24 * len(dims) + 4 * n_pull * sum(dims)
+
+
+def tables_reply_parts(buf: np.ndarray, n_pull: int, dims: list[int]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """(each table's counts, int64 ``n_tables x 3``; each table's values) of a reply laid out as
+    :func:`tables_reply_bytes` says (``buf``: the reply, or from its payload on with ``REPLY_BYTES``
+    in front)."""
+    at = REPLY_BYTES + 24 * len(dims)
+    counts = buf[REPLY_BYTES:at].view(np.int64).reshape(len(dims), 3)
+    values = []
+    for dim in dims:
+        values.append(buf[at:at + 4 * n_pull * dim].view(np.float32).reshape(n_pull, dim))
+        at += 4 * n_pull * dim
+    return counts, values
+
+
+@dataclass(eq=False)
+class TablesPushPull(Message):
+    """``PUSHPULLS``: a :class:`PushPull` of each of ``tables`` at the same keys, in one message:
+    every table's push at ``clock``, the clock to ``clock + 1`` (once), every table's pull at
+    ``clock + 1 + ahead``. Without pulled keys it is the tables' pushes and the clock, answered at
+    once. The header's ``table`` word: the number of tables; sizes: the pushed keys, the pulled
+    keys; the op's word: ``ahead``. Then the tables' numbers (int64), the pushed keys, the pulled
+    keys (uint64), each table's gradients (float32, ``n_push x dim``) and, with ``IN_PULL``, the
+    in-pull bits (as :class:`PushPull`'s, shared by the tables). Gradients never go apart."""
+
+    op: ClassVar[int] = PUSHPULLS
+    tables: tuple
+    req_id: int
+    clock: int
+    worker: int
+    push_keys: np.ndarray
+    grads: list
+    pull_keys: np.ndarray
+    ahead: int = 0
+    in_pull: np.ndarray | None = None
+    clock_workers: int = 1  # as for PushPull
+
+    @property
+    def pull_clock(self) -> int:
+        return pull_clock(self.op, self.clock, self.ahead)
+
+    def pack(self, alloc=None) -> np.ndarray:
+        n_tables, n_push, n_pull = len(self.tables), self.push_keys.shape[0], self.pull_keys.shape[0]
+        dims = [g.shape[1] for g in self.grads]
+        flags = (IN_PULL if self.in_pull is not None and n_push else 0) | clock_workers_flags(self.clock_workers)
+        buf = _pack(_words(self.op, n_tables, self.req_id, (n_push, n_pull), self.clock, self.worker, self.ahead,
+                           flags), tables_request_bytes(n_tables, n_push, n_pull, dims, bool(flags & IN_PULL)), alloc)
+        at = HEADER_BYTES + 8 * n_tables
+        buf[HEADER_BYTES:at].view(np.int64)[:] = self.tables
+        buf[at:at + 8 * n_push].view(np.uint64)[:] = self.push_keys
+        at += 8 * n_push
+        buf[at:at + 8 * n_pull].view(np.uint64)[:] = self.pull_keys
+        at += 8 * n_pull
+        for g in self.grads:
+            buf[at:at + 4 * g.size].view(np.float32)[:] = g.reshape(-1)
+            at += 4 * g.size
+        if flags & IN_PULL:
+            buf[at:] = np.packbits(self.in_pull, bitorder="little")
+        return buf
+
+    @classmethod
+    def unpack(cls, words: list, buf: np.ndarray, dims: list[int], grads: np.ndarray | None) -> "TablesPushPull":
+        _, n_tables, req_id, n_push, n_pull, clock, worker, ahead, flags = words
+        at = HEADER_BYTES + 8 * n_tables
+        tables = tuple(buf[HEADER_BYTES:at].view(np.int64).tolist())
+        push_keys = buf[at:at + 8 * n_push].view(np.uint64)
+        at += 8 * n_push
+        pull_keys = buf[at:at + 8 * n_pull].view(np.uint64)
+        at += 8 * n_pull
+        table_grads = []
+        for t in tables:
+            table_grads.append(buf[at:at + 4 * n_push * dims[t]].view(np.float32).reshape(n_push, dims[t]))
+            at += 4 * n_push * dims[t]
+        in_pull = buf[at:at + (n_push + 7) // 8] if flags & IN_PULL else None
+        return cls(tables, req_id, clock, worker, push_keys, table_grads, pull_keys, ahead, in_pull,
+                   max(1, flags >> CLOCK_WORKERS_SHIFT))
+
+
+class TablesPull(TablesPushPull):
+    """``PULLS``: a :class:`Pull` of each of ``tables`` at the same keys, read at ``clock``: laid
+    out as :class:`TablesPushPull` with no pushed keys (the op's word: 0)."""
+
+    op: ClassVar[int] = PULLS
+
+    @property
+    def pull_clock(self) -> int:
+        return self.clock
+
+
+MESSAGES = {cls.op: cls for cls in (Pull, Push, PushPull, Clock, Done, Checkpoint, Margins, Residuals, Call,
+                                      TablesPull, TablesPushPull)}
 
 
 def header(buf: np.ndarray):

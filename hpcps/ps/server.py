@@ -110,6 +110,8 @@ def write_checkpoint_file(ckpt: str, tables: list[ServerTable], server: int, pla
         raise checkpoint.write_failure(path, e, f"server {server}") from None
 
 
+_PUSHPULLS = (protocol.PUSHPULL, protocol.PUSHPULLS)
+
 # what a reply is, in stall messages (made once, not per reply)
 _REPLY_WHAT = {op: f"{name} reply" for op, name in protocol.OP_NAMES.items()}
 
@@ -168,7 +170,64 @@ class Replies:
         self.sending = []
 
 
-class Server:
+class ServerReads:
+    """How a :class:`Server` answers a read once the clocks allow it (its ``readers``): pulls,
+    pulls of several tables, server functions, margins and checkpoints, each reply posted through
+    its ``replies``."""
+
+    def _serve_pull(self, source: int, r: protocol.Pull | protocol.PushPull) -> None:
+        """Answer a pull, or a push-pull (whose reply is also its push's acknowledgement). A pull
+        the server runs on two threads (``splits_pull``) is answered as its header, sent once
+        the values are ready, then the values: the waiting worker sleeps until the header comes
+        rather than spinning through the server's work, which leaves the core to the second thread."""
+        n, dim = r.pull_keys.shape[0], self.dims[r.table]
+        reply, payload = self.replies.new(r.req_id, 4 * n * dim, r.table, splits_pull(n, dim))
+        if n:
+            self.tables[r.table].pull(r.pull_keys, payload.view(np.float32).reshape(n, dim),
+                                      source - self.worker_rank0)
+        self.replies.post(reply, source, r.req_id, _REPLY_WHAT[r.op])
+
+    def _serve_tables(self, source: int, r: protocol.TablesPull | protocol.TablesPushPull) -> None:
+        """Answer a pull of several tables (or a tables push-pull): each table's counts, then its
+        rows (``protocol.tables_reply_bytes``); as :meth:`_serve_pull` for each table."""
+        n, dims = r.pull_keys.shape[0], [self.dims[t] for t in r.tables]
+        apart = any(splits_pull(n, dim) for dim in dims)
+        reply, _ = self.replies.new(r.req_id, protocol.tables_reply_bytes(n, dims) - protocol.REPLY_BYTES,
+                                    r.tables[0], apart)
+        counts, values = protocol.tables_reply_parts(reply, n, dims)
+        worker = source - self.worker_rank0
+        for i, t in enumerate(r.tables):
+            counts[i] = self.tables[t].counts()
+            if n:
+                self.tables[t].pull(r.pull_keys, values[i], worker)
+        self.replies.post(reply, source, r.req_id, _REPLY_WHAT[r.op])
+
+    def _serve_call(self, source: int, r: protocol.Call) -> None:
+        """Run a declared server function over the keys this server owns."""
+        f = self.functions[r.function]
+        out = call_result(f, f.fn(self.tables[r.table], r.keys, r.args), r.keys.shape[0], self.index)
+        reply, payload = self.replies.new(r.req_id, 4 * out.size, r.table)
+        payload.view(np.float32)[:] = out.reshape(-1)
+        self.replies.post(reply, source, r.req_id, f"call reply ({f.name})")
+
+    def _serve_margins(self, source: int, r: protocol.Margins) -> None:
+        """Partial margins of a batch's rows over this server's nonzeros; the nonzeros are kept
+        for the worker's RESIDUALS."""
+        width = protocol.margin_width(self.dims[r.table])
+        reply, payload = self.replies.new(r.req_id, 8 * r.n_rows * width, r.table)
+        margins = registered_function(MARGINS_FUNCTION).fn
+        margins(self.tables[r.table], r.keys, r.values, r.row_ids, payload.view(np.float64).reshape(r.n_rows, width))
+        self.fragments[(source - self.worker_rank0, r.table)] = (r.keys, r.values, r.row_ids)
+        self.replies.post(reply, source, r.req_id, "margins reply")
+
+    def _write_checkpoint(self, source: int, r: protocol.Checkpoint) -> None:
+        size, digest = self.snapshots.snapshot(r.path, r.clock, self.tables, self.placement, write_checkpoint_file)
+        reply, payload = self.replies.new(r.req_id, protocol.CHECKPOINT_RESULT.itemsize)
+        protocol.pack_checkpoint_result(payload, size, digest)
+        self.replies.post(reply, source, r.req_id, "checkpoint reply")
+
+
+class Server(ServerReads):
     """The serving loop of one server rank, and its handlers, one per request op. ``net``: how it
     reaches the workers (:class:`hpcps.ps.transport.MPITransport` on a server rank; a
     :class:`~hpcps.ps.transport.Loopback` hands it each request of a job of one process)."""
@@ -203,11 +262,13 @@ class Server:
             protocol.PUSHPULL: self._handle_push_pull, protocol.PUSH: self._handle_push,
             protocol.RESIDUALS: self._handle_residuals, protocol.CLOCK: self._handle_clock,
             protocol.DONE: self._handle_done,
+            protocol.PULLS: self._serve_or_defer, protocol.PUSHPULLS: self._handle_tables_push_pull,
         }
         # how a read is answered once the clocks allow it: op -> reader(source, request)
         self.readers = {protocol.PULL: self._serve_pull, protocol.PUSHPULL: self._serve_pull,
                         protocol.CHECKPOINT: self._write_checkpoint, protocol.MARGINS: self._serve_margins,
-                        protocol.CALL: self._serve_call}
+                        protocol.CALL: self._serve_call, protocol.PULLS: self._serve_tables,
+                        protocol.PUSHPULLS: self._serve_tables}
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -226,7 +287,7 @@ class Server:
         served or applied in between (:meth:`_answers_at_once`), the push's keys the pull reads are
         updated, the pull answered, and then (the reply gone) the push's other keys."""
         worker = source - self.worker_rank0
-        self.workers.advance(worker, r.clock + 1)
+        self._advance(worker, r)
         if r.in_pull is not None and self._answers_at_once(r):
             table = self.tables[r.table]
             rest = table.push(r.push_keys, r.grads, r.clock, worker, in_pull=r.in_pull)
@@ -238,7 +299,31 @@ class Server:
         self._after_clock()
         self._serve_or_defer(source, r)
 
-    def _answers_at_once(self, r: protocol.PushPull) -> bool:
+    def _handle_tables_push_pull(self, source: int, r: protocol.TablesPushPull) -> None:
+        """:meth:`_handle_push_pull` for several tables at the same keys: every table's push at
+        clock c, the clock c + 1 once, then every table's pull (the push's keys the pull does not
+        read applied after the reply, as there)."""
+        worker = source - self.worker_rank0
+        self._advance(worker, r)
+        if r.in_pull is not None and self._answers_at_once(r):
+            rests = [(self.tables[t], self.tables[t].push(r.push_keys, g, r.clock, worker, in_pull=r.in_pull))
+                     for t, g in zip(r.tables, r.grads)]
+            self._serve_tables(source, r)
+            for table, rest in rests:
+                if rest is not None:
+                    table.apply_after_reply(rest)
+            return
+        for t, g in zip(r.tables, r.grads):
+            self._push(worker, protocol.Push(t, r.req_id, r.clock, r.worker, r.push_keys, g))
+        self._after_clock()
+        self._serve_or_defer(source, r)
+
+    def _advance(self, worker: int, r: protocol.PushPull | protocol.TablesPushPull) -> None:
+        """A push-pull's clock advance: the sender's, or its group's (``clock_workers`` from it on)."""
+        for w in range(worker, worker + r.clock_workers):
+            self.workers.advance(w, r.clock + 1)
+
+    def _answers_at_once(self, r: protocol.PushPull | protocol.TablesPushPull) -> bool:
         """Whether a push-pull's push is applied now and its pull answered now, with nothing else
         served or applied in between: no push kept for its turn, no read waiting, no eviction due,
         under BSP every worker past the push's clock, and the pull ready."""
@@ -299,7 +384,7 @@ class Server:
             self.tables[push.table].push(push.keys, push.grads, push.clock, worker)
 
     def _serve_or_defer(self, source: int, r: protocol.Message) -> None:
-        if self.workers.ready(r) or (r.op == protocol.PUSHPULL and r.pull_keys.shape[0] == 0):  # a bare push + clock
+        if self.workers.ready(r) or (r.op in _PUSHPULLS and r.pull_keys.shape[0] == 0):  # a bare push + clock
             self.readers[r.op](source, r)
         else:
             self.workers.defer(source, r, time.monotonic())
@@ -308,44 +393,6 @@ class Server:
     def _serve_reads_due(self) -> None:
         for source, r in self.workers.reads_due():
             self.readers[r.op](source, r)
-
-    # -- reads ---------------------------------------------------------------------------------
-
-    def _serve_pull(self, source: int, r: protocol.Pull | protocol.PushPull) -> None:
-        """Answer a pull, or a push-pull (whose reply is also its push's acknowledgement). A pull
-        the server runs on two threads (``splits_pull``) is answered as its header, sent once
-        the values are ready, then the values: the waiting worker sleeps until the header comes
-        rather than spinning through the server's work, which leaves the core to the second thread."""
-        n, dim = r.pull_keys.shape[0], self.dims[r.table]
-        reply, payload = self.replies.new(r.req_id, 4 * n * dim, r.table, splits_pull(n, dim))
-        if n:
-            self.tables[r.table].pull(r.pull_keys, payload.view(np.float32).reshape(n, dim),
-                                      source - self.worker_rank0)
-        self.replies.post(reply, source, r.req_id, _REPLY_WHAT[r.op])
-
-    def _serve_call(self, source: int, r: protocol.Call) -> None:
-        """Run a declared server function over the keys this server owns."""
-        f = self.functions[r.function]
-        out = call_result(f, f.fn(self.tables[r.table], r.keys, r.args), r.keys.shape[0], self.index)
-        reply, payload = self.replies.new(r.req_id, 4 * out.size, r.table)
-        payload.view(np.float32)[:] = out.reshape(-1)
-        self.replies.post(reply, source, r.req_id, f"call reply ({f.name})")
-
-    def _serve_margins(self, source: int, r: protocol.Margins) -> None:
-        """Partial margins of a batch's rows over this server's nonzeros; the nonzeros are kept
-        for the worker's RESIDUALS."""
-        width = protocol.margin_width(self.dims[r.table])
-        reply, payload = self.replies.new(r.req_id, 8 * r.n_rows * width, r.table)
-        margins = registered_function(MARGINS_FUNCTION).fn
-        margins(self.tables[r.table], r.keys, r.values, r.row_ids, payload.view(np.float64).reshape(r.n_rows, width))
-        self.fragments[(source - self.worker_rank0, r.table)] = (r.keys, r.values, r.row_ids)
-        self.replies.post(reply, source, r.req_id, "margins reply")
-
-    def _write_checkpoint(self, source: int, r: protocol.Checkpoint) -> None:
-        size, digest = self.snapshots.snapshot(r.path, r.clock, self.tables, self.placement, write_checkpoint_file)
-        reply, payload = self.replies.new(r.req_id, protocol.CHECKPOINT_RESULT.itemsize)
-        protocol.pack_checkpoint_result(payload, size, digest)
-        self.replies.post(reply, source, r.req_id, "checkpoint reply")
 
     def restore(self, ckpt: str, manifest: dict) -> None:
         """Load this server's shards of every table (under the current placement) and the clock."""

@@ -647,6 +647,21 @@ def gatherv(comm: MPI.Comm, array: np.ndarray, counts: np.ndarray, root: int = 0
     return None
 
 
+def scatterv(comm: MPI.Comm, array: np.ndarray | None, counts: np.ndarray | None, out: np.ndarray, root: int = 0,
+             timeout: float | None = None, what: str = "scatter") -> np.ndarray:
+    """Scatter consecutive parts of ``array`` (``counts`` elements to each rank; both on ``root``
+    only) into every rank's ``out``; returns ``out``."""
+    if comm.Get_rank() == root:
+        array = np.ascontiguousarray(array)
+        displ = np.zeros_like(counts)
+        displ[1:] = np.cumsum(counts)[:-1]
+        req = comm.Iscatterv([array, counts, displ, _mpi_type(array.dtype)], out, root=root)
+        _collective(comm, req, what, (array, out, counts, displ), timeout)
+    else:
+        _collective(comm, comm.Iscatterv(None, out, root=root), what, (out,), timeout)
+    return out
+
+
 def _mpi_type(dtype: np.dtype):
     return MPI._typedict[np.dtype(dtype).char]
 

@@ -121,8 +121,8 @@ def end_the_run(ctx, plan, model, pipeline, parts: tuple, preempted: int, report
         predicted = predict(ctx, pipeline, to_predict, cfg.train.batch_size, cfg.model.loss, cfg.data.predict_out)
     reporter.close()
     wait = workers.largest(float(ctx.stats["wait_s"]), "agreement of the workers")
-    traffic = workers.reduce(np.array([ctx.stats["bytes_sent"], ctx.stats["bytes_received"]], dtype=np.int64),
-                             "sum", "sum of the bytes sent and received")
+    traffic = workers.reduce(np.array([ctx.stats["bytes_sent"], ctx.stats["bytes_received"], ctx.stats["requests"]],
+                                      dtype=np.int64), "sum", "sum of the bytes and requests sent and received")
     ending = {"skipped": skipped, "predicted": predicted, "wait": wait, "traffic": traffic,
               **agree_on_the_end(ctx, preempted)}
     if not preempted and cfg.train.model_out:  # (one process: no server writes the model; this one does)

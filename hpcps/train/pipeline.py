@@ -32,6 +32,8 @@ import numpy as np
 from hpcps.train.models import NonFiniteError, tick
 from hpcps_kernels import keys as kkeys
 
+_NO_KEYS = np.zeros(0, dtype=np.uint64)
+
 
 @dataclass
 class PreparedBatch:
@@ -107,6 +109,137 @@ class DenseSync:
         self.take()
 
 
+@dataclass
+class GroupPull:
+    """A pull made for a worker group (``train.group_pull``): on its first rank, the push-pull's
+    (what waits for it, timestamp), the union of the members' keys and each member's keys; on
+    the others, nothing but this member's number of keys."""
+
+    rows: int
+    waits: tuple | None = None
+    union: np.ndarray | None = None
+    members: list | None = None
+
+
+class GroupPulls:
+    """``train.group_pull`` (KunPeng's aggregation): the group's first rank pushes the group's
+    merged gradients and pulls the rows of the union of its members' next keys, in one request per
+    server that carries every member's clock (``clock_workers``); it then hands each member its
+    rows inside the group. The other members send the servers nothing during the steps. Under
+    BSP every row is the one a member's own pull would read (the same clock), so the numbers do
+    not change."""
+
+    def __init__(self, ctx, requests: "StepRequests"):
+        self.ctx = ctx
+        self.requests = requests
+        self.size = ctx.group_comm.Get_size()
+        self.leader = ctx.group_comm.Get_rank() == 0
+        self.widths = [t.dim for t in requests.sparse]
+
+    def push_and_pull(self, keys, grads: list, pull_keys: np.ndarray, ahead: int) -> tuple:
+        """Group collective: the step's push, clock and pull of ``pull_keys`` (each member's);
+        returns (the GroupPull, the pushes to wait for: none, the reply is the acknowledgement)."""
+        members = self.ctx.gather_keys_to_leader(pull_keys)
+        if not self.leader:
+            self.ctx.advance_clock()
+            return GroupPull(pull_keys.shape[0]), []
+        union = kkeys.unique_keys(np.concatenate(members))[0]
+        waits = self.requests.push_pull(keys, grads, union, ahead, clock_workers=self.size)
+        return GroupPull(pull_keys.shape[0], waits, union, members), []
+
+    def push_and_clock(self, keys, grads: list) -> list:
+        """The group's push and every member's clock (the first rank sends them)."""
+        if not self.leader:
+            self.ctx.advance_clock()
+            return []
+        return [self.requests.push_pull(keys, grads, _NO_KEYS, clock_workers=self.size)]
+
+    def rows(self, p: GroupPull) -> list:
+        """Group collective: this member's rows of every table."""
+        width = sum(self.widths)
+        parts = None
+        if p.waits is not None:
+            waiter, ts = p.waits
+            got = waiter.wait(ts)
+            got = [got] if isinstance(got, np.ndarray) else got
+            union_rows = got[0] if len(got) == 1 else np.hstack(got)
+            parts = [union_rows[np.searchsorted(p.union, k)] for k in p.members]
+        mine = self.ctx.scatter_rows_from_leader(parts, p.rows, width)
+        if len(self.widths) == 1:
+            return [mine]
+        return [np.ascontiguousarray(x) for x in np.split(mine, np.cumsum(self.widths)[:-1], axis=1)]
+
+
+class StepRequests:
+    """A step's requests for the rows and gradients of a model's sparse tables: each table's own,
+    or, for several tables (a tune grid, a deep model), one message per server carrying every
+    table (:class:`hpcps.ps.client.TableSet`: the same keys, the same numbers). What
+    :meth:`ipull` and the push-pulls leave in a batch's ``pulls``, :meth:`rows` takes."""
+
+    def __init__(self, ctx, sparse: list, group_pull: bool = False):
+        self.ctx = ctx
+        self.sparse = sparse
+        self.together = ctx.table_set(sparse) if ctx.is_worker and len(sparse) > 1 else None
+        self.group_pull = group_pull
+        self.group = GroupPulls(ctx, self) if group_pull else None
+
+    def ipull(self, uniq: np.ndarray, ahead: int = 0):
+        """Start pulling every table's rows of ``uniq`` (distinct keys)."""
+        if self.together is not None:
+            return self.together.ipull(uniq, unique=True, ahead=ahead)
+        return [t.ipull(uniq, unique=True, ahead=ahead) for t in self.sparse]
+
+    def rows(self, pulls) -> list:
+        """Every table's rows of a pull or push-pull started here."""
+        if isinstance(pulls, GroupPull):
+            return self.group.rows(pulls)
+        if self.together is not None:
+            return self.together.wait(pulls)
+        return [t.wait(x) for t, x in zip(self.sparse, pulls)]
+
+    def push_and_clock(self, keys, grads: list, aggregate: bool) -> list:
+        """Every table's push and the clock; returns the (table, timestamp) to wait for."""
+        if self.group is not None:
+            return self.group.push_and_clock(keys, grads)
+        if self.together is not None:
+            return [(self.together, self.together.ipushpull(keys, grads, _NO_KEYS))]
+        pending = [(tb, tb.push(keys, g, aggregate=aggregate, unique=True, donate=True))
+                   for tb, g in zip(self.sparse, grads)]
+        self.ctx.clock()
+        return pending
+
+    def push_pull(self, keys, grads: list, pull_keys, ahead: int = 0, in_pull=None, clock_workers: int = 1):
+        """(what waits for it, the timestamp) of every table's push-pull of distinct keys (of the
+        group's merged push: no further aggregation)."""
+        if self.together is not None:
+            return self.together, self.together.ipushpull(keys, grads, pull_keys, ahead, in_pull, clock_workers)
+        head = self.sparse[0]
+        return head, head.ipushpull(keys, grads[0], pull_keys, unique=True, ahead=ahead, in_pull=in_pull, donate=True,
+                                    clock_workers=clock_workers)
+
+    def push_and_pull(self, keys, grads: list, aggregate: bool, pulls: list, in_pull) -> list:
+        """Every table's push, the clock, and the pulls of ``pulls`` ((batch, ahead) each, the
+        first in the push's round trip: ``in_pull``, which of ``keys`` it reads, or None); sets
+        each batch's ``pulls``, returns the pushes' (table, timestamp) to wait for."""
+        (got, ahead), later = pulls[0], pulls[1:]
+        if self.group is not None:
+            got.pulls, pending = self.group.push_and_pull(keys, grads, got.uniq, ahead)
+        elif self.together is not None:
+            got.pulls = self.together.ipushpull(keys, grads, got.uniq, ahead=ahead, in_pull=in_pull)
+            pending = []
+        else:
+            head, rest = self.sparse[0], list(zip(self.sparse[1:], grads[1:]))
+            # the other tables' pushes go before the clock that the first table's push-pull
+            # carries, and their pulls after it (so under BSP they see every push of the step)
+            pending = [(tb, tb.push(keys, g, aggregate=aggregate, unique=True, donate=True)) for tb, g in rest]
+            ts = head.ipushpull(keys, grads[0], got.uniq, aggregate=aggregate, unique=True, ahead=ahead,
+                                in_pull=in_pull, donate=True)
+            got.pulls = [ts] + [tb.ipull(got.uniq, unique=True, ahead=ahead) for tb, _ in rest]
+        for got, ahead in later:  # (the pipeline filling up: its first step)
+            got.pulls = self.ipull(got.uniq, ahead)
+        return pending
+
+
 class StepPipeline:
     """The messages of a model's training steps (the module's docstring says their order), its
     evaluation pulls, and the time of each stage (:meth:`stage_times`)."""
@@ -128,6 +261,9 @@ class StepPipeline:
         self.pulls_ahead = cfg.train.pull_early and cfg.cluster.staleness != 0 and not ctx.local
         self.stages = model.stages  # seconds per stage (the deep models time their own inside)
         self.dense = [DenseSync(ctx, m) for m in model.mlp_models]
+        # train.group_pull: the group's first rank pushes and pulls for the group (see StepRequests)
+        group_pull = cfg.train.group_pull and self.sorted and not self.on_servers
+        self.requests = StepRequests(ctx, self.sparse, group_pull)
         self.dense_of = {id(d.model): d for d in self.dense}
 
     def _time(self, stage: str, since: float) -> float:
@@ -157,8 +293,7 @@ class StepPipeline:
     def _fetch(self, cur: PreparedBatch) -> None:
         """The rows of every table for ``cur`` (pulls of all tables in flight together)."""
         if cur.params is None:
-            ts = cur.pulls if cur.pulls is not None else [t.ipull(cur.uniq, unique=True) for t in self.sparse]
-            cur.params = [t.wait(x) for t, x in zip(self.sparse, ts)]
+            cur.params = self.requests.rows(cur.pulls if cur.pulls is not None else self.requests.ipull(cur.uniq))
             cur.pulls = None
 
     def _wait_pending(self) -> None:
@@ -195,9 +330,7 @@ class StepPipeline:
         if upcoming:
             self._push_and_pull_ahead(cur, keys, grads, aggregate, upcoming)
         else:
-            self.pending += [(tb, tb.push(keys, g, aggregate=aggregate, unique=True, donate=True))
-                             for tb, g in zip(self.sparse, grads)]
-            self.ctx.clock()
+            self.pending += self.requests.push_and_clock(keys, grads, aggregate)
         for d in self.dense:
             d.after_clock()
         self._time("push", t)
@@ -206,27 +339,18 @@ class StepPipeline:
     def _push_and_pull_ahead(self, cur: PreparedBatch, keys, grads: list, aggregate: bool, upcoming) -> None:
         """The step's pushes, its clock and the pulls of the batches ahead (the module's
         docstring), and the deduplication of a later batch while the servers work."""
-        head, rest = self.sparse[0], list(zip(self.sparse[1:], grads[1:]))
         nxt = self._prepare(upcoming[0])
         early = self.pulls_ahead and len(upcoming) > 1
         pulls = [(nxt, 0)] if nxt.pulls is None and nxt.params is None else []
         if early:  # the batch after the next, for the clock after the next
             pulls.append((self._prepare(upcoming[1]), 1))
-        # the other tables' pushes go before the clock that the first table's push-pull carries,
-        # and their pulls after it (so under BSP they see every push of the step)
-        self.pending += [(tb, tb.push(keys, g, aggregate=aggregate, unique=True, donate=True)) for tb, g in rest]
         if pulls:
-            got, ahead = pulls[0]
+            got = pulls[0][0]
             in_pull = cur.in_pull[1] if cur.in_pull is not None and cur.in_pull[0] is got and keys is cur.uniq \
                 else None
-            ts = head.ipushpull(keys, grads[0], got.uniq, aggregate=aggregate, unique=True, ahead=ahead,
-                                in_pull=in_pull, donate=True)
-            got.pulls = [ts] + [tb.ipull(got.uniq, unique=True, ahead=ahead) for tb, _ in rest]
-            for got, ahead in pulls[1:]:  # (the pipeline filling up: its first step)
-                got.pulls = [tb.ipull(got.uniq, unique=True, ahead=ahead) for tb in self.sparse]
+            self.pending += self.requests.push_and_pull(keys, grads, aggregate, pulls, in_pull)
         else:  # the rows of every batch left are on their way
-            self.pending.append((head, head.push(keys, grads[0], aggregate=aggregate, unique=True, donate=True)))
-            self.ctx.clock()
+            self.pending += self.requests.push_and_clock(keys, grads, aggregate)
         self.ahead = [nxt] + [got for got, _ in pulls if got is not nxt]
         after_pulled = upcoming[1 + early] if len(upcoming) > 1 + early else None
         if after_pulled is not None:  # overlaps the servers' work on the push-pull just sent
@@ -239,7 +363,7 @@ class StepPipeline:
         """(keys, gradients per table, whether the pushes still aggregate). Several tables whose
         pushes a worker group merges are merged in one gather (their rows side by side: the same
         keys) instead of one per table; the group's first rank then pushes the sums."""
-        if not (self.sorted and len(grads) > 1):
+        if not (self.sorted and (len(grads) > 1 or self.requests.group_pull)):
             return uniq, grads, self.aggregate
         widths = [g.shape[1] for g in grads]
         merged = self.ctx.gather_to_leader(uniq, np.hstack(grads).astype(np.float32, copy=False), sum(widths))
@@ -271,7 +395,7 @@ class StepPipeline:
         self._wait_pending()
         for p in self.ahead:
             if p.pulls is not None:
-                p.params = [t.wait(x) for t, x in zip(self.sparse, p.pulls)]
+                p.params = self.requests.rows(p.pulls)
                 p.pulls = None
         for d in self.dense:
             d.finish()
@@ -279,8 +403,7 @@ class StepPipeline:
     def pull_rows(self, batch) -> tuple:
         """(pos, the rows of every table) for a batch outside training (pulls in flight together)."""
         uniq, pos = kkeys.unique_keys(batch.indices)
-        ts = [t.ipull(uniq) for t in self.sparse]
-        return pos, [t.wait(x) for t, x in zip(self.sparse, ts)]
+        return pos, self.requests.rows(self.requests.ipull(uniq))
 
     def margins(self, batch) -> np.ndarray:
         """The model's margins of a batch outside training (its rows pulled now)."""

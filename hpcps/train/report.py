@@ -181,7 +181,8 @@ class Reporter:
                    "max_wait_s": ending["wait"], "max_staleness": ctx.stats["max_staleness"],
                    "bad_lines_skipped": ending["skipped"], "peak_rss_mb_worker": ending["worker_rss"],
                    "peak_rss_mb_server": ending["server_rss"], **ending["key_counts"],
-                   "bytes_sent": int(ending["traffic"][0]), "bytes_received": int(ending["traffic"][1])}
+                   "bytes_sent": int(ending["traffic"][0]), "bytes_received": int(ending["traffic"][1]),
+                   "requests_sent": int(ending["traffic"][2])}
         if ctx.hosts:
             summary["hosts"] = ctx.layout.by_host(ctx.hosts)
         kept_mb = feed.kept_batches_mb()  # the first worker's batches kept across epochs, compacted
