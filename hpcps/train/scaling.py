@@ -98,25 +98,28 @@ class Job:
     staleness: int = 0                 # 0 = BSP, s = SSP, -1 = ASP
     dense_bytes: int = 0               # an MLP allreduced inside each group (deep models)
     hosts: int = 1                     # hosts the ranks are spread over (1 = shared memory)
-    tables: int = 1                    # sparse tables a step touches
-    requests: str = FITTED["requests"]  # "worker": a pull per worker, a push per group, per table;
-                                       # "group": one request per server per group, pull and push, all tables
+    tables: int = 1                    # sparse tables a step touches (one message carries them all)
+    requests: str = FITTED["requests"]  # "worker": a push-pull per server per worker (the group's push
+                                       # riding on its first rank's); "group" (train.group_pull): a
+                                       # push-pull per server per group. Either carries every table.
     keys: KeyCurve = field(default_factory=KeyCurve)
 
 
 def _requests(job: Job, u: float, ug: float) -> dict:
     """Keys and requests: a worker's own, and each server's, per step."""
-    S, W, g, t = job.servers, job.workers, job.group, job.tables
+    S, W, g = job.servers, job.workers, job.group
     groups = W / g
     touched = S * (1 - (1 - 1 / S) ** u)       # servers holding some of a worker's keys
     touched_g = S * (1 - (1 - 1 / S) ** ug)    # ... of a group's
     if job.requests == "group":                # the group pulls and pushes its merged keys at once
         return {"pull_keys": groups * ug / S, "push_keys": groups * ug / S,
-                "server_requests": 2 * groups * touched_g / S, "worker_requests": 2 * touched_g / g,
+                "server_requests": groups * touched_g / S, "worker_requests": touched_g / g,
                 "keys_per_request": ug / touched_g}
+    # each worker's push-pull to the servers of its keys; a group's first rank's to those of the group's
+    leaders, members = groups * touched_g, (W - groups) * touched
     return {"pull_keys": W * u / S, "push_keys": groups * ug / S,
-            "server_requests": t * (W * touched + groups * touched_g) / S,
-            "worker_requests": t * (touched + touched_g / g), "keys_per_request": u / touched}
+            "server_requests": (leaders + members) / S, "worker_requests": (leaders + members) / W,
+            "keys_per_request": u / touched}
 
 
 def step(job: Job, m: Machine) -> dict:
@@ -267,8 +270,8 @@ def fit(ps_rows: list[dict], mpi_rows: list[dict], jobs: list[dict], batch: int,
         requests: str = "worker") -> dict:
     """The constants of :data:`FITTED`, from the rows of one or more runs of each (medians over
     the runs): ``hpcps bench ps --json`` (the server's own time of a pull and of a push,
-    ``server_s``, over their keys, a robust line each: its intercept is the server's fixed cost
-    of a request (the mean of the two) and its slope the cost of a key; the worker's round trip
+    ``server_s``, over their keys, a robust line each: their intercepts' sum is the server's fixed
+    cost of a step's request, a push-pull and its slope the cost of a key; the worker's round trip
     less the server's time, at 0 keys, less two one-way latencies: the worker's cost of a
     request), ``hpcps bench mpi --json`` (the one-way time of the smallest message with hpcps's
     waits: the latency; the largest bytes/s: the bandwidth) and the ``--summary-json`` of jobs of
@@ -290,7 +293,7 @@ def fit(ps_rows: list[dict], mpi_rows: list[dict], jobs: list[dict], batch: int,
         fixed.append(max(a, 0.0))
         out[name] = 1.0 / b if b > 0 else 1e12
         rest.append(_robust_line([r["keys"] for r in rows], [r["time_s"] - r["server_s"] for r in rows])[0])
-    out["server_request_s"] = float(np.mean(fixed))
+    out["server_request_s"] = float(np.sum(fixed))  # a step's request is a push-pull: a pull's and a push's
     out["worker_request_s"] = max(0.0, float(np.mean(rest)) - 2 * out["local_latency_s"])
     m = replace(Machine(cores=cores), **{k: v for k, v in out.items() if k != "requests"})
     if not jobs or any((j.get("servers"), j.get("workers")) != (1, 1) for j in jobs):
