@@ -35,7 +35,7 @@ import time
 import numpy as np
 from numba import njit
 
-from . import (admission, deep, directindex, ffm, hashing, hashtable, init, keys, metrics, models, optim, parse, reduce,
+from . import (admission, deep, directindex, ffm, hashing, hashtable, init, keys, metrics, models, optim, parse,
                textgen, tuning)
 from . import reference as ref
 
@@ -338,20 +338,12 @@ def bench_segment_reduce(rows, repeat, roof):
         k = np.concatenate(parts)
         v = np.ones((k.size, dim), dtype=np.float32)
         pv = [(p, np.ones((p.size, dim), dtype=np.float32)) for p in parts]
-        triad, triad_bytes = triad_probe()
-        tr, t, t_sort, t_tr = median_times([lambda: ref.segment_reduce(k, v), lambda: keys.segment_reduce(k, v),
-                                            lambda: reduce.sort_reduce(k, v), triad], repeat)
-        bw = triad_bytes / t_tr / 1e9
-        out.append(_row(f"segment_reduce/dim={dim} (any order)", k.size, "keys", t, tr, "np.unique + np.add.at"))
-        # the bytes of a radix sort and a pass summing its runs: the keys read to count digits,
-        # each key with its index read and written by every pass, then read with its row, and the
-        # unique keys with their sums written
-        passes = sum(1 for b in range(8) if np.unique((k >> np.uint64(8 * b)) & np.uint64(255)).size > 1)
-        u = np.unique(k).size
-        moved = k.size * (8 + 32 * passes + 16 + 4 * dim) + u * (8 + 4 * dim)
-        out.append(_row(f"sort_reduce/dim={dim} (any order)", k.size, "keys", t_sort, tr, "np.unique + np.add.at",
-                        moved / t_sort / 1e9 / bw,
-                        bound=f"{passes}-pass radix sort, {moved / k.size:.0f} B/key at the triad's {bw:.1f} GB/s"))
+        # one NumPy sort of the n keys: segment_reduce sorts n words (a key's varying bits above
+        # its index) as much alike, then reads each key's row once in a pass summing the runs
+        tr, t, t_sort = median_times([lambda: ref.segment_reduce(k, v), lambda: keys.segment_reduce(k, v),
+                                      lambda: np.sort(k)], repeat)
+        out.append(_row(f"segment_reduce/dim={dim} (any order)", k.size, "keys", t, tr, "np.unique + np.add.at",
+                        t_sort / t, bound=f"a sort of {k.size} 64-bit words at NumPy's {k.size / t_sort / 1e6:.0f} M/s"))
         t = median_time(lambda: keys.merge_sorted(pv), repeat)
         out.append(_row(f"merge_sorted/dim={dim} (4 sorted)", k.size, "keys", t, tr, "np.unique + np.add.at"))
     return out
@@ -623,8 +615,8 @@ def warmup_models() -> None:
         _, hs = deep.mlp_forward(mp, layers, x, deep.ACTIVATIONS[act])
         deep.mlp_backward(mp, layers, hs, np.ones(nrows, np.float32), deep.ACTIVATIONS[act], np.empty(size, np.float32))
     keys.segment_reduce(idx, np.ones((idx.size, 1), dtype=np.float32))
-    for dim in (1, 3):
-        reduce.sort_reduce(idx, np.ones((idx.size, dim), dtype=np.float32))
+    keys.segment_reduce(idx, np.ones((idx.size, 3), dtype=np.float32))
+    keys.segment_reduce(np.array([0, 2**64 - 1, 0], np.uint64), np.ones((3, 1), np.float32))  # keys too wide to pack
     keys.merge_sorted([(uniq, np.ones((uniq.size, 1), np.float32))] * 2)
     keys.is_sorted_unique(uniq)
     keys.reusable_slots(uniq, np.zeros(uniq.size, np.int64), uniq, np.empty(uniq.size, np.int64))
@@ -721,7 +713,7 @@ def _kernel_dispatchers() -> list:
     """Every kernel's dispatcher in this package (the compiled functions its modules define)."""
     from numba.core.registry import CPUDispatcher
 
-    mods = (admission, deep, directindex, hashing, hashtable, init, keys, metrics, models, optim, parse, reduce, textgen)
+    mods = (admission, deep, directindex, hashing, hashtable, init, keys, metrics, models, optim, parse, textgen)
     return [obj for mod in mods for obj in vars(mod).values()
             if isinstance(obj, CPUDispatcher) and obj.__module__ == mod.__name__]
 
