@@ -7,8 +7,11 @@
   values of equal keys summed (row-wise for dim > 1). Used to merge gradients inside a worker
   group and on servers. Reference: ``np.unique`` + ``np.add.at``.
 
-Both dedup with a scratch open-addressing table over the nonzeros (one pass, O(nnz)) and sort only
-the unique keys (:func:`radix_argsort`), instead of sorting every nonzero.
+:func:`unique_keys` dedups with a scratch open-addressing table over the nonzeros (one pass, O(nnz))
+and sorts only the unique keys (:func:`radix_argsort`), instead of sorting every nonzero.
+:func:`segment_reduce` sorts every key with its index in one word (NumPy's vectorised sort) and
+sums the runs: across several pushes most keys are unique, a table of them outgrows the cache,
+and the sort's sequential passes beat its two cache misses a key.
 """
 
 from __future__ import annotations
@@ -138,21 +141,111 @@ def dedup_keys(keys, hashed=False):
     return uniq.copy(), ids
 
 
-@njit(cache=True)
 def segment_reduce(keys, values):
-    """Sum ``values`` (shape ``(n, dim)``) of equal ``keys``; returns (sorted unique keys, sums)."""
-    uniq, ids = _dedup(keys)
-    dim = values.shape[1]
-    acc = np.zeros((uniq.shape[0], dim), dtype=values.dtype)
+    """Sum ``values`` (shape ``(n, dim)``) of equal ``keys`` (uint64, any order); returns (sorted
+    unique keys, sums), the result of ``np.unique`` + ``np.add.at`` bit for bit: equal keys' rows
+    are summed in their input order, from zero.
+
+    One sort of every key with its index (a stable order), then one pass summing the runs of equal
+    keys. When a key's varying bits and the index fit one 64-bit word together (keys of a 2**40
+    space in up to 2**24 of them), that word is sorted by NumPy's sort (vectorised; equal keys
+    keep their index order because the index is the word's low bits); else by
+    :func:`radix_argsort`."""
+    keys = np.ascontiguousarray(keys, dtype=np.uint64)
+    common, varying = _key_bits(keys)
+    shift, width = _bit_span(int(varying))
+    ib = max(int(keys.shape[0] - 1), 0).bit_length()
+    if width + ib <= 64:
+        packed = _pack_keys(keys, np.uint64(shift), width, np.uint64(ib))
+        packed.sort()
+        field = ((1 << width) - 1) << shift
+        return _sum_packed_runs(packed, np.uint64(ib), np.uint64(shift), np.uint64(int(common) & ~field), values)
+    sorted_keys, order = radix_argsort(keys)
+    return _sum_runs(sorted_keys, order, values)
+
+
+def _bit_span(varying: int):
+    """(lowest bit, width) of the span of bits that vary among the keys (0, 0 when none do)."""
+    if varying == 0:
+        return 0, 0
+    low = (varying & -varying).bit_length() - 1
+    return low, varying.bit_length() - low
+
+
+@njit(cache=True)
+def _key_bits(keys):
+    """(bits every key has, bits on which keys differ)."""
+    both = ~np.uint64(0)
+    either = np.uint64(0)
     for i in range(keys.shape[0]):
-        t = ids[i]
-        for d in range(dim):
-            acc[t, d] += values[i, d]
-    sorted_uniq, order = radix_argsort(uniq)
-    out = np.empty_like(acc)
-    for r in range(order.shape[0]):
-        out[r, :] = acc[order[r], :]
-    return sorted_uniq, out
+        both &= keys[i]
+        either |= keys[i]
+    return both, (both ^ either) if keys.shape[0] else np.uint64(0)
+
+
+@njit(cache=True)
+def _pack_keys(keys, shift, width, ib):
+    """Each key's ``width`` bits from ``shift`` on, above its index's ``ib`` bits."""
+    field = (np.uint64(1) << np.uint64(width)) - np.uint64(1) if width < 64 else ~np.uint64(0)
+    out = np.empty(keys.shape[0], dtype=np.uint64)
+    for i in range(keys.shape[0]):
+        out[i] = (((keys[i] >> shift) & field) << ib) | np.uint64(i)
+    return out
+
+
+@njit(cache=True)
+def _sum_packed_runs(packed, ib, shift, base, values):
+    """Runs of equal keys in the sorted words of :func:`_pack_keys` → (unique keys, each run's
+    rows ``values[index]`` summed from zero, in the words' order). A new run is counted, not
+    branched on (as random as which keys repeat)."""
+    n = packed.shape[0]
+    start = (packed[0] >> ib) ^ np.uint64(1) if n else np.uint64(0)  # a key unlike the first
+    u = 0
+    prev = start
+    for i in range(n):
+        key = packed[i] >> ib
+        u += np.int64(key != prev)
+        prev = key
+    uniq = np.empty(u, dtype=np.uint64)
+    out = np.zeros((u, values.shape[1]), dtype=values.dtype)
+    index = (np.uint64(1) << ib) - np.uint64(1)
+    t = -1
+    prev = start
+    for i in range(n):
+        key = packed[i] >> ib
+        t += np.int64(key != prev)
+        prev = key
+        uniq[t] = base | (key << shift)
+        _add_row(out, t, values, np.int64(packed[i] & index))
+    return uniq, out
+
+
+@njit(cache=True)
+def _sum_runs(sorted_keys, order, values):
+    """Runs of equal keys → (unique keys, each run's rows ``values[order[i]]`` summed from zero)."""
+    n = sorted_keys.shape[0]
+    u = 0
+    for i in range(n):
+        u += np.int64(i == 0 or sorted_keys[i] != sorted_keys[i - 1])
+    uniq = np.empty(u, dtype=np.uint64)
+    out = np.zeros((u, values.shape[1]), dtype=values.dtype)
+    t = -1
+    for i in range(n):
+        t += np.int64(i == 0 or sorted_keys[i] != sorted_keys[i - 1])
+        uniq[t] = sorted_keys[i]
+        _add_row(out, t, values, order[i])
+    return uniq, out
+
+
+@njit(inline="always")
+def _add_row(out, t, values, o):
+    """``out[t] += values[o]``; one value without a loop (whose set-up per key, for a loop of one,
+    cost more than the addition)."""
+    if values.shape[1] == 1:
+        out[t, 0] += values[o, 0]
+    else:
+        for d in range(values.shape[1]):
+            out[t, d] += values[o, d]
 
 
 @njit(cache=True)

@@ -35,7 +35,7 @@ import time
 import numpy as np
 from numba import njit
 
-from . import (admission, deep, directindex, ffm, hashing, hashtable, init, keys, metrics, models, optim, parse, reduce,
+from . import (admission, deep, directindex, ffm, hashing, hashtable, init, keys, metrics, models, optim, parse,
                textgen, tuning)
 from . import reference as ref
 
@@ -251,6 +251,11 @@ def bench_lr(rows, repeat, roof):
 
 
 def bench_fm(rows, repeat, roof):
+    """The FM step beside its two floors, run in turn: the lines it must touch (a random gather of
+    ``w``, ``V``'s row, ``gw`` and ``gV``'s row at each nonzero's position: its roofline) and its
+    own work (the same rows on 2,048 keys, every parameter in L2). A row's gradients wait on its
+    margin, and its margin on float64 sums kept in order (bit for bit), so the two add up rather
+    than overlap: each is about half of its time."""
     rows = max(rows // 4, 1)
     indptr, idx, vals, labels = criteo_batch(rows, 24)
     uniq, pos = keys.unique_keys(idx)
@@ -258,14 +263,28 @@ def bench_fm(rows, repeat, roof):
     w = (0.01 * rng.normal(size=len(uniq))).astype(np.float32)
     V = (0.01 * rng.normal(size=(len(uniq), 8))).astype(np.float32)
     gw, gV, m = np.empty_like(w), np.empty_like(V), np.empty(0)
-    # four random accesses a nonzero (w, V's row, and both added into) at the rate of gathering w[pos]
-    gather, n_gather = gather_probe(w, pos)
-    t, tr, t_ga = median_times([
+    # the same rows in cache: each row's nonzeros on consecutive positions (no key repeats in a row)
+    near = np.arange(idx.size, dtype=np.int64) % 2048
+    wc, Vc, gwc, gVc = w[:2048].copy(), V[:2048].copy(), gw[:2048].copy(), gV[:2048].copy()
+    t, tr, t_lines, t_own = median_times([
         lambda: models.fm_forward_backward(indptr, pos, vals, labels, w, V, gw, gV, 1.0, 0.0, 0, m),
-        lambda: ref.fm_forward_backward(indptr, pos, vals, labels, w, V, 1.0, 0.0), gather], repeat)
-    ga = n_gather / t_ga / 1e6
-    return [_row("fm_grad/k=8", idx.size, "nnz", t, tr, "scipy CSR (X@V, X.T@...)", 4 * idx.size / t / 1e6 / ga,
-                 bound=f"4 random accesses/nnz, gather {ga:.0f} M/s")]
+        lambda: ref.fm_forward_backward(indptr, pos, vals, labels, w, V, 1.0, 0.0),
+        lambda: _fm_lines_gather(pos, w, V, gw, gV),
+        lambda: models.fm_forward_backward(indptr, near, vals, labels, wc, Vc, gwc, gVc, 1.0, 0.0, 0, m)], repeat)
+    n = idx.size
+    return [_row("fm_grad/k=8", n, "nnz", t, tr, "scipy CSR (X@V, X.T@...)", t_lines / t,
+                 bound=f"4 random lines/nnz {1e9 * t_lines / n:.0f} ns/nnz, then its own work "
+                       f"{1e9 * t_own / n:.0f} ns/nnz in cache ({t_own / t:.0%})")]
+
+
+@njit(cache=True)
+def _fm_lines_gather(pos, w, V, gw, gV):
+    """The four lines an FM nonzero touches (``w``, ``V``'s row, ``gw``, ``gV``'s row), read."""
+    s = 0.0
+    for i in range(pos.shape[0]):
+        p = pos[i]
+        s += w[p] + V[p, 0] + gw[p] + gV[p, 0]
+    return s
 
 
 def bench_ffm(rows, repeat, roof):
@@ -338,20 +357,12 @@ def bench_segment_reduce(rows, repeat, roof):
         k = np.concatenate(parts)
         v = np.ones((k.size, dim), dtype=np.float32)
         pv = [(p, np.ones((p.size, dim), dtype=np.float32)) for p in parts]
-        triad, triad_bytes = triad_probe()
-        tr, t, t_sort, t_tr = median_times([lambda: ref.segment_reduce(k, v), lambda: keys.segment_reduce(k, v),
-                                            lambda: reduce.sort_reduce(k, v), triad], repeat)
-        bw = triad_bytes / t_tr / 1e9
-        out.append(_row(f"segment_reduce/dim={dim} (any order)", k.size, "keys", t, tr, "np.unique + np.add.at"))
-        # the bytes of a radix sort and a pass summing its runs: the keys read to count digits,
-        # each key with its index read and written by every pass, then read with its row, and the
-        # unique keys with their sums written
-        passes = sum(1 for b in range(8) if np.unique((k >> np.uint64(8 * b)) & np.uint64(255)).size > 1)
-        u = np.unique(k).size
-        moved = k.size * (8 + 32 * passes + 16 + 4 * dim) + u * (8 + 4 * dim)
-        out.append(_row(f"sort_reduce/dim={dim} (any order)", k.size, "keys", t_sort, tr, "np.unique + np.add.at",
-                        moved / t_sort / 1e9 / bw,
-                        bound=f"{passes}-pass radix sort, {moved / k.size:.0f} B/key at the triad's {bw:.1f} GB/s"))
+        # one NumPy sort of the n keys: segment_reduce sorts n words (a key's varying bits above
+        # its index) as much alike, then reads each key's row once in a pass summing the runs
+        tr, t, t_sort = median_times([lambda: ref.segment_reduce(k, v), lambda: keys.segment_reduce(k, v),
+                                      lambda: np.sort(k)], repeat)
+        out.append(_row(f"segment_reduce/dim={dim} (any order)", k.size, "keys", t, tr, "np.unique + np.add.at",
+                        t_sort / t, bound=f"a sort of {k.size} 64-bit words at NumPy's {k.size / t_sort / 1e6:.0f} M/s"))
         t = median_time(lambda: keys.merge_sorted(pv), repeat)
         out.append(_row(f"merge_sorted/dim={dim} (4 sorted)", k.size, "keys", t, tr, "np.unique + np.add.at"))
     return out
@@ -623,8 +634,8 @@ def warmup_models() -> None:
         _, hs = deep.mlp_forward(mp, layers, x, deep.ACTIVATIONS[act])
         deep.mlp_backward(mp, layers, hs, np.ones(nrows, np.float32), deep.ACTIVATIONS[act], np.empty(size, np.float32))
     keys.segment_reduce(idx, np.ones((idx.size, 1), dtype=np.float32))
-    for dim in (1, 3):
-        reduce.sort_reduce(idx, np.ones((idx.size, dim), dtype=np.float32))
+    keys.segment_reduce(idx, np.ones((idx.size, 3), dtype=np.float32))
+    keys.segment_reduce(np.array([0, 2**64 - 1, 0], np.uint64), np.ones((3, 1), np.float32))  # keys too wide to pack
     keys.merge_sorted([(uniq, np.ones((uniq.size, 1), np.float32))] * 2)
     keys.is_sorted_unique(uniq)
     keys.reusable_slots(uniq, np.zeros(uniq.size, np.int64), uniq, np.empty(uniq.size, np.int64))
@@ -721,7 +732,7 @@ def _kernel_dispatchers() -> list:
     """Every kernel's dispatcher in this package (the compiled functions its modules define)."""
     from numba.core.registry import CPUDispatcher
 
-    mods = (admission, deep, directindex, hashing, hashtable, init, keys, metrics, models, optim, parse, reduce, textgen)
+    mods = (admission, deep, directindex, hashing, hashtable, init, keys, metrics, models, optim, parse, textgen)
     return [obj for mod in mods for obj in vars(mod).values()
             if isinstance(obj, CPUDispatcher) and obj.__module__ == mod.__name__]
 

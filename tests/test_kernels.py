@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpcps_kernels import directindex, hashing, hashtable, keys, metrics, models, optim, parse, reduce
+from hpcps_kernels import directindex, hashing, hashtable, keys, metrics, models, optim, parse
 from hpcps_kernels import reference as ref
 
 U64_MAX = np.iinfo(np.uint64).max
@@ -103,12 +103,12 @@ def test_segment_reduce_of_float_values_is_bitwise_like_add_at():
 
 @SETTINGS
 @given(key_arrays(), st.sampled_from([1, 3, 16]), st.booleans())
-def test_sort_reduce_is_numpy_bit_for_bit(k, dim, strided):
+def test_segment_reduce_is_numpy_bit_for_bit(k, dim, strided):
     """Float values (so the order of the additions shows), in a strided view or not."""
     rng = np.random.default_rng(len(k))
     v = rng.normal(size=(len(k), 2 * dim)).astype(np.float32)
     v = v[:, ::2] if strided else np.ascontiguousarray(v[:, :dim])
-    uk, uv = reduce.sort_reduce(k, v)
+    uk, uv = keys.segment_reduce(k, v)
     rk, rv = ref.segment_reduce(k, v)
     assert uk.dtype == np.uint64 and uv.dtype == np.float32 and uv.shape == (rk.size, dim)
     np.testing.assert_array_equal(uk, rk)
@@ -116,17 +116,20 @@ def test_sort_reduce_is_numpy_bit_for_bit(k, dim, strided):
 
 
 @pytest.mark.parametrize("dim", [1, 4])
-def test_sort_reduce_of_pushes_is_segment_reduce_bit_for_bit(dim):
-    """Four sorted pushes concatenated, keys of a 2**24 space and one 64-bit key (every byte
-    sorted on), 1 in 3 keys repeated."""
+@pytest.mark.parametrize("wide", [[], [2**63 + 5, 7]], ids=["packed", "radix"])
+def test_segment_reduce_of_pushes_is_numpy_bit_for_bit(dim, wide):
+    """Four sorted pushes concatenated, keys of a 2**24 space (a key's varying bits and its index
+    fit one word: NumPy sorts them) or with a 64-bit key among them (every bit varies: the radix
+    sort), 1 in 3 keys repeated, above a common high bit or not."""
     rng = np.random.default_rng(dim)
     parts = [np.unique(rng.integers(0, 1 << 24, 30_000)).astype(np.uint64) for _ in range(4)]
-    k = np.concatenate(parts + [np.array([2**63 + 5, 7], np.uint64)])
-    v = rng.normal(size=(k.size, dim)).astype(np.float32)
-    uk, uv = reduce.sort_reduce(k, v)
-    sk, sv = keys.segment_reduce(k, v)
-    np.testing.assert_array_equal(uk, sk)
-    np.testing.assert_array_equal(uv, sv)
+    for high in (0, 1 << 50):
+        k = np.concatenate(parts + [np.array(wide, np.uint64)]) | np.uint64(high)
+        v = rng.normal(size=(k.size, dim)).astype(np.float32)
+        uk, uv = keys.segment_reduce(k, v)
+        rk, rv = ref.segment_reduce(k, v)
+        np.testing.assert_array_equal(uk, rk)
+        assert uv.tobytes() == rv.tobytes()
 
 
 def test_softplus_without_branches_is_the_branching_formula_bit_for_bit():
@@ -800,6 +803,6 @@ def test_profiler_prints_each_kernel_s_roofline_fraction_and_names_its_bound(cap
     roof = rows[0]["roofline"]
     assert all(roof[k] > 0 for k in ("triad_gb_s", "sgemm_gflop_s", "softplus_m_s", "random_access_m_s"))
     bound = {r["kernel"].split("/")[0]: r for r in rows[1:] if r["bound"]}
-    assert {"fm_grad", "logloss", "mlp fwd+bwd", "sort_reduce"} <= set(bound)
+    assert {"fm_grad", "logloss", "mlp fwd+bwd", "segment_reduce"} <= set(bound)
     for r in bound.values():
         assert r["roofline_fraction"] > 0 and r["speedup"] > 0
