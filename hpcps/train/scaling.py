@@ -22,13 +22,13 @@ import numpy as np
 # --- fitted: begin ---
 FITTED = {
     "requests": "worker",
-    "local_latency_s": 8.366e-05,
-    "local_bytes_per_s": 1.182e+10,
-    "server_pull_keys_per_s": 4.67e+07,
-    "server_push_keys_per_s": 1.604e+07,
-    "server_request_s": 5.005e-05,
-    "worker_request_s": 0,
-    "worker_rows_per_s": 1.178e+05,
+    "local_latency_s": 7.47e-06,
+    "local_bytes_per_s": 8.26e+09,
+    "server_pull_keys_per_s": 5.555e+07,
+    "server_push_keys_per_s": 4.474e+07,
+    "server_request_s": 3.306e-05,
+    "worker_request_s": 0.0002362,
+    "worker_rows_per_s": 4.005e+05,
 }
 # --- fitted: end ---
 
