@@ -96,7 +96,14 @@ def test_ps_benchmark_reports_throughput_beside_raw_mpi():
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     ops = {(r["op"], r.get("keys")) for r in rows}
-    assert {("push+apply", 1000), ("pull", 20000), ("waiting", None)} <= ops
+    assert {("push+apply", 1000), ("pull", 20000), ("waiting", None), ("requests", 100), ("requests", 1000)} <= ops
+    # a server's cost per small request: bursts of each kind at 100 and 1,000 keys, beside raw MPI
+    small = [r for r in rows if r["op"] == "requests"]
+    assert {(r["request"], r["keys"]) for r in small} == {(k, n) for k in ("pull", "push+apply", "push-pull") for n in (100, 1000)}
+    for r in small:  # the server's own time of a request fits in the burst's wall time a request
+        assert r["ratio"] == pytest.approx(r["us_per_request"] / r["raw_mpi_us_per_request"]), r
+        assert 0 < r["server_us"] <= r["us_per_request"], r
+    rows = [r for r in rows if r["op"] != "requests"]
     assert all(0 < r["roofline_ratio"] and 0 < r["ratio"] for r in rows if r["op"] != "waiting")
     # the server's own time on each request (its clock, another process) is part of its round trip
     assert all(0 < r["server_s"] < r["time_s"] for r in rows if r["op"] != "waiting"), rows

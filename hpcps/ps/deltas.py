@@ -28,7 +28,6 @@ import shutil
 import threading
 import time
 
-import h5py
 import numpy as np
 
 from hpcps.ps import checkpoint
@@ -197,6 +196,8 @@ def _wait_for(path: str, deadline: float) -> dict:
 
 
 def _removed_for_server(path: str, table: str, wanted: np.ndarray | None) -> np.ndarray:
+    import h5py  # (on first use, as in checkpoint.py)
+
     with h5py.File(path, "r") as f:
         g = f[f"tables/{table}"]
         removed = g["removed"][()] if "removed" in g else np.zeros(0, dtype=np.uint64)

@@ -107,7 +107,8 @@ class BatchFeed:
         batch = self.batch_at(i)
         done = self.by_step.pop(i - 1, None)
         kept = self.for_next_epochs.get((i - 1) % self.steps) if self.for_next_epochs is not None else None
-        if kept is not None and kept[0] is done and done.compacted is not None:
+        if kept is not None and kept[0] is done and done.compacted is not None and \
+                all(b is not done for b in self.by_step.values()):  # (not a step prepared ahead: few steps an epoch)
             done.narrow_rows()  # (trained on: kept with its rows' lengths, not offsets, till its next epoch)
         held = self.held_out.pop(i, None)
         if self.collecting and held is not None and held.rows:
