@@ -27,8 +27,6 @@ from hpcps.ps import protocol, transport
 from hpcps.ps.tables import TableSpec
 from hpcps_kernels import keys as kkeys
 
-_NO_KEYS = np.zeros(0, dtype=np.uint64)
-
 
 @dataclass
 class _Request:
@@ -331,7 +329,7 @@ class SparseTable(TableRequests):
         if max(push_keys.shape[0], pull_keys.shape[0]) > self.max_keys:  # too big for one message
             self.wait(self._send(protocol.PUSH, push_keys, grads, lent=not donate))
             if clock_workers > 1:  # the group's clock, as a bare push-pull
-                self.wait(self.ipushpull(_NO_KEYS, grads[:0], _NO_KEYS, unique=True, clock_workers=clock_workers))
+                self.wait(self.ipushpull(protocol.NO_KEYS, grads[:0], protocol.NO_KEYS, unique=True, clock_workers=clock_workers))
             else:
                 ctx.clock()
             return self.ipull(pull_keys[expand] if expand is not None else pull_keys, ahead=ahead)
@@ -450,7 +448,7 @@ class TableSet:
         req = _Request(protocol.PULLS, self.tables[0], n_unique=keys.shape[0], clock=self.ctx.clock_value + ahead,
                        started=time.monotonic(), expand=expand)
         empty = [np.zeros((0, d), np.float32) for d in self.dims]
-        self._send(req, _NO_KEYS, empty, keys, None)
+        self._send(req, protocol.NO_KEYS, empty, keys, None)
         return self._register(req)
 
     def ipushpull(self, push_keys, grads: list, pull_keys, ahead: int = 0, in_pull: np.ndarray | None = None,

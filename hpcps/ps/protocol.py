@@ -100,7 +100,7 @@ assert all(REQUEST.fields[n][0] == np.dtype("<i8") for n in REQUEST.names)
 assert all(REPLY.fields[n][0] == np.dtype("<i8") for n in REPLY.names)
 assert _REQUEST_WORDS.size == HEADER_BYTES and _REPLY_WORDS.size == REPLY_BYTES
 
-_NO_KEYS = np.zeros(0, dtype=np.uint64)
+NO_KEYS = np.zeros(0, dtype=np.uint64)  # (no keys: a push's pull, a bare clock)
 
 TAG_REQUEST = 1
 TAG_GRADS = 2
@@ -317,7 +317,7 @@ class Push(TableMessage):
         apart = self.grads_apart and n > 0
         words = _words(PUSH, self.table, self.req_id, (n, 0), self.clock, self.worker,
                        flags=GRADS_APART if apart else 0)
-        return _pack_pushed(words, self.keys, self.grads, _NO_KEYS, None, alloc, apart)
+        return _pack_pushed(words, self.keys, self.grads, NO_KEYS, None, alloc, apart)
 
     @classmethod
     def unpack(cls, words: list, buf: np.ndarray, dims: list[int], grads: np.ndarray | None) -> "Push":
@@ -645,11 +645,6 @@ def payload_apart(head: np.ndarray) -> bool:
     (a large pull it runs on two threads: the worker sleeps until the header comes rather than
     spinning through the server's work); the worker reads it here, once the header has come."""
     return bool(head[_REPLY_FLAGS_AT] & PAYLOAD_APART)  # (one byte read: this runs on every reply)
-
-
-def reply_header(buf: np.ndarray):
-    """A reply's header as a structured scalar (``h["req_id"]``, ...); :func:`reply_words` is faster."""
-    return buf[:REPLY_BYTES].view(REPLY)[0]
 
 
 def reply_words(buf: np.ndarray) -> tuple:

@@ -29,10 +29,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hpcps.ps import protocol
 from hpcps.train.models import NonFiniteError, tick
 from hpcps_kernels import keys as kkeys
-
-_NO_KEYS = np.zeros(0, dtype=np.uint64)
 
 
 @dataclass
@@ -152,7 +151,7 @@ class GroupPulls:
         if not self.leader:
             self.ctx.advance_clock()
             return []
-        return [self.requests.push_pull(keys, grads, _NO_KEYS, clock_workers=self.size)]
+        return [self.requests.push_pull(keys, grads, protocol.NO_KEYS, clock_workers=self.size)]
 
     def rows(self, p: GroupPull) -> list:
         """Group collective: this member's rows of every table."""
@@ -202,7 +201,7 @@ class StepRequests:
         if self.group is not None:
             return self.group.push_and_clock(keys, grads)
         if self.together is not None:
-            return [(self.together, self.together.ipushpull(keys, grads, _NO_KEYS))]
+            return [(self.together, self.together.ipushpull(keys, grads, protocol.NO_KEYS))]
         pending = [(tb, tb.push(keys, g, aggregate=aggregate, unique=True, donate=True))
                    for tb, g in zip(self.sparse, grads)]
         self.ctx.clock()
