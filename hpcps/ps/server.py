@@ -38,6 +38,7 @@ import numpy as np
 from hpcps.ps import checkpoint, deltas, protocol, signals, transport
 from hpcps.ps.consistency import WorkerClocks
 from hpcps.ps.placement import Placement
+from hpcps.ps.replication import Replication, ServerCopies
 from hpcps.ps.server_table import ServerTable
 from hpcps.ps.tables import MARGINS_FUNCTION, RESIDUALS_FUNCTION, SERVER_FUNCTIONS, ServerFunction, TableSpec
 from hpcps_kernels.parallel import TwoThreads, splits_pull
@@ -89,21 +90,23 @@ def table_counts(tables: list[ServerTable]) -> dict:
 
 
 def restore_checkpoint(tables: list[ServerTable], workers: WorkerClocks, ckpt: str, manifest: dict, server: int,
-                       placement: Placement) -> None:
-    """Load server ``server``'s shards of every table (under ``placement``) from checkpoint ``ckpt``,
-    and its clock as every worker's."""
-    deltas.restore(tables, ckpt, manifest, server, placement.shard_server, placement.num_servers)  # (or a delta's chain)
+                       replication: Replication) -> None:
+    """Load server ``server``'s shards of every table (every shard it keeps a copy of, under
+    ``replication``'s placement) from checkpoint ``ckpt``, and its clock as every worker's."""
+    deltas.restore(tables, ckpt, manifest, server, *replication.restore_where())  # (or a delta's chain)
     workers.set_all(manifest["clock"])
 
 
-def write_checkpoint_file(ckpt: str, tables: list[ServerTable], server: int, placement: Placement,
+def write_checkpoint_file(ckpt: str, tables: list[ServerTable], server: int, replication: Replication,
                           clock: int) -> tuple[int, str]:
-    """Write server ``server``'s shards of ``tables`` (rows and state) into its file of checkpoint
-    directory ``ckpt``, once every table is checked finite; returns the file's size and checksum."""
+    """Write server ``server``'s shards of ``tables`` (rows and state; with replicas, those it is
+    primary of) into its file of checkpoint directory ``ckpt``, once every table is checked
+    finite; returns the file's size and checksum."""
+    placement = replication.placement
     path = checkpoint.server_file(ckpt, server)
     for table in tables:
         table.check_finite(f"checkpoint (step {clock})")
-    parts = [(table.spec.name, *table.items(), table.state_arrays()) for table in tables]
+    parts = [replication.primary_part((table.spec.name, *table.items(), table.state_arrays())) for table in tables]
     try:
         return checkpoint.write_server_file(path, server, placement.num_servers, placement.num_shards, parts)
     except OSError as e:
@@ -221,13 +224,13 @@ class ServerReads:
         self.replies.post(reply, source, r.req_id, "margins reply")
 
     def _write_checkpoint(self, source: int, r: protocol.Checkpoint) -> None:
-        size, digest = self.snapshots.snapshot(r.path, r.clock, self.tables, self.placement, write_checkpoint_file)
+        size, digest = self.snapshots.snapshot(r.path, r.clock, self.tables, self.replication, write_checkpoint_file)
         reply, payload = self.replies.new(r.req_id, protocol.CHECKPOINT_RESULT.itemsize)
         protocol.pack_checkpoint_result(payload, size, digest)
         self.replies.post(reply, source, r.req_id, "checkpoint reply")
 
 
-class Server(ServerReads):
+class Server(ServerReads, ServerCopies):
     """The serving loop of one server rank, and its handlers, one per request op. ``net``: how it
     reaches the workers (:class:`hpcps.ps.transport.MPITransport` on a server rank; a
     :class:`~hpcps.ps.transport.Loopback` hands it each request of a job of one process)."""
@@ -241,7 +244,7 @@ class Server(ServerReads):
         self.worker_rank0 = worker_rank0
         self.tables, self.threads = server_tables(specs)
         self.dims = [s.dim for s in specs]
-        self.placement = placement
+        self.replication = Replication(placement, server_index)  # (self.placement: its placement)
         self.staleness = staleness
         self.stall_warn_s = stall_warn_s
         self.stall_timeout_s = stall_timeout_s
@@ -249,6 +252,7 @@ class Server(ServerReads):
         self.pool = transport.BufferPool()  # large requests and replies
         self.replies = Replies(net, server_index, self.pool, self.workers, self.tables)
         self.snapshots = deltas.DeltaWriter(server_index, placement.num_servers, placement.num_shards)
+        self.snapshots.narrow = self.replication.primary_part  # (a delta writes each shard once too)
         self.stats = {"requests": 0, "idle_s": 0.0, "busy_s": 0.0, "deferred": 0}
         # (op, keys pushed, keys pulled, seconds handling it) of every request, when a list
         # (``hpcps bench ps``: the server's own time beside the round trip)
@@ -396,7 +400,7 @@ class Server(ServerReads):
 
     def restore(self, ckpt: str, manifest: dict) -> None:
         """Load this server's shards of every table (under the current placement) and the clock."""
-        restore_checkpoint(self.tables, self.workers, ckpt, manifest, self.index, self.placement)
+        restore_checkpoint(self.tables, self.workers, ckpt, manifest, self.index, self.replication)
 
     # -- loop --------------------------------------------------------------------------------
 
@@ -413,7 +417,7 @@ class Server(ServerReads):
 
     def final_stats(self) -> dict:
         """The serving statistics with each table's rows held, keys admitted and rows evicted."""
-        self.stats.update(table_counts(self.tables))
+        self.stats.update(table_counts(self.tables), **self.copy_stats())
         return self.stats
 
 
