@@ -150,3 +150,15 @@ def test_replicated_run_equals_the_plain_one_and_its_backups_their_primaries(dat
     again = run_job(5, data, resumed, servers=3, replicas=2, extra=["--resume", mid])
     assert again["replica_shards_differing"] == 0 and again["replica_copies"] == 3 * 1024
     assert_same_model(resumed / "model.h5", plain / "model.h5")
+
+
+def test_bench_ps_replication_rows_compare_replicas_1_with_0_on_the_same_servers():
+    proc = subprocess.run([*mpiexec(), "-n", "3", sys.executable, "-m", "hpcps.cli", "bench", "ps", "--replicas", "1",
+                           "--sizes", "500", "--pairs", "1", "--repeat", "1", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert {r["kind"] for r in rows} == {"push+apply", "push-pull step", "push-pull step, paced"}
+    for r in rows:  # one pair: its ratio is the replicated time over the plain one
+        assert r["servers"] == 2 and r["replicas"] == 1 and r["keys"] == 500, r
+        assert r["ratio"] == pytest.approx(r["replicated_time_s"] / r["time_s"]) and r["time_s"] > 0, r

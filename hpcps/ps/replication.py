@@ -184,6 +184,33 @@ class ServerCopies:
         primary of (each shard once over the servers)."""
         return {"keys": self.replication.primary_counts(self.tables)} if self.replication.on else {}
 
+    def push_now(self, worker: int, table: int, keys: np.ndarray, grads: np.ndarray, clock: int,
+                 in_pull: np.ndarray | None = None):
+        """Apply a push to table number ``table`` now (``ServerTable.push``: returns its rest).
+        With replicas, only its keys of the shards this server is primary of: those of the shards
+        it backs up wait in :attr:`backlog` for :meth:`apply_backlog`, once the request is
+        answered (nobody reads a backup, so its update need not delay a reply; each key's updates
+        keep their order). Not where rows age or are evicted at a clock: there a backup's rows
+        must have every push of the clock before an eviction, as the primary's have."""
+        target = self.tables[table]
+        if not self.replication.on or self.evicting:
+            return target.push(keys, grads, clock, worker, in_pull=in_pull)
+        mine = primary_rows_mask(self.placement, self.index, keys)
+        if not mine.all():
+            self.backlog.append((target, keys[~mine], grads[~mine], clock, worker))
+            if in_pull is not None:  # (a bit per key, packed as it came: protocol.IN_PULL)
+                bits = np.unpackbits(in_pull, count=keys.shape[0], bitorder="little")[mine]
+                in_pull = np.packbits(bits, bitorder="little")
+            keys, grads = keys[mine], grads[mine]
+        return target.push(keys, grads, clock, worker, in_pull=in_pull) if keys.shape[0] else None
+
+    def apply_backlog(self) -> None:
+        """Apply the backups' part of the pushes :meth:`push_now` kept, in their order."""
+        if self.backlog:
+            for target, keys, grads, clock, worker in self.backlog:
+                target.push(keys, grads, clock, worker)
+            self.backlog = []
+
     def primary_items(self, table) -> tuple[np.ndarray, np.ndarray]:
         """``table.items()`` of the shards this server is primary of (all it holds without
         replicas): what a model written from the servers takes from it."""

@@ -207,6 +207,7 @@ class ServerReads:
 
     def _serve_call(self, source: int, r: protocol.Call) -> None:
         """Run a declared server function over the keys this server owns."""
+        self.apply_backlog()  # (a function, e.g. early stopping's snapshot, sees every copy's rows)
         f = self.functions[r.function]
         out = call_result(f, f.fn(self.tables[r.table], r.keys, r.args), r.keys.shape[0], self.index)
         reply, payload = self.replies.new(r.req_id, 4 * out.size, r.table)
@@ -224,6 +225,7 @@ class ServerReads:
         self.replies.post(reply, source, r.req_id, "margins reply")
 
     def _write_checkpoint(self, source: int, r: protocol.Checkpoint) -> None:
+        self.apply_backlog()  # (a snapshot's marks of changed rows cover every copy's)
         size, digest = self.snapshots.snapshot(r.path, r.clock, self.tables, self.replication, write_checkpoint_file)
         reply, payload = self.replies.new(r.req_id, protocol.CHECKPOINT_RESULT.itemsize)
         protocol.pack_checkpoint_result(payload, size, digest)
@@ -259,6 +261,7 @@ class Server(ServerReads, ServerCopies):
         self.trace: list | None = None
         self.evicting = any(t.features.eviction for t in self.tables)
         self.fragments: dict = {}  # (worker, table) -> the nonzeros of its last MARGINS
+        self.backlog: list = []  # replicas: pushes to backups, applied once the request is answered
         # what a request asks: op -> handler(source, request)
         self.handlers = {
             protocol.PULL: self._serve_or_defer, protocol.CHECKPOINT: self._serve_or_defer,
@@ -285,6 +288,7 @@ class Server(ServerReads, ServerCopies):
             raise RuntimeError(f"server {self.index}: {e} from rank {source}") from None
         self.stats["requests"] += 1
         self.handlers[r.op](source, r)
+        self.apply_backlog()  # (replicas: the backups' part of its pushes, once it is answered)
 
     def _handle_push_pull(self, source: int, r: protocol.PushPull) -> None:
         """Push at clock c, clock c + 1, pull at clock c + 1 (+ ahead). When nothing else is to be
@@ -294,7 +298,7 @@ class Server(ServerReads, ServerCopies):
         self._advance(worker, r)
         if r.in_pull is not None and self._answers_at_once(r):
             table = self.tables[r.table]
-            rest = table.push(r.push_keys, r.grads, r.clock, worker, in_pull=r.in_pull)
+            rest = self.push_now(worker, r.table, r.push_keys, r.grads, r.clock, r.in_pull)
             self._serve_pull(source, r)
             if rest is not None:
                 table.apply_after_reply(rest)
@@ -310,7 +314,7 @@ class Server(ServerReads, ServerCopies):
         worker = source - self.worker_rank0
         self._advance(worker, r)
         if r.in_pull is not None and self._answers_at_once(r):
-            rests = [(self.tables[t], self.tables[t].push(r.push_keys, g, r.clock, worker, in_pull=r.in_pull))
+            rests = [(self.tables[t], self.push_now(worker, t, r.push_keys, g, r.clock, r.in_pull))
                      for t, g in zip(r.tables, r.grads)]
             self._serve_tables(source, r)
             for table, rest in rests:
@@ -366,7 +370,7 @@ class Server(ServerReads, ServerCopies):
         if self.staleness == 0:
             self.workers.keep_push(worker, push)
         else:
-            self.tables[push.table].push(push.keys, push.grads, push.clock, worker)
+            self.push_now(worker, push.table, push.keys, push.grads, push.clock)
 
     def _after_clock(self) -> None:
         """A worker's clock advanced: the pushes, evictions and reads it allows."""
@@ -385,7 +389,7 @@ class Server(ServerReads, ServerCopies):
     def _apply_pushes_due(self) -> None:
         """BSP: apply, in (clock, worker, seq) order, the pushes of clocks every worker has passed."""
         for worker, push in self.workers.pushes_due():
-            self.tables[push.table].push(push.keys, push.grads, push.clock, worker)
+            self.push_now(worker, push.table, push.keys, push.grads, push.clock)
 
     def _serve_or_defer(self, source: int, r: protocol.Message) -> None:
         if self.workers.ready(r) or (r.op in _PUSHPULLS and r.pull_keys.shape[0] == 0):  # a bare push + clock
