@@ -14,6 +14,9 @@ import pytest
 from hpcps.config import ConfigError, from_dict, load_raw
 from hpcps.ps import checkpoint
 from hpcps.ps.placement import Placement, new_copies
+from hpcps.ps.replication import Replication
+from hpcps.ps.server_table import ServerTable
+from hpcps.ps.tables import TableSpec
 from hpcps.train import synth
 from hpcps.train.model_file import ServingModel
 
@@ -97,6 +100,43 @@ def test_replicas_need_more_servers_and_no_features_a_copy_would_see_differently
         from_dict(load_raw(None, ["cluster.servers=2", "cluster.replicas=1", "features.server_memory_mb=10"]))
     with pytest.raises(ValueError, match="need at least 2 servers, 1 given"):
         Placement(1, replicas=1)
+
+
+def test_losing_a_server_promotes_its_backups_and_the_copies_made_restore_every_shard():
+    """Three servers' tables fed as a worker feeds them (replicas 1), server 2 lost: the survivors'
+    plans agree, and once each sent its copies every shard is whole on both of its new copies,
+    every row equal to a table that took every push."""
+    spec = TableSpec("w", dim=2, optimizer="ftrl", params={"alpha": 0.1})
+    p = Placement(3, num_shards=64, replicas=1)
+    rng = np.random.default_rng(4)
+    keys = np.unique(rng.integers(0, 2**64, 3000, dtype=np.uint64))
+    grads = rng.normal(size=(keys.shape[0], 2)).astype(np.float32)
+    tables = [ServerTable(spec) for _ in range(3)]
+    order, offsets = p.push_slice(keys)
+    for s, table in enumerate(tables):
+        sel = order[offsets[s]:offsets[s + 1]]
+        table.push(keys[sel], grads[sel])
+    whole = ServerTable(spec)
+    whole.push(keys, grads)
+    survivors = [Replication(p, s) for s in (0, 1)]
+    moves = [r.rank_lost(2) for r in survivors]
+    assert moves[0] == moves[1] and moves[0] == new_copies(p.copies, p.after_loss(2).copies) and moves[0]
+    sent = [r.copy_out([tables[r.server]], moves[0]) for r in survivors]
+    for out in sent:
+        for target, parts in out.items():
+            Replication.copy_in([tables[target]], parts)
+    after = survivors[0].placement
+    for s in (0, 1):
+        k, rows = tables[s].items()
+        np.testing.assert_array_equal(np.sort(k), keys[after.holds(s)[after.shard_of(keys)]])
+        np.testing.assert_array_equal(rows, _rows(whole, k))  # parameters and FTRL state, bit for bit
+
+
+def _rows(table, keys):
+    """The stored rows (parameters and state) of ``keys`` in ``table``."""
+    all_keys, all_rows = table.items()
+    where = {int(k): i for i, k in enumerate(all_keys)}
+    return all_rows[[where[int(k)] for k in keys]]
 
 
 # -- jobs --------------------------------------------------------------------------------------------
