@@ -170,24 +170,29 @@ def assert_same_model(a, b):
 
 def test_replicated_run_equals_the_plain_one_and_its_backups_their_primaries(data, tmp_path):
     """2 servers + 2 workers (BSP): replicas 1 gives the model of replicas 0 bit for bit, every
-    backup's rows equal its primary's at the end, its checkpoints hold each shard once, and a
-    resume from one onto 3 servers (resharded, backups restored from the primaries' files) ends
-    with the same model and equal copies again."""
+    backup's rows equal its primary's at the end, its checkpoints and delta snapshots hold each
+    shard once, and a resume from a delta onto 3 servers (resharded, backups restored from the
+    primaries' files) ends with the same model and equal copies again."""
     plain, rep, resumed = tmp_path / "plain", tmp_path / "rep", tmp_path / "resumed"
     for d in (plain, rep, resumed):
         d.mkdir()
     base = run_job(4, data, plain)
-    got = run_job(4, data, rep, replicas=1)
+    got = run_job(4, data, rep, replicas=1, extra=["--set", "checkpoint.delta_every_steps=20"])
     assert_same_model(rep / "model.h5", plain / "model.h5")
     assert got["replica_copies"] == 2 * 1024 and got["replica_shards_differing"] == 0
     assert got["table_keys"] == base["table_keys"] and got["admitted_keys"] == base["admitted_keys"]
-    # each shard written once, by its primary: the files' keys are the model's, none twice
+    # each shard written once, by its primary: the files' keys are the model's, none twice (and a
+    # delta's are the changed rows', none twice)
     final, manifest = checkpoint.newest_good(str(rep / "ck"))
-    keys = np.concatenate([checkpoint.read_for_server(final, manifest, "w", s, Placement(2).shard_server, 0)[0]
-                           for s in range(2)])
-    assert keys.shape[0] == np.unique(keys).shape[0] == base["table_keys"]
-    mid = checkpoint.step_dir(str(rep / "ck"), 60)
-    again = run_job(5, data, resumed, servers=3, replicas=2, extra=["--resume", mid])
+    delta = checkpoint.step_dir(str(rep / "ck"), 40, "delta")
+    for snapshot, table_keys in ((final, base["table_keys"]), (delta, None)):
+        with open(os.path.join(snapshot, checkpoint.MANIFEST)) as f:
+            m = json.load(f)
+        keys = np.concatenate([checkpoint.read_for_server(snapshot, m, "w", s, Placement(2).shard_server, 0)[0]
+                               for s in range(2)])
+        assert keys.shape[0] == np.unique(keys).shape[0] == (table_keys or keys.shape[0]) > 0
+    # resumed from the delta (over its chain) onto 3 servers, each shard on all three
+    again = run_job(5, data, resumed, servers=3, replicas=2, extra=["--resume", delta])
     assert again["replica_shards_differing"] == 0 and again["replica_copies"] == 3 * 1024
     assert_same_model(resumed / "model.h5", plain / "model.h5")
 
