@@ -238,6 +238,8 @@ class ServerComputations:
             order, offsets = ctx.placement.slice(keys)
             slices = [order[offsets[s]:offsets[s + 1]] for s in range(ctx.layout.servers)]
         for server, sel in enumerate(slices):
+            if server in ctx.placement.lost:  # (a server lost: cluster.replicas)
+                continue
             out = 4 * f.out_width * (sel.shape[0] if f.per_key else 1)
             table._post(req, server, sel, protocol.REPLY_BYTES + out,
                         lambda req_id, sel=sel: protocol.Call(table.id, req_id, req.clock, ctx.worker_index,
@@ -267,7 +269,7 @@ class SparseTable(TableRequests):
             return self._register(req)
         # (a push goes to every copy of its keys' shards: cluster.replicas)
         order, offsets = (ctx.placement.slice if op == protocol.PULL else ctx.placement.push_slice)(keys)
-        for server in range(ctx.layout.servers):
+        for server in ctx.placement.live_servers:
             sel = order[offsets[server]:offsets[server + 1]]
             for lo in range(0, sel.shape[0], self.max_keys):
                 chunk = sel[lo:lo + self.max_keys]
@@ -341,7 +343,7 @@ class SparseTable(TableRequests):
         else:
             push_order, push_offsets = ctx.placement.push_slice(push_keys)  # (to every copy)
             pull_order, pull_offsets = ctx.placement.slice(pull_keys)
-            for server in range(ctx.layout.servers):  # every server: each needs the clock
+            for server in ctx.placement.live_servers:  # every server: each needs the clock
                 sp = push_order[push_offsets[server]:push_offsets[server + 1]]
                 sl = pull_order[pull_offsets[server]:pull_offsets[server + 1]]
                 self._message(req, server, sl, push_keys[sp], grads[sp], pull_keys[sl],
@@ -495,7 +497,7 @@ class TableSet:
                 sl = pull_order[pull_offsets[server]:pull_offsets[server + 1]]
                 parts.append((push_keys[sp], [g[sp] for g in grads], sl, None if in_pull is None else in_pull[sp]))
         for server, (keys, g, sel, bits) in enumerate(parts):
-            if not every and sel.shape[0] == 0:
+            if (not every and sel.shape[0] == 0) or server in ctx.placement.lost:
                 continue
             pulled = pull_keys if ctx.layout.servers == 1 else pull_keys[sel]
             head._post(req, server, sel, reply_bytes(sel.shape[0], self.dims),

@@ -164,7 +164,8 @@ class ContextReplicas:
 
     def server_lost(self, server: int) -> None:
         """A worker learns that ``server`` is gone (the fault-tolerant transport's event): its
-        shards' first backups answer their pulls from now on, and pushes go to the new copies."""
+        shards' first backups answer their pulls from now on, pushes go to the new copies, and
+        no request or clock goes to it (requests in flight to it are the transport's to resend)."""
         self.placement = self.placement.after_loss(server)
 
 
@@ -291,7 +292,7 @@ class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges,
 
     def _notify_servers(self, op: int) -> None:
         self._clock_sends = transport.completed(self._clock_sends)
-        for server in range(self.layout.servers):
+        for server in self.placement.live_servers:
             msg = protocol.MESSAGES[op](self.clock_value, self.worker_index).pack()
             self.stats["requests"] += 1
             self._clock_sends += self.net.start_send(msg, server, protocol.TAG_REQUEST,

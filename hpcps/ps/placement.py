@@ -161,6 +161,11 @@ class Placement:
         """``copies[shard]``: the servers keeping each shard, primary first (``num_shards x (replicas + 1)``)."""
         return self._copies
 
+    @property
+    def live_servers(self) -> list[int]:
+        """The servers not lost, in order: those a worker sends its requests and clocks to."""
+        return [s for s in range(self.num_servers) if s not in self.lost]
+
     def holds(self, server: int) -> np.ndarray:
         """A bool per shard: whether ``server`` keeps a copy of it."""
         return (self._copies == server).any(axis=1)
