@@ -35,7 +35,8 @@ from hpcps.train.feed import BatchFeed
 from hpcps.train.loading import initial_bias, load_part, model_fields, parse_ahead
 from hpcps.train.models import NonFiniteError, make_model
 from hpcps.train.pipeline import StepPipeline
-from hpcps.train.plan import RunPlan, TrainError, agree_on_plan, check_output_paths, gradient_scale
+from hpcps.train.plan import (RunPlan, TrainError, agree_on_plan, check_output_paths, gradient_scale,
+                              release_checkpoints)
 from hpcps.train.progress import vm_hwm_mb
 from hpcps.train.report import Reporter
 
@@ -182,6 +183,12 @@ class Trainer:
         self.preempted = 0  # the exit status of a stop by a signal after its checkpoint (Result.preempted)
 
     def run(self) -> Result:
+        try:
+            return self._run()
+        finally:  # the first rank's lock on checkpoint.dir (plan.claim_checkpoints), for the next run
+            release_checkpoints(self.cfg)
+
+    def _run(self) -> Result:
         self.agree_on_plan()
         self.connect_and_load()
         if self.ctx.is_server:
