@@ -53,6 +53,14 @@ class Cluster:
     worker_groups: int = described(0, "worker groups; 0 = one per worker. A group merges its pushes "
                                       "(train.aggregate)")
     staleness: int = described(0, "0 = BSP, s > 0 = SSP with staleness s, -1 = ASP")
+    backup_workers: int = described(0, "BSP: b workers nobody waits for (TensorFlow's sync replicas, KunPeng's "
+                                       "backup instances): a clock completes once W - b of the W workers pushed "
+                                       "it; a late worker goes on with the current model and, once W - b workers "
+                                       "ended an epoch, skips the rest of it (its rows counted). 0 <= b < W; "
+                                       "needs one worker per group. See docs/operations.md")
+    late_pushes: str = described("next", "backup workers: what a push of a clock that completed without it "
+                                         "does: next = applied with the next clock, drop = dropped (TensorFlow's "
+                                         "sync replicas)")
     num_shards: int = described(1024, "virtual shards (fixed for a model's life)")
     stall_warn_s: float = described(30.0, "report a request or collective nobody has answered for this long "
                                           "(seconds)")
@@ -298,6 +306,7 @@ CHOICES = {  # the keys whose values are names; models and data formats register
     ("model", "activation"): ("relu", "tanh"),
     ("model", "loss"): ("logistic", "squared"),
     ("model", "compute"): ("workers", "servers"),
+    ("cluster", "late_pushes"): ("next", "drop"),
     ("model", "bias_init"): ("auto", "zero"),
     ("train", "gradient"): ("sum", "mean"),
     ("cluster", "layout"): ("manual", "auto"),
@@ -384,6 +393,7 @@ RANGES = {
     ("cluster", "servers"): (1, INF, False),
     ("cluster", "worker_groups"): (0, INF, False),
     ("cluster", "staleness"): (-1, INF, False),
+    ("cluster", "backup_workers"): (0, INF, False),
     ("cluster", "num_shards"): (1, 1 << 24, False),
     ("cluster", "stall_warn_s"): (0, INF, True),
     ("cluster", "stall_timeout_s"): (0, INF, True),
@@ -442,6 +452,12 @@ def _check(cfg: Config) -> None:
     if cfg.model.compute == "servers" and cfg.cluster.worker_groups:
         raise ConfigError("model.compute = 'servers' needs one worker per group (cluster.worker_groups = 0): "
                           "each worker's rows go to the servers, there is no group merge")
+    if cfg.cluster.backup_workers and cfg.cluster.staleness != 0:
+        raise ConfigError(f"cluster.backup_workers = {cfg.cluster.backup_workers} is for BSP (cluster.staleness = 0, "
+                          f"got {cfg.cluster.staleness}): under SSP and ASP nobody waits for the slowest worker anyway")
+    if cfg.cluster.backup_workers and cfg.cluster.worker_groups:
+        raise ConfigError(f"cluster.backup_workers = {cfg.cluster.backup_workers} needs one worker per group "
+                          f"(cluster.worker_groups = 0): a group's members wait for each other in its merge")
     if cfg.train.group_pull and not cfg.train.aggregate:
         raise ConfigError("train.group_pull needs train.aggregate = true (the group's first rank pushes for the group)")
     if cfg.train.pull_early and cfg.model.compute == "servers":

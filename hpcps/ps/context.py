@@ -24,6 +24,7 @@ import numpy as np
 from hpcps.ps import checkpoint, collectives, deltas, protocol, signals, transport
 from hpcps.ps import margins  # noqa: F401 - registers the server functions of MARGINS and RESIDUALS
 from hpcps.ps.client import DenseTable, SparseTable, TableSet
+from hpcps.ps.consistency import NO_BACKUP, Backup
 from hpcps.ps.layout import Layout, check_world
 from hpcps.ps.placement import DEFAULT_SHARDS, Placement
 from hpcps.ps.server import Server
@@ -150,8 +151,9 @@ class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges)
     local = False  # a job of one process (LocalContext)
 
     def __init__(self, net: transport.Transport, layout: Layout, staleness: int, num_shards: int,
-                 stall_warn_s: float, stall_timeout_s: float):
+                 stall_warn_s: float, stall_timeout_s: float, backup: Backup = NO_BACKUP):
         self.net = net
+        self.backup = backup
         self.layout = layout
         self.rank = net.rank
         self.is_server = layout.is_server(self.rank)
@@ -163,7 +165,8 @@ class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges)
         self.stall_warn_s = stall_warn_s
         self.stall_timeout_s = stall_timeout_s
         self._init_state()
-        self._check_same("layout", hash((layout.servers, layout.worker_groups, staleness, num_shards)) & 0x7FFFFFFF)
+        self._check_same("layout", hash((layout.servers, layout.worker_groups, staleness, num_shards,
+                                         backup.workers, backup.late_pushes == "drop")) & 0x7FFFFFFF)
         self.hosts = transport.host_names(self.comm, stall_timeout_s)  # each rank's host, in rank order
 
     # the communicators, all the transport's: every rank; this worker's group (servers get none);
@@ -219,7 +222,8 @@ class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges)
         if not self.is_server:
             raise RuntimeError("serve() is for server ranks (ctx.is_server)")
         server = Server(self.net, self.rank, self.layout.workers, self.layout.servers, self.specs,
-                        self.placement, self.staleness, self.stall_warn_s, self.functions, self.stall_timeout_s)
+                        self.placement, self.staleness, self.stall_warn_s, self.functions, self.stall_timeout_s,
+                        self.backup)
         self.server = server
         if restore is not None:
             server.restore(*restore)
@@ -295,6 +299,12 @@ class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges)
         self.clock_value += 1
         return self.clock_value
 
+    def clock_to(self, clock: int) -> None:
+        """A late backup worker skips to ``clock`` (the steps it leaves out): tell every server."""
+        if clock > self.clock_value:
+            self.clock_value = clock
+            self._notify_servers(protocol.CLOCK)
+
     # -- end ---------------------------------------------------------------------------------
 
     def finish_serving(self, timeout: float | None = None) -> None:
@@ -341,6 +351,7 @@ class LocalContext(Context):
         self.is_server, self.is_worker = False, True
         self.worker_index, self.group = 0, 0
         self.staleness = staleness
+        self.backup = NO_BACKUP  # (one worker: nobody to wait for)
         self.placement = Placement(1, num_shards)
         self.stall_warn_s, self.stall_timeout_s = stall_warn_s, stall_timeout_s
         self._init_state()
@@ -431,7 +442,7 @@ def write_checkpoint(ctx: Context, root: str, step: int, manifest: dict, keep: i
 
 def init(servers: int = 1, worker_groups: int | None = None, staleness: int = 0,
          num_shards: int = DEFAULT_SHARDS, stall_warn_s: float = 30.0, stall_timeout_s: float = 300.0,
-         comm=None) -> Context:
+         comm=None, backup: Backup = NO_BACKUP) -> Context:
     """Split the world (collective) into ``servers`` server ranks and ``worker_groups`` groups.
 
     Args:
@@ -442,25 +453,33 @@ def init(servers: int = 1, worker_groups: int | None = None, staleness: int = 0,
         stall_warn_s: report a request not answered after this many seconds.
         stall_timeout_s: abort the job when a request is not answered after this many seconds.
         comm: the world to split (default MPI.COMM_WORLD); the library works on a duplicate.
+        backup: backup workers under BSP (:class:`hpcps.ps.consistency.Backup`): a clock completes
+            once all but ``backup.workers`` workers have passed it.
 
     A world of one process (no mpiexec) gives a :class:`LocalContext`: one server inside the
     process, no messages.
 
     Raises:
         hpcps.ps.layout.LayoutError: the world is too small for the layout, before any communication.
+        ValueError: ``backup`` does not fit the layout or the staleness (before any communication).
     """
     base = comm if comm is not None else transport.world()
     check_world(base.Get_size(), servers, worker_groups, num_shards)
     if base.Get_size() == 1:
+        if backup.workers:
+            raise ValueError(backup.check(1, staleness))
         transport.install_abort_handler()
         transport.set_stall_warning(stall_warn_s)
         return LocalContext(staleness, num_shards, stall_warn_s, stall_timeout_s)
     layout = Layout.plan(base.Get_size(), servers, worker_groups, num_shards)
+    problem = backup.check(layout.workers, staleness, layout.worker_groups)
+    if problem:
+        raise ValueError(problem)
     transport.install_abort_handler()
     transport.set_stall_warning(stall_warn_s)
     world = transport.dup(base)
     rank = world.Get_rank()
     net = transport.MPITransport.split(world, layout.group_of(rank), not layout.is_server(rank), stall_timeout_s)
-    return Context(net, layout, staleness, num_shards, stall_warn_s, stall_timeout_s)
+    return Context(net, layout, staleness, num_shards, stall_warn_s, stall_timeout_s, backup)
 
 

@@ -35,10 +35,11 @@ from hpcps.train.feed import BatchFeed
 from hpcps.train.loading import initial_bias, load_part, model_fields, parse_ahead
 from hpcps.train.models import NonFiniteError, make_model
 from hpcps.train.pipeline import StepPipeline
-from hpcps.train.plan import (RunPlan, TrainError, agree_on_plan, check_output_paths, gradient_scale,
+from hpcps.train.plan import (RunPlan, TrainError, agree_on_plan, backup_of, check_output_paths, gradient_scale,
                               release_checkpoints)
 from hpcps.train.progress import vm_hwm_mb
 from hpcps.train.report import Reporter
+from hpcps.train.stragglers import LateWorker, agree_on_stalls
 
 
 @dataclass
@@ -93,7 +94,8 @@ def agree_on_the_end(ctx, preempted: int) -> dict:
     counts = np.array([sum(st.get(k, [])) for k in ("keys", "admitted", "evicted")], dtype=np.int64)
     counts = ctx.every_rank.reduce(counts, "sum", "sum of the servers' key counts")
     keys = {"table_keys": int(counts[0]), "admitted_keys": int(counts[1]), "evicted_keys": int(counts[2])}
-    return {"preempted": int(flag[0]), "worker_rss": float(flag[1]), "server_rss": float(flag[2]), "key_counts": keys}
+    return {"preempted": int(flag[0]), "worker_rss": float(flag[1]), "server_rss": float(flag[2]), "key_counts": keys,
+            "stalled_workers": agree_on_stalls(ctx)}
 
 
 def serve(ctx, cfg, plan, model) -> Result:
@@ -174,6 +176,7 @@ class Trainer:
         self.train = self.test = self.to_predict = None  # this worker's parts of the data files
         self.model, self.pipeline, self.early = None, None, None  # the model, its StepPipeline, EarlyStopping
         self.feed: BatchFeed | None = None
+        self.late: LateWorker | None = None  # backup workers: this worker's skips when late
         self.reporter: Reporter | None = None
         self.checkpoints: Checkpointing | None = None
         self.steps, self.scale = 0, 1.0  # steps per epoch, and the gradient's scale
@@ -213,7 +216,7 @@ class Trainer:
         cfg, cl, paths = self.cfg, self.cfg.cluster, self.plan.paths
         self.ctx = ctx = init(servers=cl.servers, worker_groups=cl.worker_groups or None, staleness=cl.staleness,
                               num_shards=cl.num_shards, stall_warn_s=cl.stall_warn_s,
-                              stall_timeout_s=cl.stall_timeout_s, comm=self.world.comm)
+                              stall_timeout_s=cl.stall_timeout_s, comm=self.world.comm, backup=backup_of(cfg))
         self.train = load_part(ctx, cfg, paths["train"], "training", stream=True)
         self.test = load_part(ctx, cfg, paths["test"], "test")
         self.to_predict = load_part(ctx, cfg, cfg.data.predict, "prediction")
@@ -248,6 +251,7 @@ class Trainer:
         self.reporter.say_nothing_left(self.start[0])
         self.feed = BatchFeed(cfg, self.train, self.steps, self.holdout_phase, self.model.reads_keys,
                               World.end_job_with)
+        self.late = LateWorker(ctx, self.model.sparse)
 
     def train_epoch(self, epoch: int) -> None:
         """The epoch's steps (from the resumed step in the first); sets ``preempted`` when a stop
@@ -256,7 +260,12 @@ class Trainer:
         first_step = self.start[1] if epoch == self.start[0] else 1
         self.reporter.start_epoch(first_step)
         self.feed.start_epoch(bool(tr.holdout and self.early.holdout is None and first_step == 1))
+        end_clock = self.ctx.clock_value + self.steps - first_step + 1
         for step in range(first_step, self.steps + 1):
+            if self.late.others_ended(end_clock):  # backup workers: W - b workers ended the epoch
+                i = (epoch - 1) * self.steps + step - 1
+                self.global_step += self.late.skip_rest(self.pipeline, self.feed, i, epoch * self.steps, end_clock)
+                break
             self.step(epoch, step)
             self.preempted = self.checkpoints.if_due(epoch, step, self.global_step)
             if self.preempted:

@@ -22,6 +22,7 @@ from hpcps.train import inputs
 from hpcps.train.checkpointing import EXIT_INTERRUPTED
 from hpcps.train.evaluation import end_job_on
 from hpcps.train.progress import STATUS_ENV, Progress, summary_table, write_status
+from hpcps.train.stragglers import stalls_said
 from hpcps_kernels import optim
 from hpcps_kernels.tuning import STATUS_EVERY_S
 
@@ -197,6 +198,8 @@ class Reporter:
             summary["best_test_auc"] = self.plan.synth_info["best_test_auc"]
         if ending["predicted"]:
             summary["predictions"] = ending["predicted"]
+        if cfg.cluster.backup_workers:  # each worker that was late (rank, clocks, pushes, rows skipped)
+            summary["stalled_workers"] = ending["stalled_workers"]
         return summary
 
     def print_summary(self, summary: dict, elapsed: float, wait: float, key_counts: dict, written: str | None) -> None:
@@ -241,6 +244,8 @@ def summary_rows(summary: dict, elapsed: float, wait: float, key_counts: dict, l
     for k in ("train_loss", "test_logloss", "test_auc", "test_rmse"):
         if k in summary:
             rows.append((k.replace("_", " "), f"{summary[k]:.5f}"))
+    if "stalled_workers" in summary:
+        rows.append(("stalled workers", stalls_said(summary["stalled_workers"]) or "none"))
     if synth_info:
         rows.append(("best achievable logloss", f"{synth_info['best_test_logloss']:.5f}"))
         rows.append(("best achievable AUC", f"{synth_info['best_test_auc']:.5f}"))
