@@ -43,13 +43,14 @@ def test_supervised_run_survives_three_random_kill_9s_bit_identical(tmp_path):
     chaos_run(tmp_path)
 
 
-def chaos_run(tmp_path, extra=None) -> str:
+def chaos_run(tmp_path, extra=None, ref_extra=None, check=None) -> str:
     """The seeded schedule of three kill -9s under ``supervise`` (job settings ``extra`` on top),
-    checked bit for bit against an uninterrupted run; returns the supervised run's output."""
+    checked bit for bit against an uninterrupted run (with ``ref_extra`` on top), or by
+    ``check(model, reference model, output, reference output)``; returns the supervised run's output."""
     info = synth.generate(str(tmp_path / "data"), 20_000, 2_000, fields=10, seed=11, formats=("libsvm",))
     data = info.files["train_libsvm"], info.files["test_libsvm"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    ref = subprocess.run([*mpiexec(), "-n", str(RANKS), *HPCPS, *train_args(data, tmp_path / "ref-ck", tmp_path / "ref.h5")],
+    ref = subprocess.run([*mpiexec(), "-n", str(RANKS), *HPCPS, *train_args(data, tmp_path / "ref-ck", tmp_path / "ref.h5", ref_extra)],
                          capture_output=True, text=True, timeout=300, env=env)
     assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-2000:]
 
@@ -89,6 +90,9 @@ def chaos_run(tmp_path, extra=None) -> str:
     assert all("restart" in ln and "--resume auto" in ln and "work lost" in ln for ln in restarts), restarts
     assert "job finished (exit status 0) after 3 restart(s)" in out
     a, b = ServingModel(str(tmp_path / "model.h5")), ServingModel(str(tmp_path / "ref.h5"))
+    if check is not None:
+        check(a, b, out, ref.stdout)
+        return out
     np.testing.assert_array_equal(a.keys, b.keys)
     np.testing.assert_array_equal(a.values, b.values)  # bit for bit
     return out
