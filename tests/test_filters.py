@@ -152,6 +152,18 @@ def test_a_push_pull_with_key_lists_and_a_wire_type_round_trips(wire):
                                 [1])
 
 
+def test_bad_filter_settings_are_one_line_naming_the_key():
+    from hpcps import config
+
+    for raw, said in (({"wire_dtype": "fp8"}, "filters.wire_dtype = 'fp8': expected one of"),
+                      ({"push_threshold": -1.0}, "filters.push_threshold must be at least 0"),
+                      ({"key_cache_mb": 0}, "filters.key_cache_mb must be greater than 0")):
+        with pytest.raises(config.ConfigError, match=said):
+            config.from_dict({"filters": raw})
+    assert config.from_dict({"filters": {"wire_dtype": "bf16", "key_cache": True}}).filters.traffic() == \
+        filters.Filters(wire_dtype="bf16", key_cache=True)
+
+
 # -- through the parameter server ---------------------------------------------------------------
 
 

@@ -263,7 +263,7 @@ def format_rows(rows: list[dict], optimizer: str) -> str:
     out = [f"{'op':<11} {'keys':>9} {'ms':>9} {'Mkeys/s':>9} {'vs roofline':>11} {'GB/s':>7} {'raw MPI GB/s':>13} "
            f"{'ratio':>6} {'server ms':>10} {'server vs roofline':>19} {'server GB/s':>12}"]
     for r in rows:
-        if r["op"] in ("waiting", "requests"):
+        if r["op"] in ("waiting", "requests", "filter"):
             continue
         inside = (f" {r['server_s'] * 1e3:>10.2f} {r['server_roofline_ratio']:>19.0%} {r['server_gb_per_s']:>12.1f}"
                   if "server_s" in r else f" {'-':>10} {'-':>19} {'-':>12}")

@@ -160,7 +160,7 @@ class KeyListCache:
     def put(self, list_id: int, keys: np.ndarray) -> list[int]:
         """Keep a copy of ``keys`` (:meth:`fits`) as ``list_id``; returns the ids dropped for room."""
         dropped = []
-        while self.nbytes + keys.nbytes > self.budget:
+        while self.lists and self.nbytes + keys.nbytes > self.budget:
             old, gone = self.lists.popitem(last=False)
             self.nbytes -= gone.nbytes
             dropped.append(old)
