@@ -27,6 +27,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from hpcps.outputs import clash
+from hpcps.ps import filters as traffic_filters
 from hpcps.ps.tables import Features
 from hpcps_kernels import optim
 
@@ -189,6 +190,22 @@ class Checkpoint:
 
 
 @dataclass(frozen=True)
+class Filters:
+    push_threshold: float = described(0.0, "send a pushed key only once a coordinate of its accumulated update "
+                                           "reaches this in absolute value; the rest stays in a residual on the "
+                                           "worker (0 = off; docs/architecture.md, traffic filters)")
+    wire_dtype: str = described("fp32", "the type of pushed and pulled values on the wire (the servers' rows and "
+                                        "optimizer state stay fp32)")
+    key_cache: bool = described(False, "send a key list to a server once, then only its id while it is unchanged")
+    key_cache_mb: float = described(64.0, "with key_cache: the key lists a worker keeps per table (each server "
+                                          "holds its share of them), the least recently used dropped past it")
+
+    def traffic(self):
+        """These settings as the parameter server's :class:`hpcps.ps.filters.Filters`."""
+        return traffic_filters.Filters(self.push_threshold, self.wire_dtype, self.key_cache, self.key_cache_mb)
+
+
+@dataclass(frozen=True)
 class Config:
     cluster: Cluster = field(default_factory=Cluster)
     data: Data = field(default_factory=Data)
@@ -198,6 +215,7 @@ class Config:
     train: Train = field(default_factory=Train)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     features: Features = field(default_factory=Features)
+    filters: Filters = field(default_factory=Filters)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -242,7 +260,7 @@ def fingerprint_differences(then: dict, now: dict) -> list[str]:
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
 _SECTION_CLASSES = {"cluster": Cluster, "data": Data, "synth": Synth, "model": Model, "train": Train,
-                    "checkpoint": Checkpoint, "features": Features}
+                    "checkpoint": Checkpoint, "features": Features, "filters": Filters}
 
 
 def _coerce(where: str, value: Any, default: Any):
@@ -312,6 +330,7 @@ CHOICES = {  # the keys whose values are names; models and data formats register
     ("cluster", "layout"): ("manual", "auto"),
     ("checkpoint", "on_signal"): ("exit", "continue"),
     ("checkpoint", "existing"): ("error", "replace"),
+    ("filters", "wire_dtype"): ("fp32", "fp16", "bf16"),
 }
 
 
@@ -422,6 +441,8 @@ RANGES = {
     ("checkpoint", "delta_every_steps"): (0, INF, False),
     ("checkpoint", "delta_every_s"): (0, INF, False),
     ("checkpoint", "full_every"): (1, INF, False),
+    ("filters", "push_threshold"): (0, INF, False),
+    ("filters", "key_cache_mb"): (0, INF, True),
 }
 
 

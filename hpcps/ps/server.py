@@ -182,11 +182,13 @@ class ServerReads:
         the server runs on two threads (``splits_pull``) is answered as its header, sent once
         the values are ready, then the values: the waiting worker sleeps until the header comes
         rather than spinning through the server's work, which leaves the core to the second thread."""
-        n, dim = r.pull_keys.shape[0], self.dims[r.table]
-        reply, payload = self.replies.new(r.req_id, 4 * n * dim, r.table, splits_pull(n, dim))
-        if n:
-            self.tables[r.table].pull(r.pull_keys, payload.view(np.float32).reshape(n, dim),
-                                      source - self.worker_rank0)
+        n, dim, wire = r.pull_keys.shape[0], self.dims[r.table], r.encoding.wire
+        reply, payload = self.replies.new(r.req_id, protocol.reply_bytes(r.op, n, dim, wire) - protocol.REPLY_BYTES,
+                                          r.table, splits_pull(n, dim))
+        if n:  # (the rows in the request's wire type: hpcps.ps.filters)
+            rows = protocol.pull_into(payload, n, dim, wire)
+            self.tables[r.table].pull(r.pull_keys, rows, source - self.worker_rank0)
+            protocol.encode_pulled(rows, payload, wire)
         self.replies.post(reply, source, r.req_id, _REPLY_WHAT[r.op])
 
     def _serve_tables(self, source: int, r: protocol.TablesPull | protocol.TablesPushPull) -> None:
@@ -238,8 +240,9 @@ class Server(ServerReads):
     def __init__(self, net: transport.Transport, server_index: int, num_workers: int, worker_rank0: int,
                  specs: list[TableSpec], placement: Placement, staleness: int,
                  stall_warn_s: float = 30.0, functions: list | None = None, stall_timeout_s: float = 300.0,
-                 backup: Backup = NO_BACKUP):
+                 backup: Backup = NO_BACKUP, key_lists=None):
         self.net = net
+        self.key_lists = key_lists  # the key lists workers sent (hpcps.ps.filters.ServerKeyLists), or None
         self.functions = list(functions or [])  # declared ServerFunctions, by number
         self.index = server_index
         self.worker_rank0 = worker_rank0
@@ -280,7 +283,7 @@ class Server(ServerReads):
         """Serve request ``buf`` from rank ``source`` (``grads``: its gradients, when they came
         apart)."""
         try:
-            r = protocol.unpack_request(buf, self.dims, grads)
+            r = protocol.unpack_request(buf, self.dims, grads, self.key_lists)
         except ValueError as e:
             raise RuntimeError(f"server {self.index}: {e} from rank {source}") from None
         self.stats["requests"] += 1

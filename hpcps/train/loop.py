@@ -26,6 +26,7 @@ import numpy as np
 from hpcps import outputs
 from hpcps.ps.collectives import World
 from hpcps.ps.context import init
+from hpcps.ps.filters import SAVED_KEYS
 from hpcps.train import data as tdata
 from hpcps.train import model_file
 from hpcps.train.checkpointing import Checkpointing, catch_stop_signals
@@ -124,8 +125,9 @@ def end_the_run(ctx, plan, model, pipeline, parts: tuple, preempted: int, report
         predicted = predict(ctx, pipeline, to_predict, cfg.train.batch_size, cfg.model.loss, cfg.data.predict_out)
     reporter.close()
     wait = workers.largest(float(ctx.stats["wait_s"]), "agreement of the workers")
-    traffic = workers.reduce(np.array([ctx.stats["bytes_sent"], ctx.stats["bytes_received"], ctx.stats["requests"]],
-                                      dtype=np.int64), "sum", "sum of the bytes and requests sent and received")
+    traffic = workers.reduce(np.array([ctx.stats[k] for k in ("bytes_sent", "bytes_received", "requests",
+                                                             *SAVED_KEYS)], dtype=np.int64),
+                             "sum", "sum of the bytes and requests sent and received, and of the bytes filters saved")
     ending = {"skipped": skipped, "predicted": predicted, "wait": wait, "traffic": traffic,
               **agree_on_the_end(ctx, preempted)}
     if not preempted and cfg.train.model_out:  # (one process: no server writes the model; this one does)
@@ -216,7 +218,8 @@ class Trainer:
         cfg, cl, paths = self.cfg, self.cfg.cluster, self.plan.paths
         self.ctx = ctx = init(servers=cl.servers, worker_groups=cl.worker_groups or None, staleness=cl.staleness,
                               num_shards=cl.num_shards, stall_warn_s=cl.stall_warn_s,
-                              stall_timeout_s=cl.stall_timeout_s, comm=self.world.comm, backup=backup_of(cfg))
+                              stall_timeout_s=cl.stall_timeout_s, comm=self.world.comm, backup=backup_of(cfg),
+                              traffic=cfg.filters.traffic())
         self.train = load_part(ctx, cfg, paths["train"], "training", stream=True)
         self.test = load_part(ctx, cfg, paths["test"], "test")
         self.to_predict = load_part(ctx, cfg, cfg.data.predict, "prediction")
