@@ -63,6 +63,9 @@ class Cluster:
                                          "does: next = applied with the next clock, drop = dropped (TensorFlow's "
                                          "sync replicas)")
     num_shards: int = described(1024, "virtual shards (fixed for a model's life)")
+    replicas: int = described(0, "hot backups: each virtual shard is kept on replicas + 1 servers (on distinct "
+                                 "hosts where there are enough), pushes applied on every copy, pulls answered "
+                                 "by the primary; at most cluster.servers - 1 (docs/operations.md)")
     stall_warn_s: float = described(30.0, "report a request or collective nobody has answered for this long "
                                           "(seconds)")
     stall_timeout_s: float = described(300.0, "abort the job when a request or collective is unanswered this "
@@ -414,6 +417,7 @@ RANGES = {
     ("cluster", "staleness"): (-1, INF, False),
     ("cluster", "backup_workers"): (0, INF, False),
     ("cluster", "num_shards"): (1, 1 << 24, False),
+    ("cluster", "replicas"): (0, INF, False),
     ("cluster", "stall_warn_s"): (0, INF, True),
     ("cluster", "stall_timeout_s"): (0, INF, True),
     ("data", "hash_bits"): (1, 64, False),
@@ -465,6 +469,7 @@ def _check(cfg: Config) -> None:
     if cfg.cluster.stall_warn_s > cfg.cluster.stall_timeout_s:
         raise ConfigError(f"cluster.stall_warn_s ({cfg.cluster.stall_warn_s:g}) must not exceed "
                           f"cluster.stall_timeout_s ({cfg.cluster.stall_timeout_s:g})")
+    check_replicas(cfg)
     if cfg.train.holdout == 1:
         raise ConfigError("train.holdout = 1 would hold out every row; use 0 (none) or N >= 2 (every Nth row, "
                           "e.g. 10 as Vowpal Wabbit does)")
@@ -506,6 +511,23 @@ def _check(cfg: Config) -> None:
         raise ConfigError("data.predict and data.predict_out go together")
     if cfg.checkpoint.resume and not cfg.checkpoint.dir and cfg.checkpoint.resume == "auto":
         raise ConfigError("checkpoint.resume = 'auto' needs checkpoint.dir")
+
+
+def check_replicas(cfg: Config) -> None:
+    """``cluster.replicas`` against the servers and the features whose outcome on a server depends
+    on every key it holds (a backup holds other keys than its primary), which would make a
+    backup's rows differ from its primary's."""
+    r, f = cfg.cluster.replicas, cfg.features
+    if not r:
+        return
+    if cfg.cluster.layout == "manual" and r >= cfg.cluster.servers:
+        raise ConfigError(f"cluster.replicas = {r} needs at least {r + 1} servers (cluster.servers = "
+                          f"{cfg.cluster.servers}): each shard's copies are on distinct servers")
+    why = ("model.compute = 'servers' (a backup does not see the batches)" if cfg.model.compute == "servers" else
+           "features.admit_count > 1 (counters shared by hash)" if f.admit_count > 1 else
+           "features.server_memory_mb (a budget over every row a server holds)" if f.server_memory_mb else "")
+    if why:
+        raise ConfigError(f"cluster.replicas = {r} does not go with {why}: set cluster.replicas = 0")
 
 
 def _writable_dir(directory: str) -> str | None:

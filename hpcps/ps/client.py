@@ -271,7 +271,8 @@ class SparseTable(TableRequests):
             else:
                 self._message(req, 0, None, keys, grads, None, lent=lent)
             return self._register(req)
-        order, offsets = ctx.placement.slice(keys)
+        # (a push goes to every copy of its keys' shards: cluster.replicas)
+        order, offsets = (ctx.placement.slice if op == protocol.PULL else ctx.placement.push_slice)(keys)
         for server in range(ctx.layout.servers):
             sel = order[offsets[server]:offsets[server + 1]]
             for lo in range(0, sel.shape[0], self.max_keys):
@@ -361,7 +362,7 @@ class SparseTable(TableRequests):
         if ctx.layout.servers == 1:  # nothing to slice: no hashing of keys, no copies
             self._message(req, 0, np.arange(pull_keys.shape[0]), push_keys, grads, pull_keys, in_pull, lent=not donate)
         else:
-            push_order, push_offsets = ctx.placement.slice(push_keys)
+            push_order, push_offsets = ctx.placement.push_slice(push_keys)  # (to every copy)
             pull_order, pull_offsets = ctx.placement.slice(pull_keys)
             for server in range(ctx.layout.servers):  # every server: each needs the clock
                 sp = push_order[push_offsets[server]:push_offsets[server + 1]]
@@ -510,7 +511,7 @@ class TableSet:
         if ctx.layout.servers == 1:
             parts = [(push_keys, grads, np.arange(pull_keys.shape[0]), in_pull)]
         else:
-            push_order, push_offsets = ctx.placement.slice(push_keys)
+            push_order, push_offsets = ctx.placement.push_slice(push_keys)  # (to every copy)
             pull_order, pull_offsets = ctx.placement.slice(pull_keys)
             parts = []
             for server in range(ctx.layout.servers):

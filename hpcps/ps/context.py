@@ -16,16 +16,17 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from typing import Callable
 
 import numpy as np
 
-from hpcps.ps import checkpoint, collectives, deltas, filters, protocol, signals, transport
+from hpcps.ps import checkpoint, collectives, deltas, filters, protocol, replication, signals, transport
 from hpcps.ps import margins  # noqa: F401 - registers the server functions of MARGINS and RESIDUALS
 from hpcps.ps.client import DenseTable, SparseTable, TableSet
 from hpcps.ps.consistency import NO_BACKUP, Backup
-from hpcps.ps.layout import Layout, check_world
+from hpcps.ps.layout import Layout, LayoutError, check_world
 from hpcps.ps.placement import DEFAULT_SHARDS, Placement
 from hpcps.ps.server import Server
 from hpcps.ps.tables import SERVER_FUNCTIONS, Features, ServerFunction, TableSpec
@@ -146,7 +147,32 @@ class GroupExchanges:
                                   self.stall_timeout_s, "scatter of pulled rows")
 
 
-class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges):
+class ContextReplicas:
+    """A context's view of the shards' copies (``cluster.replicas``): their check at the end, and
+    the loss of a server. Needs ``placement``, ``server`` (a server rank's), ``every_rank``."""
+
+    def compare_replicas(self) -> dict:
+        """Collective over the world, once serving is done: each server's digest of every shard
+        copy it keeps (:meth:`hpcps.ps.replication.ServerCopies.replica_digests`), summed over
+        the ranks; returns the copies compared and the shards whose backups differ from their
+        primary (``{}`` without replicas)."""
+        if not self.placement.replicas:
+            return {}
+        mine = self.server.replica_digests() if self.is_server else np.zeros(self.placement.copies.shape, np.int64)
+        every = self.every_rank.reduce(mine.reshape(-1), "sum", "sum of the replicas' digests")
+        differing = replication.differing_shards(every.reshape(mine.shape))
+        if differing and self.worker_index == 0:  # (a failover would not continue the same model)
+            sys.stderr.write(f"hpcps: warning: the backups of {differing} of {mine.shape[0]} shards differ from "
+                             f"their primary's rows at the end of serving\n")
+        return {"replica_copies": int(every.shape[0]), "replica_shards_differing": differing}
+
+    def server_lost(self, server: int) -> None:
+        """A worker learns that ``server`` is gone (the fault-tolerant transport's event): its
+        shards' first backups answer their pulls from now on, and pushes go to the new copies."""
+        self.placement = self.placement.after_loss(server)
+
+
+class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges, ContextReplicas):
     """One rank's view of the parameter server. ``net``: how it reaches the other ranks, and the
     communicators its collectives run over (:class:`hpcps.ps.transport.Transport`): every message
     and collective of the server, the client and the context goes through it."""
@@ -154,7 +180,7 @@ class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges)
     local = False  # a job of one process (LocalContext)
 
     def __init__(self, net: transport.Transport, layout: Layout, staleness: int, num_shards: int,
-                 stall_warn_s: float, stall_timeout_s: float, backup: Backup = NO_BACKUP):
+                 stall_warn_s: float, stall_timeout_s: float, backup: Backup = NO_BACKUP, replicas: int = 0):
         self.net = net
         self.backup = backup
         self.layout = layout
@@ -164,13 +190,15 @@ class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges)
         self.worker_index = layout.worker_index(self.rank) if self.is_worker else -1
         self.group = layout.group_of(self.rank)
         self.staleness = staleness
-        self.placement = Placement(layout.servers, num_shards)
         self.stall_warn_s = stall_warn_s
         self.stall_timeout_s = stall_timeout_s
         self._init_state()
         self._check_same("layout", hash((layout.servers, layout.worker_groups, staleness, num_shards,
-                                         backup.workers, backup.late_pushes == "drop")) & 0x7FFFFFFF)
+                                         backup.workers, backup.late_pushes == "drop", replicas)) & 0x7FFFFFFF)
         self.hosts = transport.host_names(self.comm, stall_timeout_s)  # each rank's host, in rank order
+        # (a shard's copies on distinct hosts: the servers are the first ranks)
+        self.placement = Placement(layout.servers, num_shards, replicas=replicas,
+                                   hosts=tuple(self.hosts[:layout.servers]) if replicas else ())
 
     # the communicators, all the transport's: every rank; this worker's group (servers get none);
     # all workers together (evaluation, data checks) and all servers together (export)
@@ -447,7 +475,7 @@ def write_checkpoint(ctx: Context, root: str, step: int, manifest: dict, keep: i
 
 def init(servers: int = 1, worker_groups: int | None = None, staleness: int = 0,
          num_shards: int = DEFAULT_SHARDS, stall_warn_s: float = 30.0, stall_timeout_s: float = 300.0,
-         comm=None, backup: Backup = NO_BACKUP, traffic: filters.Filters | None = None) -> Context:
+         comm=None, backup: Backup = NO_BACKUP, traffic: filters.Filters | None = None, replicas: int = 0) -> Context:
     """Split the world (collective) into ``servers`` server ranks and ``worker_groups`` groups.
 
     Args:
@@ -462,6 +490,8 @@ def init(servers: int = 1, worker_groups: int | None = None, staleness: int = 0,
             once all but ``backup.workers`` workers have passed it.
         traffic: the traffic filters (:class:`hpcps.ps.filters.Filters`; default none), the same
             on every rank, before any table is declared.
+        replicas: hot backups: each shard kept on ``replicas + 1`` servers, a push applied on every
+            copy, a pull answered by the primary (:mod:`hpcps.ps.replication`).
 
     A world of one process (no mpiexec) gives a :class:`LocalContext`: one server inside the
     process, no messages.
@@ -472,6 +502,9 @@ def init(servers: int = 1, worker_groups: int | None = None, staleness: int = 0,
     """
     base = comm if comm is not None else transport.world()
     check_world(base.Get_size(), servers, worker_groups, num_shards)
+    if not 0 <= replicas < servers:
+        raise LayoutError(f"cluster.replicas = {replicas} needs at least {replicas + 1} servers ({servers} "
+                          f"planned): each shard's copies are on distinct servers")
     if base.Get_size() == 1:
         if backup.workers:
             raise ValueError(backup.check(1, staleness))
@@ -489,7 +522,7 @@ def init(servers: int = 1, worker_groups: int | None = None, staleness: int = 0,
     world = transport.dup(base)
     rank = world.Get_rank()
     net = transport.MPITransport.split(world, layout.group_of(rank), not layout.is_server(rank), stall_timeout_s)
-    ctx = Context(net, layout, staleness, num_shards, stall_warn_s, stall_timeout_s, backup)
+    ctx = Context(net, layout, staleness, num_shards, stall_warn_s, stall_timeout_s, backup, replicas)
     ctx.filters = traffic or ctx.filters
     return ctx
 

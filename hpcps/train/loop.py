@@ -94,7 +94,9 @@ def agree_on_the_end(ctx, preempted: int) -> dict:
     st = ctx.server_stats or {}  # server ranks, or a one-process job's in-process server
     counts = np.array([sum(st.get(k, [])) for k in ("keys", "admitted", "evicted")], dtype=np.int64)
     counts = ctx.every_rank.reduce(counts, "sum", "sum of the servers' key counts")
-    keys = {"table_keys": int(counts[0]), "admitted_keys": int(counts[1]), "evicted_keys": int(counts[2])}
+    counts[1:] //= ctx.placement.replicas + 1  # (every copy of a shard admits and evicts the same keys)
+    keys = {"table_keys": int(counts[0]), "admitted_keys": int(counts[1]), "evicted_keys": int(counts[2]),
+            **ctx.compare_replicas()}  # (cluster.replicas: every backup against its primary)
     return {"preempted": int(flag[0]), "worker_rss": float(flag[1]), "server_rss": float(flag[2]), "key_counts": keys,
             "stalled_workers": agree_on_stalls(ctx)}
 
@@ -219,7 +221,7 @@ class Trainer:
         self.ctx = ctx = init(servers=cl.servers, worker_groups=cl.worker_groups or None, staleness=cl.staleness,
                               num_shards=cl.num_shards, stall_warn_s=cl.stall_warn_s,
                               stall_timeout_s=cl.stall_timeout_s, comm=self.world.comm, backup=backup_of(cfg),
-                              traffic=cfg.filters.traffic())
+                              traffic=cfg.filters.traffic(), replicas=cl.replicas)
         self.train = load_part(ctx, cfg, paths["train"], "training", stream=True)
         self.test = load_part(ctx, cfg, paths["test"], "test")
         self.to_predict = load_part(ctx, cfg, cfg.data.predict, "prediction")
