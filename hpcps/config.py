@@ -27,6 +27,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from hpcps.outputs import clash
+from hpcps.ps import filters as traffic_filters
 from hpcps.ps.tables import Features
 from hpcps_kernels import optim
 
@@ -53,6 +54,14 @@ class Cluster:
     worker_groups: int = described(0, "worker groups; 0 = one per worker. A group merges its pushes "
                                       "(train.aggregate)")
     staleness: int = described(0, "0 = BSP, s > 0 = SSP with staleness s, -1 = ASP")
+    backup_workers: int = described(0, "BSP: b workers nobody waits for (TensorFlow's sync replicas, KunPeng's "
+                                       "backup instances): a clock completes once W - b of the W workers pushed "
+                                       "it; a late worker goes on with the current model and, once W - b workers "
+                                       "ended an epoch, skips the rest of it (its rows counted). 0 <= b < W; "
+                                       "needs one worker per group. See docs/operations.md")
+    late_pushes: str = described("next", "backup workers: what a push of a clock that completed without it "
+                                         "does: next = applied with the next clock, drop = dropped (TensorFlow's "
+                                         "sync replicas)")
     num_shards: int = described(1024, "virtual shards (fixed for a model's life)")
     replicas: int = described(0, "hot backups: each virtual shard is kept on replicas + 1 servers (on distinct "
                                  "hosts where there are enough), pushes applied on every copy, pulls answered "
@@ -184,6 +193,22 @@ class Checkpoint:
 
 
 @dataclass(frozen=True)
+class Filters:
+    push_threshold: float = described(0.0, "send a pushed key only once a coordinate of its accumulated update "
+                                           "reaches this in absolute value; the rest stays in a residual on the "
+                                           "worker (0 = off; docs/architecture.md, traffic filters)")
+    wire_dtype: str = described("fp32", "the type of pushed and pulled values on the wire (the servers' rows and "
+                                        "optimizer state stay fp32)")
+    key_cache: bool = described(False, "send a key list to a server once, then only its id while it is unchanged")
+    key_cache_mb: float = described(64.0, "with key_cache: the key lists a worker keeps per table (each server "
+                                          "holds its share of them), the least recently used dropped past it")
+
+    def traffic(self):
+        """These settings as the parameter server's :class:`hpcps.ps.filters.Filters`."""
+        return traffic_filters.Filters(self.push_threshold, self.wire_dtype, self.key_cache, self.key_cache_mb)
+
+
+@dataclass(frozen=True)
 class Config:
     cluster: Cluster = field(default_factory=Cluster)
     data: Data = field(default_factory=Data)
@@ -193,6 +218,7 @@ class Config:
     train: Train = field(default_factory=Train)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     features: Features = field(default_factory=Features)
+    filters: Filters = field(default_factory=Filters)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -237,7 +263,7 @@ def fingerprint_differences(then: dict, now: dict) -> list[str]:
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
 _SECTION_CLASSES = {"cluster": Cluster, "data": Data, "synth": Synth, "model": Model, "train": Train,
-                    "checkpoint": Checkpoint, "features": Features}
+                    "checkpoint": Checkpoint, "features": Features, "filters": Filters}
 
 
 def _coerce(where: str, value: Any, default: Any):
@@ -301,11 +327,13 @@ CHOICES = {  # the keys whose values are names; models and data formats register
     ("model", "activation"): ("relu", "tanh"),
     ("model", "loss"): ("logistic", "squared"),
     ("model", "compute"): ("workers", "servers"),
+    ("cluster", "late_pushes"): ("next", "drop"),
     ("model", "bias_init"): ("auto", "zero"),
     ("train", "gradient"): ("sum", "mean"),
     ("cluster", "layout"): ("manual", "auto"),
     ("checkpoint", "on_signal"): ("exit", "continue"),
     ("checkpoint", "existing"): ("error", "replace"),
+    ("filters", "wire_dtype"): ("fp32", "fp16", "bf16"),
 }
 
 
@@ -387,6 +415,7 @@ RANGES = {
     ("cluster", "servers"): (1, INF, False),
     ("cluster", "worker_groups"): (0, INF, False),
     ("cluster", "staleness"): (-1, INF, False),
+    ("cluster", "backup_workers"): (0, INF, False),
     ("cluster", "num_shards"): (1, 1 << 24, False),
     ("cluster", "replicas"): (0, INF, False),
     ("cluster", "stall_warn_s"): (0, INF, True),
@@ -416,6 +445,8 @@ RANGES = {
     ("checkpoint", "delta_every_steps"): (0, INF, False),
     ("checkpoint", "delta_every_s"): (0, INF, False),
     ("checkpoint", "full_every"): (1, INF, False),
+    ("filters", "push_threshold"): (0, INF, False),
+    ("filters", "key_cache_mb"): (0, INF, True),
 }
 
 
@@ -447,6 +478,12 @@ def _check(cfg: Config) -> None:
     if cfg.model.compute == "servers" and cfg.cluster.worker_groups:
         raise ConfigError("model.compute = 'servers' needs one worker per group (cluster.worker_groups = 0): "
                           "each worker's rows go to the servers, there is no group merge")
+    if cfg.cluster.backup_workers and cfg.cluster.staleness != 0:
+        raise ConfigError(f"cluster.backup_workers = {cfg.cluster.backup_workers} is for BSP (cluster.staleness = 0, "
+                          f"got {cfg.cluster.staleness}): under SSP and ASP nobody waits for the slowest worker anyway")
+    if cfg.cluster.backup_workers and cfg.cluster.worker_groups:
+        raise ConfigError(f"cluster.backup_workers = {cfg.cluster.backup_workers} needs one worker per group "
+                          f"(cluster.worker_groups = 0): a group's members wait for each other in its merge")
     if cfg.train.group_pull and not cfg.train.aggregate:
         raise ConfigError("train.group_pull needs train.aggregate = true (the group's first rank pushes for the group)")
     if cfg.train.pull_early and cfg.model.compute == "servers":

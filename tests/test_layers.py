@@ -15,7 +15,7 @@ LEVEL = {  # module -> layer: the packages say it (hpcps/ps's pure modules, then
     **_package("kernels", "hpcps_kernels", 0),
     **{f"hpcps.{m}": 1 for m in ("config", "malloc", "errors", "outputs")},
     **{f"hpcps.ps.{m}": 1 for m in ("layout", "placement", "protocol", "tables", "signals", "checkpoint",
-                                    "store", "policies", "server_table", "consistency", "margins", "deltas",
+                                    "store", "policies", "server_table", "consistency", "margins", "deltas", "filters",
                                     "replication")},
     "hpcps.ps.transport": 2,
     **{f"hpcps.ps.{m}": 3 for m in ("server", "client", "context", "collectives")},

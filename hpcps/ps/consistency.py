@@ -4,22 +4,93 @@ The semantics (BSP, SSP, ASP; pushes applied in (clock, worker, sequence) order 
 those of :mod:`hpcps.ps.server`'s docstring; :class:`WorkerClocks` keeps the state they need: each
 worker's clock and whether it is done, the reads deferred until the clocks allow them, and under
 BSP the pushes kept for their turn.
+
+Backup workers (``cluster.backup_workers = b`` under BSP, TensorFlow's SyncReplicasOptimizer and
+KunPeng's backup instances; :class:`Backup`): a clock completes once ``W - b`` of the ``W`` workers
+have passed it (a worker that sent DONE counts as past every clock), not all of them. Pulls of
+clock ``c`` wait for clock ``c - 1`` to complete, so the ``b`` slowest workers are waited for by
+nobody; a late worker's pulls are answered at once, from the current model. A push of a clock that
+completed without it is *late*: dropped (``late_pushes = "drop"``) or kept for the clock now being
+collected and applied with it (``"next"``). The pushes of a clock are applied when it completes,
+in (clock, worker, sequence) order, as with ``b = 0``; which pushes are late depends on timing, so
+runs with ``b > 0`` are not bit-reproducible. A checkpoint still waits for every worker to reach
+its clock and holds every push sent before it, late ones included. With ``b = 0`` nothing changes:
+the clock that completes is the slowest worker's.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from hpcps.ps import protocol
+
+LATE_PUSHES = ("next", "drop")  # what a late push does: applied with the next clock, or dropped
+
+
+@dataclass(frozen=True)
+class Backup:
+    """Backup workers: ``workers`` (b) of the W workers nobody waits for, and what a late push does
+    (``late_pushes``, one of :data:`LATE_PUSHES`)."""
+
+    workers: int = 0
+    late_pushes: str = "next"
+
+    def check(self, num_workers: int, staleness: int, groups: int | None = None) -> str | None:
+        """Why this setting cannot run with ``num_workers`` workers in ``groups`` worker groups (None:
+        one each) at ``staleness`` (None if it can), in words naming the configuration keys."""
+        if self.late_pushes not in LATE_PUSHES:
+            return f"cluster.late_pushes = {self.late_pushes!r}: expected one of {list(LATE_PUSHES)}"
+        if not self.workers:
+            return None
+        if staleness != 0:
+            return (f"cluster.backup_workers = {self.workers} is for BSP (cluster.staleness = 0; got "
+                    f"{staleness}): under SSP and ASP nobody waits for the slowest worker anyway")
+        if not 0 <= self.workers < num_workers:
+            return (f"cluster.backup_workers = {self.workers} must be at least 0 and less than the number of "
+                    f"workers ({num_workers})")
+        if groups is not None and groups != num_workers:
+            return (f"cluster.backup_workers = {self.workers} needs one worker per group (cluster.worker_groups "
+                    f"= 0; got {groups} groups of {num_workers} workers): a group's members wait for each other")
+        return None
+
+
+NO_BACKUP = Backup()
+
+
+class LateWorkers:
+    """Under backup workers, which pushes are late and what each worker lost: per worker, the
+    clocks at which it was late, its late pushes dropped and deferred to the next clock."""
+
+    def __init__(self, num_workers: int, backup: Backup):
+        self.backup = backup
+        self.quorum = num_workers - backup.workers  # the workers that complete a clock
+        self.clocks_late = np.zeros(num_workers, dtype=np.int64)
+        self.dropped = np.zeros(num_workers, dtype=np.int64)
+        self.deferred = np.zeros(num_workers, dtype=np.int64)
+        self.deferred_seqs: set[int] = set()  # the kept pushes that were late (a checkpoint applies them)
+
+    def completed_without(self, clocks: np.ndarray, done: np.ndarray, worker: int, clock: int) -> bool:
+        """Whether clock ``clock`` is complete without ``worker``: ``W - b`` of the others are past it."""
+        past = (clocks > clock) | done
+        return int(past.sum()) - bool(past[worker]) >= self.quorum
+
+    def counts(self) -> dict:
+        """What each worker lost, for the server's statistics (summed over servers by the caller)."""
+        return {"backup_clocks_late": self.clocks_late.tolist(), "backup_pushes_dropped": self.dropped.tolist(),
+                "backup_pushes_deferred": self.deferred.tolist()}
 
 
 class WorkerClocks:
     """Each worker's clock, the reads that wait for the slowest, and (BSP) the pushes that wait
     for every worker to pass their clock."""
 
-    def __init__(self, num_workers: int, staleness: int):
+    def __init__(self, num_workers: int, staleness: int, backup: Backup = NO_BACKUP):
         self.num_workers = num_workers
         self.staleness = staleness
+        # backup workers: the quorum that completes a clock and the late pushes (None: b = 0)
+        self.late = LateWorkers(num_workers, backup) if backup.workers else None
         self.clocks = np.zeros(num_workers, dtype=np.int64)
         self.done = np.zeros(num_workers, dtype=bool)
         self.n_done = 0           # workers that sent DONE (the loop's test, without a NumPy reduction)
@@ -39,11 +110,27 @@ class WorkerClocks:
         return self.n_done >= self.num_workers
 
     def min_clock(self) -> int:
-        """The smallest clock of the workers not done (kept until a clock moves: called per request)."""
+        """The first clock not complete: the smallest clock of the workers not done; with backup
+        workers, the smallest of the ``W - b`` largest (kept until a clock moves: called per request)."""
         if self._min_clock is None:
-            live = [c for c, d in zip(self.clocks.tolist(), self.done.tolist()) if not d]
-            self._min_clock = min(live) if live else max(self.clocks.tolist(), default=0)
+            if self.late is None:
+                self._min_clock = self.slowest_clock()
+            else:  # (a done worker is past every clock)
+                ordered = sorted(c if not d else np.iinfo(np.int64).max
+                                 for c, d in zip(self.clocks.tolist(), self.done.tolist()))
+                q = ordered[self.num_workers - self.late.quorum]
+                self._min_clock = q if q != np.iinfo(np.int64).max else max(self.clocks.tolist(), default=0)
         return self._min_clock
+
+    def slowest_clock(self) -> int:
+        """The smallest clock of the workers not done (every worker's, when all are)."""
+        live = [c for c, d in zip(self.clocks.tolist(), self.done.tolist()) if not d]
+        return min(live) if live else max(self.clocks.tolist(), default=0)
+
+    def is_late(self, worker: int, clock: int) -> bool:
+        """Backup workers: whether a push of ``clock`` from ``worker`` is late (the clock completed
+        without it). Always False with b = 0."""
+        return self.late is not None and self.late.completed_without(self.clocks, self.done, worker, clock)
 
     def set_all(self, clock: int) -> None:
         """Every worker's clock is ``clock`` (a restored checkpoint's)."""
@@ -52,12 +139,14 @@ class WorkerClocks:
 
     def ready(self, r: protocol.Message) -> bool:
         """A pull waits for its clock - staleness; a checkpoint for every worker to reach its clock."""
-        if r.op == protocol.CHECKPOINT:
-            return r.clock <= self.min_clock()
+        if r.op == protocol.CHECKPOINT:  # (every worker, backup or not)
+            return r.clock <= (self.min_clock() if self.late is None else self.slowest_clock())
         return self.staleness < 0 or r.pull_clock - self.staleness <= self.min_clock()
 
     def advance(self, worker: int, clock: int) -> None:
         if clock > self.clocks[worker]:
+            if self.is_late(worker, int(self.clocks[worker])):
+                self.late.clocks_late[worker] += 1
             self.clocks[worker] = clock
             self._min_clock = None
 
@@ -69,9 +158,33 @@ class WorkerClocks:
             self._min_clock = None
 
     def keep_push(self, worker: int, push: protocol.Push) -> None:
-        """BSP: keep a push for its turn (:meth:`pushes_due`)."""
+        """BSP: keep a push for its turn (:meth:`pushes_due`); with backup workers a late push is
+        dropped, or kept for the clock now being collected (the module's docstring)."""
         self.seq += 1
-        self.buffered.append((push.clock, worker, self.seq, push))
+        clock = push.clock
+        if self.is_late(worker, clock):
+            if self.late.backup.late_pushes == "drop":
+                self.late.dropped[worker] += 1
+                return
+            self.late.deferred[worker] += 1
+            self.late.deferred_seqs.add(self.seq)
+            clock = self.min_clock()
+        self.buffered.append((clock, worker, self.seq, push))
+
+    def late_pushes_kept(self) -> list[tuple[int, protocol.Push]]:
+        """Backup workers: the late pushes kept for their next clock, as (worker, request) in
+        (clock, worker, seq) order (taken out of the kept ones): a checkpoint applies them first."""
+        if self.late is None or not self.late.deferred_seqs:
+            return []
+        seqs = self.late.deferred_seqs
+        due = sorted((b for b in self.buffered if b[2] in seqs), key=lambda b: b[:3])
+        self.buffered = [b for b in self.buffered if b[2] not in seqs]
+        seqs.clear()
+        return [(worker, r) for _, worker, _, r in due]
+
+    def late_counts(self) -> dict:
+        """Backup workers: what each worker lost (:meth:`LateWorkers.counts`); {} with b = 0."""
+        return {} if self.late is None else self.late.counts()
 
     def pushes_due(self) -> list[tuple[int, protocol.Push]]:
         """BSP: the kept pushes of clocks every worker has passed, as (worker, request) in (clock,
@@ -82,6 +195,8 @@ class WorkerClocks:
         due = sorted((b for b in self.buffered if b[0] < limit), key=lambda b: b[:3])
         if due:
             self.buffered = [b for b in self.buffered if b[0] >= limit]
+            if self.late is not None and self.late.deferred_seqs:
+                self.late.deferred_seqs.difference_update(b[2] for b in due)
         return [(worker, r) for _, worker, _, r in due]
 
     def defer(self, source: int, r: protocol.Message, now: float) -> None:

@@ -22,9 +22,10 @@ from typing import Callable
 
 import numpy as np
 
-from hpcps.ps import checkpoint, collectives, deltas, protocol, replication, signals, transport
+from hpcps.ps import checkpoint, collectives, deltas, filters, protocol, replication, signals, transport
 from hpcps.ps import margins  # noqa: F401 - registers the server functions of MARGINS and RESIDUALS
 from hpcps.ps.client import DenseTable, SparseTable, TableSet
+from hpcps.ps.consistency import NO_BACKUP, Backup
 from hpcps.ps.layout import Layout, LayoutError, check_world
 from hpcps.ps.placement import DEFAULT_SHARDS, Placement
 from hpcps.ps.server import Server
@@ -58,19 +59,22 @@ class TableDeclarations:
 
     def sparse_table(self, name: str, dim: int = 1, optimizer: str = "sgd", params: dict | None = None,
                      init: str = "zeros", init_scale: float = 0.01, seed: int = 0, key_bits: int = 64,
-                     features: Features | None = None, init_keys: tuple = ()) -> SparseTable:
+                     features: Features | None = None, init_keys: tuple = (),
+                     traffic: filters.Filters | None = None) -> SparseTable:
         """Declare a sparse table (collective; identical on every rank). ``key_bits``: keys are
         (mostly) below ``2**key_bits`` (hashed features): up to 26 bits servers address rows
         directly by key. ``features``: admission and eviction of keys (:class:`hpcps.ps.tables.Features`).
         ``init_keys``: ``((key, values), ...)``, keys that start at given values instead of the
-        initializer (a regression's bias at the label mean)."""
+        initializer (a regression's bias at the label mean). ``traffic``: this table's traffic filters
+        (default: the context's, ``init``'s ``traffic``; a server keeps key lists only where the
+        context's have the key cache on)."""
         if name in self.tables:
             raise ValueError(f"table {name!r} is already declared")
         spec = TableSpec(name, dim, optimizer, dict(params or {}), init, init_scale, seed, key_bits,
                          features or Features(), tuple((int(k), tuple(float(x) for x in v)) for k, v in init_keys))
         self._check_same(f"table {name!r}", spec.fingerprint())
         self.specs.append(spec)
-        table = SparseTable(self, len(self.specs) - 1, spec)
+        table = SparseTable(self, len(self.specs) - 1, spec, traffic)
         self.tables[name] = table
         return table
 
@@ -177,8 +181,9 @@ class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges,
     local = False  # a job of one process (LocalContext)
 
     def __init__(self, net: transport.Transport, layout: Layout, staleness: int, num_shards: int,
-                 stall_warn_s: float, stall_timeout_s: float, replicas: int = 0):
+                 stall_warn_s: float, stall_timeout_s: float, backup: Backup = NO_BACKUP, replicas: int = 0):
         self.net = net
+        self.backup = backup
         self.layout = layout
         self.rank = net.rank
         self.is_server = layout.is_server(self.rank)
@@ -190,7 +195,7 @@ class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges,
         self.stall_timeout_s = stall_timeout_s
         self._init_state()
         self._check_same("layout", hash((layout.servers, layout.worker_groups, staleness, num_shards,
-                                         replicas)) & 0x7FFFFFFF)
+                                         backup.workers, backup.late_pushes == "drop", replicas)) & 0x7FFFFFFF)
         self.hosts = transport.host_names(self.comm, stall_timeout_s)  # each rank's host, in rank order
         # (a shard's copies on distinct hosts: the servers are the first ranks)
         self.placement = Placement(layout.servers, num_shards, replicas=replicas,
@@ -217,7 +222,8 @@ class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges,
         # wait_s: time waiting for the servers; background_s: time of background work done
         # during those waits (not counted as waiting); requests: the requests sent to the servers
         self.stats = {"wait_s": 0.0, "max_staleness": 0, "background_s": 0.0, "bytes_sent": 0, "bytes_received": 0,
-                      "requests": 0}
+                      "requests": 0, **dict.fromkeys(filters.SAVED_KEYS, 0)}
+        self.filters = filters.Filters()  # the traffic filters (init's ``filters``), all off
         self.server_stats: dict | None = None
         self.server_stop = 0       # the stop signal a server reported (SIGINT or SIGTERM for the others), or 0
         # work a worker does while it waits for the servers instead of sleeping (the training loop
@@ -249,7 +255,8 @@ class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges,
         if not self.is_server:
             raise RuntimeError("serve() is for server ranks (ctx.is_server)")
         server = Server(self.net, self.rank, self.layout.workers, self.layout.servers, self.specs,
-                        self.placement, self.staleness, self.stall_warn_s, self.functions, self.stall_timeout_s)
+                        self.placement, self.staleness, self.stall_warn_s, self.functions, self.stall_timeout_s,
+                        self.backup, self.filters.server_lists(self.layout.servers))
         self.server = server
         if restore is not None:
             server.restore(*restore)
@@ -325,6 +332,12 @@ class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges,
         self.clock_value += 1
         return self.clock_value
 
+    def clock_to(self, clock: int) -> None:
+        """A late backup worker skips to ``clock`` (the steps it leaves out): tell every server."""
+        if clock > self.clock_value:
+            self.clock_value = clock
+            self._notify_servers(protocol.CLOCK)
+
     # -- end ---------------------------------------------------------------------------------
 
     def finish_serving(self, timeout: float | None = None) -> None:
@@ -371,6 +384,7 @@ class LocalContext(Context):
         self.is_server, self.is_worker = False, True
         self.worker_index, self.group = 0, 0
         self.staleness = staleness
+        self.backup = NO_BACKUP  # (one worker: nobody to wait for)
         self.placement = Placement(1, num_shards)
         self.stall_warn_s, self.stall_timeout_s = stall_warn_s, stall_timeout_s
         self._init_state()
@@ -384,7 +398,8 @@ class LocalContext(Context):
     def _local_server(self) -> Server:
         if self.server is None:
             self.server = Server(self.net, self.net.SERVER, 1, self.net.WORKER, self.specs, self.placement,
-                                 self.staleness, self.stall_warn_s, self.functions, self.stall_timeout_s)
+                                 self.staleness, self.stall_warn_s, self.functions, self.stall_timeout_s,
+                                 self.filters.server_lists(1))
         if len(self.server.tables) != len(self.specs) or len(self.server.functions) != len(self.functions):
             raise RuntimeError("declare every table and server function before the first request")
         return self.server
@@ -461,7 +476,7 @@ def write_checkpoint(ctx: Context, root: str, step: int, manifest: dict, keep: i
 
 def init(servers: int = 1, worker_groups: int | None = None, staleness: int = 0,
          num_shards: int = DEFAULT_SHARDS, stall_warn_s: float = 30.0, stall_timeout_s: float = 300.0,
-         comm=None, replicas: int = 0) -> Context:
+         comm=None, backup: Backup = NO_BACKUP, traffic: filters.Filters | None = None, replicas: int = 0) -> Context:
     """Split the world (collective) into ``servers`` server ranks and ``worker_groups`` groups.
 
     Args:
@@ -472,6 +487,10 @@ def init(servers: int = 1, worker_groups: int | None = None, staleness: int = 0,
         stall_warn_s: report a request not answered after this many seconds.
         stall_timeout_s: abort the job when a request is not answered after this many seconds.
         comm: the world to split (default MPI.COMM_WORLD); the library works on a duplicate.
+        backup: backup workers under BSP (:class:`hpcps.ps.consistency.Backup`): a clock completes
+            once all but ``backup.workers`` workers have passed it.
+        traffic: the traffic filters (:class:`hpcps.ps.filters.Filters`; default none), the same
+            on every rank, before any table is declared.
         replicas: hot backups: each shard kept on ``replicas + 1`` servers, a push applied on every
             copy, a pull answered by the primary (:mod:`hpcps.ps.replication`).
 
@@ -480,6 +499,7 @@ def init(servers: int = 1, worker_groups: int | None = None, staleness: int = 0,
 
     Raises:
         hpcps.ps.layout.LayoutError: the world is too small for the layout, before any communication.
+        ValueError: ``backup`` does not fit the layout or the staleness (before any communication).
     """
     base = comm if comm is not None else transport.world()
     check_world(base.Get_size(), servers, worker_groups, num_shards)
@@ -487,15 +507,24 @@ def init(servers: int = 1, worker_groups: int | None = None, staleness: int = 0,
         raise LayoutError(f"cluster.replicas = {replicas} needs at least {replicas + 1} servers ({servers} "
                           f"planned): each shard's copies are on distinct servers")
     if base.Get_size() == 1:
+        if backup.workers:
+            raise ValueError(backup.check(1, staleness))
         transport.install_abort_handler()
         transport.set_stall_warning(stall_warn_s)
-        return LocalContext(staleness, num_shards, stall_warn_s, stall_timeout_s)
+        ctx = LocalContext(staleness, num_shards, stall_warn_s, stall_timeout_s)
+        ctx.filters = traffic or ctx.filters
+        return ctx
     layout = Layout.plan(base.Get_size(), servers, worker_groups, num_shards)
+    problem = backup.check(layout.workers, staleness, layout.worker_groups)
+    if problem:
+        raise ValueError(problem)
     transport.install_abort_handler()
     transport.set_stall_warning(stall_warn_s)
     world = transport.dup(base)
     rank = world.Get_rank()
     net = transport.MPITransport.split(world, layout.group_of(rank), not layout.is_server(rank), stall_timeout_s)
-    return Context(net, layout, staleness, num_shards, stall_warn_s, stall_timeout_s, replicas)
+    ctx = Context(net, layout, staleness, num_shards, stall_warn_s, stall_timeout_s, backup, replicas)
+    ctx.filters = traffic or ctx.filters
+    return ctx
 
 

@@ -16,7 +16,9 @@ Semantics a worker can rely on:
 * Consistency: the server knows every worker's clock. A pull sent at clock ``c`` is answered only
   once every worker has clocked at least ``c - staleness`` (BSP: staleness 0; ASP: staleness < 0,
   never waits). A worker sends its pushes before its clock message, so under BSP a pull sees
-  exactly the updates of all earlier iterations.
+  exactly the updates of all earlier iterations. With backup workers (``cluster.backup_workers``)
+  ``W - b`` workers complete a clock and a late push is dropped or deferred
+  (:mod:`hpcps.ps.consistency`).
 * Determinism under BSP: pushes are acknowledged on arrival but applied, once every worker has
   passed their clock, in the order (clock, worker, sequence), so the result never depends on
   which message arrived first (with FTRL or AdaGrad the order changes the numbers, not only
@@ -36,7 +38,7 @@ import time
 import numpy as np
 
 from hpcps.ps import checkpoint, deltas, protocol, signals, transport
-from hpcps.ps.consistency import WorkerClocks
+from hpcps.ps.consistency import NO_BACKUP, Backup, WorkerClocks
 from hpcps.ps.placement import Placement
 from hpcps.ps.replication import Replication, ServerCopies
 from hpcps.ps.server_table import ServerTable
@@ -183,11 +185,13 @@ class ServerReads:
         the server runs on two threads (``splits_pull``) is answered as its header, sent once
         the values are ready, then the values: the waiting worker sleeps until the header comes
         rather than spinning through the server's work, which leaves the core to the second thread."""
-        n, dim = r.pull_keys.shape[0], self.dims[r.table]
-        reply, payload = self.replies.new(r.req_id, 4 * n * dim, r.table, splits_pull(n, dim))
-        if n:
-            self.tables[r.table].pull(r.pull_keys, payload.view(np.float32).reshape(n, dim),
-                                      source - self.worker_rank0)
+        n, dim, wire = r.pull_keys.shape[0], self.dims[r.table], r.encoding.wire
+        reply, payload = self.replies.new(r.req_id, protocol.reply_bytes(r.op, n, dim, wire) - protocol.REPLY_BYTES,
+                                          r.table, splits_pull(n, dim))
+        if n:  # (the rows in the request's wire type: hpcps.ps.filters)
+            rows = protocol.pull_into(payload, n, dim, wire)
+            self.tables[r.table].pull(r.pull_keys, rows, source - self.worker_rank0)
+            protocol.encode_pulled(rows, payload, wire)
         self.replies.post(reply, source, r.req_id, _REPLY_WHAT[r.op])
 
     def _serve_tables(self, source: int, r: protocol.TablesPull | protocol.TablesPushPull) -> None:
@@ -225,6 +229,7 @@ class ServerReads:
         self.replies.post(reply, source, r.req_id, "margins reply")
 
     def _write_checkpoint(self, source: int, r: protocol.Checkpoint) -> None:
+        self._apply(self.workers.late_pushes_kept())  # (backup workers: every push sent before it)
         self.apply_backlog()  # (a snapshot's marks of changed rows cover every copy's)
         size, digest = self.snapshots.snapshot(r.path, r.clock, self.tables, self.replication, write_checkpoint_file)
         reply, payload = self.replies.new(r.req_id, protocol.CHECKPOINT_RESULT.itemsize)
@@ -239,8 +244,10 @@ class Server(ServerReads, ServerCopies):
 
     def __init__(self, net: transport.Transport, server_index: int, num_workers: int, worker_rank0: int,
                  specs: list[TableSpec], placement: Placement, staleness: int,
-                 stall_warn_s: float = 30.0, functions: list | None = None, stall_timeout_s: float = 300.0):
+                 stall_warn_s: float = 30.0, functions: list | None = None, stall_timeout_s: float = 300.0,
+                 backup: Backup = NO_BACKUP, key_lists=None):
         self.net = net
+        self.key_lists = key_lists  # the key lists workers sent (hpcps.ps.filters.ServerKeyLists), or None
         self.functions = list(functions or [])  # declared ServerFunctions, by number
         self.index = server_index
         self.worker_rank0 = worker_rank0
@@ -250,7 +257,7 @@ class Server(ServerReads, ServerCopies):
         self.staleness = staleness
         self.stall_warn_s = stall_warn_s
         self.stall_timeout_s = stall_timeout_s
-        self.workers = WorkerClocks(num_workers, staleness)
+        self.workers = WorkerClocks(num_workers, staleness, backup)
         self.pool = transport.BufferPool()  # large requests and replies
         self.replies = Replies(net, server_index, self.pool, self.workers, self.tables)
         self.snapshots = deltas.DeltaWriter(server_index, placement.num_servers, placement.num_shards)
@@ -283,7 +290,7 @@ class Server(ServerReads, ServerCopies):
         """Serve request ``buf`` from rank ``source`` (``grads``: its gradients, when they came
         apart)."""
         try:
-            r = protocol.unpack_request(buf, self.dims, grads)
+            r = protocol.unpack_request(buf, self.dims, grads, self.key_lists)
         except ValueError as e:
             raise RuntimeError(f"server {self.index}: {e} from rank {source}") from None
         self.stats["requests"] += 1
@@ -337,7 +344,9 @@ class Server(ServerReads, ServerCopies):
         under BSP every worker past the push's clock, and the pull ready."""
         if self.workers.waiting or self.evicting or r.push_keys.shape[0] == 0:
             return False
-        return (self.staleness != 0 or r.clock < self.workers.min_clock()) and self.workers.ready(r)
+        if self.staleness == 0 and (r.clock >= self.workers.min_clock() or self.workers.is_late(r.worker, r.clock)):
+            return False  # (BSP: its clock not complete, or complete without it: a backup worker's late push)
+        return self.workers.ready(r)
 
     def _handle_push(self, source: int, r: protocol.Push) -> None:
         self._push(source - self.worker_rank0, r)
@@ -388,7 +397,10 @@ class Server(ServerReads, ServerCopies):
 
     def _apply_pushes_due(self) -> None:
         """BSP: apply, in (clock, worker, seq) order, the pushes of clocks every worker has passed."""
-        for worker, push in self.workers.pushes_due():
+        self._apply(self.workers.pushes_due())
+
+    def _apply(self, pushes: list[tuple[int, protocol.Push]]) -> None:
+        for worker, push in pushes:
             self.push_now(worker, push.table, push.keys, push.grads, push.clock)
 
     def _serve_or_defer(self, source: int, r: protocol.Message) -> None:
@@ -422,6 +434,7 @@ class Server(ServerReads, ServerCopies):
     def final_stats(self) -> dict:
         """The serving statistics with each table's rows held, keys admitted and rows evicted."""
         self.stats.update(table_counts(self.tables), **self.copy_stats())
+        self.stats.update(self.workers.late_counts())  # (backup workers: what each lost)
         return self.stats
 
 

@@ -399,6 +399,11 @@ class StepPipeline:
         for d in self.dense:
             d.finish()
 
+    def drop_ahead(self) -> None:
+        """Forget the batches prepared ahead (after :meth:`finish`): a late backup worker skips their
+        steps (:mod:`hpcps.train.stragglers`)."""
+        self.ahead = []
+
     def pull_rows(self, batch) -> tuple:
         """(pos, the rows of every table) for a batch outside training (pulls in flight together)."""
         uniq, pos = kkeys.unique_keys(batch.indices)

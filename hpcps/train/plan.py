@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 from hpcps import config, outputs
 from hpcps.ps import checkpoint
+from hpcps.ps.consistency import Backup
 from hpcps.train import data as tdata
 from hpcps.train import inputs, scaling, synth, tables
 from hpcps_kernels import optim
@@ -46,6 +47,11 @@ AUTO_BATCH_MIN, AUTO_BATCH_MAX, AUTO_BATCH_STEPS = 50, 1000, 128
 def auto_batch_size(rows: int, workers: int) -> int:
     """``train.batch_size`` = 0: the rows a step for ``rows`` rows of training over ``workers``."""
     return min(AUTO_BATCH_MAX, max(AUTO_BATCH_MIN, math.ceil(rows / max(workers, 1) / AUTO_BATCH_STEPS)))
+
+
+def backup_of(cfg) -> Backup:
+    """The run's backup workers (``cluster.backup_workers``, ``cluster.late_pushes``)."""
+    return Backup(cfg.cluster.backup_workers, cfg.cluster.late_pushes)
 
 
 def gradient_scale(cfg, group_size: int) -> float:
@@ -166,6 +172,9 @@ def agree_on_plan(cfg, world) -> RunPlan:
     if cfg.cluster.layout == "auto":  # before the world is split: servers, groups and batch
         cfg = choose_layout(cfg, world, paths["train"], input_format)
     workers = world.size - cfg.cluster.servers if world.size > 1 else 1  # one process: one worker
+    problem = backup_of(cfg).check(workers, cfg.cluster.staleness, cfg.cluster.worker_groups or workers)
+    if problem:  # (every rank decides the same)
+        raise TrainError(problem)
     if not cfg.train.batch_size:  # from the training file's rows (counted as far as it matters)
         enough = AUTO_BATCH_MAX * AUTO_BATCH_STEPS * workers
         rows = tdata.rows_at_least(paths["train"], enough, cfg.data.format) if world.is_first else 0
@@ -243,6 +252,12 @@ def claim_checkpoints(cfg, world, restore: tuple[str, dict] | None) -> str:
     if error:
         raise TrainError(error)
     return run_id
+
+
+def release_checkpoints(cfg) -> None:
+    """The end of a run: ``checkpoint.dir`` unlocked for the next run (where this rank held it)."""
+    if cfg.checkpoint.dir:
+        checkpoint.release(cfg.checkpoint.dir)
 
 
 def resolve_data(cfg, world) -> tuple[dict, dict | None]:
