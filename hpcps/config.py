@@ -524,6 +524,8 @@ def check_replicas(cfg: Config) -> None:
         raise ConfigError(f"cluster.replicas = {r} needs at least {r + 1} servers (cluster.servers = "
                           f"{cfg.cluster.servers}): each shard's copies are on distinct servers")
     why = ("model.compute = 'servers' (a backup does not see the batches)" if cfg.model.compute == "servers" else
+           "cluster.backup_workers (which pushes are late depends on each server's timing)"
+           if cfg.cluster.backup_workers else
            "features.admit_count > 1 (counters shared by hash)" if f.admit_count > 1 else
            "features.server_memory_mb (a budget over every row a server holds)" if f.server_memory_mb else "")
     if why:

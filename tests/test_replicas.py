@@ -98,6 +98,8 @@ def test_replicas_need_more_servers_and_no_features_a_copy_would_see_differently
         from_dict(load_raw(None, ["cluster.servers=2", "cluster.replicas=2"]))
     with pytest.raises(ConfigError, match="does not go with features.server_memory_mb"):
         from_dict(load_raw(None, ["cluster.servers=2", "cluster.replicas=1", "features.server_memory_mb=10"]))
+    with pytest.raises(ConfigError, match="does not go with cluster.backup_workers"):
+        from_dict(load_raw(None, ["cluster.servers=2", "cluster.replicas=1", "cluster.backup_workers=1"]))
     with pytest.raises(ValueError, match="need at least 2 servers, 1 given"):
         Placement(1, replicas=1)
 
