@@ -225,7 +225,14 @@ class ServerCopies:
         first backup is primary from now on (it holds the rows already: nothing moves for that),
         and new backups are planned on the survivors. Returns every copy to make, ``(shard,
         source, target)``; the rows this server is the source of are ready in
-        :attr:`copies_out` (target -> parts for :meth:`take_copy` there)."""
+        :attr:`copies_out` (target -> parts for :meth:`take_copy` there).
+
+        The copies are the rows as applied now: the caller (the fault-tolerant transport) calls
+        this where the source keeps no push of the moved shards for later (under BSP, once the
+        clock in progress has completed on it and its backlog is applied), and the workers send
+        the pushes after it under the new placement (:meth:`hpcps.ps.context.Context.server_lost`),
+        so that a new backup gets every push exactly once: those before in the copy, those after
+        from the workers."""
         moves = self.replication.rank_lost(server)
         self.copies_out = self.replication.copy_out(self.tables, moves)
         return moves
