@@ -258,7 +258,7 @@ class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges,
             raise RuntimeError("serve() is for server ranks (ctx.is_server)")
         server = Server(self.net, self.rank, self.layout.workers, self.layout.servers, self.specs,
                         self.placement, self.staleness, self.stall_warn_s, self.functions, self.stall_timeout_s,
-                        self.backup, self.filters.server_lists(self.layout.servers))
+                        self.backup, key_lists=self.filters.server_lists(self.layout.servers))
         self.server = server
         if restore is not None:
             server.restore(*restore)
