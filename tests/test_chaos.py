@@ -24,6 +24,7 @@ from hpcps.train.progress import read_status
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from run import mpiexec  # noqa: E402
+from shared_runs import once  # noqa: E402
 from test_checkpoint import rank_pids  # noqa: E402
 
 HPCPS = [sys.executable, "-m", "hpcps.cli"]
@@ -43,15 +44,25 @@ def test_supervised_run_survives_three_random_kill_9s_bit_identical(tmp_path):
     chaos_run(tmp_path)
 
 
+def uninterrupted() -> tuple[tuple[str, str], str]:
+    """The data and the model of the run never stopped, made once a session (tests/test_deltas.py
+    runs the schedule too): ((train, test), model file)."""
+    def make(d):
+        info = synth.generate(str(d / "data"), 20_000, 2_000, fields=10, seed=11, formats=("libsvm",))
+        data = info.files["train_libsvm"], info.files["test_libsvm"]
+        ref = subprocess.run([*mpiexec(), "-n", str(RANKS), *HPCPS, *train_args(data, d / "ref-ck", d / "ref.h5")],
+                             capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-2000:]
+
+    d = once("chaos", make)
+    return (str(d / "data" / "train.svm"), str(d / "data" / "test.svm")), str(d / "ref.h5")
+
+
 def chaos_run(tmp_path, extra=None) -> str:
     """The seeded schedule of three kill -9s under ``supervise`` (job settings ``extra`` on top),
     checked bit for bit against an uninterrupted run; returns the supervised run's output."""
-    info = synth.generate(str(tmp_path / "data"), 20_000, 2_000, fields=10, seed=11, formats=("libsvm",))
-    data = info.files["train_libsvm"], info.files["test_libsvm"]
+    data, ref_model = uninterrupted()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    ref = subprocess.run([*mpiexec(), "-n", str(RANKS), *HPCPS, *train_args(data, tmp_path / "ref-ck", tmp_path / "ref.h5")],
-                         capture_output=True, text=True, timeout=300, env=env)
-    assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-2000:]
 
     # 2 workers x 10,000 rows / 10 = 1,000 steps an epoch, 3,000 in all (a few seconds): one kill
     # in each of three windows, the last ending 1,000 steps before the run does
@@ -88,7 +99,7 @@ def chaos_run(tmp_path, extra=None) -> str:
     assert len(restarts) == 3, out[-4000:]
     assert all("restart" in ln and "--resume auto" in ln and "work lost" in ln for ln in restarts), restarts
     assert "job finished (exit status 0) after 3 restart(s)" in out
-    a, b = ServingModel(str(tmp_path / "model.h5")), ServingModel(str(tmp_path / "ref.h5"))
+    a, b = ServingModel(str(tmp_path / "model.h5")), ServingModel(ref_model)
     np.testing.assert_array_equal(a.keys, b.keys)
     np.testing.assert_array_equal(a.values, b.values)  # bit for bit
     return out
