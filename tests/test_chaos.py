@@ -25,6 +25,7 @@ from hpcps.train.progress import read_status
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from run import mpiexec  # noqa: E402
+from shared_runs import once  # noqa: E402
 from test_checkpoint import rank_pids  # noqa: E402
 
 HPCPS = [sys.executable, "-m", "hpcps.cli"]
@@ -56,17 +57,30 @@ def close_model(model, ref_model, out: str, ref_out: str) -> None:
     assert abs(logloss_of(out) - logloss_of(ref_out)) < 0.005, (logloss_of(out), logloss_of(ref_out))
 
 
+def uninterrupted(ref_extra=None) -> tuple[tuple[str, str], str, str]:
+    """The data, the model and the output of the run never stopped (with settings ``ref_extra``),
+    made once a session (tests/test_deltas.py and others run the schedule too): ((train, test),
+    model file, output)."""
+    def make(d):
+        info = synth.generate(str(d / "data"), 20_000, 2_000, fields=10, seed=11, formats=("libsvm",))
+        data = info.files["train_libsvm"], info.files["test_libsvm"]
+        ref = subprocess.run([*mpiexec(), "-n", str(RANKS), *HPCPS, *train_args(data, d / "ref-ck", d / "ref.h5", ref_extra)],
+                             capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-2000:]
+        (d / "ref.out").write_text(ref.stdout)
+
+    name = "chaos" + ("-" + "-".join(f"{k}={v}" for k, v in sorted(ref_extra.items())) if ref_extra else "")
+    d = once(re.sub(r"[^A-Za-z0-9=._-]", "_", name), make)
+    return (str(d / "data" / "train.svm"), str(d / "data" / "test.svm")), str(d / "ref.h5"), (d / "ref.out").read_text()
+
+
 def chaos_run(tmp_path, extra=None, ref_extra=None, check=None, kills: int = 3) -> str:
     """The seeded schedule of three kill -9s (the first ``kills`` of them) under ``supervise`` (job
     settings ``extra`` on top), checked bit for bit against an uninterrupted run (with ``ref_extra``
     on top), or by ``check(model, reference model, output, reference output)`` (e.g.
     :func:`close_model`); returns the supervised run's output."""
-    info = synth.generate(str(tmp_path / "data"), 20_000, 2_000, fields=10, seed=11, formats=("libsvm",))
-    data = info.files["train_libsvm"], info.files["test_libsvm"]
+    data, ref_model, ref_out = uninterrupted(ref_extra)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    ref = subprocess.run([*mpiexec(), "-n", str(RANKS), *HPCPS, *train_args(data, tmp_path / "ref-ck", tmp_path / "ref.h5", ref_extra)],
-                         capture_output=True, text=True, timeout=300, env=env)
-    assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-2000:]
 
     # 2 workers x 10,000 rows / 10 = 1,000 steps an epoch, 3,000 in all (a few seconds): one kill
     # in each of three windows, the last ending 1,000 steps before the run does
@@ -103,9 +117,9 @@ def chaos_run(tmp_path, extra=None, ref_extra=None, check=None, kills: int = 3) 
     assert len(restarts) == kills, out[-4000:]
     assert all("restart" in ln and "--resume auto" in ln and "work lost" in ln for ln in restarts), restarts
     assert f"job finished (exit status 0) after {kills} restart(s)" in out
-    a, b = ServingModel(str(tmp_path / "model.h5")), ServingModel(str(tmp_path / "ref.h5"))
+    a, b = ServingModel(str(tmp_path / "model.h5")), ServingModel(ref_model)
     if check is not None:
-        check(a, b, out, ref.stdout)
+        check(a, b, out, ref_out)
         return out
     np.testing.assert_array_equal(a.keys, b.keys)
     np.testing.assert_array_equal(a.values, b.values)  # bit for bit

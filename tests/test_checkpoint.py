@@ -21,6 +21,7 @@ from hpcps.train.model_file import ServingModel
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from run import mpiexec  # noqa: E402
+from shared_runs import once  # noqa: E402
 
 HPCPS = [sys.executable, "-m", "hpcps.cli"]
 
@@ -100,10 +101,10 @@ def test_shards_restore_onto_any_number_of_servers(tmp_path, servers):
 # -- jobs ------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def job_data(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ckdata")
-    info = synth.generate(str(d), 60_000, 5_000, fields=10, seed=8, formats=("libsvm",))
-    return info.files["train_libsvm"], info.files["test_libsvm"]
+def job_data():
+    """The jobs' data (also tests/test_deltas.py's), made once a session."""
+    d = once("ckdata", lambda d: synth.generate(str(d / "data"), 60_000, 5_000, fields=10, seed=8, formats=("libsvm",)))
+    return str(d / "data" / "train.svm"), str(d / "data" / "test.svm")
 
 
 def train_args(data, ckpt_dir, model_out, servers=1, every=200):
@@ -162,12 +163,21 @@ def start_and_interrupt(data, tmp, action, rank, n=3, after_step=400):
 
 
 @pytest.fixture(scope="module")
-def reference(job_data, tmp_path_factory):
-    """The uninterrupted run: its final model."""
-    tmp = tmp_path_factory.mktemp("ref")
-    rc, out = run_job(3, train_args(job_data, tmp / "ck", tmp / "model.h5"))
-    assert rc == 0, out[-3000:]
-    return ServingModel(str(tmp / "model.h5"))
+def reference_run(job_data):
+    """The uninterrupted run's directory, made once a session (tests/test_deltas.py compares with
+    it too): ``model.h5`` and, in ``ck``, only the final checkpoint (no periodic one: the stopped
+    and resumed runs, which write one every 200 steps, must still equal it bit for bit)."""
+    def make(tmp):
+        rc, out = run_job(3, train_args(job_data, tmp / "ck", tmp / "model.h5", every=0))
+        assert rc == 0, out[-3000:]
+
+    return once("ckref", make)
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    """The uninterrupted run's final model."""
+    return ServingModel(str(reference_run / "model.h5"))
 
 
 def assert_same_model(path, reference):
@@ -210,10 +220,8 @@ def test_resume_onto_more_servers_and_past_a_damaged_checkpoint(job_data, refere
     assert_same_model(tmp_path / "model.h5", reference)
 
 
-def test_inspect_and_export(job_data, reference, tmp_path):
-    rc, out = run_job(3, train_args(job_data, tmp_path / "ck", tmp_path / "model.h5", every=0))
-    assert rc == 0, out[-3000:]
-    final = checkpoint.complete_checkpoints(str(tmp_path / "ck"))[-1]
+def test_inspect_and_export(reference_run, reference, tmp_path):
+    final = checkpoint.complete_checkpoints(str(reference_run / "ck"))[-1]  # (its only one: the final)
     shown = subprocess.run([*HPCPS, "inspect", final], capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0 and "OK" in shown.stdout and "end of training" in shown.stdout
     assert f"{reference.keys.size} keys" in shown.stdout

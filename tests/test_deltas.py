@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from run import mpiexec  # noqa: E402
 from test_chaos import chaos_run  # noqa: E402
-from test_checkpoint import (HPCPS, assert_same_model, job_data, rank_pids, reference,  # noqa: E402,F401
+from test_checkpoint import (HPCPS, assert_same_model, job_data, rank_pids, reference, reference_run,  # noqa: E402,F401
                              run_job, train_args)
 
 DELTAS = {"checkpoint.every_steps": 0, "checkpoint.delta_every_steps": 100, "checkpoint.full_every": 4}

@@ -14,6 +14,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from hpcps.train import synth
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -35,9 +37,16 @@ def _train(path: str, out: str, memory_mb: float, epochs: int = 2, env: dict | N
     return json.load(open(out))
 
 
-def test_worker_peak_memory_stays_within_the_budget_on_a_file_ten_times_larger(tmp_path):
-    big = synth.generate(str(tmp_path / "big"), 260_000, 10, fields=39, seed=5, hash_bits=20, formats=("criteo",))
-    tiny = synth.generate(str(tmp_path / "tiny"), 500, 10, fields=39, seed=5, hash_bits=20, formats=("criteo",))
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A Criteo file of 260,000 rows and one of 500 (the two tests' data, made once)."""
+    d = tmp_path_factory.mktemp("memory")
+    return tuple(synth.generate(str(d / name), rows, 10, fields=39, seed=5, hash_bits=20, formats=("criteo",))
+                 for name, rows in (("big", 260_000), ("tiny", 500)))
+
+
+def test_worker_peak_memory_stays_within_the_budget_on_a_file_ten_times_larger(files, tmp_path):
+    big, tiny = files
     size_mb = os.path.getsize(big.files["train_criteo"]) / 2**20
     assert size_mb >= 10 * BUDGET_MB, size_mb
     small = _train(tiny.files["train_criteo"], str(tmp_path / "tiny.json"), BUDGET_MB)
@@ -55,11 +64,10 @@ def test_worker_peak_memory_stays_within_the_budget_on_a_file_ten_times_larger(t
     assert large["peak_rss_mb_server"] - small["peak_rss_mb_server"] <= model_mb + SLACK_MB
 
 
-def test_one_epoch_at_the_defaults_holds_no_more_than_its_parse_ahead_whatever_the_file(tmp_path):
+def test_one_epoch_at_the_defaults_holds_no_more_than_its_parse_ahead_whatever_the_file(files, tmp_path):
     """data.memory_mb = 0 (the default) keeps a part in memory for later epochs; with one epoch
     nothing is kept, and the rows parsed ahead are held to PARSE_AHEAD_BYTES (here 4 MiB)."""
-    big = synth.generate(str(tmp_path / "big"), 260_000, 10, fields=39, seed=5, hash_bits=20, formats=("criteo",))
-    tiny = synth.generate(str(tmp_path / "tiny"), 500, 10, fields=39, seed=5, hash_bits=20, formats=("criteo",))
+    big, tiny = files
     ahead = {"HPCPS_TUNE_PARSE_AHEAD_BYTES": str(4 << 20)}
     small = _train(tiny.files["train_criteo"], str(tmp_path / "tiny.json"), 0, 1, ahead)
     large = _train(big.files["train_criteo"], str(tmp_path / "big.json"), 0, 1, ahead)
@@ -81,7 +89,6 @@ def _malloc_tuned(env: dict) -> str:
 def test_freed_memory_is_kept_unless_the_user_sets_the_allocator():
     import platform
     if platform.libc_ver()[0] != "glibc":
-        import pytest
         pytest.skip("mallopt is glibc's")
     assert _malloc_tuned({}) == "True"
     assert _malloc_tuned({"HPCPS_MALLOC_TUNE": "0"}) == "False"
