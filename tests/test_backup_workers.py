@@ -7,26 +7,20 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 
 from hpcps import config
+from hpcps.bench import backup as bench_backup
 from hpcps.ps import protocol
 from hpcps.ps.consistency import Backup, WorkerClocks
 from hpcps.train import synth
 from hpcps.train.model_file import ServingModel
-from hpcps.train.progress import read_status
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from run import mpiexec  # noqa: E402
 from test_chaos import chaos_run  # noqa: E402
-from test_checkpoint import rank_pids  # noqa: E402
-from test_train import HPCPS, sets  # noqa: E402
 
 
 def push(clock: int, worker: int) -> protocol.Push:
@@ -107,31 +101,14 @@ def test_as_many_backups_as_workers_is_refused():
 ROWS = 12_000  # 4,000 rows a worker, 200 steps of 20
 
 
-def stalled_job(tmp, data, name: str, b: int, stop_s: float, extra: dict | None = None) -> tuple[dict, str]:
-    """A 4-rank job of one epoch (``cluster.backup_workers = b``); once the first worker is past step
-    20, rank 3 is stopped (SIGSTOP) for ``stop_s`` seconds. Returns (its summary, its output)."""
-    status, summary, model = (str(tmp / f"{name}.{x}") for x in ("status", "json", "h5"))
-    args = ["train", "--summary-json", summary, *sets(data__train=data[0], data__test=data[1], train__batch_size=20,
-                                                      train__epochs=1, train__progress=False, train__model_out=model,
-                                                      cluster__backup_workers=b, **(extra or {}))]
-    proc = subprocess.Popen([*mpiexec(), "-n", "4", *HPCPS, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=dict(os.environ, PYTHONUNBUFFERED="1", HPCPS_STATUS_FILE=status))
-    try:
-        if stop_s:
-            deadline = time.monotonic() + 120
-            while read_status(status).get("global_step", -1) < 20 or 3 not in rank_pids(model):
-                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
-                time.sleep(0.02)
-            pid = rank_pids(model)[3]
-            os.kill(pid, signal.SIGSTOP)
-            time.sleep(stop_s)
-            os.kill(pid, signal.SIGCONT)
-        out, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out[-3000:]
-    return json.load(open(summary)), out
+def stalled_job(tmp, data, name: str, b: int, stop_s: float) -> tuple[dict, str]:
+    """A 4-rank job of one epoch (``cluster.backup_workers = b``, the model written to
+    ``tmp/name.h5``); rank 3 is stopped (SIGSTOP) for ``stop_s`` seconds once the first worker is
+    past step 20 (``hpcps bench backup``'s job). Returns (its summary, its output)."""
+    files = {"train_libsvm": data[0], "test_libsvm": data[1]}
+    _, summary, out = bench_backup.stalled_job(files, str(tmp), name, b, stop_s, 20, {
+        "train.batch_size": 20, "train.epochs": 1, "train.model_out": json.dumps(str(tmp / f"{name}.h5"))}, timeout=240)
+    return summary, out
 
 
 @pytest.fixture(scope="module")
