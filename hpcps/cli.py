@@ -325,17 +325,23 @@ def _cmd_bench_ps(args) -> int:
     from hpcps.ps.collectives import World
     from hpcps_kernels import optim
 
-    if World().size < 2:
-        return _fail("bench ps needs at least 2 ranks (1 server, 1 worker): mpiexec -n 2 hpcps bench ps")
+    if World().size < 2 + args.replicas:
+        r = args.replicas
+        servers, flag = (f"{1 + r} servers", f" --replicas {r}") if r else ("1 server", "")
+        return _fail(f"bench ps needs at least {2 + args.replicas} ranks ({servers}, 1 worker): "
+                     f"mpiexec -n {2 + args.replicas} hpcps bench ps{flag}")
     if args.optimizer not in optim.REGISTRY:
         return _fail(f"--optimizer {args.optimizer!r}: expected one of {sorted(optim.REGISTRY)}")
-    rows = bench_ps.run(args.sizes, args.repeat, args.dim, args.optimizer, args.key_bits)
+    if args.replicas:  # the replication rows alone
+        from hpcps.bench import replicas as bench_replicas
+        rows = bench_replicas.run(args.sizes or bench_replicas.SIZES, args.replicas, args.pairs, args.repeat, args.dim,
+                                  args.optimizer)
+        formatted = bench_replicas.format_rows
+    else:
+        rows = bench_ps.run(args.sizes or bench_ps.SIZES, args.repeat, args.dim, args.optimizer, args.key_bits)
+        formatted = lambda rows: bench_ps.format_rows(rows, args.optimizer)  # noqa: E731
     if rows is not None:
-        if args.json:
-            for r in rows:
-                print(outputs.dumps(r))
-        else:
-            print(bench_ps.format_rows(rows, args.optimizer))
+        print("\n".join(outputs.dumps(r) for r in rows) if args.json else formatted(rows))
     return 0
 
 
@@ -801,13 +807,17 @@ def _add_bench(sub) -> None:
     b.add_argument("--json", action="store_true", help="one JSON object per line")
     b.set_defaults(func=_cmd_bench_mpi)
     b = bsub.add_parser("ps", help="push/pull throughput per server beside raw MPI bandwidth (1 server + 1 worker)")
-    b.add_argument("--sizes", type=counts(), default="1000,10000,100000,1000000",
-                   help="batch sizes in keys, comma-separated")
+    b.add_argument("--sizes", type=counts(), default=None,
+                   help="batch sizes in keys, comma-separated (default 1000,10000,100000,1000000)")
     b.add_argument("--repeat", type=count(), default=5)
     b.add_argument("--dim", type=count(), default=1)
     b.add_argument("--optimizer", default="ftrl", help="a registered optimizer (sgd, adagrad, ftrl, adam, or your own)")
     b.add_argument("--key-bits", type=count(1, 64), default=64,
                    help="keys below 2**BITS; up to 26 the server addresses them directly (hashed features)")
+    b.add_argument("--replicas", type=count(0), default=0,
+                   help="R > 0: instead, the push time with cluster.replicas R beside 0 (R + 1 servers, 1 worker: "
+                        "mpiexec -n R+2); --sizes default 10000,100000 then")
+    b.add_argument("--pairs", type=count(), default=3, help="with --replicas: alternating pairs of runs")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=_cmd_bench_ps)
     b = bsub.add_parser("vw", help="hpcps vs Vowpal Wabbit on the same synthetic rows (runs its own mpiexec jobs)")

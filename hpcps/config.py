@@ -27,6 +27,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from hpcps.outputs import clash
+from hpcps.ps import filters as traffic_filters
 from hpcps.ps.tables import Features
 from hpcps_kernels import optim
 
@@ -62,6 +63,9 @@ class Cluster:
                                          "does: next = applied with the next clock, drop = dropped (TensorFlow's "
                                          "sync replicas)")
     num_shards: int = described(1024, "virtual shards (fixed for a model's life)")
+    replicas: int = described(0, "hot backups: each virtual shard is kept on replicas + 1 servers (on distinct "
+                                 "hosts where there are enough), pushes applied on every copy, pulls answered "
+                                 "by the primary; at most cluster.servers - 1 (docs/operations.md)")
     stall_warn_s: float = described(30.0, "report a request or collective nobody has answered for this long "
                                           "(seconds)")
     stall_timeout_s: float = described(300.0, "abort the job when a request or collective is unanswered this "
@@ -189,6 +193,22 @@ class Checkpoint:
 
 
 @dataclass(frozen=True)
+class Filters:
+    push_threshold: float = described(0.0, "send a pushed key only once a coordinate of its accumulated update "
+                                           "reaches this in absolute value; the rest stays in a residual on the "
+                                           "worker (0 = off; docs/architecture.md, traffic filters)")
+    wire_dtype: str = described("fp32", "the type of pushed and pulled values on the wire (the servers' rows and "
+                                        "optimizer state stay fp32)")
+    key_cache: bool = described(False, "send a key list to a server once, then only its id while it is unchanged")
+    key_cache_mb: float = described(64.0, "with key_cache: the key lists a worker keeps per table (each server "
+                                          "holds its share of them), the least recently used dropped past it")
+
+    def traffic(self):
+        """These settings as the parameter server's :class:`hpcps.ps.filters.Filters`."""
+        return traffic_filters.Filters(self.push_threshold, self.wire_dtype, self.key_cache, self.key_cache_mb)
+
+
+@dataclass(frozen=True)
 class Config:
     cluster: Cluster = field(default_factory=Cluster)
     data: Data = field(default_factory=Data)
@@ -198,6 +218,7 @@ class Config:
     train: Train = field(default_factory=Train)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     features: Features = field(default_factory=Features)
+    filters: Filters = field(default_factory=Filters)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -242,7 +263,7 @@ def fingerprint_differences(then: dict, now: dict) -> list[str]:
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
 _SECTION_CLASSES = {"cluster": Cluster, "data": Data, "synth": Synth, "model": Model, "train": Train,
-                    "checkpoint": Checkpoint, "features": Features}
+                    "checkpoint": Checkpoint, "features": Features, "filters": Filters}
 
 
 def _coerce(where: str, value: Any, default: Any):
@@ -312,6 +333,7 @@ CHOICES = {  # the keys whose values are names; models and data formats register
     ("cluster", "layout"): ("manual", "auto"),
     ("checkpoint", "on_signal"): ("exit", "continue"),
     ("checkpoint", "existing"): ("error", "replace"),
+    ("filters", "wire_dtype"): ("fp32", "fp16", "bf16"),
 }
 
 
@@ -395,6 +417,7 @@ RANGES = {
     ("cluster", "staleness"): (-1, INF, False),
     ("cluster", "backup_workers"): (0, INF, False),
     ("cluster", "num_shards"): (1, 1 << 24, False),
+    ("cluster", "replicas"): (0, INF, False),
     ("cluster", "stall_warn_s"): (0, INF, True),
     ("cluster", "stall_timeout_s"): (0, INF, True),
     ("data", "hash_bits"): (1, 64, False),
@@ -422,6 +445,8 @@ RANGES = {
     ("checkpoint", "delta_every_steps"): (0, INF, False),
     ("checkpoint", "delta_every_s"): (0, INF, False),
     ("checkpoint", "full_every"): (1, INF, False),
+    ("filters", "push_threshold"): (0, INF, False),
+    ("filters", "key_cache_mb"): (0, INF, True),
 }
 
 
@@ -444,6 +469,7 @@ def _check(cfg: Config) -> None:
     if cfg.cluster.stall_warn_s > cfg.cluster.stall_timeout_s:
         raise ConfigError(f"cluster.stall_warn_s ({cfg.cluster.stall_warn_s:g}) must not exceed "
                           f"cluster.stall_timeout_s ({cfg.cluster.stall_timeout_s:g})")
+    check_replicas(cfg)
     if cfg.train.holdout == 1:
         raise ConfigError("train.holdout = 1 would hold out every row; use 0 (none) or N >= 2 (every Nth row, "
                           "e.g. 10 as Vowpal Wabbit does)")
@@ -485,6 +511,23 @@ def _check(cfg: Config) -> None:
         raise ConfigError("data.predict and data.predict_out go together")
     if cfg.checkpoint.resume and not cfg.checkpoint.dir and cfg.checkpoint.resume == "auto":
         raise ConfigError("checkpoint.resume = 'auto' needs checkpoint.dir")
+
+
+def check_replicas(cfg: Config) -> None:
+    """``cluster.replicas`` against the servers and the features whose outcome on a server depends
+    on every key it holds (a backup holds other keys than its primary), which would make a
+    backup's rows differ from its primary's."""
+    r, f = cfg.cluster.replicas, cfg.features
+    if not r:
+        return
+    if cfg.cluster.layout == "manual" and r >= cfg.cluster.servers:
+        raise ConfigError(f"cluster.replicas = {r} needs at least {r + 1} servers (cluster.servers = "
+                          f"{cfg.cluster.servers}): each shard's copies are on distinct servers")
+    why = ("model.compute = 'servers' (a backup does not see the batches)" if cfg.model.compute == "servers" else
+           "features.admit_count > 1 (counters shared by hash)" if f.admit_count > 1 else
+           "features.server_memory_mb (a budget over every row a server holds)" if f.server_memory_mb else "")
+    if why:
+        raise ConfigError(f"cluster.replicas = {r} does not go with {why}: set cluster.replicas = 0")
 
 
 def _writable_dir(directory: str) -> str | None:

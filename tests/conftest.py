@@ -26,7 +26,7 @@ pytest_plugins = ["mpi_harness"]
 # a short one and no stream ends long before the other (measured per module, 2026-11-23: test_train
 # 163 CPU-s, test_checkpoint 117, test_deep 103, ... the alphabet had put test_train and test_tune last).
 HEAVY_FIRST = ["test_train.py", "test_checkpoint.py", "test_deep.py", "test_examples.py", "test_benchmarks.py",
-               "test_one_process.py", "test_reliability.py", "test_tune.py", "test_chaos.py", "test_margins.py",
+               "test_one_process.py", "test_reliability.py", "test_tune.py", "test_chaos.py", "test_filters.py", "test_margins.py",
                "test_backup_workers.py", "test_defaults_sweep.py", "test_features.py", "test_early_stop.py"]
 
 

@@ -20,7 +20,7 @@ from hpcps.train import synth
 from hpcps.train.model_file import ServingModel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_chaos import chaos_run  # noqa: E402
+from test_chaos import chaos_run, close_model  # noqa: E402
 
 
 def push(clock: int, worker: int) -> protocol.Push:
@@ -146,5 +146,5 @@ def test_the_chaos_kill_schedule_with_b_1_finishes_with_a_finite_model_near_the_
     worker's data position is the others' step) with a backup worker, its first kill -9 only (the
     cost): exit 0, every weight finite, test logloss within 0.005 of the run without kills (not bit
     for bit: which pushes come late depends on timing)."""
-    out = chaos_run(tmp_path, {"cluster.backup_workers": 1}, same_model=False, kills=1)
+    out = chaos_run(tmp_path, {"cluster.backup_workers": 1}, check=close_model, kills=1)
     assert "stalled workers" in out

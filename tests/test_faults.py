@@ -270,11 +270,13 @@ def _started(log) -> bool:
     return os.path.exists(log) and "steps/epoch" in open(log).read()
 
 
-def _interrupt(proc, log, signum, pid=None) -> tuple[int, str]:
-    """Once ``proc``'s job trains, send ``signum`` to ``pid()`` (default: ``proc`` itself, the
-    launcher); (exit status, output), checked for tracebacks."""
+def _interrupt(proc, log, signum, pid=None, meanwhile=None) -> tuple[int, str]:
+    """Once ``proc``'s job trains (and ``meanwhile()`` ran), send ``signum`` to ``pid()`` (default:
+    ``proc`` itself, the launcher); (exit status, output), checked for tracebacks."""
     assert wait_for(lambda: _started(log), proc=proc), open(log).read()[-3000:]
     time.sleep(1.0)  # mid-run
+    if meanwhile:
+        meanwhile()
     os.kill(pid() if pid else proc.pid, signum)
     rc = proc.wait(timeout=60)
     out = open(log).read()
@@ -307,10 +309,16 @@ def test_sigint_to_one_worker_rank_stops_the_whole_job(long_run, tmp_path):
 
 
 def test_sigterm_to_mpiexec_checkpoints_and_exits_75(long_run, tmp_path):
-    ck, log = tmp_path / "ck", tmp_path / "log"
-    rc, out = _interrupt(start(3, _long_args(long_run, ck), log=log), log, signal.SIGTERM)
+    ck, log, second = tmp_path / "ck", tmp_path / "log", []
+    # meanwhile a second job into the same checkpoint.dir, fresh or resuming, is refused in one line
+    rc, out = _interrupt(start(3, _long_args(long_run, ck), log=log), log, signal.SIGTERM, meanwhile=lambda: second.extend(
+        job(0, _long_args(long_run, ck, train__epochs=1) + resume, timeout=60) for resume in ([], ["--resume", "auto"])))
     assert rc == 75, out[-3000:]
     assert checkpoint.newest_good(str(ck))[1]["reason"] == "signal"
+    for rc2, out2 in second:
+        errors = [ln for ln in out2.splitlines() if ": error: " in ln]
+        assert rc2 == 2 and len(errors) == 1 and f"checkpoint.dir {ck} is in use by another running job" in errors[0], out2
+    assert [n for n in os.listdir(ck) if not n.startswith("ckpt-")] == []  # the lock adds no file
 
 
 def test_sigint_to_supervise_reaches_the_job_once_and_leaves_no_process(long_run, tmp_path):

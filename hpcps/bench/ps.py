@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from hpcps.ps import protocol, transport
+from hpcps.ps import filters, protocol, transport
 from hpcps.bench import mpi as bench_mpi
 from hpcps.ps.context import init
 from hpcps_kernels import optim
@@ -23,6 +23,13 @@ SIZES = [1_000, 10_000, 100_000, 1_000_000]
 # the request rows: bursts of BURST small requests sent at once, the server's time per request
 REQUEST_SIZES = [100, 1_000]
 BURST = 400
+# the filter rows: a push-pull of these many keys with each traffic filter on (hpcps.ps.filters),
+# beside the same request unfiltered
+FILTER_SIZES = [2_000, 20_000]  # (not REQUEST_SIZES: the server times push-pulls by their keys)
+FILTERS = {"none": filters.Filters(), "push_threshold": filters.Filters(push_threshold=1.0),
+           "wire fp16": filters.Filters(wire_dtype="fp16"), "wire bf16": filters.Filters(wire_dtype="bf16"),
+           "key_cache": filters.Filters(key_cache=True),
+           "fp16+key_cache": filters.Filters(wire_dtype="fp16", key_cache=True)}
 
 
 def _median_time(fn, reps: int) -> float:
@@ -85,8 +92,10 @@ def run(sizes=SIZES, reps: int = 5, dim: int = 1, optimizer: str = "ftrl", key_b
     transport.free(world)
 
     # 2. the parameter server: 1 server, the first worker drives, others idle
-    ctx = init(servers=1, staleness=-1, stall_timeout_s=600)
-    table = ctx.sparse_table("bench", dim=dim, optimizer=optimizer, key_bits=key_bits)
+    ctx = init(servers=1, staleness=-1, stall_timeout_s=600, traffic=filters.Filters(key_cache=True))
+    table = ctx.sparse_table("bench", dim=dim, optimizer=optimizer, key_bits=key_bits, traffic=filters.Filters())
+    filtered = {name: ctx.sparse_table(f"bench {name}", dim=dim, optimizer=optimizer, key_bits=key_bits, traffic=f)
+                for name, f in FILTERS.items()}
     rows, inside = None, None
     if ctx.is_server:
         stats = ctx.serve(trace=True)
@@ -112,6 +121,7 @@ def run(sizes=SIZES, reps: int = 5, dim: int = 1, optimizer: str = "ftrl", key_b
                              "gb_per_s": gbs, "raw_mpi_gb_per_s": raw[n] / 1e9, "ratio": gbs / (raw[n] / 1e9),
                              "roofline_keys_per_s": roof, "roofline_ratio": keys.size / t / roof})
         rows += _request_rows(ctx, table, rng, dim, reps, raw_requests, key_bits)
+        rows += _filter_rows(ctx, filtered, rng, dim, reps, key_bits)
         time.sleep(2.0)  # let the server idle
         rows.append({"op": "waiting", **waiting})
     ctx.finalize()
@@ -180,6 +190,47 @@ def _request_rows(ctx, table, rng, dim: int, reps: int, raw: dict, key_bits: int
     return rows
 
 
+def _filter_rows(ctx, tables: dict, rng, dim: int, reps: int, key_bits: int) -> list[dict]:
+    """A push-pull round trip (the same keys pushed and pulled, as a step of kept batches) of
+    FILTER_SIZES keys through each table of ``tables`` (one per entry of FILTERS), the tables taken
+    in turn within each repetition: its median microseconds and the bytes it sent and received,
+    each beside the unfiltered table's as a ratio."""
+    rows = []
+    for n in FILTER_SIZES:
+        keys = _keys(rng, n, key_bits)
+        grads = rng.normal(size=(keys.size, dim)).astype(np.float32)
+        times: dict = {name: [] for name in tables}
+        traffic: dict = {name: [] for name in tables}
+        for rep in range(reps + 1):  # (the first round creates the keys and fills the key caches)
+            for name, table in tables.items():
+                before = ctx.stats["bytes_sent"] + ctx.stats["bytes_received"]
+                t = time.perf_counter()
+                table.wait(table.ipushpull(keys, grads, keys, unique=True))
+                if rep:
+                    times[name].append(time.perf_counter() - t)
+                    traffic[name].append(ctx.stats["bytes_sent"] + ctx.stats["bytes_received"] - before)
+        base_t, base_b = float(np.median(times["none"])), float(np.median(traffic["none"]))
+        for name in tables:
+            t, b = float(np.median(times[name])), float(np.median(traffic[name]))
+            rows.append({"op": "filter", "filter": name, "keys": int(keys.size), "us_per_request": t * 1e6,
+                         "bytes_per_request": b, "time_ratio": t / base_t, "bytes_ratio": b / base_b})
+    return rows
+
+
+def format_filter_rows(rows: list[dict]) -> list[str]:
+    """The filter rows: a push-pull's time and bytes with each filter, as ratios to none."""
+    if not rows:
+        return []
+    out = [f"{'filter':<15} {'keys':>7} {'us/push-pull':>13} {'vs none':>8} {'bytes':>10} {'vs none':>8}"]
+    for r in rows:
+        out.append(f"{r['filter']:<15} {r['keys']:>7} {r['us_per_request']:>13.1f} {r['time_ratio']:>7.2f}x "
+                   f"{r['bytes_per_request']:>10.0f} {r['bytes_ratio']:>7.2f}x")
+    out.append("(filters: a push-pull of the same keys, repeated, through a table with each traffic filter on "
+               "(docs/architecture.md), medians of the repetitions taken in turn; bytes both ways; push_threshold "
+               "1.0 on normal gradients)")
+    return out
+
+
 def _moved_bytes(op: str, dim: int, width: int) -> int:
     """Bytes of memory the server's kernels read and write per key: a push reads the gradient and
     reads and writes the key's row (parameters and the rule's state); a pull reads the row's
@@ -212,7 +263,7 @@ def format_rows(rows: list[dict], optimizer: str) -> str:
     out = [f"{'op':<11} {'keys':>9} {'ms':>9} {'Mkeys/s':>9} {'vs roofline':>11} {'GB/s':>7} {'raw MPI GB/s':>13} "
            f"{'ratio':>6} {'server ms':>10} {'server vs roofline':>19} {'server GB/s':>12}"]
     for r in rows:
-        if r["op"] in ("waiting", "requests"):
+        if r["op"] in ("waiting", "requests", "filter"):
             continue
         inside = (f" {r['server_s'] * 1e3:>10.2f} {r['server_roofline_ratio']:>19.0%} {r['server_gb_per_s']:>12.1f}"
                   if "server_s" in r else f" {'-':>10} {'-':>19} {'-':>12}")
@@ -232,6 +283,7 @@ def format_rows(rows: list[dict], optimizer: str) -> str:
                    f"hpcps wait {w['hpcps wait']:.0%}")
         out.append(f"8-byte round trip: blocking {w['rtt_blocking_us']:.1f} us, hpcps wait {w['rtt_wait_us']:.1f} us")
     out += format_request_rows([r for r in rows if r["op"] == "requests"])
+    out += format_filter_rows([r for r in rows if r["op"] == "filter"])
     return "\n".join(out)
 
 

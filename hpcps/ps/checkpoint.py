@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import json
 import mmap
 import os
@@ -362,6 +363,38 @@ def prune(root: str, keep: int, run_id: str, report=say) -> list[str]:
     return deleted
 
 
+_held: dict[str, int] = {}  # checkpoint.dir -> an open descriptor of it, locked for the process's life
+
+
+def hold(root: str) -> str | None:
+    """Lock ``root`` for this process: an exclusive ``flock`` on the directory itself (no file
+    added to it), released by the kernel when the process ends however it ends, so a killed job
+    leaves no stale lock. Returns why it cannot (another running job holds it), else None. Where
+    the file system has no such locks (NFS, some parallel file systems), nothing is locked."""
+    if os.path.realpath(root) in _held:
+        return None
+    os.makedirs(root, exist_ok=True)
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return (f"checkpoint.dir {root} is in use by another running job (it holds the directory's lock): "
+                    f"two jobs writing checkpoints into one directory would replace each other's; wait for "
+                    f"it to end or write to another checkpoint.dir")
+        return None  # no locks on this file system (ENOLCK, ENOSYS, EOPNOTSUPP, EBADF)
+    _held[os.path.realpath(root)] = fd
+    return None
+
+
+def release(root: str) -> None:
+    """Unlock ``root`` (:func:`hold`) where this process is done with it before it ends."""
+    fd = _held.pop(os.path.realpath(root), None)
+    if fd is not None:
+        os.close(fd)
+
+
 def claim(root: str, run_id: str, resumed: str | None, existing: str = "error", report=say) -> str | None:
     """Before a run writes into ``root``: make it hold checkpoints of the run ``run_id`` only.
     Returns why it cannot (None when it can): ``root`` holds checkpoints of another run, and
@@ -369,7 +402,11 @@ def claim(root: str, run_id: str, resumed: str | None, existing: str = "error", 
     A resumed run (``resumed``, the checkpoint it resumes from) moves its own lineage's checkpoints
     named past that one under ``superseded/`` (they would be mistaken for its newest), and damaged
     checkpoints (an unreadable manifest) under ``damaged/``; for a fresh run those are another
-    run's. The checkpoint resumed from is never moved. Nothing is deleted."""
+    run's. The checkpoint resumed from is never moved. Nothing is deleted. ``root`` stays locked
+    (:func:`hold`) for this process's life: a second job into it is refused while this one runs."""
+    busy = hold(root)
+    if busy:
+        return busy
     others, later = [], []
     resumed_step = step_of(resumed) if resumed and _NAME.match(os.path.basename(os.path.normpath(resumed))) else None
     for ckpt in complete_checkpoints(root):

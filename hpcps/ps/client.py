@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hpcps.ps import protocol, transport
+from hpcps.ps import filters, protocol, transport
 from hpcps.ps.tables import TableSpec
 from hpcps_kernels import keys as kkeys
 
@@ -153,7 +153,9 @@ class TableRequests:
             return call_result(req)
         if req.op == protocol.MARGINS:
             return margins_result(req, self.dim)
-        values = [protocol.pulled_values(reply, self.dim) for _, reply in req.parts]
+        wire = self.wire
+        values = [protocol.pulled_values(reply, self.dim, wire, -1 if chunk is None else chunk.shape[0])
+                  for chunk, reply in req.parts]
         if len(req.parts) == 1 and req.expand is None and values[0].shape[0] == req.n_unique:
             return values[0]  # one server answered for every key, in order
         out = np.empty((req.n_unique, self.dim), dtype=np.float32)
@@ -249,9 +251,13 @@ class SparseTable(TableRequests):
     """A worker's handle on a sparse table (declared identically on every rank): its pulls,
     pushes and push-pulls, and computation on the servers (:class:`ServerComputations`)."""
 
-    def __init__(self, ctx, table_id: int, spec: TableSpec):
+    def __init__(self, ctx, table_id: int, spec: TableSpec, traffic: filters.Filters | None = None):
         super().__init__(ctx, table_id, spec)
         self.computations = ServerComputations(self)
+        # the traffic filters of its pushes, pulls and push-pulls (hpcps.ps.filters), or None
+        traffic = traffic or ctx.filters
+        self.filters = filters.TableFilters(traffic, self.dim, ctx.layout.servers, ctx.stats) if traffic.any else None
+        self.wire = traffic.wire
 
     def _send(self, op: int, keys: np.ndarray, grads: np.ndarray | None, ahead: int = 0, lent: bool = False) -> int:
         """Send a pull (``grads`` None) or a push of sorted unique ``keys``, sliced by server and
@@ -265,7 +271,8 @@ class SparseTable(TableRequests):
             else:
                 self._message(req, 0, None, keys, grads, None, lent=lent)
             return self._register(req)
-        order, offsets = ctx.placement.slice(keys)
+        # (a push goes to every copy of its keys' shards: cluster.replicas)
+        order, offsets = (ctx.placement.slice if op == protocol.PULL else ctx.placement.push_slice)(keys)
         for server in range(ctx.layout.servers):
             sel = order[offsets[server]:offsets[server + 1]]
             for lo in range(0, sel.shape[0], self.max_keys):
@@ -284,19 +291,35 @@ class SparseTable(TableRequests):
         the caller's, who may change it once the push returns, so it returns once they are sent
         (the transfer the wait for the reply would otherwise have done)."""
         n_pull = 0 if pull_keys is None else pull_keys.shape[0]
-        apart = grads is not None and not self.ctx.local and protocol.grads_apart(grads)
+        enc = self._encoding(server, push_keys, grads, pull_keys)
+        apart = grads is not None and not self.ctx.local and enc.wire == filters.FP32 and protocol.grads_apart(grads)
         worker = self.ctx.worker_index
         if req.op == protocol.PULL:
-            message = lambda req_id: protocol.Pull(self.id, req_id, req.clock, worker, pull_keys)  # noqa: E731
+            message = lambda req_id: protocol.Pull(self.id, req_id, req.clock, worker, pull_keys, enc)  # noqa: E731
         elif req.op == protocol.PUSH:
             message = lambda req_id: protocol.Push(self.id, req_id, req.clock, worker, push_keys, grads,  # noqa: E731
-                                                   apart)
+                                                   apart, enc)
         else:
             message = lambda req_id: protocol.PushPull(self.id, req_id, req.clock, worker, push_keys,  # noqa: E731
                                                        grads, pull_keys, req.ahead, in_pull, apart,
-                                                       req.clock_workers)
-        self._post(req, server, pulled, protocol.reply_bytes(req.op, n_pull, self.dim),
+                                                       req.clock_workers, enc)
+        self._post(req, server, pulled, protocol.reply_bytes(req.op, n_pull, self.dim, enc.wire),
                    lambda req_id: message(req_id).pack(self.ctx.pool.take), grads if apart else None, lent)
+
+    def _encoding(self, server: int, push_keys, grads, pull_keys) -> protocol.Encoding:
+        """How a message to ``server`` travels under the table's filters (the pushed list first,
+        then the pulled one: the order the server reads them in), its values counted."""
+        f = self.filters
+        if f is None:
+            return protocol.PLAIN
+        n_pull = 0 if pull_keys is None else pull_keys.shape[0]
+        f.count_values(0 if grads is None else grads.size)  # (each way padded apart)
+        f.count_values(n_pull * self.dim)
+        return protocol.Encoding(f.wire, *f.key_ref(server, push_keys), *f.key_ref(server, pull_keys))
+
+    def _threshold(self, keys, grads, in_pull=None):
+        """The significance filter (``filters.push_threshold``) on a push: what is sent of it."""
+        return (keys, grads, in_pull) if self.filters is None else self.filters.threshold(keys, grads, in_pull)
 
     def ipushpull(self, push_keys, grads, pull_keys, aggregate: bool = False, unique: bool = False,
                   ahead: int = 0, in_pull: np.ndarray | None = None, donate: bool = False,
@@ -322,6 +345,7 @@ class SparseTable(TableRequests):
         if not unique or (aggregate and ctx.group_comm.Get_size() > 1):
             in_pull = None  # (the keys sent are not those given)
         push_keys, grads = self._prepare_push(push_keys, grads, aggregate, unique)
+        push_keys, grads, in_pull = self._threshold(push_keys, grads, in_pull)
         pull_keys = np.ascontiguousarray(pull_keys, dtype=np.uint64).reshape(-1)
         expand = None
         if not unique and not kkeys.is_sorted_unique(pull_keys):
@@ -338,7 +362,7 @@ class SparseTable(TableRequests):
         if ctx.layout.servers == 1:  # nothing to slice: no hashing of keys, no copies
             self._message(req, 0, np.arange(pull_keys.shape[0]), push_keys, grads, pull_keys, in_pull, lent=not donate)
         else:
-            push_order, push_offsets = ctx.placement.slice(push_keys)
+            push_order, push_offsets = ctx.placement.push_slice(push_keys)  # (to every copy)
             pull_order, pull_offsets = ctx.placement.slice(pull_keys)
             for server in range(ctx.layout.servers):  # every server: each needs the clock
                 sp = push_order[push_offsets[server]:push_offsets[server + 1]]
@@ -397,6 +421,7 @@ class SparseTable(TableRequests):
                 :meth:`wait` would otherwise do), so the caller may then change the array.
         """
         keys, grads = self._prepare_push(keys, grads, aggregate, unique)
+        keys, grads, _ = self._threshold(keys, grads)
         return self._send(protocol.PUSH, keys, grads, lent=not donate)
 
     def _prepare_push(self, keys, grads, aggregate: bool, unique: bool = False):
@@ -486,7 +511,7 @@ class TableSet:
         if ctx.layout.servers == 1:
             parts = [(push_keys, grads, np.arange(pull_keys.shape[0]), in_pull)]
         else:
-            push_order, push_offsets = ctx.placement.slice(push_keys)
+            push_order, push_offsets = ctx.placement.push_slice(push_keys)  # (to every copy)
             pull_order, pull_offsets = ctx.placement.slice(pull_keys)
             parts = []
             for server in range(ctx.layout.servers):

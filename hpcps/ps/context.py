@@ -16,16 +16,17 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from typing import Callable
 
 import numpy as np
 
-from hpcps.ps import checkpoint, collectives, deltas, protocol, signals, transport
+from hpcps.ps import checkpoint, collectives, deltas, filters, protocol, replication, signals, transport
 from hpcps.ps import margins  # noqa: F401 - registers the server functions of MARGINS and RESIDUALS
 from hpcps.ps.client import DenseTable, SparseTable, TableSet
 from hpcps.ps.consistency import NO_BACKUP, Backup
-from hpcps.ps.layout import Layout, check_world
+from hpcps.ps.layout import Layout, LayoutError, check_world
 from hpcps.ps.placement import DEFAULT_SHARDS, Placement
 from hpcps.ps.server import Server
 from hpcps.ps.tables import SERVER_FUNCTIONS, Features, ServerFunction, TableSpec
@@ -58,19 +59,22 @@ class TableDeclarations:
 
     def sparse_table(self, name: str, dim: int = 1, optimizer: str = "sgd", params: dict | None = None,
                      init: str = "zeros", init_scale: float = 0.01, seed: int = 0, key_bits: int = 64,
-                     features: Features | None = None, init_keys: tuple = ()) -> SparseTable:
+                     features: Features | None = None, init_keys: tuple = (),
+                     traffic: filters.Filters | None = None) -> SparseTable:
         """Declare a sparse table (collective; identical on every rank). ``key_bits``: keys are
         (mostly) below ``2**key_bits`` (hashed features): up to 26 bits servers address rows
         directly by key. ``features``: admission and eviction of keys (:class:`hpcps.ps.tables.Features`).
         ``init_keys``: ``((key, values), ...)``, keys that start at given values instead of the
-        initializer (a regression's bias at the label mean)."""
+        initializer (a regression's bias at the label mean). ``traffic``: this table's traffic filters
+        (default: the context's, ``init``'s ``traffic``; a server keeps key lists only where the
+        context's have the key cache on)."""
         if name in self.tables:
             raise ValueError(f"table {name!r} is already declared")
         spec = TableSpec(name, dim, optimizer, dict(params or {}), init, init_scale, seed, key_bits,
                          features or Features(), tuple((int(k), tuple(float(x) for x in v)) for k, v in init_keys))
         self._check_same(f"table {name!r}", spec.fingerprint())
         self.specs.append(spec)
-        table = SparseTable(self, len(self.specs) - 1, spec)
+        table = SparseTable(self, len(self.specs) - 1, spec, traffic)
         self.tables[name] = table
         return table
 
@@ -143,7 +147,32 @@ class GroupExchanges:
                                   self.stall_timeout_s, "scatter of pulled rows")
 
 
-class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges):
+class ContextReplicas:
+    """A context's view of the shards' copies (``cluster.replicas``): their check at the end, and
+    the loss of a server. Needs ``placement``, ``server`` (a server rank's), ``every_rank``."""
+
+    def compare_replicas(self) -> dict:
+        """Collective over the world, once serving is done: each server's digest of every shard
+        copy it keeps (:meth:`hpcps.ps.replication.ServerCopies.replica_digests`), summed over
+        the ranks; returns the copies compared and the shards whose backups differ from their
+        primary (``{}`` without replicas)."""
+        if not self.placement.replicas:
+            return {}
+        mine = self.server.replica_digests() if self.is_server else np.zeros(self.placement.copies.shape, np.int64)
+        every = self.every_rank.reduce(mine.reshape(-1), "sum", "sum of the replicas' digests")
+        differing = replication.differing_shards(every.reshape(mine.shape))
+        if differing and self.worker_index == 0:  # (a failover would not continue the same model)
+            sys.stderr.write(f"hpcps: warning: the backups of {differing} of {mine.shape[0]} shards differ from "
+                             f"their primary's rows at the end of serving\n")
+        return {"replica_copies": int(every.shape[0]), "replica_shards_differing": differing}
+
+    def server_lost(self, server: int) -> None:
+        """A worker learns that ``server`` is gone (the fault-tolerant transport's event): its
+        shards' first backups answer their pulls from now on, and pushes go to the new copies."""
+        self.placement = self.placement.after_loss(server)
+
+
+class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges, ContextReplicas):
     """One rank's view of the parameter server. ``net``: how it reaches the other ranks, and the
     communicators its collectives run over (:class:`hpcps.ps.transport.Transport`): every message
     and collective of the server, the client and the context goes through it."""
@@ -151,7 +180,7 @@ class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges)
     local = False  # a job of one process (LocalContext)
 
     def __init__(self, net: transport.Transport, layout: Layout, staleness: int, num_shards: int,
-                 stall_warn_s: float, stall_timeout_s: float, backup: Backup = NO_BACKUP):
+                 stall_warn_s: float, stall_timeout_s: float, backup: Backup = NO_BACKUP, replicas: int = 0):
         self.net = net
         self.backup = backup
         self.layout = layout
@@ -161,13 +190,15 @@ class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges)
         self.worker_index = layout.worker_index(self.rank) if self.is_worker else -1
         self.group = layout.group_of(self.rank)
         self.staleness = staleness
-        self.placement = Placement(layout.servers, num_shards)
         self.stall_warn_s = stall_warn_s
         self.stall_timeout_s = stall_timeout_s
         self._init_state()
         self._check_same("layout", hash((layout.servers, layout.worker_groups, staleness, num_shards,
-                                         backup.workers, backup.late_pushes == "drop")) & 0x7FFFFFFF)
+                                         backup.workers, backup.late_pushes == "drop", replicas)) & 0x7FFFFFFF)
         self.hosts = transport.host_names(self.comm, stall_timeout_s)  # each rank's host, in rank order
+        # (a shard's copies on distinct hosts: the servers are the first ranks)
+        self.placement = Placement(layout.servers, num_shards, replicas=replicas,
+                                   hosts=tuple(self.hosts[:layout.servers]) if replicas else ())
 
     # the communicators, all the transport's: every rank; this worker's group (servers get none);
     # all workers together (evaluation, data checks) and all servers together (export)
@@ -190,7 +221,8 @@ class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges)
         # wait_s: time waiting for the servers; background_s: time of background work done
         # during those waits (not counted as waiting); requests: the requests sent to the servers
         self.stats = {"wait_s": 0.0, "max_staleness": 0, "background_s": 0.0, "bytes_sent": 0, "bytes_received": 0,
-                      "requests": 0}
+                      "requests": 0, **dict.fromkeys(filters.SAVED_KEYS, 0)}
+        self.filters = filters.Filters()  # the traffic filters (init's ``filters``), all off
         self.server_stats: dict | None = None
         self.server_stop = 0       # the stop signal a server reported (SIGINT or SIGTERM for the others), or 0
         # work a worker does while it waits for the servers instead of sleeping (the training loop
@@ -223,7 +255,7 @@ class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges)
             raise RuntimeError("serve() is for server ranks (ctx.is_server)")
         server = Server(self.net, self.rank, self.layout.workers, self.layout.servers, self.specs,
                         self.placement, self.staleness, self.stall_warn_s, self.functions, self.stall_timeout_s,
-                        self.backup)
+                        self.backup, self.filters.server_lists(self.layout.servers))
         self.server = server
         if restore is not None:
             server.restore(*restore)
@@ -365,7 +397,8 @@ class LocalContext(Context):
     def _local_server(self) -> Server:
         if self.server is None:
             self.server = Server(self.net, self.net.SERVER, 1, self.net.WORKER, self.specs, self.placement,
-                                 self.staleness, self.stall_warn_s, self.functions, self.stall_timeout_s)
+                                 self.staleness, self.stall_warn_s, self.functions, self.stall_timeout_s,
+                                 self.filters.server_lists(1))
         if len(self.server.tables) != len(self.specs) or len(self.server.functions) != len(self.functions):
             raise RuntimeError("declare every table and server function before the first request")
         return self.server
@@ -442,7 +475,7 @@ def write_checkpoint(ctx: Context, root: str, step: int, manifest: dict, keep: i
 
 def init(servers: int = 1, worker_groups: int | None = None, staleness: int = 0,
          num_shards: int = DEFAULT_SHARDS, stall_warn_s: float = 30.0, stall_timeout_s: float = 300.0,
-         comm=None, backup: Backup = NO_BACKUP) -> Context:
+         comm=None, backup: Backup = NO_BACKUP, traffic: filters.Filters | None = None, replicas: int = 0) -> Context:
     """Split the world (collective) into ``servers`` server ranks and ``worker_groups`` groups.
 
     Args:
@@ -455,6 +488,10 @@ def init(servers: int = 1, worker_groups: int | None = None, staleness: int = 0,
         comm: the world to split (default MPI.COMM_WORLD); the library works on a duplicate.
         backup: backup workers under BSP (:class:`hpcps.ps.consistency.Backup`): a clock completes
             once all but ``backup.workers`` workers have passed it.
+        traffic: the traffic filters (:class:`hpcps.ps.filters.Filters`; default none), the same
+            on every rank, before any table is declared.
+        replicas: hot backups: each shard kept on ``replicas + 1`` servers, a push applied on every
+            copy, a pull answered by the primary (:mod:`hpcps.ps.replication`).
 
     A world of one process (no mpiexec) gives a :class:`LocalContext`: one server inside the
     process, no messages.
@@ -465,12 +502,17 @@ def init(servers: int = 1, worker_groups: int | None = None, staleness: int = 0,
     """
     base = comm if comm is not None else transport.world()
     check_world(base.Get_size(), servers, worker_groups, num_shards)
+    if not 0 <= replicas < servers:
+        raise LayoutError(f"cluster.replicas = {replicas} needs at least {replicas + 1} servers ({servers} "
+                          f"planned): each shard's copies are on distinct servers")
     if base.Get_size() == 1:
         if backup.workers:
             raise ValueError(backup.check(1, staleness))
         transport.install_abort_handler()
         transport.set_stall_warning(stall_warn_s)
-        return LocalContext(staleness, num_shards, stall_warn_s, stall_timeout_s)
+        ctx = LocalContext(staleness, num_shards, stall_warn_s, stall_timeout_s)
+        ctx.filters = traffic or ctx.filters
+        return ctx
     layout = Layout.plan(base.Get_size(), servers, worker_groups, num_shards)
     problem = backup.check(layout.workers, staleness, layout.worker_groups)
     if problem:
@@ -480,6 +522,8 @@ def init(servers: int = 1, worker_groups: int | None = None, staleness: int = 0,
     world = transport.dup(base)
     rank = world.Get_rank()
     net = transport.MPITransport.split(world, layout.group_of(rank), not layout.is_server(rank), stall_timeout_s)
-    return Context(net, layout, staleness, num_shards, stall_warn_s, stall_timeout_s, backup)
+    ctx = Context(net, layout, staleness, num_shards, stall_warn_s, stall_timeout_s, backup, replicas)
+    ctx.filters = traffic or ctx.filters
+    return ctx
 
 

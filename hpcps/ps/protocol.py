@@ -75,6 +75,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from hpcps.ps import filters
 from hpcps_kernels.tuning import GRADS_APART_BYTES, MESSAGE_PAGE_OFFSET, PAGE_BYTES, PAGE_EDGE_BYTES, PLACED_BYTES
 
 
@@ -107,6 +108,12 @@ TAG_GRADS = 2
 TAG_REPLY_BASE = 16
 IN_PULL = 1      # request flag: a push-pull's in-pull bits follow its pull keys
 GRADS_APART = 2  # request flag: its gradients follow as a message of their own (TAG_GRADS)
+WIRE_SHIFT = 2   # request flags bits 2-3: the values' wire type, both ways (filters.FP32, FP16 or BF16)
+PUSH_LIST_ID = 16    # request flag: the pushed keys are a key list the server holds: one word, its id
+PUSH_LIST_NEW = 32   # request flag: the pushed keys follow a word, their list's id, under which the server keeps them
+PULL_LIST_ID = 64    # as PUSH_LIST_ID, for the pulled keys
+PULL_LIST_NEW = 128  # as PUSH_LIST_NEW, for the pulled keys
+KEY_LIST_FLAGS = PUSH_LIST_ID | PUSH_LIST_NEW | PULL_LIST_ID | PULL_LIST_NEW
 CLOCK_WORKERS_SHIFT = 8  # request flags from this bit on: the workers whose clock a push-pull carries (0: 1)
 PAYLOAD_APART = 1  # reply flag: the header is a message of its own, and the payload follows it
 OK = 0
@@ -130,10 +137,43 @@ def reply_tag(req_id: int, tag_ub: int) -> int:
     return TAG_REPLY_BASE + req_id % (tag_ub - TAG_REPLY_BASE)
 
 
-def request_bytes(n_push: int, n_pull: int, dim: int, in_pull: bool = False, grads_apart: bool = False) -> int:
+@dataclass(frozen=True)
+class Encoding:
+    """How a push's, a pull's or a push-pull's arrays travel (the traffic filters,
+    :mod:`hpcps.ps.filters`): the values' wire type (both ways), and each key list as its keys
+    (id 0), as the id of a list the server holds (``held``), or as a new list's id and its keys."""
+
+    wire: int = filters.FP32
+    push_list: int = 0
+    push_held: bool = False
+    pull_list: int = 0
+    pull_held: bool = False
+
+    def flags(self) -> int:
+        return (self.wire << WIRE_SHIFT
+                | (0 if not self.push_list else PUSH_LIST_ID if self.push_held else PUSH_LIST_NEW)
+                | (0 if not self.pull_list else PULL_LIST_ID if self.pull_held else PULL_LIST_NEW))
+
+    @classmethod
+    def of(cls, flags: int, push_list: int = 0, pull_list: int = 0) -> "Encoding":
+        return cls((flags >> WIRE_SHIFT) & 3, push_list, bool(flags & PUSH_LIST_ID), pull_list,
+                   bool(flags & PULL_LIST_ID))
+
+
+PLAIN = Encoding()
+
+
+def keys_bytes(n: int, list_id: int, held: bool) -> int:
+    """The bytes of a key list in a request: its keys, or its id (and its keys, when new)."""
+    return 8 * n if not list_id else 8 if held else 8 + 8 * n
+
+
+def request_bytes(n_push: int, n_pull: int, dim: int, in_pull: bool = False, grads_apart: bool = False,
+                  enc: Encoding = PLAIN) -> int:
     """The bytes of a request message (without its gradients when they go apart)."""
-    return (HEADER_BYTES + (8 + (0 if grads_apart else 4 * dim)) * n_push + 8 * n_pull
-            + (-(-n_push // 8) if in_pull else 0))
+    return (HEADER_BYTES + keys_bytes(n_push, enc.push_list, enc.push_held)
+            + (0 if grads_apart else filters.wire_bytes(n_push * dim, enc.wire))
+            + keys_bytes(n_pull, enc.pull_list, enc.pull_held) + (-(-n_push // 8) if in_pull else 0))
 
 
 def clock_workers_flags(n: int) -> int:
@@ -147,14 +187,14 @@ def margin_width(dim: int) -> int:
     return 1 if dim == 1 else dim + 1
 
 
-def reply_bytes(op: int, n_pull: int, dim: int) -> int:
+def reply_bytes(op: int, n_pull: int, dim: int, wire: int = filters.FP32) -> int:
     if op == CHECKPOINT:
         return REPLY_BYTES + CHECKPOINT_RESULT.itemsize
     if op == MARGINS:
         return REPLY_BYTES + 8 * n_pull * margin_width(dim)
     if op == RESIDUALS:
         return REPLY_BYTES
-    return REPLY_BYTES + 4 * n_pull * dim
+    return REPLY_BYTES + filters.wire_bytes(n_pull * dim, wire)
 
 
 # Where a large request is placed in memory. Copies of large messages run at a fraction of their
@@ -246,60 +286,115 @@ class Pull(TableMessage):
 
     op: ClassVar[int] = PULL
     pull_keys: np.ndarray
+    encoding: Encoding = PLAIN  # the traffic filters' (the pulled values' wire type, the keys' list)
 
     def pack(self, alloc=None) -> np.ndarray:
-        n = self.pull_keys.shape[0]
-        buf = _pack(_words(PULL, self.table, self.req_id, (0, n), self.clock, self.worker), HEADER_BYTES + 8 * n,
-                    alloc)
-        buf[HEADER_BYTES:].view(np.uint64)[:] = self.pull_keys
+        n, enc = self.pull_keys.shape[0], self.encoding
+        buf = _pack(_words(PULL, self.table, self.req_id, (0, n), self.clock, self.worker, flags=enc.flags()),
+                    HEADER_BYTES + keys_bytes(n, enc.pull_list, enc.pull_held), alloc)
+        _put_keys(buf, HEADER_BYTES, self.pull_keys, enc.pull_list, enc.pull_held)
         return buf
 
     @classmethod
-    def unpack(cls, words: list, buf: np.ndarray, dims: list[int], grads: np.ndarray | None) -> "Pull":
-        _, table, req_id, _, n, clock, worker, _, _ = words
-        return cls(table, req_id, clock, worker, buf[HEADER_BYTES:HEADER_BYTES + 8 * n].view(np.uint64))
+    def unpack(cls, words: list, buf: np.ndarray, dims: list[int], grads: np.ndarray | None,
+               lists=None) -> "Pull":
+        _, table, req_id, _, n, clock, worker, _, flags = words
+        keys, _, pull_list = _get_keys(buf, HEADER_BYTES, n, flags, PULL_LIST_ID, lists, worker, table)
+        return cls(table, req_id, clock, worker, keys, Encoding.of(flags, 0, pull_list))
+
+
+def _put_keys(buf: np.ndarray, at: int, keys: np.ndarray, list_id: int, held: bool) -> int:
+    """Write a key list at ``at`` as :func:`keys_bytes` says; returns where it ends."""
+    if list_id:
+        buf[at:at + 8].view(np.int64)[0] = list_id
+        at += 8
+        if held:
+            return at
+    n = keys.shape[0]
+    if n:
+        buf[at:at + 8 * n].view(np.uint64)[:] = keys
+    return at + 8 * n
+
+
+def _get_keys(buf: np.ndarray, at: int, n: int, flags: int, held_flag: int, lists, worker: int, table: int):
+    """(the key list at ``at``, where it ends, its list's id or 0) in a request whose ``flags`` say
+    how it travels (``held_flag``: PUSH_LIST_ID or PULL_LIST_ID; the NEW flag is the next bit);
+    ``lists``: the server's key lists (:class:`hpcps.ps.filters.ServerKeyLists`)."""
+    if not flags & (held_flag | held_flag << 1):
+        return buf[at:at + 8 * n].view(np.uint64), at + 8 * n, 0
+    if lists is None:
+        raise ValueError("a request names a key list, and this server keeps none (filters.key_cache)")
+    list_id = int(buf[at:at + 8].view(np.int64)[0])
+    if flags & held_flag:
+        return lists.get(worker, table, list_id), at + 8, list_id
+    return lists.store(worker, table, list_id, buf[at + 8:at + 8 + 8 * n].view(np.uint64)), at + 8 + 8 * n, list_id
+
+
+def _put_values(buf: np.ndarray, at: int, values: np.ndarray, wire: int) -> int:
+    """Write float32 ``values`` at ``at`` in the wire type; returns where they end."""
+    count = values.size
+    if wire == filters.FP32:
+        buf[at:at + 4 * count].view(np.float32)[:] = values.reshape(-1)
+    else:
+        buf[at:at + 2 * count].view(np.uint16)[:] = filters.encode(values, wire)
+    return at + filters.wire_bytes(count, wire)
+
+
+def _get_values(buf: np.ndarray, at: int, count: int, wire: int) -> np.ndarray:
+    """``count`` values at ``at`` in the wire type, as float32 (a view where they are float32)."""
+    if wire == filters.FP32:
+        return buf[at:at + 4 * count].view(np.float32)
+    return filters.decode(buf[at:at + 2 * count], wire)
 
 
 def _pack_pushed(words: tuple, keys: np.ndarray, grads: np.ndarray, pull_keys: np.ndarray,
-                 in_pull: np.ndarray | None, alloc, apart: bool) -> np.ndarray:
+                 in_pull: np.ndarray | None, alloc, apart: bool, enc: Encoding = PLAIN) -> np.ndarray:
     """The layout of a push and a push-pull (sizes: the pushed keys, the pulled keys): the keys,
-    their gradients (unless ``apart``), the pulled keys, the in-pull bits (with ``IN_PULL``)."""
+    their gradients (unless ``apart``), the pulled keys, the in-pull bits (with ``IN_PULL``); each
+    key list as its list's id and keys, or its id alone, where ``enc`` says."""
     n_push, n_pull, dim = keys.shape[0], pull_keys.shape[0], grads.shape[1] if grads.ndim == 2 else 0
     flags = words[8]
-    nbytes = request_bytes(n_push, n_pull, dim, flags & IN_PULL, flags & GRADS_APART)
-    if n_push * dim * 4 >= PLACED_BYTES and not apart:  # the gradients' copy is most of the packing
+    nbytes = request_bytes(n_push, n_pull, dim, flags & IN_PULL, flags & GRADS_APART, enc)
+    if n_push * dim * 4 >= PLACED_BYTES and not apart and enc is PLAIN:  # the gradients' copy is most of the packing
         buf = place(alloc, nbytes, HEADER_BYTES + 8 * n_push, grads)
     else:
         buf = _take(alloc, nbytes)
     _REQUEST_WORDS.pack_into(buf, 0, *words)
     at = HEADER_BYTES
     if n_push:
-        buf[at:at + 8 * n_push].view(np.uint64)[:] = keys
-        at += 8 * n_push
+        at = _put_keys(buf, at, keys, enc.push_list, enc.push_held)
         if not apart:
-            buf[at:at + 4 * n_push * dim].view(np.float32)[:] = grads.reshape(-1)
-            at += 4 * n_push * dim
+            at = _put_values(buf, at, grads, enc.wire)
     if n_pull:
-        buf[at:at + 8 * n_pull].view(np.uint64)[:] = pull_keys
-        at += 8 * n_pull
+        at = _put_keys(buf, at, pull_keys, enc.pull_list, enc.pull_held)
     if flags & IN_PULL:
         buf[at:] = np.packbits(in_pull, bitorder="little")
     return buf
 
 
-def _unpack_pushed(buf: np.ndarray, n_push: int, n_pull: int, dim: int, flags: int, grads: np.ndarray | None):
-    """(pushed keys, gradients, pulled keys, in-pull bits or None) of a push or a push-pull."""
-    at = HEADER_BYTES
-    keys = buf[at:at + 8 * n_push].view(np.uint64)
-    at += 8 * n_push
+def _unpack_pushed(buf: np.ndarray, words: tuple, dim: int, grads: np.ndarray | None, lists=None):
+    """(pushed keys, gradients, pulled keys, in-pull bits or None, :class:`Encoding`) of a push or
+    a push-pull (``lists``: the server's key lists, where it keeps them)."""
+    _, table, _, n_push, n_pull, _, worker, _, flags = words
+    at, push_list, enc = HEADER_BYTES, 0, PLAIN
+    if n_push:
+        keys, at, push_list = _get_keys(buf, at, n_push, flags, PUSH_LIST_ID, lists, worker, table)
+    else:
+        keys = buf[at:at].view(np.uint64)
+    wire = (flags >> WIRE_SHIFT) & 3
     if flags & GRADS_APART:
         grads = grads.view(np.float32).reshape(n_push, dim)
     else:
-        grads = buf[at:at + 4 * n_push * dim].view(np.float32).reshape(n_push, dim)
-        at += 4 * n_push * dim
-    pull_keys = buf[at:at + 8 * n_pull].view(np.uint64)
-    at += 8 * n_pull
-    return keys, grads, pull_keys, buf[at:at + (n_push + 7) // 8] if flags & IN_PULL else None
+        grads = _get_values(buf, at, n_push * dim, wire).reshape(n_push, dim)
+        at += filters.wire_bytes(n_push * dim, wire)
+    pull_list = 0
+    if n_pull:
+        pull_keys, at, pull_list = _get_keys(buf, at, n_pull, flags, PULL_LIST_ID, lists, worker, table)
+    else:
+        pull_keys = buf[at:at].view(np.uint64)
+    if flags & (KEY_LIST_FLAGS | 3 << WIRE_SHIFT):
+        enc = Encoding.of(flags, push_list, pull_list)
+    return keys, grads, pull_keys, buf[at:at + (n_push + 7) // 8] if flags & IN_PULL else None, enc
 
 
 @dataclass(eq=False)
@@ -311,19 +406,21 @@ class Push(TableMessage):
     keys: np.ndarray
     grads: np.ndarray
     grads_apart: bool = False  # the gradients go as a message of their own (GRADS_APART)
+    encoding: Encoding = PLAIN  # the traffic filters' (the values' wire type, the keys' list)
 
     def pack(self, alloc=None) -> np.ndarray:
         n = self.keys.shape[0]
         apart = self.grads_apart and n > 0
         words = _words(PUSH, self.table, self.req_id, (n, 0), self.clock, self.worker,
-                       flags=GRADS_APART if apart else 0)
-        return _pack_pushed(words, self.keys, self.grads, NO_KEYS, None, alloc, apart)
+                       flags=(GRADS_APART if apart else 0) | self.encoding.flags())
+        return _pack_pushed(words, self.keys, self.grads, NO_KEYS, None, alloc, apart, self.encoding)
 
     @classmethod
-    def unpack(cls, words: list, buf: np.ndarray, dims: list[int], grads: np.ndarray | None) -> "Push":
+    def unpack(cls, words: list, buf: np.ndarray, dims: list[int], grads: np.ndarray | None,
+               lists=None) -> "Push":
         _, table, req_id, n, _, clock, worker, _, flags = words
-        keys, grads, _, _ = _unpack_pushed(buf, n, 0, dims[table], flags, grads)
-        return cls(table, req_id, clock, worker, keys, grads, bool(flags & GRADS_APART))
+        keys, grads, _, _, enc = _unpack_pushed(buf, words, dims[table], grads, lists)
+        return cls(table, req_id, clock, worker, keys, grads, bool(flags & GRADS_APART), enc)
 
 
 @dataclass(eq=False)
@@ -340,6 +437,7 @@ class PushPull(TableMessage):
     in_pull: np.ndarray | None = None
     grads_apart: bool = False  # as for Push
     clock_workers: int = 1  # the workers (from ``worker`` on) whose clock it advances
+    encoding: Encoding = PLAIN  # as for Push and Pull
 
     @property
     def pull_clock(self) -> int:
@@ -347,23 +445,26 @@ class PushPull(TableMessage):
 
     def push(self) -> Push:
         """Its push part."""
-        return Push(self.table, self.req_id, self.clock, self.worker, self.push_keys, self.grads, self.grads_apart)
+        return Push(self.table, self.req_id, self.clock, self.worker, self.push_keys, self.grads, self.grads_apart,
+                    self.encoding)
 
     def pack(self, alloc=None) -> np.ndarray:
         n_push = self.push_keys.shape[0]
         apart = self.grads_apart and n_push > 0
         flags = (IN_PULL if self.in_pull is not None and n_push else 0) | (GRADS_APART if apart else 0) \
-            | clock_workers_flags(self.clock_workers)
+            | clock_workers_flags(self.clock_workers) | self.encoding.flags()
         words = _words(PUSHPULL, self.table, self.req_id, (n_push, self.pull_keys.shape[0]), self.clock,
                        self.worker, self.ahead, flags)
-        return _pack_pushed(words, self.push_keys, self.grads, self.pull_keys, self.in_pull, alloc, apart)
+        return _pack_pushed(words, self.push_keys, self.grads, self.pull_keys, self.in_pull, alloc, apart,
+                            self.encoding)
 
     @classmethod
-    def unpack(cls, words: list, buf: np.ndarray, dims: list[int], grads: np.ndarray | None) -> "PushPull":
+    def unpack(cls, words: list, buf: np.ndarray, dims: list[int], grads: np.ndarray | None,
+               lists=None) -> "PushPull":
         _, table, req_id, n_push, n_pull, clock, worker, ahead, flags = words
-        keys, grads, pull_keys, in_pull = _unpack_pushed(buf, n_push, n_pull, dims[table], flags, grads)
+        keys, grads, pull_keys, in_pull, enc = _unpack_pushed(buf, words, dims[table], grads, lists)
         return cls(table, req_id, clock, worker, keys, grads, pull_keys, ahead, in_pull, bool(flags & GRADS_APART),
-                   max(1, flags >> CLOCK_WORKERS_SHIFT))
+                   max(1, flags >> CLOCK_WORKERS_SHIFT), enc)
 
 
 @dataclass(eq=False)
@@ -613,15 +714,19 @@ def apart_grads_bytes(buf: np.ndarray, dims: list[int]) -> int:
     return 4 * n_push * dims[table] if op in (PUSH, PUSHPULL) else 0
 
 
-def unpack_request(buf: np.ndarray, dims: list[int], grads: np.ndarray | None = None) -> Message:
-    """The request in ``buf``, as its op's class (its arrays are views into ``buf``); ``dims``:
-    each table's; ``grads``: the bytes of the gradients that followed it (:data:`GRADS_APART`)."""
+def unpack_request(buf: np.ndarray, dims: list[int], grads: np.ndarray | None = None, lists=None) -> Message:
+    """The request in ``buf``, as its op's class (its arrays are views into ``buf``, or float32
+    values decoded from their wire type); ``dims``: each table's; ``grads``: the bytes of the
+    gradients that followed it (:data:`GRADS_APART`); ``lists``: the server's key lists
+    (:class:`hpcps.ps.filters.ServerKeyLists`), which a request's key-list ids name."""
     # the words in REQUEST's order, in one call (reading a structured scalar field by field costs
     # about 30 us a request on the server's critical path)
     words = _REQUEST_WORDS.unpack_from(buf)
     kind = MESSAGES.get(words[0])
     if kind is None:
         raise ValueError(f"unknown request op {words[0]}")
+    if words[8] & KEY_LIST_FLAGS and words[0] in (PULL, PUSH, PUSHPULL):
+        return kind.unpack(words, buf, dims, grads, lists)
     return kind.unpack(words, buf, dims, grads)
 
 
@@ -653,8 +758,26 @@ def reply_words(buf: np.ndarray) -> tuple:
     return _REPLY_WORDS.unpack_from(buf)
 
 
-def pulled_values(buf: np.ndarray, dim: int) -> np.ndarray:
-    return buf[REPLY_BYTES:].view(np.float32).reshape(-1, dim)
+def pulled_values(buf: np.ndarray, dim: int, wire: int = filters.FP32, n: int = -1) -> np.ndarray:
+    """The pulled rows (float32, ``n x dim``) a reply carries in the wire type ``wire`` (``n``: the
+    rows, needed for a 16-bit type, whose values may be padded)."""
+    if wire == filters.FP32:
+        return buf[REPLY_BYTES:].view(np.float32).reshape(-1, dim)
+    return filters.decode(buf[REPLY_BYTES:REPLY_BYTES + 2 * n * dim], wire).reshape(n, dim)
+
+
+def pull_into(payload: np.ndarray, n: int, dim: int, wire: int) -> np.ndarray:
+    """Where a server writes the ``n x dim`` float32 rows a reply's ``payload`` carries: the
+    payload itself, or (another wire type) a float32 array to :func:`encode_pulled` from."""
+    if wire == filters.FP32:
+        return payload[:4 * n * dim].view(np.float32).reshape(n, dim)
+    return np.empty((n, dim), dtype=np.float32)
+
+
+def encode_pulled(rows: np.ndarray, payload: np.ndarray, wire: int) -> None:
+    """The rows of :func:`pull_into` into the reply's payload, in the wire type (fp32: already there)."""
+    if wire != filters.FP32:
+        _put_values(payload, 0, rows, wire)
 
 
 def pack_checkpoint_result(payload: np.ndarray, file_bytes: int, digest: str) -> None:

@@ -40,6 +40,7 @@ import numpy as np
 from hpcps.ps import checkpoint, deltas, protocol, signals, transport
 from hpcps.ps.consistency import NO_BACKUP, Backup, WorkerClocks
 from hpcps.ps.placement import Placement
+from hpcps.ps.replication import Replication, ServerCopies
 from hpcps.ps.server_table import ServerTable
 from hpcps.ps.tables import MARGINS_FUNCTION, RESIDUALS_FUNCTION, SERVER_FUNCTIONS, ServerFunction, TableSpec
 from hpcps_kernels.parallel import TwoThreads, splits_pull
@@ -91,21 +92,23 @@ def table_counts(tables: list[ServerTable]) -> dict:
 
 
 def restore_checkpoint(tables: list[ServerTable], workers: WorkerClocks, ckpt: str, manifest: dict, server: int,
-                       placement: Placement) -> None:
-    """Load server ``server``'s shards of every table (under ``placement``) from checkpoint ``ckpt``,
-    and its clock as every worker's."""
-    deltas.restore(tables, ckpt, manifest, server, placement.shard_server, placement.num_servers)  # (or a delta's chain)
+                       replication: Replication) -> None:
+    """Load server ``server``'s shards of every table (every shard it keeps a copy of, under
+    ``replication``'s placement) from checkpoint ``ckpt``, and its clock as every worker's."""
+    deltas.restore(tables, ckpt, manifest, server, *replication.restore_where())  # (or a delta's chain)
     workers.set_all(manifest["clock"])
 
 
-def write_checkpoint_file(ckpt: str, tables: list[ServerTable], server: int, placement: Placement,
+def write_checkpoint_file(ckpt: str, tables: list[ServerTable], server: int, replication: Replication,
                           clock: int) -> tuple[int, str]:
-    """Write server ``server``'s shards of ``tables`` (rows and state) into its file of checkpoint
-    directory ``ckpt``, once every table is checked finite; returns the file's size and checksum."""
+    """Write server ``server``'s shards of ``tables`` (rows and state; with replicas, those it is
+    primary of) into its file of checkpoint directory ``ckpt``, once every table is checked
+    finite; returns the file's size and checksum."""
+    placement = replication.placement
     path = checkpoint.server_file(ckpt, server)
     for table in tables:
         table.check_finite(f"checkpoint (step {clock})")
-    parts = [(table.spec.name, *table.items(), table.state_arrays()) for table in tables]
+    parts = [replication.primary_part((table.spec.name, *table.items(), table.state_arrays())) for table in tables]
     try:
         return checkpoint.write_server_file(path, server, placement.num_servers, placement.num_shards, parts)
     except OSError as e:
@@ -182,11 +185,13 @@ class ServerReads:
         the server runs on two threads (``splits_pull``) is answered as its header, sent once
         the values are ready, then the values: the waiting worker sleeps until the header comes
         rather than spinning through the server's work, which leaves the core to the second thread."""
-        n, dim = r.pull_keys.shape[0], self.dims[r.table]
-        reply, payload = self.replies.new(r.req_id, 4 * n * dim, r.table, splits_pull(n, dim))
-        if n:
-            self.tables[r.table].pull(r.pull_keys, payload.view(np.float32).reshape(n, dim),
-                                      source - self.worker_rank0)
+        n, dim, wire = r.pull_keys.shape[0], self.dims[r.table], r.encoding.wire
+        reply, payload = self.replies.new(r.req_id, protocol.reply_bytes(r.op, n, dim, wire) - protocol.REPLY_BYTES,
+                                          r.table, splits_pull(n, dim))
+        if n:  # (the rows in the request's wire type: hpcps.ps.filters)
+            rows = protocol.pull_into(payload, n, dim, wire)
+            self.tables[r.table].pull(r.pull_keys, rows, source - self.worker_rank0)
+            protocol.encode_pulled(rows, payload, wire)
         self.replies.post(reply, source, r.req_id, _REPLY_WHAT[r.op])
 
     def _serve_tables(self, source: int, r: protocol.TablesPull | protocol.TablesPushPull) -> None:
@@ -206,6 +211,7 @@ class ServerReads:
 
     def _serve_call(self, source: int, r: protocol.Call) -> None:
         """Run a declared server function over the keys this server owns."""
+        self.apply_backlog()  # (a function, e.g. early stopping's snapshot, sees every copy's rows)
         f = self.functions[r.function]
         out = call_result(f, f.fn(self.tables[r.table], r.keys, r.args), r.keys.shape[0], self.index)
         reply, payload = self.replies.new(r.req_id, 4 * out.size, r.table)
@@ -224,13 +230,14 @@ class ServerReads:
 
     def _write_checkpoint(self, source: int, r: protocol.Checkpoint) -> None:
         self._apply(self.workers.late_pushes_kept())  # (backup workers: every push sent before it)
-        size, digest = self.snapshots.snapshot(r.path, r.clock, self.tables, self.placement, write_checkpoint_file)
+        self.apply_backlog()  # (a snapshot's marks of changed rows cover every copy's)
+        size, digest = self.snapshots.snapshot(r.path, r.clock, self.tables, self.replication, write_checkpoint_file)
         reply, payload = self.replies.new(r.req_id, protocol.CHECKPOINT_RESULT.itemsize)
         protocol.pack_checkpoint_result(payload, size, digest)
         self.replies.post(reply, source, r.req_id, "checkpoint reply")
 
 
-class Server(ServerReads):
+class Server(ServerReads, ServerCopies):
     """The serving loop of one server rank, and its handlers, one per request op. ``net``: how it
     reaches the workers (:class:`hpcps.ps.transport.MPITransport` on a server rank; a
     :class:`~hpcps.ps.transport.Loopback` hands it each request of a job of one process)."""
@@ -238,14 +245,15 @@ class Server(ServerReads):
     def __init__(self, net: transport.Transport, server_index: int, num_workers: int, worker_rank0: int,
                  specs: list[TableSpec], placement: Placement, staleness: int,
                  stall_warn_s: float = 30.0, functions: list | None = None, stall_timeout_s: float = 300.0,
-                 backup: Backup = NO_BACKUP):
+                 backup: Backup = NO_BACKUP, key_lists=None):
         self.net = net
+        self.key_lists = key_lists  # the key lists workers sent (hpcps.ps.filters.ServerKeyLists), or None
         self.functions = list(functions or [])  # declared ServerFunctions, by number
         self.index = server_index
         self.worker_rank0 = worker_rank0
         self.tables, self.threads = server_tables(specs)
         self.dims = [s.dim for s in specs]
-        self.placement = placement
+        self.replication = Replication(placement, server_index)  # (self.placement: its placement)
         self.staleness = staleness
         self.stall_warn_s = stall_warn_s
         self.stall_timeout_s = stall_timeout_s
@@ -253,12 +261,14 @@ class Server(ServerReads):
         self.pool = transport.BufferPool()  # large requests and replies
         self.replies = Replies(net, server_index, self.pool, self.workers, self.tables)
         self.snapshots = deltas.DeltaWriter(server_index, placement.num_servers, placement.num_shards)
+        self.snapshots.narrow = self.replication.primary_part  # (a delta writes each shard once too)
         self.stats = {"requests": 0, "idle_s": 0.0, "busy_s": 0.0, "deferred": 0}
         # (op, keys pushed, keys pulled, seconds handling it) of every request, when a list
         # (``hpcps bench ps``: the server's own time beside the round trip)
         self.trace: list | None = None
         self.evicting = any(t.features.eviction for t in self.tables)
         self.fragments: dict = {}  # (worker, table) -> the nonzeros of its last MARGINS
+        self.backlog: list = []  # replicas: pushes to backups, applied once the request is answered
         # what a request asks: op -> handler(source, request)
         self.handlers = {
             protocol.PULL: self._serve_or_defer, protocol.CHECKPOINT: self._serve_or_defer,
@@ -280,11 +290,12 @@ class Server(ServerReads):
         """Serve request ``buf`` from rank ``source`` (``grads``: its gradients, when they came
         apart)."""
         try:
-            r = protocol.unpack_request(buf, self.dims, grads)
+            r = protocol.unpack_request(buf, self.dims, grads, self.key_lists)
         except ValueError as e:
             raise RuntimeError(f"server {self.index}: {e} from rank {source}") from None
         self.stats["requests"] += 1
         self.handlers[r.op](source, r)
+        self.apply_backlog()  # (replicas: the backups' part of its pushes, once it is answered)
 
     def _handle_push_pull(self, source: int, r: protocol.PushPull) -> None:
         """Push at clock c, clock c + 1, pull at clock c + 1 (+ ahead). When nothing else is to be
@@ -294,7 +305,7 @@ class Server(ServerReads):
         self._advance(worker, r)
         if r.in_pull is not None and self._answers_at_once(r):
             table = self.tables[r.table]
-            rest = table.push(r.push_keys, r.grads, r.clock, worker, in_pull=r.in_pull)
+            rest = self.push_now(worker, r.table, r.push_keys, r.grads, r.clock, r.in_pull)
             self._serve_pull(source, r)
             if rest is not None:
                 table.apply_after_reply(rest)
@@ -310,7 +321,7 @@ class Server(ServerReads):
         worker = source - self.worker_rank0
         self._advance(worker, r)
         if r.in_pull is not None and self._answers_at_once(r):
-            rests = [(self.tables[t], self.tables[t].push(r.push_keys, g, r.clock, worker, in_pull=r.in_pull))
+            rests = [(self.tables[t], self.push_now(worker, t, r.push_keys, g, r.clock, r.in_pull))
                      for t, g in zip(r.tables, r.grads)]
             self._serve_tables(source, r)
             for table, rest in rests:
@@ -368,7 +379,7 @@ class Server(ServerReads):
         if self.staleness == 0:
             self.workers.keep_push(worker, push)
         else:
-            self.tables[push.table].push(push.keys, push.grads, push.clock, worker)
+            self.push_now(worker, push.table, push.keys, push.grads, push.clock)
 
     def _after_clock(self) -> None:
         """A worker's clock advanced: the pushes, evictions and reads it allows."""
@@ -390,7 +401,7 @@ class Server(ServerReads):
 
     def _apply(self, pushes: list[tuple[int, protocol.Push]]) -> None:
         for worker, push in pushes:
-            self.tables[push.table].push(push.keys, push.grads, push.clock, worker)
+            self.push_now(worker, push.table, push.keys, push.grads, push.clock)
 
     def _serve_or_defer(self, source: int, r: protocol.Message) -> None:
         if self.workers.ready(r) or (r.op in _PUSHPULLS and r.pull_keys.shape[0] == 0):  # a bare push + clock
@@ -405,7 +416,7 @@ class Server(ServerReads):
 
     def restore(self, ckpt: str, manifest: dict) -> None:
         """Load this server's shards of every table (under the current placement) and the clock."""
-        restore_checkpoint(self.tables, self.workers, ckpt, manifest, self.index, self.placement)
+        restore_checkpoint(self.tables, self.workers, ckpt, manifest, self.index, self.replication)
 
     # -- loop --------------------------------------------------------------------------------
 
@@ -422,7 +433,7 @@ class Server(ServerReads):
 
     def final_stats(self) -> dict:
         """The serving statistics with each table's rows held, keys admitted and rows evicted."""
-        self.stats.update(table_counts(self.tables))
+        self.stats.update(table_counts(self.tables), **self.copy_stats())
         self.stats.update(self.workers.late_counts())  # (backup workers: what each lost)
         return self.stats
 

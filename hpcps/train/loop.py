@@ -26,6 +26,7 @@ import numpy as np
 from hpcps import outputs
 from hpcps.ps.collectives import World
 from hpcps.ps.context import init
+from hpcps.ps.filters import SAVED_KEYS
 from hpcps.train import data as tdata
 from hpcps.train import model_file
 from hpcps.train.checkpointing import Checkpointing, catch_stop_signals
@@ -35,7 +36,8 @@ from hpcps.train.feed import BatchFeed
 from hpcps.train.loading import initial_bias, load_part, model_fields, parse_ahead
 from hpcps.train.models import NonFiniteError, make_model
 from hpcps.train.pipeline import StepPipeline
-from hpcps.train.plan import RunPlan, TrainError, agree_on_plan, backup_of, check_output_paths, gradient_scale
+from hpcps.train.plan import (RunPlan, TrainError, agree_on_plan, backup_of, check_output_paths, gradient_scale,
+                              release_checkpoints)
 from hpcps.train.progress import vm_hwm_mb
 from hpcps.train.report import Reporter
 from hpcps.train.stragglers import LateWorker, agree_on_stalls
@@ -92,7 +94,9 @@ def agree_on_the_end(ctx, preempted: int) -> dict:
     st = ctx.server_stats or {}  # server ranks, or a one-process job's in-process server
     counts = np.array([sum(st.get(k, [])) for k in ("keys", "admitted", "evicted")], dtype=np.int64)
     counts = ctx.every_rank.reduce(counts, "sum", "sum of the servers' key counts")
-    keys = {"table_keys": int(counts[0]), "admitted_keys": int(counts[1]), "evicted_keys": int(counts[2])}
+    counts[1:] //= ctx.placement.replicas + 1  # (every copy of a shard admits and evicts the same keys)
+    keys = {"table_keys": int(counts[0]), "admitted_keys": int(counts[1]), "evicted_keys": int(counts[2]),
+            **ctx.compare_replicas()}  # (cluster.replicas: every backup against its primary)
     return {"preempted": int(flag[0]), "worker_rss": float(flag[1]), "server_rss": float(flag[2]), "key_counts": keys,
             "stalled_workers": agree_on_stalls(ctx)}
 
@@ -123,8 +127,9 @@ def end_the_run(ctx, plan, model, pipeline, parts: tuple, preempted: int, report
         predicted = predict(ctx, pipeline, to_predict, cfg.train.batch_size, cfg.model.loss, cfg.data.predict_out)
     reporter.close()
     wait = workers.largest(float(ctx.stats["wait_s"]), "agreement of the workers")
-    traffic = workers.reduce(np.array([ctx.stats["bytes_sent"], ctx.stats["bytes_received"], ctx.stats["requests"]],
-                                      dtype=np.int64), "sum", "sum of the bytes and requests sent and received")
+    traffic = workers.reduce(np.array([ctx.stats[k] for k in ("bytes_sent", "bytes_received", "requests",
+                                                             *SAVED_KEYS)], dtype=np.int64),
+                             "sum", "sum of the bytes and requests sent and received, and of the bytes filters saved")
     ending = {"skipped": skipped, "predicted": predicted, "wait": wait, "traffic": traffic,
               **agree_on_the_end(ctx, preempted)}
     if not preempted and cfg.train.model_out:  # (one process: no server writes the model; this one does)
@@ -185,6 +190,12 @@ class Trainer:
         self.preempted = 0  # the exit status of a stop by a signal after its checkpoint (Result.preempted)
 
     def run(self) -> Result:
+        try:
+            return self._run()
+        finally:  # the first rank's lock on checkpoint.dir (plan.claim_checkpoints), for the next run
+            release_checkpoints(self.cfg)
+
+    def _run(self) -> Result:
         self.agree_on_plan()
         self.connect_and_load()
         if self.ctx.is_server:
@@ -209,7 +220,8 @@ class Trainer:
         cfg, cl, paths = self.cfg, self.cfg.cluster, self.plan.paths
         self.ctx = ctx = init(servers=cl.servers, worker_groups=cl.worker_groups or None, staleness=cl.staleness,
                               num_shards=cl.num_shards, stall_warn_s=cl.stall_warn_s,
-                              stall_timeout_s=cl.stall_timeout_s, comm=self.world.comm, backup=backup_of(cfg))
+                              stall_timeout_s=cl.stall_timeout_s, comm=self.world.comm, backup=backup_of(cfg),
+                              traffic=cfg.filters.traffic(), replicas=cl.replicas)
         self.train = load_part(ctx, cfg, paths["train"], "training", stream=True)
         self.test = load_part(ctx, cfg, paths["test"], "test")
         self.to_predict = load_part(ctx, cfg, cfg.data.predict, "prediction")

@@ -172,7 +172,7 @@ def export_from_servers(ctx, table_names, path: str, attrs: dict) -> None:
     for name in names:
         table = ctx.server.tables[[s.name for s in ctx.specs].index(name)]
         table.check_finite("model")
-        keys, rows = table.items()
+        keys, rows = ctx.server.primary_items(table)  # (with replicas: each shard once)
         dim = table.spec.dim
         counts = servers.sizes(keys.shape[0], f"gather of table {name!r}'s size")
         all_keys = servers.gather_to_first(keys, counts, f"gather of table {name!r}'s keys")

@@ -254,6 +254,12 @@ def claim_checkpoints(cfg, world, restore: tuple[str, dict] | None) -> str:
     return run_id
 
 
+def release_checkpoints(cfg) -> None:
+    """The end of a run: ``checkpoint.dir`` unlocked for the next run (where this rank held it)."""
+    if cfg.checkpoint.dir:
+        checkpoint.release(cfg.checkpoint.dir)
+
+
 def resolve_data(cfg, world) -> tuple[dict, dict | None]:
     """Collective: the data files to use. With no ``data.train``, the first rank generates a
     synthetic data set (``[synth]``), or reuses the one it generated before with the same

@@ -16,6 +16,7 @@ import time
 
 from hpcps import outputs
 from hpcps.ps import checkpoint
+from hpcps.ps.filters import SAVED_KEYS
 from hpcps.ps.collectives import World
 from hpcps.train import data as tdata
 from hpcps.train import inputs
@@ -184,6 +185,8 @@ class Reporter:
                    "peak_rss_mb_server": ending["server_rss"], **ending["key_counts"],
                    "bytes_sent": int(ending["traffic"][0]), "bytes_received": int(ending["traffic"][1]),
                    "requests_sent": int(ending["traffic"][2])}
+        saved = dict(zip(SAVED_KEYS, ending["traffic"][3:].tolist()))
+        summary.update({k: saved[k] for k in cfg.filters.traffic().saved_keys()})  # (the filters on)
         if ctx.hosts:
             summary["hosts"] = ctx.layout.by_host(ctx.hosts)
         kept_mb = feed.kept_batches_mb()  # the first worker's batches kept across epochs, compacted
@@ -246,6 +249,7 @@ def summary_rows(summary: dict, elapsed: float, wait: float, key_counts: dict, l
             rows.append((k.replace("_", " "), f"{summary[k]:.5f}"))
     if "stalled_workers" in summary:
         rows.append(("stalled workers", stalls_said(summary["stalled_workers"]) or "none"))
+    rows += [(k.replace("_", " "), f"{summary[k]:,}") for k in SAVED_KEYS if summary.get(k)]
     if synth_info:
         rows.append(("best achievable logloss", f"{synth_info['best_test_logloss']:.5f}"))
         rows.append(("best achievable AUC", f"{synth_info['best_test_auc']:.5f}"))

@@ -1,0 +1,310 @@
+"""The parameter server's traffic filters (the OSDI'14 parameter server's, section 5): pure objects,
+no MPI. Each is off by default (``[filters]`` in the configuration) and each saves bytes on its own:
+
+* :class:`PushResidual` (``push_threshold``): a worker adds each push's gradients to a residual per
+  key and sends only the keys with a coordinate whose accumulated update reaches the threshold in
+  absolute value (the whole row, the residual then zero); the rest stays in the residual, on the
+  worker, per table. Its memory: a key index and a row of ``dim`` float32 per distinct key pushed
+  (about ``16 + 4 dim`` bytes a key). A restart drops it: each coordinate it held is below the
+  threshold (:meth:`PushResidual.largest`), so a restart loses less than the threshold per
+  coordinate of each key.
+* Wire types (``wire_dtype``): the pushed and pulled values travel as fp16 or bf16, rounded to the
+  nearest even (:func:`encode`, :func:`decode`); fp16 saturates at its largest finite value
+  (65504) instead of turning into infinity. The servers decode to float32: their rows and
+  optimizer state stay float32.
+* :class:`KeyListCache` (``key_cache``): a worker sends a key list to a server once, with an id,
+  and then only the id while the list is unchanged. The server keeps the lists it was sent per
+  (worker, table), the least recently used dropped past a byte budget; the worker keeps the same
+  cache, fed the same lists in the same order, so it knows exactly which ids its servers hold
+  (:class:`WorkerKeyLists`), and checks a list equal to the one cached (not only its hash) before
+  it sends an id. A server sent an id it does not hold raises an error naming the worker, the
+  table and the id (:class:`ServerKeyLists`): never a wrong row.
+
+:class:`Savings` counts the bytes each filter kept off the wire (the summary's
+``<filter>_saved_bytes``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from hpcps_kernels.hashtable import KeyIndex
+
+# -- wire types ---------------------------------------------------------------------------------
+
+FP32, FP16, BF16 = 0, 1, 2
+WIRE_NAMES = {"fp32": FP32, "fp16": FP16, "bf16": BF16}
+WIRE_ITEMSIZE = {FP32: 4, FP16: 2, BF16: 2}
+FP16_MAX = np.float32(65504.0)
+
+
+def wire_code(name: str) -> int:
+    """The wire type's code (``fp32``, ``fp16`` or ``bf16``)."""
+    if name not in WIRE_NAMES:
+        raise ValueError(f"unknown wire dtype {name!r}; expected one of {sorted(WIRE_NAMES)}")
+    return WIRE_NAMES[name]
+
+
+def wire_bytes(count: int, wire: int) -> int:
+    """The bytes ``count`` values take on the wire in type ``wire``, padded to 4 bytes (so that
+    what follows them stays aligned as float32 values would leave it)."""
+    return -(-count * WIRE_ITEMSIZE[wire] // 4) * 4
+
+
+def bf16_bits(values: np.ndarray) -> np.ndarray:
+    """float32 ``values`` rounded to bfloat16 (nearest, ties to even) as uint16 bits; a NaN stays a
+    (quiet) NaN, values past bfloat16's range become infinities, as in float32 arithmetic."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = (bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)
+    nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    if nan.any():
+        rounded[nan] = (bits[nan] >> np.uint32(16)) | np.uint32(0x40)
+    return rounded.astype(np.uint16)
+
+
+def encode(values: np.ndarray, wire: int) -> np.ndarray:
+    """float32 ``values`` as the 16-bit words of type ``wire`` (fp16 or bf16), flat; fp32: as given."""
+    if wire == FP32:
+        return values
+    if wire == FP16:
+        return np.clip(values.reshape(-1), -FP16_MAX, FP16_MAX).astype(np.float16).view(np.uint16)
+    return bf16_bits(values.reshape(-1))
+
+
+def decode(words: np.ndarray, wire: int) -> np.ndarray:
+    """The float32 values of ``words`` (uint16 or bytes) in type ``wire``: exact (both types are
+    subsets of float32)."""
+    if wire == FP16:
+        return words.view(np.float16).astype(np.float32)
+    return (words.view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+# -- the significance filter ---------------------------------------------------------------------
+
+
+class PushResidual:
+    """One table's residual on a worker: per key, the pushed update not sent yet."""
+
+    def __init__(self, dim: int, threshold: float):
+        if not threshold > 0:
+            raise ValueError(f"push_threshold must be > 0 (got {threshold})")
+        self.dim = dim
+        self.threshold = np.float32(threshold)
+        self.index = KeyIndex()
+        self.rows = np.zeros((16, dim), dtype=np.float32)
+
+    def filter(self, keys: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Add ``grads`` (float32, a row per key of the distinct ``keys``) to the residual; returns
+        (which keys to send, a bool each; their rows to send: the accumulated update). The residual
+        of the keys sent is then zero, and for every key sent + kept equals all it was pushed."""
+        slots = self.index.lookup_or_insert(keys)
+        if self.index.key_capacity > self.rows.shape[0]:
+            rows = np.zeros((self.index.key_capacity, self.dim), dtype=np.float32)
+            rows[:self.rows.shape[0]] = self.rows
+            self.rows = rows
+        total = self.rows[slots] + grads.reshape(-1, self.dim)
+        send = (np.abs(total) >= self.threshold).any(axis=1)
+        out = total[send]
+        total[send] = 0.0
+        self.rows[slots] = total
+        return send, out
+
+    def kept(self, keys: np.ndarray) -> np.ndarray:
+        """The residual of ``keys`` (zero for a key never pushed)."""
+        slots = self.index.lookup(np.ascontiguousarray(keys, dtype=np.uint64))
+        out = np.zeros((keys.shape[0], self.dim), dtype=np.float32)
+        found = slots >= 0
+        out[found] = self.rows[slots[found]]
+        return out
+
+    def largest(self) -> float:
+        """The largest absolute coordinate kept (below the threshold)."""
+        return float(np.abs(self.rows[:self.index.size]).max(initial=0.0))
+
+    def nbytes(self) -> int:
+        return self.index.nbytes() + self.rows.nbytes
+
+
+# -- the key cache ---------------------------------------------------------------------------------
+
+
+class KeyListCache:
+    """Key lists by id, the least recently used dropped once they pass ``budget_bytes`` (a list
+    larger than the budget is never kept). The worker's and the server's are the same object, fed
+    the same calls in the same order, so they hold the same ids."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget = int(budget_bytes)
+        self.lists: OrderedDict[int, np.ndarray] = OrderedDict()
+        self.nbytes = 0
+
+    def fits(self, keys: np.ndarray) -> bool:
+        """Whether a list of ``keys`` is ever kept."""
+        return 0 < keys.nbytes <= self.budget
+
+    def get(self, list_id: int) -> np.ndarray | None:
+        """The list kept as ``list_id`` (now the most recently used), or None."""
+        keys = self.lists.get(list_id)
+        if keys is not None:
+            self.lists.move_to_end(list_id)
+        return keys
+
+    def peek(self, list_id: int) -> np.ndarray | None:
+        """The list kept as ``list_id``, or None, without using it."""
+        return self.lists.get(list_id)
+
+    def put(self, list_id: int, keys: np.ndarray) -> list[int]:
+        """Keep a copy of ``keys`` (:meth:`fits`) as ``list_id``; returns the ids dropped for room."""
+        dropped = []
+        while self.lists and self.nbytes + keys.nbytes > self.budget:
+            old, gone = self.lists.popitem(last=False)
+            self.nbytes -= gone.nbytes
+            dropped.append(old)
+        self.lists[list_id] = np.array(keys, dtype=np.uint64, copy=True)
+        self.nbytes += keys.nbytes
+        return dropped
+
+
+def list_hash(keys: np.ndarray) -> int:
+    """A 64-bit hash of a key list's bytes and length (where a worker looks for it)."""
+    return xxhash.xxh3_64_intdigest(memoryview(np.ascontiguousarray(keys)).cast("B"), seed=keys.shape[0])
+
+
+class WorkerKeyLists:
+    """A worker's key lists sent to one server for one table: :meth:`ref` says what to send."""
+
+    def __init__(self, budget_bytes: int):
+        self.cache = KeyListCache(budget_bytes)
+        self.by_hash: dict[int, int] = {}
+        self.hash_of: dict[int, int] = {}
+        self.next_id = 1
+
+    def ref(self, keys: np.ndarray) -> tuple[int, bool]:
+        """(the list's id, whether the server holds it already) for a list of ``keys`` to send;
+        (0, False): send it plainly (empty, or larger than the budget)."""
+        if not self.cache.fits(keys):
+            return 0, False
+        h = list_hash(keys)
+        list_id = self.by_hash.get(h, 0)
+        if list_id:
+            held = self.cache.peek(list_id)
+            if held is not None and np.array_equal(held, keys):
+                self.cache.get(list_id)
+                return list_id, True
+        list_id, self.next_id = self.next_id, self.next_id + 1
+        for old in self.cache.put(list_id, keys):
+            self.by_hash.pop(self.hash_of.pop(old), None)
+        self.by_hash[h], self.hash_of[list_id] = list_id, h
+        return list_id, False
+
+
+class UnknownKeyList(RuntimeError):
+    """A request named a key list its server does not hold."""
+
+
+class ServerKeyLists:
+    """A server's key lists, per (worker, table), each a :class:`KeyListCache` of ``budget_bytes``."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget = budget_bytes
+        self.caches: dict[tuple[int, int], KeyListCache] = {}
+
+    def _cache(self, worker: int, table: int) -> KeyListCache:
+        cache = self.caches.get((worker, table))
+        if cache is None:
+            cache = self.caches[(worker, table)] = KeyListCache(self.budget)
+        return cache
+
+    def store(self, worker: int, table: int, list_id: int, keys: np.ndarray) -> np.ndarray:
+        """Keep the list ``keys`` a worker sent as ``list_id``; returns it."""
+        cache = self._cache(worker, table)
+        cache.put(list_id, keys)
+        return cache.peek(list_id)
+
+    def get(self, worker: int, table: int, list_id: int) -> np.ndarray:
+        """The list a worker sent as ``list_id`` before, or :class:`UnknownKeyList`."""
+        keys = self._cache(worker, table).get(list_id)
+        if keys is None:
+            raise UnknownKeyList(f"worker {worker} named key list {list_id} of table {table}, which this server "
+                                 f"does not hold (the worker's and the server's key caches disagree)")
+        return keys
+
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.caches.values())
+
+
+# -- the filters of a run ---------------------------------------------------------------------------
+
+SAVED_KEYS = ("push_threshold_saved_bytes", "wire_dtype_saved_bytes", "key_cache_saved_bytes")
+
+
+@dataclass(frozen=True)
+class Filters:
+    """The filters a run uses (``[filters]``): all off by default. ``key_cache_mb``: the key lists
+    a worker keeps per table; each of its servers holds its share (divided by the servers)."""
+
+    push_threshold: float = 0.0
+    wire_dtype: str = "fp32"
+    key_cache: bool = False
+    key_cache_mb: float = 64.0
+
+    @property
+    def wire(self) -> int:
+        return wire_code(self.wire_dtype)
+
+    @property
+    def any(self) -> bool:
+        return self.push_threshold > 0 or self.wire != FP32 or self.key_cache
+
+    def list_budget(self, servers: int) -> int:
+        """The byte budget of the key lists of one (worker, server, table)."""
+        return int(self.key_cache_mb * 2**20 / max(servers, 1))
+
+    def server_lists(self, servers: int) -> ServerKeyLists | None:
+        """A server's key lists (None without the key cache)."""
+        return ServerKeyLists(self.list_budget(servers)) if self.key_cache else None
+
+    def saved_keys(self) -> tuple[str, ...]:
+        """The summary's ``<filter>_saved_bytes`` keys of the filters on."""
+        on = (self.push_threshold > 0, self.wire != FP32, self.key_cache)
+        return tuple(k for k, yes in zip(SAVED_KEYS, on) if yes)
+
+
+class TableFilters:
+    """A worker's filters of one table: its residual, its wire type, its key lists per server, and
+    the bytes saved (into ``stats``, the context's statistics, under :data:`SAVED_KEYS`)."""
+
+    def __init__(self, filters: Filters, dim: int, servers: int, stats: dict):
+        self.dim = dim
+        self.wire = filters.wire
+        self.residual = PushResidual(dim, filters.push_threshold) if filters.push_threshold > 0 else None
+        budget = filters.list_budget(servers)
+        self.lists = [WorkerKeyLists(budget) for _ in range(servers)] if filters.key_cache else None
+        self.stats = stats
+
+    def threshold(self, keys: np.ndarray, grads: np.ndarray, in_pull: np.ndarray | None):
+        """The significance filter on a push of distinct ``keys``: (keys, rows, in-pull bools) to send."""
+        if self.residual is None or keys.shape[0] == 0:
+            return keys, grads, in_pull
+        send, rows = self.residual.filter(keys, grads)
+        dropped = keys.shape[0] - rows.shape[0]
+        self.stats["push_threshold_saved_bytes"] += dropped * (8 + 4 * self.dim)
+        return keys[send], rows, None if in_pull is None else in_pull[send]
+
+    def key_ref(self, server: int, keys: np.ndarray | None) -> tuple[int, bool]:
+        """What a message to ``server`` carries for a list of ``keys``: see :meth:`WorkerKeyLists.ref`."""
+        if self.lists is None or keys is None:
+            return 0, False
+        list_id, held = self.lists[server].ref(keys)
+        if list_id:
+            self.stats["key_cache_saved_bytes"] += 8 * keys.shape[0] - 8 if held else -8
+        return list_id, held
+
+    def count_values(self, count: int) -> None:
+        """``count`` values went on the wire (either way) in the wire type."""
+        if self.wire != FP32:
+            self.stats["wire_dtype_saved_bytes"] += 4 * count - wire_bytes(count, self.wire)

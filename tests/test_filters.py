@@ -1,0 +1,262 @@
+"""The traffic filters (hpcps.ps.filters): each object checked exactly (wire types against NumPy and
+a reference rounding, the residual's sums conserved, the key cache's hits, misses and evictions,
+the wire format's round trip), then through the parameter server under mpiexec (exact sums with
+every filter on) and through whole training jobs (the bytes each filter saved, the test logloss)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import hpcps
+from hpcps.ps import filters, protocol
+from hpcps.train import synth
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from run import mpiexec  # noqa: E402
+from test_chaos import chaos_run  # noqa: E402
+
+HPCPS = [sys.executable, "-m", "hpcps.cli"]
+
+# -- wire types -------------------------------------------------------------------------------------
+
+
+def edge_floats() -> np.ndarray:
+    """float32 values at the edges of fp16 and bf16: zeros, subnormals, ties, the largest, past it,
+    infinities, NaN, and random values of every exponent."""
+    rng = np.random.default_rng(3)
+    fixed = np.array([0.0, -0.0, 1.0, -1.0, 1e-8, 6e-8, 3e-8, 2.0**-24, 2.0**-25, 65504.0, 65519.0, 65520.0,
+                      -70000.0, 1e30, 3.4e38, np.inf, -np.inf, np.nan, 1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8,
+                      1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11], dtype=np.float32)
+    bits = rng.integers(0, 2**32, 20_000, dtype=np.uint64).astype(np.uint32)
+    return np.concatenate([fixed, bits.view(np.float32)])
+
+
+def test_fp16_is_numpys_rounding_saturated_at_65504():
+    x = edge_floats()
+    got = filters.decode(filters.encode(x, filters.FP16), filters.FP16)
+    want = np.clip(x, -65504, 65504).astype(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(got, want)  # (NaN where NaN)
+    finite = np.isfinite(x)
+    assert np.all(np.isfinite(got[finite])) and got[x == 65520.0][0] == 65504.0
+    small = x[finite & (np.abs(x) < 60000)]
+    np.testing.assert_array_equal(filters.decode(filters.encode(small, filters.FP16), filters.FP16),
+                                  small.astype(np.float16).astype(np.float32))
+
+
+def bf16_reference(x: np.ndarray) -> np.ndarray:
+    """Round to bfloat16 by choosing the nearer of the two bfloat16 neighbours (in float64), the
+    even one on a tie; NaN stays NaN."""
+    bits = x.view(np.uint32)
+    lo = bits & np.uint32(0xFFFF0000)
+    hi = lo + np.uint32(0x10000)
+    lo_f, hi_f = lo.view(np.float32).astype(np.float64), hi.view(np.float32).astype(np.float64)
+    d_lo, d_hi = np.abs(x.astype(np.float64) - lo_f), np.abs(hi_f - x.astype(np.float64))
+    with np.errstate(invalid="ignore"):
+        take_hi = (d_hi < d_lo) | ((d_hi == d_lo) & ((lo >> np.uint32(16)) & np.uint32(1) == 1))
+    out = np.where(take_hi, hi, lo).view(np.float32)
+    return np.where(np.isnan(x) | np.isinf(x), x, out)
+
+
+def test_bf16_rounds_to_nearest_even_as_the_reference():
+    x = edge_floats()
+    got = filters.decode(filters.encode(x, filters.BF16), filters.BF16)
+    finite = np.isfinite(x) & (np.abs(x) < 3.38e38)  # (past that, rounding up gives inf in both)
+    np.testing.assert_array_equal(got[finite], bf16_reference(x[finite]))
+    assert np.isnan(got[np.isnan(x)]).all() and (got[np.isinf(x)] == x[np.isinf(x)]).all()
+    assert filters.decode(filters.encode(np.float32([1 + 2.0**-8]), filters.BF16), filters.BF16)[0] == 1.0  # tie: even
+    assert filters.wire_bytes(3, filters.FP16) == 8 and filters.wire_bytes(4, filters.BF16) == 8
+
+
+# -- the significance filter ------------------------------------------------------------------------
+
+
+def test_residual_keeps_what_it_does_not_send_and_sent_plus_kept_is_all_pushed():
+    rng = np.random.default_rng(5)
+    r = filters.PushResidual(dim=2, threshold=1.0)
+    pushed: dict[int, np.ndarray] = {}
+    sent: dict[int, np.ndarray] = {}
+    for _ in range(60):
+        keys = np.unique(rng.integers(0, 40, 15).astype(np.uint64))
+        grads = (rng.integers(-8, 9, (keys.size, 2)) / 8).astype(np.float32)  # eighths: every sum exact
+        send, rows = r.filter(keys, grads.copy())
+        assert rows.shape == (int(send.sum()), 2)
+        assert np.all(np.abs(rows).max(axis=1) >= 1.0)  # each row sent passed the threshold
+        for k, g in zip(keys.tolist(), grads):
+            pushed[k] = pushed.get(k, 0) + g
+        for k, row in zip(keys[send].tolist(), rows):
+            sent[k] = sent.get(k, 0) + row
+    keys = np.array(sorted(pushed), dtype=np.uint64)
+    kept = r.kept(keys)
+    for k, row in zip(keys.tolist(), kept):
+        np.testing.assert_array_equal(sent.get(k, 0) + row, pushed[k])  # exactly
+    assert r.largest() < 1.0 and np.all(r.kept(np.array([999], np.uint64)) == 0)
+    assert r.nbytes() > 0
+
+
+# -- the key cache ----------------------------------------------------------------------------------
+
+
+def test_key_cache_hits_misses_and_evicts_in_step_on_worker_and_server():
+    a, b, c = (np.arange(i, i + 10, dtype=np.uint64) for i in (0, 100, 200))  # 80 bytes each
+    worker = filters.WorkerKeyLists(budget_bytes=160)                        # room for two lists
+    server = filters.ServerKeyLists(budget_bytes=160)
+    log = []
+    for keys in (a, b, a, c, b, a, np.zeros(0, np.uint64), np.arange(30, dtype=np.uint64)):
+        list_id, held = worker.ref(keys)
+        log.append((list_id, held))
+        if list_id and held:
+            got = server.get(0, 5, list_id)
+        elif list_id:
+            got = server.store(0, 5, list_id, keys)
+        else:
+            got = keys
+        np.testing.assert_array_equal(got, keys)
+    # a new, b new, a hit (b now older), c new (evicts b), b new again (evicts a), a new (evicts c);
+    # empty and larger than the budget: sent plainly
+    assert log == [(1, False), (2, False), (1, True), (3, False), (4, False), (5, False), (0, False), (0, False)]
+    assert sorted(server.caches[(0, 5)].lists) == sorted(worker.cache.lists) == [4, 5]
+    assert server.nbytes() == 160
+    with pytest.raises(filters.UnknownKeyList, match="worker 0 named key list 1 of table 5"):
+        server.get(0, 5, 1)
+    changed = b.copy()
+    changed[3] += 1
+    assert worker.ref(changed) == (6, False)  # a changed list is a new one, never the old id
+
+
+@pytest.mark.parametrize("wire", [filters.FP32, filters.FP16])
+def test_a_push_pull_with_key_lists_and_a_wire_type_round_trips(wire):
+    keys, pull = np.arange(7, dtype=np.uint64) * 3, np.arange(5, dtype=np.uint64)
+    grads = np.linspace(-2, 2, 14, dtype=np.float32).reshape(7, 2)
+    lists = filters.ServerKeyLists(1 << 20)
+    for push_list, pull_list, held in ((1, 2, False), (1, 2, True), (0, 3, False)):
+        enc = protocol.Encoding(wire, push_list, held and push_list > 0, pull_list, held)
+        buf = protocol.PushPull(4, 9, 3, 1, keys, grads, pull, encoding=enc,
+                                in_pull=np.ones(7, bool)).pack()
+        assert buf.nbytes == protocol.request_bytes(7, 5, 2, True, False, enc)
+        r = protocol.unpack_request(buf, [1, 1, 1, 1, 2], None, lists)
+        np.testing.assert_array_equal(r.push_keys, keys)
+        np.testing.assert_array_equal(r.pull_keys, pull)
+        np.testing.assert_array_equal(r.grads, filters.decode(filters.encode(grads, wire), wire).reshape(7, 2)
+                                      if wire else grads)
+        assert r.encoding == enc and r.in_pull is not None
+    with pytest.raises(ValueError, match="keeps none"):
+        protocol.unpack_request(protocol.Pull(0, 1, 0, 0, pull, protocol.Encoding(wire, 0, False, 2, True)).pack(),
+                                [1])
+
+
+def test_bad_filter_settings_are_one_line_naming_the_key():
+    from hpcps import config
+
+    for raw, said in (({"wire_dtype": "fp8"}, "filters.wire_dtype = 'fp8': expected one of"),
+                      ({"push_threshold": -1.0}, "filters.push_threshold must be at least 0"),
+                      ({"key_cache_mb": 0}, "filters.key_cache_mb must be greater than 0")):
+        with pytest.raises(config.ConfigError, match=said):
+            config.from_dict({"filters": raw})
+    assert config.from_dict({"filters": {"wire_dtype": "bf16", "key_cache": True}}).filters.traffic() == \
+        filters.Filters(wire_dtype="bf16", key_cache=True)
+
+
+# -- through the parameter server ---------------------------------------------------------------
+
+
+def push_plan(worker: int, it: int):
+    """Integer gradients of keys that repeat every third iteration (so that key lists repeat)."""
+    rng = np.random.default_rng(100 * worker + it % 3)
+    keys = np.unique(rng.integers(0, 60, 25).astype(np.uint64))
+    return keys, np.random.default_rng(1000 * worker + it).integers(-3, 4, (keys.size, 2)).astype(np.float32)
+
+
+@pytest.mark.mpi(min_size=4)
+def test_every_filter_on_gives_the_sums_its_residuals_say_exactly():
+    """2 servers + 2 workers, SGD with rate 1 (a row is the sum of what was sent for it): every
+    filter on, a key cache small enough to evict. Each worker recomputes every worker's residual,
+    so the rows pulled are known exactly (integers: fp16 carries them exactly)."""
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.Get_size() != 4:
+        pytest.skip("needs 4 ranks")
+    traffic = filters.Filters(push_threshold=2.5, wire_dtype="fp16", key_cache=True, key_cache_mb=1000 / 2**20)
+    ctx = hpcps.init(servers=2, staleness=0, stall_timeout_s=60, traffic=traffic)
+    w = ctx.sparse_table("w", dim=2, optimizer="sgd", params={"lr": 1.0})
+    iters = 12
+    if ctx.is_server:
+        ctx.serve()
+        assert 0 < ctx.server.key_lists.nbytes() <= 2 * 500  # (2 workers, each 1000 bytes over 2 servers)
+    else:
+        expect: dict[int, np.ndarray] = {}
+        for worker in range(2):
+            residual = filters.PushResidual(2, 2.5)
+            for it in range(iters):
+                keys, grads = push_plan(worker, it)
+                send, rows = residual.filter(keys, grads)
+                for k, row in zip(keys[send].tolist(), rows):
+                    expect[k] = expect.get(k, 0) + row  # SGD: w -= g, and the push sends -grads
+        for it in range(iters):
+            keys, grads = push_plan(ctx.worker_index, it)
+            w.wait(w.ipushpull(keys, -grads, keys, unique=True))
+        keys = np.arange(60, dtype=np.uint64)
+        got = w.pull(keys)
+        np.testing.assert_array_equal(got, np.array([expect.get(k, np.zeros(2)) for k in keys.tolist()]))
+        s = ctx.stats
+        assert s["key_cache_saved_bytes"] > 0 and s["wire_dtype_saved_bytes"] > 0
+        assert s["push_threshold_saved_bytes"] > 0 and s["push_threshold_saved_bytes"] % (8 + 4 * 2) == 0
+    ctx.finalize()
+
+
+# -- whole jobs ---------------------------------------------------------------------------------
+
+
+def train(tmp_path, name: str, data, **filters_set) -> dict:
+    """A 3-epoch job on 1 server + 2 workers with kept batches; its summary."""
+    out = tmp_path / f"{name}.json"
+    sets = {"data.train": json.dumps(data[0]), "data.test": json.dumps(data[1]), "train.epochs": 3,
+            "train.batch_size": 100, "train.progress": "false",
+            **{f"filters.{k}": json.dumps(v) for k, v in filters_set.items()}}
+    args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    proc = subprocess.run([*mpiexec(), "-n", "3", *HPCPS, "train", *args, "--summary-json", str(out)],
+                          capture_output=True, text=True, timeout=240, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.load(open(out))
+    summary["text"] = proc.stdout
+    return summary
+
+
+def test_jobs_save_the_bytes_they_say_and_keep_the_logloss(tmp_path):
+    info = synth.generate(str(tmp_path / "data"), 6_000, 1_000, fields=10, seed=4, formats=("libsvm",))
+    data = info.files["train_libsvm"], info.files["test_libsvm"]
+    plain = train(tmp_path, "plain", data)
+    cut = train(tmp_path, "cut", data, wire_dtype="fp16", key_cache=True)
+    assert "saved_bytes" not in json.dumps({k: v for k, v in plain.items() if k != "text"})
+    traffic = [s["bytes_sent"] + s["bytes_received"] for s in (plain, cut)]
+    # the keys sent do not depend on the values: what the two filters say they saved is the difference
+    assert traffic[0] - traffic[1] == cut["wire_dtype_saved_bytes"] + cut["key_cache_saved_bytes"]
+    assert cut["key_cache_saved_bytes"] > 0 and "key cache saved bytes" in cut["text"]
+    assert abs(cut["test_logloss"] - plain["test_logloss"]) <= 0.002
+    sparse = train(tmp_path, "sparse", data, push_threshold=0.05, wire_dtype="bf16")
+    assert sparse["push_threshold_saved_bytes"] > 0 and sparse["push_threshold_saved_bytes"] % 12 == 0
+    assert sparse["bytes_sent"] < plain["bytes_sent"]
+    assert abs(sparse["test_logloss"] - plain["test_logloss"]) <= 0.01
+
+
+def test_a_supervised_run_with_every_filter_survives_the_kill_schedule(tmp_path):
+    """The chaos test's three kill -9s with every filter on. The wire type and the key cache keep
+    nothing a restart loses, the residuals are dropped (less than the threshold per coordinate of
+    each key, each time): the test logloss stays within 0.002 of an uninterrupted run's with the
+    same filters."""
+    every = {"filters.push_threshold": 0.05, "filters.wire_dtype": '"fp16"', "filters.key_cache": "true"}
+
+    def check(model, ref_model, out, ref_out):
+        logloss = [float(re.search(r"test logloss +([0-9.]+)", text).group(1)) for text in (out, ref_out)]
+        assert abs(logloss[0] - logloss[1]) <= 0.002, logloss
+        assert "key cache saved bytes" in out and "push threshold saved bytes" in out
+        assert model.keys.size > 0.9 * ref_model.keys.size
+
+    chaos_run(tmp_path, every, every, check)

@@ -1,0 +1,209 @@
+"""Replicated shards (``cluster.replicas``): where the copies go (pure, exact), and whole jobs whose
+backups equal their primaries and whose models equal a run without replicas, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hpcps.config import ConfigError, from_dict, load_raw
+from hpcps.ps import checkpoint
+from hpcps.ps.placement import Placement, new_copies
+from hpcps.ps.replication import Replication
+from hpcps.ps.server_table import ServerTable
+from hpcps.ps.tables import TableSpec
+from hpcps.train import synth
+from hpcps.train.model_file import ServingModel
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from run import mpiexec  # noqa: E402
+
+HPCPS = [sys.executable, "-m", "hpcps.cli"]
+
+
+# -- placement ---------------------------------------------------------------------------------------
+
+def test_copies_of_a_small_ring_exactly():
+    p = Placement(4, num_shards=12, replicas=1)
+    assert p.copies.tolist() == [[0, 1], [2, 3], [2, 1], [0, 1], [0, 1], [0, 3], [3, 2], [3, 2], [0, 1], [0, 3],
+                                 [2, 3], [1, 3]]
+    # losing server 1: its shards' first backup is primary, the ring gives the new backup; others stay
+    assert p.after_loss(1).copies.tolist() == [[0, 2], [2, 3], [2, 3], [0, 2], [0, 2], [0, 3], [3, 2], [3, 2],
+                                               [0, 3], [0, 3], [2, 3], [3, 2]]
+    # two hosts of two servers, 3 copies: both hosts before either holds two
+    hosts = ("a", "a", "b", "b")
+    assert Placement(4, num_shards=12, replicas=2, hosts=hosts).copies.tolist()[:4] == \
+        [[0, 2, 1], [2, 0, 3], [2, 1, 3], [0, 2, 1]]
+
+
+@pytest.mark.parametrize("servers,replicas,hosts", [(2, 1, ()), (5, 2, ()), (6, 1, ("a", "a", "a", "b", "b", "b")),
+                                                    (6, 2, ("a", "b", "c", "a", "b", "c")), (3, 1, ("a", "a", "a"))])
+def test_copies_are_distinct_servers_on_distinct_hosts_and_spread_evenly(servers, replicas, hosts):
+    p = Placement(servers, replicas=replicas, hosts=hosts)
+    c = p.copies
+    assert c.shape == (p.num_shards, replicas + 1)
+    np.testing.assert_array_equal(c[:, 0], Placement(servers).shard_server)  # the primaries do not move
+    assert all(len(set(row)) == replicas + 1 for row in c.tolist())
+    distinct_hosts = min(replicas + 1, len(set(hosts)))
+    if hosts:  # as many distinct hosts as there are, up to the copies
+        assert all(len({hosts[s] for s in row}) == distinct_hosts for row in c.tolist())
+    held = np.bincount(c.reshape(-1), minlength=servers)
+    assert held.max() <= 1.6 * held.mean(), held
+    for s in range(servers):
+        np.testing.assert_array_equal(p.holds(s), (c == s).any(axis=1))
+
+
+def test_losing_servers_promotes_the_first_backup_and_moves_nothing_else():
+    p = Placement(5, replicas=2, hosts=("a", "a", "b", "b", "c"))
+    q = p.after_loss(3)
+    r = q.after_loss(0)
+    for before, after, lost in ((p, q, 3), (q, r, 0)):
+        had = before.holds(lost)
+        np.testing.assert_array_equal(after.copies[~had], before.copies[~had])  # shards without a copy there
+        assert not after.holds(lost).any()
+        for old, new in zip(before.copies[had].tolist(), after.copies[had].tolist()):
+            survivors = [s for s in old if s != lost]
+            assert new[:len(survivors)] == survivors and len(set(new)) == 3  # order kept, one new copy
+        moves = new_copies(before.copies, after.copies)
+        assert len(moves) == had.sum()
+        for shard, source, target in moves:
+            assert source == after.copies[shard, 0] and target == after.copies[shard, -1] and target != lost
+    assert r.lost == (3, 0)
+    with pytest.raises(ValueError, match="need at least 3 servers, 2 remain"):
+        r.after_loss(1)
+
+
+def test_a_push_goes_to_every_copy_in_key_order_and_a_pull_to_the_primary():
+    keys = np.unique(np.random.default_rng(3).integers(0, 2**64, 4000, dtype=np.uint64))
+    p = Placement(4, replicas=1)
+    order, offsets = p.push_slice(keys)
+    copies = p.copies[p.shard_of(keys)]
+    assert offsets[-1] == 2 * keys.shape[0]
+    for s in range(4):
+        part = order[offsets[s]:offsets[s + 1]]
+        np.testing.assert_array_equal(part, np.flatnonzero((copies == s).any(axis=1)))  # each once, in order
+    plain = Placement(4)
+    for a, b in zip(plain.push_slice(keys), plain.slice(keys)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_replicas_need_more_servers_and_no_features_a_copy_would_see_differently():
+    with pytest.raises(ConfigError, match=r"cluster.replicas = 2 needs at least 3 servers \(cluster.servers = 2\)"):
+        from_dict(load_raw(None, ["cluster.servers=2", "cluster.replicas=2"]))
+    with pytest.raises(ConfigError, match="does not go with features.server_memory_mb"):
+        from_dict(load_raw(None, ["cluster.servers=2", "cluster.replicas=1", "features.server_memory_mb=10"]))
+    with pytest.raises(ValueError, match="need at least 2 servers, 1 given"):
+        Placement(1, replicas=1)
+
+
+def test_losing_a_server_promotes_its_backups_and_the_copies_made_restore_every_shard():
+    """Three servers' tables fed as a worker feeds them (replicas 1), server 2 lost: the survivors'
+    plans agree, and once each sent its copies every shard is whole on both of its new copies,
+    every row equal to a table that took every push."""
+    spec = TableSpec("w", dim=2, optimizer="ftrl", params={"alpha": 0.1})
+    p = Placement(3, num_shards=64, replicas=1)
+    rng = np.random.default_rng(4)
+    keys = np.unique(rng.integers(0, 2**64, 3000, dtype=np.uint64))
+    grads = rng.normal(size=(keys.shape[0], 2)).astype(np.float32)
+    tables = [ServerTable(spec) for _ in range(3)]
+    order, offsets = p.push_slice(keys)
+    for s, table in enumerate(tables):
+        sel = order[offsets[s]:offsets[s + 1]]
+        table.push(keys[sel], grads[sel])
+    whole = ServerTable(spec)
+    whole.push(keys, grads)
+    survivors = [Replication(p, s) for s in (0, 1)]
+    moves = [r.rank_lost(2) for r in survivors]
+    assert moves[0] == moves[1] and moves[0] == new_copies(p.copies, p.after_loss(2).copies) and moves[0]
+    sent = [r.copy_out([tables[r.server]], moves[0]) for r in survivors]
+    for out in sent:
+        for target, parts in out.items():
+            Replication.copy_in([tables[target]], parts)
+    after = survivors[0].placement
+    for s in (0, 1):
+        k, rows = tables[s].items()
+        np.testing.assert_array_equal(np.sort(k), keys[after.holds(s)[after.shard_of(keys)]])
+        np.testing.assert_array_equal(rows, _rows(whole, k))  # parameters and FTRL state, bit for bit
+
+
+def _rows(table, keys):
+    """The stored rows (parameters and state) of ``keys`` in ``table``."""
+    all_keys, all_rows = table.items()
+    where = {int(k): i for i, k in enumerate(all_keys)}
+    return all_rows[[where[int(k)] for k in keys]]
+
+
+# -- jobs --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("replica-data")
+    info = synth.generate(str(d), 8_000, 1_000, fields=8, seed=5, formats=("libsvm",))
+    return info.files["train_libsvm"], info.files["test_libsvm"]
+
+
+def run_job(n, data, out_dir, servers=2, replicas=0, extra=()):
+    sets = {"data.train": json.dumps(data[0]), "data.test": json.dumps(data[1]), "train.batch_size": 100,
+            "train.epochs": 2, "train.progress": "false", "cluster.servers": servers,
+            "cluster.replicas": replicas, "train.model_out": json.dumps(str(out_dir / "model.h5")),
+            "checkpoint.dir": json.dumps(str(out_dir / "ck")), "checkpoint.every_steps": 60}
+    args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    proc = subprocess.run([*mpiexec(), "-n", str(n), *HPCPS, "train", *args, *extra,
+                           "--summary-json", str(out_dir / "summary.json")],
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    with open(out_dir / "summary.json") as f:
+        return json.load(f)
+
+
+def assert_same_model(a, b):
+    ma, mb = ServingModel(str(a)), ServingModel(str(b))
+    np.testing.assert_array_equal(ma.keys, mb.keys)
+    np.testing.assert_array_equal(ma.values, mb.values)  # bit-identical
+
+
+def test_replicated_run_equals_the_plain_one_and_its_backups_their_primaries(data, tmp_path):
+    """2 servers + 2 workers (BSP): replicas 1 gives the model of replicas 0 bit for bit, every
+    backup's rows equal its primary's at the end, its checkpoints and delta snapshots hold each
+    shard once, and a resume from a delta onto 3 servers (resharded, backups restored from the
+    primaries' files) ends with the same model and equal copies again."""
+    plain, rep, resumed = tmp_path / "plain", tmp_path / "rep", tmp_path / "resumed"
+    for d in (plain, rep, resumed):
+        d.mkdir()
+    base = run_job(4, data, plain)
+    got = run_job(4, data, rep, replicas=1, extra=["--set", "checkpoint.delta_every_steps=20"])
+    assert_same_model(rep / "model.h5", plain / "model.h5")
+    assert got["replica_copies"] == 2 * 1024 and got["replica_shards_differing"] == 0
+    assert got["table_keys"] == base["table_keys"] and got["admitted_keys"] == base["admitted_keys"]
+    # each shard written once, by its primary: the files' keys are the model's, none twice (and a
+    # delta's are the changed rows', none twice)
+    final, manifest = checkpoint.newest_good(str(rep / "ck"))
+    delta = checkpoint.step_dir(str(rep / "ck"), 40, "delta")
+    for snapshot, table_keys in ((final, base["table_keys"]), (delta, None)):
+        with open(os.path.join(snapshot, checkpoint.MANIFEST)) as f:
+            m = json.load(f)
+        keys = np.concatenate([checkpoint.read_for_server(snapshot, m, "w", s, Placement(2).shard_server, 0)[0]
+                               for s in range(2)])
+        assert keys.shape[0] == np.unique(keys).shape[0] == (table_keys or keys.shape[0]) > 0
+    # resumed from the delta (over its chain) onto 3 servers, each shard on all three
+    again = run_job(5, data, resumed, servers=3, replicas=2, extra=["--resume", delta])
+    assert again["replica_shards_differing"] == 0 and again["replica_copies"] == 3 * 1024
+    assert_same_model(resumed / "model.h5", plain / "model.h5")
+
+
+def test_bench_ps_replication_rows_compare_replicas_1_with_0_on_the_same_servers():
+    proc = subprocess.run([*mpiexec(), "-n", "3", sys.executable, "-m", "hpcps.cli", "bench", "ps", "--replicas", "1",
+                           "--sizes", "500", "--pairs", "1", "--repeat", "1", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert {r["kind"] for r in rows} == {"push+apply", "push-pull step", "push-pull step, paced"}
+    for r in rows:  # one pair: its ratio is the replicated time over the plain one
+        assert r["servers"] == 2 and r["replicas"] == 1 and r["keys"] == 500, r
+        assert r["ratio"] == pytest.approx(r["replicated_time_s"] / r["time_s"]) and r["time_s"] > 0, r
