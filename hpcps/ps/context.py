@@ -255,7 +255,7 @@ class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges,
             raise RuntimeError("serve() is for server ranks (ctx.is_server)")
         server = Server(self.net, self.rank, self.layout.workers, self.layout.servers, self.specs,
                         self.placement, self.staleness, self.stall_warn_s, self.functions, self.stall_timeout_s,
-                        self.backup, self.filters.server_lists(self.layout.servers))
+                        self.backup, key_lists=self.filters.server_lists(self.layout.servers))
         self.server = server
         if restore is not None:
             server.restore(*restore)
@@ -398,7 +398,7 @@ class LocalContext(Context):
         if self.server is None:
             self.server = Server(self.net, self.net.SERVER, 1, self.net.WORKER, self.specs, self.placement,
                                  self.staleness, self.stall_warn_s, self.functions, self.stall_timeout_s,
-                                 self.filters.server_lists(1))
+                                 key_lists=self.filters.server_lists(1))
         if len(self.server.tables) != len(self.specs) or len(self.server.functions) != len(self.functions):
             raise RuntimeError("declare every table and server function before the first request")
         return self.server
