@@ -357,15 +357,28 @@ def _cmd_bench_vw(args) -> int:
     return 0
 
 
-def _cmd_bench_inputs(args) -> int:
+def _bench_results(bench, results: dict, json_path: str) -> int:
+    """A benchmark's results printed (its module's ``format_results``), and written to ``json_path``."""
     from hpcps import outputs
+
+    print(bench.format_results(results))
+    if json_path:
+        outputs.write_json(json_path, results, indent=1)
+    return 0
+
+
+def _cmd_bench_inputs(args) -> int:
     from hpcps.bench import inputs as bench_inputs
 
-    results = bench_inputs.run(args.dir, args.rows, args.test_rows, args.ranks, args.repeats, args.epochs)
-    print(bench_inputs.format_results(results))
-    if args.json:
-        outputs.write_json(args.json, results, indent=1)
-    return 0
+    return _bench_results(bench_inputs, bench_inputs.run(args.dir, args.rows, args.test_rows, args.ranks, args.repeats,
+                                                         args.epochs), args.json)
+
+
+def _cmd_bench_backup(args) -> int:
+    from hpcps.bench import backup as bench_backup
+
+    return _bench_results(bench_backup, bench_backup.run(args.dir, args.rows, args.test_rows, args.stop_s, args.repeats,
+                                                         args.at), args.json)
 
 
 def _inspect_model(path: str) -> int:
@@ -833,6 +846,15 @@ def _add_bench(sub) -> None:
     b.add_argument("--repeats", type=count(), default=3, help="jobs of each input, alternating plain and gzip")
     b.add_argument("--json", default="", help="also write the results here")
     b.set_defaults(func=_cmd_bench_inputs)
+    b = bsub.add_parser("backup", help="backup workers (b = 1) against b = 0 with a worker stopped for seconds (its own jobs)")
+    b.add_argument("--dir", default="/tmp/hpcps-bench-backup", help="where the data and results go")
+    b.add_argument("--rows", type=count(), default=30_000)
+    b.add_argument("--test-rows", type=count(), default=3_000)
+    b.add_argument("--stop-s", type=float, default=5.0, help="seconds worker rank 3 is stopped (SIGSTOP)")
+    b.add_argument("--at", type=count(), default=50, help="the first worker's step after which it is stopped")
+    b.add_argument("--repeats", type=count(), default=3, help="jobs of each b, alternating")
+    b.add_argument("--json", default="", help="also write the results here")
+    b.set_defaults(func=_cmd_bench_backup)
     b = bsub.add_parser("margins", help="computing on the servers (model.compute) vs pulling weights: bytes and speed")
     b.add_argument("--dir", default="/tmp/hpcps-bench-margins")
     b.add_argument("--rows", type=count(), default=300_000)

@@ -7,26 +7,20 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 
 from hpcps import config
+from hpcps.bench import backup as bench_backup
 from hpcps.ps import protocol
 from hpcps.ps.consistency import Backup, WorkerClocks
 from hpcps.train import synth
 from hpcps.train.model_file import ServingModel
-from hpcps.train.progress import read_status
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from run import mpiexec  # noqa: E402
 from test_chaos import chaos_run, close_model  # noqa: E402
-from test_checkpoint import rank_pids  # noqa: E402
-from test_train import HPCPS, sets  # noqa: E402
 
 
 def push(clock: int, worker: int) -> protocol.Push:
@@ -104,34 +98,17 @@ def test_as_many_backups_as_workers_is_refused():
 
 # -- real jobs: 1 server + 3 workers, rank 3 stopped for a few seconds ---------------------------
 
-ROWS = 12_000  # 4,000 rows a worker, 200 steps of 20
+ROWS, EPOCHS = 12_000, 2  # 4,000 rows a worker, 200 steps of 20 an epoch
 
 
-def stalled_job(tmp, data, name: str, b: int, stop_s: float, extra: dict | None = None) -> tuple[dict, str]:
-    """A 4-rank job of one epoch (``cluster.backup_workers = b``); once the first worker is past step
-    20, rank 3 is stopped (SIGSTOP) for ``stop_s`` seconds. Returns (its summary, its output)."""
-    status, summary, model = (str(tmp / f"{name}.{x}") for x in ("status", "json", "h5"))
-    args = ["train", "--summary-json", summary, *sets(data__train=data[0], data__test=data[1], train__batch_size=20,
-                                                      train__epochs=1, train__progress=False, train__model_out=model,
-                                                      cluster__backup_workers=b, **(extra or {}))]
-    proc = subprocess.Popen([*mpiexec(), "-n", "4", *HPCPS, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=dict(os.environ, PYTHONUNBUFFERED="1", HPCPS_STATUS_FILE=status))
-    try:
-        if stop_s:
-            deadline = time.monotonic() + 120
-            while read_status(status).get("global_step", -1) < 20 or 3 not in rank_pids(model):
-                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
-                time.sleep(0.02)
-            pid = rank_pids(model)[3]
-            os.kill(pid, signal.SIGSTOP)
-            time.sleep(stop_s)
-            os.kill(pid, signal.SIGCONT)
-        out, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out[-3000:]
-    return json.load(open(summary)), out
+def stalled_job(tmp, data, name: str, b: int, stop_s: float) -> tuple[dict, str]:
+    """A 4-rank job of two epochs (``cluster.backup_workers = b``, the model written to
+    ``tmp/name.h5``); rank 3 is stopped (SIGSTOP) for ``stop_s`` seconds once the first worker is
+    past step 20 (``hpcps bench backup``'s job). Returns (its summary, its output)."""
+    files = {"train_libsvm": data[0], "test_libsvm": data[1]}
+    _, summary, out = bench_backup.stalled_job(files, str(tmp), name, b, stop_s, 20, {
+        "train.batch_size": 20, "train.epochs": EPOCHS, "train.model_out": json.dumps(str(tmp / f"{name}.h5"))}, timeout=240)
+    return summary, out
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +124,7 @@ def reference(tmp_path_factory):
 def test_b_0_waits_for_a_stopped_worker_and_trains_the_same_model(reference):
     tmp, data, ref = reference
     summary, _ = stalled_job(tmp, data, "b0", 0, 3)
-    assert "stalled_workers" not in summary and summary["examples"] == ROWS
+    assert "stalled_workers" not in summary and summary["examples"] == EPOCHS * ROWS
     a, b = ServingModel(str(tmp / "b0.h5")), ServingModel(str(tmp / "ref.h5"))
     np.testing.assert_array_equal(a.keys, b.keys)
     np.testing.assert_array_equal(a.values, b.values)  # every push applied, in the same order
@@ -159,7 +136,7 @@ def test_b_1_goes_on_without_a_stopped_worker_and_names_it(reference):
     stalls = {s["rank"]: s for s in summary["stalled_workers"]}
     assert stalls[3]["clocks_late"] > 0 and stalls[3]["pushes_deferred"] > 0, stalls
     # every row was trained on or counted as skipped
-    assert summary["examples"] + sum(s["rows_skipped"] for s in stalls.values()) == ROWS
+    assert summary["examples"] + sum(s["rows_skipped"] for s in stalls.values()) == EPOCHS * ROWS
     assert abs(summary["test_logloss"] - ref["test_logloss"]) < 0.005
     assert "stalled workers" in out and "rank 3: " in out
 
