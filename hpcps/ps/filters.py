@@ -286,9 +286,12 @@ class TableFilters:
         self.stats["push_threshold_saved_bytes"] += dropped * (8 + 4 * self.dim)
         return keys[send], rows, None if in_pull is None else in_pull[send]
 
-    def key_ref(self, server: int, keys: np.ndarray | None) -> tuple[int, bool]:
-        """What a message to ``server`` carries for a list of ``keys``: see :meth:`WorkerKeyLists.ref`."""
-        if self.lists is None or keys is None:
+    def key_ref(self, server: int, keys: np.ndarray | None, pushed: bool = False) -> tuple[int, bool]:
+        """What a message to ``server`` carries for a list of ``keys``: see :meth:`WorkerKeyLists.ref`.
+        ``pushed``: the keys of a push, sent plainly behind the significance filter (which picks
+        another subset of the batch's keys nearly every time: cached, they would only push the
+        pulls' lists out)."""
+        if self.lists is None or keys is None or (pushed and self.residual is not None):
             return 0, False
         list_id, held = self.lists[server].ref(keys)
         if list_id:
