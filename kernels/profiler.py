@@ -36,7 +36,7 @@ import numpy as np
 from numba import njit
 
 from . import (admission, deep, directindex, ffm, hashing, hashtable, init, keys, metrics, models, optim, parse,
-               textgen, tuning)
+               textgen, tuning, wire)
 from . import reference as ref
 
 ROOF_BYTES = 512 << 20
@@ -685,6 +685,11 @@ def warmup_server() -> None:
     keys.gather_rows(np.zeros((8, 2), np.float32), sl8)
     keys.scatter_rows(np.zeros((8, 2), np.float32), sl8, np.zeros((8, 2), np.float32))
     keys.radix_argsort(k8.copy())
+    # the traffic filters' 16-bit wire types (pushes and pulls both ways)
+    f32 = np.ones(4, np.float32).view(np.uint32)
+    wire.fp16_bits(f32, np.empty(4, np.uint16))
+    wire.bf16_bits(f32, np.empty(4, np.uint16))
+    wire.fp16_values(np.ones(4, np.uint16), np.empty(4, np.uint32))
 
 
 def warmup_data() -> None:

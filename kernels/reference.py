@@ -335,3 +335,17 @@ def mlp(params, n_in, hidden, x, activation="relu", dtype=np.float64):
         return np.concatenate(flat), d
 
     return margins, grad
+
+
+def fp16_bits(values):
+    """float32 values as fp16 words, saturated at +-65504 (NumPy's rounding: nearest, ties to even)."""
+    return np.clip(values, -65504, 65504).astype(np.float16).view(np.uint16)
+
+
+def bf16_bits(values):
+    """float32 values as bfloat16 words: the upper halves rounded to nearest even (NaN stays NaN)."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = (bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)
+    nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    rounded[nan] = (bits[nan] >> np.uint32(16)) | np.uint32(0x40)
+    return rounded.astype(np.uint16)

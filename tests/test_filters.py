@@ -17,6 +17,7 @@ import pytest
 import hpcps
 from hpcps.ps import filters, protocol
 from hpcps.train import synth
+from hpcps_kernels import reference
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -41,14 +42,14 @@ def edge_floats() -> np.ndarray:
 
 def test_fp16_is_numpys_rounding_saturated_at_65504():
     x = edge_floats()
-    got = filters.decode(filters.encode(x, filters.FP16), filters.FP16)
-    want = np.clip(x, -65504, 65504).astype(np.float16).astype(np.float32)
-    np.testing.assert_array_equal(got, want)  # (NaN where NaN)
-    finite = np.isfinite(x)
-    assert np.all(np.isfinite(got[finite])) and got[x == 65520.0][0] == 65504.0
-    small = x[finite & (np.abs(x) < 60000)]
-    np.testing.assert_array_equal(filters.decode(filters.encode(small, filters.FP16), filters.FP16),
-                                  small.astype(np.float16).astype(np.float32))
+    words = filters.encode(x, filters.FP16)
+    nan = np.isnan(x)
+    np.testing.assert_array_equal(words[~nan], reference.fp16_bits(x[~nan]))  # every bit, as NumPy's
+    got = filters.decode(words, filters.FP16)
+    np.testing.assert_array_equal(got, np.clip(x, -65504, 65504).astype(np.float16).astype(np.float32))
+    assert np.isnan(got[nan]).all() and np.isfinite(got[~nan]).all() and got[x == 65520.0][0] == 65504.0
+    every = np.arange(2**16, dtype=np.uint32).astype(np.uint16)  # every fp16 word decodes as NumPy's
+    np.testing.assert_array_equal(filters.decode(every, filters.FP16), every.view(np.float16).astype(np.float32))
 
 
 def bf16_reference(x: np.ndarray) -> np.ndarray:
@@ -67,6 +68,7 @@ def bf16_reference(x: np.ndarray) -> np.ndarray:
 
 def test_bf16_rounds_to_nearest_even_as_the_reference():
     x = edge_floats()
+    np.testing.assert_array_equal(filters.encode(x, filters.BF16), reference.bf16_bits(x))  # NumPy's bit ops
     got = filters.decode(filters.encode(x, filters.BF16), filters.BF16)
     finite = np.isfinite(x) & (np.abs(x) < 3.38e38)  # (past that, rounding up gives inf in both)
     np.testing.assert_array_equal(got[finite], bf16_reference(x[finite]))

@@ -317,7 +317,7 @@ class SparseTable(TableRequests):
         n_pull = 0 if pull_keys is None else pull_keys.shape[0]
         f.count_values(0 if grads is None else grads.size)  # (each way padded apart)
         f.count_values(n_pull * self.dim)
-        return protocol.Encoding(f.wire, *f.key_ref(server, push_keys), *f.key_ref(server, pull_keys))
+        return protocol.Encoding(f.wire, *f.key_ref(server, push_keys, pushed=True), *f.key_ref(server, pull_keys))
 
     def _threshold(self, keys, grads, in_pull=None):
         """The significance filter (``filters.push_threshold``) on a push: what is sent of it."""

@@ -15,10 +15,10 @@ no MPI. Each is off by default (``[filters]`` in the configuration) and each sav
 * :class:`KeyListCache` (``key_cache``): a worker sends a key list to a server once, with an id,
   and then only the id while the list is unchanged. The server keeps the lists it was sent per
   (worker, table), the least recently used dropped past a byte budget; the worker keeps the same
-  cache, fed the same lists in the same order, so it knows exactly which ids its servers hold
-  (:class:`WorkerKeyLists`), and checks a list equal to the one cached (not only its hash) before
-  it sends an id. A server sent an id it does not hold raises an error naming the worker, the
-  table and the id (:class:`ServerKeyLists`): never a wrong row.
+  cache (of sizes only), fed the same lists in the same order, so it knows exactly which ids its
+  servers hold (:class:`WorkerKeyLists`); it knows a list by a 128-bit hash of its keys and length.
+  A server sent an id it does not hold raises an error naming the worker, the table and the id
+  (:class:`ServerKeyLists`): never a wrong row.
 
 :class:`Savings` counts the bytes each filter kept off the wire (the summary's
 ``<filter>_saved_bytes``).
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from hpcps_kernels import wire as kwire
 from hpcps_kernels.hashtable import KeyIndex
 
 # -- wire types ---------------------------------------------------------------------------------
@@ -39,7 +40,6 @@ from hpcps_kernels.hashtable import KeyIndex
 FP32, FP16, BF16 = 0, 1, 2
 WIRE_NAMES = {"fp32": FP32, "fp16": FP16, "bf16": BF16}
 WIRE_ITEMSIZE = {FP32: 4, FP16: 2, BF16: 2}
-FP16_MAX = np.float32(65504.0)
 
 
 def wire_code(name: str) -> int:
@@ -55,31 +55,24 @@ def wire_bytes(count: int, wire: int) -> int:
     return -(-count * WIRE_ITEMSIZE[wire] // 4) * 4
 
 
-def bf16_bits(values: np.ndarray) -> np.ndarray:
-    """float32 ``values`` rounded to bfloat16 (nearest, ties to even) as uint16 bits; a NaN stays a
-    (quiet) NaN, values past bfloat16's range become infinities, as in float32 arithmetic."""
-    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
-    rounded = (bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)
-    nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-    if nan.any():
-        rounded[nan] = (bits[nan] >> np.uint32(16)) | np.uint32(0x40)
-    return rounded.astype(np.uint16)
-
-
 def encode(values: np.ndarray, wire: int) -> np.ndarray:
-    """float32 ``values`` as the 16-bit words of type ``wire`` (fp16 or bf16), flat; fp32: as given."""
+    """float32 ``values`` as the 16-bit words of type ``wire`` (fp16 or bf16), flat; fp32: as given.
+    One pass (:mod:`hpcps_kernels.wire`)."""
     if wire == FP32:
         return values
-    if wire == FP16:
-        return np.clip(values.reshape(-1), -FP16_MAX, FP16_MAX).astype(np.float16).view(np.uint16)
-    return bf16_bits(values.reshape(-1))
+    bits = np.ascontiguousarray(values, dtype=np.float32).reshape(-1).view(np.uint32)
+    out = np.empty(bits.shape[0], dtype=np.uint16)
+    (kwire.fp16_bits if wire == FP16 else kwire.bf16_bits)(bits, out)
+    return out
 
 
 def decode(words: np.ndarray, wire: int) -> np.ndarray:
     """The float32 values of ``words`` (uint16 or bytes) in type ``wire``: exact (both types are
     subsets of float32)."""
     if wire == FP16:
-        return words.view(np.float16).astype(np.float32)
+        out = np.empty(words.view(np.uint16).shape[0], dtype=np.uint32)
+        kwire.fp16_values(words.view(np.uint16), out)
+        return out.view(np.float32)
     return (words.view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
@@ -135,43 +128,44 @@ class PushResidual:
 class KeyListCache:
     """Key lists by id, the least recently used dropped once they pass ``budget_bytes`` (a list
     larger than the budget is never kept). The worker's and the server's are the same object, fed
-    the same calls in the same order, so they hold the same ids."""
+    the same calls in the same order, so they hold the same ids; the server's holds copies of the
+    lists, the worker's only their sizes."""
 
     def __init__(self, budget_bytes: int):
         self.budget = int(budget_bytes)
-        self.lists: OrderedDict[int, np.ndarray] = OrderedDict()
+        self.lists: OrderedDict[int, tuple[int, np.ndarray | None]] = OrderedDict()  # id -> (bytes, keys)
         self.nbytes = 0
 
     def fits(self, keys: np.ndarray) -> bool:
         """Whether a list of ``keys`` is ever kept."""
         return 0 < keys.nbytes <= self.budget
 
-    def get(self, list_id: int) -> np.ndarray | None:
-        """The list kept as ``list_id`` (now the most recently used), or None."""
-        keys = self.lists.get(list_id)
-        if keys is not None:
-            self.lists.move_to_end(list_id)
-        return keys
+    def get(self, list_id: int) -> np.ndarray | bool | None:
+        """The list kept as ``list_id`` (True where only its size is), now the most recently used;
+        None: not kept."""
+        entry = self.lists.get(list_id)
+        if entry is None:
+            return None
+        self.lists.move_to_end(list_id)
+        return True if entry[1] is None else entry[1]
 
-    def peek(self, list_id: int) -> np.ndarray | None:
-        """The list kept as ``list_id``, or None, without using it."""
-        return self.lists.get(list_id)
-
-    def put(self, list_id: int, keys: np.ndarray) -> list[int]:
-        """Keep a copy of ``keys`` (:meth:`fits`) as ``list_id``; returns the ids dropped for room."""
+    def put(self, list_id: int, keys: np.ndarray, copy: bool = True) -> list[int]:
+        """Keep ``keys`` (:meth:`fits`) as ``list_id``, a copy of them or (``copy`` False) only their
+        size; returns the ids dropped for room."""
         dropped = []
         while self.lists and self.nbytes + keys.nbytes > self.budget:
-            old, gone = self.lists.popitem(last=False)
-            self.nbytes -= gone.nbytes
+            old, (nbytes, _) = self.lists.popitem(last=False)
+            self.nbytes -= nbytes
             dropped.append(old)
-        self.lists[list_id] = np.array(keys, dtype=np.uint64, copy=True)
+        self.lists[list_id] = (keys.nbytes, np.array(keys, dtype=np.uint64, copy=True) if copy else None)
         self.nbytes += keys.nbytes
         return dropped
 
 
 def list_hash(keys: np.ndarray) -> int:
-    """A 64-bit hash of a key list's bytes and length (where a worker looks for it)."""
-    return xxhash.xxh3_64_intdigest(memoryview(np.ascontiguousarray(keys)).cast("B"), seed=keys.shape[0])
+    """A list's identity: the 128-bit hash (xxh3) of its keys' bytes, seeded with its length. Two
+    different lists of keys share one with a probability of about 2**-128."""
+    return xxhash.xxh3_128_intdigest(memoryview(np.ascontiguousarray(keys)).cast("B"), seed=keys.shape[0])
 
 
 class WorkerKeyLists:
@@ -190,13 +184,10 @@ class WorkerKeyLists:
             return 0, False
         h = list_hash(keys)
         list_id = self.by_hash.get(h, 0)
-        if list_id:
-            held = self.cache.peek(list_id)
-            if held is not None and np.array_equal(held, keys):
-                self.cache.get(list_id)
-                return list_id, True
+        if list_id and self.cache.get(list_id) is not None:
+            return list_id, True
         list_id, self.next_id = self.next_id, self.next_id + 1
-        for old in self.cache.put(list_id, keys):
+        for old in self.cache.put(list_id, keys, copy=False):
             self.by_hash.pop(self.hash_of.pop(old), None)
         self.by_hash[h], self.hash_of[list_id] = list_id, h
         return list_id, False
@@ -223,7 +214,7 @@ class ServerKeyLists:
         """Keep the list ``keys`` a worker sent as ``list_id``; returns it."""
         cache = self._cache(worker, table)
         cache.put(list_id, keys)
-        return cache.peek(list_id)
+        return cache.lists[list_id][1]
 
     def get(self, worker: int, table: int, list_id: int) -> np.ndarray:
         """The list a worker sent as ``list_id`` before, or :class:`UnknownKeyList`."""
@@ -295,9 +286,12 @@ class TableFilters:
         self.stats["push_threshold_saved_bytes"] += dropped * (8 + 4 * self.dim)
         return keys[send], rows, None if in_pull is None else in_pull[send]
 
-    def key_ref(self, server: int, keys: np.ndarray | None) -> tuple[int, bool]:
-        """What a message to ``server`` carries for a list of ``keys``: see :meth:`WorkerKeyLists.ref`."""
-        if self.lists is None or keys is None:
+    def key_ref(self, server: int, keys: np.ndarray | None, pushed: bool = False) -> tuple[int, bool]:
+        """What a message to ``server`` carries for a list of ``keys``: see :meth:`WorkerKeyLists.ref`.
+        ``pushed``: the keys of a push, sent plainly behind the significance filter (which picks
+        another subset of the batch's keys nearly every time: cached, they would only push the
+        pulls' lists out)."""
+        if self.lists is None or keys is None or (pushed and self.residual is not None):
             return 0, False
         list_id, held = self.lists[server].ref(keys)
         if list_id:
