@@ -10,7 +10,8 @@ Keys at or above ``2**bits`` (the bias feature, or any key a user sends) still w
 overflow hash index (the kernels of :mod:`.hashtable`) that shares the slot-ordered ``keys`` array,
 so both kinds of key draw slots from one sequence. :class:`DirectKeyIndex` has the interface of
 ``KeyIndex`` (``lookup``, ``lookup_or_insert``, ``from_keys``, ``keys``, ``size``,
-``key_capacity``, ``nbytes``), so a server table uses either.
+``key_capacity``, ``nbytes``), so a server table uses either; a pull's or a push's lookups and
+rows are one pass over either (:mod:`.fused`).
 """
 
 from __future__ import annotations
@@ -18,13 +19,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ._prefetch import prefetch, prefetch_lines
+from ._prefetch import prefetch
 from .hashing import mix64
 from .hashtable import build_index, entry_format, index_capacity, key_tag, pack_entry, probe
-from .init import init_values
-from .parallel import TwoThreads, run_split
-from .optim import (FUSED_ADAGRAD, FUSED_FTRL, FUSED_SGD, adagrad_constants, adagrad_update, adam_constants,
-                    adam_update, ftrl_constants, ftrl_update, sgd_constants, sgd_update)
 from .tuning import HASH_MAX_LOAD, PREFETCH_KEYS
 
 MAX_DIRECT_BITS = 31  # int32 slots
@@ -48,100 +45,6 @@ def direct_lookup(direct, index, keys, queries, out, tag_bits):
         else:
             h = mix64(k)
             out[i] = probe(index, keys, k, key_tag(h, tag_bits), h & mask, mask, tag_bits)[0]
-
-
-@njit(cache=True, nogil=True)  # (see hpcps_kernels.parallel)
-def direct_pull(direct, index, keys, queries, tag_bits, rows, dim, kind, scale, seed, slots, out):
-    """A pull in one pass: ``slots[i]`` = the slot of ``queries[i]`` (-1 if absent) and
-    ``out[i]`` = its row's first ``dim`` values, or its initial values if absent: what
-    :func:`direct_lookup` then :func:`hpcps_kernels.init.pull_rows` give, the same bits.
-
-    Two prefetch stages: the direct entry of query ``i + 2 * PREFETCH_KEYS``, then, once the entry of
-    query ``i + PREFETCH_KEYS`` is read, that query's row; so neither pass waits for the other's misses."""
-    nd = np.uint64(direct.shape[0])
-    mask = np.uint64(index.shape[0] - 1)
-    flat, width, n = rows.reshape(-1), rows.shape[1], queries.shape[0]
-    one = np.empty((1, dim), dtype=np.float32)
-    for i in range(-2 * PREFETCH_KEYS, n):  # (negative i: the stages filling up)
-        j = i + 2 * PREFETCH_KEYS
-        if j < n and queries[j] < nd:
-            prefetch(direct, queries[j])
-        j = i + PREFETCH_KEYS
-        if 0 <= j < n:
-            k = queries[j]
-            if k < nd:
-                s = np.int64(direct[k])
-            else:
-                h = mix64(k)
-                s = probe(index, keys, k, key_tag(h, tag_bits), h & mask, mask, tag_bits)[0]
-            slots[j] = s
-            if s >= 0:  # the lines of the values pulled (a dim-64 pull: 4)
-                prefetch_lines(flat, s * width, s * width + dim)
-        if i < 0:
-            continue
-        s = slots[i]  # (pull_rows's row copy, written out: as an inline helper both ran slower)
-        if s >= 0:
-            for d in range(dim):
-                out[i, d] = rows[s, d]
-        else:
-            init_values(queries[i:i + 1], dim, kind, scale, seed, one)
-            for d in range(dim):
-                out[i, d] = one[0, d]
-
-
-@njit(cache=True, nogil=True)  # (see hpcps_kernels.parallel)
-def direct_push(direct, index, keys, queries, tag_bits, rows, grads, rule, hp, slots):
-    """A push's lookups and its update rule in one pass: ``slots[i]`` = the slot of
-    ``queries[i]``, and ``grads[i]`` applied to that row by the built-in one-pass rule ``rule``
-    (:data:`hpcps_kernels.optim.FUSED_SGD` ...) with hyper-parameters ``hp`` (the rule kernel's
-    arguments in order): the same bits as :func:`direct_lookup` then the rule's kernel.
-
-    Stops at the first absent key and returns its position (``n`` when every key is present):
-    the keys before it are updated, the others untouched (the caller inserts the rest). The
-    prefetching is :func:`direct_pull`'s, so the lookups' cache misses overlap the arithmetic of
-    the rows before them."""
-    nd = np.uint64(direct.shape[0])
-    mask = np.uint64(index.shape[0] - 1)
-    flat, width, n, dim = rows.reshape(-1), rows.shape[1], queries.shape[0], grads.shape[1]
-    # each rule's constants, as its kernel's float64 loop takes them (hp: its arguments in order)
-    f64 = np.float64
-    h0, h1 = hp[0], hp[1]
-    h2 = hp[2] if hp.shape[0] > 2 else 0.0
-    h3 = hp[3] if hp.shape[0] > 3 else 0.0
-    h4 = hp[4] if hp.shape[0] > 4 else 0.0
-    sgd_c, adagrad_c = sgd_constants(f64, (h0, h1)), adagrad_constants(f64, (h0, h1, h2))
-    ftrl_c = ftrl_constants(f64, (h0 if rule == FUSED_FTRL else 1.0, h1, h2, h3))  # (it takes 1 / alpha)
-    adam_c = adam_constants(f64, (h0, h1, h2, h3, h4))
-    for i in range(-2 * PREFETCH_KEYS, n):  # (negative i: the stages filling up)
-        # direct_pull's two stages, written out: as an inline helper both kernels ran several times slower
-        j = i + 2 * PREFETCH_KEYS
-        if j < n and queries[j] < nd:
-            prefetch(direct, queries[j])
-        j = i + PREFETCH_KEYS
-        if 0 <= j < n:
-            k = queries[j]
-            if k < nd:
-                s = np.int64(direct[k])
-            else:
-                h = mix64(k)
-                s = probe(index, keys, k, key_tag(h, tag_bits), h & mask, mask, tag_bits)[0]
-            slots[j] = s
-            if s >= 0:
-                prefetch(flat, s * width)
-        if i < 0:
-            continue
-        s = slots[i]
-        if s < 0:
-            return i
-        if rule == FUSED_FTRL:
-            ftrl_update(rows, s, grads, i, None, dim, f64, ftrl_c)
-        elif rule == FUSED_SGD:
-            sgd_update(rows, s, grads, i, None, dim, f64, sgd_c)
-        elif rule == FUSED_ADAGRAD:
-            adagrad_update(rows, s, grads, i, None, dim, f64, adagrad_c)
-        else:
-            adam_update(rows, s, grads, i, None, dim, f64, adam_c)
-    return n
 
 
 @njit(cache=True)
@@ -250,28 +153,6 @@ class DirectKeyIndex:
         out = np.empty(queries.shape[0], dtype=np.int64)
         direct_lookup(self.direct, self.index, self.keys, queries, out, self.tag_bits)
         return out
-
-    def pull(self, queries: np.ndarray, rows: np.ndarray, dim: int, kind: int, scale: float, seed: int,
-             out: np.ndarray, threads: TwoThreads | None = None) -> np.ndarray:
-        """:meth:`lookup` and the rows' values (or the initializer's) into ``out``, in one pass
-        (:func:`direct_pull`; with ``threads``, a large pull's halves at once); returns the slots."""
-        n = queries.shape[0]
-        slots = np.empty(n, dtype=np.int64)
-        run_split(threads, n, lambda lo, hi: direct_pull(self.direct, self.index, self.keys, queries[lo:hi],
-                                                         self.tag_bits, rows, dim, kind, scale, seed, slots[lo:hi],
-                                                         out[lo:hi]),
-                  dim, pull=True)
-        return slots
-
-    def push(self, queries: np.ndarray, rows: np.ndarray, grads: np.ndarray, rule: int, hp: np.ndarray,
-             slots: np.ndarray, threads: TwoThreads | None = None) -> np.ndarray:
-        """Look up ``queries`` and apply ``grads`` to their rows in one pass (:func:`direct_push`;
-        with ``threads``, a large push's halves at once), each half up to its first absent key;
-        returns the positions not done (the others' slots are in ``slots``)."""
-        left = run_split(threads, queries.shape[0], lambda lo, hi: (
-            lo + direct_push(self.direct, self.index, self.keys, queries[lo:hi], self.tag_bits, rows, grads[lo:hi],
-                             rule, hp, slots[lo:hi]), hi), grads.shape[1])
-        return np.concatenate([np.arange(lo, hi) for lo, hi in left])
 
     def lookup_or_insert(self, queries: np.ndarray) -> np.ndarray:
         """Slots of ``queries``, inserting the absent ones."""

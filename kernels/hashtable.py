@@ -37,6 +37,7 @@ NARROW_MAX_KEYS = 2**27 - 1
 WIDE_EMPTY = np.uint64(2**64 - 1)        # an empty wide entry
 WIDE_TAG_BITS = 16                       # wide entries: uint64 = 48-bit slot | 16-bit tag
 MAX_KEYS = 2**48 - 1
+NO_DIRECT = np.zeros(0, dtype=np.int32)  # a KeyIndex's direct array (see hpcps_kernels.fused): none
 
 # The kernels below serve both entry widths: numba compiles them once per index dtype; the tag
 # width comes as an argument (``tag_bits``) and the empty value is all bits set in either.
@@ -171,6 +172,8 @@ def entry_format(n: int) -> tuple[type, int]:
 
 class KeyIndex:
     """A growable uint64 → slot index. ``keys[:size]`` are the keys in slot order."""
+
+    direct = NO_DIRECT  # no key addressed directly (the arrays of hpcps_kernels.fused's kernels)
 
     def __init__(self, capacity: int = 16):
         capacity = max(int(capacity), 1)

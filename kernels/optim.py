@@ -46,7 +46,7 @@ from numba import types
 from numba.extending import overload, register_jitable
 
 from ._prefetch import prefetch_lines
-from .parallel import TwoThreads, run_split
+from .parallel import TwoThreads, run_split, worth_splitting
 from .tuning import NARROW_VALUES, PREFETCH_KEYS, WIDE_PREFETCH_BYTES
 
 
@@ -80,7 +80,8 @@ def state_init(name: str, dim: int, adagrad_init: float | None = None) -> np.nda
 TWO_PASS_DIM = 8
 ROW_PARTS = 4  # a rule's row has at most this many parts: its runs of dim values, then its extra values
 
-# the built-in one-pass rules' codes in a push's fused lookup and update (Optimizer.fused)
+# the built-in one-pass rules' codes in a push's fused lookup and update (Optimizer.fused,
+# hpcps_kernels.fused.PUSH)
 FUSED_SGD, FUSED_ADAGRAD, FUSED_FTRL, FUSED_ADAM = 0, 1, 2, 3
 
 
@@ -95,13 +96,13 @@ FUSED_SGD, FUSED_ADAGRAD, FUSED_FTRL, FUSED_ADAM = 0, 1, 2, 3
 # and ``<RULE>_ROW``, the shape of its row: ``(runs, extra)``, ``runs`` runs of ``dim`` values
 # (the first the parameters ``w``) and ``extra`` values after them.
 # :func:`rule_kernel` makes the rule's kernel from them, and the fused lookup and update of a push
-# (:func:`hpcps_kernels.directindex.direct_push`) inlines the same updates: a fix lands once.
+# (:func:`hpcps_kernels.fused.push_kernel`) inlines the same updates: a fix lands once.
 # They are register_jitable functions, which numba inlines where they are called, and not njit
 # dispatchers: numba's disk cache keys a closure by its pickled cells, and a pickled dispatcher
 # carries an id of its process, so a kernel closing over one would compile again in every process.
 # An update takes the table and the gradients, not views of a row, and no array to write in place:
 # each array an inlined call takes may cost a reference count increment and decrement per call,
-# which numba does not remove in a loop that can raise (direct_push).
+# which numba does not remove in a loop that can raise.
 
 def store(rows, out, s, part, dim, d, value):
     """Write ``value`` as value ``d`` of run ``part`` of updated row ``s`` (a row is runs of
@@ -318,15 +319,15 @@ class Optimizer:
     fused: int = -1  # a built-in one-pass rule's code (FUSED_*) for a push's fused lookup and update
 
     def fused_rule(self, dim: int) -> int:
-        """The code under which :func:`hpcps_kernels.directindex.direct_push` applies this rule to
-        rows of ``dim`` values with the same bits as :attr:`kernel`, or -1: a rule registered from
-        user code, or a row wide enough for the two-pass loops."""
+        """The code under which :data:`hpcps_kernels.fused.PUSH` applies this rule to rows of
+        ``dim`` values with the same bits as :attr:`kernel`, or -1: a rule registered from user
+        code, or a row wide enough for the two-pass loops."""
         return self.fused if dim < TWO_PASS_DIM else -1
 
-    def fused_params(self, params: dict) -> np.ndarray:
-        """The hyper-parameters :func:`~hpcps_kernels.directindex.direct_push` takes: the kernel's
-        arguments in order, as float64 (as the kernel receives them)."""
-        return np.array([float(params[a]) for a in self.args], dtype=np.float64)
+    def fused_params(self, params: dict) -> tuple:
+        """The hyper-parameters :data:`hpcps_kernels.fused.PUSH`'s kernels take: the rule kernel's
+        arguments in order, as floats (float64, as the kernel computes with them)."""
+        return tuple(float(params[a]) for a in self.args)
 
     def width(self, dim: int) -> int:
         return dim + self.state_width(dim)
@@ -344,7 +345,18 @@ class Optimizer:
     def apply(self, rows, slots, grads, params: dict, threads: TwoThreads | None = None) -> None:
         """Update ``rows[slots[i]]`` with ``grads[i]``; with ``threads``, a large push's two halves at
         once (the slots are distinct and a rule updates each row from its own gradient only)."""
-        args = [params[a] for a in self.args]
+        self.run(rows, slots, grads, self.kernel_args(params), threads)
+
+    def kernel_args(self, params: dict) -> tuple:
+        """The hyper-parameters :attr:`kernel` takes after its arrays, in order (for :meth:`run`)."""
+        return tuple(params[a] for a in self.args)
+
+    def run(self, rows, slots, grads, args: tuple, threads: TwoThreads | None = None) -> None:
+        """:meth:`apply` with the kernel's hyper-parameters given (:meth:`kernel_args`): a
+        server's push, which has them at hand."""
+        if not worth_splitting(threads, slots.shape[0], grads.shape[1]):  # (most pushes: no closure)
+            self.kernel(rows, slots, grads, *args)
+            return
         run_split(threads, slots.shape[0], lambda lo, hi: self.kernel(rows, slots[lo:hi], grads[lo:hi], *args),
                   grads.shape[1])
 

@@ -35,7 +35,7 @@ import time
 import numpy as np
 from numba import njit
 
-from . import (admission, deep, directindex, ffm, hashing, hashtable, init, keys, metrics, models, optim, parse,
+from . import (admission, deep, directindex, ffm, fused, hashing, hashtable, init, keys, metrics, models, optim, parse,
                textgen, tuning, wire)
 from . import reference as ref
 
@@ -486,7 +486,7 @@ def bench_direct_index(rng, repeat, roof):
 
     def pull_fused():
         for q in zb:
-            di.pull(q, rows_, 1, init.ZEROS, 0.0, 0, np.empty((q.size, 1), np.float32))
+            fused.index_pull(di, q, rows_, 1, init.ZEROS, 0.0, 0, np.empty((q.size, 1), np.float32))
 
     def pull_two():
         for q in zb:
@@ -504,7 +504,7 @@ def bench_direct_index(rng, repeat, roof):
 
     def push_fused():
         for q, gq in zip(zb, zg):
-            di.push(q, frows, gq, rule, hp, np.empty(q.size, np.int64))
+            fused.index_push(di, q, frows, gq, rule, hp, np.empty(q.size, np.int64))
 
     def push_two():
         for q, gq in zip(zb, zg):
@@ -665,14 +665,15 @@ def warmup_server() -> None:
     di = directindex.DirectKeyIndex.from_keys(np.array([1, 2**40], dtype=np.uint64), 4)
     di.lookup(np.array([1, 3, 2**40], dtype=np.uint64))
     di.lookup_or_insert(np.array([5, 2**41], dtype=np.uint64))
-    for dim in (1, 3):  # a server's pull: LR and FM/embedding rows
-        di.pull(np.array([1, 3, 2**40], dtype=np.uint64), np.zeros((di.key_capacity, 3 * dim), np.float32), dim,
-                init.NORMAL, 0.01, 0, np.empty((3, dim), np.float32))
+    q3, q2 = np.array([1, 3, 2**40], dtype=np.uint64), np.array([1, 2**40], dtype=np.uint64)
+    for dim in (1, 3):  # a server's pull: LR and FM/embedding rows (one kernel, either index)
+        fused.index_pull(di, q3, np.zeros((di.key_capacity, 3 * dim), np.float32), dim, init.NORMAL, 0.01, 0,
+                         np.empty((3, dim), np.float32))
     g = np.ones((2, 1), dtype=np.float32)
     for rule in optim.REGISTRY.values():  # a server's push without a pull before it (one kernel)
         if rule.fused_rule(1) >= 0:
-            di.push(np.array([1, 2**40], dtype=np.uint64), np.ones((di.key_capacity, rule.width(1)), np.float32), g,
-                    rule.fused_rule(1), rule.fused_params(rule.params), np.empty(2, np.int64))
+            fused.index_push(di, q2, np.ones((di.key_capacity, rule.width(1)), np.float32), g, rule.fused_rule(1),
+                             rule.fused_params(rule.params), np.empty(2, np.int64))
     # the server: placement, row initialisation, pulls; the client's row scatter/gather
     k8 = np.arange(8, dtype=np.uint64)
     sl8 = np.arange(8, dtype=np.int64)

@@ -662,22 +662,29 @@ def test_direct_index_gives_the_slots_a_hash_index_gives(batches):
     np.testing.assert_array_equal(again.lookup(allq), h.lookup(allq))
 
 
+def _index_of(kind: str, keys: list):
+    """A direct index of 12 bits (keys above it in its overflow hash index) or a hash index,
+    holding ``keys`` (distinct)."""
+    idx = directindex.DirectKeyIndex(12) if kind == "direct" else hashtable.KeyIndex()
+    idx.lookup_or_insert(np.unique(np.array(keys, dtype=np.uint64)))
+    return idx
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.one_of(st.integers(0, 2**12 - 1), st.integers(2**12, 2**64 - 1)), max_size=300),
        st.lists(st.one_of(st.integers(0, 2**12 - 1), st.integers(2**12, 2**64 - 1)), max_size=300),
-       st.sampled_from([(1, "zeros"), (3, "normal"), (2, "uniform")]))
-def test_direct_pull_is_lookup_then_pull_rows_in_one_pass(stored, asked, dim_kind):
-    """The fused pull of a direct index: the same slots and the same bits as the two kernels,
-    present keys (direct and overflow) and absent ones (their initial values) alike."""
-    from hpcps_kernels import init
+       st.sampled_from([(1, "zeros"), (3, "normal"), (2, "uniform")]), st.sampled_from(["direct", "hash"]))
+def test_fused_pull_is_lookup_then_pull_rows_in_one_pass(stored, asked, dim_kind, index_kind):
+    """The fused pull of either index: the same slots and the same bits as the two kernels,
+    present keys (direct, overflow and hashed) and absent ones (their initial values) alike."""
+    from hpcps_kernels import fused, init
 
     dim, kind = dim_kind
-    d = directindex.DirectKeyIndex(12)
-    d.lookup_or_insert(np.unique(np.array(stored, dtype=np.uint64)))
+    d = _index_of(index_kind, stored)
     rows = np.random.default_rng(len(stored)).normal(size=(d.key_capacity, 3 * dim)).astype(np.float32)
     q = np.array(asked + stored[:50], dtype=np.uint64)
     out = np.full((q.size, dim), np.nan, np.float32)
-    slots = d.pull(q, rows, dim, init.KINDS[kind], 0.1, 7, out)
+    slots = fused.index_pull(d, q, rows, dim, init.KINDS[kind], 0.1, 7, out)
     want_slots = d.lookup(q)
     want = np.empty((q.size, dim), np.float32)
     init.pull_rows(rows, want_slots, q, dim, init.KINDS[kind], 0.1, 7, want)
@@ -688,14 +695,16 @@ def test_direct_pull_is_lookup_then_pull_rows_in_one_pass(stored, asked, dim_kin
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.one_of(st.integers(0, 2**12 - 1), st.integers(2**12, 2**64 - 1)), max_size=300),
        st.lists(st.one_of(st.integers(0, 2**12 - 1), st.integers(2**12, 2**64 - 1)), max_size=300),
-       st.sampled_from(["sgd", "adagrad", "ftrl", "adam"]), st.sampled_from([1, 3]))
-def test_direct_push_is_lookup_then_the_rule_in_one_pass(stored, asked, rule_name, dim):
-    """The fused push of a direct index: up to the first absent key, the slots of a lookup and
+       st.sampled_from(["sgd", "adagrad", "ftrl", "adam"]), st.sampled_from([1, 3]),
+       st.sampled_from(["direct", "hash"]))
+def test_fused_push_is_lookup_then_the_rule_in_one_pass(stored, asked, rule_name, dim, index_kind):
+    """The fused push of either index: up to the first absent key, the slots of a lookup and
     the bits of the rule's own kernel on them; the rows of the keys from there on are untouched."""
+    from hpcps_kernels import fused
+
     rule = optim.get(rule_name)
     params = {**rule.params, "l2": 0.01}  # a non-zero of each argument the rules take
-    d = directindex.DirectKeyIndex(12)
-    d.lookup_or_insert(np.unique(np.array(stored, dtype=np.uint64)))
+    d = _index_of(index_kind, stored)
     rng = np.random.default_rng(len(stored) + 7 * len(asked))
     rows = np.abs(rng.normal(size=(d.key_capacity, rule.width(dim)))).astype(np.float32) + 0.1
     q = np.unique(np.array(asked + stored[:40], dtype=np.uint64))
@@ -706,7 +715,7 @@ def test_direct_push_is_lookup_then_the_rule_in_one_pass(stored, asked, rule_nam
     want = rows.copy()
     rule.apply(want, want_slots[:first_absent], g[:first_absent], params)
     slots = np.full(q.size, -2, np.int64)
-    todo = d.push(q, rows, g, rule.fused_rule(dim), rule.fused_params(params), slots)
+    todo = fused.index_push(d, q, rows, g, rule.fused_rule(dim), rule.fused_params(params), slots)
     np.testing.assert_array_equal(todo, np.arange(first_absent, q.size))  # the positions not done
     done = first_absent
     np.testing.assert_array_equal(slots[:done], want_slots[:done])

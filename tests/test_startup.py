@@ -40,3 +40,5 @@ def test_a_two_rank_job_says_its_startup_within_its_wall_time(tmp_path):
     # less the training (time_s, from the first step to the summary)
     assert 0 < got["startup_s"] < wall - got["time_s"], (got["startup_s"], got["time_s"], wall)
     assert got["examples"] == 100
+    # each role's CPU time in its loop (the largest over its ranks): the worker trained, the server served
+    assert got["loop_cpu_s_worker"] > 0 and got["loop_cpu_s_server"] > 0, got

@@ -204,6 +204,7 @@ class RowPolicies:
         # a push may take the slots of a pull before it, unless admission or a budget may have
         # changed in between which keys have rows
         self.reuses_slots = self.admission is None and self.budget is None
+        self.filters_keys = not self.reuses_slots  # whether a push's keys go through keys_given_rows
 
 
     # -- pushes ----------------------------------------------------------------------------------

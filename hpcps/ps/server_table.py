@@ -3,9 +3,10 @@ memory budget (:mod:`hpcps.ps.policies`) and its optimizer, composed (pure: no M
 
 A push finds its keys' slots in one of three ways, chosen in one place (:meth:`ServerTable.push`):
 the slots a pull of the same keys by the same worker resolved (a push-pull's next push; with the
-keys the next pull reads marked, the others are updated after the reply); on a direct index with
-a built-in one-pass rule, one kernel that looks each key up and updates its row (up to the first
-key without a row); else a lookup (inserting new keys) and then the rule's kernel.
+keys the next pull reads marked, the others are updated after the reply); with a built-in
+one-pass rule, one kernel that looks each key up and updates its row (up to the first key without
+a row; :mod:`hpcps_kernels.fused`, either index); else a lookup (inserting new keys) and then the
+rule's kernel.
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ class ServerTable:
         self.policies = RowPolicies(spec, self.store)
         self.opt = spec.opt
         # a push whose slots no pull resolved looks its keys up and updates their rows in one pass
-        # when the index is direct and the rule is a built-in one-pass rule (-1: two kernels)
+        # when the rule is a built-in one-pass rule (-1: two kernels)
         self.fused = self.opt.fused_rule(spec.dim)
         self.fused_params = self.opt.fused_params(spec.params)
+        self.rule_args = self.opt.kernel_args(spec.params)  # the rule kernel's hyper-parameters
         self.threads: TwoThreads | None = None  # large requests' halves at once (set by the Server)
         self._snapshot: tuple | None = None  # early stopping's best model so far (snapshot)
 
@@ -112,26 +114,42 @@ class ServerTable:
         pull before it and the table does not age its rows (else everything is applied now and
         None returned). A rule updates each row on its own, so the rows end the same, bit for
         bit, once the rest is applied before anything else reads or updates the table."""
-        keys, grads = self.policies.keys_given_rows(keys, grads, clock)
-        if keys.shape[0] == 0:
-            return None
-        first_new = self.store.size
-        slots = self.store.slots_of_pull(keys, worker)
+        if self.policies.filters_keys:
+            keys, grads = self.policies.keys_given_rows(keys, grads, clock)
+            if keys.shape[0] == 0:
+                return None
+        store = self.store
+        first_new = store.index.size
+        slots = store.slots_of_pull(keys, worker) if worker in store.resolved else None
         if slots is not None and in_pull is not None and self.policies.eviction is None:
             return self._push_pulled_part_first(keys, grads, slots, first_new, in_pull)
         if slots is not None:
             return self._push_to_slots(keys, grads, slots, first_new, clock)
-        if self.fused >= 0 and self.store.is_direct:
+        if self.fused >= 0:
             return self._push_in_one_pass(keys, grads, first_new, clock)
-        return self._push_to_slots(keys, grads, self.store.lookup_or_insert(keys), first_new, clock)
+        return self._push_to_slots(keys, grads, store.lookup_or_insert(keys), first_new, clock)
+
+    # (the pushes' paths below call the policies and the change marks only when they are on: a
+    # server's fixed cost per request is mostly such Python calls)
+
+    def _rows_created(self, keys: np.ndarray, slots: np.ndarray, first_new: int) -> None:
+        """Rows for the keys ``slots`` inserted (those from ``first_new`` on), if any."""
+        if self.store.index.size > first_new:
+            self.policies.rows_created(self.store.create_rows(keys, slots, first_new), first_new)
+
+    def _updated(self, slots: np.ndarray, clock: int, not_done: np.ndarray | None = None) -> None:
+        """The rows at ``slots`` (but the positions ``not_done``) were updated at ``clock``."""
+        if self.policies.eviction is not None:
+            self.policies.touch(slots, clock, not_done)
+        if self.store.changed is not None:
+            self.store.mark_changed(slots, not_done)
 
     def _push_to_slots(self, keys: np.ndarray, grads: np.ndarray, slots: np.ndarray, first_new: int,
                        clock: int) -> None:
         """The rule over the rows at ``slots`` (those from ``first_new`` on created first)."""
-        self.policies.rows_created(self.store.create_rows(keys, slots, first_new), first_new)
-        self.opt.apply(self.store.rows, slots, grads, self.spec.params, self.threads)
-        self.policies.touch(slots, clock)
-        self.store.mark_changed(slots)
+        self._rows_created(keys, slots, first_new)
+        self.opt.run(self.store.rows, slots, grads, self.rule_args, self.threads)
+        self._updated(slots, clock)
         return None
 
     def _push_in_one_pass(self, keys: np.ndarray, grads: np.ndarray, first_new: int, clock: int) -> None:
@@ -139,8 +157,7 @@ class ServerTable:
         keys inserted) and updated by the rule's kernel."""
         slots = np.empty(keys.shape[0], dtype=np.int64)
         todo = self.store.push_in_one_pass(keys, grads, self.fused, self.fused_params, slots, self.threads)
-        self.policies.touch(slots, clock, not_done=todo)
-        self.store.mark_changed(slots, not_done=todo)
+        self._updated(slots, clock, todo)
         if todo.shape[0] == 0:
             return None
         keys, grads = keys[todo], grads[todo]
@@ -149,15 +166,15 @@ class ServerTable:
     def _push_pulled_part_first(self, keys: np.ndarray, grads: np.ndarray, slots: np.ndarray, first_new: int,
                                 in_pull: np.ndarray) -> tuple | None:
         """The keys the next pull reads updated now; the others returned for :meth:`apply_after_reply`."""
-        self.policies.rows_created(self.store.create_rows(keys, slots, first_new), first_new)
-        self.store.mark_changed(slots)  # (the rest too: applied before anything reads the table)
+        self._rows_created(keys, slots, first_new)
+        self._updated(slots, 0)  # (the rest too: applied before anything reads the table; no eviction here)
         slots, grads, rest_slots, rest_grads = kkeys.split_by_bits(in_pull, slots, grads)
-        self.opt.apply(self.store.rows, slots, grads, self.spec.params, self.threads)
+        self.opt.run(self.store.rows, slots, grads, self.rule_args, self.threads)
         return (rest_slots, rest_grads) if rest_slots.shape[0] else None
 
     def apply_after_reply(self, rest: tuple) -> None:
         """Apply the part of a push that :meth:`push` returned (once the pull's reply is gone)."""
-        self.opt.apply(self.store.rows, *rest, self.spec.params, self.threads)
+        self.opt.run(self.store.rows, *rest, self.rule_args, self.threads)
 
     def evict_if_due(self, now: int) -> int:
         return self.policies.evict_if_due(now)

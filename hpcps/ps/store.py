@@ -21,11 +21,12 @@ from __future__ import annotations
 import numpy as np
 
 from hpcps.ps.tables import TableSpec
+from hpcps_kernels import fused as kfused
 from hpcps_kernels import init as kinit
 from hpcps_kernels import keys as kkeys
 from hpcps_kernels.directindex import DirectKeyIndex
 from hpcps_kernels.hashtable import KeyIndex
-from hpcps_kernels.parallel import TwoThreads, run_split, splits_pull
+from hpcps_kernels.parallel import TwoThreads
 from hpcps_kernels.tuning import DIRECT_AT_ONCE_BITS, DIRECT_FROM_SHIFT
 
 # Pulls whose slots a server keeps per worker and table for the pushes of the same keys: 2, the
@@ -79,10 +80,6 @@ class RowStore:
             self.index = DirectKeyIndex.from_keys(self.index.keys[:n].copy(), self.spec.key_bits)
 
     @property
-    def is_direct(self) -> bool:
-        return isinstance(self.index, DirectKeyIndex)
-
-    @property
     def size(self) -> int:
         return self.index.size
 
@@ -98,29 +95,21 @@ class RowStore:
 
     def pull(self, keys: np.ndarray, out: np.ndarray, threads: TwoThreads | None = None) -> np.ndarray:
         """Values of ``keys`` into ``out`` (n, dim), the initializer's for absent keys; returns
-        their slots (-1: absent)."""
+        their slots (-1: absent). The lookups and the rows' values in one pass, either index."""
         s = self.spec
-        if isinstance(self.index, DirectKeyIndex):  # lookup and gather in one pass
-            slots = self.index.pull(keys, self.rows, s.dim, self.init_kind, s.init_scale, s.seed, out, threads)
-        else:
-            slots = self.index.lookup(keys)
-            if splits_pull(keys.shape[0], s.dim) and threads is not None:
-                run_split(threads, keys.shape[0], lambda lo, hi: kinit.pull_rows(
-                    self.rows, slots[lo:hi], keys[lo:hi], s.dim, self.init_kind, s.init_scale, s.seed, out[lo:hi]),
-                    s.dim, pull=True)
-            else:  # (most pulls: no closure on the way of every request)
-                kinit.pull_rows(self.rows, slots, keys, s.dim, self.init_kind, s.init_scale, s.seed, out)
+        slots = kfused.index_pull(self.index, keys, self.rows, s.dim, self.init_kind, s.init_scale, s.seed, out,
+                                  threads)
         if self.init_keys:
             for key, values in self.init_keys:  # absent keys with given initial values
                 out[(keys == key) & (slots < 0)] = values
         return slots
 
-    def push_in_one_pass(self, keys: np.ndarray, grads: np.ndarray, rule: int, params: np.ndarray,
+    def push_in_one_pass(self, keys: np.ndarray, grads: np.ndarray, rule: int, params: tuple,
                          slots: np.ndarray, threads: TwoThreads | None = None) -> np.ndarray:
-        """Direct index only: look up ``keys`` and apply a built-in rule to their rows in one pass,
-        up to the first absent key (of each half); returns the positions not done (the others'
-        slots are in ``slots``)."""
-        return self.index.push(keys, self.rows, grads, rule, params, slots, threads)
+        """Look up ``keys`` and apply a built-in rule to their rows in one pass, up to the first
+        absent key (of each half); returns the positions not done (the others' slots are in
+        ``slots``)."""
+        return kfused.index_push(self.index, keys, self.rows, grads, rule, params, slots, threads)
 
     def create_rows(self, keys: np.ndarray, slots: np.ndarray, first_new: int) -> int:
         """Room and initial values for the rows of the keys inserted since the store held

@@ -80,31 +80,37 @@ def _peak_rss_mb() -> float:
     return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def agree_on_the_end(ctx, preempted: int) -> dict:
+def agree_on_the_end(ctx, preempted: int, loop_cpu_s: float = 0.0) -> dict:
     """Collective over the world (servers after serving, workers before finalizing; workers first
     tell the servers they are done, so that the servers leave their loop and join): the exit
     status of a stop on a signal (the largest of the ranks' ``preempted``, 0 for none), the
-    largest peak memory of a worker and of a server (MiB), and the servers' key counts summed
-    (rows held, keys admitted, rows evicted)."""
+    largest peak memory of a worker and of a server (MiB), the largest CPU time of a worker's
+    and of a server's loop (``loop_cpu_s``: this rank's, from its first step or the start of its
+    serving; the scaling model's CPU cost per row; a one-process job's server is in its worker's),
+    and the servers' key counts summed (rows held, keys admitted, rows evicted)."""
     if ctx.is_worker:
         ctx.finish_serving()
     rss = _peak_rss_mb()
     flag = ctx.every_rank.reduce(np.array([float(preempted), rss if ctx.is_worker else 0.0,
-                                           rss if ctx.is_server else 0.0]), "max", "agreement on the end of training")
+                                           rss if ctx.is_server else 0.0, loop_cpu_s if ctx.is_worker else 0.0,
+                                           loop_cpu_s if ctx.is_server else 0.0]),
+                                 "max", "agreement on the end of training")
     st = ctx.server_stats or {}  # server ranks, or a one-process job's in-process server
     counts = np.array([sum(st.get(k, [])) for k in ("keys", "admitted", "evicted")], dtype=np.int64)
     counts = ctx.every_rank.reduce(counts, "sum", "sum of the servers' key counts")
     counts[1:] //= ctx.placement.replicas + 1  # (every copy of a shard admits and evicts the same keys)
     keys = {"table_keys": int(counts[0]), "admitted_keys": int(counts[1]), "evicted_keys": int(counts[2]),
             **ctx.compare_replicas()}  # (cluster.replicas: every backup against its primary)
-    return {"preempted": int(flag[0]), "worker_rss": float(flag[1]), "server_rss": float(flag[2]), "key_counts": keys,
+    return {"preempted": int(flag[0]), "worker_rss": float(flag[1]), "server_rss": float(flag[2]),
+            "worker_loop_cpu_s": float(flag[3]), "server_loop_cpu_s": float(flag[4]), "key_counts": keys,
             "stalled_workers": agree_on_stalls(ctx)}
 
 
 def serve(ctx, cfg, plan, model) -> Result:
     """A server rank: answer requests until every worker is done, then write the model."""
+    cpu0 = time.process_time()
     ctx.serve(plan.restore)
-    preempted = agree_on_the_end(ctx, 0)["preempted"]
+    preempted = agree_on_the_end(ctx, 0, time.process_time() - cpu0)["preempted"]
     if cfg.train.model_out and not preempted:
         agree_model_written(ctx, export_model(ctx, cfg, model, plan.input_format))
     ctx.finalize()
@@ -131,7 +137,7 @@ def end_the_run(ctx, plan, model, pipeline, parts: tuple, preempted: int, report
                                                              *SAVED_KEYS)], dtype=np.int64),
                              "sum", "sum of the bytes and requests sent and received, and of the bytes filters saved")
     ending = {"skipped": skipped, "predicted": predicted, "wait": wait, "traffic": traffic,
-              **agree_on_the_end(ctx, preempted)}
+              **agree_on_the_end(ctx, preempted, time.process_time() - reporter.cpu0)}
     if not preempted and cfg.train.model_out:  # (one process: no server writes the model; this one does)
         agree_model_written(ctx, export_model(ctx, cfg, model, plan.input_format) if ctx.local else None)
     ctx.finalize()

@@ -44,6 +44,7 @@ class Reporter:
         self.last_status = 0.0
         self.t0 = time.perf_counter()  # the first step begins about now (Trainer.plan_steps ends)
         self.startup_s = process_age_s()  # from this process's start to here (None where unknown)
+        self.cpu0 = time.process_time()  # this process's CPU time at its first step
         self.waited_before = 0.0  # ctx.stats["wait_s"] at the end of the last epoch
         self.examples = 0  # rows trained, over every worker, in the epochs ended
         self.loss_sum, self.rows, self.first_step = 0.0, 0, 1  # this epoch's, on this worker
@@ -182,7 +183,8 @@ class Reporter:
                    "workers": ctx.layout.workers, "servers": ctx.layout.servers, **last_record,
                    "max_wait_s": ending["wait"], "max_staleness": ctx.stats["max_staleness"],
                    "bad_lines_skipped": ending["skipped"], "peak_rss_mb_worker": ending["worker_rss"],
-                   "peak_rss_mb_server": ending["server_rss"], **ending["key_counts"],
+                   "peak_rss_mb_server": ending["server_rss"], "loop_cpu_s_worker": ending["worker_loop_cpu_s"],
+                   "loop_cpu_s_server": ending["server_loop_cpu_s"], **ending["key_counts"],
                    "bytes_sent": int(ending["traffic"][0]), "bytes_received": int(ending["traffic"][1]),
                    "requests_sent": int(ending["traffic"][2])}
         saved = dict(zip(SAVED_KEYS, ending["traffic"][3:].tolist()))
