@@ -58,6 +58,10 @@ class Cluster:
                                           "(seconds)")
     stall_timeout_s: float = described(300.0, "abort the job when a request or collective is unanswered this "
                                               "long (seconds; at least stall_warn_s)")
+    fault_tolerance: str = described("none", "none: a lost rank ends the job (hpcps supervise restarts it from "
+                                             "its last checkpoint); ulfm: the job goes on without a lost "
+                                             "worker, whose rows the others train (Open MPI launched with "
+                                             "mpiexec --with-ft ulfm: make install-ft, docs/operations.md)")
 
 
 @dataclass(frozen=True)
@@ -301,6 +305,7 @@ CHOICES = {  # the keys whose values are names; models and data formats register
     ("model", "bias_init"): ("auto", "zero"),
     ("train", "gradient"): ("sum", "mean"),
     ("cluster", "layout"): ("manual", "auto"),
+    ("cluster", "fault_tolerance"): ("none", "ulfm"),
     ("checkpoint", "on_signal"): ("exit", "continue"),
     ("checkpoint", "existing"): ("error", "replace"),
 }

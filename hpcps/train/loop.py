@@ -38,6 +38,7 @@ from hpcps.train.pipeline import StepPipeline
 from hpcps.train.plan import RunPlan, TrainError, agree_on_plan, check_output_paths, gradient_scale
 from hpcps.train.progress import vm_hwm_mb
 from hpcps.train.report import Reporter
+from hpcps.train.takeover import Takeover
 
 
 @dataclass
@@ -173,6 +174,7 @@ class Trainer:
         self.train = self.test = self.to_predict = None  # this worker's parts of the data files
         self.model, self.pipeline, self.early = None, None, None  # the model, its StepPipeline, EarlyStopping
         self.feed: BatchFeed | None = None
+        self.takeover: Takeover | None = None
         self.reporter: Reporter | None = None
         self.checkpoints: Checkpointing | None = None
         self.steps, self.scale = 0, 1.0  # steps per epoch, and the gradient's scale
@@ -197,6 +199,9 @@ class Trainer:
         return self.finish()
 
     def agree_on_plan(self) -> None:
+        missing = self.world.fault_tolerance_missing(self.cfg.cluster.fault_tolerance)
+        if missing:  # (the same on every rank: the first says it)
+            raise TrainError(f"cluster.fault_tolerance = \"ulfm\": {missing}" if self.world.is_first else "")
         check_output_paths(self.cfg, self.world)
         catch_stop_signals(self.cfg, self.world, self.NO_CHECKPOINT)
         self.plan = agree_on_plan(self.cfg, self.world)
@@ -206,7 +211,8 @@ class Trainer:
         cfg, cl, paths = self.cfg, self.cfg.cluster, self.plan.paths
         self.ctx = ctx = init(servers=cl.servers, worker_groups=cl.worker_groups or None, staleness=cl.staleness,
                               num_shards=cl.num_shards, stall_warn_s=cl.stall_warn_s,
-                              stall_timeout_s=cl.stall_timeout_s, comm=self.world.comm)
+                              stall_timeout_s=cl.stall_timeout_s, comm=self.world.comm,
+                              fault_tolerance=cl.fault_tolerance)
         self.train = load_part(ctx, cfg, paths["train"], "training", stream=True)
         self.test = load_part(ctx, cfg, paths["test"], "test")
         self.to_predict = load_part(ctx, cfg, cfg.data.predict, "prediction")
@@ -241,6 +247,7 @@ class Trainer:
         self.reporter.say_nothing_left(self.start[0])
         self.feed = BatchFeed(cfg, self.train, self.steps, self.holdout_phase, self.model.reads_keys,
                               World.end_job_with)
+        self.takeover = Takeover(self) if ctx.fault_tolerant else None  # (lost workers' rows: ULFM)
 
     def train_epoch(self, epoch: int) -> None:
         """The epoch's steps (from the resumed step in the first); sets ``preempted`` when a stop
@@ -249,6 +256,8 @@ class Trainer:
         first_step = self.start[1] if epoch == self.start[0] else 1
         self.reporter.start_epoch(first_step)
         self.feed.start_epoch(bool(tr.holdout and self.early.holdout is None and first_step == 1))
+        if self.takeover is not None:
+            self.takeover.start_epoch()
         for step in range(first_step, self.steps + 1):
             self.step(epoch, step)
             self.preempted = self.checkpoints.if_due(epoch, step, self.global_step)
@@ -257,6 +266,8 @@ class Trainer:
             if tr.eval_every and self.test is not None and step % tr.eval_every == 0 and step != self.steps:
                 self.reporter.epoch_end(epoch, {"step": step, **self.evaluate(self.test)})
         self.pipeline.finish()
+        if self.takeover is not None and not self.preempted:
+            self.takeover.after_epoch(epoch)
 
     def step(self, epoch: int, step: int) -> None:
         i = (epoch - 1) * self.steps + step - 1

@@ -399,6 +399,13 @@ class StepPipeline:
         for d in self.dense:
             d.finish()
 
+    def forget_ahead(self) -> None:
+        """Drop the batches prepared ahead (their rows pulled already): steps that were not
+        planned come first (a lost worker's rows, :mod:`hpcps.train.takeover`), after which
+        those rows would be stale; their steps pull them again."""
+        self.finish()
+        self.ahead = []
+
     def pull_rows(self, batch) -> tuple:
         """(pos, the rows of every table) for a batch outside training (pulls in flight together)."""
         uniq, pos = kkeys.unique_keys(batch.indices)
