@@ -70,6 +70,10 @@ class Cluster:
                                           "(seconds)")
     stall_timeout_s: float = described(300.0, "abort the job when a request or collective is unanswered this "
                                               "long (seconds; at least stall_warn_s)")
+    fault_tolerance: str = described("none", "none: a lost rank ends the job (hpcps supervise restarts it from "
+                                             "its last checkpoint); ulfm: the job goes on without a lost "
+                                             "worker, whose rows the others train (Open MPI launched with "
+                                             "mpiexec --with-ft ulfm: make install-ft, docs/operations.md)")
 
 
 @dataclass(frozen=True)
@@ -331,6 +335,7 @@ CHOICES = {  # the keys whose values are names; models and data formats register
     ("model", "bias_init"): ("auto", "zero"),
     ("train", "gradient"): ("sum", "mean"),
     ("cluster", "layout"): ("manual", "auto"),
+    ("cluster", "fault_tolerance"): ("none", "ulfm"),
     ("checkpoint", "on_signal"): ("exit", "continue"),
     ("checkpoint", "existing"): ("error", "replace"),
     ("filters", "wire_dtype"): ("fp32", "fp16", "bf16"),

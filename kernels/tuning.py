@@ -140,6 +140,9 @@ KNOBS = (
          "(no temporary array the size of a table)", "mpiexec -n 2 hpcps bench checkpoint", minimum=1),
     Knob("STOP_QUIET_S", 1.0, "on a stop signal, a rank other than the first waits this long before it speaks "
          "for itself (one message for the job, not one a rank)", "tests/test_faults.py (signals)"),
+    Knob("LOST_RANK_QUIET_S", 3.0, "under ULFM, a rank that meets a lost rank it cannot go on without waits this "
+         "long before it ends the job itself: meanwhile the first rank alive says it (one line, not one a rank)",
+         "tests/test_ulfm.py (a server killed)", minimum=0.0),
     # training
     Knob("PARSE_BLOCK_BYTES", 1 << 30, "a worker's part of a text file is parsed in blocks of at most this "
          "many bytes (usually one): bounds the parse's buffers", "hpcps train with data.memory_mb", minimum=1 << 20),

@@ -124,8 +124,10 @@ def run_job(n, args, timeout=300):
     return proc.returncode, proc.stdout + proc.stderr
 
 
-def rank_pids(marker: str) -> dict[int, int]:
-    """PIDs of the ranks whose command line mentions ``marker``, by MPI rank."""
+def rank_pids(marker: str, rank_variable: str = "PMI_RANK") -> dict[int, int]:
+    """PIDs of the ranks whose command line mentions ``marker``, by MPI rank (the launcher's
+    ``rank_variable``: MPICH's PMI_RANK, Open MPI's OMPI_COMM_WORLD_RANK)."""
+    key = rank_variable.encode() + b"="
     found = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -136,7 +138,7 @@ def rank_pids(marker: str) -> dict[int, int]:
         except OSError:
             continue
         for kv in env:
-            if kv.startswith(b"PMI_RANK="):
+            if kv.startswith(key):
                 found[int(kv.split(b"=")[1])] = int(pid)
     return found
 

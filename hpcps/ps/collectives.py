@@ -14,6 +14,12 @@ Training and the command line agree, decide and gather through these, never thro
   ``within_group``).
 
 Every method is collective over its ranks: each of them must call it, in the same order.
+
+Under ULFM (``cluster.fault_tolerance = "ulfm"``) the operations every rank contributes to
+(reductions, sizes, agreements, barriers) meet a lost member as a failure on every rank, which
+then shrink the communicator to the survivors and do the operation again among them
+(:meth:`Collectives.without_lost`); the first rank's decisions and data (a broadcast, a gather)
+end the job instead, as without ULFM.
 """
 
 from __future__ import annotations
@@ -27,11 +33,28 @@ from hpcps.ps import transport
 
 class Collectives:
     """The collective operations over the ranks of ``comm``, each waiting at most ``timeout``
-    seconds (then the job stops, naming the ranks that never came)."""
+    seconds (then the job stops, naming the ranks that never came). ``shrink``: under ULFM, makes
+    (collective over the survivors) and returns the survivors' communicator."""
 
-    def __init__(self, comm, timeout: float | None):
+    def __init__(self, comm, timeout: float | None, shrink=None):
         self.comm = comm
         self.timeout = timeout
+        self.shrink = shrink
+
+    def without_lost(self) -> None:
+        """Collective over the ranks alive: these ranks become the survivors (under ULFM)."""
+        if self.shrink is not None:
+            self.comm = self.shrink()
+
+    def _every_rank(self, operation, *args):
+        """``operation(comm, *args)``; where a rank is lost (under ULFM), again among the survivors."""
+        while True:
+            try:
+                return operation(self.comm, *args)
+            except transport.RankFailed:
+                if self.shrink is None:
+                    raise
+                self.without_lost()
 
     @property
     def rank(self) -> int:
@@ -57,21 +80,21 @@ class Collectives:
 
     def same_everywhere(self, value: int, what: str) -> bool:
         """Whether every rank passed the same integer ``value`` (the same answer on every rank)."""
-        return transport.agree(self.comm, value, self.timeout, what)
+        return self._every_rank(transport.agree, value, self.timeout, what)
 
     def failures(self, error: str | None, what: str) -> list[str]:
         """Every rank's error (``"rank r: message"``, in rank order; empty when none failed): the
         same verdict on every rank, so that they fail together with the same message."""
-        return transport.all_ok(self.comm, error, self.timeout, what)
+        return self._every_rank(transport.all_ok, error, self.timeout, what)
 
     # -- reductions -------------------------------------------------------------------------
 
     def reduce(self, values: np.ndarray, op: str, what: str) -> np.ndarray:
         """``values`` combined element by element over the ranks (``op``: sum, max or min)."""
-        return transport.allreduce(self.comm, values, op, self.timeout, what)
+        return self._every_rank(transport.allreduce, values, op, self.timeout, what)
 
     def _one(self, value, op: str, what: str):
-        got = transport.allreduce(self.comm, np.array([value]), op, self.timeout, what)[0]
+        got = self._every_rank(transport.allreduce, np.array([value]), op, self.timeout, what)[0]
         return int(got) if isinstance(value, (int, np.integer)) else float(got)
 
     def total(self, value, what: str):
@@ -90,7 +113,7 @@ class Collectives:
 
     def sizes(self, value: int, what: str) -> np.ndarray:
         """Every rank's integer ``value``, in rank order (int64), on every rank."""
-        return transport.allgather_int(self.comm, value, self.timeout, what)
+        return self._every_rank(transport.allgather_int, value, self.timeout, what)
 
     def gather_to_first(self, array: np.ndarray, counts: np.ndarray, what: str) -> np.ndarray | None:
         """Every rank's ``array`` (``counts[r]`` elements from rank ``r``: see :meth:`sizes`),
@@ -103,7 +126,7 @@ class Collectives:
 
     def wait_for_all(self, what: str) -> None:
         """Return once every rank has come here (sleeping meanwhile)."""
-        transport.barrier(self.comm, self.timeout, what)
+        self._every_rank(transport.barrier, self.timeout, what)
 
     def end_job_by_first(self, line: str, code: int, what: str = "the stop of the job") -> None:
         """End the whole job with exit status ``code``, the first of these ranks printing ``line``
@@ -131,6 +154,11 @@ class World(Collectives):
         return transport.rank_prefix(self.comm)
 
     @staticmethod
+    def fault_tolerance_missing(mode: str) -> str | None:
+        """Why this job cannot run with ``cluster.fault_tolerance = mode`` (None: it can)."""
+        return transport.ulfm_missing() if mode == "ulfm" else None
+
+    @staticmethod
     def stop_on_unhandled_errors() -> None:
         """From now on an exception no one catches, on any rank and thread, ends the whole job
         with one line (instead of the other ranks waiting for this one for ever)."""
@@ -151,25 +179,33 @@ class World(Collectives):
 
 class ContextCollectives:
     """What a parameter-server context offers its users for collective work: one
-    :class:`Collectives` per set of its ranks. Needs ``comm``, ``workers_comm``,
-    ``servers_comm``, ``group_comm`` and ``stall_timeout_s`` (a context's)."""
+    :class:`Collectives` per set of its ranks. Needs ``net`` (its transport), ``stall_timeout_s``
+    and ``fault_tolerant`` (a context's): under ULFM each shrinks the transport's communicator."""
+
+    def _collectives(self, name: str) -> Collectives:
+        """The collectives over the transport's communicator ``name``."""
+        def shrink():
+            self.net.shrink(name, self.stall_timeout_s)
+            return getattr(self.net, name)
+
+        return Collectives(getattr(self.net, name), self.stall_timeout_s, shrink if self.fault_tolerant else None)
 
     @cached_property
     def every_rank(self) -> Collectives:
         """Every rank of the job: servers and workers."""
-        return Collectives(self.comm, self.stall_timeout_s)
+        return self._collectives("everyone")
 
     @cached_property
     def among_workers(self) -> Collectives:
         """The workers (on a worker; a server has none)."""
-        return Collectives(self.workers_comm, self.stall_timeout_s)
+        return self._collectives("workers")
 
     @cached_property
     def among_servers(self) -> Collectives:
         """The servers (on a server; a worker has none)."""
-        return Collectives(self.servers_comm, self.stall_timeout_s)
+        return self._collectives("servers")
 
     @cached_property
     def within_group(self) -> Collectives:
         """This worker's group (the workers whose pushes it merges)."""
-        return Collectives(self.group_comm, self.stall_timeout_s)
+        return self._collectives("group")

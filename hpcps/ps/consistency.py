@@ -157,6 +157,15 @@ class WorkerClocks:
             self.n_done += 1
             self._min_clock = None
 
+    def lose(self, worker: int, clock: int, source: int) -> None:
+        """``worker`` (rank ``source``) is gone with ``clock`` its last complete clock: the others no
+        longer wait for it, its pushes of later clocks are dropped (its rows of those steps are
+        trained again by the others) and so are its reads."""
+        self.clocks[worker] = min(int(self.clocks[worker]), clock)
+        self.finish(worker)
+        self.buffered = [b for b in self.buffered if b[1] != worker or b[0] < clock]
+        self.deferred = [d for d in self.deferred if d[0] != source]
+
     def keep_push(self, worker: int, push: protocol.Push) -> None:
         """BSP: keep a push for its turn (:meth:`pushes_due`); with backup workers a late push is
         dropped, or kept for the clock now being collected (the module's docstring)."""

@@ -22,7 +22,7 @@ from typing import Callable
 
 import numpy as np
 
-from hpcps.ps import checkpoint, collectives, deltas, filters, protocol, replication, signals, transport
+from hpcps.ps import checkpoint, collectives, deltas, filters, protocol, recovery, replication, signals, transport
 from hpcps.ps import margins  # noqa: F401 - registers the server functions of MARGINS and RESIDUALS
 from hpcps.ps.client import DenseTable, SparseTable, TableSet
 from hpcps.ps.consistency import NO_BACKUP, Backup
@@ -181,6 +181,7 @@ class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges,
     and collective of the server, the client and the context goes through it."""
 
     local = False  # a job of one process (LocalContext)
+    fault_tolerant = False  # under ULFM: the job goes on without a lost worker (hpcps.ps.recovery)
 
     def __init__(self, net: transport.Transport, layout: Layout, staleness: int, num_shards: int,
                  stall_warn_s: float, stall_timeout_s: float, backup: Backup = NO_BACKUP, replicas: int = 0):
@@ -205,7 +206,7 @@ class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges,
 
     # the communicators, all the transport's: every rank; this worker's group (servers get none);
     # all workers together (evaluation, data checks) and all servers together (export)
-    comm = property(lambda self: self.net.world)
+    comm = property(lambda self: self.net.everyone)
     group_comm = property(lambda self: self.net.group)
     workers_comm = property(lambda self: self.net.workers)
     servers_comm = property(lambda self: self.net.servers)
@@ -267,6 +268,16 @@ class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges,
         return self.server_stats
 
     # -- worker ------------------------------------------------------------------------------
+
+    def lost_workers(self) -> list[tuple[int, int]]:
+        """Workers (collective over those alive): under ULFM, the workers lost since the last call,
+        as (worker index, last complete clock), their communicators shrunk to the survivors
+        (:mod:`hpcps.ps.recovery`); else none."""
+        if not self.fault_tolerant or not self.is_worker:
+            return []
+        self.among_workers.total(1, "roll call of the workers")  # (a lost member: shrunk, then again)
+        self.within_group.total(1, "roll call of the worker group")
+        return self.recovery.notices(sorted(self.net.lost))
 
     def next_request_id(self) -> int:
         """A new request id of this worker (its reply's tag is made from it)."""
@@ -478,7 +489,8 @@ def write_checkpoint(ctx: Context, root: str, step: int, manifest: dict, keep: i
 
 def init(servers: int = 1, worker_groups: int | None = None, staleness: int = 0,
          num_shards: int = DEFAULT_SHARDS, stall_warn_s: float = 30.0, stall_timeout_s: float = 300.0,
-         comm=None, backup: Backup = NO_BACKUP, traffic: filters.Filters | None = None, replicas: int = 0) -> Context:
+         comm=None, backup: Backup = NO_BACKUP, traffic: filters.Filters | None = None, replicas: int = 0,
+         fault_tolerance: str = "none") -> Context:
     """Split the world (collective) into ``servers`` server ranks and ``worker_groups`` groups.
 
     Args:
@@ -495,6 +507,8 @@ def init(servers: int = 1, worker_groups: int | None = None, staleness: int = 0,
             on every rank, before any table is declared.
         replicas: hot backups: each shard kept on ``replicas + 1`` servers, a push applied on every
             copy, a pull answered by the primary (:mod:`hpcps.ps.replication`).
+        fault_tolerance: "ulfm": the job goes on without a lost worker (:mod:`hpcps.ps.recovery`;
+            Open MPI launched with ``mpiexec --with-ft ulfm``); "none": a lost rank ends it.
 
     A world of one process (no mpiexec) gives a :class:`LocalContext`: one server inside the
     process, no messages.
@@ -524,9 +538,34 @@ def init(servers: int = 1, worker_groups: int | None = None, staleness: int = 0,
     transport.set_stall_warning(stall_warn_s)
     world = transport.dup(base)
     rank = world.Get_rank()
-    net = transport.MPITransport.split(world, layout.group_of(rank), not layout.is_server(rank), stall_timeout_s)
+    net = transport.MPITransport.split(world, layout.group_of(rank), not layout.is_server(rank), stall_timeout_s,
+                                       fault_tolerance == "ulfm")
+    for explainer in [e for e in transport.EXPLAINERS if getattr(e, "lost_rank_line", False)]:
+        transport.EXPLAINERS.remove(explainer)  # (the layout of an earlier context of this process)
+
+    def explainer(exc):
+        return lost_rank_line(exc, layout)
+
+    explainer.lost_rank_line = True
+    transport.EXPLAINERS.insert(0, explainer)
     ctx = Context(net, layout, staleness, num_shards, stall_warn_s, stall_timeout_s, backup, replicas)
     ctx.filters = traffic or ctx.filters
+    if fault_tolerance == "ulfm":
+        ctx.fault_tolerant = True
+        ctx.recovery = recovery.WorkerRecovery(net, layout.servers, stall_timeout_s)
     return ctx
+
+
+def lost_rank_line(exc: BaseException, layout: Layout) -> tuple[str, str] | None:
+    """What a lost rank (:class:`~hpcps.ps.transport.RankFailed`) means, naming its role."""
+    if not isinstance(exc, transport.RankFailed) or not exc.ranks:
+        return None
+    names = [f"{'server' if layout.is_server(r) else 'worker'} "
+             f"{r if layout.is_server(r) else layout.worker_index(r)} (rank {r})" for r in exc.ranks]
+    servers = any(layout.is_server(r) for r in exc.ranks)
+    why = ("a lost server ends the job (no replicas of its shards)" if servers else
+           "the job cannot go on without it here (cluster.fault_tolerance = \"ulfm\" goes on without a lost worker)")
+    return "RankFailed", (f"{', '.join(names)} was lost (killed, or its node failed) during {exc.what or 'the job'}; "
+                          f"{why}: hpcps supervise restarts the job from its last checkpoint")
 
 

@@ -37,7 +37,7 @@ import time
 
 import numpy as np
 
-from hpcps.ps import checkpoint, deltas, protocol, signals, transport
+from hpcps.ps import checkpoint, deltas, protocol, recovery, signals, transport
 from hpcps.ps.consistency import NO_BACKUP, Backup, WorkerClocks
 from hpcps.ps.placement import Placement
 from hpcps.ps.replication import Replication, ServerCopies
@@ -269,6 +269,7 @@ class Server(ServerReads, ServerCopies):
         self.evicting = any(t.features.eviction for t in self.tables)
         self.fragments: dict = {}  # (worker, table) -> the nonzeros of its last MARGINS
         self.backlog: list = []  # replicas: pushes to backups, applied once the request is answered
+        self.recovery = recovery.ServerRecovery(self)  # the "rank lost" event (hpcps.ps.recovery)
         # what a request asks: op -> handler(source, request)
         self.handlers = {
             protocol.PULL: self._serve_or_defer, protocol.CHECKPOINT: self._serve_or_defer,
@@ -414,6 +415,15 @@ class Server(ServerReads, ServerCopies):
         for source, r in self.workers.reads_due():
             self.readers[r.op](source, r)
 
+    def lose_worker(self, worker: int, clock: int) -> None:
+        """Worker ``worker`` is gone, ``clock`` its last complete clock (:mod:`hpcps.ps.recovery`):
+        go on without it, serving what its loss lets through."""
+        rank = worker + self.worker_rank0
+        self.workers.lose(worker, clock, rank)
+        self.fragments = {k: v for k, v in self.fragments.items() if k[0] != worker}
+        self.replies.sending = [p for p in self.replies.sending if p.peer != rank]
+        self._after_clock()
+
     def restore(self, ckpt: str, manifest: dict) -> None:
         """Load this server's shards of every table (under the current placement) and the clock."""
         restore_checkpoint(self.tables, self.workers, ckpt, manifest, self.index, self.replication)
@@ -455,14 +465,22 @@ class ServingLoop:
         server = self.server
         server.stats.update(idle_gap_wall_s=0.0, idle_gap_cpu_s=0.0)
         while not server.workers.all_done or server.workers.waiting:
-            probed = time.perf_counter()
-            got = server.net.probe_request(protocol.TAG_REQUEST, server.pool.take)
-            if got is None:
-                self._idle()
-                continue
-            source, buf = got
-            grads = self._apart_grads(source, buf)  # (a transfer: before the request's own time)
-            self._handle_timed(source, buf, grads, probed)
+            try:
+                self._serve_one()
+            except transport.RankFailed as e:  # (under ULFM: a rank is gone)
+                server.recovery.ranks_lost(e)
+
+    def _serve_one(self) -> None:
+        """Receive and handle one request, or idle."""
+        server = self.server
+        probed = time.perf_counter()
+        got = server.net.probe_request(protocol.TAG_REQUEST, server.pool.take)
+        if got is None:
+            self._idle()
+            return
+        source, buf = got
+        grads = self._apart_grads(source, buf)  # (a transfer: before the request's own time)
+        self._handle_timed(source, buf, grads, probed)
 
     def _idle(self) -> None:
         """No request: finish the sends that are done, check for stalled reads now and then, sleep."""

@@ -25,10 +25,17 @@ Rules kept here:
   collective, the world ranks of the communicator (MPI cannot tell which of them have arrived).
   Small control objects are broadcast pickled (:func:`bcast_object`), with the same sleeping wait.
   Nothing above this module calls a communicator's methods (``tests/test_layers.py`` checks).
+* Under ULFM (Open MPI launched with ``mpiexec --with-ft ulfm``, ``cluster.fault_tolerance =
+  "ulfm"``), an MPI call that fails because a rank is gone (``MPI_ERR_PROC_FAILED``, its pending
+  form, or ``MPI_ERR_REVOKED``) raises one :class:`RankFailed` carrying the world ranks lost, from
+  every wait, probe and start of a transfer; the layers above decide whether to go on without
+  them (:meth:`Transport.shrink`: new communicators of the survivors). Elsewhere MPI ends a job
+  that lost a rank, as it always did.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import signal
@@ -56,7 +63,7 @@ from mpi4py import MPI
 # POLL_ACTIVE_WINDOW_S after its last piece of work: a step's first request, after a gap of about
 # a millisecond (the worker computing), is answered within this, not after a grown back-off.
 # The numbers are tuned knobs (hpcps_kernels.tuning, docs/tuning.md).
-from hpcps_kernels.tuning import (MESSAGE_PAGE_OFFSET, PAGE_BYTES, POLL_ACTIVE_MAX_SLEEP_S,
+from hpcps_kernels.tuning import (LOST_RANK_QUIET_S, MESSAGE_PAGE_OFFSET, PAGE_BYTES, POLL_ACTIVE_MAX_SLEEP_S,
                                   POLL_ACTIVE_WINDOW_S, POLL_MAX_ADAPTIVE_SPIN_S, POLL_MAX_SLEEP_S,
                                   POLL_MIN_SLEEP_S, POLL_SHORT_MAX_SLEEP_S, POLL_SPIN_S, POOL_MAX_BYTES,
                                   POOL_MIN_BYTES, SPIN_BYTES_PER_S, SPIN_RESET_BYTES, SPIN_WHOLE_REPLY_BYTES)
@@ -75,6 +82,91 @@ class StallError(RuntimeError):
     """A wait ran past its timeout; the message says which peers never answered."""
 
     exit_status = 1  # a run-time failure: its message is the whole story (see hpcps.errors)
+
+
+class RankFailed(RuntimeError):
+    """Ranks of the job are gone (killed, or their node lost): what an MPI call raised under ULFM.
+    ``ranks``: their world ranks (those MPI knew of when it failed)."""
+
+    exit_status = 1  # a run-time failure
+
+    def __init__(self, ranks: Sequence[int], what: str = ""):
+        self.ranks = tuple(sorted(int(r) for r in ranks))
+        self.what = str(what)
+        on = f" during {what}" if what else ""
+        super().__init__(f"rank {_ranks_text(list(self.ranks)) if self.ranks else '?'} of the job failed{on} "
+                         f"(killed, or its node lost)")
+
+
+# the error classes of a lost rank under ULFM (MPI 5's names; mpi4py has them whatever the MPI)
+_FAILED_CLASSES = frozenset(getattr(MPI, name, -1) for name in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING",
+                                                                 "ERR_REVOKED")) - {-1}
+
+
+def ulfm_missing() -> str | None:
+    """Why this job cannot survive a lost rank (None: it can): ULFM needs Open MPI (5 or later)
+    launched with ``mpiexec --with-ft ulfm``, which sets ``OMPI_MCA_mpi_ft_enable``."""
+    library = MPI.Get_library_version().strip().splitlines()[0] if MPI.Get_library_version() else "?"
+    if not library.startswith("Open MPI") or not hasattr(MPI.Comm, "Shrink"):
+        return (f"this MPI ({' '.join(library.split(',')[0].split())}) has no ULFM; install Open MPI beside it (make install-ft: "
+                f".venv-ft) and launch with .venv-ft/bin/mpiexec --with-ft ulfm")
+    if os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() not in ("1", "true", "yes", "on"):
+        return "Open MPI without ULFM enabled: launch with mpiexec --with-ft ulfm"
+    return None
+
+
+def failed_ranks(comm: MPI.Comm | None = None) -> list[int]:
+    """The world ranks this rank knows to have failed (local: no message; empty without ULFM)."""
+    comm = comm or MPI.COMM_WORLD
+    try:
+        group = comm.Get_failed()
+    except (NotImplementedError, MPI.Exception):
+        return []
+    try:
+        if group.Get_size() == 0:
+            return []
+        wgroup = MPI.COMM_WORLD.Get_group()
+        try:
+            return sorted(int(r) for r in MPI.Group.Translate_ranks(group, list(range(group.Get_size())), wgroup))
+        finally:
+            wgroup.Free()
+    finally:
+        group.Free()
+
+
+def lost_rank_error(exc: BaseException, what: str = "", comm: MPI.Comm | None = None) -> RankFailed | None:
+    """``exc`` as a :class:`RankFailed` when it is an MPI error of a lost rank, else None. The
+    failures are acknowledged on ``comm`` (a probe of any source works again after it)."""
+    if not isinstance(exc, MPI.Exception):
+        return None
+    # (Open MPI's nonblocking collectives end with MPI_ERR_INTERN where a member failed)
+    lost = failed_ranks()
+    if exc.Get_error_class() not in _FAILED_CLASSES and not lost:
+        return None
+    if comm is not None:
+        try:
+            comm.Ack_failed()
+        except (NotImplementedError, MPI.Exception):
+            pass
+    return RankFailed(lost or failed_ranks(), what)
+
+
+def first_survivor() -> bool:
+    """Whether this rank is the first of the world's ranks not known to have failed."""
+    lost = set(failed_ranks())
+    return MPI.COMM_WORLD.Get_rank() == min(r for r in range(MPI.COMM_WORLD.Get_size()) if r not in lost)
+
+
+def raising_rank_failed(fn):
+    """``fn`` (a collective of this module, or the start of a transfer) raising :class:`RankFailed`
+    where MPI fails because a rank is gone."""
+    @functools.wraps(fn)
+    def guarded(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except MPI.Exception as e:
+            raise lost_rank_error(e, kwargs.get("what") or fn.__name__) or e
+    return guarded
 
 
 _abort_installed = False
@@ -211,6 +303,8 @@ def install_abort_handler() -> None:
             return
         if issubclass(exc_type, BrokenPipeError):  # (`hpcps train | head`: the reader left; say nothing)
             end_job(128 + signal.SIGPIPE)
+        if issubclass(exc_type, RankFailed) and not first_survivor():
+            time.sleep(LOST_RANK_QUIET_S)  # (the first rank alive says it and ends the job meanwhile)
         errors.print_traceback(exc)
         line, code = errors.one_line(exc, explanation(exc))
         abort(f"error: {line}", code=code)
@@ -334,7 +428,11 @@ def _test(todo: Sequence[Pending]) -> tuple[list[Pending], bool, int]:
     ``then``); whether there were any such, and the bytes of those completed."""
     left, started, done_bytes = [], False, 0
     for p in todo:
-        if not p.request.Test():
+        try:
+            done = p.request.Test()
+        except MPI.Exception as e:
+            raise lost_rank_error(e, str(p.what)) or e
+        if not done:
             left.append(p)
             continue
         done_bytes += p.nbytes
@@ -364,6 +462,7 @@ def completed(pending: Sequence[Pending]) -> list[Pending]:
     return _test(pending)[0]
 
 
+@raising_rank_failed
 def barrier(comm: MPI.Comm, timeout: float | None = None, what: str = "barrier") -> None:
     """A barrier that sleeps while it waits (see :func:`wait`)."""
     _collective(comm, comm.Ibarrier(), what, (), timeout)
@@ -372,6 +471,7 @@ def barrier(comm: MPI.Comm, timeout: float | None = None, what: str = "barrier")
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 
 
+@raising_rank_failed
 def allreduce(
     comm: MPI.Comm, array: np.ndarray, op: str = "sum", timeout: float | None = None,
     what: str = "allreduce",
@@ -390,6 +490,7 @@ def allreduce(
     return out
 
 
+@raising_rank_failed
 def start_allreduce(comm: MPI.Comm, array: np.ndarray, op: str = "sum", what: str = "allreduce") -> tuple:
     """Start a nonblocking allreduce (at most MAX_MESSAGE_BYTES): returns (the result's array, its
     Pending); :func:`finish_collective` completes it. Work done between the two overlaps it."""
@@ -400,6 +501,7 @@ def start_allreduce(comm: MPI.Comm, array: np.ndarray, op: str = "sum", what: st
     return out, Pending(comm.Iallreduce(send, out, _OPS[op]), what, -1, (send, out))
 
 
+@raising_rank_failed
 def finish_collective(comm: MPI.Comm, pending: Pending, timeout: float | None = None) -> None:
     """Wait for a collective started by a ``start_`` function (sleeping; the timeout names the
     members that did not arrive)."""
@@ -415,6 +517,7 @@ def _chunks(array: np.ndarray):
         yield flat[lo:lo + MAX_MESSAGE_BYTES]
 
 
+@raising_rank_failed
 def start_send(comm: MPI.Comm, array: np.ndarray, dest: int, tag: int, what: str = "send") -> list[Pending]:
     """Start sending a contiguous NumPy array; payloads over 2 GiB go as several messages.
 
@@ -427,6 +530,7 @@ def start_send(comm: MPI.Comm, array: np.ndarray, dest: int, tag: int, what: str
     return [Pending(comm.Isend(c, dest=dest, tag=tag), what, dest, (array, c), c.nbytes) for c in _chunks(array)]
 
 
+@raising_rank_failed
 def start_recv(comm: MPI.Comm, out: np.ndarray, source: int, tag: int, what: str = "receive") -> list[Pending]:
     """Start receiving into the contiguous array ``out`` (see :func:`start_send`)."""
     if not out.flags.c_contiguous:
@@ -451,6 +555,7 @@ def start_recv_announced(comm: MPI.Comm, out: np.ndarray, head: int, source: int
     return start_recv_framed(comm, out, head, source, tag, what, lambda first: True)
 
 
+@raising_rank_failed
 def start_recv_framed(comm: MPI.Comm, out: np.ndarray, head: int, source: int, tag: int, what: str,
                       rest_apart: Callable[[np.ndarray], bool]) -> list[Pending]:
     """Receive into ``out`` a message whose first ``head`` bytes say how it comes: whole, as
@@ -581,7 +686,10 @@ def probe_request(comm: MPI.Comm, tag: int, take: Callable[[int], np.ndarray] | 
     found is the one received even with several threads.
     """
     status = MPI.Status()
-    msg = comm.Improbe(source=MPI.ANY_SOURCE, tag=tag, status=status)
+    try:
+        msg = comm.Improbe(source=MPI.ANY_SOURCE, tag=tag, status=status)
+    except MPI.Exception as e:
+        raise lost_rank_error(e, "a probe for requests", comm) or e
     if msg is None:
         return None
     n = status.Get_count(MPI.BYTE)
@@ -590,6 +698,7 @@ def probe_request(comm: MPI.Comm, tag: int, take: Callable[[int], np.ndarray] | 
     return status.Get_source(), buf
 
 
+@raising_rank_failed
 def bcast(comm: MPI.Comm, array: np.ndarray, root: int = 0, timeout: float | None = None,
           what: str = "broadcast") -> None:
     """Broadcast a contiguous NumPy array in place while sleeping between polls."""
@@ -597,6 +706,7 @@ def bcast(comm: MPI.Comm, array: np.ndarray, root: int = 0, timeout: float | Non
         _collective(comm, comm.Ibcast(c, root=root), what, (array, c), timeout)
 
 
+@raising_rank_failed
 def bcast_object(comm: MPI.Comm, obj=None, root: int = 0, timeout: float | None = None,
                  what: str = "broadcast") -> object:
     """Broadcast a small picklable control object from ``root`` (returned on every rank), with
@@ -613,6 +723,7 @@ def bcast_object(comm: MPI.Comm, obj=None, root: int = 0, timeout: float | None 
     return obj if comm.Get_rank() == root else pickle.loads(payload.tobytes())
 
 
+@raising_rank_failed
 def allgather_int(comm: MPI.Comm, value: int, timeout: float | None = None, what: str = "allgather") -> np.ndarray:
     """Every rank's ``value`` (int64 array of comm size)."""
     send = np.array([value], dtype=np.int64)
@@ -621,6 +732,7 @@ def allgather_int(comm: MPI.Comm, value: int, timeout: float | None = None, what
     return out
 
 
+@raising_rank_failed
 def host_names(comm: MPI.Comm, timeout: float | None = None, what: str = "host names") -> list[str]:
     """Every rank's host (MPI's processor name), in rank order: where each rank runs."""
     width = MPI.MAX_PROCESSOR_NAME + 1
@@ -632,6 +744,7 @@ def host_names(comm: MPI.Comm, timeout: float | None = None, what: str = "host n
     return [bytes(row).split(b"\0", 1)[0].decode(errors="replace") for row in out]
 
 
+@raising_rank_failed
 def gatherv(comm: MPI.Comm, array: np.ndarray, counts: np.ndarray, root: int = 0,
             timeout: float | None = None, what: str = "gather") -> np.ndarray | None:
     """Gather variable-length 1-D arrays (``counts`` elements from each rank) on ``root``."""
@@ -647,6 +760,7 @@ def gatherv(comm: MPI.Comm, array: np.ndarray, counts: np.ndarray, root: int = 0
     return None
 
 
+@raising_rank_failed
 def scatterv(comm: MPI.Comm, array: np.ndarray | None, counts: np.ndarray | None, out: np.ndarray, root: int = 0,
              timeout: float | None = None, what: str = "scatter") -> np.ndarray:
     """Scatter consecutive parts of ``array`` (``counts`` elements to each rank; both on ``root``
@@ -666,6 +780,7 @@ def _mpi_type(dtype: np.dtype):
     return MPI._typedict[np.dtype(dtype).char]
 
 
+@raising_rank_failed
 def split(comm: MPI.Comm, color: int, key: int) -> MPI.Comm:
     """``comm.Split`` (collective); ``color < 0`` gives no communicator (``MPI.COMM_NULL``)."""
     return comm.Split(MPI.UNDEFINED if color < 0 else color, key)
@@ -680,6 +795,21 @@ def dup(comm: MPI.Comm | None = None) -> MPI.Comm:
 def self_comm() -> MPI.Comm:
     """A private duplicate of ``COMM_SELF``: the communicator of a job of one process."""
     return MPI.COMM_SELF.Dup()
+
+
+def shrink(comm: MPI.Comm, timeout: float | None = None, what: str = "shrink") -> MPI.Comm:
+    """Collective over the survivors of ``comm`` (ULFM): revoke it, so that any member waiting on
+    it fails and comes here too, then a new communicator of the members alive. MPI's blocking
+    shrink (Open MPI's nonblocking one fails on a revoked communicator): a one-off after a loss,
+    which ULFM completes whatever else fails."""
+    try:
+        comm.Revoke()
+    except MPI.Exception as e:
+        if e.Get_error_class() not in _FAILED_CLASSES:
+            raise
+    new = comm.Shrink()
+    new.Set_errhandler(MPI.ERRORS_RETURN)
+    return new
 
 
 def free(comm: MPI.Comm) -> None:
@@ -766,13 +896,30 @@ class Transport:
     Ranks are those of :attr:`world`; each ``start_`` method returns the :class:`Pending`
     transfers it started, for :func:`wait` (the module's functions of the same names)."""
 
+    COLLECTIVE = ("everyone", "group", "workers", "servers")  # the communicators :meth:`shrink` replaces
+
     def __init__(self, world: MPI.Comm, group: MPI.Comm, workers: MPI.Comm, servers: MPI.Comm):
-        self.world = world      # every rank of the job (the library's own communicator)
+        self.world = world      # every rank of the job (the library's own communicator): its messages
+        self.everyone = world   # the collectives over every rank (after a lost rank: the survivors')
         self.group = group      # this worker's group (COMM_NULL on a server)
         self.workers = workers  # every worker (COMM_NULL on a server)
         self.servers = servers  # every server (COMM_NULL on a worker)
         self.rank = world.Get_rank()
         self.tag_ub = tag_upper_bound(world)
+        self.lost: set[int] = set()  # the world ranks lost (under ULFM), known from a shrink or a failure
+
+    def shrink(self, name: str, timeout: float | None) -> list[int]:
+        """Collective over the survivors of communicator ``name`` (one of :attr:`COLLECTIVE`):
+        replace it by theirs (:func:`shrink`). Returns the world ranks it lost. Messages keep
+        :attr:`world` and its rank numbers: a lost rank only stops answering there."""
+        old = getattr(self, name)
+        if old == MPI.COMM_NULL:
+            return []
+        new = shrink(old, timeout, f"shrink of the {name} communicator after a lost rank")
+        gone = sorted(set(world_ranks(old)) - set(world_ranks(new)))
+        setattr(self, name, new)
+        self.lost.update(gone)
+        return gone
 
     def start_send(self, array: np.ndarray, dest: int, tag: int, what: str) -> list[Pending]:
         raise NotImplementedError
@@ -793,24 +940,34 @@ class Transport:
 
     def free(self) -> None:
         """Free its communicators (collective over each)."""
+        if self.lost:  # (a communicator that held a lost rank cannot be freed collectively)
+            return
         for comm in (self.group, self.workers, self.servers, self.world):
             free(comm)
+        if self.everyone is not self.world:
+            free(self.everyone)
 
 
 class MPITransport(Transport):
     """Messages between the ranks of an MPI job (the module's functions over :attr:`world`)."""
 
     @classmethod
-    def split(cls, world: MPI.Comm, group: int, is_worker: bool, timeout: float | None) -> "MPITransport":
+    def split(cls, world: MPI.Comm, group: int, is_worker: bool, timeout: float | None,
+              fault_tolerant: bool = False) -> "MPITransport":
         """Collective over ``world``: the transport of a rank of worker group ``group`` (-1: a
-        server), with the communicators of its group, of all workers and of all servers."""
+        server), with the communicators of its group, of all workers and of all servers.
+        ``fault_tolerant``: the collectives over every rank get a communicator of their own, so
+        that revoking it (:meth:`Transport.shrink`) leaves the messages' communicator working."""
         # Every rank here before the splits, which block and spin in MPI: a rank still importing
         # would have to share its core with ranks spinning in the first split (0.2-0.6 s of CPU
         # each on an oversubscribed node); this barrier sleeps, and names who never came.
         barrier(world, timeout, "start-up of every rank (communicators)")
         rank = world.Get_rank()
-        return cls(world, split(world, group, rank), split(world, 0 if is_worker else -1, rank),
-                   split(world, -1 if is_worker else 0, rank))
+        net = cls(world, split(world, group, rank), split(world, 0 if is_worker else -1, rank),
+                  split(world, -1 if is_worker else 0, rank))
+        if fault_tolerant:
+            net.everyone = dup(world)
+        return net
 
     def start_send(self, array: np.ndarray, dest: int, tag: int, what: str) -> list[Pending]:
         return start_send(self.world, array, dest, tag, what)

@@ -125,3 +125,14 @@ def parse_ahead(ctx, cfg, train) -> None:
             train.start_thread()
         else:
             ctx.background = train.pump
+
+
+def lost_part(ctx, cfg, path, worker: int):
+    """Worker ``worker``'s part of the training data ``path``, loaded whole on this worker alone
+    (not collective): the part of a worker lost under ULFM, which the others take over
+    (:mod:`hpcps.train.takeover`). Its batches are those the lost worker's own steps made."""
+    d = cfg.data
+    ds = tdata.load_part(path, worker, ctx.layout.workers, d.format, d.hash_bits, d.skip_bad_lines, d.cache_dir,
+                         binary=cfg.model.loss == "logistic", fields=cfg.model.type in config.FIELDED,
+                         key=KEYS["training"], columns=tables.Columns.of(d))
+    return tdata.LoadedPart(ds, d.shuffle_rows, d.shuffle_seed)

@@ -41,6 +41,7 @@ from hpcps.train.plan import (RunPlan, TrainError, agree_on_plan, backup_of, che
 from hpcps.train.progress import vm_hwm_mb
 from hpcps.train.report import Reporter
 from hpcps.train.stragglers import LateWorker, agree_on_stalls
+from hpcps.train.takeover import Takeover
 
 
 @dataclass
@@ -187,6 +188,7 @@ class Trainer:
         self.model, self.pipeline, self.early = None, None, None  # the model, its StepPipeline, EarlyStopping
         self.feed: BatchFeed | None = None
         self.late: LateWorker | None = None  # backup workers: this worker's skips when late
+        self.takeover: Takeover | None = None
         self.reporter: Reporter | None = None
         self.checkpoints: Checkpointing | None = None
         self.steps, self.scale = 0, 1.0  # steps per epoch, and the gradient's scale
@@ -217,6 +219,9 @@ class Trainer:
         return self.finish()
 
     def agree_on_plan(self) -> None:
+        missing = self.world.fault_tolerance_missing(self.cfg.cluster.fault_tolerance)
+        if missing:  # (the same on every rank: the first says it)
+            raise TrainError(f"cluster.fault_tolerance = \"ulfm\": {missing}" if self.world.is_first else "")
         check_output_paths(self.cfg, self.world)
         catch_stop_signals(self.cfg, self.world, self.NO_CHECKPOINT)
         self.plan = agree_on_plan(self.cfg, self.world)
@@ -227,7 +232,7 @@ class Trainer:
         self.ctx = ctx = init(servers=cl.servers, worker_groups=cl.worker_groups or None, staleness=cl.staleness,
                               num_shards=cl.num_shards, stall_warn_s=cl.stall_warn_s,
                               stall_timeout_s=cl.stall_timeout_s, comm=self.world.comm, backup=backup_of(cfg),
-                              traffic=cfg.filters.traffic(), replicas=cl.replicas)
+                              traffic=cfg.filters.traffic(), replicas=cl.replicas, fault_tolerance=cl.fault_tolerance)
         self.train = load_part(ctx, cfg, paths["train"], "training", stream=True)
         self.test = load_part(ctx, cfg, paths["test"], "test")
         self.to_predict = load_part(ctx, cfg, cfg.data.predict, "prediction")
@@ -263,6 +268,7 @@ class Trainer:
         self.feed = BatchFeed(cfg, self.train, self.steps, self.holdout_phase, self.model.reads_keys,
                               World.end_job_with)
         self.late = LateWorker(ctx, self.model.sparse)
+        self.takeover = Takeover(self) if ctx.fault_tolerant else None  # (lost workers' rows: ULFM)
 
     def train_epoch(self, epoch: int) -> None:
         """The epoch's steps (from the resumed step in the first); sets ``preempted`` when a stop
@@ -272,6 +278,8 @@ class Trainer:
         self.reporter.start_epoch(first_step)
         self.feed.start_epoch(bool(tr.holdout and self.early.holdout is None and first_step == 1))
         end_clock = self.ctx.clock_value + self.steps - first_step + 1
+        if self.takeover is not None:
+            self.takeover.start_epoch()
         for step in range(first_step, self.steps + 1):
             if self.late.others_ended(end_clock):  # backup workers: W - b workers ended the epoch
                 i = (epoch - 1) * self.steps + step - 1
@@ -284,6 +292,8 @@ class Trainer:
             if tr.eval_every and self.test is not None and step % tr.eval_every == 0 and step != self.steps:
                 self.reporter.epoch_end(epoch, {"step": step, **self.evaluate(self.test)})
         self.pipeline.finish()
+        if self.takeover is not None and not self.preempted:
+            self.takeover.after_epoch(epoch)
 
     def step(self, epoch: int, step: int) -> None:
         i = (epoch - 1) * self.steps + step - 1

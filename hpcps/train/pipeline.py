@@ -399,9 +399,12 @@ class StepPipeline:
         for d in self.dense:
             d.finish()
 
-    def drop_ahead(self) -> None:
-        """Forget the batches prepared ahead (after :meth:`finish`): a late backup worker skips their
-        steps (:mod:`hpcps.train.stragglers`)."""
+    def forget_ahead(self) -> None:
+        """Wait for the requests in flight, then drop the batches prepared ahead (their rows pulled
+        already): where steps that were not planned come first (a lost worker's rows,
+        :mod:`hpcps.train.takeover`) those rows would be stale, and their steps pull them again;
+        a late backup worker skips their steps (:mod:`hpcps.train.stragglers`)."""
+        self.finish()
         self.ahead = []
 
     def pull_rows(self, batch) -> tuple:

@@ -47,8 +47,7 @@ class LateWorker:
         """Skip the steps of indices ``first`` to ``last`` (exclusive) of the epoch: the requests in
         flight finished, the rows pulled ahead dropped, the batches taken and their rows counted,
         the clock moved to ``end_clock`` on every server. Returns the steps skipped."""
-        pipeline.finish()
-        pipeline.drop_ahead()
+        pipeline.forget_ahead()
         rows = sum(feed.take(i).rows for i in range(first, last))
         self.ctx.stats["rows_skipped"] += rows
         self.ctx.clock_to(end_clock)

@@ -1,0 +1,133 @@
+"""Fault tolerance under ULFM (``cluster.fault_tolerance = "ulfm"``): real jobs of Open MPI's wheel,
+launched from the second environment ``.venv-ft`` (``make install-ft``; ``make test`` makes it) with
+``mpiexec --with-ft ulfm``, one of whose ranks is killed with kill -9 mid-run.
+
+* A worker killed: the job goes on and ends with exit status 0, and every row of the data is
+  trained exactly once. The data says so exactly: each row has a feature of its own, and FTRL with
+  an L1 far above any gradient keeps every weight at zero, so that each row's gradient is
+  ``0.5 - label`` whatever the order of the steps; a row's FTRL state ``n`` (its summed squared
+  gradients) is then 0.25 after one training, 0.5 after two, and its key is missing after none.
+* A server killed (no replicas): one line naming it, exit status 1, and no rank left waiting.
+* ``"ulfm"`` under MPICH (the main environment): one line at start-up, exit status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from hpcps.ps import checkpoint
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from run import mpiexec  # noqa: E402
+from test_checkpoint import rank_pids  # noqa: E402
+
+FT = os.environ.get("HPCPS_FT_VENV", os.path.join(ROOT, ".venv-ft"))
+ROWS, BATCH, KILL_AT_STEP = 3_000, 10, 20
+TIMEOUT = 240
+
+
+@pytest.fixture(scope="module")
+def ft_launcher() -> list[str]:
+    """``mpiexec --with-ft ulfm`` of .venv-ft (as root, as CI runs, with Open MPI's consent)."""
+    failed = os.path.join(FT, ".install-failed")
+    if os.path.exists(failed):
+        pytest.skip(f"Open MPI's wheel did not install into {FT}: {open(failed).read().strip()}")
+    if not os.path.exists(os.path.join(FT, "bin", "mpiexec")):
+        pytest.skip(f"no {FT}: make install-ft (make test makes it) sets up Open MPI's environment")
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    return [os.path.join(FT, "bin", "mpiexec"), *root, "--oversubscribe", "--with-ft", "ulfm"]
+
+
+@pytest.fixture(scope="module")
+def one_key_a_row(tmp_path_factory) -> str:
+    """ROWS rows, each with a feature of its own (key i + 1) and a random label."""
+    path = tmp_path_factory.mktemp("ulfm") / "rows.svm"
+    labels = np.random.default_rng(40).integers(0, 2, ROWS)
+    path.write_text("".join(f"{y} {i + 1}:1\n" for i, y in enumerate(labels)))
+    return str(path)
+
+
+def args(data: str, ck, servers: int) -> list[str]:
+    sets = {"data.train": json.dumps(data), "train.batch_size": BATCH, "train.epochs": 1, "train.progress": "false",
+            "cluster.servers": servers, "cluster.fault_tolerance": '"ulfm"', "optimizer.name": '"ftrl"',
+            "optimizer.l1": 1e9, "model.bias_init": '"zero"', "checkpoint.dir": json.dumps(str(ck))}
+    return ["train"] + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+
+
+def kill_mid_run(launcher: list[str], data: str, tmp_path, ranks: int, servers: int, victim: int) -> tuple:
+    """Start the job; once its first worker has done KILL_AT_STEP steps, kill -9 rank ``victim``.
+    Returns (exit status, output, seconds from the kill to the job's end)."""
+    ck, status = tmp_path / "ck", tmp_path / "status.json"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HPCPS_STATUS_FILE=str(status), HPCPS_TUNE_STATUS_EVERY_S="0")
+    proc = subprocess.Popen([*launcher, "-n", str(ranks), os.path.join(FT, "bin", "python"), "-m", "hpcps.cli",
+                             *args(data, ck, servers)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, cwd=str(tmp_path), start_new_session=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            assert proc.poll() is None, f"the job ended before the kill:\n{proc.stdout.read()[-3000:]}"
+            assert time.monotonic() < deadline, "the job never reached the step of the kill"
+            try:
+                step = json.loads(status.read_text()).get("global_step", 0)
+            except (OSError, ValueError):
+                step = 0
+            pids = rank_pids(str(ck), "OMPI_COMM_WORLD_RANK")
+            if step >= KILL_AT_STEP and len(pids) == ranks:
+                break
+            time.sleep(0.02)
+        os.kill(pids[victim], signal.SIGKILL)
+        killed = time.monotonic()
+        out, _ = proc.communicate(timeout=TIMEOUT)
+        return proc.returncode, out, time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_a_worker_killed_mid_run_the_others_train_its_rows_each_row_exactly_once(ft_launcher, one_key_a_row,
+                                                                                   tmp_path):
+    # 1 server and 3 workers: 1,000 rows and 100 steps each; worker 1 (rank 2) killed after step 20
+    rc, out, _ = kill_mid_run(ft_launcher, one_key_a_row, tmp_path, ranks=4, servers=1, victim=2)
+    assert rc == 0, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    said = [ln for ln in out.splitlines() if "lost after clock" in ln]
+    assert len(said) == 1 and said[0].startswith("hpcps train: worker 1 lost after clock "), out[-4000:]
+    assert "trained by the 2 workers left" in said[0]
+    newest, manifest = checkpoint.newest_good(str(tmp_path / "ck"))
+    keys, rows = checkpoint.read_shards(newest, manifest, "w", np.ones(manifest["layout"]["num_shards"], bool))
+    n = dict(zip(keys.tolist(), rows[:, 2].tolist()))  # FTRL's [w | z | n]
+    assert set(range(1, ROWS + 1)) <= set(n), "rows never trained"
+    twice = [k for k in range(1, ROWS + 1) if n[k] != 0.25]
+    assert not twice, f"rows trained more than once: {twice[:10]} (n = {[n[k] for k in twice[:10]]})"
+    assert (rows[:, 0] == 0).all()  # (every weight stayed zero: the gradients were 0.5 - label)
+
+
+def test_a_server_killed_without_replicas_ends_the_job_in_one_line(ft_launcher, one_key_a_row, tmp_path):
+    rc, out, after_kill = kill_mid_run(ft_launcher, one_key_a_row, tmp_path, ranks=4, servers=2, victim=1)
+    assert rc == 1, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    said = [ln for ln in out.splitlines() if ln.startswith("hpcps: ")]
+    assert len(said) == 1, out[-4000:]
+    assert "server 1 (rank 1) was lost" in said[0] and "hpcps supervise restarts" in said[0], said
+    assert after_kill < 60, after_kill  # (ended by the ranks left, not by a stall timeout)
+
+
+def test_ulfm_under_an_mpi_without_it_is_one_line_at_start_up(tmp_path):
+    proc = subprocess.run([*mpiexec(), "-n", "2", sys.executable, "-m", "hpcps.cli", "train",
+                           "--set", 'cluster.fault_tolerance="ulfm"', "--set", "synth.rows=100"],
+                          capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    lines = [ln for ln in out.splitlines() if "fault_tolerance" in ln]
+    assert len(lines) == 1 and "has no ULFM" in lines[0] and "--with-ft ulfm" in lines[0], out[-3000:]
