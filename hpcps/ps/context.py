@@ -175,13 +175,13 @@ class ContextReplicas:
         self.placement = self.placement.after_loss(server)
 
 
-class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges, ContextReplicas):
+class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges, ContextReplicas,
+              recovery.ContextRecovery):
     """One rank's view of the parameter server. ``net``: how it reaches the other ranks, and the
     communicators its collectives run over (:class:`hpcps.ps.transport.Transport`): every message
     and collective of the server, the client and the context goes through it."""
 
     local = False  # a job of one process (LocalContext)
-    fault_tolerant = False  # under ULFM: the job goes on without a lost worker (hpcps.ps.recovery)
 
     def __init__(self, net: transport.Transport, layout: Layout, staleness: int, num_shards: int,
                  stall_warn_s: float, stall_timeout_s: float, backup: Backup = NO_BACKUP, replicas: int = 0):
@@ -268,16 +268,6 @@ class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges,
         return self.server_stats
 
     # -- worker ------------------------------------------------------------------------------
-
-    def lost_workers(self) -> list[tuple[int, int]]:
-        """Workers (collective over those alive): under ULFM, the workers lost since the last call,
-        as (worker index, last complete clock), their communicators shrunk to the survivors
-        (:mod:`hpcps.ps.recovery`); else none."""
-        if not self.fault_tolerant or not self.is_worker:
-            return []
-        self.among_workers.total(1, "roll call of the workers")  # (a lost member: shrunk, then again)
-        self.within_group.total(1, "roll call of the worker group")
-        return self.recovery.notices(sorted(self.net.lost))
 
     def next_request_id(self) -> int:
         """A new request id of this worker (its reply's tag is made from it)."""

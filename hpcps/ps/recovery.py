@@ -125,3 +125,21 @@ class WorkerRecovery:
             self.read[int(notice[0]) + self.worker_rank0] = int(notice[1])
         self.known.update(new)
         return [(r - self.worker_rank0, self.read[r]) for r in new]
+
+
+class ContextRecovery:
+    """What a worker's context does under ULFM (a mixin of :class:`hpcps.ps.context.Context`):
+    ``recovery`` is its :class:`WorkerRecovery`, set by ``hpcps.ps.init`` where
+    ``fault_tolerant``."""
+
+    fault_tolerant = False  # under ULFM: the job goes on without a lost worker
+
+    def lost_workers(self) -> list[tuple[int, int]]:
+        """Workers (collective over those alive): under ULFM, the workers lost since the last call,
+        as (worker index, last complete clock), their communicators shrunk to the survivors
+        (this module); else none."""
+        if not self.fault_tolerant or not self.is_worker:
+            return []
+        self.among_workers.total(1, "roll call of the workers")  # (a lost member: shrunk, then again)
+        self.within_group.total(1, "roll call of the worker group")
+        return self.recovery.notices(sorted(self.net.lost))

@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -299,37 +300,27 @@ class Server(ServerReads, ServerCopies):
         self.apply_backlog()  # (replicas: the backups' part of its pushes, once it is answered)
 
     def _handle_push_pull(self, source: int, r: protocol.PushPull) -> None:
-        """Push at clock c, clock c + 1, pull at clock c + 1 (+ ahead). When nothing else is to be
-        served or applied in between (:meth:`_answers_at_once`), the push's keys the pull reads are
-        updated, the pull answered, and then (the reply gone) the push's other keys."""
-        worker = source - self.worker_rank0
-        self._advance(worker, r)
-        if r.in_pull is not None and self._answers_at_once(r):
-            table = self.tables[r.table]
-            rest = self.push_now(worker, r.table, r.push_keys, r.grads, r.clock, r.in_pull)
-            self._serve_pull(source, r)
-            if rest is not None:
-                table.apply_after_reply(rest)
-            return
-        self._push(worker, r.push())
-        self._after_clock()
-        self._serve_or_defer(source, r)
+        self._push_pull(source, r, ((r.table, r.grads),), self._serve_pull)
 
     def _handle_tables_push_pull(self, source: int, r: protocol.TablesPushPull) -> None:
-        """:meth:`_handle_push_pull` for several tables at the same keys: every table's push at
-        clock c, the clock c + 1 once, then every table's pull (the push's keys the pull does not
-        read applied after the reply, as there)."""
+        self._push_pull(source, r, tuple(zip(r.tables, r.grads)), self._serve_tables)
+
+    def _push_pull(self, source: int, r: protocol.PushPull | protocol.TablesPushPull, pushes: tuple,
+                   serve: Callable) -> None:
+        """Push at clock c (``pushes``: (table, gradients) of each table, at the same keys), clock
+        c + 1 once, pull at clock c + 1 (+ ahead) by ``serve``. When nothing else is to be served or
+        applied in between (:meth:`_answers_at_once`), the push's keys the pull reads are updated,
+        the pull answered, and then (the reply gone) the push's other keys."""
         worker = source - self.worker_rank0
         self._advance(worker, r)
         if r.in_pull is not None and self._answers_at_once(r):
-            rests = [(self.tables[t], self.push_now(worker, t, r.push_keys, g, r.clock, r.in_pull))
-                     for t, g in zip(r.tables, r.grads)]
-            self._serve_tables(source, r)
+            rests = [(self.tables[t], self.push_now(worker, t, r.push_keys, g, r.clock, r.in_pull)) for t, g in pushes]
+            serve(source, r)
             for table, rest in rests:
                 if rest is not None:
                     table.apply_after_reply(rest)
             return
-        for t, g in zip(r.tables, r.grads):
+        for t, g in pushes:
             self._push(worker, protocol.Push(t, r.req_id, r.clock, r.worker, r.push_keys, g))
         self._after_clock()
         self._serve_or_defer(source, r)
