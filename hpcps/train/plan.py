@@ -211,12 +211,15 @@ def _training_format(cfg, world, paths: dict, synth_info: dict | None) -> str:
 
 
 def resolve_resume(cfg, world) -> tuple[str, dict] | None:
-    """Collective: the checkpoint to resume from (verified on the first rank), or None."""
+    """Collective: the checkpoint to resume from (verified on the first rank), or None. The first
+    rank locks ``checkpoint.dir`` before it looks in it: a job still running there may be deleting
+    its old checkpoints, which the search would take for damaged ones and move aside."""
     ck = cfg.checkpoint
     if not ck.resume:
         return None
     found, error = None, None
-    if world.is_first:
+    busy = checkpoint.hold(ck.dir) if world.is_first and ck.dir else None
+    if world.is_first and not busy:
         if ck.resume == "auto":
             found = checkpoint.newest_good(ck.dir, report=checkpoint.say, move_damaged=True)
             if found is None:
@@ -231,9 +234,10 @@ def resolve_resume(cfg, world) -> tuple[str, dict] | None:
             error = (f"{found[0]} was written for another model, optimizer or key space "
                      f"(model fingerprint {found[1].get('model_fingerprint')} != {cfg.model_fingerprint()}"
                      + (f": {'; '.join(changed)}" if changed else "") + ")")
-    found, error = world.first_decides((found, error), "broadcast of the checkpoint to resume")
+    found, error = world.first_decides((found, f"cannot resume: {error}" if error else busy),
+                                       "broadcast of the checkpoint to resume")
     if error:
-        raise TrainError(f"cannot resume: {error}")
+        raise TrainError(error)
     return found
 
 
