@@ -164,6 +164,19 @@ def test_bad_filter_settings_are_one_line_naming_the_key():
         filters.Filters(wire_dtype="bf16", key_cache=True)
 
 
+@pytest.mark.parametrize("kw,said", [
+    ({"push_threshold": -0.1}, "push_threshold must be a finite number >= 0"),
+    ({"push_threshold": float("nan")}, "push_threshold must be a finite number >= 0"),
+    ({"key_cache": True, "key_cache_mb": 0}, "key_cache_mb must be a finite number > 0"),
+    ({"wire_dtype": "FP16"}, "unknown wire dtype 'FP16'"),
+])
+def test_the_librarys_filters_refuse_what_the_config_refuses(kw, said):
+    """hpcps.init(traffic=Filters(...)) bypasses [filters]'s checks: a negative or NaN threshold, or
+    no key-list budget, was a filter silently off."""
+    with pytest.raises(ValueError, match=said):
+        filters.Filters(**kw)
+
+
 # -- through the parameter server ---------------------------------------------------------------
 
 

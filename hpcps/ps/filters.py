@@ -26,6 +26,7 @@ no MPI. Each is off by default (``[filters]`` in the configuration) and each sav
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -251,6 +252,20 @@ class Filters:
     wire_dtype: str = "fp32"
     key_cache: bool = False
     key_cache_mb: float = 64.0
+
+    def __post_init__(self):
+        # the library's check of what hpcps.config checks for [filters]: a value out of range is an
+        # error naming the field, not a filter silently off (a negative or NaN threshold, no budget)
+        def number(name: str, value, positive: bool) -> None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
+                    value <= 0 if positive else value < 0):
+                raise ValueError(f"Filters.{name} must be a finite number {'> 0' if positive else '>= 0'} "
+                                 f"(got {value!r})")
+        number("push_threshold", self.push_threshold, positive=False)
+        number("key_cache_mb", self.key_cache_mb, positive=True)
+        wire_code(self.wire_dtype)
+        if not isinstance(self.key_cache, bool):
+            raise ValueError(f"Filters.key_cache must be True or False (got {self.key_cache!r})")
 
     @property
     def wire(self) -> int:
