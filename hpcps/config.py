@@ -65,7 +65,8 @@ class Cluster:
     num_shards: int = described(1024, "virtual shards (fixed for a model's life)")
     replicas: int = described(0, "hot backups: each virtual shard is kept on replicas + 1 servers (on distinct "
                                  "hosts where there are enough), pushes applied on every copy, pulls answered "
-                                 "by the primary; at most cluster.servers - 1 (docs/operations.md)")
+                                 "by the primary; at most cluster.servers - 1 (layout auto picks at least "
+                                 "replicas + 1 servers; docs/operations.md)")
     stall_warn_s: float = described(30.0, "report a request or collective nobody has answered for this long "
                                           "(seconds)")
     stall_timeout_s: float = described(300.0, "abort the job when a request or collective is unanswered this "
@@ -520,7 +521,7 @@ def check_replicas(cfg: Config) -> None:
     r, f = cfg.cluster.replicas, cfg.features
     if not r:
         return
-    if cfg.cluster.layout == "manual" and r >= cfg.cluster.servers:
+    if (cfg.cluster.layout == "manual" or cfg.cluster.servers > 1) and r >= cfg.cluster.servers:  # (auto keeps servers set)
         raise ConfigError(f"cluster.replicas = {r} needs at least {r + 1} servers (cluster.servers = "
                           f"{cfg.cluster.servers}): each shard's copies are on distinct servers")
     why = ("model.compute = 'servers' (a backup does not see the batches)" if cfg.model.compute == "servers" else
