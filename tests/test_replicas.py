@@ -229,3 +229,12 @@ def test_bench_ps_replication_rows_compare_replicas_1_with_0_on_the_same_servers
     for r in rows:  # one pair: its ratio is the replicated time over the plain one
         assert r["servers"] == 2 and r["replicas"] == 1 and r["keys"] == 500, r
         assert r["ratio"] == pytest.approx(r["replicated_time_s"] / r["time_s"]) and r["time_s"] > 0, r
+
+
+def test_the_library_refuses_replicas_with_backup_workers_as_the_config_does():
+    """hpcps.init(replicas=1, backup=Backup(1)) ran (the config refuses the pair: copies could differ)."""
+    import hpcps
+    from hpcps.ps.consistency import Backup
+
+    with pytest.raises(ValueError, match="cluster.replicas = 1 does not go with cluster.backup_workers = 1"):
+        hpcps.init(servers=2, replicas=1, backup=Backup(1))
