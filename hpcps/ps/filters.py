@@ -186,8 +186,10 @@ class WorkerKeyLists:
 
     def ref(self, keys: np.ndarray) -> tuple[int, bool]:
         """(the list's id, whether the server holds it already) for a list of ``keys`` to send;
-        (0, False): send it plainly (empty, or larger than the budget)."""
-        if not self.cache.fits(keys):
+        (0, False): send it plainly (empty; one key, which is no longer than an id, so that caching it
+        would only cost the id of its first sending, as a dense table's chunk did; or larger than the
+        budget)."""
+        if keys.shape[0] < 2 or not self.cache.fits(keys):
             return 0, False
         h = list_hash(keys)
         list_id = self.by_hash.get(h, 0)
