@@ -199,7 +199,9 @@ class Filters:
                                            "reaches this in absolute value; the rest stays in a residual on the "
                                            "worker (0 = off; docs/architecture.md, traffic filters)")
     wire_dtype: str = described("fp32", "the type of pushed and pulled values on the wire (the servers' rows and "
-                                        "optimizer state stay fp32)")
+                                        "optimizer state stay fp32); fp16 carries at most 65504: values "
+                                        "beyond it travel as +-65504, counted in the summary's "
+                                        "wire_dtype_saturated_values with a warning (bf16 has fp32's range)")
     key_cache: bool = described(False, "send a key list to a server once, then only its id while it is unchanged")
     key_cache_mb: float = described(64.0, "with key_cache: the key lists a worker keeps per table (each server "
                                           "holds its share of them), the least recently used dropped past it")

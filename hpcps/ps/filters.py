@@ -243,6 +243,8 @@ class ServerKeyLists:
 # -- the filters of a run ---------------------------------------------------------------------------
 
 SAVED_KEYS = ("push_threshold_saved_bytes", "wire_dtype_saved_bytes", "key_cache_saved_bytes")
+# the values fp16 could not carry (beyond its largest, 65504) that travelled as +-65504
+SATURATED_KEY = "wire_dtype_saturated_values"
 
 
 @dataclass(frozen=True)
@@ -302,6 +304,17 @@ class TableFilters:
         budget = filters.list_budget(servers)
         self.lists = [WorkerKeyLists(budget) for _ in range(servers)] if filters.key_cache else None
         self.stats = stats
+
+    def saturated(self, values: np.ndarray | None, pulled: bool = False) -> None:
+        """Under fp16, count into ``stats[SATURATED_KEY]`` the ``values`` beyond its range: pushed
+        ones before they are clipped to +-65504, pulled ones decoded as +-65504 (where the server
+        clipped them). A row past 65504 pulled as 65504 trains a wrong model without a sign."""
+        if self.wire != FP16 or values is None or not values.size:
+            return
+        size = np.abs(values)
+        n = int(np.count_nonzero(size >= FP16_MAX if pulled else size > FP16_MAX))
+        if n:
+            self.stats[SATURATED_KEY] = self.stats.get(SATURATED_KEY, 0) + n
 
     def threshold(self, keys: np.ndarray, grads: np.ndarray, in_pull: np.ndarray | None):
         """The significance filter on a push of distinct ``keys``: (keys, rows, in-pull bools) to send."""
