@@ -65,7 +65,8 @@ class Cluster:
     num_shards: int = described(1024, "virtual shards (fixed for a model's life)")
     replicas: int = described(0, "hot backups: each virtual shard is kept on replicas + 1 servers (on distinct "
                                  "hosts where there are enough), pushes applied on every copy, pulls answered "
-                                 "by the primary; at most cluster.servers - 1 (docs/operations.md)")
+                                 "by the primary; at most cluster.servers - 1 (layout auto picks at least "
+                                 "replicas + 1 servers; docs/operations.md)")
     stall_warn_s: float = described(30.0, "report a request or collective nobody has answered for this long "
                                           "(seconds)")
     stall_timeout_s: float = described(300.0, "abort the job when a request or collective is unanswered this "
@@ -202,7 +203,9 @@ class Filters:
                                            "reaches this in absolute value; the rest stays in a residual on the "
                                            "worker (0 = off; docs/architecture.md, traffic filters)")
     wire_dtype: str = described("fp32", "the type of pushed and pulled values on the wire (the servers' rows and "
-                                        "optimizer state stay fp32)")
+                                        "optimizer state stay fp32); fp16 carries at most 65504: values "
+                                        "beyond it travel as +-65504, counted in the summary's "
+                                        "wire_dtype_saturated_values with a warning (bf16 has fp32's range)")
     key_cache: bool = described(False, "send a key list to a server once, then only its id while it is unchanged")
     key_cache_mb: float = described(64.0, "with key_cache: the key lists a worker keeps per table (each server "
                                           "holds its share of them), the least recently used dropped past it")
@@ -525,7 +528,7 @@ def check_replicas(cfg: Config) -> None:
     r, f = cfg.cluster.replicas, cfg.features
     if not r:
         return
-    if cfg.cluster.layout == "manual" and r >= cfg.cluster.servers:
+    if (cfg.cluster.layout == "manual" or cfg.cluster.servers > 1) and r >= cfg.cluster.servers:  # (auto keeps servers set)
         raise ConfigError(f"cluster.replicas = {r} needs at least {r + 1} servers (cluster.servers = "
                           f"{cfg.cluster.servers}): each shard's copies are on distinct servers")
     why = ("model.compute = 'servers' (a backup does not see the batches)" if cfg.model.compute == "servers" else

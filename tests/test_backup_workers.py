@@ -96,6 +96,18 @@ def test_as_many_backups_as_workers_is_refused():
     assert Backup(2).check(3, 0) is None and Backup(0).check(1, 5) is None
 
 
+def test_the_summary_line_names_the_most_stalled_workers_first_and_counts_the_rest():
+    """Every worker is late now and then under b > 0: the line named all of them, the one stopped
+    not first unless it skipped rows (one line of 219 characters in a 4-rank run)."""
+    from hpcps.train.stragglers import stalls_said
+
+    stalls = [{"rank": r, "worker": r - 1, "clocks_late": late, "pushes_dropped": 0, "pushes_deferred": late,
+               "rows_skipped": 0} for r, late in ((3, 47), (1, 25), (2, 10), (5, 9), (4, 3))]  # (agree_on_stalls' order)
+    said = stalls_said(stalls)
+    assert said.startswith("rank 3: 0 rows skipped, late at 47 clocks (pushes 47 deferred); rank 1: ")
+    assert "rank 4" not in said and said.endswith("; 2 more (stalled_workers in --summary-json)")
+
+
 # -- real jobs: 1 server + 3 workers, rank 3 stopped for a few seconds ---------------------------
 
 ROWS, EPOCHS = 12_000, 2  # 4,000 rows a worker, 200 steps of 20 an epoch

@@ -111,7 +111,8 @@ def test_key_cache_hits_misses_and_evicts_in_step_on_worker_and_server():
     worker = filters.WorkerKeyLists(budget_bytes=160)                        # room for two lists
     server = filters.ServerKeyLists(budget_bytes=160)
     log = []
-    for keys in (a, b, a, c, b, a, np.zeros(0, np.uint64), np.arange(30, dtype=np.uint64)):
+    one = np.array([7], dtype=np.uint64)  # (an id is as long as one key: a dense table's chunk, each step)
+    for keys in (a, b, a, c, b, a, np.zeros(0, np.uint64), np.arange(30, dtype=np.uint64), one, one):
         list_id, held = worker.ref(keys)
         log.append((list_id, held))
         if list_id and held:
@@ -122,8 +123,8 @@ def test_key_cache_hits_misses_and_evicts_in_step_on_worker_and_server():
             got = keys
         np.testing.assert_array_equal(got, keys)
     # a new, b new, a hit (b now older), c new (evicts b), b new again (evicts a), a new (evicts c);
-    # empty and larger than the budget: sent plainly
-    assert log == [(1, False), (2, False), (1, True), (3, False), (4, False), (5, False), (0, False), (0, False)]
+    # empty, larger than the budget and one key: sent plainly
+    assert log == [(1, False), (2, False), (1, True), (3, False), (4, False), (5, False)] + [(0, False)] * 4
     assert sorted(server.caches[(0, 5)].lists) == sorted(worker.cache.lists) == [4, 5]
     assert server.nbytes() == 160
     with pytest.raises(filters.UnknownKeyList, match="worker 0 named key list 1 of table 5"):
@@ -164,6 +165,19 @@ def test_bad_filter_settings_are_one_line_naming_the_key():
             config.from_dict({"filters": raw})
     assert config.from_dict({"filters": {"wire_dtype": "bf16", "key_cache": True}}).filters.traffic() == \
         filters.Filters(wire_dtype="bf16", key_cache=True)
+
+
+@pytest.mark.parametrize("kw,said", [
+    ({"push_threshold": -0.1}, "push_threshold must be a finite number >= 0"),
+    ({"push_threshold": float("nan")}, "push_threshold must be a finite number >= 0"),
+    ({"key_cache": True, "key_cache_mb": 0}, "key_cache_mb must be a finite number > 0"),
+    ({"wire_dtype": "FP16"}, "unknown wire dtype 'FP16'"),
+])
+def test_the_librarys_filters_refuse_what_the_config_refuses(kw, said):
+    """hpcps.init(traffic=Filters(...)) bypasses [filters]'s checks: a negative or NaN threshold, or
+    no key-list budget, was a filter silently off."""
+    with pytest.raises(ValueError, match=said):
+        filters.Filters(**kw)
 
 
 # -- through the parameter server ---------------------------------------------------------------
@@ -246,6 +260,23 @@ def test_jobs_save_the_bytes_they_say_and_keep_the_logloss(tmp_path):
     assert sparse["push_threshold_saved_bytes"] > 0 and sparse["push_threshold_saved_bytes"] % 12 == 0
     assert sparse["bytes_sent"] < plain["bytes_sent"]
     assert abs(sparse["test_logloss"] - plain["test_logloss"]) <= 0.01
+
+
+def test_fp16_values_beyond_its_range_are_counted_and_warned_of(tmp_path):
+    """fp16 carries at most 65504: a regression whose bias passes it trained a wrong model without a
+    sign (test RMSE 213,067 against fp32's 42,695 here). The summary counts such values, and the
+    first worker warns once."""
+    data = tmp_path / "big.svm"
+    data.write_text("".join(f"{200_000 + 3_000 * (i % 7)} {i % 7 + 1}:1 {i % 5 + 10}:1\n" for i in range(600)))
+    out = tmp_path / "s.json"
+    proc = subprocess.run([*mpiexec(), "-n", "3", *HPCPS, "train", "--set", f"data.train={json.dumps(str(data))}",
+                           "--set", "model.loss='squared'", "--set", "train.progress=false",
+                           "--set", "filters.wire_dtype='fp16'", "--summary-json", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert json.load(open(out))["wire_dtype_saturated_values"] > 0
+    warned = [ln for ln in proc.stderr.splitlines() if "beyond fp16's range" in ln]
+    assert len(warned) == 1 and "use 'bf16'" in warned[0], proc.stderr[-2000:]
 
 
 def test_a_supervised_run_with_every_filter_survives_the_kill_schedule(tmp_path):

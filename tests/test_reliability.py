@@ -295,3 +295,22 @@ def test_restore_onto_a_server_that_owns_no_shard(tmp_path):
     shard_server = np.array([0, 1, 0, 1])
     got = [checkpoint.read_for_server(final, m, "w", s, shard_server, 3)[0] for s in range(3)]
     assert got[2].size == 0 and got[0].size + got[1].size == 1000
+
+
+def test_resume_auto_into_a_locked_checkpoint_dir_touches_nothing_there(small, tmp_path):
+    """A second job with --resume auto into the directory of a running job (here: this process holds
+    its lock) is refused before it looks for a checkpoint: the search would take one the running job
+    is deleting (retention) for damaged, move it aside, or fail on it (it did: FileNotFoundError,
+    exit 1)."""
+    ck = tmp_path / "ck"
+    (ck / "ckpt-0000000010").mkdir(parents=True)
+    (ck / "ckpt-0000000010" / "manifest.json").write_text("half-deleted")
+    assert checkpoint.hold(str(ck)) is None
+    try:
+        rc, out = job(0, ["train", *sets(data__train=small[0], train__progress=False, checkpoint__dir=str(ck)),
+                          "--resume", "auto"], timeout=120)
+    finally:
+        checkpoint.release(str(ck))
+    errors = [ln for ln in out.splitlines() if ": error: " in ln]
+    assert rc == 2 and len(errors) == 1 and f"checkpoint.dir {ck} is in use by another running job" in errors[0], out
+    assert os.listdir(ck) == ["ckpt-0000000010"] and "skipped" not in out, out

@@ -104,6 +104,26 @@ def test_replicas_need_more_servers_and_no_features_a_copy_would_see_differently
         Placement(1, replicas=1)
 
 
+def test_layout_auto_picks_servers_for_every_copy_or_says_the_world_is_too_small(tmp_path):
+    """cluster.layout = "auto" chose 1 server for 4 ranks and the job failed on an unexpected
+    LayoutError (exit 1): the scaling model now picks at least replicas + 1 servers, servers the
+    user set are checked as under manual, and a world too small is one line, exit 2."""
+    from hpcps.train import scaling
+
+    keys = scaling.KeyCurve(((1000, 9000), (2000, 15000)), "the test")
+    job = scaling.Job(keys=keys, requests="worker")
+    for r in (1, 2):
+        assert scaling.choose(4, job, scaling.Machine(cores=2), min_servers=r + 1).servers >= r + 1
+    with pytest.raises(ConfigError, match=r"needs at least 3 servers \(cluster.servers = 2\)"):
+        from_dict(load_raw(None, ["cluster.layout='auto'", "cluster.servers=2", "cluster.replicas=2"]))
+    data = synth.generate(str(tmp_path), 500, 100, fields=4, seed=1, formats=("libsvm",)).files["train_libsvm"]
+    proc = subprocess.run([*HPCPS, "train", "--set", f"data.train={json.dumps(data)}", "--set", "cluster.layout='auto'",
+                           "--set", "cluster.replicas=1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith(
+        "cluster.replicas = 1 needs at least 2 servers and a worker: run 3 ranks or more (mpiexec -n 3; this world "
+        "has 1)"), proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
 def test_losing_a_server_promotes_its_backups_and_the_copies_made_restore_every_shard():
     """Three servers' tables fed as a worker feeds them (replicas 1), server 2 lost: the survivors'
     plans agree, and once each sent its copies every shard is whole on both of its new copies,
@@ -209,3 +229,12 @@ def test_bench_ps_replication_rows_compare_replicas_1_with_0_on_the_same_servers
     for r in rows:  # one pair: its ratio is the replicated time over the plain one
         assert r["servers"] == 2 and r["replicas"] == 1 and r["keys"] == 500, r
         assert r["ratio"] == pytest.approx(r["replicated_time_s"] / r["time_s"]) and r["time_s"] > 0, r
+
+
+def test_the_library_refuses_replicas_with_backup_workers_as_the_config_does():
+    """hpcps.init(replicas=1, backup=Backup(1)) ran (the config refuses the pair: copies could differ)."""
+    import hpcps
+    from hpcps.ps.consistency import Backup
+
+    with pytest.raises(ValueError, match="cluster.replicas = 1 does not go with cluster.backup_workers = 1"):
+        hpcps.init(servers=2, replicas=1, backup=Backup(1))

@@ -156,6 +156,9 @@ class TableRequests:
         wire = self.wire
         values = [protocol.pulled_values(reply, self.dim, wire, -1 if chunk is None else chunk.shape[0])
                   for chunk, reply in req.parts]
+        if self.filters is not None:
+            for v in values:
+                self.filters.saturated(v, pulled=True)
         if len(req.parts) == 1 and req.expand is None and values[0].shape[0] == req.n_unique:
             return values[0]  # one server answered for every key, in order
         out = np.empty((req.n_unique, self.dim), dtype=np.float32)
@@ -316,6 +319,7 @@ class SparseTable(TableRequests):
             return protocol.PLAIN
         n_pull = 0 if pull_keys is None else pull_keys.shape[0]
         f.count_values(0 if grads is None else grads.size)  # (each way padded apart)
+        f.saturated(grads)
         f.count_values(n_pull * self.dim)
         return protocol.Encoding(f.wire, *f.key_ref(server, push_keys, pushed=True), *f.key_ref(server, pull_keys))
 

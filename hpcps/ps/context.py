@@ -505,8 +505,12 @@ def init(servers: int = 1, worker_groups: int | None = None, staleness: int = 0,
 
     Raises:
         hpcps.ps.layout.LayoutError: the world is too small for the layout, before any communication.
-        ValueError: ``backup`` does not fit the layout or the staleness (before any communication).
+        ValueError: ``backup`` does not fit the layout or the staleness, or goes with ``replicas``
+            (before any communication).
     """
+    if replicas and backup.workers:  # (as hpcps.config refuses it)
+        raise ValueError(f"cluster.replicas = {replicas} does not go with cluster.backup_workers = {backup.workers} "
+                         f"(which pushes are late depends on each server's timing, so copies could differ)")
     base = comm if comm is not None else transport.world()
     check_world(base.Get_size(), servers, worker_groups, num_shards)
     if not 0 <= replicas < servers:

@@ -26,6 +26,7 @@ no MPI. Each is off by default (``[filters]`` in the configuration) and each sav
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -179,8 +180,10 @@ class WorkerKeyLists:
 
     def ref(self, keys: np.ndarray) -> tuple[int, bool]:
         """(the list's id, whether the server holds it already) for a list of ``keys`` to send;
-        (0, False): send it plainly (empty, or larger than the budget)."""
-        if not self.cache.fits(keys):
+        (0, False): send it plainly (empty; one key, which is no longer than an id, so that caching it
+        would only cost the id of its first sending, as a dense table's chunk did; or larger than the
+        budget)."""
+        if keys.shape[0] < 2 or not self.cache.fits(keys):
             return 0, False
         h = list_hash(keys)
         list_id = self.by_hash.get(h, 0)
@@ -231,6 +234,8 @@ class ServerKeyLists:
 # -- the filters of a run ---------------------------------------------------------------------------
 
 SAVED_KEYS = ("push_threshold_saved_bytes", "wire_dtype_saved_bytes", "key_cache_saved_bytes")
+# the values fp16 could not carry (beyond its largest, 65504) that travelled as +-65504
+SATURATED_KEY = "wire_dtype_saturated_values"
 
 
 @dataclass(frozen=True)
@@ -242,6 +247,20 @@ class Filters:
     wire_dtype: str = "fp32"
     key_cache: bool = False
     key_cache_mb: float = 64.0
+
+    def __post_init__(self):
+        # the library's check of what hpcps.config checks for [filters]: a value out of range is an
+        # error naming the field, not a filter silently off (a negative or NaN threshold, no budget)
+        def number(name: str, value, positive: bool) -> None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
+                    value <= 0 if positive else value < 0):
+                raise ValueError(f"Filters.{name} must be a finite number {'> 0' if positive else '>= 0'} "
+                                 f"(got {value!r})")
+        number("push_threshold", self.push_threshold, positive=False)
+        number("key_cache_mb", self.key_cache_mb, positive=True)
+        wire_code(self.wire_dtype)
+        if not isinstance(self.key_cache, bool):
+            raise ValueError(f"Filters.key_cache must be True or False (got {self.key_cache!r})")
 
     @property
     def wire(self) -> int:
@@ -276,6 +295,17 @@ class TableFilters:
         budget = filters.list_budget(servers)
         self.lists = [WorkerKeyLists(budget) for _ in range(servers)] if filters.key_cache else None
         self.stats = stats
+
+    def saturated(self, values: np.ndarray | None, pulled: bool = False) -> None:
+        """Under fp16, count into ``stats[SATURATED_KEY]`` the ``values`` beyond its range: pushed
+        ones before they are clipped to +-65504, pulled ones decoded as +-65504 (where the server
+        clipped them). A row past 65504 pulled as 65504 trains a wrong model without a sign."""
+        if self.wire != FP16 or values is None or not values.size:
+            return
+        size = np.abs(values)
+        n = int(np.count_nonzero(size >= FP16_MAX if pulled else size > FP16_MAX))
+        if n:
+            self.stats[SATURATED_KEY] = self.stats.get(SATURATED_KEY, 0) + n
 
     def threshold(self, keys: np.ndarray, grads: np.ndarray, in_pull: np.ndarray | None):
         """The significance filter on a push of distinct ``keys``: (keys, rows, in-pull bools) to send."""

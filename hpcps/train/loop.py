@@ -26,7 +26,7 @@ import numpy as np
 from hpcps import outputs
 from hpcps.ps.collectives import World
 from hpcps.ps.context import init
-from hpcps.ps.filters import SAVED_KEYS
+from hpcps.ps.filters import SATURATED_KEY, SAVED_KEYS
 from hpcps.train import data as tdata
 from hpcps.train import model_file
 from hpcps.train.checkpointing import Checkpointing, catch_stop_signals
@@ -134,8 +134,8 @@ def end_the_run(ctx, plan, model, pipeline, parts: tuple, preempted: int, report
         predicted = predict(ctx, pipeline, to_predict, cfg.train.batch_size, cfg.model.loss, cfg.data.predict_out)
     reporter.close()
     wait = workers.largest(float(ctx.stats["wait_s"]), "agreement of the workers")
-    traffic = workers.reduce(np.array([ctx.stats[k] for k in ("bytes_sent", "bytes_received", "requests",
-                                                             *SAVED_KEYS)], dtype=np.int64),
+    traffic = workers.reduce(np.array([ctx.stats.get(k, 0) for k in ("bytes_sent", "bytes_received", "requests",
+                                                                    *SAVED_KEYS, SATURATED_KEY)], dtype=np.int64),
                              "sum", "sum of the bytes and requests sent and received, and of the bytes filters saved")
     ending = {"skipped": skipped, "predicted": predicted, "wait": wait, "traffic": traffic,
               **agree_on_the_end(ctx, preempted, time.process_time() - reporter.cpu0)}

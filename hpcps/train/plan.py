@@ -211,12 +211,15 @@ def _training_format(cfg, world, paths: dict, synth_info: dict | None) -> str:
 
 
 def resolve_resume(cfg, world) -> tuple[str, dict] | None:
-    """Collective: the checkpoint to resume from (verified on the first rank), or None."""
+    """Collective: the checkpoint to resume from (verified on the first rank), or None. The first
+    rank locks ``checkpoint.dir`` before it looks in it: a job still running there may be deleting
+    its old checkpoints, which the search would take for damaged ones and move aside."""
     ck = cfg.checkpoint
     if not ck.resume:
         return None
     found, error = None, None
-    if world.is_first:
+    busy = checkpoint.hold(ck.dir) if world.is_first and ck.dir else None
+    if world.is_first and not busy:
         if ck.resume == "auto":
             found = checkpoint.newest_good(ck.dir, report=checkpoint.say, move_damaged=True)
             if found is None:
@@ -231,9 +234,10 @@ def resolve_resume(cfg, world) -> tuple[str, dict] | None:
             error = (f"{found[0]} was written for another model, optimizer or key space "
                      f"(model fingerprint {found[1].get('model_fingerprint')} != {cfg.model_fingerprint()}"
                      + (f": {'; '.join(changed)}" if changed else "") + ")")
-    found, error = world.first_decides((found, error), "broadcast of the checkpoint to resume")
+    found, error = world.first_decides((found, f"cannot resume: {error}" if error else busy),
+                                       "broadcast of the checkpoint to resume")
     if error:
-        raise TrainError(f"cannot resume: {error}")
+        raise TrainError(error)
     return found
 
 
@@ -352,7 +356,8 @@ def decide_layout(cfg, ranks: int, hosts: int, cores: int, keys: scaling.KeyCurv
     merges = tr.aggregate and cfg.model.compute == "workers"  # (else a group is one worker)
     c = scaling.choose(ranks, job, scaling.Machine(cores=cores), fixed.get("cluster.servers", 0),
                        fixed.get("cluster.worker_groups", 0), fixed.get("train.batch_size", 0), cap,
-                       max_servers=cl.num_shards, max_group=scaling.MAX_GROUP if merges else 1)
+                       max_servers=cl.num_shards, max_group=scaling.MAX_GROUP if merges else 1,
+                       min_servers=cl.replicas + 1)
     groups = 0 if c.groups == c.workers and not cl.worker_groups else c.groups
     return c.servers, groups, c.batch, scaling.explain(c, fixed) + f"; keys a batch from {keys.source}"
 
@@ -360,6 +365,10 @@ def decide_layout(cfg, ranks: int, hosts: int, cores: int, keys: scaling.KeyCurv
 def choose_layout(cfg, world, path, fmt: str):
     """Collective over the world, before it is split: ``cfg`` with the servers, worker groups and
     batch ``cluster.layout = "auto"`` picks (:func:`decide_layout`, on the first rank, printed there)."""
+    r = cfg.cluster.replicas
+    if r and world.size < r + 2:  # (every rank decides the same)
+        raise TrainError(f"cluster.replicas = {r} needs at least {r + 1} servers and a worker: run {r + 2} ranks "
+                         f"or more (mpiexec -n {r + 2}; this world has {world.size})")
     if world.size == 1:
         if world.is_first:
             print("hpcps train: layout auto: one process runs its server and its worker inside it: nothing to "

@@ -12,11 +12,12 @@ from __future__ import annotations
 import math
 import os
 import shlex
+import sys
 import time
 
 from hpcps import outputs
 from hpcps.ps import checkpoint
-from hpcps.ps.filters import SAVED_KEYS
+from hpcps.ps.filters import SATURATED_KEY, SAVED_KEYS
 from hpcps.ps.collectives import World
 from hpcps.train import data as tdata
 from hpcps.train import inputs
@@ -187,8 +188,10 @@ class Reporter:
                    "loop_cpu_s_server": ending["server_loop_cpu_s"], **ending["key_counts"],
                    "bytes_sent": int(ending["traffic"][0]), "bytes_received": int(ending["traffic"][1]),
                    "requests_sent": int(ending["traffic"][2])}
-        saved = dict(zip(SAVED_KEYS, ending["traffic"][3:].tolist()))
+        saved = dict(zip((*SAVED_KEYS, SATURATED_KEY), ending["traffic"][3:].tolist()))
         summary.update({k: saved[k] for k in cfg.filters.traffic().saved_keys()})  # (the filters on)
+        if cfg.filters.wire_dtype == "fp16":
+            summary[SATURATED_KEY] = saved[SATURATED_KEY]
         if ctx.hosts:
             summary["hosts"] = ctx.layout.by_host(ctx.hosts)
         kept_mb = feed.kept_batches_mb()  # the first worker's batches kept across epochs, compacted
@@ -211,6 +214,10 @@ class Reporter:
         """On the first worker: the summary table, where things went and what to try next."""
         ck = self.cfg.checkpoint
         rows = summary_rows(summary, elapsed, wait, key_counts, self.ctx.layout, self.cfg, self.plan.synth_info)
+        if summary.get(SATURATED_KEY):
+            print(f"hpcps train: warning: {summary[SATURATED_KEY]:,} pushed or pulled values were beyond fp16's "
+                  f"range and travelled as +-65504 (filters.wire_dtype = 'fp16'): the model may be wrong; use "
+                  f"'bf16' (float32's range) or 'fp32'", file=sys.stderr, flush=True)
         print(summary_table(rows), flush=True)
         print(next_steps(self.cfg, self.plan.paths, written if ck.dir else None, self.plan.synth_info), flush=True)
 

@@ -205,16 +205,18 @@ def _server_counts(ranks: int) -> list[int]:
 
 
 def choose(ranks: int, job: Job, m: Machine, servers: int = 0, groups: int = 0, batch: int = 0,
-           batch_cap=lambda workers: BATCHES[-1], max_servers: int = 1 << 30, max_group: int = MAX_GROUP) -> Choice:
+           batch_cap=lambda workers: BATCHES[-1], max_servers: int = 1 << 30, max_group: int = MAX_GROUP,
+           min_servers: int = 1) -> Choice:
     """The layout of ``ranks`` ranks with the highest modelled throughput: ``job`` gives the rest
     (model, data, hosts); ``servers``, ``groups`` (the number of worker groups) and ``batch``, when
     not 0, are fixed by the user. Batches are those of :data:`BATCHES` up to ``batch_cap(workers)``
-    (or the cap alone, below the smallest); at most ``max_servers`` servers and groups of ``max_group``.
+    (or the cap alone, below the smallest); from ``min_servers`` (each shard's copies) to ``max_servers``
+    servers, and groups of ``max_group``.
     Among the layouts within :data:`NEAR` of the best, the one with
     the fewest rows a group's step (g·B: the smallest effective batch), then the smallest group,
     then the fastest."""
     found = []
-    for S in [servers] if servers else [c for c in _server_counts(ranks) if c <= max_servers]:
+    for S in [servers] if servers else [c for c in _server_counts(ranks) if min_servers <= c <= max_servers]:
         W = ranks - S
         if W < 1:
             continue

@@ -57,7 +57,7 @@ class LateWorker:
 def agree_on_stalls(ctx) -> list[dict]:
     """Collective over the world, with backup workers only (else []): each worker that was late at
     some clock, as ``{"rank", "worker"}`` and :data:`STALL_KEYS` (the servers' counts, the largest
-    over the servers; the rows it skipped), the most rows skipped first."""
+    over the servers; the rows it skipped), the most rows skipped first, then the most clocks late."""
     if not ctx.backup.workers:
         return []
     workers = ctx.layout.workers
@@ -72,15 +72,21 @@ def agree_on_stalls(ctx) -> list[dict]:
     rank0 = ctx.layout.servers
     stalls = [{"rank": rank0 + w, "worker": w, **{k: int(v) for k, v in zip(STALL_KEYS, row)}}
               for w, row in enumerate(table.tolist()) if any(row)]
-    return sorted(stalls, key=lambda s: (-s["rows_skipped"], s["rank"]))
+    return sorted(stalls, key=lambda s: (-s["rows_skipped"], -s["clocks_late"], s["rank"]))
+
+
+SAID_STALLS = 3  # the stalled workers the text summary names (every worker is late now and then)
 
 
 def stalls_said(stalls: list[dict]) -> str:
     """The summary's line of the stalled workers: each one's rows skipped, and the clocks at which
-    its push came late (dropped or deferred)."""
+    its push came late (dropped or deferred); the first :data:`SAID_STALLS` of them (the most
+    stalled, as :func:`agree_on_stalls` orders them), then how many more."""
     def said(s: dict) -> str:
         fate = ", ".join(f"{s[k]:,} {word}" for k, word in (("pushes_dropped", "dropped"),
                                                             ("pushes_deferred", "deferred")) if s[k])
         return (f"rank {s['rank']}: {s['rows_skipped']:,} rows skipped, late at {s['clocks_late']:,} clocks"
                 + (f" (pushes {fate})" if fate else ""))
-    return "; ".join(said(s) for s in stalls)
+    more = len(stalls) - SAID_STALLS
+    return "; ".join(said(s) for s in stalls[:SAID_STALLS]) + (
+        f"; {more} more (stalled_workers in --summary-json)" if more > 0 else "")
