@@ -795,7 +795,7 @@ def test_profiler_prints_each_kernel_s_roofline_fraction_and_names_its_bound(cap
     same run and the bound it is held to (no figure is asserted: timings are not tested)."""
     from hpcps_kernels import profiler
 
-    args = ["bench", "--rows", "4000", "--repeat", "1", "--json"]
+    args = ["bench", "--quick", "--rows", "4000", "--repeat", "1", "--json"]
     for k in ("fm", "metrics", "deep", "segment_reduce"):
         args += ["--kernel", k]
     assert profiler.main(args) == 0
