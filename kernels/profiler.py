@@ -40,6 +40,7 @@ from . import (admission, deep, directindex, ffm, fused, hashing, hashtable, ini
 from . import reference as ref
 
 ROOF_BYTES = 512 << 20
+QUICK_BYTES = 32 << 20  # bench --quick's tables
 
 
 # -- rooflines -------------------------------------------------------------------------------------
@@ -105,9 +106,10 @@ def gather_probe(table, idx):
     return (lambda: _random_gather(table, idx)), idx.shape[0]
 
 
-def triad_probe():
-    """(a run, its bytes): a STREAM triad over three 128 MiB float64 arrays."""
-    b, c = (np.ones(ROOF_BYTES // 32, dtype=np.float64) for _ in range(2))
+def triad_probe(table_bytes: int = ROOF_BYTES):
+    """(a run, its bytes): a STREAM triad over three float64 arrays of a quarter of
+    ``table_bytes`` each (128 MiB)."""
+    b, c = (np.ones(table_bytes // 32, dtype=np.float64) for _ in range(2))
     out = np.empty_like(b)
     return (lambda: _triad(out, b, c, 3.0)), 3 * b.nbytes
 
@@ -126,21 +128,22 @@ def softplus_probe():
     return (lambda: _softplus_sum(x)), x.shape[0]
 
 
-def rooflines(repeat: int) -> dict:
+def rooflines(repeat: int, table_bytes: int = ROOF_BYTES) -> dict:
     """The machine's rooflines, for the header; a kernel's ``roof`` column is computed from the
-    probe of its own bound, timed in turn with the kernel (:func:`median_times`)."""
+    probe of its own bound, timed in turn with the kernel (:func:`median_times`). ``table_bytes``
+    smaller than the default (``bench --quick``) makes a smoke run: the tables may fit a cache."""
     rng = np.random.default_rng(0)
-    a = np.ones(ROOF_BYTES // 8, dtype=np.float64)
+    a = np.ones(table_bytes // 8, dtype=np.float64)
     t = median_time(lambda: _seq_read(a), repeat)
     seq = a.nbytes / t
-    gather, n_gather = gather_probe(a, rng.integers(0, a.shape[0], 1 << 24))
+    gather, n_gather = gather_probe(a, rng.integers(0, a.shape[0], (1 << 24) * table_bytes // ROOF_BYTES))
     t_ra = median_time(gather, repeat)
     del a, gather
-    (triad, triad_bytes), (sgemm, flops), (softplus, n_sp) = triad_probe(), sgemm_probe(), softplus_probe()
+    (triad, triad_bytes), (sgemm, flops), (softplus, n_sp) = triad_probe(table_bytes), sgemm_probe(), softplus_probe()
     t_tr, t_mm, t_sp = median_times([triad, sgemm, softplus], repeat)
     return {"seq_read_gb_s": seq / 1e9, "random_access_m_s": n_gather / t_ra / 1e6,
             "triad_gb_s": triad_bytes / t_tr / 1e9, "sgemm_gflop_s": flops / t_mm / 1e9,
-            "softplus_m_s": n_sp / t_sp / 1e6}
+            "softplus_m_s": n_sp / t_sp / 1e6, "table_mib": table_bytes >> 20}
 
 
 # -- data ----------------------------------------------------------------------------------------
@@ -231,7 +234,10 @@ def bench_lr(rows, repeat, roof):
                         2 * idx.size / t / 1e6 / ga, bound=f"2 random accesses/nnz, gather {ga:.0f} M/s"))
     # Roofline case: positions straight into a 2^26-entry weight vector (256 MiB, beyond any cache);
     # two random accesses per nonzero (read w, update grad). At least 200k rows, so the pass over
-    # the nonzeros dwarfs the zeroing of the gradient buffer that is subtracted from it.
+    # the nonzeros dwarfs the zeroing of the gradient buffer that is subtracted from it. Held
+    # against the gather rate on a 512 MiB table: not run against a smaller one (``--quick``).
+    if roof["table_mib"] << 20 < ROOF_BYTES:
+        return out
     indptr, idx, vals, labels = criteo_batch(max(rows, 200_000), 26)
     pos = idx.astype(np.int64)
     w = np.zeros(1 << 26, dtype=np.float32)
@@ -805,6 +811,9 @@ def main(argv: list[str]) -> int:
     b.add_argument("--rows", type=int, default=200_000, help="rows of the Criteo-shaped batch (39 nnz each)")
     b.add_argument("--repeat", type=int, default=5, help="timed runs per figure (median reported)")
     b.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
+    b.add_argument("--quick", action="store_true",
+                   help=f"a smoke run (the tests'): rooflines on {QUICK_BYTES >> 20} MiB instead of {ROOF_BYTES >> 20} "
+                        "MiB (figures not comparable), no 2^26-weight LR case")
     sub.add_parser("tuning", help="the tuned knobs, their values and overrides (the table of docs/tuning.md)")
     args = ap.parse_args(argv)
     if args.cmd == "tuning":
@@ -812,12 +821,12 @@ def main(argv: list[str]) -> int:
         return 0
     if args.cmd == "warmup":
         return _warmup_command(args.part, args.jobs)
-    roof = rooflines(args.repeat)
+    roof = rooflines(args.repeat, QUICK_BYTES if args.quick else ROOF_BYTES)
     if args.json:
         print(json.dumps({"roofline": roof}))
     else:
         print(f"rooflines (1 core): sequential read {roof['seq_read_gb_s']:.1f} GB/s, "
-              f"random access {roof['random_access_m_s']:.0f} M/s (512 MiB table), triad {roof['triad_gb_s']:.1f} GB/s, "
+              f"random access {roof['random_access_m_s']:.0f} M/s ({roof['table_mib']} MiB table), triad {roof['triad_gb_s']:.1f} GB/s, "
               f"sgemm {roof['sgemm_gflop_s']:.0f} GFLOP/s, exp + log1p {roof['softplus_m_s']:.0f} M/s")
         print(f"{'kernel':<34} {'ms':>9} {'throughput':>13}  {'ref ms':>9} {'speedup':>8} {'roof':>5}  reference")
     for name in args.kernel or list(BENCHES):

@@ -16,6 +16,8 @@ import pathlib
 import shutil
 from typing import Callable
 
+import numpy as np
+
 
 def once(name: str, make: Callable[[pathlib.Path], None]) -> pathlib.Path:
     """The directory ``name`` of this session's shared cache, filled by ``make(directory)`` the
@@ -32,3 +34,11 @@ def once(name: str, make: Callable[[pathlib.Path], None]) -> pathlib.Path:
             make(where)
             done.touch()
     return where
+
+
+def writable(text: bytes) -> np.ndarray:
+    """``text`` as the data loader hands it to the parsers: a writable uint8 array. Given bytes
+    (a read-only array), numba compiles each parser once more, a variant that training never
+    runs: 7-14 CPU-s a parser on a clean clone, in each test process that reaches it first.
+    (``test_parsed_form`` parses read-only arrays and bytes, as a user may.)"""
+    return np.frombuffer(bytearray(text), np.uint8)

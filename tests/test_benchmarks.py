@@ -14,8 +14,8 @@ from run import mpiexec  # noqa: E402
 
 
 def test_kernel_profiler_reports_speedups_and_rooflines():
-    out = subprocess.run([sys.executable, "-m", "hpcps_kernels", "bench", "--rows", "4000", "--repeat", "1", "--json",
-                          "--kernel", "lr", "--kernel", "unique", "--kernel", "parse", "--kernel", "metrics", "--kernel", "deep"],
+    out = subprocess.run([sys.executable, "-m", "hpcps_kernels", "bench", "--quick", "--rows", "4000", "--repeat", "1",
+                          "--json", "--kernel", "lr", "--kernel", "unique", "--kernel", "parse", "--kernel", "metrics", "--kernel", "deep"],
                          capture_output=True, text=True, timeout=300, check=True).stdout
     rows = [json.loads(line) for line in out.splitlines()]
     assert rows[0]["roofline"]["seq_read_gb_s"] > 0 and rows[0]["roofline"]["random_access_m_s"] > 0

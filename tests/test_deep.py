@@ -21,7 +21,7 @@ from test_train import hpcps_job, interleave_for_one_worker, sets  # noqa: E402
 
 @pytest.fixture(scope="module")
 def deep_data(tmp_path_factory):
-    return synth.deep(str(tmp_path_factory.mktemp("deep")), 200_000, 20_000, seed=5)
+    return synth.deep(str(tmp_path_factory.mktemp("deep")), 100_000, 20_000, seed=5)
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +38,15 @@ def common(d, **kv):
 
 
 def test_deepfm_and_wdl_beat_fm_which_beats_lr_on_a_three_field_parity(deep_data, tmp_path):
-    """The truth has pairwise interactions (FM's reach) and a three-field parity (only an MLP's)."""
+    """The truth has pairwise interactions (FM's reach) and a three-field parity (only an MLP's).
+    One epoch of 100,000 rows separates them by more than 200,000 rows in two epochs did (test
+    loglosses LR 0.4606, FM 0.4202, DeepFM 0.4038, W&D 0.4006, the truth 0.3756; 0.4578, 0.4102,
+    0.3946, 0.3934 then)."""
     got = {}
     for model in ("lr", "fm", "deepfm", "wdl"):
         out = tmp_path / f"{model}.json"
-        hpcps_job(2, ["train", *common(deep_data, model__type=model), "--summary-json", str(out)])  # (1 worker:
-        # the groups' allreduce is the tests below; here 2 ranks instead of 3 save a third of the CPU)
+        hpcps_job(2, ["train", *common(deep_data, model__type=model, train__epochs=1), "--summary-json", str(out)])
+        # (1 worker: the groups' allreduce is the tests below; here 2 ranks instead of 3 save a third of the CPU)
         got[model] = json.loads(out.read_text())["test_logloss"]
     best = deep_data["best_test_logloss"]
     assert got["fm"] < got["lr"] - 0.02, got

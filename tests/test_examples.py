@@ -2,7 +2,10 @@
 
 The commands run as written, in a temporary directory of the test's own: the examples' data
 directories (``/tmp/hpcps-...``) are moved under it, in the command and in a copy of its config, so
-that nothing an earlier run left there is read, and the checks see only what this run wrote."""
+that nothing an earlier run left there is read, and the checks see only what this run wrote.
+Where an example's size is most of its test's cost, the test makes it smaller with what a user
+has for that (a ``--set`` added to its ``hpcps train``, see :func:`smaller`), and checks the
+result measured at that size."""
 
 import os
 import re
@@ -42,6 +45,17 @@ def run(cmd: str, tmp_path, timeout: float = 300) -> str:
     return out
 
 
+def smaller(cmd: str, rows: int | None = None, **kv) -> str:
+    """The example's command with ``--set key=value`` added to its ``hpcps train`` (the last
+    command of the line), e.g. ``synth__rows=100_000`` for an example that makes its data on the
+    fly; ``rows``: its ``hpcps gen-data --rows`` instead."""
+    assert re.search(r"hpcps train [^&|;]+$", cmd), cmd
+    if rows is not None:
+        cmd, n = re.subn(r"(hpcps gen-data .*?--rows )\d+", rf"\g<1>{rows}", cmd)
+        assert n == 1, cmd
+    return cmd + "".join(f" --set {k.replace('__', '.')}={v}" for k, v in kv.items())
+
+
 def test_every_example_has_a_run_line():
     names = [n for n in os.listdir(EXAMPLES) if n.endswith((".toml", ".py"))]
     assert sorted(names) == ["criteo.toml", "custom_format.py", "custom_model.py", "custom_optimizer.py",
@@ -56,9 +70,9 @@ def _metric(out: str, name: str) -> float:
 
 
 def test_quickstart(tmp_path):
-    out = run(command_of("quickstart.toml"), tmp_path)
+    out = run(smaller(command_of("quickstart.toml"), synth__rows=100_000), tmp_path)
     auc, best = _metric(out, "test auc"), _metric(out, "best achievable AUC")
-    assert 0.75 < auc < best
+    assert 0.75 < auc < best  # 0.845 measured on 100,000 rows (0.855 on the example's 300,000; best 0.878)
 
 
 def test_fm_ratings(tmp_path):
@@ -67,14 +81,16 @@ def test_fm_ratings(tmp_path):
 
 
 def test_criteo(tmp_path):
-    out = run(command_of("criteo.toml"), tmp_path)
-    assert _metric(out, "test auc") > 0.7
+    out = run(smaller(command_of("criteo.toml"), rows=80_000), tmp_path)
+    assert _metric(out, "test auc") > 0.7  # 0.841 measured on 80,000 rows (0.853 on the example's 200,000)
     model = tmp_path / "hpcps-criteo" / "model.h5"  # written by this run: the directory is new
     assert model.stat().st_size > 0 and str(model) in out
 
 
 def test_deepfm(tmp_path):
-    out = run(command_of("deepfm.toml"), tmp_path)
+    # two epochs: the example's early stopping keeps the second epoch's model (its holdout's best;
+    # the third and fourth were worse), so the same test logloss, 0.38884, in half the epochs
+    out = run(smaller(command_of("deepfm.toml"), train__epochs=2), tmp_path)
     best = float(re.search(r"best achievable test logloss ([0-9.]+)", out).group(1))
     assert best - 0.002 < _metric(out, "test logloss") < best + 0.04
 

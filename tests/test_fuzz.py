@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from hpcps import config
 from hpcps.train import data as tdata
 from hpcps_kernels import parse
+from shared_runs import writable
 
 EXAMPLES = int(os.environ.get("HPCPS_FUZZ_EXAMPLES", "300"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
@@ -181,7 +182,7 @@ def _check_libsvm(text: bytes, binary: bool, skip_bad: bool):
     seen = [False, False]
     expect, bad = _expected(text, lambda raw: libsvm_line(raw, binary, seen), skip_bad)
     try:
-        labels, indptr, indices, values, skipped = parse.parse_libsvm(text, source="f.svm", skip_bad=skip_bad,
+        labels, indptr, indices, values, skipped = parse.parse_libsvm(writable(text), source="f.svm", skip_bad=skip_bad,
                                                                       binary=binary)
     except parse.ParseError as e:
         assert not skip_bad and bad and e.line == bad[0], (text, bad, str(e))
@@ -291,7 +292,7 @@ def _check_criteo(text: bytes, skip_bad: bool) -> int:
     """Parse ``text`` and compare every row with the reference reader's; returns the rows compared."""
     expect, bad = _expected(text, criteo_line, skip_bad)
     try:
-        labels, indptr, indices, _, skipped = parse.parse_criteo(text, source="day.tsv", skip_bad=skip_bad)
+        labels, indptr, indices, _, skipped = parse.parse_criteo(writable(text), source="day.tsv", skip_bad=skip_bad)
     except parse.ParseError as e:
         assert not skip_bad and bad and e.line == bad[0], (text, bad, str(e))
         return 0
@@ -457,7 +458,7 @@ def test_the_fuzz_readers_accept_what_they_should():
     assert libsvm_line(b"1 1e2:1", False, [False, False]) == "bad"
     assert criteo_line(b"\t".join([b"1"] + [b""] * 39)) == (1.0, [])
     with pytest.raises(parse.ParseError):
-        parse.parse_libsvm(b"1 1:nan\n")
+        parse.parse_libsvm(writable(b"1 1:nan\n"))
 
 
 @pytest.mark.parametrize("raw,match", [

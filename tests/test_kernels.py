@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from hpcps_kernels import directindex, hashing, hashtable, keys, metrics, models, optim, parse
 from hpcps_kernels import reference as ref
+from shared_runs import writable
 
 U64_MAX = np.iinfo(np.uint64).max
 SETTINGS = settings(max_examples=60, deadline=None)
@@ -420,7 +421,7 @@ def libsvm_lines():
 @given(libsvm_lines(), st.sampled_from(["\n", "\r\n"]))
 def test_libsvm_matches_python_parser(lines, eol):
     text = (eol.join(lines) + (eol if lines else "")).encode()
-    labels, indptr, indices, values, skipped = parse.parse_libsvm(text)
+    labels, indptr, indices, values, skipped = parse.parse_libsvm(writable(text))
     rl, rp, ri, rv = ref.parse_libsvm(text.replace(b"\r", b""))
     np.testing.assert_array_equal(labels, rl)
     np.testing.assert_array_equal(indptr, rp)
@@ -438,12 +439,12 @@ def test_libsvm_matches_python_parser(lines, eol):
 def test_libsvm_bad_line_names_file_and_line(bad, reason):
     text = b"1 1:1\n# comment\n0 2:2\n" + bad + b"\n1 4:4\n"
     with pytest.raises(parse.ParseError, match=rf"^data\.svm:4: {reason}") as e:
-        parse.parse_libsvm(text, source="data.svm")
+        parse.parse_libsvm(writable(text), source="data.svm")
     assert e.value.line == 4
-    labels, indptr, _, _, skipped = parse.parse_libsvm(text, skip_bad=True)
+    labels, indptr, _, _, skipped = parse.parse_libsvm(writable(text), skip_bad=True)
     assert skipped == 1 and list(labels) == [1, 0, 1]
     with pytest.raises(parse.ParseError, match=r"^big\.svm:1004:"):
-        parse.parse_libsvm(text, source="big.svm", first_line=1001)
+        parse.parse_libsvm(writable(text), source="big.svm", first_line=1001)
 
 
 def criteo_line(rng, label=None):
@@ -457,7 +458,7 @@ def criteo_line(rng, label=None):
 def test_criteo_matches_python_parser(bits):
     rng = np.random.default_rng(bits)
     text = ("\n".join(criteo_line(rng) for _ in range(300)) + "\n").encode()
-    labels, indptr, indices, values, skipped = parse.parse_criteo(text, bits=bits)
+    labels, indptr, indices, values, skipped = parse.parse_criteo(writable(text), bits=bits)
     rl, rp, ri = ref.parse_criteo(text, bits=bits)
     np.testing.assert_array_equal(labels, rl)
     np.testing.assert_array_equal(indptr, rp)
@@ -472,7 +473,7 @@ def test_criteo_fields_and_bias_match_python_parser():
     lines = [criteo_line(rng) for _ in range(200)]
     text = ("\n".join(lines) + "\n").encode()
     bits, bias = 20, 2**40 + 5
-    labels, indptr, indices, _, _ = parse.parse_criteo(text, bits=bits, fields=True, bias=bias)
+    labels, indptr, indices, _, _ = parse.parse_criteo(writable(text), bits=bits, fields=True, bias=bias)
     _, rp, ri = ref.parse_criteo(text, bits=bits)
     fields = [c - 1 for line in lines for c, col in enumerate(line.split("\t")) if c and col]
     expect = ri | (np.array(fields, dtype=np.uint64) << np.uint64(bits))
@@ -498,7 +499,7 @@ def test_criteo_crlf_blank_lines_and_tokens_of_any_length_match_python_parser():
         if i % 50 == 0:
             lines.append("")
     text = ("\n".join(lines)).encode()  # no newline after the last line
-    labels, indptr, indices, _, skipped = parse.parse_criteo(text, bits=64)
+    labels, indptr, indices, _, skipped = parse.parse_criteo(writable(text), bits=64)
     rl, rp, ri = ref.parse_criteo(text, bits=64)
     np.testing.assert_array_equal(labels, rl)
     np.testing.assert_array_equal(indptr, rp)
@@ -524,7 +525,7 @@ def test_vw_text_matches_python_parser(bits):
     lines[5] = "1 'only|f a b"   # a tag against the bar
     lines[9] = ""               # a blank line
     text = ("\n".join(lines) + "\n").encode()
-    labels, indptr, indices, values, skipped = parse.parse_vw(text, bits=bits, binary=True)
+    labels, indptr, indices, values, skipped = parse.parse_vw(writable(text), bits=bits, binary=True)
     rl, rp, ri, rv = ref.parse_vw(text, bits=bits, binary=True)
     np.testing.assert_array_equal(labels, rl)
     np.testing.assert_array_equal(indptr, rp)
@@ -542,8 +543,8 @@ def test_vw_text_matches_python_parser(bits):
 ])
 def test_vw_bad_line_names_file_and_line(bad, reason):
     with pytest.raises(parse.ParseError, match=rf"^train\.vw:2: {reason}"):
-        parse.parse_vw(bad.encode(), source="train.vw", binary=True)
-    assert parse.parse_vw(bad.encode(), binary=True, skip_bad=True)[4] == 1
+        parse.parse_vw(writable(bad.encode()), source="train.vw", binary=True)
+    assert parse.parse_vw(writable(bad.encode()), binary=True, skip_bad=True)[4] == 1
 
 
 def test_xxh64_of_a_word_equals_xxh64_of_its_bytes():
@@ -558,8 +559,8 @@ def test_criteo_bad_line_names_line(bad):
     rng = np.random.default_rng(0)
     text = "\n".join([criteo_line(rng), criteo_line(rng), bad, criteo_line(rng)]).encode()
     with pytest.raises(parse.ParseError, match=r"^day_0\.tsv:3: "):
-        parse.parse_criteo(text, source="day_0.tsv")
-    assert parse.parse_criteo(text, skip_bad=True)[4] == 1
+        parse.parse_criteo(writable(text), source="day_0.tsv")
+    assert parse.parse_criteo(writable(text), skip_bad=True)[4] == 1
 
 
 # -- 9. metrics ----------------------------------------------------------------------------------
@@ -804,7 +805,7 @@ def test_profiler_prints_each_kernel_s_roofline_fraction_and_names_its_bound(cap
     same run and the bound it is held to (no figure is asserted: timings are not tested)."""
     from hpcps_kernels import profiler
 
-    args = ["bench", "--rows", "4000", "--repeat", "1", "--json"]
+    args = ["bench", "--quick", "--rows", "4000", "--repeat", "1", "--json"]
     for k in ("fm", "metrics", "deep", "segment_reduce"):
         args += ["--kernel", k]
     assert profiler.main(args) == 0

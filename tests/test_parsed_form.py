@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from hpcps_kernels import parse
+from shared_runs import writable
 
 LINES = [
     b"1 3:1 17:1 123456789:1",
@@ -46,12 +47,13 @@ def test_common_libsvm_lines_parse_as_the_line_reader_reads_them(binary):
 
 def test_a_zero_label_after_a_minus_one_is_still_an_error_in_a_common_line():
     with pytest.raises(parse.ParseError, match=r"^f\.svm:2: labels mix 0 and -1"):
-        parse.parse_libsvm(b"-1 1:1\n0 2:1\n", source="f.svm", binary=True)
+        parse.parse_libsvm(b"-1 1:1\n0 2:1\n", source="f.svm", binary=True)  # (bytes, as a user may pass
+        # them, and _rows' arrays are read-only: the parser's read-only variant, compiled here only)
     seen = np.zeros(2, np.int64)
-    parse.parse_libsvm(b"0 1:1\n1 2:1\n", binary=True, seen=seen)  # (the common reader marks the 0)
+    parse.parse_libsvm(writable(b"0 1:1\n1 2:1\n"), binary=True, seen=seen)  # (the common reader marks the 0)
     assert list(seen) == [1, 0]
     with pytest.raises(parse.ParseError, match="labels mix 0 and -1"):
-        parse.parse_libsvm(b"-1 1:1\n", binary=True, seen=seen)
+        parse.parse_libsvm(writable(b"-1 1:1\n"), binary=True, seen=seen)
 
 
 def test_a_last_line_without_its_newline_and_a_bad_line_in_a_run_of_common_ones():

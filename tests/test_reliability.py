@@ -23,6 +23,7 @@ from hpcps_kernels import parse
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from shared_runs import writable  # noqa: E402
 from test_faults import job, sets  # noqa: E402 - one way to run hpcps as a user would
 
 
@@ -44,10 +45,10 @@ def as_plus_minus(src: str, dst: str) -> None:
 
 def test_plus_minus_one_labels_map_to_zero_one_under_the_logistic_loss():
     text = b"+1 1:1\n-1 2:1\n1 3:1\n# comment\n-1 4:1\n"
-    labels = parse.parse_libsvm(text, binary=True)[0]
+    labels = parse.parse_libsvm(writable(text), binary=True)[0]
     np.testing.assert_array_equal(labels, [1, 0, 1, 0])
     # the squared loss keeps labels as they are
-    np.testing.assert_array_equal(parse.parse_libsvm(text)[0], [1, -1, 1, -1])
+    np.testing.assert_array_equal(parse.parse_libsvm(writable(text))[0], [1, -1, 1, -1])
 
 
 @pytest.mark.parametrize("text,line,reason", [
@@ -58,9 +59,9 @@ def test_plus_minus_one_labels_map_to_zero_one_under_the_logistic_loss():
 ])
 def test_other_labels_under_the_logistic_loss_name_the_line(text, line, reason):
     with pytest.raises(parse.ParseError, match=reason) as e:
-        parse.parse_libsvm(text, source="d.svm", binary=True)
+        parse.parse_libsvm(writable(text), source="d.svm", binary=True)
     assert e.value.line == line
-    assert parse.parse_libsvm(text, binary=True, skip_bad=True)[4] == 1  # or a counted skip
+    assert parse.parse_libsvm(writable(text), binary=True, skip_bad=True)[4] == 1  # or a counted skip
 
 
 def test_mixed_labels_are_found_across_blocks(tmp_path, monkeypatch):

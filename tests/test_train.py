@@ -95,9 +95,11 @@ def test_lr_matches_scikit_learn_on_the_same_l2_objective(mpi_tmp_path):
 # -- CLI jobs ------------------------------------------------------------------------------------
 
 def test_fm_beats_lr_on_ratings_with_a_user_item_interaction(tmp_path):
-    """Ratings = biases + <user factors, item factors> + noise: LR can only learn the biases."""
-    d = synth.ratings(str(tmp_path / "r"), 100_000, 10_000, seed=3)
-    common = sets(data__train=d["train"], data__test=d["test"], model__loss="squared", train__epochs=5,
+    """Ratings = biases + <user factors, item factors> + noise: LR can only learn the biases.
+    (50,000 rows, 3 epochs: test RMSE LR 0.790, FM 0.669, the noise's 0.487; 100,000 rows and 5
+    epochs gave 0.781 and 0.624.)"""
+    d = synth.ratings(str(tmp_path / "r"), 50_000, 10_000, seed=3)
+    common = sets(data__train=d["train"], data__test=d["test"], model__loss="squared", train__epochs=3,
                   train__progress=False, optimizer__name="adagrad", optimizer__lr=0.1, model__factors=4,
                   model__init_scale=0.1)
     rmse = {}

@@ -11,6 +11,7 @@ import hpcps
 from hpcps.train import data as tdata
 from hpcps.train import synth
 from hpcps_kernels import parse
+from shared_runs import writable
 from test_faults import job, sets
 
 
@@ -88,22 +89,22 @@ def test_a_line_without_a_label_parses_to_the_keys_of_the_line_with_one(fmt, lab
     reader = {"libsvm": parse.parse_libsvm, "libffm": parse.parse_libffm, "vw": parse.parse_vw,
               "criteo": parse.parse_criteo}[fmt]
     kw = {"bits": 24} if fmt != "libsvm" else {}
-    want = reader(labeled.encode(), **kw)
-    got = reader(unlabeled.encode(), need_labels=False, **kw)
+    want = reader(writable(labeled.encode()), **kw)
+    got = reader(writable(unlabeled.encode()), need_labels=False, **kw)
     assert not got[0].any() and want[0].shape == got[0].shape == (2,)
     for a, b in zip(want[1:4], got[1:4]):
         assert np.array_equal(a, b)
     with pytest.raises(parse.ParseError, match="^t:1: a row without a label"):
-        reader(unlabeled.encode(), source="t", **kw)
-    assert reader(unlabeled.encode(), skip_bad=True, **kw)[4] == 2
+        reader(writable(unlabeled.encode()), source="t", **kw)
+    assert reader(writable(unlabeled.encode()), skip_bad=True, **kw)[4] == 2
 
 
 def test_a_bad_criteo_line_keeps_the_error_of_its_40_columns():
     """A line read as 39 or 41 columns only when 40 fail: a bad label is still a bad label."""
     with pytest.raises(parse.ParseError, match="bad label"):
-        parse.parse_criteo(("2" + CRITEO_LINE[1:] + "\n").encode(), need_labels=False, with_weights=True)
+        parse.parse_criteo(writable(("2" + CRITEO_LINE[1:] + "\n").encode()), need_labels=False, with_weights=True)
     with pytest.raises(parse.ParseError, match="expected 40 tab-separated columns"):
-        parse.parse_criteo((CRITEO_LINE + "\tx\tx\n").encode(), need_labels=False, with_weights=True)
+        parse.parse_criteo(writable((CRITEO_LINE + "\tx\tx\n").encode()), need_labels=False, with_weights=True)
 
 
 def test_load_part_reads_rows_without_labels_only_when_asked(trained, tmp_path):
