@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from hpcps.ps.server_table import ServerTable
+from hpcps.ps.store import RowStore
 from hpcps.ps.tables import Features, TableSpec
 from hpcps_kernels.directindex import DirectKeyIndex
 from hpcps_kernels.hashtable import KeyIndex
@@ -200,15 +201,16 @@ def test_a_push_without_a_pull_before_looks_up_and_updates_in_one_pass_with_the_
     """A direct index takes a push of keys no pull resolved in one pass (lookups and the rule,
     up to the first absent key; the rest inserted and updated as before): every row, and each
     row's last update (eviction), equals that of a hash-indexed shard given the same pushes."""
-    calls = []  # where each one-pass push stopped (its first position not done)
-    fused = DirectKeyIndex.push
+    calls = []  # where each one-pass push of the direct index stopped (its first position not done)
+    fused = RowStore.push_in_one_pass
 
     def recorded(self, queries, *a):
         todo = fused(self, queries, *a)
-        calls.append(int(todo[0]) if todo.size else queries.shape[0])
+        if isinstance(self.index, DirectKeyIndex):
+            calls.append(int(todo[0]) if todo.size else queries.shape[0])
         return todo
 
-    monkeypatch.setattr(DirectKeyIndex, "push", recorded)
+    monkeypatch.setattr(RowStore, "push_in_one_pass", recorded)
     rng = np.random.default_rng(3)
     spec = dict(optimizer=optimizer, init="normal", features=Features(evict_after_steps=100))
     direct, hashed = ServerTable(TableSpec("w", key_bits=16, **spec)), ServerTable(TableSpec("w", **spec))

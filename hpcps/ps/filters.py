@@ -36,6 +36,8 @@ import xxhash
 from hpcps_kernels import wire as kwire
 from hpcps_kernels.hashtable import KeyIndex
 
+FP16_MAX = 65504.0  # fp16's largest finite value (kwire.FP16_MAX_BITS)
+
 # -- wire types ---------------------------------------------------------------------------------
 
 FP32, FP16, BF16 = 0, 1, 2
