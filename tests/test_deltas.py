@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -24,6 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from run import mpiexec  # noqa: E402
 from test_chaos import chaos_run  # noqa: E402
+from test_faults import wait_for  # noqa: E402
 from test_checkpoint import (HPCPS, assert_same_model, job_data, rank_pids, reference, reference_run,  # noqa: E402,F401
                              run_job, train_args)
 
@@ -89,11 +89,9 @@ def start_and_kill(data, tmp, rank, after, servers=1, **sets):
     proc = subprocess.Popen([*mpiexec(), "-n", str(n), *HPCPS, *delta_args(data, ckdir, tmp / "never.h5", servers, **sets)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    deadline = time.monotonic() + 240
-    while not os.path.exists(ckdir / after):
-        assert proc.poll() is None, f"the job ended before {after}:\n{proc.stdout.read()[-3000:]}"
-        assert time.monotonic() < deadline, f"{after} never appeared"
-        time.sleep(0.02)
+    appeared = wait_for(lambda: os.path.exists(ckdir / after), 240, proc)
+    assert proc.poll() is None, f"the job ended before {after}:\n{proc.stdout.read()[-3000:]}"
+    assert appeared, f"{after} never appeared"
     pids = rank_pids(str(ckdir))
     assert set(pids) == set(range(n)), pids
     os.kill(pids[rank], signal.SIGKILL)

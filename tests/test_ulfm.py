@@ -30,6 +30,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from run import mpiexec  # noqa: E402
 from test_checkpoint import rank_pids  # noqa: E402
+from test_faults import wait_for  # noqa: E402
 
 FT = os.environ.get("HPCPS_FT_VENV", os.path.join(ROOT, ".venv-ft"))
 ROWS, BATCH, KILL_AT_STEP = 3_000, 10, 20
@@ -73,18 +74,17 @@ def kill_mid_run(launcher: list[str], data: str, tmp_path, ranks: int, servers: 
                              *args(data, ck, servers)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, cwd=str(tmp_path), start_new_session=True)
     try:
-        deadline = time.monotonic() + TIMEOUT
-        while True:
-            assert proc.poll() is None, f"the job ended before the kill:\n{proc.stdout.read()[-3000:]}"
-            assert time.monotonic() < deadline, "the job never reached the step of the kill"
+        def at_the_kill() -> bool:
             try:
                 step = json.loads(status.read_text()).get("global_step", 0)
             except (OSError, ValueError):
                 step = 0
-            pids = rank_pids(str(ck), "OMPI_COMM_WORLD_RANK")
-            if step >= KILL_AT_STEP and len(pids) == ranks:
-                break
-            time.sleep(0.02)
+            return step >= KILL_AT_STEP and len(rank_pids(str(ck), "OMPI_COMM_WORLD_RANK")) == ranks
+
+        reached = wait_for(at_the_kill, TIMEOUT, proc)
+        assert proc.poll() is None, f"the job ended before the kill:\n{proc.stdout.read()[-3000:]}"
+        assert reached, "the job never reached the step of the kill"
+        pids = rank_pids(str(ck), "OMPI_COMM_WORLD_RANK")
         os.kill(pids[victim], signal.SIGKILL)
         killed = time.monotonic()
         out, _ = proc.communicate(timeout=TIMEOUT)
