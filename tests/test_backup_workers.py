@@ -65,6 +65,26 @@ def test_a_checkpoint_waits_for_every_worker_and_holds_the_late_pushes():
     assert w.ready(ck) and [k for k, _ in w.late_pushes_kept()] == [0] and not w.buffered
 
 
+def test_a_quorum_checkpoint_waits_for_its_clock_holds_later_pushes_and_is_missed_after_it():
+    """The first worker's checkpoint under backup workers: ready once the clock before it is
+    complete (worker 2 stopped), the pushes of its clock held until it is written (the model of its
+    clock on every server), and missed once a later clock completed before it came."""
+    w = WorkerClocks(3, 0, Backup(1))
+    ck = protocol.Checkpoint(1, 2, 0, "x", quorum=True)
+    w.advance(0, 1)
+    w.advance(1, 1)
+    assert not w.ready(ck) and not w.missed(ck)
+    w.defer(0, ck, 0.0)
+    for clock in (1, 2):  # workers 0 and 1 push clocks 1 and 2; clock 2 completes too
+        for worker in (0, 1):
+            w.keep_push(worker, push(clock, worker))
+            w.advance(worker, clock + 1)
+    assert w.min_clock() == 3 and [r.clock for _, r in w.pushes_due()] == [1, 1]  # (clock 2's held)
+    assert [r for _, r in w.reads_due()] == [ck]
+    assert [r.clock for _, r in w.pushes_due()] == [2, 2]
+    assert w.missed(protocol.Checkpoint(2, 2, 0, "y", quorum=True)) and not w.missed(protocol.Checkpoint(3, 2, 0, "y"))
+
+
 def test_b_0_waits_for_the_slowest_and_nothing_is_late():
     w = WorkerClocks(3, 0)
     w.advance(1, 5)
@@ -106,6 +126,16 @@ def test_the_summary_line_names_the_most_stalled_workers_first_and_counts_the_re
     said = stalls_said(stalls)
     assert said.startswith("rank 3: 0 rows skipped, late at 47 clocks (pushes 47 deferred); rank 1: ")
     assert "rank 4" not in said and said.endswith("; 2 more (stalled_workers in --summary-json)")
+
+
+def test_the_bench_says_the_fraction_of_the_stop_recovered_beside_the_ratio():
+    """``hpcps bench backup``'s figure that does not depend on the job's length: (b = 0's median
+    - b = 1's) / the stop's seconds."""
+    jobs = {b: [{"wall_s": w, "test_logloss": 0.4, "examples": 1, "rows_skipped": r}] for b, w, r in ((0, 21.0, 0), (1, 15.0, 9))}
+    r = {"rows": 30_000, "stop_s": 5.0, "at_step": 50, "batch_size": 20, "epochs": 1, "repeats": 1, "jobs": jobs,
+         "median_wall_s": {0: 21.0, 1: 15.0}, "median_test_logloss": {0: 0.4, 1: 0.4}, "b1_over_b0": 15 / 21,
+         "stop_recovered": 6 / 5, "logloss_b1_minus_b0": 0.0}
+    assert "0.71x wall (29% sooner, 1.20 of the stop recovered)" in bench_backup.format_results(r)
 
 
 # -- real jobs: 1 server + 3 workers, rank 3 stopped for a few seconds ---------------------------
@@ -151,6 +181,31 @@ def test_b_1_goes_on_without_a_stopped_worker_and_names_it(reference):
     assert summary["examples"] + sum(s["rows_skipped"] for s in stalls.values()) == EPOCHS * ROWS
     assert abs(summary["test_logloss"] - ref["test_logloss"]) < 0.005
     assert "stalled workers" in out and "rank 3: " in out
+
+
+def test_b_1_with_checkpoints_goes_on_without_a_stopped_worker_and_resumes(reference, tmp_path):
+    """With ``checkpoint.dir`` the workers agreed at every step whether to checkpoint (a
+    collective), so a stopped worker held every other one there: it skipped no row. Now the first
+    worker writes its periodic checkpoints alone (hpcps.train.quorum_checkpoints): some are written
+    while rank 3 is stopped, rank 3 skips rows as without checkpoints, and a run resumed from one
+    written then (every worker from its position) ends at the same step with a close model."""
+    tmp, data, ref = reference
+    files, ck, stopped = {"train_libsvm": data[0], "test_libsvm": data[1]}, tmp_path / "ck", []
+    sets = {"train.batch_size": 20, "train.epochs": EPOCHS, "checkpoint.dir": json.dumps(str(ck)),
+            "checkpoint.every_steps": 10, "checkpoint.keep": 1000}
+    _, summary, out = bench_backup.stalled_job(files, str(tmp_path), "ck", 1, 5, 20, sets, timeout=240, stopped=stopped)
+    stalls = {s["rank"]: s for s in summary["stalled_workers"]}
+    assert stalls[3]["rows_skipped"] > 0, stalls
+    manifests = {d: json.load(open(ck / d / "manifest.json")) for d in sorted(os.listdir(ck))}
+    during = [d for d in manifests if stopped[0] < os.path.getmtime(ck / d / "manifest.json") < stopped[1]]
+    assert during and all(m["clock"] == m["position"]["global_step"] for m in manifests.values()), manifests
+    last = manifests[max(manifests)]["position"]["global_step"]
+    _, resumed, _ = bench_backup.stalled_job(files, str(tmp_path), "resumed", 1, 0, 0, {
+        **sets, "checkpoint.dir": json.dumps(str(tmp_path / "ck2")), "checkpoint.resume": json.dumps(str(ck / during[0]))},
+        timeout=240)
+    assert 0 < resumed["examples"] < EPOCHS * ROWS
+    assert json.load(open(resumed["checkpoint"] + "/manifest.json"))["position"]["global_step"] == last
+    assert abs(resumed["test_logloss"] - ref["test_logloss"]) < 0.005
 
 
 def test_the_chaos_kill_schedule_with_b_1_finishes_with_a_finite_model_near_the_reference(tmp_path):

@@ -4,8 +4,10 @@ Runs ``mpiexec -n 4 hpcps train`` (1 server + 3 workers, BSP) on synthetic rows;
 worker is past step ``--at``, worker rank 3 is stopped (SIGSTOP) for ``--stop-s`` seconds, then
 continued (SIGCONT); ``--stop-s 0`` stops nothing (what backup workers do on a loaded machine alone). Jobs with ``cluster.backup_workers = 0`` and ``= 1`` alternate ``--repeats``
 times, so that both meet the same load on the machine. Reports each job's wall time (the whole
-job: start-up, training, the end), the medians and their ratio (b = 1 over b = 0), each job's test
-logloss and the rows the stalled worker skipped.
+job: start-up, training, the end), the medians and their ratio (b = 1 over b = 0), the fraction of
+the stop recovered (``(b = 0's median - b = 1's) / stop_s``: 1 when b = 1 loses none of the stop's
+seconds, more when the stalled worker's skipped rows save work too; it does not depend on the job's
+length, as the ratio does), each job's test logloss and the rows the stalled worker skipped.
 """
 
 from __future__ import annotations
@@ -40,11 +42,11 @@ def rank_pid(marker: str, rank: int) -> int | None:
 
 
 def stalled_job(files: dict, out_dir: str, name: str, b: int, stop_s: float, at: int, settings: dict,
-                timeout: float = 1800) -> tuple:
+                timeout: float = 1800, stopped: list | None = None) -> tuple:
     """One 4-rank job with ``cluster.backup_workers = b`` and ``settings`` (key: TOML value), rank 3
     stopped ``stop_s`` seconds once the first worker is past step ``at`` (0: never), killed after
-    ``timeout`` seconds. Returns (its wall time, its summary, its output); a failed job raises
-    RuntimeError with its output's end."""
+    ``timeout`` seconds; ``stopped``: gets the stop's start and end (``time.time()``). Returns (its
+    wall time, its summary, its output); a failed job raises RuntimeError with its output's end."""
     summary, status = os.path.join(out_dir, f"summary-{name}.json"), os.path.join(out_dir, f"status-{name}.json")
     for path in (summary, status):
         if os.path.exists(path):
@@ -64,8 +66,11 @@ def stalled_job(files: dict, out_dir: str, name: str, b: int, stop_s: float, at:
             time.sleep(0.02)
         if pid is not None:
             os.kill(pid, signal.SIGSTOP)
+            t = time.time()
             time.sleep(stop_s)
             os.kill(pid, signal.SIGCONT)
+            if stopped is not None:
+                stopped += [t, time.time()]
         out, _ = proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:
@@ -101,7 +106,8 @@ def run(out_dir: str, rows: int, test_rows: int, stop_s: float, repeats: int, at
     loss = {b: statistics.median(r["test_logloss"] for r in jobs[b]) for b in jobs}
     return {"rows": rows, "stop_s": stop_s, "at_step": at, "batch_size": batch_size, "epochs": epochs,
             "repeats": repeats, "jobs": jobs, "median_wall_s": med, "median_test_logloss": loss,
-            "b1_over_b0": med[1] / med[0], "logloss_b1_minus_b0": loss[1] - loss[0]}
+            "b1_over_b0": med[1] / med[0], "stop_recovered": (med[0] - med[1]) / stop_s if stop_s else None,
+            "logloss_b1_minus_b0": loss[1] - loss[0]}
 
 
 def format_results(r: dict) -> str:
@@ -114,6 +120,7 @@ def format_results(r: dict) -> str:
         skipped = statistics.median(j["rows_skipped"] for j in r["jobs"][b])
         out.append(f"{b:<15} {each:>24} {r['median_wall_s'][b]:>9.2f} {r['median_test_logloss'][b]:>13.5f} "
                    f"{skipped:>13,.0f}")
-    out.append(f"b = 1 / b = 0 (medians): {r['b1_over_b0']:.2f}x wall ({1 - r['b1_over_b0']:.0%} sooner), "
+    recovered = "" if r.get("stop_recovered") is None else f", {r['stop_recovered']:.2f} of the stop recovered"
+    out.append(f"b = 1 / b = 0 (medians): {r['b1_over_b0']:.2f}x wall ({1 - r['b1_over_b0']:.0%} sooner{recovered}), "
                f"test logloss {r['logloss_b1_minus_b0']:+.5f}")
     return "\n".join(out)

@@ -54,6 +54,14 @@ class LateWorker:
         return last - first
 
 
+    def skip_to(self, pipeline, feed, first: int, clock: int) -> int:
+        """A stop agreed under backup workers (:mod:`hpcps.train.quorum_checkpoints`): this worker
+        moved to ``clock`` (the largest among the workers, in this epoch) from the step of index
+        ``first``, the steps between skipped as :meth:`skip_rest` does. Returns the steps skipped."""
+        n = clock - self.ctx.clock_value
+        return self.skip_rest(pipeline, feed, first, first + n, clock) if n > 0 else 0
+
+
 def agree_on_stalls(ctx) -> list[dict]:
     """Collective over the world, with backup workers only (else []): each worker that was late at
     some clock, as ``{"rank", "worker"}`` and :data:`STALL_KEYS` (the servers' counts, the largest
