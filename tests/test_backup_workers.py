@@ -136,6 +136,8 @@ def test_the_bench_says_the_fraction_of_the_stop_recovered_beside_the_ratio():
          "median_wall_s": {0: 21.0, 1: 15.0}, "median_test_logloss": {0: 0.4, 1: 0.4}, "b1_over_b0": 15 / 21,
          "stop_recovered": 6 / 5, "logloss_b1_minus_b0": 0.0}
     assert "0.71x wall (29% sooner, 1.20 of the stop recovered)" in bench_backup.format_results(r)
+    r["median_end_after_cont_s"] = {0: 2.5, 1: 0.2}
+    assert "ended a median 0.20 s (b = 1) and 2.50 s (b = 0) after rank 3 continued" in bench_backup.format_results(r)
 
 
 # -- real jobs: 1 server + 3 workers, rank 3 stopped for a few seconds ---------------------------
@@ -190,14 +192,14 @@ def test_b_1_with_checkpoints_goes_on_without_a_stopped_worker_and_resumes(refer
     while rank 3 is stopped, rank 3 skips rows as without checkpoints, and a run resumed from one
     written then (every worker from its position) ends at the same step with a close model."""
     tmp, data, ref = reference
-    files, ck, stopped = {"train_libsvm": data[0], "test_libsvm": data[1]}, tmp_path / "ck", []
+    files, ck, times = {"train_libsvm": data[0], "test_libsvm": data[1]}, tmp_path / "ck", {}
     sets = {"train.batch_size": 20, "train.epochs": EPOCHS, "checkpoint.dir": json.dumps(str(ck)),
             "checkpoint.every_steps": 10, "checkpoint.keep": 1000}
-    _, summary, out = bench_backup.stalled_job(files, str(tmp_path), "ck", 1, 5, 20, sets, timeout=240, stopped=stopped)
+    _, summary, out = bench_backup.stalled_job(files, str(tmp_path), "ck", 1, 5, 20, sets, timeout=240, times=times)
     stalls = {s["rank"]: s for s in summary["stalled_workers"]}
     assert stalls[3]["rows_skipped"] > 0, stalls
     manifests = {d: json.load(open(ck / d / "manifest.json")) for d in sorted(os.listdir(ck))}
-    during = [d for d in manifests if stopped[0] < os.path.getmtime(ck / d / "manifest.json") < stopped[1]]
+    during = [d for d in manifests if times["stop"] < os.path.getmtime(ck / d / "manifest.json") < times["cont"]]
     assert during and all(m["clock"] == m["position"]["global_step"] for m in manifests.values()), manifests
     last = manifests[max(manifests)]["position"]["global_step"]
     _, resumed, _ = bench_backup.stalled_job(files, str(tmp_path), "resumed", 1, 0, 0, {
