@@ -7,17 +7,22 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
 from hpcps import config
 from hpcps.bench import backup as bench_backup
+from hpcps.bench.vw import mpiexec_command
 from hpcps.ps import protocol
 from hpcps.ps.consistency import Backup, WorkerClocks
 from hpcps.train import synth
 from hpcps.train.model_file import ServingModel
+from hpcps.train.progress import STATUS_ENV, read_status
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_chaos import chaos_run, close_model  # noqa: E402
@@ -208,6 +213,52 @@ def test_b_1_with_checkpoints_goes_on_without_a_stopped_worker_and_resumes(refer
     assert 0 < resumed["examples"] < EPOCHS * ROWS
     assert json.load(open(resumed["checkpoint"] + "/manifest.json"))["position"]["global_step"] == last
     assert abs(resumed["test_logloss"] - ref["test_logloss"]) < 0.005
+
+
+def signalled_job(tmp, data, sets: dict, sig: int, rank: int, at: int) -> tuple[int, str]:
+    """A 4-rank job of ``cluster.backup_workers = 1`` and ``sets`` (key: TOML value); ``sig`` (0:
+    none) sent to rank ``rank`` alone once the first worker is past step ``at``. Returns (its exit
+    status, its output)."""
+    status, summary = tmp / "status.json", tmp / f"summary-{time.monotonic_ns()}.json"
+    sets = {"data.train": json.dumps(data[0]), "data.test": json.dumps(data[1]), "train.progress": "false",
+            "cluster.backup_workers": 1, **sets}
+    cmd = [mpiexec_command(), "-n", "4", sys.executable, "-m", "hpcps.cli", "train", "--summary-json", str(summary),
+           *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, HPCPS_TUNE_STATUS_EVERY_S="0.01", **{STATUS_ENV: str(status)}))
+    try:
+        deadline = time.monotonic() + 120
+        while sig and read_status(str(status)).get("global_step", -1) < at and proc.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if sig and proc.poll() is None:
+            os.kill(bench_backup.rank_pid(str(summary), rank), sig)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, out
+
+
+def test_a_signal_to_one_worker_is_agreed_where_the_workers_meet_and_resume_finishes(reference, tmp_path):
+    """Under backup workers the workers no longer agree at each step whether to checkpoint: a stop
+    signal to worker rank 2 alone is agreed before the loop's next collective (an evaluation every
+    60 steps, or the epoch's end), every worker moved to the same clock; the signal's checkpoint is
+    written there, the job exits 75, and --resume auto trains on from it to the last step."""
+    tmp, data, ref = reference
+    ck = tmp_path / "ck"
+    sets = {"train.batch_size": 20, "train.epochs": EPOCHS, "train.eval_every": 60, "checkpoint.dir": json.dumps(str(ck))}
+    rc, out = signalled_job(tmp_path, data, sets, signal.SIGTERM, 2, 30)
+    assert rc == 75, out[-3000:]
+    (name,) = os.listdir(ck)
+    m = json.load(open(ck / name / "manifest.json"))
+    pos = m["position"]
+    assert m["reason"] == "signal" and m["clock"] == pos["global_step"], m
+    assert (pos["step"] - 1) % 60 == 0 or pos["step"] > ROWS // 3 // 20, pos  # (an evaluation's step, or the epoch's end)
+    rc, out = signalled_job(tmp_path, data, {**sets, "checkpoint.resume": '"auto"'}, 0, 0, 0)
+    assert rc == 0 and f"resuming from {ck / name}" in out, out[-3000:]
+    last = json.load(open(ck / max(os.listdir(ck)) / "manifest.json"))
+    assert last["reason"] == "end of training" and last["position"]["epoch"] == EPOCHS + 1
 
 
 def test_the_chaos_kill_schedule_with_b_1_finishes_with_a_finite_model_near_the_reference(tmp_path):
