@@ -95,14 +95,15 @@ class Checkpointing:
         (:meth:`QuorumCheckpoints.at_collective`); else nothing. Returns as :meth:`if_due`."""
         return 0 if self.quorum is None else self.quorum.at_collective(epoch, step, global_step)
 
-    def due(self, global_step: int) -> int:
+    def due(self, global_step: int, by_time: bool = True) -> int:
         """What this worker's count and clock make due: 2 = a periodic checkpoint, 1 = a delta
-        snapshot (by seconds: the first worker's clock), 0 = nothing."""
+        snapshot (by seconds, unless not ``by_time``: the first worker's clock), 0 = nothing."""
         ck, now = self.cfg.checkpoint, time.monotonic()
+        timed = by_time and self.first
         return 2 if (bool(ck.every_steps and global_step % ck.every_steps == 0)
-                     or bool(self.first and ck.every_s and now - self.last_save >= ck.every_s)) else int(
+                     or bool(timed and ck.every_s and now - self.last_save >= ck.every_s)) else int(
             bool(ck.delta_every_steps and global_step % ck.delta_every_steps == 0)
-            or bool(self.first and ck.delta_every_s and now - self.last_snapshot >= ck.delta_every_s))
+            or bool(timed and ck.delta_every_s and now - self.last_snapshot >= ck.delta_every_s))
 
     def act(self, want: int, epoch: int, step: int, global_step: int) -> int:
         """Collective over the workers: the checkpoint the workers agreed on after step ``step``

@@ -60,8 +60,8 @@ class QuorumCheckpoints:
             self.agreed = True
             return self.agree(stop_wanted(sig), epoch, step)
         if self.ck.first:
-            self.finish_asked(block=False)
-            self.pending = self.pending or self.ck.due(global_step)
+            self.finish_asked(block=False)  # (one in flight: only a count's due is kept for later)
+            self.pending = self.pending or self.ck.due(global_step, by_time=self.asked is None)
             if self.pending and self.asked is None:
                 self.ask(epoch, step, global_step)
         return 0

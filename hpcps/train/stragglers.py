@@ -11,8 +11,9 @@ the next epoch with the others. It learns which clock is complete from the serve
 (their header's clock: :func:`hpcps.ps.client.read_reply_header`).
 
 Every collective of the loop stays matched: the others can end an epoch only after the late
-worker has joined each collective inside it (evaluations, checkpoint agreements), so the steps it
-skips hold none. The summary names each stalled worker (:func:`agree_on_stalls`).
+worker has joined each collective inside it (evaluations, stop agreements: under backup workers the
+periodic checkpoints are the first worker's alone, :mod:`hpcps.train.quorum_checkpoints`), so the
+steps it skips hold none. The summary names each stalled worker (:func:`agree_on_stalls`).
 """
 
 from __future__ import annotations
