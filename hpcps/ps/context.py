@@ -15,9 +15,11 @@ worker group (aggregated pushes, dense tables). Nothing happens at import.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -444,25 +446,67 @@ def write_checkpoint(ctx: Context, root: str, step: int, manifest: dict, keep: i
     files' checksums and rename the directory. Returns the checkpoint's path. ``delta``: a delta
     snapshot ``delta-<step>`` instead, committed by ``delta`` once written (:mod:`hpcps.ps.deltas`);
     ``track``: delta snapshots follow this checkpoint."""
-    kind = "delta" if delta is not None else "ckpt"
+    asked = ask_for_checkpoint(ctx, root, step, ctx.clock_value, delta is not None, track)
+    transport.wait(asked.pending, ctx.stall_timeout_s, warn_after=ctx.stall_warn_s)
+    return commit_checkpoint(ctx, asked, manifest, keep, delta)
+
+
+@dataclass
+class AskedCheckpoint:
+    """A checkpoint the servers were asked for (:func:`ask_for_checkpoint`): its directory, its
+    clock, the replies' buffers and the transfers pending."""
+
+    tmp: str
+    clock: int
+    replies: list
+    pending: list
+
+
+def ask_for_checkpoint(ctx: Context, root: str, step: int, clock: int, delta: bool, track: bool,
+                       quorum: bool = False) -> AskedCheckpoint:
+    """First worker only: ``root/ckpt-<step>.tmp`` (``delta-``) made, and every server asked to
+    write its shards of clock ``clock`` there, without waiting. ``quorum`` (backup workers): the
+    server waits for the clock before it to complete, not for every worker, and writes nothing when
+    it came after the clock completed (:meth:`hpcps.ps.consistency.WorkerClocks.missed`)."""
+    kind = "delta" if delta else "ckpt"
     tmp = checkpoint.step_dir(root, step, kind) + ".tmp"
     try:
         deltas.begin(root, step, kind, track)
     except OSError as e:
         raise checkpoint.write_failure(tmp, e, "the first worker") from None
-    pending, replies = [], []
+    asked = AskedCheckpoint(tmp, clock, [], [])
     for server in range(ctx.layout.servers):
         req_id = ctx.next_request_id()
         reply = np.empty(protocol.reply_bytes(protocol.CHECKPOINT, 0, 0), dtype=np.uint8)
-        msg = protocol.Checkpoint(req_id, ctx.clock_value, ctx.worker_index, tmp).pack()
-        pending += ctx.exchange(server, msg, reply, req_id, protocol.CHECKPOINT)
-        replies.append(reply)
-    transport.wait(pending, ctx.stall_timeout_s, warn_after=ctx.stall_warn_s)
-    files = []
-    for server, reply in enumerate(replies):
-        size, digest = protocol.unpack_checkpoint_result(reply)
-        files.append({"name": os.path.basename(checkpoint.server_file(tmp, server)), "bytes": size, "xxh64": digest})
-    full = {"format": checkpoint.FORMAT, "version": checkpoint.VERSION, "clock": ctx.clock_value,
+        msg = protocol.Checkpoint(req_id, clock, ctx.worker_index, tmp, quorum).pack()
+        asked.pending += ctx.exchange(server, msg, reply, req_id, protocol.CHECKPOINT)
+        asked.replies.append(reply)
+    return asked
+
+
+def checkpoint_replied(ctx: Context, asked: AskedCheckpoint, block: bool) -> bool:
+    """Whether every server replied to the checkpoint asked for (``block``: once they have)."""
+    if block:
+        transport.wait(asked.pending, ctx.stall_timeout_s, warn_after=ctx.stall_warn_s)
+        asked.pending = []
+    else:
+        asked.pending = transport.completed(asked.pending)
+    return not asked.pending
+
+
+def commit_checkpoint(ctx: Context, asked: AskedCheckpoint, manifest: dict, keep: int,
+                      delta: deltas.Commits | None = None) -> str | None:
+    """First worker only, every server's reply in: the manifest with the files' checksums written
+    and the directory renamed (a delta: committed by ``delta``). Returns the checkpoint's path;
+    None when a server missed it (a quorum checkpoint: the directory removed)."""
+    results = [protocol.unpack_checkpoint_result(reply) for reply in asked.replies]
+    if any(size == protocol.CHECKPOINT_MISSED for size, _ in results):
+        shutil.rmtree(asked.tmp, ignore_errors=True)
+        return None
+    tmp = asked.tmp
+    files = [{"name": os.path.basename(checkpoint.server_file(tmp, server)), "bytes": size, "xxh64": digest}
+             for server, (size, digest) in enumerate(results)]
+    full = {"format": checkpoint.FORMAT, "version": checkpoint.VERSION, "clock": asked.clock,
             "layout": {"servers": ctx.layout.servers, "workers": ctx.layout.workers,
                        "worker_groups": ctx.layout.worker_groups, "num_shards": ctx.placement.num_shards},
             "tables": [{"name": s.name, "dim": s.dim, "optimizer": s.optimizer, "width": s.width,

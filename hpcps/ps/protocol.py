@@ -492,27 +492,31 @@ class Done(Clock):
 @dataclass(eq=False)
 class Checkpoint(Message):
     """``CHECKPOINT``: write the server's shards into the directory ``path`` once every worker
-    has reached ``clock``. Sizes: 0, the path's 8-byte words (UTF-8, padded with NULs)."""
+    has reached ``clock``; with ``quorum`` (backup workers: one worker's checkpoint, no other
+    waiting for it), once clock ``clock - 1`` is complete, and none at all when a later clock
+    completed before it came (:meth:`hpcps.ps.consistency.WorkerClocks.missed`). Sizes: 0, the
+    path's 8-byte words (UTF-8, padded with NULs); ``quorum`` in the header's reserved word."""
 
     op: ClassVar[int] = CHECKPOINT
     req_id: int
     clock: int
     worker: int
     path: str
+    quorum: bool = False
 
     def pack(self, alloc=None) -> np.ndarray:
         raw = self.path.encode()
         raw += b"\0" * (-len(raw) % 8)
-        buf = _pack(_words(CHECKPOINT, 0, self.req_id, (0, len(raw) // 8), self.clock, self.worker),
-                    HEADER_BYTES + len(raw), alloc)
+        buf = _pack(_words(CHECKPOINT, 0, self.req_id, (0, len(raw) // 8), self.clock, self.worker,
+                           int(self.quorum)), HEADER_BYTES + len(raw), alloc)
         buf[HEADER_BYTES:] = np.frombuffer(raw, dtype=np.uint8)
         return buf
 
     @classmethod
     def unpack(cls, words: list, buf: np.ndarray, dims: list[int], grads: np.ndarray | None) -> "Checkpoint":
-        _, _, req_id, _, n_words, clock, worker, _, _ = words
+        _, _, req_id, _, n_words, clock, worker, quorum, _ = words
         path = buf[HEADER_BYTES:HEADER_BYTES + 8 * n_words].tobytes().rstrip(b"\0").decode()
-        return cls(req_id, clock, worker, path)
+        return cls(req_id, clock, worker, path, bool(quorum))
 
 
 @dataclass(eq=False)
@@ -778,6 +782,9 @@ def encode_pulled(rows: np.ndarray, payload: np.ndarray, wire: int) -> None:
     """The rows of :func:`pull_into` into the reply's payload, in the wire type (fp32: already there)."""
     if wire != filters.FP32:
         _put_values(payload, 0, rows, wire)
+
+
+CHECKPOINT_MISSED = -1  # a checkpoint result's file_bytes: a quorum checkpoint came too late, nothing written
 
 
 def pack_checkpoint_result(payload: np.ndarray, file_bytes: int, digest: str) -> None:

@@ -229,6 +229,15 @@ class ServerReads:
         self.fragments[(source - self.worker_rank0, r.table)] = (r.keys, r.values, r.row_ids)
         self.replies.post(reply, source, r.req_id, "margins reply")
 
+    def _checkpoint_or_defer(self, source: int, r: protocol.Checkpoint) -> None:
+        """A checkpoint now or once the clocks allow it; a quorum checkpoint come too late, none."""
+        if not self.workers.missed(r):
+            self._serve_or_defer(source, r)
+            return
+        reply, payload = self.replies.new(r.req_id, protocol.CHECKPOINT_RESULT.itemsize)
+        protocol.pack_checkpoint_result(payload, protocol.CHECKPOINT_MISSED, "")
+        self.replies.post(reply, source, r.req_id, "checkpoint reply")
+
     def _write_checkpoint(self, source: int, r: protocol.Checkpoint) -> None:
         self._apply(self.workers.late_pushes_kept())  # (backup workers: every push sent before it)
         self.apply_backlog()  # (a snapshot's marks of changed rows cover every copy's)
@@ -236,6 +245,8 @@ class ServerReads:
         reply, payload = self.replies.new(r.req_id, protocol.CHECKPOINT_RESULT.itemsize)
         protocol.pack_checkpoint_result(payload, size, digest)
         self.replies.post(reply, source, r.req_id, "checkpoint reply")
+        if r.quorum:  # (the pushes of its clock and later, held while it waited)
+            self._apply_pushes_due()
 
 
 class Server(ServerReads, ServerCopies):
@@ -273,7 +284,7 @@ class Server(ServerReads, ServerCopies):
         self.recovery = recovery.ServerRecovery(self)  # the "rank lost" event (hpcps.ps.recovery)
         # what a request asks: op -> handler(source, request)
         self.handlers = {
-            protocol.PULL: self._serve_or_defer, protocol.CHECKPOINT: self._serve_or_defer,
+            protocol.PULL: self._serve_or_defer, protocol.CHECKPOINT: self._checkpoint_or_defer,
             protocol.MARGINS: self._serve_or_defer, protocol.CALL: self._serve_or_defer,
             protocol.PUSHPULL: self._handle_push_pull, protocol.PUSH: self._handle_push,
             protocol.RESIDUALS: self._handle_residuals, protocol.CLOCK: self._handle_clock,

@@ -11,8 +11,9 @@ the next epoch with the others. It learns which clock is complete from the serve
 (their header's clock: :func:`hpcps.ps.client.read_reply_header`).
 
 Every collective of the loop stays matched: the others can end an epoch only after the late
-worker has joined each collective inside it (evaluations, checkpoint agreements), so the steps it
-skips hold none. The summary names each stalled worker (:func:`agree_on_stalls`).
+worker has joined each collective inside it (evaluations, stop agreements: under backup workers the
+periodic checkpoints are the first worker's alone, :mod:`hpcps.train.quorum_checkpoints`), so the
+steps it skips hold none. The summary names each stalled worker (:func:`agree_on_stalls`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,14 @@ class LateWorker:
         self.ctx.stats["rows_skipped"] += rows
         self.ctx.clock_to(end_clock)
         return last - first
+
+
+    def skip_to(self, pipeline, feed, first: int, clock: int) -> int:
+        """A stop agreed under backup workers (:mod:`hpcps.train.quorum_checkpoints`): this worker
+        moved to ``clock`` (the largest among the workers, in this epoch) from the step of index
+        ``first``, the steps between skipped as :meth:`skip_rest` does. Returns the steps skipped."""
+        n = clock - self.ctx.clock_value
+        return self.skip_rest(pipeline, feed, first, first + n, clock) if n > 0 else 0
 
 
 def agree_on_stalls(ctx) -> list[dict]:
