@@ -321,10 +321,11 @@ class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges,
         mine, theirs = signals.requested(), self.server_stop or None
         return signal.SIGINT if signal.SIGINT in (mine, theirs) else (mine or theirs)
 
-    def save_checkpoint(self, root: str, step: int, manifest: dict, keep: int, delta=None, track: bool = False) -> str:
+    def save_checkpoint(self, root: str, step: int, manifest: dict, keep: int, delta=None, track: bool = False,
+                        for_signal: bool = False) -> str:
         """First worker only: every server's shards and a manifest into a new checkpoint under
         ``root`` (:func:`write_checkpoint`); returns its path."""
-        return write_checkpoint(self, root, step, manifest, keep, delta, track)
+        return write_checkpoint(self, root, step, manifest, keep, delta, track, for_signal)
 
     def clock(self) -> int:
         """End this worker's iteration: tell every server; returns the new clock."""
@@ -440,13 +441,14 @@ class LocalContext(Context):
 
 
 def write_checkpoint(ctx: Context, root: str, step: int, manifest: dict, keep: int,
-                     delta: deltas.Commits | None = None, track: bool = False) -> str:
+                     delta: deltas.Commits | None = None, track: bool = False, for_signal: bool = False) -> str:
     """First worker only: ask every server to write its shards into ``root/ckpt-<step>.tmp``
     (each waits until every worker has reached this clock), then write the manifest with the
     files' checksums and rename the directory. Returns the checkpoint's path. ``delta``: a delta
     snapshot ``delta-<step>`` instead, committed by ``delta`` once written (:mod:`hpcps.ps.deltas`);
-    ``track``: delta snapshots follow this checkpoint."""
-    asked = ask_for_checkpoint(ctx, root, step, ctx.clock_value, delta is not None, track)
+    ``track``: delta snapshots follow this checkpoint; ``for_signal``: it is a stop signal's (the
+    servers forget theirs once it is written)."""
+    asked = ask_for_checkpoint(ctx, root, step, ctx.clock_value, delta is not None, track, for_signal=for_signal)
     transport.wait(asked.pending, ctx.stall_timeout_s, warn_after=ctx.stall_warn_s)
     return commit_checkpoint(ctx, asked, manifest, keep, delta)
 
@@ -463,7 +465,7 @@ class AskedCheckpoint:
 
 
 def ask_for_checkpoint(ctx: Context, root: str, step: int, clock: int, delta: bool, track: bool,
-                       quorum: bool = False) -> AskedCheckpoint:
+                       quorum: bool = False, for_signal: bool = False) -> AskedCheckpoint:
     """First worker only: ``root/ckpt-<step>.tmp`` (``delta-``) made, and every server asked to
     write its shards of clock ``clock`` there, without waiting. ``quorum`` (backup workers): the
     server waits for the clock before it to complete, not for every worker, and writes nothing when
@@ -478,7 +480,7 @@ def ask_for_checkpoint(ctx: Context, root: str, step: int, clock: int, delta: bo
     for server in range(ctx.layout.servers):
         req_id = ctx.next_request_id()
         reply = np.empty(protocol.reply_bytes(protocol.CHECKPOINT, 0, 0), dtype=np.uint8)
-        msg = protocol.Checkpoint(req_id, clock, ctx.worker_index, tmp, quorum).pack()
+        msg = protocol.Checkpoint(req_id, clock, ctx.worker_index, tmp, quorum, for_signal).pack()
         asked.pending += ctx.exchange(server, msg, reply, req_id, protocol.CHECKPOINT)
         asked.replies.append(reply)
     return asked

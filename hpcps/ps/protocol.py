@@ -494,8 +494,10 @@ class Checkpoint(Message):
     """``CHECKPOINT``: write the server's shards into the directory ``path`` once every worker
     has reached ``clock``; with ``quorum`` (backup workers: one worker's checkpoint, no other
     waiting for it), once clock ``clock - 1`` is complete, and none at all when a later clock
-    completed before it came (:meth:`hpcps.ps.consistency.WorkerClocks.missed`). Sizes: 0, the
-    path's 8-byte words (UTF-8, padded with NULs); ``quorum`` in the header's reserved word."""
+    completed before it came (:meth:`hpcps.ps.consistency.WorkerClocks.missed`). ``for_signal``:
+    written for a stop signal, which the server forgets once it is written (it reports its own
+    in every reply until then). Sizes: 0, the path's 8-byte words (UTF-8, padded with NULs);
+    ``quorum`` and ``for_signal`` as bits 0 and 1 of the header's reserved word."""
 
     op: ClassVar[int] = CHECKPOINT
     req_id: int
@@ -503,20 +505,21 @@ class Checkpoint(Message):
     worker: int
     path: str
     quorum: bool = False
+    for_signal: bool = False
 
     def pack(self, alloc=None) -> np.ndarray:
         raw = self.path.encode()
         raw += b"\0" * (-len(raw) % 8)
         buf = _pack(_words(CHECKPOINT, 0, self.req_id, (0, len(raw) // 8), self.clock, self.worker,
-                           int(self.quorum)), HEADER_BYTES + len(raw), alloc)
+                           int(self.quorum) | int(self.for_signal) << 1), HEADER_BYTES + len(raw), alloc)
         buf[HEADER_BYTES:] = np.frombuffer(raw, dtype=np.uint8)
         return buf
 
     @classmethod
     def unpack(cls, words: list, buf: np.ndarray, dims: list[int], grads: np.ndarray | None) -> "Checkpoint":
-        _, _, req_id, _, n_words, clock, worker, quorum, _ = words
+        _, _, req_id, _, n_words, clock, worker, bits, _ = words
         path = buf[HEADER_BYTES:HEADER_BYTES + 8 * n_words].tobytes().rstrip(b"\0").decode()
-        return cls(req_id, clock, worker, path, bool(quorum))
+        return cls(req_id, clock, worker, path, bool(bits & 1), bool(bits & 2))
 
 
 @dataclass(eq=False)

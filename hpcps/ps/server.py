@@ -247,6 +247,8 @@ class ServerReads:
         self.replies.post(reply, source, r.req_id, "checkpoint reply")
         if r.quorum:  # (the pushes of its clock and later, held while it waited)
             self._apply_pushes_due()
+        if r.for_signal:  # (this server's own signal is answered: no more STOP in its replies)
+            signals.clear()
 
 
 class Server(ServerReads, ServerCopies):

@@ -148,7 +148,7 @@ class Checkpointing:
             path = self.ctx.save_checkpoint(self.cfg.checkpoint.dir, global_step,
                                             self.manifest(epoch_next, step_next, global_step, reason, delta),
                                             self.cfg.checkpoint.keep, delta=self.commits if delta else None,
-                                            track=self.deltas_on and not delta)
+                                            track=self.deltas_on and not delta, for_signal=reason == "signal")
             self.committed(path, reason, delta)
             if delta:
                 self.delta_pauses.append(time.perf_counter() - t)  # (the rows copied; written meanwhile)
