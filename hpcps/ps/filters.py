@@ -313,10 +313,18 @@ class TableFilters:
         """The significance filter on a push of distinct ``keys``: (keys, rows, in-pull bools) to send."""
         if self.residual is None or keys.shape[0] == 0:
             return keys, grads, in_pull
-        send, rows = self.residual.filter(keys, grads)
-        dropped = keys.shape[0] - rows.shape[0]
-        self.stats["push_threshold_saved_bytes"] += dropped * (8 + 4 * self.dim)
+        send, rows = self.significant(keys, grads)
+        n, sent = keys.shape[0], rows.shape[0]
+        # (each key and its float32 values, and its in-pull bit: exact for a message to one server)
+        self.stats["push_threshold_saved_bytes"] += (n - sent) * (8 + 4 * self.dim) + (
+            0 if in_pull is None else -(-n // 8) - -(-sent // 8))
         return keys[send], rows, None if in_pull is None else in_pull[send]
+
+    def significant(self, keys: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The significance filter on a push of distinct ``keys`` (:meth:`PushResidual.filter`):
+        (which keys to send, a bool each; their rows), the bytes saved not counted (a push of several
+        tables counts its own: :meth:`hpcps.ps.client.TableSet`)."""
+        return self.residual.filter(keys, grads)
 
     def key_ref(self, server: int, keys: np.ndarray | None, pushed: bool = False) -> tuple[int, bool]:
         """What a message to ``server`` carries for a list of ``keys``: see :meth:`WorkerKeyLists.ref`.
