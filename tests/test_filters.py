@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -101,6 +100,11 @@ def test_residual_keeps_what_it_does_not_send_and_sent_plus_kept_is_all_pushed()
         np.testing.assert_array_equal(sent.get(k, 0) + row, pushed[k])  # exactly
     assert r.largest() < 1.0 and np.all(r.kept(np.array([999], np.uint64)) == 0)
     assert r.nbytes() > 0
+    drained, rows = r.drain()  # (the flush: every key still kept, then nothing)
+    assert np.all(np.abs(rows).max(axis=1) > 0) and drained.size == np.count_nonzero(np.abs(kept).max(axis=1))
+    for k, row in zip(drained.tolist(), rows):
+        np.testing.assert_array_equal(sent.get(k, 0) + row, pushed[k])
+    assert r.largest() == 0.0 and r.drain()[0].size == 0
 
 
 # -- the key cache ----------------------------------------------------------------------------------
@@ -261,12 +265,13 @@ def test_every_filter_on_gives_the_sums_its_residuals_say_exactly():
 
 
 @pytest.mark.mpi(min_size=4)
-def test_tables_together_filter_as_alone():
+def test_tables_together_filter_as_alone_and_the_flush_leaves_nothing_behind():
     """2 servers + 2 workers, SGD with rate 1, requests of two tables at once (``TableSet``).
     With the significance filter (and fp16, key cache): each table holds back its own keys, and
     every row is exactly minus what was pushed for it less what the residuals hold (integers,
-    which fp16 carries exactly). With fp16 alone: a row pushed once is NumPy's fp16 of what was
-    pushed, bit for bit."""
+    which fp16 carries exactly); after ``flush_filters``, exactly minus all it was pushed: nothing
+    left behind. With fp16 alone: a row pushed once is NumPy's fp16 of what was pushed, bit for
+    bit."""
     from mpi4py import MPI
 
     if MPI.COMM_WORLD.Get_size() != 4:
@@ -292,13 +297,21 @@ def test_tables_together_filter_as_alone():
         keys, g = push_plan(ctx.worker_index, it)
         grads = [g[:, :1], np.tile(g[:, :1], (1, 3)) * (3 if ctx.worker_index else 1)]
         first.wait(first.ipushpull(keys, grads, keys))
-    assert ctx.stats["push_threshold_saved_bytes"] > 0 and ctx.stats["key_cache_saved_bytes"] > 0
+    saved = ctx.stats["push_threshold_saved_bytes"]
+    assert saved > 0 and ctx.stats["key_cache_saved_bytes"] > 0
     every = np.arange(60, dtype=np.uint64)
     kept = ctx.workers_comm.allreduce(np.concatenate([t.filters.residual.kept(every).ravel() for t in (a, b)]))
     kept = [kept[:60].reshape(60, 1), kept[60:].reshape(60, 3)]  # (both workers' residuals)
+    assert np.abs(kept[1]).max() > 0
     rows = first.wait(first.ipull(every))
     np.testing.assert_array_equal(rows[0], -(total[1] - kept[0]))
     np.testing.assert_array_equal(rows[1], -(total[3] - kept[1]))
+    assert ctx.flush_filters() and ctx.flush_clocks == 1 and not ctx.flush_filters()  # (no clock since)
+    assert a.filters.residual.largest() == 0.0 == b.filters.residual.largest()
+    assert ctx.stats["push_threshold_saved_bytes"] < saved  # (the flush's traffic taken back)
+    rows = first.wait(first.ipull(every))
+    np.testing.assert_array_equal(rows[0], -total[1])
+    np.testing.assert_array_equal(rows[1], -total[3])
     # fp16 alone: one push of worker 0's values, pulled back
     keys = np.arange(0, 200, 3, dtype=np.uint64)
     g = [np.random.default_rng(7).normal(0, 40, (keys.size, dim)).astype(np.float32) for dim in (2, 1)]
@@ -342,7 +355,7 @@ def test_jobs_save_the_bytes_they_say_and_keep_the_logloss(tmp_path):
     assert cut["key_cache_saved_bytes"] > 0 and "key cache saved bytes" in cut["text"]
     assert abs(cut["test_logloss"] - plain["test_logloss"]) <= 0.002
     sparse = train(tmp_path, "sparse", data, push_threshold=0.05, wire_dtype="bf16")
-    # the significance filter too, with one server
+    # the significance filter too, with one server (its flushes' traffic taken back)
     assert traffic[0] - sparse["bytes_sent"] - sparse["bytes_received"] == \
         sparse["push_threshold_saved_bytes"] + sparse["wire_dtype_saved_bytes"]
     assert sparse["bytes_sent"] < plain["bytes_sent"]
@@ -352,8 +365,8 @@ def test_jobs_save_the_bytes_they_say_and_keep_the_logloss(tmp_path):
 def test_a_deep_models_tables_together_save_the_bytes_they_say(tmp_path):
     """W&D: the wide and the embedding table travel together (``PULLS``, ``PUSHPULLS``), the MLP
     as a dense table. fp16 with the key cache, and the significance filter alone (each table its
-    own keys): what each says it saved is exactly the traffic it has less, and the test logloss
-    stays within 0.002."""
+    own keys; flushed at each epoch's end, its traffic taken back): what each says it saved is
+    exactly the traffic it has less, and the test logloss stays within 0.002."""
     d = synth.deep(str(tmp_path / "deep"), 10_000, 1000, seed=5)  # (50 steps an epoch: more than a flush costs)
     extra = {"data.hash_bits": 16, "model.fields": d["fields"], "model.type": '"wdl"'}
     data = d["train"], d["test"]
@@ -383,17 +396,11 @@ def test_fp16_values_beyond_its_range_are_counted_and_warned_of(tmp_path):
     assert len(warned) == 1 and "use 'bf16'" in warned[0], proc.stderr[-2000:]
 
 
-def test_a_supervised_run_with_every_filter_survives_the_kill_schedule(tmp_path):
-    """The chaos test's three kill -9s with every filter on. The wire type and the key cache keep
-    nothing a restart loses, the residuals are dropped (less than the threshold per coordinate of
-    each key, each time): the test logloss stays within 0.002 of an uninterrupted run's with the
-    same filters."""
+def test_a_supervised_run_with_every_filter_survives_the_kill_schedule_bit_identical(tmp_path):
+    """The chaos test's three kill -9s with every filter on, against an uninterrupted run with the
+    same filters and checkpoints: bit for bit. The wire type and the key cache keep nothing a
+    restart loses, and each checkpoint flushes the residuals first (the uninterrupted run's too),
+    so a restart from it loses nothing either."""
     every = {"filters.push_threshold": 0.05, "filters.wire_dtype": '"fp16"', "filters.key_cache": "true"}
-
-    def check(model, ref_model, out, ref_out):
-        logloss = [float(re.search(r"test logloss +([0-9.]+)", text).group(1)) for text in (out, ref_out)]
-        assert abs(logloss[0] - logloss[1]) <= 0.002, logloss
-        assert "key cache saved bytes" in out and "push threshold saved bytes" in out
-        assert model.keys.size > 0.9 * ref_model.keys.size
-
-    chaos_run(tmp_path, every, every, check)
+    out = chaos_run(tmp_path, every, every)
+    assert "key cache saved bytes" in out and "push threshold saved bytes" in out

@@ -448,6 +448,17 @@ class SparseTable(TableRequests):
         return keys, grads
 
 
+def push_residual(table: SparseTable) -> int | None:
+    """Push what a table's significance filter (``filters.push_threshold``) kept: every key whose
+    residual is not zero, with it (the residual is then zero), its traffic taken back from the
+    bytes the filter saved. Returns the push's timestamp (None: nothing kept, or the filter is
+    off). Follow it with a clock (``Context.flush_filters``)."""
+    drained = None if table.filters is None else table.filters.flush()
+    if drained is None or drained[0].shape[0] == 0:
+        return None
+    return filters.charged(table.ctx.stats, lambda: table._send(protocol.PUSH, *drained))  # (not filtered again)
+
+
 class TableSet:
     """Sparse tables that a step reads and updates at the same keys (a tune grid's members, a deep
     model's wide and embedding tables): their pulls and push-pulls go as one message per server

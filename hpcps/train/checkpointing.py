@@ -20,6 +20,7 @@ import signal
 import time
 
 from hpcps.ps import checkpoint, deltas, signals
+from hpcps.train.flush import flush_filters
 
 EXIT_PREEMPTED = 75  # the job stopped on SIGUSR1/SIGTERM after writing a checkpoint (EX_TEMPFAIL)
 EXIT_INTERRUPTED = signals.EXIT_INTERRUPTED  # 130: the job stopped on SIGINT (after its checkpoint, if any)
@@ -118,6 +119,7 @@ class Checkpointing:
         ctx, cfg = self.ctx, self.cfg
         t = time.perf_counter()
         self.pipeline.finish()  # every worker: its pushes acknowledged
+        flush_filters(ctx, self.pipeline)  # (filters.push_threshold: the checkpoint holds every update)
         if self.first:
             self._delta_committed()  # (the one before, written)
             delta = delta and self.chain is not None and len(self.chain["deltas_before"]) + 1 < cfg.checkpoint.full_every
