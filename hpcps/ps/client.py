@@ -547,8 +547,12 @@ class TableSet:
         own = n and isinstance(grads[0], tuple)
         if own:
             sends = [m for m, _ in grads]
-            rank = [np.cumsum(m) - 1 for m in sends]  # (a sent key's row among the table's rows)
             union = np.logical_or.reduce(sends)
+            if ctx.layout.servers == 1:  # (every table's rows as they are, in the keys' order)
+                at = np.flatnonzero(union)
+                return [(push_keys[at], [g for _, g in grads], np.arange(pull_keys.shape[0]),
+                         (n, in_pull is not None), [m[at] for m in sends])]
+            rank = [np.cumsum(m) - 1 for m in sends]  # (a sent key's row among the table's rows)
         if ctx.layout.servers == 1:
             pushed, pull_parts = [np.arange(n)], [np.arange(pull_keys.shape[0])]
         else:
