@@ -26,7 +26,7 @@ import numpy as np
 
 from hpcps.ps import checkpoint, collectives, deltas, filters, protocol, recovery, replication, signals, transport
 from hpcps.ps import margins  # noqa: F401 - registers the server functions of MARGINS and RESIDUALS
-from hpcps.ps.client import DenseTable, SparseTable, TableSet
+from hpcps.ps.client import DenseTable, SparseTable, TableSet, push_residual
 from hpcps.ps.consistency import NO_BACKUP, Backup
 from hpcps.ps.layout import Layout, LayoutError, check_world
 from hpcps.ps.placement import DEFAULT_SHARDS, Placement
@@ -221,6 +221,7 @@ class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges,
         self.functions: list[ServerFunction] = []  # declared server functions, in order
         self.tables: dict[str, SparseTable | DenseTable] = {}
         self.clock_value = 0
+        self.flush_clocks, self.flushed_at = 0, -1  # the clocks flush_filters added; the clock after the last
         self._req_id = 0
         self._ts = 0
         self._clock_sends: list[transport.Pending] = []
@@ -338,6 +339,10 @@ class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges,
         self.clock_value += 1
         return self.clock_value
 
+    def flush_filters(self, timeout: float | None = None) -> bool:
+        """Workers, every one at the same point: :func:`flush_residuals`."""
+        return flush_residuals(self, timeout)
+
     def clock_to(self, clock: int) -> None:
         """A late backup worker skips to ``clock`` (the steps it leaves out): tell every server."""
         if clock > self.clock_value:
@@ -438,6 +443,26 @@ class LocalContext(Context):
         self.finish_serving(timeout)
         self.net.free()
         self._finalized = True
+
+
+def flush_residuals(ctx: Context, timeout: float | None = None) -> bool:
+    """Workers, every one at the same point: push what each table's significance filter
+    (``filters.push_threshold``) kept and end the iteration, so that every read from the next
+    clock on (a checkpoint, the model's export, an evaluation) sees every update pushed, under
+    BSP in (clock, worker) order as any push. Returns whether it did (a table has the filter, and
+    a clock passed since the last flush: every worker decides the same); ``ctx.flush_clocks``
+    counts the clocks it added. Rows pulled before it for later steps lack what it pushed."""
+    tables = [t.sparse if isinstance(t, DenseTable) else t for t in ctx.tables.values()]
+    tables = [t for t in tables if t.filters is not None and t.filters.residual is not None]
+    if not ctx.is_worker or not tables or ctx.clock_value == ctx.flushed_at:
+        return False
+    timeout = ctx.stall_timeout_s if timeout is None else timeout
+    for table, ts in [(t, push_residual(t)) for t in tables]:
+        if ts is not None:
+            table.wait(ts, timeout)
+    ctx.flushed_at = ctx.clock()
+    ctx.flush_clocks += 1
+    return True
 
 
 def write_checkpoint(ctx: Context, root: str, step: int, manifest: dict, keep: int,

@@ -198,16 +198,18 @@ class ServerReads:
     def _serve_tables(self, source: int, r: protocol.TablesPull | protocol.TablesPushPull) -> None:
         """Answer a pull of several tables (or a tables push-pull): each table's counts, then its
         rows (``protocol.tables_reply_bytes``); as :meth:`_serve_pull` for each table."""
-        n, dims = r.pull_keys.shape[0], [self.dims[t] for t in r.tables]
+        n, dims, wire = r.pull_keys.shape[0], [self.dims[t] for t in r.tables], r.encoding.wire
         apart = any(splits_pull(n, dim) for dim in dims)
-        reply, _ = self.replies.new(r.req_id, protocol.tables_reply_bytes(n, dims) - protocol.REPLY_BYTES,
+        reply, _ = self.replies.new(r.req_id, protocol.tables_reply_bytes(n, dims, wire) - protocol.REPLY_BYTES,
                                     r.tables[0], apart)
-        counts, values = protocol.tables_reply_parts(reply, n, dims)
+        counts, payloads = protocol.tables_reply_payloads(reply, n, dims, wire)
         worker = source - self.worker_rank0
         for i, t in enumerate(r.tables):
             counts[i] = self.tables[t].counts()
-            if n:
-                self.tables[t].pull(r.pull_keys, values[i], worker)
+            if n:  # (the rows in the request's wire type, as _serve_pull's)
+                rows = protocol.pull_into(payloads[i], n, dims[i], wire)
+                self.tables[t].pull(r.pull_keys, rows, worker)
+                protocol.encode_pulled(rows, payloads[i], wire)
         self.replies.post(reply, source, r.req_id, _REPLY_WHAT[r.op])
 
     def _serve_call(self, source: int, r: protocol.Call) -> None:
@@ -313,28 +315,28 @@ class Server(ServerReads, ServerCopies):
         self.apply_backlog()  # (replicas: the backups' part of its pushes, once it is answered)
 
     def _handle_push_pull(self, source: int, r: protocol.PushPull) -> None:
-        self._push_pull(source, r, ((r.table, r.grads),), self._serve_pull)
+        self._push_pull(source, r, ((r.table, r.push_keys, r.grads),), self._serve_pull)
 
     def _handle_tables_push_pull(self, source: int, r: protocol.TablesPushPull) -> None:
-        self._push_pull(source, r, tuple(zip(r.tables, r.grads)), self._serve_tables)
+        self._push_pull(source, r, r.pushes(), self._serve_tables)
 
     def _push_pull(self, source: int, r: protocol.PushPull | protocol.TablesPushPull, pushes: tuple,
                    serve: Callable) -> None:
-        """Push at clock c (``pushes``: (table, gradients) of each table, at the same keys), clock
+        """Push at clock c (``pushes``: (table, keys, gradients) of each table), clock
         c + 1 once, pull at clock c + 1 (+ ahead) by ``serve``. When nothing else is to be served or
         applied in between (:meth:`_answers_at_once`), the push's keys the pull reads are updated,
         the pull answered, and then (the reply gone) the push's other keys."""
         worker = source - self.worker_rank0
         self._advance(worker, r)
         if r.in_pull is not None and self._answers_at_once(r):
-            rests = [(self.tables[t], self.push_now(worker, t, r.push_keys, g, r.clock, r.in_pull)) for t, g in pushes]
+            rests = [(self.tables[t], self.push_now(worker, t, k, g, r.clock, r.in_pull)) for t, k, g in pushes]
             serve(source, r)
             for table, rest in rests:
                 if rest is not None:
                     table.apply_after_reply(rest)
             return
-        for t, g in pushes:
-            self._push(worker, protocol.Push(t, r.req_id, r.clock, r.worker, r.push_keys, g))
+        for t, k, g in pushes:
+            self._push(worker, protocol.Push(t, r.req_id, r.clock, r.worker, k, g))
         self._after_clock()
         self._serve_or_defer(source, r)
 

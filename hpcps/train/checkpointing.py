@@ -21,6 +21,7 @@ import os
 import time
 
 from hpcps.ps import checkpoint, deltas, signals
+from hpcps.train.flush import flush_filters
 from hpcps.train.quorum_checkpoints import QuorumCheckpoints, stop_wanted
 
 EXIT_PREEMPTED = 75  # the job stopped on SIGUSR1/SIGTERM after writing a checkpoint (EX_TEMPFAIL)
@@ -141,6 +142,7 @@ class Checkpointing:
         whose position is the step to run next."""
         t = time.perf_counter()
         self.pipeline.finish()  # every worker: its pushes acknowledged
+        flush_filters(self.ctx, self.pipeline)  # (filters.push_threshold: the checkpoint holds every update)
         if self.first:
             if self.quorum is not None:
                 self.quorum.finish_asked(block=True)  # (backup workers: a checkpoint asked alone, in first)

@@ -33,6 +33,7 @@ from hpcps.train.checkpointing import Checkpointing, catch_stop_signals
 from hpcps.train.early_stop import EarlyStopping
 from hpcps.train.evaluation import evaluate, predict
 from hpcps.train.feed import BatchFeed
+from hpcps.train.flush import flush_filters
 from hpcps.train.loading import initial_bias, load_part, model_fields, parse_ahead
 from hpcps.train.models import NonFiniteError, make_model
 from hpcps.train.pipeline import StepPipeline
@@ -277,11 +278,13 @@ class Trainer:
         first_step = self.start[1] if epoch == self.start[0] else 1
         self.reporter.start_epoch(first_step)
         self.feed.start_epoch(bool(tr.holdout and self.early.holdout is None and first_step == 1))
-        end_clock = self.ctx.clock_value + self.steps - first_step + 1
+        # the clock at the epoch's end, less the clocks the filters' flushes add (one per checkpoint)
+        end_base = self.ctx.clock_value + self.steps - first_step + 1 - self.ctx.flush_clocks
         if self.takeover is not None:
             self.takeover.start_epoch()
         step = first_step
         while step <= self.steps:
+            end_clock = end_base + self.ctx.flush_clocks
             if self.late.others_ended(end_clock):  # backup workers: W - b workers ended the epoch
                 i = (epoch - 1) * self.steps + step - 1
                 self.global_step += self.late.skip_rest(self.pipeline, self.feed, i, epoch * self.steps, end_clock)
@@ -303,6 +306,8 @@ class Trainer:
         self.pipeline.finish()
         if self.takeover is not None and not self.preempted:
             self.takeover.after_epoch(epoch)
+        if not self.preempted:  # (filters.push_threshold: the epoch's model holds every update)
+            flush_filters(self.ctx, self.pipeline)
 
     def step(self, epoch: int, step: int) -> None:
         i = (epoch - 1) * self.steps + step - 1
