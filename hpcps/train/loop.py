@@ -278,16 +278,14 @@ class Trainer:
         first_step = self.start[1] if epoch == self.start[0] else 1
         self.reporter.start_epoch(first_step)
         self.feed.start_epoch(bool(tr.holdout and self.early.holdout is None and first_step == 1))
-        # the clock at the epoch's end, less the clocks the filters' flushes add (one per checkpoint)
-        end_base = self.ctx.clock_value + self.steps - first_step + 1 - self.ctx.flush_clocks
+        self.late.start_epoch(self.steps - first_step + 1)
         if self.takeover is not None:
             self.takeover.start_epoch()
         step = first_step
         while step <= self.steps:
-            end_clock = end_base + self.ctx.flush_clocks
-            if self.late.others_ended(end_clock):  # backup workers: W - b workers ended the epoch
+            if self.late.others_ended():  # backup workers: W - b workers ended the epoch
                 i = (epoch - 1) * self.steps + step - 1
-                self.global_step += self.late.skip_rest(self.pipeline, self.feed, i, epoch * self.steps, end_clock)
+                self.global_step += self.late.skip_rest(self.pipeline, self.feed, i, epoch * self.steps)
                 break
             self.step(epoch, step)
             done = self.global_step
