@@ -33,10 +33,12 @@ class PlainRequests:
     """How a :class:`~hpcps.ps.server.Server` takes a request: its plain way, or its op's handler
     (a mixin: the server's tables, clocks, handlers and replies)."""
 
-    def handle(self, source: int, buf: np.ndarray, grads: np.ndarray | None = None) -> None:
+    def handle(self, source: int, buf: np.ndarray, grads: np.ndarray | None = None, words: tuple | None = None) -> None:
         """Serve request ``buf`` from rank ``source`` (``grads``: its gradients, when they came
-        apart): the plain way where it applies, else as its op's message by its op's handler."""
-        words = protocol.request_words(buf)
+        apart; ``words``: its header's, where read): the plain way where it applies, else as its
+        op's message by its op's handler."""
+        if words is None:
+            words = protocol.request_words(buf)
         self.stats["requests"] += 1
         plain = self.plain.get(words[0])
         if plain is None or not plain(source, buf, words):

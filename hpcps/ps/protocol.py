@@ -359,7 +359,7 @@ def plain_pushed(buf: np.ndarray, n_push: int, n_pull: int, dim: int) -> tuple:
     at = HEADER_BYTES + 8 * n_push
     end = at + 4 * n_push * dim
     return (buf[HEADER_BYTES:at].view(np.uint64), buf[at:end].view(np.float32).reshape(n_push, dim),
-            buf[end:end + 8 * n_pull].view(np.uint64))
+            buf[end:end + 8 * n_pull].view(np.uint64) if n_pull else NO_KEYS)
 
 
 def _pack_pushed(words: tuple, keys: np.ndarray, grads: np.ndarray, pull_keys: np.ndarray,
@@ -723,11 +723,12 @@ def header(buf: np.ndarray):
 _FLAGS_AT = REQUEST.fields["flags"][1]
 
 
-def apart_grads_bytes(buf: np.ndarray, dims: list[int]) -> int:
-    """The size of the gradients message that follows request ``buf`` (0: none)."""
-    if not buf[_FLAGS_AT] & GRADS_APART:  # (one byte read: this runs on every request)
+def apart_grads_bytes(buf: np.ndarray, dims: list[int], words: tuple | None = None) -> int:
+    """The size of the gradients message that follows request ``buf`` (0: none); ``words``: its
+    :func:`request_words`, where already read."""
+    if not (buf[_FLAGS_AT] if words is None else words[8]) & GRADS_APART:  # (this runs on every request)
         return 0
-    op, table, _, n_push, _, _, _, _, flags = _REQUEST_WORDS.unpack_from(buf)
+    op, table, _, n_push, _, _, _, _, flags = _REQUEST_WORDS.unpack_from(buf) if words is None else words
     return 4 * n_push * dims[table] if op in (PUSH, PUSHPULL) else 0
 
 
@@ -794,8 +795,8 @@ def pulled_values(buf: np.ndarray, dim: int, wire: int = filters.FP32, n: int = 
 def pull_into(payload: np.ndarray, n: int, dim: int, wire: int) -> np.ndarray:
     """Where a server writes the ``n x dim`` float32 rows a reply's ``payload`` carries: the
     payload itself, or (another wire type) a float32 array to :func:`encode_pulled` from."""
-    if wire == filters.FP32:
-        return payload[:4 * n * dim].view(np.float32).reshape(n, dim)
+    if wire == filters.FP32:  # (the payload: exactly these rows)
+        return payload.view(np.float32).reshape(n, dim)
     return np.empty((n, dim), dtype=np.float32)
 
 

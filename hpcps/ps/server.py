@@ -137,6 +137,7 @@ class Replies:
         self.workers = workers
         self.tables = tables
         self.tag_ub = net.tag_ub
+        self.take = pool.take
         self.sending: list[transport.Pending] = []
         self.posted_bytes = 0  # bytes of the replies posted since the serving loop last looked
 
@@ -144,10 +145,9 @@ class Replies:
             apart: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """A reply to request ``req_id`` of table ``table`` (-1: none) and a view of its payload;
         ``apart``: it goes as its header, then its payload (``protocol.PAYLOAD_APART``)."""
-        status = protocol.stop_status(signals.requested())
         counts = self.tables[table].counts() if table >= 0 else (0, 0, 0)
-        return protocol.pack_reply(req_id, status, self.workers.min_clock(), self.index, payload_bytes, counts,
-                                   self.pool.take, apart)
+        return protocol.pack_reply(req_id, protocol.stop_status(signals.requested()), self.workers.min_clock(),
+                                   self.index, payload_bytes, counts, self.take, apart)
 
     def post(self, buf: np.ndarray, dest: int, req_id: int, what: str, apart: bool | None = None) -> None:
         """Send a reply, as its header says (or ``apart``, where known): whole, or its header then
@@ -469,8 +469,9 @@ class ServingLoop:
             self._idle()
             return
         source, buf = got
-        grads = self._apart_grads(source, buf)  # (a transfer: before the request's own time)
-        self._handle_timed(source, buf, grads, probed)
+        words = protocol.request_words(buf)
+        grads = self._apart_grads(source, buf, words)  # (a transfer: before the request's own time)
+        self._handle_timed(source, buf, words, grads, probed)
 
     def _idle(self) -> None:
         """No request: finish the sends that are done, check for stalled reads now and then, sleep."""
@@ -484,14 +485,15 @@ class ServingLoop:
             self.last_check = now
         server.stats["idle_s"] += self.poll.idle()
 
-    def _handle_timed(self, source: int, buf: np.ndarray, grads: np.ndarray | None, probed: float) -> None:
+    def _handle_timed(self, source: int, buf: np.ndarray, words: tuple, grads: np.ndarray | None,
+                      probed: float) -> None:
         server, stats = self.server, self.server.stats
         t = time.perf_counter()
         if t - self.last_request > 0.5 and self.idle_since_cpu is not None:  # a quiet spell: what did waiting cost?
             stats["idle_gap_wall_s"] += t - self.last_request
             stats["idle_gap_cpu_s"] += time.process_time() - self.idle_since_cpu
         self.idle_since_cpu = None
-        server.handle(source, buf, grads)
+        server.handle(source, buf, grads, words)
         end = time.perf_counter()
         stats["busy_s"] += end - t
         sent = server.replies.take_posted_bytes()
@@ -500,20 +502,20 @@ class ServingLoop:
         self.last_request = end
         if server.trace is not None:  # (the bytes as MPI carried them: the probed size, the replies queued;
             looped = time.perf_counter()  # the loop's time on it: from the poll that found it to the next poll)
-            op, _, _, n_push, n_pull, *_ = protocol.request_words(buf)
+            op, _, _, n_push, n_pull, *_ = words
             server.trace.append((op, n_push, n_pull, end - t, buf.nbytes + (0 if grads is None else grads.nbytes),
                                  sent, looped - probed))
 
-    def _apart_grads(self, source: int, buf: np.ndarray) -> np.ndarray | None:
-        """The gradients that follow a request from ``source`` as a message of their own
-        (``protocol.GRADS_APART``: the next ``TAG_GRADS`` message from that rank), or None."""
+    def _apart_grads(self, source: int, buf: np.ndarray, words: tuple) -> np.ndarray | None:
+        """The gradients that follow request ``buf`` (header ``words``) from ``source`` as a message
+        of their own (``protocol.GRADS_APART``: the next ``TAG_GRADS`` message from that rank), or None."""
         server = self.server
-        nbytes = protocol.apart_grads_bytes(buf, server.dims)
+        nbytes = protocol.apart_grads_bytes(buf, server.dims, words)
         if not nbytes:
             return None
         grads = server.pool.take(nbytes)
         transport.wait(server.net.start_recv(grads, source, protocol.TAG_GRADS,
-                                             f"gradients of request {protocol.header(buf)['req_id']} from rank {source}"),
+                                             f"gradients of request {words[2]} from rank {source}"),
                        timeout=server.stall_timeout_s, warn_after=server.stall_warn_s)
         return grads
 
