@@ -250,8 +250,8 @@ def _moved_bytes(op: str, dim: int, width: int) -> int:
 def _server_times(trace: list) -> dict:
     """Per push, and per pull, of each size, with the op named as in the result rows: the median
     seconds the server spent on one, the median bytes it received for one and sent in reply, as
-    the messages carried them, and the median seconds from the poll that found one to its reply
-    queued: ``{(op, keys): (s, bytes received, bytes sent, s with receipt)}``. The first
+    the messages carried them, and the median seconds from the poll that found one to the loop's
+    next poll: ``{(op, keys): (s, bytes received, bytes sent, s with receipt)}``. The first
     push of each size, which creates its keys and is not timed on the worker either, is left out."""
     seen: dict = {}
     for op, n_push, n_pull, *measured in trace:
@@ -311,6 +311,6 @@ def format_request_rows(rows: list[dict]) -> list[str]:
                f"server's fixed cost per request with its keys' work; raw MPI: the same bytes each way over blocking "
                f"MPI calls, answered by a loop that only receives and replies; server us: its own median time on one, "
                f"from its receipt to the reply queued; with receipt: from the poll that found "
-               f"it, its receipt included: the serving loop's cost of one request (the scaling model's r, with the "
-               f"keys' work))")
+               f"it to the next poll, its receipt included: the serving loop's cost of one request (the scaling "
+               f"model's r, with the keys' work))")
     return out

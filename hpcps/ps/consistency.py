@@ -144,7 +144,12 @@ class WorkerClocks:
         """A pull waits for its clock - staleness; a checkpoint for every worker to reach its clock."""
         if r.op == protocol.CHECKPOINT:  # (every worker, backup or not, unless a quorum checkpoint)
             return r.clock <= (self.min_clock() if self.late is None or r.quorum else self.slowest_clock())
-        return self.staleness < 0 or r.pull_clock - self.staleness <= self.min_clock()
+        return self.readable(r.pull_clock)
+
+    def readable(self, clock: int) -> bool:
+        """Whether a read at ``clock`` is answered now: once every worker (but the backups) has
+        reached ``clock - staleness``; at once under ASP."""
+        return self.staleness < 0 or clock - self.staleness <= self.min_clock()
 
     def missed(self, r: protocol.Checkpoint) -> bool:
         """A quorum checkpoint that came after its clock completed (its pushes applied): the model

@@ -256,7 +256,7 @@ class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges,
                 seconds, bytes received, bytes sent, seconds with receipt)`` per request handled:
                 seconds from its receipt to its reply queued; the bytes of its messages (their size
                 as received) and of the replies queued meanwhile; seconds from the poll that found
-                it to its reply queued (the serving loop's cost of one request).
+                it to the loop's next poll, its reply queued (the serving loop's cost of one request).
         """
         if not self.is_server:
             raise RuntimeError("serve() is for server ranks (ctx.is_server)")

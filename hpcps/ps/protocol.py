@@ -303,7 +303,7 @@ class Pull(TableMessage):
                lists=None) -> "Pull":
         _, table, req_id, _, n, clock, worker, _, flags = words
         keys, _, pull_list = _get_keys(buf, HEADER_BYTES, n, flags, PULL_LIST_ID, lists, worker, table)
-        return cls(table, req_id, clock, worker, keys, Encoding.of(flags, 0, pull_list))
+        return cls(table, req_id, clock, worker, keys, Encoding.of(flags, 0, pull_list) if flags else PLAIN)
 
 
 def _put_keys(buf: np.ndarray, at: int, keys: np.ndarray, list_id: int, held: bool) -> int:
@@ -350,6 +350,21 @@ def _get_values(buf: np.ndarray, at: int, count: int, wire: int) -> np.ndarray:
     return filters.decode(buf[at:at + 2 * count], wire)
 
 
+def plain_keys(buf: np.ndarray, at: int, n: int) -> np.ndarray:
+    """The ``n`` keys at byte ``at`` of a request whose flags are 0 (its keys travel as they are)."""
+    return buf[at:at + 8 * n].view(np.uint64)
+
+
+def plain_pushed(buf: np.ndarray, n_push: int, n_pull: int, dim: int) -> tuple:
+    """(pushed keys, gradients ``n_push x dim``, pulled keys) of a push or a push-pull whose flags
+    are 0: views of ``buf`` laid out as :func:`_pack_pushed` writes them (every key list as its
+    keys, float32 gradients in the message)."""
+    at = HEADER_BYTES + 8 * n_push
+    end = at + 4 * n_push * dim
+    return (buf[HEADER_BYTES:at].view(np.uint64), buf[at:end].view(np.float32).reshape(n_push, dim),
+            buf[end:end + 8 * n_pull].view(np.uint64) if n_pull else NO_KEYS)
+
+
 def _pack_pushed(words: tuple, keys: np.ndarray, grads: np.ndarray, pull_keys: np.ndarray,
                  in_pull: np.ndarray | None, alloc, apart: bool, enc: Encoding = PLAIN) -> np.ndarray:
     """The layout of a push and a push-pull (sizes: the pushed keys, the pulled keys): the keys,
@@ -379,6 +394,8 @@ def _unpack_pushed(buf: np.ndarray, words: tuple, dim: int, grads: np.ndarray | 
     """(pushed keys, gradients, pulled keys, in-pull bits or None, :class:`Encoding`) of a push or
     a push-pull (``lists``: the server's key lists, where it keeps them)."""
     _, table, _, n_push, n_pull, _, worker, _, flags = words
+    if not flags:
+        return (*plain_pushed(buf, n_push, n_pull, dim), None, PLAIN)
     at, push_list, enc = HEADER_BYTES, 0, PLAIN
     if n_push:
         keys, at, push_list = _get_keys(buf, at, n_push, flags, PUSH_LIST_ID, lists, worker, table)
@@ -769,22 +786,31 @@ def header(buf: np.ndarray):
 _FLAGS_AT = REQUEST.fields["flags"][1]
 
 
-def apart_grads_bytes(buf: np.ndarray, dims: list[int]) -> int:
-    """The size of the gradients message that follows request ``buf`` (0: none)."""
-    if not buf[_FLAGS_AT] & GRADS_APART:  # (one byte read: this runs on every request)
+def apart_grads_bytes(buf: np.ndarray, dims: list[int], words: tuple | None = None) -> int:
+    """The size of the gradients message that follows request ``buf`` (0: none); ``words``: its
+    :func:`request_words`, where already read."""
+    if not (buf[_FLAGS_AT] if words is None else words[8]) & GRADS_APART:  # (this runs on every request)
         return 0
-    op, table, _, n_push, _, _, _, _, flags = _REQUEST_WORDS.unpack_from(buf)
+    op, table, _, n_push, _, _, _, _, flags = _REQUEST_WORDS.unpack_from(buf) if words is None else words
     return 4 * n_push * dims[table] if op in (PUSH, PUSHPULL) else 0
 
 
-def unpack_request(buf: np.ndarray, dims: list[int], grads: np.ndarray | None = None, lists=None) -> Message:
+def request_words(buf: np.ndarray) -> tuple:
+    """A request header's words, in REQUEST's order (``op, table, req_id, n_push, n_pull, clock,
+    worker, reserved, flags``), in one call (reading a structured scalar field by field costs
+    about 30 us a request on the server's critical path)."""
+    return _REQUEST_WORDS.unpack_from(buf)
+
+
+def unpack_request(buf: np.ndarray, dims: list[int], grads: np.ndarray | None = None, lists=None,
+                   words: tuple | None = None) -> Message:
     """The request in ``buf``, as its op's class (its arrays are views into ``buf``, or float32
     values decoded from their wire type); ``dims``: each table's; ``grads``: the bytes of the
     gradients that followed it (:data:`GRADS_APART`); ``lists``: the server's key lists
-    (:class:`hpcps.ps.filters.ServerKeyLists`), which a request's key-list ids name."""
-    # the words in REQUEST's order, in one call (reading a structured scalar field by field costs
-    # about 30 us a request on the server's critical path)
-    words = _REQUEST_WORDS.unpack_from(buf)
+    (:class:`hpcps.ps.filters.ServerKeyLists`), which a request's key-list ids name; ``words``:
+    its :func:`request_words`, where already read."""
+    if words is None:
+        words = _REQUEST_WORDS.unpack_from(buf)
     kind = MESSAGES.get(words[0])
     if kind is None:
         raise ValueError(f"unknown request op {words[0]}")
@@ -832,8 +858,8 @@ def pulled_values(buf: np.ndarray, dim: int, wire: int = filters.FP32, n: int = 
 def pull_into(payload: np.ndarray, n: int, dim: int, wire: int) -> np.ndarray:
     """Where a server writes the ``n x dim`` float32 rows a reply's ``payload`` carries: the
     payload itself, or (another wire type) a float32 array to :func:`encode_pulled` from."""
-    if wire == filters.FP32:
-        return payload[:4 * n * dim].view(np.float32).reshape(n, dim)
+    if wire == filters.FP32:  # (the payload: exactly these rows)
+        return payload.view(np.float32).reshape(n, dim)
     return np.empty((n, dim), dtype=np.float32)
 
 

@@ -38,9 +38,10 @@ from typing import Callable
 
 import numpy as np
 
-from hpcps.ps import checkpoint, deltas, protocol, recovery, signals, transport
+from hpcps.ps import checkpoint, deltas, filters, protocol, recovery, signals, transport
 from hpcps.ps.consistency import NO_BACKUP, Backup, WorkerClocks
 from hpcps.ps.placement import Placement
+from hpcps.ps.plain_requests import PlainRequests
 from hpcps.ps.replication import Replication, ServerCopies
 from hpcps.ps.server_table import ServerTable
 from hpcps.ps.tables import MARGINS_FUNCTION, RESIDUALS_FUNCTION, SERVER_FUNCTIONS, ServerFunction, TableSpec
@@ -136,6 +137,7 @@ class Replies:
         self.workers = workers
         self.tables = tables
         self.tag_ub = net.tag_ub
+        self.take = pool.take
         self.sending: list[transport.Pending] = []
         self.posted_bytes = 0  # bytes of the replies posted since the serving loop last looked
 
@@ -143,15 +145,15 @@ class Replies:
             apart: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """A reply to request ``req_id`` of table ``table`` (-1: none) and a view of its payload;
         ``apart``: it goes as its header, then its payload (``protocol.PAYLOAD_APART``)."""
-        status = protocol.stop_status(signals.requested())
         counts = self.tables[table].counts() if table >= 0 else (0, 0, 0)
-        return protocol.pack_reply(req_id, status, self.workers.min_clock(), self.index, payload_bytes, counts,
-                                   self.pool.take, apart)
+        return protocol.pack_reply(req_id, protocol.stop_status(signals.requested()), self.workers.min_clock(),
+                                   self.index, payload_bytes, counts, self.take, apart)
 
-    def post(self, buf: np.ndarray, dest: int, req_id: int, what: str) -> None:
-        """Send a reply, as its header says: whole, or its header then its payload."""
+    def post(self, buf: np.ndarray, dest: int, req_id: int, what: str, apart: bool | None = None) -> None:
+        """Send a reply, as its header says (or ``apart``, where known): whole, or its header then
+        its payload."""
         tag = protocol.reply_tag(req_id, self.tag_ub)
-        if protocol.payload_apart(buf):
+        if protocol.payload_apart(buf) if apart is None else apart:
             self.sending += self.net.start_send_announced(buf, protocol.REPLY_BYTES, dest, tag, what)
         else:
             self.sending += self.net.start_send(buf, dest, tag, what)
@@ -162,9 +164,9 @@ class Replies:
         n, self.posted_bytes = self.posted_bytes, 0
         return n
 
-    def ack(self, dest: int, r: protocol.Push | protocol.Residuals, what: str) -> None:
-        """An empty reply: request ``r`` is done."""
-        self.post(self.new(r.req_id, 0, r.table)[0], dest, r.req_id, what)
+    def ack(self, dest: int, req_id: int, table: int, what: str) -> None:
+        """An empty reply: request ``req_id`` about table ``table`` is done."""
+        self.post(self.new(req_id, 0, table)[0], dest, req_id, what, False)
 
     def drop_completed(self) -> None:
         if self.sending:
@@ -182,18 +184,25 @@ class ServerReads:
     its ``replies``."""
 
     def _serve_pull(self, source: int, r: protocol.Pull | protocol.PushPull) -> None:
-        """Answer a pull, or a push-pull (whose reply is also its push's acknowledgement). A pull
-        the server runs on two threads (``splits_pull``) is answered as its header, sent once
-        the values are ready, then the values: the waiting worker sleeps until the header comes
-        rather than spinning through the server's work, which leaves the core to the second thread."""
-        n, dim, wire = r.pull_keys.shape[0], self.dims[r.table], r.encoding.wire
-        reply, payload = self.replies.new(r.req_id, protocol.reply_bytes(r.op, n, dim, wire) - protocol.REPLY_BYTES,
-                                          r.table, splits_pull(n, dim))
+        """Answer a pull, or a push-pull (whose reply is also its push's acknowledgement)."""
+        self.answer_pull(source, r.op, r.req_id, r.table, r.pull_keys, r.encoding.wire)
+
+    def answer_pull(self, source: int, op: int, req_id: int, table: int, keys: np.ndarray,
+                    wire: int = filters.FP32) -> None:
+        """Answer request ``req_id`` (a pull or a push-pull, ``op``) from rank ``source`` with the
+        rows of ``keys`` in table ``table``, in the wire type ``wire``. A pull the server runs on
+        two threads (``splits_pull``) is answered as its header, sent once the values are ready,
+        then the values: the waiting worker sleeps until the header comes rather than spinning
+        through the server's work, which leaves the core to the second thread."""
+        n, dim = keys.shape[0], self.dims[table]
+        apart = splits_pull(n, dim)
+        reply, payload = self.replies.new(req_id, protocol.reply_bytes(op, n, dim, wire) - protocol.REPLY_BYTES,
+                                          table, apart)
         if n:  # (the rows in the request's wire type: hpcps.ps.filters)
             rows = protocol.pull_into(payload, n, dim, wire)
-            self.tables[r.table].pull(r.pull_keys, rows, source - self.worker_rank0)
+            self.tables[table].pull(keys, rows, source - self.worker_rank0)
             protocol.encode_pulled(rows, payload, wire)
-        self.replies.post(reply, source, r.req_id, _REPLY_WHAT[r.op])
+        self.replies.post(reply, source, req_id, _REPLY_WHAT[op], apart)
 
     def _serve_tables(self, source: int, r: protocol.TablesPull | protocol.TablesPushPull) -> None:
         """Answer a pull of several tables (or a tables push-pull): each table's counts, then its
@@ -253,7 +262,7 @@ class ServerReads:
             signals.clear()
 
 
-class Server(ServerReads, ServerCopies):
+class Server(ServerReads, PlainRequests, ServerCopies):
     """The serving loop of one server rank, and its handlers, one per request op. ``net``: how it
     reaches the workers (:class:`hpcps.ps.transport.MPITransport` on a server rank; a
     :class:`~hpcps.ps.transport.Loopback` hands it each request of a job of one process)."""
@@ -295,6 +304,7 @@ class Server(ServerReads, ServerCopies):
             protocol.DONE: self._handle_done,
             protocol.PULLS: self._serve_or_defer, protocol.PUSHPULLS: self._handle_tables_push_pull,
         }
+        self.plain = self.plain_handlers()  # op -> its plain way (source, message, header words) -> done
         # how a read is answered once the clocks allow it: op -> reader(source, request)
         self.readers = {protocol.PULL: self._serve_pull, protocol.PUSHPULL: self._serve_pull,
                         protocol.CHECKPOINT: self._write_checkpoint, protocol.MARGINS: self._serve_margins,
@@ -302,17 +312,6 @@ class Server(ServerReads, ServerCopies):
                         protocol.PUSHPULLS: self._serve_tables}
 
     # -- requests ----------------------------------------------------------------------------
-
-    def handle(self, source: int, buf: np.ndarray, grads: np.ndarray | None = None) -> None:
-        """Serve request ``buf`` from rank ``source`` (``grads``: its gradients, when they came
-        apart)."""
-        try:
-            r = protocol.unpack_request(buf, self.dims, grads, self.key_lists)
-        except ValueError as e:
-            raise RuntimeError(f"server {self.index}: {e} from rank {source}") from None
-        self.stats["requests"] += 1
-        self.handlers[r.op](source, r)
-        self.apply_backlog()  # (replicas: the backups' part of its pushes, once it is answered)
 
     def _handle_push_pull(self, source: int, r: protocol.PushPull) -> None:
         self._push_pull(source, r, ((r.table, r.push_keys, r.grads),), self._serve_pull)
@@ -357,7 +356,7 @@ class Server(ServerReads, ServerCopies):
 
     def _handle_push(self, source: int, r: protocol.Push) -> None:
         self._push(source - self.worker_rank0, r)
-        self.replies.ack(source, r, "push ack")
+        self.replies.ack(source, r.req_id, r.table, "push ack")
 
     def _handle_residuals(self, source: int, r: protocol.Residuals) -> None:
         """The gradients of the worker's last MARGINS nonzeros, pushed at clock c; then clock c + 1."""
@@ -368,7 +367,7 @@ class Server(ServerReads, ServerCopies):
         self._push(worker, protocol.Push(r.table, r.req_id, r.clock, r.worker, uniq, grads))
         self.workers.advance(worker, r.clock + 1)
         self._after_clock()
-        self.replies.ack(source, r, "residuals ack")
+        self.replies.ack(source, r.req_id, r.table, "residuals ack")
 
     def _handle_clock(self, source: int, r: protocol.Clock) -> None:
         self.workers.advance(source - self.worker_rank0, r.clock)
@@ -485,8 +484,9 @@ class ServingLoop:
             self._idle()
             return
         source, buf = got
-        grads = self._apart_grads(source, buf)  # (a transfer: before the request's own time)
-        self._handle_timed(source, buf, grads, probed)
+        words = protocol.request_words(buf)
+        grads = self._apart_grads(source, buf, words)  # (a transfer: before the request's own time)
+        self._handle_timed(source, buf, words, grads, probed)
 
     def _idle(self) -> None:
         """No request: finish the sends that are done, check for stalled reads now and then, sleep."""
@@ -500,35 +500,37 @@ class ServingLoop:
             self.last_check = now
         server.stats["idle_s"] += self.poll.idle()
 
-    def _handle_timed(self, source: int, buf: np.ndarray, grads: np.ndarray | None, probed: float) -> None:
+    def _handle_timed(self, source: int, buf: np.ndarray, words: tuple, grads: np.ndarray | None,
+                      probed: float) -> None:
         server, stats = self.server, self.server.stats
         t = time.perf_counter()
         if t - self.last_request > 0.5 and self.idle_since_cpu is not None:  # a quiet spell: what did waiting cost?
             stats["idle_gap_wall_s"] += t - self.last_request
             stats["idle_gap_cpu_s"] += time.process_time() - self.idle_since_cpu
         self.idle_since_cpu = None
-        server.handle(source, buf, grads)
+        server.handle(source, buf, grads, words)
         end = time.perf_counter()
         stats["busy_s"] += end - t
         sent = server.replies.take_posted_bytes()
-        if server.trace is not None:  # (the bytes as MPI carried them: the probed size, the replies queued)
-            h = protocol.header(buf)
-            server.trace.append((int(h["op"]), int(h["n_push"]), int(h["n_pull"]), end - t,
-                                 buf.nbytes + (0 if grads is None else grads.nbytes), sent, end - probed))
         # keep polling without sleep while the replies just queued should be in transfer
         self.poll.reset(sent)
         self.last_request = end
+        if server.trace is not None:  # (the bytes as MPI carried them: the probed size, the replies queued;
+            looped = time.perf_counter()  # the loop's time on it: from the poll that found it to the next poll)
+            op, _, _, n_push, n_pull, *_ = words
+            server.trace.append((op, n_push, n_pull, end - t, buf.nbytes + (0 if grads is None else grads.nbytes),
+                                 sent, looped - probed))
 
-    def _apart_grads(self, source: int, buf: np.ndarray) -> np.ndarray | None:
-        """The gradients that follow a request from ``source`` as a message of their own
-        (``protocol.GRADS_APART``: the next ``TAG_GRADS`` message from that rank), or None."""
+    def _apart_grads(self, source: int, buf: np.ndarray, words: tuple) -> np.ndarray | None:
+        """The gradients that follow request ``buf`` (header ``words``) from ``source`` as a message
+        of their own (``protocol.GRADS_APART``: the next ``TAG_GRADS`` message from that rank), or None."""
         server = self.server
-        nbytes = protocol.apart_grads_bytes(buf, server.dims)
+        nbytes = protocol.apart_grads_bytes(buf, server.dims, words)
         if not nbytes:
             return None
         grads = server.pool.take(nbytes)
         transport.wait(server.net.start_recv(grads, source, protocol.TAG_GRADS,
-                                             f"gradients of request {protocol.header(buf)['req_id']} from rank {source}"),
+                                             f"gradients of request {words[2]} from rank {source}"),
                        timeout=server.stall_timeout_s, warn_after=server.stall_warn_s)
         return grads
 
