@@ -55,6 +55,14 @@ def test_a_chain_of_changed_parts_gives_the_table_exactly_through_admission_and_
     assert removed_seen > 0 and t.evicted > 0  # (eviction ran, and the deltas said which keys went)
 
 
+def test_in_keys_answers_as_isin_with_repeated_and_absent_keys():
+    rng = np.random.default_rng(3)
+    keys = rng.permutation(np.arange(0, 2**40, 2**40 // 5000, dtype=np.uint64))
+    among = np.concatenate([keys[:700], keys[:50], rng.integers(2**41, 2**42, 300).astype(np.uint64)])
+    np.testing.assert_array_equal(deltas.in_keys(keys, among), np.isin(keys, among))
+    assert not deltas.in_keys(keys, np.zeros(0, np.uint64)).any() and deltas.in_keys(among[:0], among).shape == (0,)
+
+
 def test_a_delta_whose_write_fails_is_one_line_and_nothing_is_committed(tmp_path):
     t = ServerTable(TableSpec("w", optimizer="ftrl"))
     t.store.track_changes()

@@ -188,7 +188,8 @@ class ServerTable:
         """Replace the contents with ``keys`` and their rows (restoring a checkpoint: every row
         counts as updated at ``clock``)."""
         self.store.load(keys, rows)
-        self.store.mark_changed(np.arange(self.store.size))  # (while changes are tracked: every row)
+        if self.store.changed is not None:  # (while changes are tracked: every row; a restore tracks after)
+            self.store.mark_changed(np.arange(self.store.size))
         self.policies.loaded(clock)
 
     def restore_checkpoint(self, keys: np.ndarray, rows: np.ndarray, state: dict, clock: int) -> None:
