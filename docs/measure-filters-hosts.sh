@@ -23,13 +23,19 @@ BIN=$(dirname "$PY")
 export NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-$ROOT/.numba_cache}
 WORK=$(mktemp -d /tmp/hpcps-filters-hosts.XXXXXX)
 export HPCPS_SLURM_DIR=$WORK/slurm
-trap '"$ROOT/slurm/local-cluster.sh" stop >/dev/null 2>&1 || true' EXIT
+STARTED=0  # stop only a cluster this script started (a stop also removes the bridge another may use)
+trap '[ "$STARTED" = 0 ] || "$ROOT/slurm/local-cluster.sh" stop >/dev/null 2>&1 || true' EXIT
 # as slurm/train.sbatch runs a rank: one thread each, and UCX's rendezvous from 64 KB between hosts
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1 NUMBA_NUM_THREADS=1 PYTHONUNBUFFERED=1
 export UCX_RNDV_THRESH=${UCX_RNDV_THRESH:-intra:auto,inter:64kb}
 
 "$BIN/hpcps" gen-data --rows "$ROWS" --test-rows 10000 --formats libsvm "$WORK/data" >/dev/null
-"$ROOT/slurm/local-cluster.sh" start --nodes 2 >/dev/null
+if ip link show hpcps-br >/dev/null 2>&1; then
+  echo "measure-filters-hosts: another namespace cluster runs here (hpcps-br exists): wait for it to stop" >&2; exit 1
+fi
+"$ROOT/slurm/local-cluster.sh" start --nodes 2 >/dev/null \
+  || { [ -f "$HPCPS_SLURM_DIR/namespaces" ] && "$ROOT/slurm/local-cluster.sh" stop; exit 1; }
+STARTED=1
 export SLURM_CONF=$WORK/slurm/slurm.conf
 echo "measure-filters-hosts: $WORK"
 

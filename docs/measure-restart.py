@@ -8,7 +8,9 @@ within 5 s of a kill -9 and loses at most the last delta interval".
    checkpoint: a table of ``--keys`` keys.
 2. Each run: a copy of that checkpoint, then ``hpcps supervise --backoff B -- mpiexec -n 3 hpcps
    train ... --resume auto`` for two more epochs with ``checkpoint.delta_every_s``; once it has
-   trained ``--kill-after-s`` seconds (a few deltas written), a kill -9 of the server. The times,
+   trained ``--kill-after-s`` seconds and written two snapshots, and then a share of the delta
+   interval more (run i of n: (i + 0.5) / n of it, so the runs see different losses), a kill -9
+   of the server. The times,
    all from the same clock: the kill; the old ``mpiexec``'s end (the job seen dead, what the
    supervisor waits for); the relaunch (the supervisor resets its status file just before it starts
    the job again); the restarted job's first training step (the first worker's first status
@@ -111,10 +113,11 @@ def one_run(args, work: str, i: int) -> dict:
             if "global_step" in st and first is None:
                 first = st["time"]
             if first and time.time() - first > args.kill_after_s and len(snapshots(ckdir)) > n_base + 1:
-                break
+                break  # (then a share of an interval on, a different one each run: the loss depends on it)
             if sup.poll() is not None:
                 raise SystemExit(f"run {i}: the job ended before the kill (see {work}/run-{i}.out)")
             time.sleep(0.01)
+        time.sleep(args.delta_s * (i + 0.5) / args.runs)
         old_mpiexec = children(sup.pid)[0]
         server = rank_pid(status, 0)
         before = read_status(status).get("global_step", 0)
@@ -151,7 +154,7 @@ def one_run(args, work: str, i: int) -> dict:
     text = open(f"{work}/run-{i}.out").read()
     m = re.search(r"resuming at step (\d+)", text)
     resumed = int(m.group(1)) if m else None
-    gaps = [b - a for a, b in zip(snaps, snaps[1:])]
+    gaps = [b - a for a, b in zip(snaps[1:], snaps[2:])]  # (the run's first snapshot comes at its first step)
     shutil.rmtree(ckdir, ignore_errors=True)
     return {"run": i, "load": os.getloadavg()[0], "kill_to_first_step_s": t_first - t_kill,
             "detection_s": (t_exit or t_reset) - t_kill, "relaunch_s": t_reset - t_kill,
