@@ -12,8 +12,9 @@
 # link; the workers talk to each other through shared memory. Filtered and unfiltered jobs
 # alternate (pair i starts with the other side from pair i-1); each job's --summary-json, the load
 # average before it, and the link's figures (`hpcps bench mpi` across the two hosts) are written to
-# WORK; the medians, per-pair ratios (filtered / unfiltered) of time_s, bytes and test logloss are
-# printed. Needs root (the namespaces) and the Slurm packages; run from the repository root.
+# WORK; the medians and per-pair ratios (filtered / unfiltered) of the whole job's wall time
+# (mpiexec's, start-up included), its time_s (the summary's: first step to the end), bytes and the
+# loop's CPU, and the difference of test logloss, are printed. Needs root (the namespaces) and the Slurm packages; run from the repository root.
 set -euo pipefail
 ROWS=${1:-100000}
 PAIRS=${2:-3}
@@ -49,7 +50,7 @@ FILTERS="--set 'filters.wire_dtype=\"fp16\"' --set filters.key_cache=true"
 job() {  # job NAME FILTER-ARGS: one job, the server on hpcps-node1 and the workers on hpcps-node2
   cut -d' ' -f1 /proc/loadavg >"$WORK/$1.load"
   sbatch --wait --output="$WORK/$1.out" -N 2 --ntasks=3 --ntasks-per-node=2 --wrap \
-    "$BIN/mpiexec -n 3 -hosts hpcps-node1:1,hpcps-node2:2 $BIN/hpcps train $ARGS $2 --summary-json $WORK/$1.json" \
+    "/usr/bin/time -f %e -o $WORK/$1.wall $BIN/mpiexec -n 3 -hosts hpcps-node1:1,hpcps-node2:2 $BIN/hpcps train $ARGS $2 --summary-json $WORK/$1.json" \
     >/dev/null || { echo "measure-filters-hosts: job $1 failed:"; tail -5 "$WORK/$1.out"; exit 1; }
 }
 for i in $(seq "$PAIRS"); do
@@ -63,16 +64,17 @@ import json, statistics, sys
 work, pairs = sys.argv[1], int(sys.argv[2])
 link = [json.loads(l) for l in open(f"{work}/mpi.out") if l.startswith("{")]
 if link:
-    big = max(link, key=lambda r: r["bytes"])
-    print(f"link (bench mpi across the hosts): one way {min(r['wait_one_way_s'] for r in link) * 1e6:.1f} us, "
-          f"{max(r['bytes'] / r['wait_one_way_s'] for r in link) / 1e9:.2f} GB/s at best "
-          f"({big['bytes'] / big['wait_one_way_s'] / 1e9:.2f} GB/s at {big['bytes']:,} bytes)")
+    for name, key in (("MPI's blocking ping-pong", "one_way_s"), ("with hpcps's sleeping waits", "wait_one_way_s")):
+        print(f"link (bench mpi across the hosts), {name}: one way {link[0][key] * 1e6:.1f} us at "
+              f"{link[0]['bytes']} bytes, {max(r['bytes'] / r[key] for r in link) / 1e9:.2f} GB/s at best")
 runs = {(s, i): json.load(open(f"{work}/{s}-{i}.json")) for s in ("off", "on") for i in range(1, pairs + 1)}
+for (s, i), r in runs.items():  # the whole job: mpiexec's wall time (start-up and evaluation included)
+    r["wall_s"] = float(open(f"{work}/{s}-{i}.wall").read().split()[-1])
 load = {(s, i): float(open(f"{work}/{s}-{i}.load").read()) for s, i in runs}
 hosts = runs["on", 1].get("hosts")
 print(f"placement: {json.dumps(hosts)}")
 def total(r): return r["bytes_sent"] + r["bytes_received"]
-for what, f in (("time_s", lambda r: r["time_s"]), ("bytes", total), ("bytes_sent", lambda r: r["bytes_sent"]),
+for what, f in (("wall_s", lambda r: r["wall_s"]), ("time_s", lambda r: r["time_s"]), ("bytes", total), ("bytes_sent", lambda r: r["bytes_sent"]),
                 ("test_logloss", lambda r: r["test_logloss"]), ("loop_cpu_s_worker", lambda r: r["loop_cpu_s_worker"]),
                 ("loop_cpu_s_server", lambda r: r["loop_cpu_s_server"])):
     off = [f(runs["off", i]) for i in range(1, pairs + 1)]

@@ -1,7 +1,7 @@
 """Issue 40's restart target, measured: "without ULFM, a supervised job is back in its training loop
 within 5 s of a kill -9 and loses at most the last delta interval".
 
-    python docs/measure-restart.py [--keys 10000000] [--runs 3] [--delta-s 2] [--backoff 0]
+    .venv/bin/python docs/measure-restart.py [--keys 10000000] [--runs 3] [--delta-s 2] [--backoff 0]
 
 1. Data whose keys are all distinct (``--keys`` of them, 40 a row, 40-bit keys), and one job of
    1 server + 2 workers (FTRL, batch 100, BSP) that trains an epoch of it and writes a full
@@ -20,7 +20,10 @@ within 5 s of a kill -9 and loses at most the last delta interval".
 3. The restarted job is stopped (SIGTERM) a second after its first step; the median and the
    maximum over the runs are printed, and every run as one JSON line in WORK/runs.jsonl.
 
-Needs mpiexec and hpcps in the environment of ``--python`` (default: this checkout's .venv).
+Run it with the checkout's environment (it reads the status file through hpcps); ``--python``
+names the environment whose mpiexec and hpcps run the jobs (default: this checkout's .venv).
+``--backoff`` is the supervisor's (default 0 here: the restart at once; ``hpcps supervise``'s
+own default, 5 s, adds itself to every figure).
 """
 
 from __future__ import annotations
@@ -117,7 +120,7 @@ def one_run(args, work: str, i: int) -> dict:
             if sup.poll() is not None:
                 raise SystemExit(f"run {i}: the job ended before the kill (see {work}/run-{i}.out)")
             time.sleep(0.01)
-        time.sleep(args.delta_s * (i + 0.5) / args.runs)
+        time.sleep(args.delta_s * (args.phase if args.phase is not None else (i + 0.5) / args.runs))
         old_mpiexec = children(sup.pid)[0]
         server = rank_pid(status, 0)
         before = read_status(status).get("global_step", 0)
@@ -170,6 +173,8 @@ def main() -> int:
     p.add_argument("--delta-s", type=float, default=2.0)
     p.add_argument("--backoff", type=float, default=0.0, help="hpcps supervise --backoff")
     p.add_argument("--kill-after-s", type=float, default=5.0)
+    p.add_argument("--phase", type=float, default=None,
+                   help="kill this share of the delta interval after the second snapshot (default: (i + 0.5) / runs)")
     p.add_argument("--work", default="", help="work directory (default: a new one under /tmp); kept")
     p.add_argument("--python", default=os.path.join(ROOT, ".venv", "bin", "python"))
     args = p.parse_args()

@@ -299,6 +299,6 @@ def restore(tables: list[ServerTable], ckpt: str, manifest: dict, server: int, s
             dstate = checkpoint.read_state_for_server(path, m, name, *where)
             keys, rows, last = apply_delta(keys, rows, state.get("last"), (dkeys, drows, dstate.get("last"), removed))
             state = {**dstate, **({"last": last} if last is not None else {})}
-        table.restore_checkpoint(keys, rows, state, manifest["clock"])
+        table.restore_checkpoint(keys, rows, state, manifest["clock"], own=True)  # (read for it alone)
     if tracked(ckpt):
         track_changes(tables)
