@@ -14,9 +14,11 @@ within 5 s of a kill -9 and loses at most the last delta interval".
    all from the same clock: the kill; the old ``mpiexec``'s end (the job seen dead, what the
    supervisor waits for); the relaunch (the supervisor resets its status file just before it starts
    the job again); the restarted job's first training step (the first worker's first status
-   write, made at its first step). Steps lost: the last step the first worker reported before the
+   write, made at its first step), and the CPU time the restarted server and first worker had
+   used by then. Steps lost: the last step the first worker reported before the
    kill (its status is written every ``HPCPS_TUNE_STATUS_EVERY_S``, 0.02 s here) minus the step
-   the restart resumes at (the supervisor's line), against the steps between the deltas the run wrote.
+   the restart resumes at (the supervisor's line), against the steps between the deltas the run
+   wrote; and in seconds, from the moment the job had reached the step resumed to the kill.
 3. The restarted job is stopped (SIGTERM) a second after its first step; the median and the
    maximum over the runs are printed, and every run as one JSON line in WORK/runs.jsonl.
 
@@ -84,6 +86,15 @@ def rank_pid(status_path: str, rank: int) -> int | None:
     return None
 
 
+def cpu_s(pid: int | None) -> float | None:
+    """The CPU seconds (user + system) a process has used so far."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def children(pid: int) -> list[int]:
     try:
         return [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
@@ -97,30 +108,44 @@ def snapshots(ckdir: str) -> list[int]:
                   if (m := re.search(r"/(?:ckpt|delta)-(\d+)$", p)) and os.path.exists(f"{p}/manifest.json"))
 
 
-def one_run(args, work: str, i: int) -> dict:
+def start(args, work: str, i: int):
+    """Run ``i``'s supervised job on a copy of the base checkpoint: (supervisor, its output file,
+    the checkpoint directory, the status file)."""
     ckdir = f"{work}/ck-{i}"
     shutil.rmtree(ckdir, ignore_errors=True)
     shutil.copytree(f"{work}/base", ckdir)
     status = f"{work}/status-{i}.json"
+    if os.path.exists(status):
+        os.remove(status)  # (an earlier run's)
     env = dict(os.environ, HPCPS_STATUS_FILE=status, HPCPS_TUNE_STATUS_EVERY_S="0.02", PYTHONUNBUFFERED="1")
     out = open(f"{work}/run-{i}.out", "w")
     sup = subprocess.Popen([args.bin + "/hpcps", "supervise", "--max-restarts", "1", "--backoff", str(args.backoff),
                             "--", args.bin + "/mpiexec", "-n", "3", args.bin + "/hpcps", "train",
                             *train_args(work, ckdir, 3, args.delta_s), "--resume", "auto"],
                            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return sup, out, ckdir, status
+
+
+def one_run(args, work: str, i: int) -> dict:
+    sup, out, ckdir, status = start(args, work, i)
     try:
         base = snapshots(ckdir)
         first, n_base = None, len(base)
-        while True:  # trained --kill-after-s seconds since the first step, and a delta written
+        seen = []  # (time, step) of the first worker's status writes: when each step was reached
+        due = None  # trained --kill-after-s seconds since the first step and two snapshots written,
+        # then a share of an interval on (a different one each run: the loss depends on it)
+        while due is None or time.time() < due:
             st = read_status(status)
+            if "global_step" in st and (not seen or seen[-1][1] != st["global_step"]):
+                seen.append((st["time"], st["global_step"]))
             if "global_step" in st and first is None:
                 first = st["time"]
-            if first and time.time() - first > args.kill_after_s and len(snapshots(ckdir)) > n_base + 1:
-                break  # (then a share of an interval on, a different one each run: the loss depends on it)
+            if (due is None and first and time.time() - first > args.kill_after_s
+                    and len(snapshots(ckdir)) > n_base + 1):
+                due = time.time() + args.delta_s * (args.phase if args.phase is not None else (i + 0.5) / args.runs)
             if sup.poll() is not None:
                 raise SystemExit(f"run {i}: the job ended before the kill (see {work}/run-{i}.out)")
             time.sleep(0.01)
-        time.sleep(args.delta_s * (args.phase if args.phase is not None else (i + 0.5) / args.runs))
         old_mpiexec = children(sup.pid)[0]
         server = rank_pid(status, 0)
         before = read_status(status).get("global_step", 0)
@@ -130,6 +155,7 @@ def one_run(args, work: str, i: int) -> dict:
         snaps = [base[-1], *(s for s in snapshots(ckdir) if s > base[-1])]
         t_exit = t_reset = t_first = None
         resumed_status: dict = {}
+        cpu: dict = {}
         while t_first is None:
             now = time.time()
             if t_exit is None and not os.path.exists(f"/proc/{old_mpiexec}"):
@@ -141,6 +167,9 @@ def one_run(args, work: str, i: int) -> dict:
                 t_reset = st["time"]
             elif "global_step" in st and t_reset is not None:
                 t_first, resumed_status = st["time"], st
+                # the CPU the restarted server and first worker used to get there (wall time less
+                # the waits for a core the other jobs here hold)
+                cpu = {"server_cpu_s": cpu_s(rank_pid(status, 0)), "worker_cpu_s": cpu_s(rank_pid(status, 1))}
             if now - t_kill > 120 or sup.poll() is not None:
                 raise SystemExit(f"run {i}: no restart within 120 s (see {work}/run-{i}.out)")
             time.sleep(0.005)
@@ -157,13 +186,16 @@ def one_run(args, work: str, i: int) -> dict:
     text = open(f"{work}/run-{i}.out").read()
     m = re.search(r"resuming at step (\d+)", text)
     resumed = int(m.group(1)) if m else None
+    # the work lost in seconds: from the moment the job reached the step resumed to the kill
+    reached = next((t for t, step in seen if resumed is not None and step >= resumed), None)
     gaps = [b - a for a, b in zip(snaps[1:], snaps[2:])]  # (the run's first snapshot comes at its first step)
     shutil.rmtree(ckdir, ignore_errors=True)
     return {"run": i, "load": os.getloadavg()[0], "kill_to_first_step_s": t_first - t_kill,
             "detection_s": (t_exit or t_reset) - t_kill, "relaunch_s": t_reset - t_kill,
             "relaunch_to_first_step_s": t_first - t_reset, "step_at_kill": before, "resumed_at": resumed,
             "first_step_after": resumed_status.get("global_step"), "steps_lost": before - resumed if resumed is not None else None,
-            "delta_interval_steps": statistics.median(gaps) if gaps else None, "snapshots_before_kill": snaps}
+            "lost_s": t_kill - reached if reached is not None else None,
+            "delta_interval_steps": statistics.median(gaps) if gaps else None, "snapshots_before_kill": snaps, **cpu}
 
 
 def main() -> int:
@@ -198,8 +230,8 @@ def main() -> int:
             runs.append(r)
             print(json.dumps(r), flush=True)
             f.write(json.dumps(r) + "\n")
-    for k in ("kill_to_first_step_s", "detection_s", "relaunch_s", "relaunch_to_first_step_s", "steps_lost",
-              "delta_interval_steps"):
+    for k in ("kill_to_first_step_s", "detection_s", "relaunch_s", "relaunch_to_first_step_s", "server_cpu_s",
+              "worker_cpu_s", "steps_lost", "lost_s", "delta_interval_steps"):
         v = [r[k] for r in runs if r[k] is not None]
         if v:
             print(f"{k}: median {statistics.median(v):.3g}, max {max(v):.3g} ({', '.join(f'{x:.3g}' for x in v)})")
