@@ -93,6 +93,11 @@ class RankFailed(RuntimeError):
     def __init__(self, ranks: Sequence[int], what: str = ""):
         self.ranks = tuple(sorted(int(r) for r in ranks))
         self.what = str(what)
+        # raised by a wait: the peers of its transfers that failed, and those not complete yet
+        # (a caller going on without the lost ranks waits for the rest of them)
+        self.peers: set[int] = set()
+        self.left: list[Pending] = []
+        self.failed: list[Pending] = []
         on = f" during {what}" if what else ""
         super().__init__(f"rank {_ranks_text(list(self.ranks)) if self.ranks else '?'} of the job failed{on} "
                          f"(killed, or its node lost)")
@@ -427,11 +432,17 @@ def _test(todo: Sequence[Pending]) -> tuple[list[Pending], bool, int]:
     """The requests of ``todo`` not complete yet, with those that completed ones started (their
     ``then``); whether there were any such, and the bytes of those completed."""
     left, started, done_bytes = [], False, 0
+    failure: RankFailed | None = None
     for p in todo:
         try:
             done = p.request.Test()
         except MPI.Exception as e:
-            raise lost_rank_error(e, str(p.what)) or e
+            failure = failure or lost_rank_error(e, str(p.what))
+            if failure is None:
+                raise
+            failure.peers.add(p.peer)
+            failure.failed.append(p)
+            continue
         if not done:
             left.append(p)
             continue
@@ -440,7 +451,27 @@ def _test(todo: Sequence[Pending]) -> tuple[list[Pending], bool, int]:
             more = p.then()
             left += more
             started = started or bool(more)
+    if failure is not None:  # (every request tested: the caller may go on with those left)
+        failure.left = left
+        raise failure
     return left, started, done_bytes
+
+
+# transfers given up (their peer lost): kept, with their buffers, for the job's life, since MPI
+# may still hold their receives (a buffer freed or reused under a posted receive corrupts memory)
+_ABANDONED: list[Pending] = []
+
+
+def cancel(pending: Sequence[Pending]) -> None:
+    """Give up transfers that will never complete (their peer is lost, under ULFM): cancelled,
+    and their buffers kept until the end of the job."""
+    _ABANDONED.extend(pending)
+    for p in pending:
+        try:
+            if p.request != MPI.REQUEST_NULL:
+                p.request.Cancel()
+        except MPI.Exception:
+            pass
 
 
 def describe(todo: Sequence[Pending]) -> str:
