@@ -212,7 +212,12 @@ def _collective(comm: MPI.Comm, request: MPI.Request, what: str, buffers: tuple,
         return (f" (a collective over {comm.Get_size()} ranks: waiting on world rank(s) {_ranks_text(others)}; "
                 f"at least one of them has not arrived)") if others else ""
 
-    wait(Pending(request, what, -1, buffers), timeout, warn_after=_stall_warn_s, suffix=where)
+    pending = Pending(request, what, -1, buffers)
+    try:
+        wait(pending, timeout, warn_after=_stall_warn_s, suffix=where)
+    except RankFailed:  # (its buffers kept: MPI may still write them, see cancel)
+        _ABANDONED.append(pending)
+        raise
 
 def world() -> MPI.Comm:
     """MPI.COMM_WORLD (the library itself works on duplicates of it)."""
