@@ -38,7 +38,7 @@ from typing import Callable
 
 import numpy as np
 
-from hpcps.ps import checkpoint, deltas, protocol, recovery, signals, transport
+from hpcps.ps import checkpoint, deltas, failover, protocol, recovery, signals, transport
 from hpcps.ps.consistency import NO_BACKUP, Backup, WorkerClocks
 from hpcps.ps.placement import Placement
 from hpcps.ps.replication import Replication, ServerCopies
@@ -186,6 +186,7 @@ class ServerReads:
         the server runs on two threads (``splits_pull``) is answered as its header, sent once
         the values are ready, then the values: the waiting worker sleeps until the header comes
         rather than spinning through the server's work, which leaves the core to the second thread."""
+        failover.before_read(self, r.pull_keys)
         n, dim, wire = r.pull_keys.shape[0], self.dims[r.table], r.encoding.wire
         reply, payload = self.replies.new(r.req_id, protocol.reply_bytes(r.op, n, dim, wire) - protocol.REPLY_BYTES,
                                           r.table, splits_pull(n, dim))
@@ -198,6 +199,7 @@ class ServerReads:
     def _serve_tables(self, source: int, r: protocol.TablesPull | protocol.TablesPushPull) -> None:
         """Answer a pull of several tables (or a tables push-pull): each table's counts, then its
         rows (``protocol.tables_reply_bytes``); as :meth:`_serve_pull` for each table."""
+        failover.before_read(self, r.pull_keys)
         n, dims = r.pull_keys.shape[0], [self.dims[t] for t in r.tables]
         apart = any(splits_pull(n, dim) for dim in dims)
         reply, _ = self.replies.new(r.req_id, protocol.tables_reply_bytes(n, dims) - protocol.REPLY_BYTES,
