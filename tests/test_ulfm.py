@@ -143,6 +143,20 @@ def model_rows(path) -> dict:
     return out
 
 
+def checkpoint_rows(ck) -> dict:
+    """The newest good checkpoint's tables as {name: (keys sorted, their rows)}; a key held twice
+    fails (a shard written by two servers)."""
+    newest, manifest = checkpoint.newest_good(str(ck))
+    out = {}
+    for table in manifest["tables"]:
+        keys, rows = checkpoint.read_shards(newest, manifest, table["name"],
+                                            np.ones(manifest["layout"]["num_shards"], bool))
+        order = np.argsort(keys)
+        assert np.unique(keys).shape == keys.shape, f"table {table['name']}: keys written twice"
+        out[table["name"]] = (keys[order], rows[order])
+    return out
+
+
 def test_a_worker_killed_mid_run_the_others_train_its_rows_each_row_exactly_once(ft_launcher, one_key_a_row,
                                                                                    tmp_path):
     # 1 server and 3 workers: 1,000 rows and 100 steps each; worker 1 (rank 2) killed after step 20
@@ -205,5 +219,11 @@ def test_a_server_killed_with_a_replica_its_copies_go_on_to_the_same_model(ft_la
     for name in want:
         assert np.array_equal(got[name][0], want[name][0]), name
         assert got[name][1].tobytes() == want[name][1].tobytes(), f"table {name}: the rows differ"
+    # the last checkpoint, written by the survivor alone: every key once, each row (optimizer state
+    # included) as the uninterrupted run's checkpoint has it
+    assert checkpoint_rows(tmp_path / "ck").keys() == checkpoint_rows(tmp_path / "ref" / "ck").keys()
+    for name, (keys, rows) in checkpoint_rows(tmp_path / "ref" / "ck").items():
+        got_keys, got_rows = checkpoint_rows(tmp_path / "ck")[name]
+        assert np.array_equal(got_keys, keys) and got_rows.tobytes() == rows.tobytes(), f"checkpoint table {name}"
     print(f"\nstall of training after a server's kill -9: {stalls[0]:.3f} s")
     print("\n".join(ln for ln in out.splitlines() if "lost" in ln))
