@@ -49,8 +49,16 @@ import numpy as np
 
 from hpcps import errors
 
+# Under ULFM (Open MPI launched with --with-ft ulfm) MPI_Finalize's PMIx fence over every rank of
+# the job may wait for ever on a rank that died (open-mpi/ompi#9434, #11404: seen here in 2 of 10
+# jobs that lost a server, every survivor asleep in ompi_mpi_finalize): Open MPI's
+# async_mpi_finalize skips it. Nothing is left for it to do: Context.finalize ends with a barrier
+# of the survivors once every transfer of theirs is complete. Read by MPI_Init, so set here.
+if os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() in ("1", "true", "yes", "on"):
+    os.environ.setdefault("OMPI_MCA_async_mpi_finalize", "1")
+
 # mpi4py initialises MPI when MPI is imported; we keep its defaults (threads, finalize at exit).
-from mpi4py import MPI
+from mpi4py import MPI  # noqa: E402
 
 # Back-off of the polling wait: first POLL_SPIN_S of pure polling (latency of a fast answer stays
 # that of MPI), then sleeps that double from POLL_MIN_SLEEP_S up to POLL_MAX_SLEEP_S. A wait for
