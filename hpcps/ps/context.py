@@ -565,8 +565,9 @@ def lost_rank_line(exc: BaseException, layout: Layout) -> tuple[str, str] | None
     names = [f"{'server' if layout.is_server(r) else 'worker'} "
              f"{r if layout.is_server(r) else layout.worker_index(r)} (rank {r})" for r in exc.ranks]
     servers = any(layout.is_server(r) for r in exc.ranks)
-    why = ("a lost server ends the job (no replicas of its shards)" if servers else
-           "the job cannot go on without it here (cluster.fault_tolerance = \"ulfm\" goes on without a lost worker)")
+    why = exc.why or ("a lost server ends the job (no replicas of its shards)" if servers else
+                      "the job cannot go on without it here (cluster.fault_tolerance = \"ulfm\" goes on without a "
+                      "lost worker)")
     return "RankFailed", (f"{', '.join(names)} was lost (killed, or its node failed) during {exc.what or 'the job'}; "
                           f"{why}: hpcps supervise restarts the job from its last checkpoint")
 

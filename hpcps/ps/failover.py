@@ -59,8 +59,9 @@ def promote(server, rank: int) -> None:
     server.apply_backlog()  # (each key's updates in their order, before its copy is primary)
     moves = server.rank_lost(rank)
     if moves:
-        raise transport.RankFailed([rank], f"serving: {len(moves)} new backup copies to make, which are not "
-                                           f"made over the wire yet (2 servers with cluster.replicas = 1 are)")
+        raise transport.RankFailed([rank], "serving", f"a lost server ends the job here: {len(moves)} new backup "
+                                                      f"copies would have to be made over the wire, which is not done "
+                                                      f"yet (2 servers with cluster.replicas = 1 go on)")
     server.failovers.append((rank, round(time.monotonic() - _STARTED, 3)))
     if server.index == min(server.placement.live_servers):
         sys.stderr.write(f"hpcps: server {rank} (rank {rank}) lost: its shards' backups are primary now "

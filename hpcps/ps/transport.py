@@ -98,9 +98,10 @@ class RankFailed(RuntimeError):
 
     exit_status = 1  # a run-time failure
 
-    def __init__(self, ranks: Sequence[int], what: str = ""):
+    def __init__(self, ranks: Sequence[int], what: str = "", why: str = ""):
         self.ranks = tuple(sorted(int(r) for r in ranks))
         self.what = str(what)
+        self.why = str(why)  # (why the job cannot go on without them, where the raiser knows better)
         # raised by a wait: the peers of its transfers that failed, and those not complete yet
         # (a caller going on without the lost ranks waits for the rest of them)
         self.peers: set[int] = set()
