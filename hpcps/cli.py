@@ -37,6 +37,12 @@ def _fail(message: str, rank: int | None = None, status: int = 2) -> int:
     return status
 
 
+def _fail_once(message: str, rank: int) -> int:
+    """An error every rank of the job found alike (the configuration, the layout, the command
+    line): reported once, by the first rank, without a rank number; exit status 2 on every rank."""
+    return _fail(message if rank == 0 else "")
+
+
 def _collective_config(args, world, prepare=None):
     """Collective: the configuration every rank was given, read on the first rank (with
     ``prepare(raw)`` turning it into what the command runs, checked there) and broadcast; the
@@ -50,7 +56,7 @@ def _collective_config(args, world, prepare=None):
     digest = int(hashlib.sha256(json.dumps(sorted((k, str(v)) for k, v in vars(args).items() if k != "func"))
                                 .encode()).hexdigest()[:12], 16)
     if not world.same_everywhere(digest, "agreement on the command line"):
-        return None, None, _fail(f"ranks were started with different hpcps {args.command} arguments", rank)
+        return None, None, _fail_once(f"ranks were started with different hpcps {args.command} arguments", rank)
     # 2. the first rank reads and validates the configuration; everyone gets it or its error
     raw, prepared, error = None, None, None
     if rank == 0:
@@ -73,15 +79,15 @@ def _collective_config(args, world, prepare=None):
             error = str(e)
     raw, prepared, error = world.first_decides((raw, prepared, error), "broadcast of the configuration")
     if error:
-        return None, None, _fail(error, rank)
+        return None, None, _fail_once(error, rank)
     cfg = config.from_dict(raw)
     if not world.same_everywhere(int(cfg.fingerprint(), 16) & 0x7FFFFFFFFFFF, "agreement on the configuration"):
-        return None, None, _fail("ranks disagree on the configuration", rank)
+        return None, None, _fail_once("ranks disagree on the configuration", rank)
     # 3. the layout fits the world: checked on every rank before any data is generated or read
     try:
         check_world(world.size, cfg.cluster.servers, cfg.cluster.worker_groups or None, cfg.cluster.num_shards)
     except LayoutError as e:
-        return None, None, _fail(str(e), rank)
+        return None, None, _fail_once(str(e), rank)
     return raw, prepared, 0
 
 

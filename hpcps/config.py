@@ -201,7 +201,9 @@ class Checkpoint:
 class Filters:
     push_threshold: float = described(0.0, "send a pushed key only once a coordinate of its accumulated update "
                                            "reaches this in absolute value; the rest stays in a residual on the "
-                                           "worker (0 = off; docs/architecture.md, traffic filters)")
+                                           "worker, flushed (pushed, one extra clock) at the end of every epoch "
+                                           "and before every checkpoint (0 = off; docs/architecture.md, traffic "
+                                           "filters)")
     wire_dtype: str = described("fp32", "the type of pushed and pulled values on the wire (the servers' rows and "
                                         "optimizer state stay fp32); fp16 carries at most 65504: values "
                                         "beyond it travel as +-65504, counted in the summary's "

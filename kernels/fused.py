@@ -8,12 +8,14 @@ directly and the others through its overflow hash index; a
 hashed). One kernel serves both, and gives the bits of the two kernels it replaces: a lookup
 (``lookup``/``direct_lookup``), then :func:`hpcps_kernels.init.pull_rows` or the rule's kernel.
 
-The loop is a pipeline of three stages, so that the cache misses of successive keys overlap
-instead of queueing: the key ``2 * PREFETCH_KEYS`` ahead has its index entry prefetched (its
-direct entry, or the first probe position of its hash); the key ``PREFETCH_KEYS`` ahead reads that
-entry and prefetches the slot it names (the slot's key, to compare, and the row's lines: a guess
-that a probe confirms for all but one key in 32 tags); the key at hand is then looked up, all in
-cache, and its row read or updated.
+Where the shard's index and rows are small enough to stay in cache (:func:`in_cache`), the loop
+takes the keys one by one. Elsewhere it is a pipeline of three stages, so that the cache misses
+of successive keys overlap instead of queueing: the key ``2 * PREFETCH_KEYS`` ahead has its index
+entry prefetched (its direct entry, or the first probe position of its hash); the key
+``PREFETCH_KEYS`` ahead reads that entry and prefetches the slot it names (the slot's key, to
+compare, and the row's lines: a guess that a probe confirms for all but one key in 32 tags); the
+key at hand is then looked up, all in cache, and its row read or updated. Both loops give the
+same slots and the same bits.
 
 A push's rule is compiled into its kernel (:func:`push_kernel`, one per built-in one-pass rule,
 :data:`PUSH`): the same inlined update as the rule's own kernel (``<rule>_update`` of
@@ -34,9 +36,27 @@ from .init import init_values
 from .optim import (FUSED_ADAGRAD, FUSED_ADAM, FUSED_FTRL, FUSED_SGD, adagrad_constants, adagrad_update,
                     adam_constants, adam_update, ftrl_constants, ftrl_update, sgd_constants, sgd_update)
 from .parallel import TwoThreads, run_split, worth_splitting
-from .tuning import PREFETCH_KEYS
+from .tuning import CACHED_TABLE_BYTES, PREFETCH_KEYS
 
 NOTHING_LEFT = np.zeros(0, dtype=np.int64)  # a push's positions not done, when it did them all
+
+
+@njit(inline="always")
+def in_cache(direct, index, keys, rows):
+    """Whether a shard's index and rows take at most CACHED_TABLE_BYTES: they then stay in cache
+    between requests, and the loops below look its keys up one by one, without the prefetch
+    pipeline, whose stages cost more than the misses they would hide (twice the time of a 1,000-key
+    pull's loop)."""
+    return direct.nbytes + index.nbytes + keys.nbytes + rows.nbytes <= CACHED_TABLE_BYTES
+
+
+@njit(inline="always")
+def slot_of(direct, index, keys, k, nd, mask, tag_bits):
+    """Key ``k``'s slot (-1: absent): its direct entry below ``nd``, else its hash probe."""
+    if k < nd:
+        return np.int64(direct[k])
+    h = mix64(k)
+    return probe(index, keys, k, key_tag(h, tag_bits), h & mask, mask, tag_bits)[0]
 
 
 @njit(cache=True, nogil=True, error_model="numpy")  # (nogil: see hpcps_kernels.parallel)
@@ -47,11 +67,25 @@ def pull(direct, index, keys, queries, tag_bits, rows, dim, kind, scale, seed, s
     mask = np.uint64(index.shape[0] - 1)
     flat, width, n = rows.reshape(-1), rows.shape[1], queries.shape[0]
     one = np.empty((1, dim), dtype=np.float32)
+    if in_cache(direct, index, keys, rows):
+        for i in range(n):
+            s = slot_of(direct, index, keys, queries[i], nd, mask, tag_bits)
+            slots[i] = s
+            if s >= 0:
+                for d in range(dim):
+                    out[i, d] = rows[s, d]
+            else:
+                init_values(queries[i:i + 1], dim, kind, scale, seed, one)
+                for d in range(dim):
+                    out[i, d] = one[0, d]
+        return
     hashes = np.empty(n, dtype=np.uint64)  # (first, in a loop of their own: it vectorises)
     for i in range(n):
         hashes[i] = mix64(queries[i])
     # The stages are written out here and in push_kernel's loop: as inline helpers taking the
-    # arrays, each kept reference counts per key and the kernels ran 3-4 times slower.
+    # arrays, each kept reference counts per key and the kernels ran 3-4 times slower (a helper
+    # that slices an array, as the initial values' does, 10 times; slot_of, which does not, costs
+    # nothing).
     for i in range(-2 * PREFETCH_KEYS, n):  # (negative i: the stages filling up)
         j = i + 2 * PREFETCH_KEYS
         if j < n:  # stage one: the key's direct entry, or its first probe position
@@ -103,6 +137,14 @@ def push_kernel(name: str, constants, update):
         mask = np.uint64(index.shape[0] - 1)
         flat, width, n, dim = rows.reshape(-1), rows.shape[1], queries.shape[0], grads.shape[1]
         c = constants(np.float64, hp)
+        if in_cache(direct, index, keys, rows):
+            for i in range(n):
+                s = slot_of(direct, index, keys, queries[i], nd, mask, tag_bits)
+                slots[i] = s
+                if s < 0:
+                    return i
+                update(rows, s, grads, i, None, dim, np.float64, c)
+            return n
         hashes = np.empty(n, dtype=np.uint64)
         for i in range(n):
             hashes[i] = mix64(queries[i])

@@ -7,17 +7,22 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
 from hpcps import config
 from hpcps.bench import backup as bench_backup
+from hpcps.bench.vw import mpiexec_command
 from hpcps.ps import protocol
 from hpcps.ps.consistency import Backup, WorkerClocks
 from hpcps.train import synth
 from hpcps.train.model_file import ServingModel
+from hpcps.train.progress import STATUS_ENV, read_status
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_chaos import chaos_run, close_model  # noqa: E402
@@ -65,6 +70,26 @@ def test_a_checkpoint_waits_for_every_worker_and_holds_the_late_pushes():
     assert w.ready(ck) and [k for k, _ in w.late_pushes_kept()] == [0] and not w.buffered
 
 
+def test_a_quorum_checkpoint_waits_for_its_clock_holds_later_pushes_and_is_missed_after_it():
+    """The first worker's checkpoint under backup workers: ready once the clock before it is
+    complete (worker 2 stopped), the pushes of its clock held until it is written (the model of its
+    clock on every server), and missed once a later clock completed before it came."""
+    w = WorkerClocks(3, 0, Backup(1))
+    ck = protocol.Checkpoint(1, 2, 0, "x", quorum=True)
+    w.advance(0, 1)
+    w.advance(1, 1)
+    assert not w.ready(ck) and not w.missed(ck)
+    w.defer(0, ck, 0.0)
+    for clock in (1, 2):  # workers 0 and 1 push clocks 1 and 2; clock 2 completes too
+        for worker in (0, 1):
+            w.keep_push(worker, push(clock, worker))
+            w.advance(worker, clock + 1)
+    assert w.min_clock() == 3 and [r.clock for _, r in w.pushes_due()] == [1, 1]  # (clock 2's held)
+    assert [r for _, r in w.reads_due()] == [ck]
+    assert [r.clock for _, r in w.pushes_due()] == [2, 2]
+    assert w.missed(protocol.Checkpoint(2, 2, 0, "y", quorum=True)) and not w.missed(protocol.Checkpoint(3, 2, 0, "y"))
+
+
 def test_b_0_waits_for_the_slowest_and_nothing_is_late():
     w = WorkerClocks(3, 0)
     w.advance(1, 5)
@@ -106,6 +131,18 @@ def test_the_summary_line_names_the_most_stalled_workers_first_and_counts_the_re
     said = stalls_said(stalls)
     assert said.startswith("rank 3: 0 rows skipped, late at 47 clocks (pushes 47 deferred); rank 1: ")
     assert "rank 4" not in said and said.endswith("; 2 more (stalled_workers in --summary-json)")
+
+
+def test_the_bench_says_the_fraction_of_the_stop_recovered_beside_the_ratio():
+    """``hpcps bench backup``'s figure that does not depend on the job's length: (b = 0's median
+    - b = 1's) / the stop's seconds."""
+    jobs = {b: [{"wall_s": w, "test_logloss": 0.4, "examples": 1, "rows_skipped": r}] for b, w, r in ((0, 21.0, 0), (1, 15.0, 9))}
+    r = {"rows": 30_000, "stop_s": 5.0, "at_step": 50, "batch_size": 20, "epochs": 1, "repeats": 1, "jobs": jobs,
+         "median_wall_s": {0: 21.0, 1: 15.0}, "median_test_logloss": {0: 0.4, 1: 0.4}, "b1_over_b0": 15 / 21,
+         "stop_recovered": 6 / 5, "logloss_b1_minus_b0": 0.0}
+    assert "0.71x wall (29% sooner, 1.20 of the stop recovered)" in bench_backup.format_results(r)
+    r["median_end_after_cont_s"] = {0: 2.5, 1: 0.2}
+    assert "ended a median 0.20 s (b = 1) and 2.50 s (b = 0) after rank 3 continued" in bench_backup.format_results(r)
 
 
 # -- real jobs: 1 server + 3 workers, rank 3 stopped for a few seconds ---------------------------
@@ -151,6 +188,77 @@ def test_b_1_goes_on_without_a_stopped_worker_and_names_it(reference):
     assert summary["examples"] + sum(s["rows_skipped"] for s in stalls.values()) == EPOCHS * ROWS
     assert abs(summary["test_logloss"] - ref["test_logloss"]) < 0.005
     assert "stalled workers" in out and "rank 3: " in out
+
+
+def test_b_1_with_checkpoints_goes_on_without_a_stopped_worker_and_resumes(reference, tmp_path):
+    """With ``checkpoint.dir`` the workers agreed at every step whether to checkpoint (a
+    collective), so a stopped worker held every other one there: it skipped no row. Now the first
+    worker writes its periodic checkpoints alone (hpcps.train.quorum_checkpoints): some are written
+    while rank 3 is stopped, rank 3 skips rows as without checkpoints, and a run resumed from one
+    written then (every worker from its position) ends at the same step with a close model."""
+    tmp, data, ref = reference
+    files, ck, times = {"train_libsvm": data[0], "test_libsvm": data[1]}, tmp_path / "ck", {}
+    sets = {"train.batch_size": 20, "train.epochs": EPOCHS, "checkpoint.dir": json.dumps(str(ck)),
+            "checkpoint.every_steps": 10, "checkpoint.keep": 1000}
+    _, summary, out = bench_backup.stalled_job(files, str(tmp_path), "ck", 1, 5, 20, sets, timeout=240, times=times)
+    stalls = {s["rank"]: s for s in summary["stalled_workers"]}
+    assert stalls[3]["rows_skipped"] > 0, stalls
+    manifests = {d: json.load(open(ck / d / "manifest.json")) for d in sorted(os.listdir(ck))}
+    during = [d for d in manifests if times["stop"] < os.path.getmtime(ck / d / "manifest.json") < times["cont"]]
+    assert during and all(m["clock"] == m["position"]["global_step"] for m in manifests.values()), manifests
+    last = manifests[max(manifests)]["position"]["global_step"]
+    _, resumed, _ = bench_backup.stalled_job(files, str(tmp_path), "resumed", 1, 0, 0, {
+        **sets, "checkpoint.dir": json.dumps(str(tmp_path / "ck2")), "checkpoint.resume": json.dumps(str(ck / during[0]))},
+        timeout=240)
+    assert 0 < resumed["examples"] < EPOCHS * ROWS
+    assert json.load(open(resumed["checkpoint"] + "/manifest.json"))["position"]["global_step"] == last
+    assert abs(resumed["test_logloss"] - ref["test_logloss"]) < 0.005
+
+
+def signalled_job(tmp, data, sets: dict, sig: int, rank: int, at: int) -> tuple[int, str]:
+    """A 4-rank job of ``cluster.backup_workers = 1`` and ``sets`` (key: TOML value); ``sig`` (0:
+    none) sent to rank ``rank`` alone once the first worker is past step ``at``. Returns (its exit
+    status, its output)."""
+    status, summary = tmp / "status.json", tmp / f"summary-{time.monotonic_ns()}.json"
+    sets = {"data.train": json.dumps(data[0]), "data.test": json.dumps(data[1]), "train.progress": "false",
+            "cluster.backup_workers": 1, **sets}
+    cmd = [mpiexec_command(), "-n", "4", sys.executable, "-m", "hpcps.cli", "train", "--summary-json", str(summary),
+           *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, HPCPS_TUNE_STATUS_EVERY_S="0.01", **{STATUS_ENV: str(status)}))
+    try:
+        deadline = time.monotonic() + 120
+        while sig and read_status(str(status)).get("global_step", -1) < at and proc.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if sig and proc.poll() is None:
+            os.kill(bench_backup.rank_pid(str(summary), rank), sig)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, out
+
+
+def test_a_signal_to_one_worker_is_agreed_where_the_workers_meet_and_resume_finishes(reference, tmp_path):
+    """Under backup workers the workers no longer agree at each step whether to checkpoint: a stop
+    signal to worker rank 2 alone is agreed before the loop's next collective (an evaluation every
+    60 steps, or the epoch's end), every worker moved to the same clock; the signal's checkpoint is
+    written there, the job exits 75, and --resume auto trains on from it to the last step."""
+    tmp, data, ref = reference
+    ck = tmp_path / "ck"
+    sets = {"train.batch_size": 20, "train.epochs": EPOCHS, "train.eval_every": 60, "checkpoint.dir": json.dumps(str(ck))}
+    rc, out = signalled_job(tmp_path, data, sets, signal.SIGTERM, 2, 30)
+    assert rc == 75, out[-3000:]
+    (name,) = os.listdir(ck)
+    m = json.load(open(ck / name / "manifest.json"))
+    pos = m["position"]
+    assert m["reason"] == "signal" and m["clock"] == pos["global_step"], m
+    assert (pos["step"] - 1) % 60 == 0 or pos["step"] > ROWS // 3 // 20, pos  # (an evaluation's step, or the epoch's end)
+    rc, out = signalled_job(tmp_path, data, {**sets, "checkpoint.resume": '"auto"'}, 0, 0, 0)
+    assert rc == 0 and f"resuming from {ck / name}" in out, out[-3000:]
+    last = json.load(open(ck / max(os.listdir(ck)) / "manifest.json"))
+    assert last["reason"] == "end of training" and last["position"]["epoch"] == EPOCHS + 1
 
 
 def test_the_chaos_kill_schedule_with_b_1_finishes_with_a_finite_model_near_the_reference(tmp_path):

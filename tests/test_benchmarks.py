@@ -103,14 +103,17 @@ def test_ps_benchmark_reports_throughput_beside_raw_mpi():
     for r in small:  # the server's own time of a request fits in the burst's wall time a request
         assert r["ratio"] == pytest.approx(r["us_per_request"] / r["raw_mpi_us_per_request"]), r
         assert 0 < r["server_us"] <= r["us_per_request"], r
-    # a push-pull of n keys (dim 1) with each traffic filter: the wire format's bytes both ways
-    filtered = {(r["filter"], r["keys"]): r for r in rows if r["op"] == "filter"}
+    # a push-pull of n keys (dim 1) with each traffic filter: the wire format's bytes both ways; and of
+    # two such tables in one request (a tables push-pull: their numbers and counts, the keys once)
+    filtered = {(r["filter"], r["keys"], r["tables"]): r for r in rows if r["op"] == "filter"}
     n = 2000
-    for name, size in (("none", 136 + 24 * n), ("wire fp16", 136 + 20 * n), ("wire bf16", 136 + 20 * n),
-                       ("key_cache", 152 + 8 * n), ("fp16+key_cache", 152 + 4 * n)):
-        assert filtered[name, n]["bytes_per_request"] == size, filtered[name, n]
-        assert filtered[name, n]["bytes_ratio"] == pytest.approx(size / (136 + 24 * n)), filtered[name, n]
-    assert filtered["push_threshold", n]["bytes_ratio"] < 1
+    for name, size, two in (("none", 136 + 24 * n, 200 + 32 * n), ("wire fp16", 136 + 20 * n, 200 + 24 * n),
+                            ("wire bf16", 136 + 20 * n, 200 + 24 * n), ("key_cache", 152 + 8 * n, 216 + 16 * n),
+                            ("fp16+key_cache", 152 + 4 * n, 216 + 8 * n)):
+        for tables, b, none in ((1, size, 136 + 24 * n), (2, two, 200 + 32 * n)):
+            assert filtered[name, n, tables]["bytes_per_request"] == b, filtered[name, n, tables]
+            assert filtered[name, n, tables]["bytes_ratio"] == pytest.approx(b / none), filtered[name, n, tables]
+    assert filtered["push_threshold", n, 1]["bytes_ratio"] < 1 and filtered["push_threshold", n, 2]["bytes_ratio"] < 1
     rows = [r for r in rows if r["op"] not in ("requests", "filter")]
     assert all(0 < r["roofline_ratio"] and 0 < r["ratio"] for r in rows if r["op"] != "waiting")
     # the server's own time on each request (its clock, another process) is part of its round trip

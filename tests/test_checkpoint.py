@@ -143,11 +143,12 @@ def rank_pids(marker: str, rank_variable: str = "PMI_RANK") -> dict[int, int]:
     return found
 
 
-def start_and_interrupt(data, tmp, action, rank, n=3, after_step=400):
-    """Start a 3-rank job; once the checkpoint of ``after_step`` exists, signal or kill ``rank``.
-    Returns (exit status, output, seconds from the interruption to the job's end)."""
+def start_and_interrupt(data, tmp, action, rank, n=3, after_step=400, extra=()):
+    """Start a 3-rank job (``extra``: more arguments); once the checkpoint of ``after_step``
+    exists, signal or kill ``rank``. Returns (exit status, output, seconds from the interruption
+    to the job's end)."""
     ckdir = tmp / "ck"
-    proc = subprocess.Popen([*mpiexec(), "-n", str(n), *HPCPS, *train_args(data, ckdir, tmp / "never.h5")],
+    proc = subprocess.Popen([*mpiexec(), "-n", str(n), *HPCPS, *train_args(data, ckdir, tmp / "never.h5"), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
     deadline = time.monotonic() + 240
@@ -197,6 +198,16 @@ def test_signal_checkpoints_exits_75_and_resume_is_bit_identical(job_data, refer
     rc, out = run_job(3, train_args(job_data, tmp_path / "ck", tmp_path / "model.h5") + ["--resume", "auto"])
     assert rc == 0 and f"resuming from {newest}" in out, out[-3000:]
     assert_same_model(tmp_path / "model.h5", reference)
+
+
+def test_a_signal_to_a_server_under_on_signal_continue_is_one_checkpoint_and_training_goes_on(job_data, reference,
+                                                                                              tmp_path):
+    """The server forgets its signal once the checkpoint written for it is (it kept reporting it
+    in every reply, and the workers wrote a signal checkpoint at every step after it)."""
+    rc, out, _ = start_and_interrupt(job_data, tmp_path, signal.SIGTERM, 0,
+                                     extra=["--set", 'checkpoint.on_signal="continue"'])
+    assert rc == 0 and out.count("(signal)") == 1, out[-3000:]
+    assert_same_model(tmp_path / "never.h5", reference)
 
 
 @pytest.mark.parametrize("rank,who", [(0, "server"), (1, "worker")])

@@ -663,6 +663,16 @@ def test_direct_index_gives_the_slots_a_hash_index_gives(batches):
     np.testing.assert_array_equal(again.lookup(allq), h.lookup(allq))
 
 
+def _rows_for(idx, width: int, pipelined: bool, rng) -> np.ndarray:
+    """float32 rows of ``width`` for index ``idx``'s slots; ``pipelined``: more rows than used, so
+    that the table outgrows CACHED_TABLE_BYTES and the fused kernels take their prefetch pipeline
+    (else their plain loop, as the tables here are small)."""
+    from hpcps_kernels.tuning import CACHED_TABLE_BYTES
+
+    n = max(idx.key_capacity, CACHED_TABLE_BYTES // (4 * width) + 1 if pipelined else 0)
+    return rng.normal(size=(n, width)).astype(np.float32)
+
+
 def _index_of(kind: str, keys: list):
     """A direct index of 12 bits (keys above it in its overflow hash index) or a hash index,
     holding ``keys`` (distinct)."""
@@ -674,15 +684,17 @@ def _index_of(kind: str, keys: list):
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.one_of(st.integers(0, 2**12 - 1), st.integers(2**12, 2**64 - 1)), max_size=300),
        st.lists(st.one_of(st.integers(0, 2**12 - 1), st.integers(2**12, 2**64 - 1)), max_size=300),
-       st.sampled_from([(1, "zeros"), (3, "normal"), (2, "uniform")]), st.sampled_from(["direct", "hash"]))
-def test_fused_pull_is_lookup_then_pull_rows_in_one_pass(stored, asked, dim_kind, index_kind):
-    """The fused pull of either index: the same slots and the same bits as the two kernels,
-    present keys (direct, overflow and hashed) and absent ones (their initial values) alike."""
+       st.sampled_from([(1, "zeros"), (3, "normal"), (2, "uniform")]), st.sampled_from(["direct", "hash"]),
+       st.booleans())
+def test_fused_pull_is_lookup_then_pull_rows_in_one_pass(stored, asked, dim_kind, index_kind, pipelined):
+    """The fused pull of either index, in cache or pipelined: the same slots and the same bits as
+    the two kernels, present keys (direct, overflow and hashed) and absent ones (their initial
+    values) alike."""
     from hpcps_kernels import fused, init
 
     dim, kind = dim_kind
     d = _index_of(index_kind, stored)
-    rows = np.random.default_rng(len(stored)).normal(size=(d.key_capacity, 3 * dim)).astype(np.float32)
+    rows = _rows_for(d, 3 * dim, pipelined, np.random.default_rng(len(stored)))
     q = np.array(asked + stored[:50], dtype=np.uint64)
     out = np.full((q.size, dim), np.nan, np.float32)
     slots = fused.index_pull(d, q, rows, dim, init.KINDS[kind], 0.1, 7, out)
@@ -697,17 +709,18 @@ def test_fused_pull_is_lookup_then_pull_rows_in_one_pass(stored, asked, dim_kind
 @given(st.lists(st.one_of(st.integers(0, 2**12 - 1), st.integers(2**12, 2**64 - 1)), max_size=300),
        st.lists(st.one_of(st.integers(0, 2**12 - 1), st.integers(2**12, 2**64 - 1)), max_size=300),
        st.sampled_from(["sgd", "adagrad", "ftrl", "adam"]), st.sampled_from([1, 3]),
-       st.sampled_from(["direct", "hash"]))
-def test_fused_push_is_lookup_then_the_rule_in_one_pass(stored, asked, rule_name, dim, index_kind):
-    """The fused push of either index: up to the first absent key, the slots of a lookup and
-    the bits of the rule's own kernel on them; the rows of the keys from there on are untouched."""
+       st.sampled_from(["direct", "hash"]), st.booleans())
+def test_fused_push_is_lookup_then_the_rule_in_one_pass(stored, asked, rule_name, dim, index_kind, pipelined):
+    """The fused push of either index, in cache or pipelined: up to the first absent key, the
+    slots of a lookup and the bits of the rule's own kernel on them; the rows of the keys from
+    there on are untouched."""
     from hpcps_kernels import fused
 
     rule = optim.get(rule_name)
     params = {**rule.params, "l2": 0.01}  # a non-zero of each argument the rules take
     d = _index_of(index_kind, stored)
     rng = np.random.default_rng(len(stored) + 7 * len(asked))
-    rows = np.abs(rng.normal(size=(d.key_capacity, rule.width(dim)))).astype(np.float32) + 0.1
+    rows = np.abs(_rows_for(d, rule.width(dim), pipelined, rng)) + np.float32(0.1)
     q = np.unique(np.array(asked + stored[:40], dtype=np.uint64))
     rng.shuffle(q)
     g = rng.normal(size=(q.size, dim)).astype(np.float32)

@@ -75,6 +75,47 @@ def _sent(ctx, call):
     return out, ctx.stats["requests"] - before
 
 
+def _plain_or_general_run(staleness: int, plain: bool) -> tuple[list, dict, list]:
+    """Pulls, pushes and push-pulls of one FTRL table through a job of one process (its server
+    in the process, reached through the Loopback transport), the server's plain ways on or off:
+    (the rows pulled, the table's rows and state, the ops its plain ways served)."""
+    ctx = hpcps.init(servers=1, staleness=staleness)
+    table = ctx.sparse_table("w", dim=2, **FTRL)
+    rng = np.random.default_rng(5)
+    keys = [np.unique(rng.integers(0, 400, 80)).astype(np.uint64) for _ in range(6)]
+    pulled = [table.pull(keys[0])]  # (the first request makes the server)
+    served: list = []
+    ways = ctx.server.plain
+    ctx.server.plain = {op: (lambda op, way: lambda *a: way(*a) and (served.append(op) or True))(op, way)
+                        for op, way in ways.items()} if plain else {}
+    for step in range(5):
+        grads = rng.normal(size=(keys[step].size, 2)).astype(np.float32)
+        table.wait(table.push(keys[step], grads))
+        pulled.append(table.pull(keys[step + 1]))
+        pulled.append(table.wait(table.ipushpull(keys[step], grads, keys[step + 1], unique=True)))
+    contents = ctx.tables_contents()
+    ctx.finalize()
+    return pulled, contents, served
+
+
+@pytest.mark.parametrize("staleness", [-1, 0])
+def test_the_plain_way_of_a_request_gives_the_general_ways_numbers(staleness):
+    """A server's plain way (flags-0 pulls, pushes and push-pulls, hpcps.ps.plain_requests) gives
+    the rows pulled and the table of the general way (the op's message and handler), bit for bit,
+    under ASP (every op the plain way) and BSP (its pushes kept: the general way)."""
+    pulled, contents, served = _plain_or_general_run(staleness, plain=True)
+    want_pulled, want_contents, _ = _plain_or_general_run(staleness, plain=False)
+    assert len(pulled) == len(want_pulled) == 11
+    for got, want in zip(pulled, want_pulled):
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    keys, rows, _ = contents["w"]
+    want_keys, want_rows, _ = want_contents["w"]
+    np.testing.assert_array_equal(keys, want_keys)
+    np.testing.assert_array_equal(rows.view(np.uint32), want_rows.view(np.uint32))
+    want_served = {protocol.PULL, protocol.PUSH, protocol.PUSHPULL} if staleness < 0 else {protocol.PULL}
+    assert set(served) == want_served
+
+
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.parametrize("dims", [(1, 4), (1, 2, 3)])
 def test_a_step_of_several_tables_is_one_request_per_server_with_the_same_numbers(dims):

@@ -96,6 +96,9 @@ def run(sizes=SIZES, reps: int = 5, dim: int = 1, optimizer: str = "ftrl", key_b
     table = ctx.sparse_table("bench", dim=dim, optimizer=optimizer, key_bits=key_bits, traffic=filters.Filters())
     filtered = {name: ctx.sparse_table(f"bench {name}", dim=dim, optimizer=optimizer, key_bits=key_bits, traffic=f)
                 for name, f in FILTERS.items()}
+    together = {name: ctx.table_set([t, ctx.sparse_table(f"bench {name} 2", dim=dim, optimizer=optimizer,
+                                                         key_bits=key_bits, traffic=FILTERS[name])])
+                for name, t in filtered.items()}  # (the filter rows again, two tables in each request)
     rows, inside = None, None
     if ctx.is_server:
         stats = ctx.serve(trace=True)
@@ -122,6 +125,7 @@ def run(sizes=SIZES, reps: int = 5, dim: int = 1, optimizer: str = "ftrl", key_b
                              "roofline_keys_per_s": roof, "roofline_ratio": keys.size / t / roof})
         rows += _request_rows(ctx, table, rng, dim, reps, raw_requests, key_bits)
         rows += _filter_rows(ctx, filtered, rng, dim, reps, key_bits)
+        rows += _filter_rows(ctx, together, rng, dim, reps, key_bits)
         time.sleep(2.0)  # let the server idle
         rows.append({"op": "waiting", **waiting})
     ctx.finalize()
@@ -194,7 +198,8 @@ def _filter_rows(ctx, tables: dict, rng, dim: int, reps: int, key_bits: int) -> 
     """A push-pull round trip (the same keys pushed and pulled, as a step of kept batches) of
     FILTER_SIZES keys through each table of ``tables`` (one per entry of FILTERS), the tables taken
     in turn within each repetition: its median microseconds and the bytes it sent and received,
-    each beside the unfiltered table's as a ratio."""
+    each beside the unfiltered table's as a ratio. A table set's (``ctx.table_set``): its tables'
+    push-pull in one request per server (``protocol.PUSHPULLS``)."""
     rows = []
     for n in FILTER_SIZES:
         keys = _keys(rng, n, key_bits)
@@ -205,14 +210,18 @@ def _filter_rows(ctx, tables: dict, rng, dim: int, reps: int, key_bits: int) -> 
             for name, table in tables.items():
                 before = ctx.stats["bytes_sent"] + ctx.stats["bytes_received"]
                 t = time.perf_counter()
-                table.wait(table.ipushpull(keys, grads, keys, unique=True))
+                if hasattr(table, "tables"):  # (a TableSet)
+                    table.wait(table.ipushpull(keys, [grads] * len(table.tables), keys))
+                else:
+                    table.wait(table.ipushpull(keys, grads, keys, unique=True))
                 if rep:
                     times[name].append(time.perf_counter() - t)
                     traffic[name].append(ctx.stats["bytes_sent"] + ctx.stats["bytes_received"] - before)
         base_t, base_b = float(np.median(times["none"])), float(np.median(traffic["none"]))
         for name in tables:
             t, b = float(np.median(times[name])), float(np.median(traffic[name]))
-            rows.append({"op": "filter", "filter": name, "keys": int(keys.size), "us_per_request": t * 1e6,
+            rows.append({"op": "filter", "filter": name, "tables": len(getattr(tables[name], "tables", [0])),
+                         "keys": int(keys.size), "us_per_request": t * 1e6,
                          "bytes_per_request": b, "time_ratio": t / base_t, "bytes_ratio": b / base_b})
     return rows
 
@@ -221,13 +230,13 @@ def format_filter_rows(rows: list[dict]) -> list[str]:
     """The filter rows: a push-pull's time and bytes with each filter, as ratios to none."""
     if not rows:
         return []
-    out = [f"{'filter':<15} {'keys':>7} {'us/push-pull':>13} {'vs none':>8} {'bytes':>10} {'vs none':>8}"]
+    out = [f"{'filter':<15} {'tables':>6} {'keys':>7} {'us/push-pull':>13} {'vs none':>8} {'bytes':>10} {'vs none':>8}"]
     for r in rows:
-        out.append(f"{r['filter']:<15} {r['keys']:>7} {r['us_per_request']:>13.1f} {r['time_ratio']:>7.2f}x "
-                   f"{r['bytes_per_request']:>10.0f} {r['bytes_ratio']:>7.2f}x")
+        out.append(f"{r['filter']:<15} {r['tables']:>6} {r['keys']:>7} {r['us_per_request']:>13.1f} "
+                   f"{r['time_ratio']:>7.2f}x {r['bytes_per_request']:>10.0f} {r['bytes_ratio']:>7.2f}x")
     out.append("(filters: a push-pull of the same keys, repeated, through a table with each traffic filter on "
-               "(docs/architecture.md), medians of the repetitions taken in turn; bytes both ways; push_threshold "
-               "1.0 on normal gradients)")
+               "(docs/architecture.md), or two such tables in one request per server, medians of the repetitions "
+               "taken in turn; bytes both ways; push_threshold 1.0 on normal gradients)")
     return out
 
 
@@ -241,8 +250,8 @@ def _moved_bytes(op: str, dim: int, width: int) -> int:
 def _server_times(trace: list) -> dict:
     """Per push, and per pull, of each size, with the op named as in the result rows: the median
     seconds the server spent on one, the median bytes it received for one and sent in reply, as
-    the messages carried them, and the median seconds from the poll that found one to its reply
-    queued: ``{(op, keys): (s, bytes received, bytes sent, s with receipt)}``. The first
+    the messages carried them, and the median seconds from the poll that found one to the loop's
+    next poll: ``{(op, keys): (s, bytes received, bytes sent, s with receipt)}``. The first
     push of each size, which creates its keys and is not timed on the worker either, is left out."""
     seen: dict = {}
     for op, n_push, n_pull, *measured in trace:
@@ -302,6 +311,6 @@ def format_request_rows(rows: list[dict]) -> list[str]:
                f"server's fixed cost per request with its keys' work; raw MPI: the same bytes each way over blocking "
                f"MPI calls, answered by a loop that only receives and replies; server us: its own median time on one, "
                f"from its receipt to the reply queued; with receipt: from the poll that found "
-               f"it, its receipt included: the serving loop's cost of one request (the scaling model's r, with the "
-               f"keys' work))")
+               f"it to the next poll, its receipt included: the serving loop's cost of one request (the scaling "
+               f"model's r, with the keys' work))")
     return out

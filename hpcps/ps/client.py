@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -293,6 +293,7 @@ class SparseTable(TableRequests):
         traffic = traffic or ctx.filters
         self.filters = filters.TableFilters(traffic, self.dim, ctx.layout.servers, ctx.stats) if traffic.any else None
         self.wire = traffic.wire
+        self.traffic = traffic
 
     def _send(self, op: int, keys: np.ndarray, grads: np.ndarray | None, ahead: int = 0, lent: bool = False) -> int:
         """Send a pull (``grads`` None) or a push of sorted unique ``keys``, sliced by server and
@@ -477,11 +478,28 @@ class SparseTable(TableRequests):
         return keys, grads
 
 
+def push_residual(table: SparseTable) -> int | None:
+    """Push what a table's significance filter (``filters.push_threshold``) kept: every key whose
+    residual is not zero, with it (the residual is then zero), its traffic taken back from the
+    bytes the filter saved. Returns the push's timestamp (None: nothing kept, or the filter is
+    off). Follow it with a clock (``Context.flush_filters``)."""
+    drained = None if table.filters is None else table.filters.flush()
+    if drained is None or drained[0].shape[0] == 0:
+        return None
+    return filters.charged(table.ctx.stats, lambda: table._send(protocol.PUSH, *drained))  # (not filtered again)
+
+
 class TableSet:
     """Sparse tables that a step reads and updates at the same keys (a tune grid's members, a deep
     model's wide and embedding tables): their pulls and push-pulls go as one message per server
     (``protocol.PULLS``, ``protocol.PUSHPULLS``) instead of one per table. ``wait`` returns the
     pulled rows of every table, in the set's order.
+
+    The traffic filters (the tables', which must be the same: else each table's own requests go)
+    apply as to each table's own requests: each table's values in the wire type, each table's
+    significance filter on its push (each table then pushes its own subset of the keys: the message
+    carries the keys any table sends, and a bit per key and table), and the key lists the tables
+    share cached once per message, under the first table.
 
     A request too large for one message per server goes as the tables' own requests instead
     (what ``wait`` returns is the same)."""
@@ -492,10 +510,17 @@ class TableSet:
         self.ids = tuple(t.id for t in self.tables)
         self.dims = [t.dim for t in self.tables]
         self._requests: dict[int, _Request | list] = {}
+        head = self.tables[0]
+        self.together = all(t.traffic == head.traffic for t in self.tables)  # (else: the tables' own requests)
+        self.filters = head.filters  # (the first table's key lists are the set's)
+        self.wire = head.wire
+        self.own_pushes = self.filters is not None and self.filters.residual is not None
 
     def _fits(self, n_push: int, n_pull: int) -> bool:
-        limit = transport.MAX_MESSAGE_BYTES
-        return (protocol.tables_request_bytes(len(self.ids), n_push, n_pull, self.dims, True) <= limit
+        limit, n = transport.MAX_MESSAGE_BYTES, len(self.ids)
+        counts = [n_push] * n if self.own_pushes else None
+        return (self.together
+                and protocol.tables_request_bytes(n, n_push, n_pull, self.dims, True, table_counts=counts) + 16 <= limit
                 and protocol.tables_reply_bytes(n_pull, self.dims) <= limit)
 
     def ipull(self, keys, unique: bool = False, ahead: int = 0) -> int:
@@ -534,35 +559,90 @@ class TableSet:
             return self._register([(head, ts)] + [(t, t.ipull(pull_keys, unique=True, ahead=ahead)) for t, _ in rest])
         req = _Request(protocol.PUSHPULLS, self.tables[0], n_unique=pull_keys.shape[0], clock=ctx.clock_value,
                        started=time.monotonic(), ahead=ahead, clock_workers=clock_workers)
-        self._send(req, push_keys, grads, pull_keys, in_pull)
+        if self.own_pushes and push_keys.shape[0]:  # each table's significance filter: its own subset
+            sig = [t.filters.significant(push_keys, g) for t, g in zip(self.tables, grads)]
+            self._send(req, push_keys, sig, pull_keys, in_pull)
+        else:
+            self._send(req, push_keys, grads, pull_keys, in_pull)
         ctx.advance_clock()
         return self._register(req)
 
+    def _parts(self, push_keys, grads: list, pull_keys, in_pull) -> list:
+        """Each server's (pushed keys; the tables' gradients; positions of its pulled keys; in-pull
+        bits or None; each table's bools over its pushed keys, or None where every table pushes every
+        key). ``grads``: each table's (send bools, rows sent) where each table sends its own subset
+        (:meth:`~hpcps.ps.filters.TableFilters.significant`): a server gets the keys any table sends,
+        and instead of in-pull bits, (the keys it would have got, whether with in-pull bits)."""
+        ctx, n = self.ctx, push_keys.shape[0]
+        own = n and isinstance(grads[0], tuple)
+        if own:
+            sends = [m for m, _ in grads]
+            union = np.logical_or.reduce(sends)
+            if ctx.layout.servers == 1:  # (every table's rows as they are, in the keys' order)
+                at = np.flatnonzero(union)
+                return [(push_keys[at], [g for _, g in grads], np.arange(pull_keys.shape[0]),
+                         (n, in_pull is not None), [m[at] for m in sends])]
+            rank = [np.cumsum(m) - 1 for m in sends]  # (a sent key's row among the table's rows)
+        if ctx.layout.servers == 1:
+            pushed, pull_parts = [np.arange(n)], [np.arange(pull_keys.shape[0])]
+        else:
+            push_order, push_offsets = ctx.placement.push_slice(push_keys)  # (to every copy)
+            pull_order, pull_offsets = ctx.placement.slice(pull_keys)
+            pushed = [push_order[push_offsets[s]:push_offsets[s + 1]] for s in range(ctx.layout.servers)]
+            pull_parts = [pull_order[pull_offsets[s]:pull_offsets[s + 1]] for s in range(ctx.layout.servers)]
+        parts = []
+        for sp, sl in zip(pushed, pull_parts):
+            if not own:
+                whole = ctx.layout.servers == 1
+                parts.append((push_keys if whole else push_keys[sp], grads if whole else [g[sp] for g in grads], sl,
+                              in_pull if whole or in_pull is None else in_pull[sp], None))
+                continue
+            at = sp[union[sp]]  # (the server's keys that some table sends)
+            masks = [m[at] for m in sends]
+            rows = [g[r[at[m]]] for (_, g), r, m in zip(grads, rank, masks)]
+            parts.append((push_keys[at], rows, sl, (sp.shape[0], in_pull is not None), masks))
+        return parts
+
     def _send(self, req: _Request, push_keys, grads: list, pull_keys, in_pull) -> None:
-        """One message to every server (each needs the clock; a pull only those owning keys)."""
+        """One message to every server (each needs the clock; a pull only those owning keys).
+        ``grads``: as :meth:`_parts` says."""
         ctx, head = self.ctx, self.tables[0]
         req.owner = self
         kind = protocol.MESSAGES[req.op]
         every = req.op == protocol.PUSHPULLS
-        reply_bytes = protocol.tables_reply_bytes  # (of a server's share of the pulled keys)
-        if ctx.layout.servers == 1:
-            parts = [(push_keys, grads, np.arange(pull_keys.shape[0]), in_pull)]
-        else:
-            push_order, push_offsets = ctx.placement.push_slice(push_keys)  # (to every copy)
-            pull_order, pull_offsets = ctx.placement.slice(pull_keys)
-            parts = []
-            for server in range(ctx.layout.servers):
-                sp = push_order[push_offsets[server]:push_offsets[server + 1]]
-                sl = pull_order[pull_offsets[server]:pull_offsets[server + 1]]
-                parts.append((push_keys[sp], [g[sp] for g in grads], sl, None if in_pull is None else in_pull[sp]))
-        for server, (keys, g, sel, bits) in enumerate(parts):
+        for server, (keys, g, sel, bits, sends) in enumerate(self._parts(push_keys, grads, pull_keys, in_pull)):
             if (not every and sel.shape[0] == 0) or server in ctx.placement.lost:
                 continue
             pulled = pull_keys if ctx.layout.servers == 1 else pull_keys[sel]
-            head._post(req, server, sel, reply_bytes(sel.shape[0], self.dims),
-                       lambda req_id, keys=keys, g=g, pulled=pulled, bits=bits: kind(
+            enc = self._encoding(server, keys, g, pulled, sends, bits)
+            head._post(req, server, sel, protocol.tables_reply_bytes(sel.shape[0], self.dims, enc.wire),
+                       lambda req_id, keys=keys, g=g, pulled=pulled, bits=bits, enc=enc, sends=sends: kind(
                            self.ids, req_id, req.clock, ctx.worker_index, keys, g, pulled, req.ahead,
-                           bits, req.clock_workers).pack(ctx.pool.take), asked=pulled)
+                           None if sends is not None else bits, req.clock_workers, enc, sends).pack(ctx.pool.take),
+                       asked=pulled)
+
+    def _encoding(self, server: int, push_keys, grads: list, pull_keys, sends, bits) -> protocol.Encoding:
+        """How a message to ``server`` travels under the tables' filters, as
+        :meth:`SparseTable._encoding` says (each table's values counted by its own filters; the key
+        lists cached under the first table, the pushed one plainly behind the significance filter).
+        Where each table sends its own subset (``sends``; ``bits``: then the keys the server would
+        have been pushed and whether with in-pull bits), the bytes saved are what the message would
+        have been less what it is."""
+        f = self.filters
+        if f is None:
+            return protocol.PLAIN
+        for table, g in zip(self.tables, grads):
+            table.filters.count_values(g.size)
+            table.filters.saturated(g)
+            table.filters.count_values(pull_keys.shape[0] * table.dim)
+        enc = protocol.Encoding(f.wire, *f.key_ref(server, push_keys, pushed=True), *f.key_ref(server, pull_keys))
+        if sends is not None:  # (in float32: the wire type counts its own savings on the values sent)
+            n, dims, n_pull, fp32 = len(self.dims), self.dims, pull_keys.shape[0], replace(enc, wire=filters.FP32)
+            whole = protocol.tables_request_bytes(n, bits[0], n_pull, dims, bits[1] and bits[0] > 0, fp32)
+            sent = protocol.tables_request_bytes(n, push_keys.shape[0], n_pull, dims, False, fp32,
+                                                 [g.shape[0] for g in grads])
+            f.stats["push_threshold_saved_bytes"] += whole - sent
+        return enc
 
     def _register(self, req) -> int:
         ts = self.ctx.next_timestamp()
@@ -582,9 +662,11 @@ class TableSet:
         min_clock = None
         for sel, reply in req.parts:
             server, _, server_min_clock = read_reply_header(ctx, reply)
-            counts, values = protocol.tables_reply_parts(reply, sel.shape[0], self.dims)
-            for table, c in zip(self.tables, counts.tolist()):
+            counts, values = protocol.tables_reply_parts(reply, sel.shape[0], self.dims, self.wire)
+            for table, c, v in zip(self.tables, counts.tolist(), values):
                 table.server_counts[server] = tuple(c)
+                if table.filters is not None:
+                    table.filters.saturated(v, pulled=True)
             if whole:
                 out = values
             else:

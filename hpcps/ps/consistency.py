@@ -14,8 +14,11 @@ completed without it is *late*: dropped (``late_pushes = "drop"``) or kept for t
 collected and applied with it (``"next"``). The pushes of a clock are applied when it completes,
 in (clock, worker, sequence) order, as with ``b = 0``; which pushes are late depends on timing, so
 runs with ``b > 0`` are not bit-reproducible. A checkpoint still waits for every worker to reach
-its clock and holds every push sent before it, late ones included. With ``b = 0`` nothing changes:
-the clock that completes is the slowest worker's.
+its clock and holds every push sent before it, late ones included; a *quorum* checkpoint (one the
+first worker writes alone, periodic ones under backup workers: ``protocol.Checkpoint.quorum``)
+waits only for its clock's previous clock to complete, the pushes of later clocks held while it
+waits, and is *missed* (nothing written) when a later clock completed before it came. With
+``b = 0`` nothing changes: the clock that completes is the slowest worker's.
 """
 
 from __future__ import annotations
@@ -139,9 +142,25 @@ class WorkerClocks:
 
     def ready(self, r: protocol.Message) -> bool:
         """A pull waits for its clock - staleness; a checkpoint for every worker to reach its clock."""
-        if r.op == protocol.CHECKPOINT:  # (every worker, backup or not)
-            return r.clock <= (self.min_clock() if self.late is None else self.slowest_clock())
-        return self.staleness < 0 or r.pull_clock - self.staleness <= self.min_clock()
+        if r.op == protocol.CHECKPOINT:  # (every worker, backup or not, unless a quorum checkpoint)
+            return r.clock <= (self.min_clock() if self.late is None or r.quorum else self.slowest_clock())
+        return self.readable(r.pull_clock)
+
+    def readable(self, clock: int) -> bool:
+        """Whether a read at ``clock`` is answered now: once every worker (but the backups) has
+        reached ``clock - staleness``; at once under ASP."""
+        return self.staleness < 0 or clock - self.staleness <= self.min_clock()
+
+    def missed(self, r: protocol.Checkpoint) -> bool:
+        """A quorum checkpoint that came after its clock completed (its pushes applied): the model
+        is past it."""
+        return r.quorum and self.min_clock() > r.clock
+
+    def _checkpoint_clock(self) -> int | None:
+        """The smallest clock of the quorum checkpoints waiting (pushes of it and later are held
+        until they are written), or None."""
+        clocks = [r.clock for _, r, _ in self.deferred if r.op == protocol.CHECKPOINT and r.quorum]
+        return min(clocks) if clocks else None
 
     def advance(self, worker: int, clock: int) -> None:
         if clock > self.clocks[worker]:
@@ -201,6 +220,9 @@ class WorkerClocks:
         if not self.buffered:
             return []
         limit = self.min_clock() if self.n_done < self.num_workers else np.iinfo(np.int64).max
+        held = self._checkpoint_clock() if self.late is not None and self.deferred else None
+        if held is not None:  # (a quorum checkpoint waiting: the model at its clock)
+            limit = min(limit, held)
         due = sorted((b for b in self.buffered if b[0] < limit), key=lambda b: b[:3])
         if due:
             self.buffered = [b for b in self.buffered if b[0] >= limit]
@@ -223,6 +245,8 @@ class WorkerClocks:
             else:
                 waiting.append((source, r, since))
         self.deferred = waiting
+        if self.late is not None and len(due) > 1:  # (a quorum checkpoint first: the model of its clock)
+            due.sort(key=lambda d: not (d[1].op == protocol.CHECKPOINT and d[1].quorum))
         return due
 
     def stalled_reads(self, now: float, warn_after: float, warned: set) -> list[tuple]:

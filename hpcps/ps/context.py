@@ -15,16 +15,18 @@ worker group (aggregated pushes, dense tables). Nothing happens at import.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from hpcps.ps import checkpoint, collectives, deltas, failover, filters, protocol, recovery, replication, signals, transport
 from hpcps.ps import margins  # noqa: F401 - registers the server functions of MARGINS and RESIDUALS
-from hpcps.ps.client import DenseTable, SparseTable, TableSet
+from hpcps.ps.client import DenseTable, SparseTable, TableSet, push_residual
 from hpcps.ps.consistency import NO_BACKUP, Backup
 from hpcps.ps.layout import Layout, LayoutError, check_world
 from hpcps.ps.placement import DEFAULT_SHARDS, Placement
@@ -226,6 +228,7 @@ class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges,
         self.functions: list[ServerFunction] = []  # declared server functions, in order
         self.tables: dict[str, SparseTable | DenseTable] = {}
         self.clock_value = 0
+        self.flush_clocks, self.flushed_at = 0, -1  # the clocks flush_filters added; the clock after the last
         self._req_id = 0
         self._ts = 0
         self._clock_sends: list[transport.Pending] = []
@@ -260,7 +263,7 @@ class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges,
                 seconds, bytes received, bytes sent, seconds with receipt)`` per request handled:
                 seconds from its receipt to its reply queued; the bytes of its messages (their size
                 as received) and of the replies queued meanwhile; seconds from the poll that found
-                it to its reply queued (the serving loop's cost of one request).
+                it to the loop's next poll, its reply queued (the serving loop's cost of one request).
         """
         if not self.is_server:
             raise RuntimeError("serve() is for server ranks (ctx.is_server)")
@@ -326,10 +329,11 @@ class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges,
         mine, theirs = signals.requested(), self.server_stop or None
         return signal.SIGINT if signal.SIGINT in (mine, theirs) else (mine or theirs)
 
-    def save_checkpoint(self, root: str, step: int, manifest: dict, keep: int, delta=None, track: bool = False) -> str:
+    def save_checkpoint(self, root: str, step: int, manifest: dict, keep: int, delta=None, track: bool = False,
+                        for_signal: bool = False) -> str:
         """First worker only: every server's shards and a manifest into a new checkpoint under
         ``root`` (:func:`write_checkpoint`); returns its path."""
-        return write_checkpoint(self, root, step, manifest, keep, delta, track)
+        return write_checkpoint(self, root, step, manifest, keep, delta, track, for_signal)
 
     def clock(self) -> int:
         """End this worker's iteration: tell every server; returns the new clock."""
@@ -341,6 +345,10 @@ class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges,
         """End this worker's iteration when a push-pull has told every server already."""
         self.clock_value += 1
         return self.clock_value
+
+    def flush_filters(self, timeout: float | None = None) -> bool:
+        """Workers, every one at the same point: :func:`flush_residuals`."""
+        return flush_residuals(self, timeout)
 
     def clock_to(self, clock: int) -> None:
         """A late backup worker skips to ``clock`` (the steps it leaves out): tell every server."""
@@ -444,33 +452,96 @@ class LocalContext(Context):
         self._finalized = True
 
 
+def flush_residuals(ctx: Context, timeout: float | None = None) -> bool:
+    """Workers, every one at the same point: push what each table's significance filter
+    (``filters.push_threshold``) kept and end the iteration, so that every read from the next
+    clock on (a checkpoint, the model's export, an evaluation) sees every update pushed, under
+    BSP in (clock, worker) order as any push. Returns whether it did (a table has the filter, and
+    a clock passed since the last flush: every worker decides the same); ``ctx.flush_clocks``
+    counts the clocks it added. Rows pulled before it for later steps lack what it pushed."""
+    tables = [t.sparse if isinstance(t, DenseTable) else t for t in ctx.tables.values()]
+    tables = [t for t in tables if t.filters is not None and t.filters.residual is not None]
+    if not ctx.is_worker or not tables or ctx.clock_value == ctx.flushed_at:
+        return False
+    timeout = ctx.stall_timeout_s if timeout is None else timeout
+    for table, ts in [(t, push_residual(t)) for t in tables]:
+        if ts is not None:
+            table.wait(ts, timeout)
+    ctx.flushed_at = ctx.clock()
+    ctx.flush_clocks += 1
+    return True
+
+
 def write_checkpoint(ctx: Context, root: str, step: int, manifest: dict, keep: int,
-                     delta: deltas.Commits | None = None, track: bool = False) -> str:
+                     delta: deltas.Commits | None = None, track: bool = False, for_signal: bool = False) -> str:
     """First worker only: ask every server to write its shards into ``root/ckpt-<step>.tmp``
     (each waits until every worker has reached this clock), then write the manifest with the
     files' checksums and rename the directory. Returns the checkpoint's path. ``delta``: a delta
     snapshot ``delta-<step>`` instead, committed by ``delta`` once written (:mod:`hpcps.ps.deltas`);
-    ``track``: delta snapshots follow this checkpoint."""
-    kind = "delta" if delta is not None else "ckpt"
+    ``track``: delta snapshots follow this checkpoint; ``for_signal``: it is a stop signal's (the
+    servers forget theirs once it is written)."""
+    asked = ask_for_checkpoint(ctx, root, step, ctx.clock_value, delta is not None, track, for_signal=for_signal)
+    transport.wait(asked.pending, ctx.stall_timeout_s, warn_after=ctx.stall_warn_s)
+    return commit_checkpoint(ctx, asked, manifest, keep, delta)
+
+
+@dataclass
+class AskedCheckpoint:
+    """A checkpoint the servers were asked for (:func:`ask_for_checkpoint`): its directory, its
+    clock, the replies' buffers and the transfers pending."""
+
+    tmp: str
+    clock: int
+    replies: list
+    pending: list
+    servers: list  # the servers asked (under replicas, those not lost: they hold every shard)
+
+
+def ask_for_checkpoint(ctx: Context, root: str, step: int, clock: int, delta: bool, track: bool,
+                       quorum: bool = False, for_signal: bool = False) -> AskedCheckpoint:
+    """First worker only: ``root/ckpt-<step>.tmp`` (``delta-``) made, and every server asked to
+    write its shards of clock ``clock`` there, without waiting. ``quorum`` (backup workers): the
+    server waits for the clock before it to complete, not for every worker, and writes nothing when
+    it came after the clock completed (:meth:`hpcps.ps.consistency.WorkerClocks.missed`)."""
+    kind = "delta" if delta else "ckpt"
     tmp = checkpoint.step_dir(root, step, kind) + ".tmp"
     try:
         deltas.begin(root, step, kind, track)
     except OSError as e:
         raise checkpoint.write_failure(tmp, e, "the first worker") from None
-    pending, replies = [], []
-    live = ctx.placement.live_servers  # (a server lost: the survivors hold every shard, cluster.replicas)
-    for server in live:
+    asked = AskedCheckpoint(tmp, clock, [], [], ctx.placement.live_servers)  # (a server lost: the survivors)
+    for server in asked.servers:
         req_id = ctx.next_request_id()
         reply = np.empty(protocol.reply_bytes(protocol.CHECKPOINT, 0, 0), dtype=np.uint8)
-        msg = protocol.Checkpoint(req_id, ctx.clock_value, ctx.worker_index, tmp).pack()
-        pending += ctx.exchange(server, msg, reply, req_id, protocol.CHECKPOINT)
-        replies.append(reply)
-    transport.wait(pending, ctx.stall_timeout_s, warn_after=ctx.stall_warn_s)
-    files = []
-    for server, reply in zip(live, replies):
-        size, digest = protocol.unpack_checkpoint_result(reply)
-        files.append({"name": os.path.basename(checkpoint.server_file(tmp, server)), "bytes": size, "xxh64": digest})
-    full = {"format": checkpoint.FORMAT, "version": checkpoint.VERSION, "clock": ctx.clock_value,
+        msg = protocol.Checkpoint(req_id, clock, ctx.worker_index, tmp, quorum, for_signal).pack()
+        asked.pending += ctx.exchange(server, msg, reply, req_id, protocol.CHECKPOINT)
+        asked.replies.append(reply)
+    return asked
+
+
+def checkpoint_replied(ctx: Context, asked: AskedCheckpoint, block: bool) -> bool:
+    """Whether every server replied to the checkpoint asked for (``block``: once they have)."""
+    if block:
+        transport.wait(asked.pending, ctx.stall_timeout_s, warn_after=ctx.stall_warn_s)
+        asked.pending = []
+    else:
+        asked.pending = transport.completed(asked.pending)
+    return not asked.pending
+
+
+def commit_checkpoint(ctx: Context, asked: AskedCheckpoint, manifest: dict, keep: int,
+                      delta: deltas.Commits | None = None) -> str | None:
+    """First worker only, every server's reply in: the manifest with the files' checksums written
+    and the directory renamed (a delta: committed by ``delta``). Returns the checkpoint's path;
+    None when a server missed it (a quorum checkpoint: the directory removed)."""
+    results = [protocol.unpack_checkpoint_result(reply) for reply in asked.replies]
+    if any(size == protocol.CHECKPOINT_MISSED for size, _ in results):
+        shutil.rmtree(asked.tmp, ignore_errors=True)
+        return None
+    tmp = asked.tmp
+    files = [{"name": os.path.basename(checkpoint.server_file(tmp, server)), "bytes": size, "xxh64": digest}
+             for server, (size, digest) in zip(asked.servers, results)]
+    full = {"format": checkpoint.FORMAT, "version": checkpoint.VERSION, "clock": asked.clock,
             "layout": {"servers": ctx.layout.servers, "workers": ctx.layout.workers,
                        "worker_groups": ctx.layout.worker_groups, "num_shards": ctx.placement.num_shards},
             "tables": [{"name": s.name, "dim": s.dim, "optimizer": s.optimizer, "width": s.width,

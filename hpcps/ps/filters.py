@@ -5,9 +5,11 @@ no MPI. Each is off by default (``[filters]`` in the configuration) and each sav
   key and sends only the keys with a coordinate whose accumulated update reaches the threshold in
   absolute value (the whole row, the residual then zero); the rest stays in the residual, on the
   worker, per table. Its memory: a key index and a row of ``dim`` float32 per distinct key pushed
-  (about ``16 + 4 dim`` bytes a key). A restart drops it: each coordinate it held is below the
-  threshold (:meth:`PushResidual.largest`), so a restart loses less than the threshold per
-  coordinate of each key.
+  (about ``16 + 4 dim`` bytes a key). It is flushed (every key with a nonzero residual pushed,
+  :meth:`PushResidual.drain`) at the end of every epoch and before every checkpoint
+  (``Context.flush_filters``), so a saved model holds every update and a restart from a checkpoint
+  loses nothing; a worker lost between two flushes loses less than the threshold per coordinate of
+  each key (:meth:`PushResidual.largest`).
 * Wire types (``wire_dtype``): the pushed and pulled values travel as fp16 or bf16, rounded to the
   nearest even (:func:`encode`, :func:`decode`); fp16 saturates at its largest finite value
   (65504) instead of turning into infinity. The servers decode to float32: their rows and
@@ -108,6 +110,17 @@ class PushResidual:
         total[send] = 0.0
         self.rows[slots] = total
         return send, out
+
+    def drain(self) -> tuple[np.ndarray, np.ndarray]:
+        """(keys, rows) of every key whose residual is not zero (in the order first pushed), to be
+        sent: the residual is then zero everywhere (the flush at the end of an epoch and before a
+        checkpoint)."""
+        n = self.index.size
+        rows = self.rows[:n]
+        left = (rows != 0).any(axis=1)
+        keys, out = self.index.keys[:n][left].copy(), rows[left]  # (a boolean index copies)
+        rows[:] = 0.0
+        return keys, out
 
     def kept(self, keys: np.ndarray) -> np.ndarray:
         """The residual of ``keys`` (zero for a key never pushed)."""
@@ -233,6 +246,20 @@ class ServerKeyLists:
         return sum(c.nbytes for c in self.caches.values())
 
 
+def charged(stats: dict, work):
+    """Run ``work()`` (and return what it returns), its traffic (in ``stats``, the context's
+    statistics) taken back from the bytes the significance filter saved, and nothing it saved
+    counted: what a flush of the residuals costs, which the filter only deferred (a run without
+    the filter sends none of it)."""
+    before = stats["bytes_sent"] + stats["bytes_received"]
+    saved = {k: stats[k] for k in SAVED_KEYS}
+    try:
+        return work()
+    finally:
+        stats.update(saved)
+        stats["push_threshold_saved_bytes"] -= stats["bytes_sent"] + stats["bytes_received"] - before
+
+
 # -- the filters of a run ---------------------------------------------------------------------------
 
 SAVED_KEYS = ("push_threshold_saved_bytes", "wire_dtype_saved_bytes", "key_cache_saved_bytes")
@@ -313,10 +340,23 @@ class TableFilters:
         """The significance filter on a push of distinct ``keys``: (keys, rows, in-pull bools) to send."""
         if self.residual is None or keys.shape[0] == 0:
             return keys, grads, in_pull
-        send, rows = self.residual.filter(keys, grads)
-        dropped = keys.shape[0] - rows.shape[0]
-        self.stats["push_threshold_saved_bytes"] += dropped * (8 + 4 * self.dim)
+        send, rows = self.significant(keys, grads)
+        n, sent = keys.shape[0], rows.shape[0]
+        # (each key and its float32 values, and its in-pull bit: exact for a message to one server)
+        self.stats["push_threshold_saved_bytes"] += (n - sent) * (8 + 4 * self.dim) + (
+            0 if in_pull is None else -(-n // 8) - -(-sent // 8))
         return keys[send], rows, None if in_pull is None else in_pull[send]
+
+    def significant(self, keys: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The significance filter on a push of distinct ``keys`` (:meth:`PushResidual.filter`):
+        (which keys to send, a bool each; their rows), the bytes saved not counted (a push of several
+        tables counts its own: :meth:`hpcps.ps.client.TableSet`)."""
+        return self.residual.filter(keys, grads)
+
+    def flush(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """What the significance filter kept, to push now (:meth:`PushResidual.drain`; None: the
+        filter is off). The push's bytes are taken back from the saved ones by its sender."""
+        return None if self.residual is None else self.residual.drain()
 
     def key_ref(self, server: int, keys: np.ndarray | None, pushed: bool = False) -> tuple[int, bool]:
         """What a message to ``server`` carries for a list of ``keys``: see :meth:`WorkerKeyLists.ref`.

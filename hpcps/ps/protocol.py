@@ -53,7 +53,9 @@ Operations:
 * ``PULLS`` and ``PUSHPULLS``: a :class:`Pull` and a :class:`PushPull` of several tables over the
   same keys (a step of a tune grid or a deep model touches every table at the batch's keys), one
   message instead of one per table (:class:`TablesPushPull`). Its reply carries each table's
-  counts and pulled values (:func:`tables_reply_bytes`, :func:`tables_reply_parts`).
+  counts and pulled values (:func:`tables_reply_bytes`, :func:`tables_reply_parts`). The traffic
+  filters apply to it as to a table's own requests (flags as below, and ``TABLE_PUSHES``: each
+  table pushes its own subset of the keys, behind the significance filter).
 * ``CALL``: a registered server function (the op's word, ``reserved``: its number, in declaration order) over
   ``n_push`` keys (uint64) with ``n_pull`` float32 arguments each; read at ``clock`` like a pull.
   The reply holds its float32 results: a row per key, or one reduction.
@@ -114,7 +116,8 @@ PUSH_LIST_NEW = 32   # request flag: the pushed keys follow a word, their list's
 PULL_LIST_ID = 64    # as PUSH_LIST_ID, for the pulled keys
 PULL_LIST_NEW = 128  # as PUSH_LIST_NEW, for the pulled keys
 KEY_LIST_FLAGS = PUSH_LIST_ID | PUSH_LIST_NEW | PULL_LIST_ID | PULL_LIST_NEW
-CLOCK_WORKERS_SHIFT = 8  # request flags from this bit on: the workers whose clock a push-pull carries (0: 1)
+TABLE_PUSHES = 256  # request flag (PUSHPULLS): each table pushes its own subset of the keys (the significance filter)
+CLOCK_WORKERS_SHIFT = 9  # request flags from this bit on: the workers whose clock a push-pull carries (0: 1)
 PAYLOAD_APART = 1  # reply flag: the header is a message of its own, and the payload follows it
 OK = 0
 STOP = 2         # status bit: this server received a stop signal (SIGINT, SIGTERM or SIGUSR1)
@@ -300,7 +303,7 @@ class Pull(TableMessage):
                lists=None) -> "Pull":
         _, table, req_id, _, n, clock, worker, _, flags = words
         keys, _, pull_list = _get_keys(buf, HEADER_BYTES, n, flags, PULL_LIST_ID, lists, worker, table)
-        return cls(table, req_id, clock, worker, keys, Encoding.of(flags, 0, pull_list))
+        return cls(table, req_id, clock, worker, keys, Encoding.of(flags, 0, pull_list) if flags else PLAIN)
 
 
 def _put_keys(buf: np.ndarray, at: int, keys: np.ndarray, list_id: int, held: bool) -> int:
@@ -347,6 +350,21 @@ def _get_values(buf: np.ndarray, at: int, count: int, wire: int) -> np.ndarray:
     return filters.decode(buf[at:at + 2 * count], wire)
 
 
+def plain_keys(buf: np.ndarray, at: int, n: int) -> np.ndarray:
+    """The ``n`` keys at byte ``at`` of a request whose flags are 0 (its keys travel as they are)."""
+    return buf[at:at + 8 * n].view(np.uint64)
+
+
+def plain_pushed(buf: np.ndarray, n_push: int, n_pull: int, dim: int) -> tuple:
+    """(pushed keys, gradients ``n_push x dim``, pulled keys) of a push or a push-pull whose flags
+    are 0: views of ``buf`` laid out as :func:`_pack_pushed` writes them (every key list as its
+    keys, float32 gradients in the message)."""
+    at = HEADER_BYTES + 8 * n_push
+    end = at + 4 * n_push * dim
+    return (buf[HEADER_BYTES:at].view(np.uint64), buf[at:end].view(np.float32).reshape(n_push, dim),
+            buf[end:end + 8 * n_pull].view(np.uint64) if n_pull else NO_KEYS)
+
+
 def _pack_pushed(words: tuple, keys: np.ndarray, grads: np.ndarray, pull_keys: np.ndarray,
                  in_pull: np.ndarray | None, alloc, apart: bool, enc: Encoding = PLAIN) -> np.ndarray:
     """The layout of a push and a push-pull (sizes: the pushed keys, the pulled keys): the keys,
@@ -376,6 +394,8 @@ def _unpack_pushed(buf: np.ndarray, words: tuple, dim: int, grads: np.ndarray | 
     """(pushed keys, gradients, pulled keys, in-pull bits or None, :class:`Encoding`) of a push or
     a push-pull (``lists``: the server's key lists, where it keeps them)."""
     _, table, _, n_push, n_pull, _, worker, _, flags = words
+    if not flags:
+        return (*plain_pushed(buf, n_push, n_pull, dim), None, PLAIN)
     at, push_list, enc = HEADER_BYTES, 0, PLAIN
     if n_push:
         keys, at, push_list = _get_keys(buf, at, n_push, flags, PUSH_LIST_ID, lists, worker, table)
@@ -492,27 +512,34 @@ class Done(Clock):
 @dataclass(eq=False)
 class Checkpoint(Message):
     """``CHECKPOINT``: write the server's shards into the directory ``path`` once every worker
-    has reached ``clock``. Sizes: 0, the path's 8-byte words (UTF-8, padded with NULs)."""
+    has reached ``clock``; with ``quorum`` (backup workers: one worker's checkpoint, no other
+    waiting for it), once clock ``clock - 1`` is complete, and none at all when a later clock
+    completed before it came (:meth:`hpcps.ps.consistency.WorkerClocks.missed`). ``for_signal``:
+    written for a stop signal, which the server forgets once it is written (it reports its own
+    in every reply until then). Sizes: 0, the path's 8-byte words (UTF-8, padded with NULs);
+    ``quorum`` and ``for_signal`` as bits 0 and 1 of the header's reserved word."""
 
     op: ClassVar[int] = CHECKPOINT
     req_id: int
     clock: int
     worker: int
     path: str
+    quorum: bool = False
+    for_signal: bool = False
 
     def pack(self, alloc=None) -> np.ndarray:
         raw = self.path.encode()
         raw += b"\0" * (-len(raw) % 8)
-        buf = _pack(_words(CHECKPOINT, 0, self.req_id, (0, len(raw) // 8), self.clock, self.worker),
-                    HEADER_BYTES + len(raw), alloc)
+        buf = _pack(_words(CHECKPOINT, 0, self.req_id, (0, len(raw) // 8), self.clock, self.worker,
+                           int(self.quorum) | int(self.for_signal) << 1), HEADER_BYTES + len(raw), alloc)
         buf[HEADER_BYTES:] = np.frombuffer(raw, dtype=np.uint8)
         return buf
 
     @classmethod
     def unpack(cls, words: list, buf: np.ndarray, dims: list[int], grads: np.ndarray | None) -> "Checkpoint":
-        _, _, req_id, _, n_words, clock, worker, _, _ = words
+        _, _, req_id, _, n_words, clock, worker, bits, _ = words
         path = buf[HEADER_BYTES:HEADER_BYTES + 8 * n_words].tobytes().rstrip(b"\0").decode()
-        return cls(req_id, clock, worker, path)
+        return cls(req_id, clock, worker, path, bool(bits & 1), bool(bits & 2))
 
 
 @dataclass(eq=False)
@@ -594,30 +621,48 @@ class Call(TableMessage):
                    buf[at + 8 * n:at + 8 * n + 4 * n * width].view(np.float32).reshape(n, width))
 
 
-def tables_request_bytes(n_tables: int, n_push: int, n_pull: int, dims: list[int], in_pull: bool = False) -> int:
-    """The bytes of a :class:`TablesPushPull` (or :class:`TablesPull`) message."""
-    return (HEADER_BYTES + 8 * n_tables + 8 * (n_push + n_pull) + 4 * n_push * sum(dims)
-            + (-(-n_push // 8) if in_pull else 0))
+def tables_request_bytes(n_tables: int, n_push: int, n_pull: int, dims: list[int], in_pull: bool = False,
+                         enc: Encoding = PLAIN, table_counts: list[int] | None = None) -> int:
+    """The bytes of a :class:`TablesPushPull` (or :class:`TablesPull`) message; ``table_counts``:
+    the keys each table pushes of the ``n_push`` sent, where each sends its own (``TABLE_PUSHES``)."""
+    own = table_counts is not None
+    counts = table_counts if own else [n_push] * n_tables
+    return (HEADER_BYTES + 8 * n_tables + keys_bytes(n_push, enc.push_list, enc.push_held)
+            + keys_bytes(n_pull, enc.pull_list, enc.pull_held)
+            + sum(filters.wire_bytes(n * d, enc.wire) for n, d in zip(counts, dims))
+            + (-(-n_push // 8) if in_pull else 0) + ((8 + -(-n_push // 8)) * n_tables if own else 0))
 
 
-def tables_reply_bytes(n_pull: int, dims: list[int]) -> int:
+def tables_reply_bytes(n_pull: int, dims: list[int], wire: int = filters.FP32) -> int:
     """The bytes of the reply to a :class:`TablesPushPull`: the header, each table's (rows held,
-    keys admitted, rows evicted) as int64, then each table's pulled values (float32, ``n_pull x
-    dim``) in the request's order of tables."""
-    return REPLY_BYTES + 24 * len(dims) + 4 * n_pull * sum(dims)
+    keys admitted, rows evicted) as int64, then each table's pulled values (``n_pull x dim``, in
+    the wire type ``wire``, each table's padded to 4 bytes) in the request's order of tables."""
+    return REPLY_BYTES + 24 * len(dims) + sum(filters.wire_bytes(n_pull * d, wire) for d in dims)
 
 
-def tables_reply_parts(buf: np.ndarray, n_pull: int, dims: list[int]) -> tuple[np.ndarray, list[np.ndarray]]:
-    """(each table's counts, int64 ``n_tables x 3``; each table's values) of a reply laid out as
-    :func:`tables_reply_bytes` says (``buf``: the reply, or from its payload on with ``REPLY_BYTES``
-    in front)."""
+def tables_reply_payloads(buf: np.ndarray, n_pull: int, dims: list[int],
+                          wire: int = filters.FP32) -> tuple[np.ndarray, list[np.ndarray]]:
+    """(each table's counts, int64 ``n_tables x 3``; each table's values' bytes) of a reply laid out
+    as :func:`tables_reply_bytes` says (``buf``: the reply, or from its payload on with
+    ``REPLY_BYTES`` in front). A server fills each through :func:`pull_into` and
+    :func:`encode_pulled`."""
     at = REPLY_BYTES + 24 * len(dims)
     counts = buf[REPLY_BYTES:at].view(np.int64).reshape(len(dims), 3)
-    values = []
+    payloads = []
     for dim in dims:
-        values.append(buf[at:at + 4 * n_pull * dim].view(np.float32).reshape(n_pull, dim))
-        at += 4 * n_pull * dim
-    return counts, values
+        size = filters.wire_bytes(n_pull * dim, wire)
+        payloads.append(buf[at:at + size])
+        at += size
+    return counts, payloads
+
+
+def tables_reply_parts(buf: np.ndarray, n_pull: int, dims: list[int],
+                       wire: int = filters.FP32) -> tuple[np.ndarray, list[np.ndarray]]:
+    """(each table's counts; each table's values, float32 ``n_pull x dim``: views of ``buf`` in
+    fp32, decoded from a 16-bit wire type) of a reply (:func:`tables_reply_payloads`)."""
+    counts, payloads = tables_reply_payloads(buf, n_pull, dims, wire)
+    return counts, [p.view(np.float32).reshape(n_pull, d) if wire == filters.FP32 else
+                    filters.decode(p[:2 * n_pull * d], wire).reshape(n_pull, d) for p, d in zip(payloads, dims)]
 
 
 @dataclass(eq=False)
@@ -627,8 +672,16 @@ class TablesPushPull(Message):
     ``clock + 1 + ahead``. Without pulled keys it is the tables' pushes and the clock, answered at
     once. The header's ``table`` word: the number of tables; sizes: the pushed keys, the pulled
     keys; the op's word: ``ahead``. Then the tables' numbers (int64), the pushed keys, the pulled
-    keys (uint64), each table's gradients (float32, ``n_push x dim``) and, with ``IN_PULL``, the
-    in-pull bits (as :class:`PushPull`'s, shared by the tables). Gradients never go apart."""
+    keys (uint64), each table's gradients (``n_push x dim``) and, with ``IN_PULL``, the in-pull
+    bits (as :class:`PushPull`'s, shared by the tables). Gradients never go apart.
+
+    The traffic filters (``encoding``, as :class:`PushPull`'s): every table's values, pushed and
+    pulled, in the wire type (each table's padded to 4 bytes), and the pushed and the pulled key
+    lists each as a list the server keeps under the first table (one list for every table). Behind
+    the significance filter each table pushes its own subset of the pushed keys (``sends``: a bool
+    per pushed key and table; flag ``TABLE_PUSHES``): after the tables' numbers, the keys each
+    pushes (int64 per table); each table's gradients are those of its keys; after them, no in-pull
+    bits but each table's bits (``ceil(n_push / 8)`` bytes each, as the in-pull bits are packed)."""
 
     op: ClassVar[int] = PUSHPULLS
     tables: tuple
@@ -641,46 +694,73 @@ class TablesPushPull(Message):
     ahead: int = 0
     in_pull: np.ndarray | None = None
     clock_workers: int = 1  # as for PushPull
+    encoding: Encoding = PLAIN  # as for PushPull
+    sends: list | None = None  # TABLE_PUSHES: each table's bools (which pushed keys it sends), or None: all
 
     @property
     def pull_clock(self) -> int:
         return pull_clock(self.op, self.clock, self.ahead)
 
+    def pushes(self) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """(table, pushed keys, gradients) of each table."""
+        if self.sends is None:
+            return [(t, self.push_keys, g) for t, g in zip(self.tables, self.grads)]
+        return [(t, self.push_keys[m], g) for t, m, g in zip(self.tables, self.sends, self.grads)]
+
     def pack(self, alloc=None) -> np.ndarray:
+        enc, own = self.encoding, self.sends is not None
         n_tables, n_push, n_pull = len(self.tables), self.push_keys.shape[0], self.pull_keys.shape[0]
         dims = [g.shape[1] for g in self.grads]
-        flags = (IN_PULL if self.in_pull is not None and n_push else 0) | clock_workers_flags(self.clock_workers)
+        counts = [g.shape[0] for g in self.grads] if own else None
+        flags = (IN_PULL if self.in_pull is not None and n_push and not own else 0) \
+            | clock_workers_flags(self.clock_workers) | enc.flags() | (TABLE_PUSHES if own else 0)
         buf = _pack(_words(self.op, n_tables, self.req_id, (n_push, n_pull), self.clock, self.worker, self.ahead,
-                           flags), tables_request_bytes(n_tables, n_push, n_pull, dims, bool(flags & IN_PULL)), alloc)
+                           flags),
+                    tables_request_bytes(n_tables, n_push, n_pull, dims, bool(flags & IN_PULL), enc, counts), alloc)
         at = HEADER_BYTES + 8 * n_tables
         buf[HEADER_BYTES:at].view(np.int64)[:] = self.tables
-        buf[at:at + 8 * n_push].view(np.uint64)[:] = self.push_keys
-        at += 8 * n_push
-        buf[at:at + 8 * n_pull].view(np.uint64)[:] = self.pull_keys
-        at += 8 * n_pull
+        if own:
+            buf[at:at + 8 * n_tables].view(np.int64)[:] = counts
+            at += 8 * n_tables
+        if n_push:
+            at = _put_keys(buf, at, self.push_keys, enc.push_list, enc.push_held)
+        if n_pull:
+            at = _put_keys(buf, at, self.pull_keys, enc.pull_list, enc.pull_held)
         for g in self.grads:
-            buf[at:at + 4 * g.size].view(np.float32)[:] = g.reshape(-1)
-            at += 4 * g.size
+            at = _put_values(buf, at, g, enc.wire)
         if flags & IN_PULL:
             buf[at:] = np.packbits(self.in_pull, bitorder="little")
+        elif own and n_push:
+            buf[at:] = np.concatenate([np.packbits(m, bitorder="little") for m in self.sends])
         return buf
 
     @classmethod
-    def unpack(cls, words: list, buf: np.ndarray, dims: list[int], grads: np.ndarray | None) -> "TablesPushPull":
+    def unpack(cls, words: list, buf: np.ndarray, dims: list[int], grads: np.ndarray | None,
+               lists=None) -> "TablesPushPull":
         _, n_tables, req_id, n_push, n_pull, clock, worker, ahead, flags = words
         at = HEADER_BYTES + 8 * n_tables
         tables = tuple(buf[HEADER_BYTES:at].view(np.int64).tolist())
-        push_keys = buf[at:at + 8 * n_push].view(np.uint64)
-        at += 8 * n_push
-        pull_keys = buf[at:at + 8 * n_pull].view(np.uint64)
-        at += 8 * n_pull
-        table_grads = []
-        for t in tables:
-            table_grads.append(buf[at:at + 4 * n_push * dims[t]].view(np.float32).reshape(n_push, dims[t]))
-            at += 4 * n_push * dims[t]
+        own = bool(flags & TABLE_PUSHES)
+        counts = [n_push] * n_tables
+        if own:
+            counts = buf[at:at + 8 * n_tables].view(np.int64).tolist()
+            at += 8 * n_tables
+        push_keys, at, push_list = _get_keys(buf, at, n_push, flags, PUSH_LIST_ID, lists, worker, tables[0]) \
+            if n_push else (NO_KEYS, at, 0)
+        pull_keys, at, pull_list = _get_keys(buf, at, n_pull, flags, PULL_LIST_ID, lists, worker, tables[0]) \
+            if n_pull else (NO_KEYS, at, 0)
+        wire, table_grads = (flags >> WIRE_SHIFT) & 3, []
+        for t, n in zip(tables, counts):
+            table_grads.append(_get_values(buf, at, n * dims[t], wire).reshape(n, dims[t]))
+            at += filters.wire_bytes(n * dims[t], wire)
         in_pull = buf[at:at + (n_push + 7) // 8] if flags & IN_PULL else None
+        sends = None
+        if own:  # (each table's bits, unpacked)
+            bits = (n_push + 7) // 8
+            sends = [np.unpackbits(buf[at + i * bits:at + (i + 1) * bits], count=n_push, bitorder="little").view(bool)
+                     for i in range(n_tables)]
         return cls(tables, req_id, clock, worker, push_keys, table_grads, pull_keys, ahead, in_pull,
-                   max(1, flags >> CLOCK_WORKERS_SHIFT))
+                   max(1, flags >> CLOCK_WORKERS_SHIFT), Encoding.of(flags, push_list, pull_list), sends)
 
 
 class TablesPull(TablesPushPull):
@@ -706,26 +786,35 @@ def header(buf: np.ndarray):
 _FLAGS_AT = REQUEST.fields["flags"][1]
 
 
-def apart_grads_bytes(buf: np.ndarray, dims: list[int]) -> int:
-    """The size of the gradients message that follows request ``buf`` (0: none)."""
-    if not buf[_FLAGS_AT] & GRADS_APART:  # (one byte read: this runs on every request)
+def apart_grads_bytes(buf: np.ndarray, dims: list[int], words: tuple | None = None) -> int:
+    """The size of the gradients message that follows request ``buf`` (0: none); ``words``: its
+    :func:`request_words`, where already read."""
+    if not (buf[_FLAGS_AT] if words is None else words[8]) & GRADS_APART:  # (this runs on every request)
         return 0
-    op, table, _, n_push, _, _, _, _, flags = _REQUEST_WORDS.unpack_from(buf)
+    op, table, _, n_push, _, _, _, _, flags = _REQUEST_WORDS.unpack_from(buf) if words is None else words
     return 4 * n_push * dims[table] if op in (PUSH, PUSHPULL) else 0
 
 
-def unpack_request(buf: np.ndarray, dims: list[int], grads: np.ndarray | None = None, lists=None) -> Message:
+def request_words(buf: np.ndarray) -> tuple:
+    """A request header's words, in REQUEST's order (``op, table, req_id, n_push, n_pull, clock,
+    worker, reserved, flags``), in one call (reading a structured scalar field by field costs
+    about 30 us a request on the server's critical path)."""
+    return _REQUEST_WORDS.unpack_from(buf)
+
+
+def unpack_request(buf: np.ndarray, dims: list[int], grads: np.ndarray | None = None, lists=None,
+                   words: tuple | None = None) -> Message:
     """The request in ``buf``, as its op's class (its arrays are views into ``buf``, or float32
     values decoded from their wire type); ``dims``: each table's; ``grads``: the bytes of the
     gradients that followed it (:data:`GRADS_APART`); ``lists``: the server's key lists
-    (:class:`hpcps.ps.filters.ServerKeyLists`), which a request's key-list ids name."""
-    # the words in REQUEST's order, in one call (reading a structured scalar field by field costs
-    # about 30 us a request on the server's critical path)
-    words = _REQUEST_WORDS.unpack_from(buf)
+    (:class:`hpcps.ps.filters.ServerKeyLists`), which a request's key-list ids name; ``words``:
+    its :func:`request_words`, where already read."""
+    if words is None:
+        words = _REQUEST_WORDS.unpack_from(buf)
     kind = MESSAGES.get(words[0])
     if kind is None:
         raise ValueError(f"unknown request op {words[0]}")
-    if words[8] & KEY_LIST_FLAGS and words[0] in (PULL, PUSH, PUSHPULL):
+    if words[8] & KEY_LIST_FLAGS and words[0] in (PULL, PUSH, PUSHPULL, PULLS, PUSHPULLS):
         return kind.unpack(words, buf, dims, grads, lists)
     return kind.unpack(words, buf, dims, grads)
 
@@ -769,8 +858,8 @@ def pulled_values(buf: np.ndarray, dim: int, wire: int = filters.FP32, n: int = 
 def pull_into(payload: np.ndarray, n: int, dim: int, wire: int) -> np.ndarray:
     """Where a server writes the ``n x dim`` float32 rows a reply's ``payload`` carries: the
     payload itself, or (another wire type) a float32 array to :func:`encode_pulled` from."""
-    if wire == filters.FP32:
-        return payload[:4 * n * dim].view(np.float32).reshape(n, dim)
+    if wire == filters.FP32:  # (the payload: exactly these rows)
+        return payload.view(np.float32).reshape(n, dim)
     return np.empty((n, dim), dtype=np.float32)
 
 
@@ -778,6 +867,9 @@ def encode_pulled(rows: np.ndarray, payload: np.ndarray, wire: int) -> None:
     """The rows of :func:`pull_into` into the reply's payload, in the wire type (fp32: already there)."""
     if wire != filters.FP32:
         _put_values(payload, 0, rows, wire)
+
+
+CHECKPOINT_MISSED = -1  # a checkpoint result's file_bytes: a quorum checkpoint came too late, nothing written
 
 
 def pack_checkpoint_result(payload: np.ndarray, file_bytes: int, digest: str) -> None:

@@ -38,9 +38,10 @@ from typing import Callable
 
 import numpy as np
 
-from hpcps.ps import checkpoint, deltas, failover, protocol, recovery, signals, transport
+from hpcps.ps import checkpoint, deltas, failover, filters, protocol, recovery, signals, transport
 from hpcps.ps.consistency import NO_BACKUP, Backup, WorkerClocks
 from hpcps.ps.placement import Placement
+from hpcps.ps.plain_requests import PlainRequests
 from hpcps.ps.replication import Replication, ServerCopies
 from hpcps.ps.server_table import ServerTable
 from hpcps.ps.tables import MARGINS_FUNCTION, RESIDUALS_FUNCTION, SERVER_FUNCTIONS, ServerFunction, TableSpec
@@ -136,6 +137,7 @@ class Replies:
         self.workers = workers
         self.tables = tables
         self.tag_ub = net.tag_ub
+        self.take = pool.take
         self.sending: list[transport.Pending] = []
         self.posted_bytes = 0  # bytes of the replies posted since the serving loop last looked
 
@@ -143,15 +145,15 @@ class Replies:
             apart: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """A reply to request ``req_id`` of table ``table`` (-1: none) and a view of its payload;
         ``apart``: it goes as its header, then its payload (``protocol.PAYLOAD_APART``)."""
-        status = protocol.stop_status(signals.requested())
         counts = self.tables[table].counts() if table >= 0 else (0, 0, 0)
-        return protocol.pack_reply(req_id, status, self.workers.min_clock(), self.index, payload_bytes, counts,
-                                   self.pool.take, apart)
+        return protocol.pack_reply(req_id, protocol.stop_status(signals.requested()), self.workers.min_clock(),
+                                   self.index, payload_bytes, counts, self.take, apart)
 
-    def post(self, buf: np.ndarray, dest: int, req_id: int, what: str) -> None:
-        """Send a reply, as its header says: whole, or its header then its payload."""
+    def post(self, buf: np.ndarray, dest: int, req_id: int, what: str, apart: bool | None = None) -> None:
+        """Send a reply, as its header says (or ``apart``, where known): whole, or its header then
+        its payload."""
         tag = protocol.reply_tag(req_id, self.tag_ub)
-        if protocol.payload_apart(buf):
+        if protocol.payload_apart(buf) if apart is None else apart:
             self.sending += self.net.start_send_announced(buf, protocol.REPLY_BYTES, dest, tag, what)
         else:
             self.sending += self.net.start_send(buf, dest, tag, what)
@@ -162,9 +164,9 @@ class Replies:
         n, self.posted_bytes = self.posted_bytes, 0
         return n
 
-    def ack(self, dest: int, r: protocol.Push | protocol.Residuals, what: str) -> None:
-        """An empty reply: request ``r`` is done."""
-        self.post(self.new(r.req_id, 0, r.table)[0], dest, r.req_id, what)
+    def ack(self, dest: int, req_id: int, table: int, what: str) -> None:
+        """An empty reply: request ``req_id`` about table ``table`` is done."""
+        self.post(self.new(req_id, 0, table)[0], dest, req_id, what, False)
 
     def drop_completed(self) -> None:
         if self.sending:
@@ -182,34 +184,43 @@ class ServerReads:
     its ``replies``."""
 
     def _serve_pull(self, source: int, r: protocol.Pull | protocol.PushPull) -> None:
-        """Answer a pull, or a push-pull (whose reply is also its push's acknowledgement). A pull
-        the server runs on two threads (``splits_pull``) is answered as its header, sent once
-        the values are ready, then the values: the waiting worker sleeps until the header comes
-        rather than spinning through the server's work, which leaves the core to the second thread."""
-        failover.before_read(self, r.pull_keys)
-        n, dim, wire = r.pull_keys.shape[0], self.dims[r.table], r.encoding.wire
-        reply, payload = self.replies.new(r.req_id, protocol.reply_bytes(r.op, n, dim, wire) - protocol.REPLY_BYTES,
-                                          r.table, splits_pull(n, dim))
+        """Answer a pull, or a push-pull (whose reply is also its push's acknowledgement)."""
+        self.answer_pull(source, r.op, r.req_id, r.table, r.pull_keys, r.encoding.wire)
+
+    def answer_pull(self, source: int, op: int, req_id: int, table: int, keys: np.ndarray,
+                    wire: int = filters.FP32) -> None:
+        """Answer request ``req_id`` (a pull or a push-pull, ``op``) from rank ``source`` with the
+        rows of ``keys`` in table ``table``, in the wire type ``wire``. A pull the server runs on
+        two threads (``splits_pull``) is answered as its header, sent once the values are ready,
+        then the values: the waiting worker sleeps until the header comes rather than spinning
+        through the server's work, which leaves the core to the second thread."""
+        failover.before_read(self, keys)
+        n, dim = keys.shape[0], self.dims[table]
+        apart = splits_pull(n, dim)
+        reply, payload = self.replies.new(req_id, protocol.reply_bytes(op, n, dim, wire) - protocol.REPLY_BYTES,
+                                          table, apart)
         if n:  # (the rows in the request's wire type: hpcps.ps.filters)
             rows = protocol.pull_into(payload, n, dim, wire)
-            self.tables[r.table].pull(r.pull_keys, rows, source - self.worker_rank0)
+            self.tables[table].pull(keys, rows, source - self.worker_rank0)
             protocol.encode_pulled(rows, payload, wire)
-        self.replies.post(reply, source, r.req_id, _REPLY_WHAT[r.op])
+        self.replies.post(reply, source, req_id, _REPLY_WHAT[op], apart)
 
     def _serve_tables(self, source: int, r: protocol.TablesPull | protocol.TablesPushPull) -> None:
         """Answer a pull of several tables (or a tables push-pull): each table's counts, then its
         rows (``protocol.tables_reply_bytes``); as :meth:`_serve_pull` for each table."""
         failover.before_read(self, r.pull_keys)
-        n, dims = r.pull_keys.shape[0], [self.dims[t] for t in r.tables]
+        n, dims, wire = r.pull_keys.shape[0], [self.dims[t] for t in r.tables], r.encoding.wire
         apart = any(splits_pull(n, dim) for dim in dims)
-        reply, _ = self.replies.new(r.req_id, protocol.tables_reply_bytes(n, dims) - protocol.REPLY_BYTES,
+        reply, _ = self.replies.new(r.req_id, protocol.tables_reply_bytes(n, dims, wire) - protocol.REPLY_BYTES,
                                     r.tables[0], apart)
-        counts, values = protocol.tables_reply_parts(reply, n, dims)
+        counts, payloads = protocol.tables_reply_payloads(reply, n, dims, wire)
         worker = source - self.worker_rank0
         for i, t in enumerate(r.tables):
             counts[i] = self.tables[t].counts()
-            if n:
-                self.tables[t].pull(r.pull_keys, values[i], worker)
+            if n:  # (the rows in the request's wire type, as _serve_pull's)
+                rows = protocol.pull_into(payloads[i], n, dims[i], wire)
+                self.tables[t].pull(r.pull_keys, rows, worker)
+                protocol.encode_pulled(rows, payloads[i], wire)
         self.replies.post(reply, source, r.req_id, _REPLY_WHAT[r.op])
 
     def _serve_call(self, source: int, r: protocol.Call) -> None:
@@ -231,6 +242,15 @@ class ServerReads:
         self.fragments[(source - self.worker_rank0, r.table)] = (r.keys, r.values, r.row_ids)
         self.replies.post(reply, source, r.req_id, "margins reply")
 
+    def _checkpoint_or_defer(self, source: int, r: protocol.Checkpoint) -> None:
+        """A checkpoint now or once the clocks allow it; a quorum checkpoint come too late, none."""
+        if not self.workers.missed(r):
+            self._serve_or_defer(source, r)
+            return
+        reply, payload = self.replies.new(r.req_id, protocol.CHECKPOINT_RESULT.itemsize)
+        protocol.pack_checkpoint_result(payload, protocol.CHECKPOINT_MISSED, "")
+        self.replies.post(reply, source, r.req_id, "checkpoint reply")
+
     def _write_checkpoint(self, source: int, r: protocol.Checkpoint) -> None:
         self._apply(self.workers.late_pushes_kept())  # (backup workers: every push sent before it)
         self.apply_backlog()  # (a snapshot's marks of changed rows cover every copy's)
@@ -238,9 +258,13 @@ class ServerReads:
         reply, payload = self.replies.new(r.req_id, protocol.CHECKPOINT_RESULT.itemsize)
         protocol.pack_checkpoint_result(payload, size, digest)
         self.replies.post(reply, source, r.req_id, "checkpoint reply")
+        if r.quorum:  # (the pushes of its clock and later, held while it waited)
+            self._apply_pushes_due()
+        if r.for_signal:  # (this server's own signal is answered: no more STOP in its replies)
+            signals.clear()
 
 
-class Server(ServerReads, ServerCopies):
+class Server(ServerReads, PlainRequests, ServerCopies):
     """The serving loop of one server rank, and its handlers, one per request op. ``net``: how it
     reaches the workers (:class:`hpcps.ps.transport.MPITransport` on a server rank; a
     :class:`~hpcps.ps.transport.Loopback` hands it each request of a job of one process)."""
@@ -275,13 +299,14 @@ class Server(ServerReads, ServerCopies):
         self.recovery = recovery.ServerRecovery(self)  # the "rank lost" event (hpcps.ps.recovery)
         # what a request asks: op -> handler(source, request)
         self.handlers = {
-            protocol.PULL: self._serve_or_defer, protocol.CHECKPOINT: self._serve_or_defer,
+            protocol.PULL: self._serve_or_defer, protocol.CHECKPOINT: self._checkpoint_or_defer,
             protocol.MARGINS: self._serve_or_defer, protocol.CALL: self._serve_or_defer,
             protocol.PUSHPULL: self._handle_push_pull, protocol.PUSH: self._handle_push,
             protocol.RESIDUALS: self._handle_residuals, protocol.CLOCK: self._handle_clock,
             protocol.DONE: self._handle_done,
             protocol.PULLS: self._serve_or_defer, protocol.PUSHPULLS: self._handle_tables_push_pull,
         }
+        self.plain = self.plain_handlers()  # op -> its plain way (source, message, header words) -> done
         # how a read is answered once the clocks allow it: op -> reader(source, request)
         self.readers = {protocol.PULL: self._serve_pull, protocol.PUSHPULL: self._serve_pull,
                         protocol.CHECKPOINT: self._write_checkpoint, protocol.MARGINS: self._serve_margins,
@@ -290,40 +315,29 @@ class Server(ServerReads, ServerCopies):
 
     # -- requests ----------------------------------------------------------------------------
 
-    def handle(self, source: int, buf: np.ndarray, grads: np.ndarray | None = None) -> None:
-        """Serve request ``buf`` from rank ``source`` (``grads``: its gradients, when they came
-        apart)."""
-        try:
-            r = protocol.unpack_request(buf, self.dims, grads, self.key_lists)
-        except ValueError as e:
-            raise RuntimeError(f"server {self.index}: {e} from rank {source}") from None
-        self.stats["requests"] += 1
-        self.handlers[r.op](source, r)
-        self.apply_backlog()  # (replicas: the backups' part of its pushes, once it is answered)
-
     def _handle_push_pull(self, source: int, r: protocol.PushPull) -> None:
-        self._push_pull(source, r, ((r.table, r.grads),), self._serve_pull)
+        self._push_pull(source, r, ((r.table, r.push_keys, r.grads),), self._serve_pull)
 
     def _handle_tables_push_pull(self, source: int, r: protocol.TablesPushPull) -> None:
-        self._push_pull(source, r, tuple(zip(r.tables, r.grads)), self._serve_tables)
+        self._push_pull(source, r, r.pushes(), self._serve_tables)
 
     def _push_pull(self, source: int, r: protocol.PushPull | protocol.TablesPushPull, pushes: tuple,
                    serve: Callable) -> None:
-        """Push at clock c (``pushes``: (table, gradients) of each table, at the same keys), clock
+        """Push at clock c (``pushes``: (table, keys, gradients) of each table), clock
         c + 1 once, pull at clock c + 1 (+ ahead) by ``serve``. When nothing else is to be served or
         applied in between (:meth:`_answers_at_once`), the push's keys the pull reads are updated,
         the pull answered, and then (the reply gone) the push's other keys."""
         worker = source - self.worker_rank0
         self._advance(worker, r)
         if r.in_pull is not None and self._answers_at_once(r):
-            rests = [(self.tables[t], self.push_now(worker, t, r.push_keys, g, r.clock, r.in_pull)) for t, g in pushes]
+            rests = [(self.tables[t], self.push_now(worker, t, k, g, r.clock, r.in_pull)) for t, k, g in pushes]
             serve(source, r)
             for table, rest in rests:
                 if rest is not None:
                     table.apply_after_reply(rest)
             return
-        for t, g in pushes:
-            self._push(worker, protocol.Push(t, r.req_id, r.clock, r.worker, r.push_keys, g))
+        for t, k, g in pushes:
+            self._push(worker, protocol.Push(t, r.req_id, r.clock, r.worker, k, g))
         self._after_clock()
         self._serve_or_defer(source, r)
 
@@ -344,7 +358,7 @@ class Server(ServerReads, ServerCopies):
 
     def _handle_push(self, source: int, r: protocol.Push) -> None:
         self._push(source - self.worker_rank0, r)
-        self.replies.ack(source, r, "push ack")
+        self.replies.ack(source, r.req_id, r.table, "push ack")
 
     def _handle_residuals(self, source: int, r: protocol.Residuals) -> None:
         """The gradients of the worker's last MARGINS nonzeros, pushed at clock c; then clock c + 1."""
@@ -355,7 +369,7 @@ class Server(ServerReads, ServerCopies):
         self._push(worker, protocol.Push(r.table, r.req_id, r.clock, r.worker, uniq, grads))
         self.workers.advance(worker, r.clock + 1)
         self._after_clock()
-        self.replies.ack(source, r, "residuals ack")
+        self.replies.ack(source, r.req_id, r.table, "residuals ack")
 
     def _handle_clock(self, source: int, r: protocol.Clock) -> None:
         self.workers.advance(source - self.worker_rank0, r.clock)
@@ -472,8 +486,9 @@ class ServingLoop:
             self._idle()
             return
         source, buf = got
-        grads = self._apart_grads(source, buf)  # (a transfer: before the request's own time)
-        self._handle_timed(source, buf, grads, probed)
+        words = protocol.request_words(buf)
+        grads = self._apart_grads(source, buf, words)  # (a transfer: before the request's own time)
+        self._handle_timed(source, buf, words, grads, probed)
 
     def _idle(self) -> None:
         """No request: finish the sends that are done, check for stalled reads now and then, sleep."""
@@ -487,35 +502,37 @@ class ServingLoop:
             self.last_check = now
         server.stats["idle_s"] += self.poll.idle()
 
-    def _handle_timed(self, source: int, buf: np.ndarray, grads: np.ndarray | None, probed: float) -> None:
+    def _handle_timed(self, source: int, buf: np.ndarray, words: tuple, grads: np.ndarray | None,
+                      probed: float) -> None:
         server, stats = self.server, self.server.stats
         t = time.perf_counter()
         if t - self.last_request > 0.5 and self.idle_since_cpu is not None:  # a quiet spell: what did waiting cost?
             stats["idle_gap_wall_s"] += t - self.last_request
             stats["idle_gap_cpu_s"] += time.process_time() - self.idle_since_cpu
         self.idle_since_cpu = None
-        server.handle(source, buf, grads)
+        server.handle(source, buf, grads, words)
         end = time.perf_counter()
         stats["busy_s"] += end - t
         sent = server.replies.take_posted_bytes()
-        if server.trace is not None:  # (the bytes as MPI carried them: the probed size, the replies queued)
-            h = protocol.header(buf)
-            server.trace.append((int(h["op"]), int(h["n_push"]), int(h["n_pull"]), end - t,
-                                 buf.nbytes + (0 if grads is None else grads.nbytes), sent, end - probed))
         # keep polling without sleep while the replies just queued should be in transfer
         self.poll.reset(sent)
         self.last_request = end
+        if server.trace is not None:  # (the bytes as MPI carried them: the probed size, the replies queued;
+            looped = time.perf_counter()  # the loop's time on it: from the poll that found it to the next poll)
+            op, _, _, n_push, n_pull, *_ = words
+            server.trace.append((op, n_push, n_pull, end - t, buf.nbytes + (0 if grads is None else grads.nbytes),
+                                 sent, looped - probed))
 
-    def _apart_grads(self, source: int, buf: np.ndarray) -> np.ndarray | None:
-        """The gradients that follow a request from ``source`` as a message of their own
-        (``protocol.GRADS_APART``: the next ``TAG_GRADS`` message from that rank), or None."""
+    def _apart_grads(self, source: int, buf: np.ndarray, words: tuple) -> np.ndarray | None:
+        """The gradients that follow request ``buf`` (header ``words``) from ``source`` as a message
+        of their own (``protocol.GRADS_APART``: the next ``TAG_GRADS`` message from that rank), or None."""
         server = self.server
-        nbytes = protocol.apart_grads_bytes(buf, server.dims)
+        nbytes = protocol.apart_grads_bytes(buf, server.dims, words)
         if not nbytes:
             return None
         grads = server.pool.take(nbytes)
         transport.wait(server.net.start_recv(grads, source, protocol.TAG_GRADS,
-                                             f"gradients of request {protocol.header(buf)['req_id']} from rank {source}"),
+                                             f"gradients of request {words[2]} from rank {source}"),
                        timeout=server.stall_timeout_s, warn_after=server.stall_warn_s)
         return grads
 

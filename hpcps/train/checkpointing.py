@@ -5,7 +5,9 @@
 directory, at the next step (a checkpoint, then exit 130 after SIGINT, 75 after the others, or
 training goes on with ``on_signal = "continue"``); without one, at once (exit 128 + the signal).
 Every worker agrees on each decision; the first worker asks the servers to write and writes the
-manifest, whose position is the step to run next.
+manifest, whose position is the step to run next. Under backup workers no worker waits for the
+others at each step: the first worker writes periodic checkpoints alone and stop signals are
+agreed where the workers meet (:mod:`hpcps.train.quorum_checkpoints`).
 
 Delta snapshots (``delta_every_steps`` / ``delta_every_s``, :mod:`hpcps.ps.deltas`) are taken at the
 same points over the run's newest full checkpoint, written while training goes on; every
@@ -16,10 +18,11 @@ run's lineage, or one resumed from elsewhere), and the one after a delta that fa
 from __future__ import annotations
 
 import os
-import signal
 import time
 
 from hpcps.ps import checkpoint, deltas, signals
+from hpcps.train.flush import flush_filters
+from hpcps.train.quorum_checkpoints import QuorumCheckpoints, stop_wanted
 
 EXIT_PREEMPTED = 75  # the job stopped on SIGUSR1/SIGTERM after writing a checkpoint (EX_TEMPFAIL)
 EXIT_INTERRUPTED = signals.EXIT_INTERRUPTED  # 130: the job stopped on SIGINT (after its checkpoint, if any)
@@ -38,7 +41,7 @@ class Checkpointing:
     signal checkpoints (:meth:`if_due`), the final one (:meth:`at_the_end`), and the newest this
     run wrote (:attr:`written`, on the first worker)."""
 
-    def __init__(self, ctx, plan, pipeline, model, first: bool):
+    def __init__(self, ctx, plan, pipeline, model, first: bool, loop=None):
         self.ctx, self.plan, self.cfg = ctx, plan, plan.cfg
         self.pipeline, self.model = pipeline, model
         self.first = first
@@ -53,6 +56,8 @@ class Checkpointing:
         self.commits = deltas.Commits()
         self.chain: dict | None = None
         self.delta_pauses: list[float] = []  # first worker: how long training waited for each delta
+        # backup workers: no agreement per step (``loop``: the Trainer, whose steps a stop may skip)
+        self.quorum = QuorumCheckpoints(self, loop) if (self.cfg.checkpoint.dir and ctx.backup.workers) else None
 
     def agree_on_resumed(self, global_step: int) -> None:
         """Collective over the workers: the checkpoint resumed counts as this run's newest when it
@@ -75,22 +80,37 @@ class Checkpointing:
     def if_due(self, epoch: int, step: int, global_step: int) -> int:
         """Collective over the workers, after step ``step`` of ``epoch``: a checkpoint when one is
         due somewhere (a stop signal, a periodic one). Returns the exit status the run stops with
-        on the signal (130 after SIGINT, 75 after the others), else 0."""
-        ck = self.cfg.checkpoint
-        if not ck.dir:
+        on the signal (130 after SIGINT, 75 after the others), else 0. Under backup workers, no
+        collective unless this worker sees a stop (:meth:`QuorumCheckpoints.if_due`)."""
+        if not self.cfg.checkpoint.dir:
             return 0
-        # 4 = SIGINT somewhere, 3 = another stop signal, 2 = a periodic checkpoint is due, 1 = a
-        # delta snapshot is; all workers agree
+        if self.quorum is not None:
+            return self.quorum.if_due(epoch, step, global_step)
         sig = self.ctx.stop_signal
-        now = time.monotonic()
-        want = (4 if sig == signal.SIGINT else 3) if sig else 2 if (
-            bool(ck.every_steps and global_step % ck.every_steps == 0)
-            or bool(self.first and ck.every_s and now - self.last_save >= ck.every_s)) else int(
+        want = self.workers.largest(stop_wanted(sig) if sig else self.due(global_step), "agreement on checkpointing")
+        return self.act(want, epoch, step, global_step) if want else 0
+
+    def at_collective(self, epoch: int, step: int, global_step: int) -> int:
+        """Before a collective of the loop (an evaluation, the epoch's end), after step ``step``:
+        under backup workers, the agreement on a stop signal where the workers meet
+        (:meth:`QuorumCheckpoints.at_collective`); else nothing. Returns as :meth:`if_due`."""
+        return 0 if self.quorum is None else self.quorum.at_collective(epoch, step, global_step)
+
+    def due(self, global_step: int, by_time: bool = True) -> int:
+        """What this worker's count and clock make due: 2 = a periodic checkpoint, 1 = a delta
+        snapshot (by seconds, unless not ``by_time``: the first worker's clock), 0 = nothing."""
+        ck, now = self.cfg.checkpoint, time.monotonic()
+        timed = by_time and self.first
+        return 2 if (bool(ck.every_steps and global_step % ck.every_steps == 0)
+                     or bool(timed and ck.every_s and now - self.last_save >= ck.every_s)) else int(
             bool(ck.delta_every_steps and global_step % ck.delta_every_steps == 0)
-            or bool(self.first and ck.delta_every_s and now - self.last_snapshot >= ck.delta_every_s))
-        want = self.workers.largest(want, "agreement on checkpointing")
-        if not want:
-            return 0
+            or bool(timed and ck.delta_every_s and now - self.last_snapshot >= ck.delta_every_s))
+
+    def act(self, want: int, epoch: int, step: int, global_step: int) -> int:
+        """Collective over the workers: the checkpoint the workers agreed on after step ``step``
+        (``want``: 4 = SIGINT somewhere, 3 = another stop signal, 2 = periodic, 1 = a delta
+        snapshot). Returns the exit status the run stops with on the signal, else 0."""
+        ck = self.cfg.checkpoint
         self.save(epoch, step + 1, global_step, "signal" if want >= 3 else "periodic", delta=want == 1)
         self.saved_at, self.last_snapshot = global_step, time.monotonic()
         if want >= 3:
@@ -104,7 +124,12 @@ class Checkpointing:
         """Collective over the workers: the final checkpoint (``checkpoint.final``), unless the
         run stopped on a signal or its last step's is written already."""
         ck = self.cfg.checkpoint
-        if ck.dir and ck.final and not preempted and self.saved_at != global_step:
+        if self.quorum is not None:  # (backup workers: the first worker's checkpoint asked alone, in first)
+            self.quorum.finish_asked(block=True)
+        saved = self.saved_at == global_step
+        if self.quorum is not None and ck.final and not preempted:
+            saved = bool(self.workers.largest(int(saved), "agreement on the last checkpoint"))
+        if ck.dir and ck.final and not preempted and not saved:
             self.save(self.cfg.train.epochs + 1, 1, global_step, "end of training")
         self._delta_committed()
         if self.delta_pauses:
@@ -115,30 +140,52 @@ class Checkpointing:
     def save(self, epoch_next: int, step_next: int, global_step: int, reason: str, delta: bool = False) -> None:
         """Collective over the workers: a checkpoint (or a delta snapshot, when one can be taken)
         whose position is the step to run next."""
-        ctx, cfg = self.ctx, self.cfg
         t = time.perf_counter()
         self.pipeline.finish()  # every worker: its pushes acknowledged
+        flush_filters(self.ctx, self.pipeline)  # (filters.push_threshold: the checkpoint holds every update)
         if self.first:
-            self._delta_committed()  # (the one before, written)
-            delta = delta and self.chain is not None and len(self.chain["deltas_before"]) + 1 < cfg.checkpoint.full_every
-            manifest = {
-                "run_id": self.plan.run_id, "model_fingerprint": cfg.model_fingerprint(), "config": cfg.to_dict(),
-                "reason": reason,
-                "position": {"epoch": epoch_next, "step": step_next, "global_step": global_step},
-                "data": {**self.data_meaning, "random_state": "none: the loop draws no random numbers"},
-                "fields": self.model.fields, "input_format": self.plan.input_format}
+            if self.quorum is not None:
+                self.quorum.finish_asked(block=True)  # (backup workers: a checkpoint asked alone, in first)
+            delta = self.delta_possible(delta)
+            path = self.ctx.save_checkpoint(self.cfg.checkpoint.dir, global_step,
+                                            self.manifest(epoch_next, step_next, global_step, reason, delta),
+                                            self.cfg.checkpoint.keep, delta=self.commits if delta else None,
+                                            track=self.deltas_on and not delta, for_signal=reason == "signal")
+            self.committed(path, reason, delta)
             if delta:
-                ctx.save_checkpoint(cfg.checkpoint.dir, global_step, {**manifest, "snapshot": "delta", **self.chain},
-                                    cfg.checkpoint.keep, delta=self.commits)
                 self.delta_pauses.append(time.perf_counter() - t)  # (the rows copied; written meanwhile)
-            else:
-                path = ctx.save_checkpoint(cfg.checkpoint.dir, global_step, manifest, cfg.checkpoint.keep,
-                                           track=self.deltas_on)
-                self.written, self.last_save = path, time.monotonic()
-                if self.deltas_on:
-                    self._extend_chain(path, checkpoint.read_manifest(path))
-                print(f"hpcps train: checkpoint {path} ({reason})", flush=True)
         self.workers.wait_for_all("checkpoint barrier")
+
+    def delta_possible(self, delta: bool) -> bool:
+        """First worker: whether a delta snapshot asked for can be one (the one before committed;
+        a full checkpoint to take it over, and fewer than ``full_every - 1`` deltas over it)."""
+        self._delta_committed()  # (the one before, written)
+        return delta and self.chain is not None and len(self.chain["deltas_before"]) + 1 < self.cfg.checkpoint.full_every
+
+    def manifest(self, epoch_next: int, step_next: int, global_step: int, reason: str, delta: bool) -> dict:
+        """First worker: what a checkpoint's manifest says beside the servers' files."""
+        cfg = self.cfg
+        manifest = {
+            "run_id": self.plan.run_id, "model_fingerprint": cfg.model_fingerprint(), "config": cfg.to_dict(),
+            "reason": reason,
+            "position": {"epoch": epoch_next, "step": step_next, "global_step": global_step},
+            "data": {**self.data_meaning, "random_state": "none: the loop draws no random numbers"},
+            "fields": self.model.fields, "input_format": self.plan.input_format}
+        return {**manifest, "snapshot": "delta", **self.chain} if delta else manifest
+
+    def committed(self, path: str | None, reason: str, delta: bool) -> bool:
+        """First worker: a checkpoint written at ``path`` (a full one: said, the newest, and the
+        one deltas follow), or missed (None: some servers may have taken their snapshot, so the
+        next one is full). Returns whether it was written."""
+        if path is None:
+            self.chain = None
+            return False
+        if not delta:
+            self.written, self.last_save = path, time.monotonic()
+            if self.deltas_on:
+                self._extend_chain(path, checkpoint.read_manifest(path))
+            print(f"hpcps train: checkpoint {path} ({reason})", flush=True)
+        return True
 
     def _delta_committed(self) -> None:
         """First worker: wait for the delta snapshot being committed; the next one is taken over

@@ -118,7 +118,7 @@ def fingerprint(spec, span: int = 1 << 20) -> dict:
             f.seek(max(0, n - span))
             raw += head + f.read(span)
         size += n
-    raw = np.frombuffer(raw, dtype=np.uint8)
+    raw = np.frombuffer(bytearray(raw), dtype=np.uint8)  # (writable: the parsers' compiled signature)
     out = {"path": os.path.abspath(files[0]), "bytes": size,
            "head_tail_xxh64": f"{int(xxh64(raw, 0, raw.shape[0], np.uint64(0))):016x}"}
     if len(files) > 1:

@@ -33,6 +33,7 @@ from hpcps.train.checkpointing import Checkpointing, catch_stop_signals
 from hpcps.train.early_stop import EarlyStopping
 from hpcps.train.evaluation import evaluate, predict
 from hpcps.train.feed import BatchFeed
+from hpcps.train.flush import flush_filters
 from hpcps.train.loading import initial_bias, load_part, model_fields, parse_ahead
 from hpcps.train.models import NonFiniteError, make_model
 from hpcps.train.pipeline import StepPipeline
@@ -262,7 +263,7 @@ class Trainer:
         self.global_step = self.start[2]
         self.reporter = Reporter(ctx, plan, self.steps, workers.is_first)
         self.reporter.say_start(self.model, self.train, self.start)
-        self.checkpoints = Checkpointing(ctx, plan, self.pipeline, self.model, workers.is_first)
+        self.checkpoints = Checkpointing(ctx, plan, self.pipeline, self.model, workers.is_first, self)
         self.checkpoints.agree_on_resumed(self.global_step)
         self.reporter.say_nothing_left(self.start[0])
         self.feed = BatchFeed(cfg, self.train, self.steps, self.holdout_phase, self.model.reads_keys,
@@ -277,23 +278,34 @@ class Trainer:
         first_step = self.start[1] if epoch == self.start[0] else 1
         self.reporter.start_epoch(first_step)
         self.feed.start_epoch(bool(tr.holdout and self.early.holdout is None and first_step == 1))
-        end_clock = self.ctx.clock_value + self.steps - first_step + 1
+        self.late.start_epoch(self.steps - first_step + 1)
         if self.takeover is not None:
             self.takeover.start_epoch()
-        for step in range(first_step, self.steps + 1):
-            if self.late.others_ended(end_clock):  # backup workers: W - b workers ended the epoch
+        step = first_step
+        while step <= self.steps:
+            if self.late.others_ended():  # backup workers: W - b workers ended the epoch
                 i = (epoch - 1) * self.steps + step - 1
-                self.global_step += self.late.skip_rest(self.pipeline, self.feed, i, epoch * self.steps, end_clock)
+                self.global_step += self.late.skip_rest(self.pipeline, self.feed, i, epoch * self.steps)
                 break
             self.step(epoch, step)
-            self.preempted = self.checkpoints.if_due(epoch, step, self.global_step)
+            done = self.global_step
+            self.preempted = self.checkpoints.if_due(epoch, step, done)
+            step += self.global_step - done  # (backup workers: the steps a stop's agreement skipped)
+            evaluate = tr.eval_every and self.test is not None and step % tr.eval_every == 0 and step != self.steps
+            if evaluate and not self.preempted:  # (backup workers: the stop's agreement before it)
+                self.preempted = self.checkpoints.at_collective(epoch, step, self.global_step)
             if self.preempted:
                 break
-            if tr.eval_every and self.test is not None and step % tr.eval_every == 0 and step != self.steps:
+            if evaluate:
                 self.reporter.epoch_end(epoch, {"step": step, **self.evaluate(self.test)})
+            step += 1
+        if not self.preempted:  # (backup workers: a stop seen by no worker in the epoch's steps)
+            self.preempted = self.checkpoints.at_collective(epoch, self.steps, self.global_step)
         self.pipeline.finish()
         if self.takeover is not None and not self.preempted:
             self.takeover.after_epoch(epoch)
+        if not self.preempted:  # (filters.push_threshold: the epoch's model holds every update)
+            flush_filters(self.ctx, self.pipeline)
 
     def step(self, epoch: int, step: int) -> None:
         i = (epoch - 1) * self.steps + step - 1

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hpcps.ps import protocol
+from hpcps.train.flush import refetch
 from hpcps.train.models import NonFiniteError, tick
 from hpcps_kernels import keys as kkeys
 
@@ -254,6 +255,7 @@ class StepPipeline:
         self.sorted = ctx.is_worker and self.aggregate and ctx.within_group.size > 1
         self.pending: list = []                  # (table, timestamp) of pushes in flight
         self.ahead: list[PreparedBatch] = []     # the next batches, prepared (see step)
+        self.refetch: set = set()                # batches whose rows a flush of the filters dropped (flush.py)
         # train.pull_early's pipelined step: under SSP/ASP only (under BSP a pull two clocks
         # ahead would wait on this worker's own next step) and with servers to overlap (one
         # process: its in-process server answers each request when sent)
@@ -292,7 +294,8 @@ class StepPipeline:
     def _fetch(self, cur: PreparedBatch) -> None:
         """The rows of every table for ``cur`` (pulls of all tables in flight together)."""
         if cur.params is None:
-            cur.params = self.requests.rows(cur.pulls if cur.pulls is not None else self.requests.ipull(cur.uniq))
+            cur.params = self.requests.rows(cur.pulls) if cur.pulls is not None else refetch(
+                self.ctx, self, cur.batch, lambda: self.requests.rows(self.requests.ipull(cur.uniq)))
             cur.pulls = None
 
     def _wait_pending(self) -> None:

@@ -11,8 +11,9 @@ the next epoch with the others. It learns which clock is complete from the serve
 (their header's clock: :func:`hpcps.ps.client.read_reply_header`).
 
 Every collective of the loop stays matched: the others can end an epoch only after the late
-worker has joined each collective inside it (evaluations, checkpoint agreements), so the steps it
-skips hold none. The summary names each stalled worker (:func:`agree_on_stalls`).
+worker has joined each collective inside it (evaluations, stop agreements: under backup workers the
+periodic checkpoints are the first worker's alone, :mod:`hpcps.train.quorum_checkpoints`), so the
+steps it skips hold none. The summary names each stalled worker (:func:`agree_on_stalls`).
 """
 
 from __future__ import annotations
@@ -34,24 +35,45 @@ class LateWorker:
         self.on = ctx.backup.workers > 0 and ctx.is_worker
         self.tables = tables  # the model's sparse tables: their replies carry the complete clock
         ctx.stats.setdefault("rows_skipped", 0)
+        self.end_base = 0
 
-    def others_ended(self, end_clock: int) -> bool:
-        """Whether the clocks up to ``end_clock`` (the end of this worker's epoch) are complete
-        while this worker is still in the epoch, as the servers' last reply said."""
+    def start_epoch(self, steps_left: int) -> None:
+        """An epoch (or the rest of a resumed one) of ``steps_left`` steps begins."""
+        self.end_base = self.ctx.clock_value + steps_left - self.ctx.flush_clocks
+
+    @property
+    def end_clock(self) -> int:
+        """The clock at the end of this worker's epoch: one a step, and one for each of the
+        filters' flushes (``filters.push_threshold``: one a checkpoint) made in it."""
+        return self.end_base + self.ctx.flush_clocks
+
+    def others_ended(self) -> bool:
+        """Whether the clocks up to :attr:`end_clock` are complete while this worker is still in
+        the epoch, as the servers' last reply said."""
+        end_clock = self.end_clock
         if not self.on or self.ctx.clock_value >= end_clock:
             return False
         complete = max((t.last_min_clock for t in self.tables if t.last_min_clock is not None), default=-1)
         return complete >= end_clock
 
-    def skip_rest(self, pipeline, feed, first: int, last: int, end_clock: int) -> int:
+    def skip_rest(self, pipeline, feed, first: int, last: int, clock: int | None = None) -> int:
         """Skip the steps of indices ``first`` to ``last`` (exclusive) of the epoch: the requests in
         flight finished, the rows pulled ahead dropped, the batches taken and their rows counted,
-        the clock moved to ``end_clock`` on every server. Returns the steps skipped."""
+        the clock moved to ``clock`` (default :attr:`end_clock`) on every server. Returns the steps
+        skipped."""
         pipeline.forget_ahead()
         rows = sum(feed.take(i).rows for i in range(first, last))
         self.ctx.stats["rows_skipped"] += rows
-        self.ctx.clock_to(end_clock)
+        self.ctx.clock_to(self.end_clock if clock is None else clock)
         return last - first
+
+
+    def skip_to(self, pipeline, feed, first: int, clock: int) -> int:
+        """A stop agreed under backup workers (:mod:`hpcps.train.quorum_checkpoints`): this worker
+        moved to ``clock`` (the largest among the workers, in this epoch) from the step of index
+        ``first``, the steps between skipped as :meth:`skip_rest` does. Returns the steps skipped."""
+        n = clock - self.ctx.clock_value
+        return self.skip_rest(pipeline, feed, first, first + n, clock) if n > 0 else 0
 
 
 def agree_on_stalls(ctx) -> list[dict]:
