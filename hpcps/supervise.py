@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from hpcps.ps import checkpoint
@@ -105,6 +106,8 @@ def run(command: list[str], max_restarts: int = 3, backoff: float = 5.0, backoff
                 _log(f"cannot start the job: {cmd[0]}: {e.strerror or e}", log_file)
                 return 2
             child[:] = [proc]
+            if attempt == 0:  # while the job runs: the checksums a restart verifies, loaded already
+                threading.Thread(target=checkpoint.warm_checksums, daemon=True, name="hpcps-warm").start()
             if received:  # a signal came while it started: it is passed on now
                 proc.send_signal(received[-1])
             rc = proc.wait()

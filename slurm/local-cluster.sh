@@ -146,6 +146,7 @@ start_network() {
   ip link show "$BRIDGE" >/dev/null 2>&1 && fail "$BRIDGE exists: another cluster is running (stop it first)"
   remove_stale_namespaces
   ip link add "$BRIDGE" type bridge 2>/dev/null || cannot "cannot create a bridge"
+  : >"$DIR/bridge"  # (this directory's cluster made it: only its stop removes it)
   ip addr add "$NET.1/24" dev "$BRIDGE"
   ip link set "$BRIDGE" up
   { echo "127.0.0.1 localhost"; echo "$NET.2 $CTL_NS"
@@ -185,7 +186,10 @@ stop_network() {
     done
     rm -f "$DIR/namespaces"
   fi
-  ip link del "$BRIDGE" 2>/dev/null || true
+  if [ -f "$DIR/bridge" ]; then  # (not another directory's: a start refused for it calls stop too)
+    ip link del "$BRIDGE" 2>/dev/null || true
+    rm -f "$DIR/bridge"
+  fi
 }
 
 # --- start / stop --------------------------------------------------------------------------------

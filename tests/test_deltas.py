@@ -55,6 +55,21 @@ def test_a_chain_of_changed_parts_gives_the_table_exactly_through_admission_and_
     assert removed_seen > 0 and t.evicted > 0  # (eviction ran, and the deltas said which keys went)
 
 
+def test_apply_delta_gives_the_rebuilt_table_with_keys_updated_new_removed_and_removed_again():
+    rng = np.random.default_rng(3)
+    keys = rng.permutation(np.arange(1, 2**40, 2**40 // 5000, dtype=np.uint64))
+    rows, last = rng.normal(size=(keys.shape[0], 3)).astype(np.float32), rng.integers(0, 9, keys.shape[0])
+    dkeys = np.concatenate([keys[:700], rng.integers(2**41, 2**42, 300).astype(np.uint64)])  # updated, new
+    drows, dlast = rng.normal(size=(1000, 3)).astype(np.float32), rng.integers(9, 20, 1000)
+    removed = np.concatenate([keys[700:800], keys[:10]])  # gone, and gone then pushed again (in the delta)
+    gone = np.isin(keys, np.concatenate([dkeys, removed]))  # the rebuild: the rest, then the delta's rows
+    want = np.concatenate([keys[~gone], dkeys]), np.concatenate([rows[~gone], drows]), np.concatenate([last[~gone], dlast])
+    got = deltas.apply_delta(keys, rows.copy(), last.copy(), (dkeys, drows, dlast, removed))
+    order, want_order = np.argsort(got[0]), np.argsort(want[0])
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g[order], w[want_order])
+
+
 def test_a_delta_whose_write_fails_is_one_line_and_nothing_is_committed(tmp_path):
     t = ServerTable(TableSpec("w", optimizer="ftrl"))
     t.store.track_changes()

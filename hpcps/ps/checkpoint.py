@@ -156,6 +156,13 @@ def checksum(path: str) -> str:
             del words, tail
 
 
+def warm_checksums() -> None:
+    """Load the checksum kernels (from numba's cache) now, so that a process that verifies
+    checkpoints later (``hpcps supervise`` after a crash, on the restart's path) does not wait for it then."""
+    xxh64_words(np.zeros(0, np.uint64), np.zeros(0, np.uint8), np.uint64(0))
+    manifest_digest({})
+
+
 def write_failure(path: str, e: OSError, who: str) -> CheckpointError:
     """The one-line error of a checkpoint write that failed (a full disk, say: with the room it
     needed and the room there was, where known)."""

@@ -184,16 +184,17 @@ class ServerTable:
 
     # -- contents --------------------------------------------------------------------------------
 
-    def load(self, keys: np.ndarray, rows: np.ndarray, clock: int = 0) -> None:
-        """Replace the contents with ``keys`` and their rows (restoring a checkpoint: every row
-        counts as updated at ``clock``)."""
-        self.store.load(keys, rows)
-        self.store.mark_changed(np.arange(self.store.size))  # (while changes are tracked: every row)
+    def load(self, keys: np.ndarray, rows: np.ndarray, clock: int = 0, own: bool = False) -> None:
+        """Replace the contents with ``keys`` and their rows, updated at ``clock`` (``own``: :meth:`RowStore.load`)."""
+        self.store.load(keys, rows, own)
+        if self.store.changed is not None:  # (while changes are tracked: every row; a restore tracks after)
+            self.store.mark_changed(np.arange(self.store.size))
         self.policies.loaded(clock)
 
-    def restore_checkpoint(self, keys: np.ndarray, rows: np.ndarray, state: dict, clock: int) -> None:
+    def restore_checkpoint(self, keys: np.ndarray, rows: np.ndarray, state: dict, clock: int,
+                           own: bool = False) -> None:
         """Load a checkpoint's rows and state, saved at ``clock`` (eviction rounds go on from it)."""
-        self.load(keys, rows, clock)
+        self.load(keys, rows, clock, own)
         self.restore_state(state)
         self.policies.resumed_at(clock)
 

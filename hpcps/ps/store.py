@@ -165,14 +165,19 @@ class RowStore:
 
     # -- contents ------------------------------------------------------------------------------
 
-    def load(self, keys: np.ndarray, rows: np.ndarray) -> None:
+    def load(self, keys: np.ndarray, rows: np.ndarray, own: bool = False) -> None:
         """Replace the contents with ``keys`` and their rows (a new index: the rows may move).
         While changes are tracked, the changed rows kept stay marked, and the keys gone are
-        remembered as removed (an eviction)."""
+        remembered as removed (an eviction). ``own``: ``rows`` is the caller's to give away (a
+        restore's, read for this): kept as the store's rows when it has their shape, not copied."""
         old_keys, old_changed = (self.items()[0], self.changed) if self.changed is not None else (None, None)
         self.index = self._new_index(np.ascontiguousarray(keys, dtype=np.uint64))
-        self.rows = np.zeros((self.index.key_capacity, self.spec.width), dtype=np.float32)
-        self.rows[: keys.shape[0]] = rows
+        shape = (self.index.key_capacity, self.spec.width)
+        if own and rows.shape == shape and rows.dtype == np.float32 and rows.flags.c_contiguous and rows.flags.writeable:
+            self.rows = rows
+        else:
+            self.rows = np.zeros(shape, dtype=np.float32)
+            self.rows[: keys.shape[0]] = rows
         if old_keys is not None:
             self.changed = np.zeros(self.rows.shape[0], dtype=np.bool_)
             slots = self.index.lookup(old_keys)
