@@ -156,9 +156,10 @@ class TableRequests:
             self._message(again, server, sel, None, None, keys)
             return
         ctx, empty = self.ctx, [np.zeros((0, d), np.float32) for d in owner.dims]
-        self._post(again, server, sel, protocol.tables_reply_bytes(keys.shape[0], owner.dims),
+        enc = replace(protocol.PLAIN, wire=owner.wire)  # (the set reads every reply in its wire type)
+        self._post(again, server, sel, protocol.tables_reply_bytes(keys.shape[0], owner.dims, owner.wire),
                    lambda req_id: protocol.TablesPull(owner.ids, req_id, again.clock, ctx.worker_index, protocol.NO_KEYS,
-                                                      empty, keys, 0, None, 1).pack(ctx.pool.take), asked=keys)
+                                                      empty, keys, 0, None, 1, enc).pack(ctx.pool.take), asked=keys)
 
     def _register(self, req: _Request) -> int:
         ts = self.ctx.next_timestamp()
