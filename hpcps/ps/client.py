@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from hpcps.ps import filters, protocol, transport
+from hpcps.ps import failover, filters, protocol, transport
 from hpcps.ps.tables import TableSpec
 from hpcps_kernels import keys as kkeys
 
@@ -41,6 +41,12 @@ class _Request:
     function: object = None                         # CALL: the ServerFunction
     ahead: int = 0                                  # PUSHPULL: its pull reads this many clocks later
     clock_workers: int = 1                          # PUSHPULL: the workers whose clock it carries
+    # each part's server and pulled keys (None: a push's), for a lost server's parts asked again
+    # of the new primaries (hpcps.ps.failover); the servers whose part failed at its start
+    servers: list = field(default_factory=list)
+    asked: list = field(default_factory=list)
+    unanswered: set = field(default_factory=set)
+    owner: object = None                            # a TableSet's request: the set
 
 
 def call_result(req: _Request) -> np.ndarray:
@@ -79,9 +85,15 @@ def wait_for_replies(ctx, req: _Request, timeout: float | None) -> None:
     ``ctx.stats["wait_s"]`` less that work."""
     t = time.perf_counter()
     busy = ctx.stats["background_s"]
-    transport.wait(req.pending, ctx.stall_timeout_s if timeout is None else timeout,
-                   warn_after=ctx.stall_warn_s, max_sleep=transport.POLL_SHORT_MAX_SLEEP_S,
-                   background=ctx.run_background if ctx.background is not None else None)
+
+    def wait(r: _Request) -> None:
+        transport.wait(r.pending, ctx.stall_timeout_s if timeout is None else timeout,
+                       warn_after=ctx.stall_warn_s, max_sleep=transport.POLL_SHORT_MAX_SLEEP_S,
+                       background=ctx.run_background if ctx.background is not None else None)
+    if ctx.placement.replicas or ctx.placement.lost:  # (a lost server's replies asked again: hpcps.ps.failover)
+        failover.wait_replies(ctx, req, wait)
+    else:
+        wait(req)
     ctx.stats["wait_s"] += time.perf_counter() - t - (ctx.stats["background_s"] - busy)
 
 
@@ -113,9 +125,10 @@ class TableRequests:
     def name(self) -> str:
         return self.spec.name
 
-    def _post(self, req: _Request, server: int, pulled, reply_bytes: int, pack, grads=None, lent=False) -> None:
+    def _post(self, req: _Request, server: int, pulled, reply_bytes: int, pack, grads=None, lent=False,
+              asked=None) -> None:
         """Post the receive of a reply of ``reply_bytes``, then send ``pack(req_id)`` to ``server`` (and ``grads`` after it, when they go apart;
-        ``lent``: see :meth:`_message`)."""
+        ``lent``: see :meth:`_message`; ``asked``: the keys it pulls)."""
         ctx = self.ctx
         req_id = ctx.next_request_id()
         reply = ctx.pool.take(reply_bytes)
@@ -123,12 +136,30 @@ class TableRequests:
         ctx.stats["bytes_sent"] += msg.nbytes + (0 if grads is None else grads.nbytes)
         ctx.stats["bytes_received"] += reply_bytes
         req.parts.append((pulled, reply))
-        req.pending += ctx.exchange(server, msg, reply, req_id, req.op, self.name)
-        if grads is not None:
-            sends = ctx.send_grads(server, grads, req.op)
-            if lent:
-                transport.wait(sends, ctx.stall_timeout_s, warn_after=ctx.stall_warn_s)
-            req.pending += sends
+        req.servers.append(server)
+        req.asked.append(asked)
+        try:
+            req.pending += ctx.exchange(server, msg, reply, req_id, req.op, self.name)
+            if grads is not None:
+                sends = ctx.send_grads(server, grads, req.op)
+                if lent:
+                    transport.wait(sends, ctx.stall_timeout_s, warn_after=ctx.stall_warn_s)
+                req.pending += sends
+        except transport.RankFailed as e:  # (a server lost: its part asked again of the copies left)
+            failover.send_failed(ctx, req, server, e)
+
+    def ask_pull(self, again: _Request, server: int, sel: np.ndarray, keys: np.ndarray, owner=None) -> None:
+        """Send ``server`` the pull of ``keys`` (at positions ``sel`` of the rows a request pulled)
+        as a part of request ``again``: this table's, or a :class:`TableSet` ``owner``'s for its
+        every table (the rows a lost server did not send: :mod:`hpcps.ps.failover`)."""
+        if owner is None:
+            self._message(again, server, sel, None, None, keys)
+            return
+        ctx, empty = self.ctx, [np.zeros((0, d), np.float32) for d in owner.dims]
+        enc = replace(protocol.PLAIN, wire=owner.wire)  # (the set reads every reply in its wire type)
+        self._post(again, server, sel, protocol.tables_reply_bytes(keys.shape[0], owner.dims, owner.wire),
+                   lambda req_id: protocol.TablesPull(owner.ids, req_id, again.clock, ctx.worker_index, protocol.NO_KEYS,
+                                                      empty, keys, 0, None, 1, enc).pack(ctx.pool.take), asked=keys)
 
     def _register(self, req: _Request) -> int:
         ts = self.ctx.next_timestamp()
@@ -310,7 +341,7 @@ class SparseTable(TableRequests):
                                                        grads, pull_keys, req.ahead, in_pull, apart,
                                                        req.clock_workers, enc)
         self._post(req, server, pulled, protocol.reply_bytes(req.op, n_pull, self.dim, enc.wire),
-                   lambda req_id: message(req_id).pack(self.ctx.pool.take), grads if apart else None, lent)
+                   lambda req_id: message(req_id).pack(self.ctx.pool.take), grads if apart else None, lent, pull_keys)
 
     def _encoding(self, server: int, push_keys, grads, pull_keys) -> protocol.Encoding:
         """How a message to ``server`` travels under the table's filters (the pushed list first,
@@ -577,6 +608,7 @@ class TableSet:
         """One message to every server (each needs the clock; a pull only those owning keys).
         ``grads``: as :meth:`_parts` says."""
         ctx, head = self.ctx, self.tables[0]
+        req.owner = self
         kind = protocol.MESSAGES[req.op]
         every = req.op == protocol.PUSHPULLS
         for server, (keys, g, sel, bits, sends) in enumerate(self._parts(push_keys, grads, pull_keys, in_pull)):
@@ -587,7 +619,8 @@ class TableSet:
             head._post(req, server, sel, protocol.tables_reply_bytes(sel.shape[0], self.dims, enc.wire),
                        lambda req_id, keys=keys, g=g, pulled=pulled, bits=bits, enc=enc, sends=sends: kind(
                            self.ids, req_id, req.clock, ctx.worker_index, keys, g, pulled, req.ahead,
-                           None if sends is not None else bits, req.clock_workers, enc, sends).pack(ctx.pool.take))
+                           None if sends is not None else bits, req.clock_workers, enc, sends).pack(ctx.pool.take),
+                       asked=pulled)
 
     def _encoding(self, server: int, push_keys, grads: list, pull_keys, sends, bits) -> protocol.Encoding:
         """How a message to ``server`` travels under the tables' filters, as

@@ -24,7 +24,7 @@ from typing import Callable
 
 import numpy as np
 
-from hpcps.ps import checkpoint, collectives, deltas, filters, protocol, recovery, replication, signals, transport
+from hpcps.ps import checkpoint, collectives, deltas, failover, filters, protocol, recovery, replication, signals, transport
 from hpcps.ps import margins  # noqa: F401 - registers the server functions of MARGINS and RESIDUALS
 from hpcps.ps.client import DenseTable, SparseTable, TableSet, push_residual
 from hpcps.ps.consistency import NO_BACKUP, Backup
@@ -151,18 +151,25 @@ class GroupExchanges:
 
 class ContextReplicas:
     """A context's view of the shards' copies (``cluster.replicas``): their check at the end, and
-    the loss of a server. Needs ``placement``, ``server`` (a server rank's), ``every_rank``."""
+    the loss of a server. Needs ``placement``, ``placement_at_start``, ``server`` (a server
+    rank's), ``every_rank``."""
+
+    failovers: tuple = ()  # the servers lost, (server, clock, seconds): hpcps.ps.failover
 
     def compare_replicas(self) -> dict:
         """Collective over the world, once serving is done: each server's digest of every shard
         copy it keeps (:meth:`hpcps.ps.replication.ServerCopies.replica_digests`), summed over
         the ranks; returns the copies compared and the shards whose backups differ from their
         primary (``{}`` without replicas)."""
-        if not self.placement.replicas:
+        start = self.placement_at_start  # (the same on every rank: a lost server changes the workers' placement)
+        if not start.replicas:
             return {}
-        mine = self.server.replica_digests() if self.is_server else np.zeros(self.placement.copies.shape, np.int64)
+        mine = np.zeros(start.copies.shape, np.int64)
+        now = self.server.placement if self.is_server else self.placement
+        if self.is_server:  # (fewer columns after a loss: the copies left)
+            mine[:, :now.copies.shape[1]] = self.server.replica_digests()
         every = self.every_rank.reduce(mine.reshape(-1), "sum", "sum of the replicas' digests")
-        differing = replication.differing_shards(every.reshape(mine.shape))
+        differing = replication.differing_shards(every.reshape(mine.shape)[:, :now.copies.shape[1]])
         # (under BSP a failover would not continue the same model; under SSP and ASP two workers'
         # pushes may interleave differently on two copies: counted, not a warning)
         if differing and self.worker_index == 0 and self.staleness == 0:
@@ -203,8 +210,8 @@ class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges,
                                          backup.workers, backup.late_pushes == "drop", replicas)) & 0x7FFFFFFF)
         self.hosts = transport.host_names(self.comm, stall_timeout_s)  # each rank's host, in rank order
         # (a shard's copies on distinct hosts: the servers are the first ranks)
-        self.placement = Placement(layout.servers, num_shards, replicas=replicas,
-                                   hosts=tuple(self.hosts[:layout.servers]) if replicas else ())
+        self.placement = self.placement_at_start = Placement(
+            layout.servers, num_shards, replicas=replicas, hosts=tuple(self.hosts[:layout.servers]) if replicas else ())
 
     # the communicators, all the transport's: every rank; this worker's group (servers get none);
     # all workers together (evaluation, data checks) and all servers together (export)
@@ -264,6 +271,7 @@ class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges,
                         self.placement, self.staleness, self.stall_warn_s, self.functions, self.stall_timeout_s,
                         self.backup, key_lists=self.filters.server_lists(self.layout.servers))
         self.server = server
+        failover.plug(server) if self.fault_tolerant and self.placement.replicas else None  # (shards promoted)
         if restore is not None:
             server.restore(*restore)
         server.trace = [] if trace else None
@@ -291,7 +299,7 @@ class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges,
         self.stats["requests"] += 1
         what = transport.Described(_reply_what, (op, table, req_id))  # (written out only in a stall message)
         pending = self.net.start_recv_framed(reply, protocol.REPLY_BYTES, server, tag, what, protocol.payload_apart)
-        return pending + self.net.start_send(msg, server, protocol.TAG_REQUEST, _REQUEST_WHAT[op])
+        return pending + failover.or_cancel(pending, self.net.start_send, msg, server, protocol.TAG_REQUEST, _REQUEST_WHAT[op])
 
     def table_set(self, tables: list[SparseTable]) -> TableSet:
         """Sparse tables a step reads and updates at the same keys, their requests as one message
@@ -304,12 +312,11 @@ class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges,
         return self.net.start_send(grads, server, protocol.TAG_GRADS, f"{protocol.OP_NAMES[op]} gradients to server")
 
     def _notify_servers(self, op: int) -> None:
-        self._clock_sends = transport.completed(self._clock_sends)
+        self._clock_sends = failover.without_lost(self, transport.completed, self._clock_sends)
         for server in self.placement.live_servers:
-            msg = protocol.MESSAGES[op](self.clock_value, self.worker_index).pack()
             self.stats["requests"] += 1
-            self._clock_sends += self.net.start_send(msg, server, protocol.TAG_REQUEST,
-                                                     f"{protocol.OP_NAMES[op]} message to server")
+            self._clock_sends += failover.start_send(self, protocol.MESSAGES[op](self.clock_value, self.worker_index).pack(),
+                                                     server, protocol.TAG_REQUEST, f"{protocol.OP_NAMES[op]} message to server")
 
     @property
     def stop_requested(self) -> bool:
@@ -360,7 +367,7 @@ class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges,
         for table in self.tables.values():
             (table.sparse if isinstance(table, DenseTable) else table).wait_all(timeout)
         self._notify_servers(protocol.DONE)
-        transport.wait(self._clock_sends, timeout)
+        failover.without_lost(self, lambda sends: transport.wait(sends, timeout), self._clock_sends)
         self._done_sent = True
 
     def finalize(self, timeout: float | None = None) -> None:
@@ -396,7 +403,7 @@ class LocalContext(Context):
         self.worker_index, self.group = 0, 0
         self.staleness = staleness
         self.backup = NO_BACKUP  # (one worker: nobody to wait for)
-        self.placement = Placement(1, num_shards)
+        self.placement = self.placement_at_start = Placement(1, num_shards)
         self.stall_warn_s, self.stall_timeout_s = stall_warn_s, stall_timeout_s
         self._init_state()
         self.hosts: list[str] = []  # no ranks to place
@@ -487,6 +494,7 @@ class AskedCheckpoint:
     clock: int
     replies: list
     pending: list
+    servers: list  # the servers asked (under replicas, those not lost: they hold every shard)
 
 
 def ask_for_checkpoint(ctx: Context, root: str, step: int, clock: int, delta: bool, track: bool,
@@ -501,8 +509,8 @@ def ask_for_checkpoint(ctx: Context, root: str, step: int, clock: int, delta: bo
         deltas.begin(root, step, kind, track)
     except OSError as e:
         raise checkpoint.write_failure(tmp, e, "the first worker") from None
-    asked = AskedCheckpoint(tmp, clock, [], [])
-    for server in range(ctx.layout.servers):
+    asked = AskedCheckpoint(tmp, clock, [], [], ctx.placement.live_servers)  # (a server lost: the survivors)
+    for server in asked.servers:
         req_id = ctx.next_request_id()
         reply = np.empty(protocol.reply_bytes(protocol.CHECKPOINT, 0, 0), dtype=np.uint8)
         msg = protocol.Checkpoint(req_id, clock, ctx.worker_index, tmp, quorum, for_signal).pack()
@@ -532,7 +540,7 @@ def commit_checkpoint(ctx: Context, asked: AskedCheckpoint, manifest: dict, keep
         return None
     tmp = asked.tmp
     files = [{"name": os.path.basename(checkpoint.server_file(tmp, server)), "bytes": size, "xxh64": digest}
-             for server, (size, digest) in enumerate(results)]
+             for server, (size, digest) in zip(asked.servers, results)]
     full = {"format": checkpoint.FORMAT, "version": checkpoint.VERSION, "clock": asked.clock,
             "layout": {"servers": ctx.layout.servers, "workers": ctx.layout.workers,
                        "worker_groups": ctx.layout.worker_groups, "num_shards": ctx.placement.num_shards},
@@ -628,8 +636,9 @@ def lost_rank_line(exc: BaseException, layout: Layout) -> tuple[str, str] | None
     names = [f"{'server' if layout.is_server(r) else 'worker'} "
              f"{r if layout.is_server(r) else layout.worker_index(r)} (rank {r})" for r in exc.ranks]
     servers = any(layout.is_server(r) for r in exc.ranks)
-    why = ("a lost server ends the job (no replicas of its shards)" if servers else
-           "the job cannot go on without it here (cluster.fault_tolerance = \"ulfm\" goes on without a lost worker)")
+    why = exc.why or ("a lost server ends the job (no replicas of its shards)" if servers else
+                      "the job cannot go on without it here (cluster.fault_tolerance = \"ulfm\" goes on without a "
+                      "lost worker)")
     return "RankFailed", (f"{', '.join(names)} was lost (killed, or its node failed) during {exc.what or 'the job'}; "
                           f"{why}: hpcps supervise restarts the job from its last checkpoint")
 

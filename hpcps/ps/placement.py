@@ -172,9 +172,12 @@ class Placement:
 
     def after_loss(self, server: int) -> "Placement":
         """The placement once ``server`` is lost: its shards' first backups become primaries and
-        the next live servers on the ring their new backups (see :func:`new_copies` for the moves)."""
-        return Placement(self.num_servers, self.num_shards, self.vnodes, self.replicas, self.hosts,
-                         (*self.lost, server))
+        the next live servers on the ring their new backups (see :func:`new_copies` for the moves).
+        Where fewer servers are left than copies, each shard keeps the copies left (its replicas
+        fall to the servers left less one: 2 servers with 1 replica leave 1 copy of each shard)."""
+        lost = (*self.lost, server)
+        replicas = min(self.replicas, self.num_servers - len(set(lost)) - 1)
+        return Placement(self.num_servers, self.num_shards, self.vnodes, replicas, self.hosts, lost)
 
     def server_of(self, keys: np.ndarray) -> np.ndarray:
         return server_of(np.ascontiguousarray(keys, dtype=np.uint64), self.num_shards, self._table)

@@ -174,6 +174,8 @@ class ServerCopies:
     """What a :class:`hpcps.ps.server.Server` (its ``replication``, ``tables`` and ``index``) does
     with its copies: its placement, its statistics, its digests, and the loss of a server."""
 
+    failover_on = False  # under ULFM: a lost server's shards promoted here (hpcps.ps.failover.plug)
+
     @property
     def placement(self) -> Placement:
         """The placement this server works under (it changes when a server is lost)."""

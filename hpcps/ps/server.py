@@ -38,7 +38,7 @@ from typing import Callable
 
 import numpy as np
 
-from hpcps.ps import checkpoint, deltas, filters, protocol, recovery, signals, transport
+from hpcps.ps import checkpoint, deltas, failover, filters, protocol, recovery, signals, transport
 from hpcps.ps.consistency import NO_BACKUP, Backup, WorkerClocks
 from hpcps.ps.placement import Placement
 from hpcps.ps.plain_requests import PlainRequests
@@ -194,6 +194,7 @@ class ServerReads:
         two threads (``splits_pull``) is answered as its header, sent once the values are ready,
         then the values: the waiting worker sleeps until the header comes rather than spinning
         through the server's work, which leaves the core to the second thread."""
+        failover.before_read(self, keys)
         n, dim = keys.shape[0], self.dims[table]
         apart = splits_pull(n, dim)
         reply, payload = self.replies.new(req_id, protocol.reply_bytes(op, n, dim, wire) - protocol.REPLY_BYTES,
@@ -207,6 +208,7 @@ class ServerReads:
     def _serve_tables(self, source: int, r: protocol.TablesPull | protocol.TablesPushPull) -> None:
         """Answer a pull of several tables (or a tables push-pull): each table's counts, then its
         rows (``protocol.tables_reply_bytes``); as :meth:`_serve_pull` for each table."""
+        failover.before_read(self, r.pull_keys)
         n, dims, wire = r.pull_keys.shape[0], [self.dims[t] for t in r.tables], r.encoding.wire
         apart = any(splits_pull(n, dim) for dim in dims)
         reply, _ = self.replies.new(r.req_id, protocol.tables_reply_bytes(n, dims, wire) - protocol.REPLY_BYTES,

@@ -49,8 +49,16 @@ import numpy as np
 
 from hpcps import errors
 
+# Under ULFM (Open MPI launched with --with-ft ulfm) MPI_Finalize's PMIx fence over every rank of
+# the job may wait for ever on a rank that died (open-mpi/ompi#9434, #11404: seen here in 2 of 10
+# jobs that lost a server, every survivor asleep in ompi_mpi_finalize): Open MPI's
+# async_mpi_finalize skips it. Nothing is left for it to do: Context.finalize ends with a barrier
+# of the survivors once every transfer of theirs is complete. Read by MPI_Init, so set here.
+if os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() in ("1", "true", "yes", "on"):
+    os.environ.setdefault("OMPI_MCA_async_mpi_finalize", "1")
+
 # mpi4py initialises MPI when MPI is imported; we keep its defaults (threads, finalize at exit).
-from mpi4py import MPI
+from mpi4py import MPI  # noqa: E402
 
 # Back-off of the polling wait: first POLL_SPIN_S of pure polling (latency of a fast answer stays
 # that of MPI), then sleeps that double from POLL_MIN_SLEEP_S up to POLL_MAX_SLEEP_S. A wait for
@@ -90,9 +98,15 @@ class RankFailed(RuntimeError):
 
     exit_status = 1  # a run-time failure
 
-    def __init__(self, ranks: Sequence[int], what: str = ""):
+    def __init__(self, ranks: Sequence[int], what: str = "", why: str = ""):
         self.ranks = tuple(sorted(int(r) for r in ranks))
         self.what = str(what)
+        self.why = str(why)  # (why the job cannot go on without them, where the raiser knows better)
+        # raised by a wait: the peers of its transfers that failed, and those not complete yet
+        # (a caller going on without the lost ranks waits for the rest of them)
+        self.peers: set[int] = set()
+        self.left: list[Pending] = []
+        self.failed: list[Pending] = []
         on = f" during {what}" if what else ""
         super().__init__(f"rank {_ranks_text(list(self.ranks)) if self.ranks else '?'} of the job failed{on} "
                          f"(killed, or its node lost)")
@@ -139,9 +153,11 @@ def lost_rank_error(exc: BaseException, what: str = "", comm: MPI.Comm | None = 
     failures are acknowledged on ``comm`` (a probe of any source works again after it)."""
     if not isinstance(exc, MPI.Exception):
         return None
-    # (Open MPI's nonblocking collectives end with MPI_ERR_INTERN where a member failed)
-    lost = failed_ranks()
-    if exc.Get_error_class() not in _FAILED_CLASSES and not lost:
+    # (Open MPI's nonblocking collectives may end with MPI_ERR_INTERN where a member failed; any
+    # other class is no lost rank's, even with one lost: MPI_ERR_TRUNCATE, say, of collectives the
+    # ranks called in different orders, must not be taken for one and done again)
+    lost, error_class = failed_ranks(), exc.Get_error_class()
+    if error_class not in _FAILED_CLASSES and not (lost and error_class == MPI.ERR_INTERN):
         return None
     if comm is not None:
         try:
@@ -207,7 +223,12 @@ def _collective(comm: MPI.Comm, request: MPI.Request, what: str, buffers: tuple,
         return (f" (a collective over {comm.Get_size()} ranks: waiting on world rank(s) {_ranks_text(others)}; "
                 f"at least one of them has not arrived)") if others else ""
 
-    wait(Pending(request, what, -1, buffers), timeout, warn_after=_stall_warn_s, suffix=where)
+    pending = Pending(request, what, -1, buffers)
+    try:
+        wait(pending, timeout, warn_after=_stall_warn_s, suffix=where)
+    except RankFailed:  # (its buffers kept: MPI may still write them, see cancel)
+        _ABANDONED.append(pending)
+        raise
 
 def world() -> MPI.Comm:
     """MPI.COMM_WORLD (the library itself works on duplicates of it)."""
@@ -427,11 +448,17 @@ def _test(todo: Sequence[Pending]) -> tuple[list[Pending], bool, int]:
     """The requests of ``todo`` not complete yet, with those that completed ones started (their
     ``then``); whether there were any such, and the bytes of those completed."""
     left, started, done_bytes = [], False, 0
+    failure: RankFailed | None = None
     for p in todo:
         try:
             done = p.request.Test()
         except MPI.Exception as e:
-            raise lost_rank_error(e, str(p.what)) or e
+            failure = failure or lost_rank_error(e, str(p.what))
+            if failure is None:
+                raise
+            failure.peers.add(p.peer)
+            failure.failed.append(p)
+            continue
         if not done:
             left.append(p)
             continue
@@ -440,7 +467,32 @@ def _test(todo: Sequence[Pending]) -> tuple[list[Pending], bool, int]:
             more = p.then()
             left += more
             started = started or bool(more)
+    if failure is not None:  # (every request tested: the caller may go on with those left)
+        failure.left = left
+        raise failure
     return left, started, done_bytes
+
+
+# transfers given up (their peer lost): kept, with their buffers, for the job's life, since MPI
+# may still hold their receives (a buffer freed or reused under a posted receive corrupts memory)
+_ABANDONED: list[Pending] = []
+
+
+def cancel(pending: Sequence[Pending]) -> None:
+    """Give up transfers that will never complete (their peer is lost, under ULFM): each
+    cancelled and tested once, which frees it where it is complete (cancelled, or failed: MPI
+    frees a request whose test raises); those MPI still holds are kept, with their buffers,
+    until the end of the job."""
+    for p in pending:
+        if p.request == MPI.REQUEST_NULL:
+            continue
+        try:
+            p.request.Cancel()
+            p.request.Test()
+        except MPI.Exception:
+            pass
+        if p.request != MPI.REQUEST_NULL:
+            _ABANDONED.append(p)
 
 
 def describe(todo: Sequence[Pending]) -> str:

@@ -16,7 +16,7 @@ import sys
 import time
 
 from hpcps import outputs
-from hpcps.ps import checkpoint
+from hpcps.ps import checkpoint, failover
 from hpcps.ps.filters import SATURATED_KEY, SAVED_KEYS
 from hpcps.ps.collectives import World
 from hpcps.train import data as tdata
@@ -208,6 +208,7 @@ class Reporter:
             summary["predictions"] = ending["predicted"]
         if cfg.cluster.backup_workers:  # each worker that was late (rank, clocks, pushes, rows skipped)
             summary["stalled_workers"] = ending["stalled_workers"]
+        summary.update(failover.summary(ctx))  # (servers lost, their shards promoted: cluster.replicas)
         return summary
 
     def print_summary(self, summary: dict, elapsed: float, wait: float, key_counts: dict, written: str | None) -> None:
@@ -258,6 +259,9 @@ def summary_rows(summary: dict, elapsed: float, wait: float, key_counts: dict, l
             rows.append((k.replace("_", " "), f"{summary[k]:.5f}"))
     if "stalled_workers" in summary:
         rows.append(("stalled workers", stalls_said(summary["stalled_workers"]) or "none"))
+    for lost in summary.get("servers_lost", []):
+        rows.append(("server lost", f"server {lost['server']} at clock {lost['clock']} ({lost['at_s']:.1f} s): "
+                                    f"its shards' backups promoted"))
     rows += [(k.replace("_", " "), f"{summary[k]:,}") for k in SAVED_KEYS if summary.get(k)]
     if synth_info:
         rows.append(("best achievable logloss", f"{synth_info['best_test_logloss']:.5f}"))
