@@ -322,9 +322,10 @@ def fit(ps_rows: list[dict], mpi_rows: list[dict], jobs: list[dict], batch: int,
     if not jobs or any((j.get("servers"), j.get("workers")) != (1, 1) for j in jobs):
         raise ValueError("the jobs' summaries: need one or more of 1 server and 1 worker")
     job = Job(servers=1, workers=1, batch=batch, requests=requests)
-    out["worker_rows_per_s"] = _worker_rate(job, m, float(np.median([j["examples_per_s"] for j in jobs])))
-    out.update(_cpu_costs(jobs, job, replace(m, worker_rows_per_s=out["worker_rows_per_s"])))
-    return out
+    cpu = _cpu_costs(jobs, job, m)  # (first: on fewer cores than 2 they bound the job the rate is fitted to)
+    out["worker_rows_per_s"] = _worker_rate(job, replace(m, **cpu),
+                                            float(np.median([j["examples_per_s"] for j in jobs])))
+    return {**out, **cpu}
 
 
 def _cpu_costs(jobs: list[dict], job: Job, m: Machine) -> dict:
