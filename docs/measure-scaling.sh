@@ -92,3 +92,8 @@ fi
 printf '%s\n' "${POINTS[@]}" | "$PY" -c 'import json, sys; print(json.dumps([json.loads(l) for l in sys.stdin], indent=1))' \
   >docs/scaling-measured.json
 echo "wrote docs/scaling-measured.json"
+"$PY" -c 'import json, sys
+loads = sorted(x for p in json.load(open(sys.argv[1])) for x in p.get("load", []))
+if loads and loads[len(loads) // 2] > 2:
+    print(f"measure-scaling: a load average of {loads[len(loads) // 2]:.1f} (median over the runs): other work took "
+          "cores the model gives these jobs; measure again on a quiet machine", file=sys.stderr)' docs/scaling-measured.json
