@@ -48,7 +48,8 @@ class Machine:
     worker_rows_per_s: float = FITTED["worker_rows_per_s"]  # parse, unique and gradient, 39 fields
     # CPU seconds, for ranks that outnumber the cores (see shared_cores): a worker's per row (both
     # its threads: the training's and the parse thread's), and a server loop's per request beyond
-    # the work server_s counts (receiving, replying, polling between requests)
+    # the work server_s counts (receiving, replying, polling between requests), as a 1 server +
+    # 1 worker job spends them (on shared cores it stands for a request's wait for its server)
     worker_cpu_row_s: float = FITTED["worker_cpu_row_s"]
     server_cpu_request_s: float = FITTED["server_cpu_request_s"]
     local_bytes_per_s: float = FITTED["local_bytes_per_s"]  # between ranks of one host
@@ -175,7 +176,9 @@ def shared_cores(job: Job, m: Machine, server_s: float, rq: dict) -> float:
     machine of C cores running R busy ranks gives each C/R of a core, and a worker's step holds
     its own CPU (its rows at ``worker_cpu_row_s``, its parse thread's included) and its share of
     the servers' (their keys, ``server_s``, and ``server_cpu_request_s`` a request they answer),
-    each run at that share: ``(c_w·B + S·(server_s + n_S·c_r)/W) · R/C``."""
+    each run at that share: ``(c_w·B + S·(server_s + n_S·c_r)/W) · R/C``. (A server's loop CPU
+    a step stays about the same however many requests it answers: ``c_r`` a request stands for
+    each request's wait for a sleeping server to get a core back; docs/scaling.md.)"""
     ranks = job.servers + job.workers
     if ranks <= m.cores:
         return 0.0
