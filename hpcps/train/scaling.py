@@ -30,7 +30,7 @@ FITTED = {
     "worker_request_s": 0.0002362,
     "worker_rows_per_s": 4.005e+05,
     "worker_cpu_row_s": 1.79e-06,
-    "server_cpu_request_s": 0.00148,
+    "server_cpu_step_s": 0.00148,
 }
 # --- fitted: end ---
 
@@ -47,11 +47,11 @@ class Machine:
     worker_request_s: float = FITTED["worker_request_s"]  # a worker's fixed cost of one round trip
     worker_rows_per_s: float = FITTED["worker_rows_per_s"]  # parse, unique and gradient, 39 fields
     # CPU seconds, for ranks that outnumber the cores (see shared_cores): a worker's per row (both
-    # its threads: the training's and the parse thread's), and a server loop's per request beyond
-    # the work server_s counts (receiving, replying, polling between requests), as a 1 server +
-    # 1 worker job spends them (on shared cores it stands for a request's wait for its server)
+    # its threads: the training's and the parse thread's), and a server loop's per step beyond the
+    # work server_s counts (receiving, replying, polling between requests), as a 1 server +
+    # 1 worker job spends them
     worker_cpu_row_s: float = FITTED["worker_cpu_row_s"]
-    server_cpu_request_s: float = FITTED["server_cpu_request_s"]
+    server_cpu_step_s: float = FITTED["server_cpu_step_s"]
     local_bytes_per_s: float = FITTED["local_bytes_per_s"]  # between ranks of one host
     local_latency_s: float = FITTED["local_latency_s"]
     link_bytes_per_s: float = 25e9 / 8     # a host's link to the others (25 Gb/s Ethernet assumed)
@@ -160,7 +160,7 @@ def step(job: Job, m: Machine) -> dict:
     straggler_s = 0.0 if job.staleness < 0 else spread / (job.staleness + 1)
     # every rank shares the cores: the CPU work of a step cannot take less than this
     worker_cpu_s = worker_s + rq["worker_requests"] * m.worker_request_s
-    cpu_s = max((W * worker_cpu_s + S * server_s) / min(m.cores, S + W), shared_cores(job, m, server_s, rq))
+    cpu_s = max((W * worker_cpu_s + S * server_s) / min(m.cores, S + W), shared_cores(job, m, server_s))
     parts = {"worker compute + round trips": worker_s + own_s, "server keys + requests": server_s,
              "network": net_s, "CPU shared by ranks": cpu_s}
     slowest = max(parts, key=parts.get)
@@ -171,18 +171,17 @@ def step(job: Job, m: Machine) -> dict:
             "bytes_per_worker": worker_bytes, "messages_per_worker": 2 * rq["worker_requests"]}
 
 
-def shared_cores(job: Job, m: Machine, server_s: float, rq: dict) -> float:
+def shared_cores(job: Job, m: Machine, server_s: float) -> float:
     """A step's time when its ranks outnumber the cores (0 when each has a core of its own): a
     machine of C cores running R busy ranks gives each C/R of a core, and a worker's step holds
     its own CPU (its rows at ``worker_cpu_row_s``, its parse thread's included) and its share of
-    the servers' (their keys, ``server_s``, and ``server_cpu_request_s`` a request they answer),
-    each run at that share: ``(c_w·B + S·(server_s + n_S·c_r)/W) · R/C``. (A server's loop CPU
-    a step stays about the same however many requests it answers: ``c_r`` a request stands for
-    each request's wait for a sleeping server to get a core back; docs/scaling.md.)"""
+    the servers' (their keys and requests, ``server_s``, and ``server_cpu_step_s`` each, the rest
+    of a server loop's CPU a step: it stays about the same however many requests a server
+    answers), each run at that share: ``(c_w·B + S·(server_s + c_s)/W) · R/C``."""
     ranks = job.servers + job.workers
     if ranks <= m.cores:
         return 0.0
-    servers_cpu = job.servers * (server_s + rq["server_requests"] * m.server_cpu_request_s)
+    servers_cpu = job.servers * (server_s + m.server_cpu_step_s)
     return (job.batch * m.worker_cpu_row_s + servers_cpu / job.workers) * ranks / m.cores
 
 
@@ -334,14 +333,14 @@ def fit(ps_rows: list[dict], mpi_rows: list[dict], jobs: list[dict], batch: int,
 def _cpu_costs(jobs: list[dict], job: Job, m: Machine) -> dict:
     """The CPU costs of :func:`shared_cores` from the summaries of 1 server + 1 worker jobs (medians):
     the worker loop's CPU seconds a row (``loop_cpu_s_worker``: both its threads), and the server
-    loop's (``loop_cpu_s_server``) a step less the model's server time of that step, a request."""
+    loop's (``loop_cpu_s_server``) a step less the model's server time of that step."""
     for key in ("examples", "loop_cpu_s_worker", "loop_cpu_s_server"):
         if any(key not in j for j in jobs):
             raise ValueError(f"the jobs' summaries: no {key} (a summary of an hpcps older than the fit)")
     r = step(job, m)
     per_step = float(np.median([j["loop_cpu_s_server"] * job.batch / j["examples"] for j in jobs]))
     return {"worker_cpu_row_s": float(np.median([j["loop_cpu_s_worker"] / j["examples"] for j in jobs])),
-            "server_cpu_request_s": max(0.0, per_step - r["server keys + requests"]) / r["server_requests"]}
+            "server_cpu_step_s": max(0.0, per_step - r["server keys + requests"])}
 
 
 def _worker_rate(job: Job, m: Machine, measured: float) -> float:
