@@ -178,8 +178,9 @@ def main() -> None:
         measured = []
     for p in measured:
         r = predicted(p)
+        load = f", load {np.median(p['load']):.1f}" if p.get("load") else ""
         print(f"measured {p['name']}: {p['examples_per_s']:,.0f} examples/s, model {r['examples_per_s']:,.0f} "
-              f"({p['examples_per_s'] / r['examples_per_s']:.2f}x), bottleneck {r['bottleneck']}")
+              f"({p['examples_per_s'] / r['examples_per_s']:.2f}x), bottleneck {r['bottleneck']}{load}")
     try:
         draw(args.out, measured)
         print(f"wrote {args.out}")

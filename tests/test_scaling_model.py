@@ -25,7 +25,8 @@ from run import mpiexec  # noqa: E402
 HPCPS = [sys.executable, "-m", "hpcps.cli"]
 # constants of the tests' own (not the fitted ones, which a re-fit changes)
 M = scaling.Machine(cores=2, server_pull_keys_per_s=20e6, server_push_keys_per_s=10e6, server_request_s=50e-6,
-                    worker_request_s=30e-6, worker_rows_per_s=300e3, local_bytes_per_s=5e9, local_latency_s=20e-6)
+                    worker_request_s=30e-6, worker_rows_per_s=300e3, local_bytes_per_s=5e9, local_latency_s=20e-6,
+                    worker_cpu_row_s=2.5e-6, server_cpu_step_s=1.5e-3)
 KEYS = scaling.KeyCurve(((1000, 9000), (2000, 15000), (4000, 24000)), "the tests")
 JOB = scaling.Job(keys=KEYS, requests="worker")
 
@@ -42,6 +43,27 @@ def test_one_pair_step_is_its_stated_sum():
     assert r["step_s"] == pytest.approx(max(r["worker compute + round trips"], r["server keys + requests"],
                                             r["CPU shared by ranks"]))
     assert r["stragglers"] == 0  # one worker waits for nobody
+
+
+def test_ranks_that_outnumber_the_cores_share_them():
+    # 1 server + 2 workers on 2 cores: each rank gets 2/3 of a core; a worker's step holds its rows'
+    # CPU and half the server's (its keys at the bench's rates, and 1.5 ms more a step)
+    u = 9000
+    server = 2 * u / 20e6 + 2 * u / 10e6 + 2 * 50e-6  # both workers' pulls and pushes, a request each
+    r = scaling.step(replace(JOB, workers=2), M)
+    assert r["server keys + requests"] == pytest.approx(server)
+    assert r["CPU shared by ranks"] == pytest.approx((1000 * 2.5e-6 + (server + 1.5e-3) / 2) * 3 / 2)
+    assert r["bottleneck"] == "CPU shared by ranks" and r["examples_per_s"] == pytest.approx(2000 / r["step_s"])
+    # 2 servers + 2 workers: each server's loop adds its 1.5 ms a step, 4 ranks share the 2 cores
+    two = scaling.step(replace(JOB, servers=2, workers=2), M)
+    each = u / 20e6 + u / 10e6 + 2 * 50e-6  # a server: half of each worker's keys, a request from each
+    assert two["server keys + requests"] == pytest.approx(each)
+    assert two["CPU shared by ranks"] == pytest.approx((1000 * 2.5e-6 + 2 * (each + 1.5e-3) / 2) * 4 / 2)
+    # as many cores as ranks: the term is gone, the step is the one of the wall-time rates alone
+    wide = replace(M, cores=3)
+    assert scaling.shared_cores(replace(JOB, workers=2), wide, server) == 0
+    assert scaling.step(replace(JOB, workers=2), wide)["step_s"] == pytest.approx(
+        scaling.step(replace(JOB, workers=2), replace(wide, worker_cpu_row_s=0, server_cpu_step_s=0))["step_s"])
 
 
 def test_key_curve_interpolates_and_grows_past_its_points_by_heaps_law():
@@ -88,11 +110,15 @@ def test_the_fit_gives_back_the_constants_its_inputs_were_made_with():
     mpi = [{"bytes": 8, "wait_one_way_s": 20e-6}, {"bytes": 1 << 20, "wait_one_way_s": (1 << 20) / 4e9}]
     m = replace(scaling.Machine(cores=2), **true)
     measured = scaling.step(scaling.Job(batch=1000, requests="worker"), replace(m, worker_rows_per_s=321e3))
-    fitted = scaling.fit(ps, mpi, [{"servers": 1, "workers": 1, "examples_per_s": measured["examples_per_s"]}],
+    # the loops' CPU: 1.9 µs a row in the worker; the server's keys and 1.2 ms more a step
+    loops = {"examples": 300_000, "loop_cpu_s_worker": 0.57,
+             "loop_cpu_s_server": 300 * (measured["server keys + requests"] + 1.2e-3)}
+    fitted = scaling.fit(ps, mpi, [{"servers": 1, "workers": 1, "examples_per_s": measured["examples_per_s"], **loops}],
                          1000, 2, "worker")
     for k, v in true.items():
         assert fitted[k] == pytest.approx(v, rel=1e-6), k
     assert fitted["worker_rows_per_s"] == pytest.approx(321e3, rel=1e-3)
+    assert fitted["worker_cpu_row_s"] == pytest.approx(1.9e-6) and fitted["server_cpu_step_s"] == pytest.approx(1.2e-3)
     src = open(scaling.__file__).read()
     namespace = {}
     exec(scaling.FITTED_BLOCK.search(scaling.fitted_source(src, fitted)).group(2), namespace)
@@ -101,6 +127,8 @@ def test_the_fit_gives_back_the_constants_its_inputs_were_made_with():
         k: float(f"{v:.4g}") for k, v in fitted.items() if k != "requests"}
     with pytest.raises(ValueError, match="1 server and 1 worker"):
         scaling.fit(ps, mpi, [{"servers": 2, "workers": 2, "examples_per_s": 1.0}], 1000, 2)
+    with pytest.raises(ValueError, match="no loop_cpu_s_worker"):
+        scaling.fit(ps, mpi, [{"servers": 1, "workers": 1, "examples_per_s": 1.0, "examples": 10}], 1000, 2)
 
 
 def _by_hand(ranks: int, cap: int):
@@ -123,12 +151,12 @@ def test_auto_picks_the_layout_the_model_ranks_first():
     # 2 ranks: 1 server + 1 worker; batch 1000 (227,970 examples/s) is within 5 % of 2000 (239,559)
     # with half the rows a step
     assert pick(2) == (1, 1, 1, 1000)
-    # 3 ranks: the best is 1 server, 1 group of 2, batch 2000 (420,097); 1 server, 2 workers of their
-    # own, batch 2000 (408,931) is within 5 % of it with half the rows a group step; 2 servers +
-    # 1 worker: 262,169 at most
+    # 3 ranks, more than the 2 cores (the CPU they share bounds every layout): the best is 1 server,
+    # 1 group of 2, batch 2000 (321,287); 1 server, 2 workers of their own, batch 2000 (311,043) is
+    # within 5 % of it with half the rows a group step; 2 servers + 1 worker: 128,824 at most
     assert pick(3) == (1, 2, 1, 2000)
-    # 4 ranks: the best is 1 server, 1 group of 3, batch 2000 (431,874); 1 server, 3 workers of their
-    # own, batch 2000 (414,273) is within 5 %, the fewest rows a group step (2 servers, 2 of 2: 405,613)
+    # 4 ranks: the best is 1 server, 1 group of 3, batch 2000 (380,360); 1 server, 3 workers of their
+    # own, batch 2000 (361,703) is within 5 %, the fewest rows a group step (2 servers, 2 of 2: 216,392)
     assert pick(4) == (1, 3, 1, 2000)
     for ranks in (2, 3, 4, 7, 16):
         assert pick(ranks) == _by_hand(ranks, 2000), ranks
@@ -192,7 +220,8 @@ def test_the_script_prints_its_tables_draws_the_measured_points_and_fits(tmp_pat
         {"op": op, "keys": n, "server_s": 50e-6 + n / 1e7, "time_s": 200e-6 + n / 1e7}) for n in (100, 1000, 10000)
         for op in ("pull", "push+apply")) + "\n")
     mpi.write_text("\n".join(json.dumps({"bytes": b, "wait_one_way_s": 10e-6 + b / 1e9}) for b in (8, 1 << 20)))
-    job.write_text(json.dumps({"servers": 1, "workers": 1, "examples_per_s": 200_000}))
+    job.write_text(json.dumps({"servers": 1, "workers": 1, "examples_per_s": 200_000, "examples": 300_000,
+                               "loop_cpu_s_worker": 0.6, "loop_cpu_s_server": 0.5}))
     module = tmp_path / "scaling_copy.py"
     module.write_text(open(scaling.__file__).read())
     out = subprocess.run([sys.executable, script, "fit", "--ps", str(ps), "--mpi", str(mpi), "--job", str(job),

@@ -29,6 +29,8 @@ FITTED = {
     "server_request_s": 3.306e-05,
     "worker_request_s": 0.0002362,
     "worker_rows_per_s": 4.005e+05,
+    "worker_cpu_row_s": 1.79e-06,
+    "server_cpu_step_s": 0.00148,
 }
 # --- fitted: end ---
 
@@ -44,6 +46,12 @@ class Machine:
     server_request_s: float = FITTED["server_request_s"]  # a server's fixed cost of one request
     worker_request_s: float = FITTED["worker_request_s"]  # a worker's fixed cost of one round trip
     worker_rows_per_s: float = FITTED["worker_rows_per_s"]  # parse, unique and gradient, 39 fields
+    # CPU seconds, for ranks that outnumber the cores (see shared_cores): a worker's per row (both
+    # its threads: the training's and the parse thread's), and a server loop's per step beyond the
+    # work server_s counts (receiving, replying, polling between requests), as a 1 server +
+    # 1 worker job spends them
+    worker_cpu_row_s: float = FITTED["worker_cpu_row_s"]
+    server_cpu_step_s: float = FITTED["server_cpu_step_s"]
     local_bytes_per_s: float = FITTED["local_bytes_per_s"]  # between ranks of one host
     local_latency_s: float = FITTED["local_latency_s"]
     link_bytes_per_s: float = 25e9 / 8     # a host's link to the others (25 Gb/s Ethernet assumed)
@@ -152,7 +160,7 @@ def step(job: Job, m: Machine) -> dict:
     straggler_s = 0.0 if job.staleness < 0 else spread / (job.staleness + 1)
     # every rank shares the cores: the CPU work of a step cannot take less than this
     worker_cpu_s = worker_s + rq["worker_requests"] * m.worker_request_s
-    cpu_s = (W * worker_cpu_s + S * server_s) / min(m.cores, S + W)
+    cpu_s = max((W * worker_cpu_s + S * server_s) / min(m.cores, S + W), shared_cores(job, m, server_s))
     parts = {"worker compute + round trips": worker_s + own_s, "server keys + requests": server_s,
              "network": net_s, "CPU shared by ranks": cpu_s}
     slowest = max(parts, key=parts.get)
@@ -161,6 +169,20 @@ def step(job: Job, m: Machine) -> dict:
             "allreduce": allreduce_s, "stragglers": straggler_s, "unique_per_worker": u,
             "server_requests": rq["server_requests"], "keys_per_request": rq["keys_per_request"],
             "bytes_per_worker": worker_bytes, "messages_per_worker": 2 * rq["worker_requests"]}
+
+
+def shared_cores(job: Job, m: Machine, server_s: float) -> float:
+    """A step's time when its ranks outnumber the cores (0 when each has a core of its own): a
+    machine of C cores running R busy ranks gives each C/R of a core, and a worker's step holds
+    its own CPU (its rows at ``worker_cpu_row_s``, its parse thread's included) and its share of
+    the servers' (their keys and requests, ``server_s``, and ``server_cpu_step_s`` each, the rest
+    of a server loop's CPU a step: it stays about the same however many requests a server
+    answers), each run at that share: ``(c_w·B + S·(server_s + c_s)/W) · R/C``."""
+    ranks = job.servers + job.workers
+    if ranks <= m.cores:
+        return 0.0
+    servers_cpu = job.servers * (server_s + m.server_cpu_step_s)
+    return (job.batch * m.worker_cpu_row_s + servers_cpu / job.workers) * ranks / m.cores
 
 
 def cluster(nodes: int, ranks_per_node: int = 16, server_share: float = 0.25, **job) -> tuple[Job, Machine]:
@@ -278,7 +300,8 @@ def fit(ps_rows: list[dict], mpi_rows: list[dict], jobs: list[dict], batch: int,
     request), ``hpcps bench mpi --json`` (the one-way time of the smallest message with hpcps's
     waits: the latency; the largest bytes/s: the bandwidth) and the ``--summary-json`` of jobs of
     1 server and 1 worker on ``cores`` cores, ``batch`` rows a step: the worker's rows/s that
-    makes the model's throughput of that job the median measured."""
+    makes the model's throughput of that job the median measured, and the CPU costs of ranks
+    that share cores (:func:`_cpu_costs`)."""
     out: dict = {"requests": requests}
     mpi = _medians(mpi_rows, ("bytes",), ("wait_one_way_s",))
     if not mpi:
@@ -301,8 +324,23 @@ def fit(ps_rows: list[dict], mpi_rows: list[dict], jobs: list[dict], batch: int,
     if not jobs or any((j.get("servers"), j.get("workers")) != (1, 1) for j in jobs):
         raise ValueError("the jobs' summaries: need one or more of 1 server and 1 worker")
     job = Job(servers=1, workers=1, batch=batch, requests=requests)
-    out["worker_rows_per_s"] = _worker_rate(job, m, float(np.median([j["examples_per_s"] for j in jobs])))
-    return out
+    cpu = _cpu_costs(jobs, job, m)  # (first: on fewer cores than 2 they bound the job the rate is fitted to)
+    out["worker_rows_per_s"] = _worker_rate(job, replace(m, **cpu),
+                                            float(np.median([j["examples_per_s"] for j in jobs])))
+    return {**out, **cpu}
+
+
+def _cpu_costs(jobs: list[dict], job: Job, m: Machine) -> dict:
+    """The CPU costs of :func:`shared_cores` from the summaries of 1 server + 1 worker jobs (medians):
+    the worker loop's CPU seconds a row (``loop_cpu_s_worker``: both its threads), and the server
+    loop's (``loop_cpu_s_server``) a step less the model's server time of that step."""
+    for key in ("examples", "loop_cpu_s_worker", "loop_cpu_s_server"):
+        if any(key not in j for j in jobs):
+            raise ValueError(f"the jobs' summaries: no {key} (a summary of an hpcps older than the fit)")
+    r = step(job, m)
+    per_step = float(np.median([j["loop_cpu_s_server"] * job.batch / j["examples"] for j in jobs]))
+    return {"worker_cpu_row_s": float(np.median([j["loop_cpu_s_worker"] / j["examples"] for j in jobs])),
+            "server_cpu_step_s": max(0.0, per_step - r["server keys + requests"])}
 
 
 def _worker_rate(job: Job, m: Machine, measured: float) -> float:
