@@ -65,7 +65,7 @@ KNOBS = (
     Knob("CACHED_TABLE_BYTES", 1 << 20, "a server's one-pass lookups in a table shard whose index and rows take at "
          "most this many bytes (half of L2) go key by key, without the prefetch pipeline: such a shard stays in "
          "cache between requests, where the stages cost more than the misses they hide (a 1,000-key pull's loop "
-         "took twice as long); its requests rows", PS_BENCH + " --sizes 100,1000", compiled=True),
+         "took twice as long)", PS_BENCH + " --sizes 100,1000", compiled=True),
     Knob("PREFETCH_NONZEROS", 24, "prefetch distance, in nonzeros, of the LR/FM forward-backward's model rows",
          KERNELS_BENCH + " --kernel lr --kernel fm", compiled=True, minimum=1),
     Knob("WIDE_PREFETCH_BYTES", 4096, "update rules on wide rows prefetch this many bytes of rows ahead (at "

@@ -23,6 +23,7 @@ from hpcps.ps.consistency import Backup, WorkerClocks
 from hpcps.train import synth
 from hpcps.train.model_file import ServingModel
 from hpcps.train.progress import STATUS_ENV, read_status
+from hpcps.train.quorum_checkpoints import next_meeting
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_chaos import chaos_run, close_model  # noqa: E402
@@ -88,6 +89,16 @@ def test_a_quorum_checkpoint_waits_for_its_clock_holds_later_pushes_and_is_misse
     assert [r for _, r in w.reads_due()] == [ck]
     assert [r.clock for _, r in w.pushes_due()] == [2, 2]
     assert w.missed(protocol.Checkpoint(2, 2, 0, "y", quorum=True)) and not w.missed(protocol.Checkpoint(3, 2, 0, "y"))
+
+
+def test_a_quorum_checkpoint_is_asked_no_later_than_the_workers_next_meeting():
+    """A stop's agreement moves every worker to the clock of the quorum checkpoint asked: asked
+    past an evaluation, the worker that saw the stop (moved past it) would skip the evaluation that
+    the workers who joined the agreement there make, and the job would hang in it. So the latest
+    step it may be asked at is the next evaluation's (not the epoch's last step's), else the
+    epoch's end."""
+    assert [next_meeting(s, 23, 5) for s in (3, 4, 5, 9, 10, 19, 20, 22)] == [5, 5, 10, 10, 15, 20, 23, 23]
+    assert next_meeting(4, 23, 0) == 23 and next_meeting(4, 3, 5) == 3
 
 
 def test_b_0_waits_for_the_slowest_and_nothing_is_late():

@@ -22,7 +22,7 @@ only the lost server's *replies*: the rows a worker pulled from it. Hence:
 * Under BSP a read at clock c waits for every worker's pushes of clock c, so the rows asked again
   are those the lost server would have sent, and the model is bit-identical to a run without the
   loss. The server serves a read asked again only once the backups' pushes of its clock are
-  applied (:meth:`hpcps.ps.server.Server` applies its backlog before serving plain pulls).
+  applied (:func:`before_read`: the backlog applied before a read of rows it backs up).
 
 Which server was lost and when (the worker's clock, the seconds since the job's start) is kept in
 the context's ``failovers`` for the run's summary.

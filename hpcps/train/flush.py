@@ -5,11 +5,13 @@ evaluation, early stopping's snapshot, a checkpoint and the exported model hold 
 
 Rows a worker pulled before a flush for its next steps lack what it pushed: they are dropped and
 pulled again, as a run resumed from a checkpoint taken there pulls them (the MLP of a deep model
-too). So under BSP a run resumed
-from a checkpoint is bit-identical to one never stopped, as without the filter. What the flush
-costs (its pushes, the MLP pulled again, each dropped batch's rows pulled again) is taken back from
-``push_threshold_saved_bytes`` (:func:`hpcps.ps.filters.charged`), which is thus exactly the
-traffic the filter saved.
+too). So under BSP a run resumed from a checkpoint is bit-identical to one never stopped, as
+without the filter. What the flush costs (its pushes, the MLP pulled again, each dropped batch's
+rows pulled again) is taken back from ``push_threshold_saved_bytes``
+(:func:`hpcps.ps.filters.charged`), which is thus exactly the traffic the filter saved. Under
+backup workers the first worker's periodic checkpoints (:mod:`hpcps.train.quorum_checkpoints`)
+are written without a flush (the other workers take no part in them): a restart from one loses
+what the residuals held then, less than the threshold per coordinate of each key and worker.
 """
 
 from __future__ import annotations

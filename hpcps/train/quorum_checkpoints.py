@@ -40,6 +40,15 @@ def stop_wanted(sig: int) -> int:
 LEAD = 2  # a quorum checkpoint's clock: this many past the largest clock the first worker knows of
 
 
+def next_meeting(step: int, steps: int, eval_every: int) -> int:
+    """The first step after ``step`` (of an epoch of ``steps``) after which the workers meet: the
+    next evaluation (every ``eval_every`` steps, 0: none; :meth:`hpcps.train.loop.Trainer.train_epoch`
+    evaluates at those steps but the epoch's last), else the epoch's end. A quorum checkpoint is
+    asked no later: a stop's agreement moves every worker to its clock, and one moved past an
+    evaluation would skip it while the workers that joined the agreement there evaluate."""
+    return min(steps, (step // eval_every + 1) * eval_every) if eval_every else steps
+
+
 class QuorumCheckpoints:
     """A worker's checkpoint decisions under backup workers (the module's docstring), for its
     :class:`~hpcps.train.checkpointing.Checkpointing` (``ck``) in the training ``loop`` (the
@@ -72,8 +81,9 @@ class QuorumCheckpoints:
         ck, ctx = self.ck, self.ck.ctx
         seen = max((t.last_min_clock for t in ck.model.sparse if t.last_min_clock is not None), default=0)
         ahead = max(ctx.clock_value, seen) + LEAD - ctx.clock_value
-        if step + ahead > self.loop.steps:  # (its clock in this epoch: a stop's agreement moves every worker to it)
-            return
+        loop = self.loop
+        if step + ahead > next_meeting(step, loop.steps, ck.cfg.train.eval_every if loop.test is not None else 0):
+            return  # (its clock before the workers' next meeting: a stop's agreement moves every worker to it)
         delta = ck.delta_possible(self.pending == 1)
         at = global_step + ahead
         manifest = ck.manifest(epoch, step + ahead + 1, at, "periodic", delta)

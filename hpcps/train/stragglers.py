@@ -67,7 +67,6 @@ class LateWorker:
         self.ctx.clock_to(self.end_clock if clock is None else clock)
         return last - first
 
-
     def skip_to(self, pipeline, feed, first: int, clock: int) -> int:
         """A stop agreed under backup workers (:mod:`hpcps.train.quorum_checkpoints`): this worker
         moved to ``clock`` (the largest among the workers, in this epoch) from the step of index
