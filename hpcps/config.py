@@ -202,8 +202,8 @@ class Filters:
     push_threshold: float = described(0.0, "send a pushed key only once a coordinate of its accumulated update "
                                            "reaches this in absolute value; the rest stays in a residual on the "
                                            "worker, flushed (pushed, one extra clock) at the end of every epoch "
-                                           "and before every checkpoint (0 = off; docs/architecture.md, traffic "
-                                           "filters)")
+                                           "and before every checkpoint but backup workers' periodic ones (0 = off; "
+                                           "docs/architecture.md, traffic filters)")
     wire_dtype: str = described("fp32", "the type of pushed and pulled values on the wire (the servers' rows and "
                                         "optimizer state stay fp32); fp16 carries at most 65504: values "
                                         "beyond it travel as +-65504, counted in the summary's "

@@ -8,7 +8,9 @@ no MPI. Each is off by default (``[filters]`` in the configuration) and each sav
   (about ``16 + 4 dim`` bytes a key). It is flushed (every key with a nonzero residual pushed,
   :meth:`PushResidual.drain`) at the end of every epoch and before every checkpoint
   (``Context.flush_filters``), so a saved model holds every update and a restart from a checkpoint
-  loses nothing; a worker lost between two flushes loses less than the threshold per coordinate of
+  loses nothing; but not the periodic checkpoints of backup workers, which the first worker writes
+  alone (:mod:`hpcps.train.quorum_checkpoints`): a restart from one loses each worker's residual,
+  less than the threshold per coordinate of each key; a worker lost between two flushes loses less than the threshold per coordinate of
   each key (:meth:`PushResidual.largest`).
 * Wire types (``wire_dtype``): the pushed and pulled values travel as fp16 or bf16, rounded to the
   nearest even (:func:`encode`, :func:`decode`); fp16 saturates at its largest finite value
