@@ -854,7 +854,9 @@ def _add_bench(sub) -> None:
     b.set_defaults(func=_cmd_bench_inputs)
     b = bsub.add_parser("backup", help="backup workers (b = 1) against b = 0 with a worker stopped for seconds (its own jobs)")
     b.add_argument("--dir", default="/tmp/hpcps-bench-backup", help="where the data and results go")
-    b.add_argument("--rows", type=count(), default=30_000)
+    b.add_argument("--rows", type=count(), default=300_000,
+                   help="rows of the job: its training must outlast the stop to show what b = 1 saves (a job "
+                        "cannot end before its stopped worker continues)")
     b.add_argument("--test-rows", type=count(), default=3_000)
     b.add_argument("--stop-s", type=float, default=5.0, help="seconds worker rank 3 is stopped (SIGSTOP)")
     b.add_argument("--at", type=count(), default=50, help="the first worker's step after which it is stopped")
