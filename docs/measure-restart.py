@@ -7,7 +7,7 @@ within 5 s of a kill -9 and loses at most the last delta interval".
    1 server + 2 workers (FTRL, batch 100, BSP) that trains an epoch of it and writes a full
    checkpoint: a table of ``--keys`` keys.
 2. Each run: a copy of that checkpoint, then ``hpcps supervise --backoff B -- mpiexec -n 3 hpcps
-   train ... --resume auto`` for two more epochs with ``checkpoint.delta_every_s``; once it has
+   train ... --resume auto`` for `--epochs` - 1 more epochs (default 2) with ``checkpoint.delta_every_s``; once it has
    trained ``--kill-after-s`` seconds and written two snapshots, and then a share of the delta
    interval more (run i of n: (i + 0.5) / n of it, so the runs see different losses), a kill -9
    of the server. The times,
@@ -121,7 +121,7 @@ def start(args, work: str, i: int):
     out = open(f"{work}/run-{i}.out", "w")
     sup = subprocess.Popen([args.bin + "/hpcps", "supervise", "--max-restarts", "1", "--backoff", str(args.backoff),
                             "--", args.bin + "/mpiexec", "-n", "3", args.bin + "/hpcps", "train",
-                            *train_args(work, ckdir, 3, args.delta_s), "--resume", "auto"],
+                            *train_args(work, ckdir, args.epochs, args.delta_s), "--resume", "auto"],
                            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     return sup, out, ckdir, status
 
@@ -205,6 +205,8 @@ def main() -> int:
     p.add_argument("--delta-s", type=float, default=2.0)
     p.add_argument("--backoff", type=float, default=0.0, help="hpcps supervise --backoff")
     p.add_argument("--kill-after-s", type=float, default=5.0)
+    p.add_argument("--epochs", type=int, default=3, help="train.epochs of the supervised jobs (the base checkpoint "
+                   "holds the first): more where the machine trains the rest before the kill")
     p.add_argument("--phase", type=float, default=None,
                    help="kill this share of the delta interval after the second snapshot (default: (i + 0.5) / runs)")
     p.add_argument("--work", default="", help="work directory (default: a new one under /tmp); kept")
