@@ -92,6 +92,9 @@ def run(command: list[str], max_restarts: int = 3, backoff: float = 5.0, backoff
             child[0].send_signal(signal.SIGTERM if again else signum)
 
     previous = {s: signal.signal(s, forward) for s in FORWARDED}
+    # while the job runs: the checksums a restart verifies, loaded already (joined before returning:
+    # a process that exits while the thread loads numba's kernels aborts in free())
+    warm = threading.Thread(target=checkpoint.warm_checksums, daemon=True, name="hpcps-warm")
     try:
         attempt = 0
         checkpointing = True  # whether the job writes checkpoints (its status says; unknown: assumed)
@@ -106,8 +109,8 @@ def run(command: list[str], max_restarts: int = 3, backoff: float = 5.0, backoff
                 _log(f"cannot start the job: {cmd[0]}: {e.strerror or e}", log_file)
                 return 2
             child[:] = [proc]
-            if attempt == 0:  # while the job runs: the checksums a restart verifies, loaded already
-                threading.Thread(target=checkpoint.warm_checksums, daemon=True, name="hpcps-warm").start()
+            if attempt == 0:
+                warm.start()
             if received:  # a signal came while it started: it is passed on now
                 proc.send_signal(received[-1])
             rc = proc.wait()
@@ -141,6 +144,8 @@ def run(command: list[str], max_restarts: int = 3, backoff: float = 5.0, backoff
                 _log(f"signal {signal.Signals(received[-1]).name} during the back-off: not restarting", log_file)
                 return rc
     finally:
+        if warm.is_alive():
+            warm.join()
         for s, h in previous.items():
             signal.signal(s, h)
         if own_status:
