@@ -69,6 +69,20 @@ def lost_work(status: dict) -> tuple[str, str]:
     return ckpt, f"resuming at step {at}; {step - at} step(s) of work lost (the job had reached step {step})"
 
 
+def _back_off(delay: float, received: list) -> None:
+    """Wait ``delay`` seconds, less if a signal is received meanwhile."""
+    end = time.monotonic() + delay
+    while time.monotonic() < end and not received:
+        time.sleep(min(0.1, max(end - time.monotonic(), 0)))
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
 def run(command: list[str], max_restarts: int = 3, backoff: float = 5.0, backoff_max: float = 300.0,
         log_file: str = "") -> int:
     """Run ``command`` until it succeeds, stops for a reason not worth a restart, or has been
@@ -137,9 +151,7 @@ def run(command: list[str], max_restarts: int = 3, backoff: float = 5.0, backoff
                  f"{attempt}/{max_restarts} in {delay:g} s "
                  + (("with --resume auto" + (f" from {ckpt}" if ckpt else "")) if checkpointing else
                     "from the start (the job has no checkpoint.dir)") + f": {lost}", log_file)
-            end = time.monotonic() + delay
-            while time.monotonic() < end and not received:
-                time.sleep(min(0.1, max(end - time.monotonic(), 0)))
+            _back_off(delay, received)
             if received:
                 _log(f"signal {signal.Signals(received[-1]).name} during the back-off: not restarting", log_file)
                 return rc
@@ -149,7 +161,4 @@ def run(command: list[str], max_restarts: int = 3, backoff: float = 5.0, backoff
         for s, h in previous.items():
             signal.signal(s, h)
         if own_status:
-            try:
-                os.unlink(status_path)
-            except OSError:
-                pass
+            _remove(status_path)
