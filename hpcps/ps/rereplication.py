@@ -43,11 +43,25 @@ import time
 import numpy as np
 
 from hpcps.ps import protocol, transport
-from hpcps.ps.replication import Replication
 from hpcps_kernels.hashing import shard_of
 
 HOLD = np.iinfo(np.int64).max  # a shard's first clock taken from the workers: none yet (its copy awaited)
 END = HOLD - 1  # a copy's clock when it was cut once every worker was done (it holds every push)
+
+
+def insert_rows(tables: list, parts: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    """Add each table's ``(keys, rows)`` of ``parts`` (keys it does not hold: a copy's new
+    shards) as a push adds new keys: the others' rows stay in place, the time is the rows added's."""
+    for table, (keys, rows) in zip(tables, parts):
+        if keys.shape[0] == 0:
+            continue
+        store = table.store
+        first_new = store.index.size
+        slots = store.lookup_or_insert(keys)
+        table.policies.rows_created(store.create_rows(keys, slots, first_new), first_new)
+        store.rows[slots] = rows
+        if store.changed is not None:  # (delta snapshots: rows this server may write once primary)
+            store.mark_changed(slots)
 
 
 class Rereplication:
@@ -60,13 +74,14 @@ class Rereplication:
         # push; HOLD: none yet, its copy awaited; C: those of clock C on, earlier ones in the copy)
         self.from_clock = np.full(server.placement.num_shards, -1, dtype=np.int64)
         self.held: list = []  # the backups' part of pushes of shards awaited, in their order
+        self.sorting = False  # whether a shard's pushes are held or some dropped (from_clock >= 0 somewhere)
+        self.landed_by: int | None = None  # the latest clock of the copies landed, until forgotten
         self.lost = -1  # the server whose loss the copies under way follow
         self.outgoing: dict[int, list[int]] = {}  # target server -> shards this server copies to it
         self.waiting_for = 0  # shards awaited here
         self.placed: dict[int, int] = {}  # worker -> its clock at PLACED (the loss ``lost``)
         self.boundary: int | None = None  # C, once every worker's PLACED is in
         self.lost_at = 0.0
-        self.copied: list[dict] = []  # each copy sent or landed here (the figures of the summary)
 
     @property
     def busy(self) -> bool:
@@ -90,6 +105,7 @@ class Rereplication:
             if target == server.index:
                 self.from_clock[shard] = HOLD
         self.waiting_for = int((self.from_clock == HOLD).sum())
+        self.sorting = self.sorting or bool(self.waiting_for)
         self._find_boundary()
 
     def placed_by(self, worker: int, clock: int, lost: int) -> None:
@@ -119,10 +135,12 @@ class Rereplication:
         applied) or every worker is done (every push applied); whether copies are still under way.
         A landed copy's clock is forgotten once every push before it has been applied here."""
         workers = self.server.workers
-        landed = (self.from_clock >= 0) & (self.from_clock < END)
-        if landed.any() and workers.min_clock() >= self.from_clock[landed].max():
-            self.from_clock[landed] = -1
+        if self.landed_by is not None and workers.min_clock() >= self.landed_by:
+            self.from_clock[(self.from_clock >= 0) & (self.from_clock < END)] = -1
+            self.landed_by = None
+            self.sorting = bool(self.waiting_for)
         if self.outgoing:
+            self._find_boundary()  # (a worker done or lost since: its PLACED will not come)
             if workers.all_done and not workers.waiting:
                 self.cut(END)
             elif self.boundary is not None and workers.min_clock() >= self.boundary:
@@ -156,10 +174,8 @@ class Rereplication:
             return
         server.replies.sending += server.net.start_send(msg, target, protocol.TAG_REQUEST,
                                                         f"copy of {len(shards)} shards to server {target}")
-        rows = sum(int(k.shape[0]) for _, k, _, _ in parts)
-        self.copied.append({"to": target, "shards": len(shards), "clock": clock, "rows": rows,
-                            "after_loss_s": round(started - self.lost_at, 3)})
-        sys.stderr.write(f"hpcps: server {server.index}: copying {len(shards)} shards ({rows} rows) to server "
+        sys.stderr.write(f"hpcps: server {server.index}: copying {len(shards)} shards "
+                         f"({sum(int(k.shape[0]) for _, k, _, _ in parts)} rows) to server "
                          f"{target} as new backups, cut at clock {'the end' if clock == END else clock}, "
                          f"{started - self.lost_at:.3f} s after the loss\n")
 
@@ -168,17 +184,16 @@ class Rereplication:
         clock before its own and apply the others, in their order."""
         server = self.server
         server.apply_backlog()  # (the pushes of shards not awaited; those awaited stay held)
-        names = [t.spec.name for t in server.tables]
-        Replication.copy_in(server.tables, [(names[i], k, r, None) for i, (k, r) in enumerate(copy.parts)])
+        insert_rows(server.tables, copy.parts)
         self.from_clock[copy.shards] = copy.clock
+        if copy.clock < END:
+            self.landed_by = max(copy.clock, self.landed_by or 0)
         self.waiting_for = int((self.from_clock == HOLD).sum())
         held, self.held = self.held, []
         server.backlog = held + server.backlog
         server.apply_backlog()
         landed = time.monotonic()
         rows = sum(int(k.shape[0]) for k, _ in copy.parts)
-        self.copied.append({"from": copy.source, "shards": int(copy.shards.shape[0]), "clock": copy.clock,
-                            "rows": rows, "copy_s": round(landed - copy.cut_at, 4)})
         sys.stderr.write(f"hpcps: server {server.index}: new backups of {copy.shards.shape[0]} shards landed from "
                          f"server {copy.source} ({rows} rows, {landed - copy.cut_at:.3f} s from its cut at "
                          f"clock {'the end' if copy.clock == END else copy.clock})\n")
@@ -186,7 +201,7 @@ class Rereplication:
     def sort_backlog(self, backlog: list) -> list:
         """The backups' part of the pushes to apply now: of the shards awaited, held back (their
         copy applies them); of the shards landed, those of a clock before their copy's dropped."""
-        if not (self.from_clock >= 0).any():
+        if not self.sorting:
             return backlog
         keep = []
         for entry in backlog:
