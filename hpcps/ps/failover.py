@@ -8,7 +8,7 @@ only the lost server's *replies*: the rows a worker pulled from it. Hence:
 
 * **A server** learns of the loss in its serving loop (:class:`hpcps.ps.recovery.ServerRecovery`
   calls :func:`promote`): where every shard of the lost server has a copy left, each shard's first
-  backup becomes its primary (:meth:`hpcps.ps.replication.ServerCopies.rank_lost`); its backlog of
+  backup becomes its primary (:meth:`hpcps.ps.replication.Replication.rank_lost`); its backlog of
   backup pushes is applied first, so that each key's updates keep their order. Its clocks are
   unchanged (a server is not a worker). Where a shard has no copy left, the job ends as without
   replicas, in one line. Where shards are left with fewer than ``r + 1`` copies (three servers
@@ -80,9 +80,9 @@ def plug(server) -> None:
 
 
 def placed(server, worker: int, r: protocol.Placed) -> None:
-    """Worker ``worker``'s ``PLACED``: it sends under the placement without server ``r.lost`` from now on;
-    a loss this server did not know of yet is handled first (the worker's pushes that follow
-    may hold rows of the new backups awaited here)."""
+    """Worker ``worker``'s ``PLACED``: it sends under the placement without server ``r.lost``
+    from now on. A loss this server did not know of yet is handled first (the worker's pushes
+    that follow may hold rows of the new backups awaited here)."""
     if r.lost not in server.recovery.lost:
         server.recovery.ranks_lost(transport.RankFailed([r.lost], "a worker's notice of a lost server"))
     server.copying.placed_by(worker, r.clock, r.lost)
