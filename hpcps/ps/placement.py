@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hpcps_kernels.hashing import feature_key, server_of, shard_of
+from hpcps_kernels.hashing import feature_keys, server_of, shard_of
 from hpcps_kernels.keys import group_by
 
 DEFAULT_SHARDS = 1024
@@ -38,8 +38,8 @@ DEFAULT_VNODES = 128
 
 def ring_points(num_servers: int, vnodes: int = DEFAULT_VNODES) -> tuple[np.ndarray, np.ndarray]:
     """The consistent-hash ring: sorted point positions and the server owning each."""
-    pos = np.array([feature_key(s, f"vnode-{v}") for s in range(num_servers) for v in range(vnodes)],
-                   dtype=np.uint64)
+    pos = feature_keys(np.repeat(np.arange(num_servers), vnodes), [f"vnode-{v}" for _ in range(num_servers)
+                                                                    for v in range(vnodes)])
     owner = np.repeat(np.arange(num_servers, dtype=np.int64), vnodes)
     order = np.argsort(pos, kind="stable")
     return pos[order], owner[order]
@@ -47,7 +47,7 @@ def ring_points(num_servers: int, vnodes: int = DEFAULT_VNODES) -> tuple[np.ndar
 
 def shard_positions(num_shards: int) -> np.ndarray:
     """Each virtual shard's position on the ring."""
-    return np.array([feature_key(0x5EED, f"shard-{s}") for s in range(num_shards)], dtype=np.uint64)
+    return feature_keys(np.full(num_shards, 0x5EED), [f"shard-{s}" for s in range(num_shards)])
 
 
 def shard_servers(num_shards: int, num_servers: int, vnodes: int = DEFAULT_VNODES) -> np.ndarray:
