@@ -142,16 +142,6 @@ def feature_key(field: int, token: bytes | str) -> int:
     return int(xxh64(buf, 0, buf.shape[0], np.uint64(field)))
 
 
-def feature_keys(fields, tokens) -> np.ndarray:
-    """The keys of many (field, token) pairs at once, :func:`feature_key`'s for each, as uint64:
-    the tokens' bytes joined and hashed in one call (one compiled call, not one a pair)."""
-    raw = [t.encode() if isinstance(t, str) else bytes(t) for t in tokens]
-    lengths = np.fromiter((len(t) for t in raw), dtype=np.int64, count=len(raw))
-    ends = np.cumsum(lengths)
-    buf = np.frombuffer(b"".join(raw), dtype=np.uint8)
-    return hash_tokens(buf, ends - lengths, ends, np.asarray(fields, dtype=np.uint64))
-
-
 @njit(inline="always")
 def mix64(x):
     """A bijective 64-bit finaliser (splitmix64's): spreads sequential keys over all bits."""

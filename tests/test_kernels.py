@@ -407,11 +407,6 @@ def test_feature_key_depends_on_field_and_token():
     assert hashing.feature_key(3, "abc") != hashing.feature_key(3, "abd")
 
 
-def test_feature_keys_are_feature_key_of_each_pair():
-    fields, tokens = [3, 4, 0x5EED, 0, 7], ["abc", b"abc", "shard-17", "", "a longer token of 37 bytes, or about"]
-    assert hashing.feature_keys(fields, tokens).tolist() == [hashing.feature_key(f, t) for f, t in zip(fields, tokens)]
-
-
 # -- 8. parsing ----------------------------------------------------------------------------------
 
 def libsvm_lines():
