@@ -25,9 +25,10 @@ def test_the_command_and_the_training_loop_load_no_hdf5_or_arrow_until_asked():
 
 
 # Loaded by nothing a plain 2-rank training job does: HDF5 (checkpoints, model files), Arrow
-# (Parquet, CSV), the benchmarks and plots, and what numba's import looks at for nothing here
-# (SciPy for a version check, PyYAML for a .numba_config.yaml there is none of)
-NOT_LOADED = ("h5py", "pyarrow", "scipy", "yaml", "hpcps.bench", "hpcps.plot")
+# (Parquet, CSV), the synthetic data's generator, the benchmarks and plots, and what numba's import
+# looks at for nothing here (SciPy for a version check, PyYAML for a .numba_config.yaml there is none of)
+NOT_LOADED = ("h5py", "pyarrow", "hpcps.train.synth", "hpcps_kernels.textgen", "scipy", "yaml", "hpcps.bench",
+              "hpcps.plot")
 # the job's command line as `hpcps` runs it (hpcps.cli.main), then the names above it loaded
 PROBE = ("import json, sys; from hpcps.cli import main; code = main(sys.argv[1:]); "
          f"print('LOADED', json.dumps([m for m in {NOT_LOADED!r} if m in sys.modules]), flush=True); sys.exit(code)")
