@@ -895,8 +895,8 @@ def _version() -> str:
 
 class _PrintVersion(argparse.Action):
     """``-V``/``--version``: argparse's version action, but the version looked up only when asked
-    for: importing :mod:`importlib.metadata` and finding the distribution on ``sys.path`` were
-    a noticeable part of every rank's start-up, for a line that a job never prints."""
+    for: finding the distribution's metadata on ``sys.path`` was part of every rank's start-up,
+    for a line that a job never prints."""
 
     def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
                  help="show program's version number and exit"):  # noqa: A002 - argparse's name
