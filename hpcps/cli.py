@@ -893,9 +893,23 @@ def _version() -> str:
         return f"{__version__} (not installed)"
 
 
+class _PrintVersion(argparse.Action):
+    """``-V``/``--version``: argparse's version action, but the version looked up only when asked
+    for: finding the distribution's metadata on ``sys.path`` was part of every rank's start-up,
+    for a line that a job never prints."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                 help="show program's version number and exit"):  # noqa: A002 - argparse's name
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        sys.stdout.write(f"hpcps {_version()}\n")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="hpcps", description="MPI parameter server for huge sparse models")
-    p.add_argument("-V", "--version", action="version", version=f"hpcps {_version()}")
+    p.add_argument("-V", "--version", action=_PrintVersion)
     sub = p.add_subparsers(dest="command", required=True)
     for add in (_add_train, _add_tune, _add_supervise, _add_model_files, _add_gen_data, _add_bench):
         add(sub)

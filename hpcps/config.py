@@ -46,6 +46,8 @@ def described(default, help: str):
 
 @dataclass(frozen=True)
 class Cluster:
+    """[cluster]: the layout (servers, worker groups), the consistency, backups, replicas and faults."""
+
     layout: str = described("manual", "manual: the servers, worker groups and batch as set; auto: the scaling "
                                       "model (docs/scaling.md) picks cluster.servers, cluster.worker_groups and "
                                       "train.batch_size from the world's size, the model and the data's keys a "
@@ -79,6 +81,8 @@ class Cluster:
 
 @dataclass(frozen=True)
 class Data:
+    """[data]: the files read and how (format, hashing, memory, shuffling, predictions)."""
+
     train: str = described("", "training data: a file, a list of files, a glob or a directory of part files "
                                "(libsvm, Criteo TSV, VW or libffm; plain or gzip/zstd/bzip2/xz); \"\" = "
                                "generate one (see [synth])")
@@ -110,6 +114,8 @@ class Data:
 
 @dataclass(frozen=True)
 class Synth:
+    """[synth]: the synthetic data set made for a run without data.train."""
+
     rows: int = described(1_000_000, "training rows generated when data.train is \"\"")
     test_rows: int = described(100_000, "test rows generated")
     fields: int = described(39, "fields a row (Criteo-like: up to 13 integer and 26 categorical columns)")
@@ -121,6 +127,8 @@ class Synth:
 
 @dataclass(frozen=True)
 class Model:
+    """[model]: the model's type, loss, sizes and initial values, and its dense part's optimizer."""
+
     type: str = described("lr", "lr (logistic or linear regression), fm (factorization machine), ffm "
                                 "(field-aware FM), wdl (Wide & Deep) or deepfm, or a type registered from "
                                 "user code")
@@ -148,12 +156,16 @@ class Model:
 
 @dataclass(frozen=True)
 class Optimizer:
+    """[optimizer]: the servers' update rule and its own keys."""
+
     name: str = described("ftrl", "sgd | adagrad | ftrl | adam (or one registered from the library API)")
     params: dict = described({}, "the optimizer's own keys, beside name: [optimizer] alpha = 0.1")
 
 
 @dataclass(frozen=True)
 class Train:
+    """[train]: the steps, epochs, evaluation, early stopping and what a run prints and writes."""
+
     epochs: int = described(2, "passes over the training data")
     batch_size: int = described(0, "rows per worker per step; 0 = enough for at least 128 steps an epoch, "
                                    "between 50 and 1000 (hpcps train prints the number it used)")
@@ -178,6 +190,8 @@ class Train:
 
 @dataclass(frozen=True)
 class Checkpoint:
+    """[checkpoint]: where and when the model's state is saved, and what a run resumes."""
+
     dir: str = described("", "where checkpoints go (\"\" = none)")
     every_steps: int = described(0, "checkpoint every N steps (0 = off)")
     every_s: float = described(0.0, "checkpoint every T seconds (0 = off)")
@@ -199,6 +213,8 @@ class Checkpoint:
 
 @dataclass(frozen=True)
 class Filters:
+    """[filters]: the traffic filters on the requests' values and keys."""
+
     push_threshold: float = described(0.0, "send a pushed key only once a coordinate of its accumulated update "
                                            "reaches this in absolute value; the rest stays in a residual on the "
                                            "worker, flushed (pushed, one extra clock) at the end of every epoch "
@@ -219,6 +235,8 @@ class Filters:
 
 @dataclass(frozen=True)
 class Config:
+    """A run's whole configuration, one field a section."""
+
     cluster: Cluster = field(default_factory=Cluster)
     data: Data = field(default_factory=Data)
     synth: Synth = field(default_factory=Synth)

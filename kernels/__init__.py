@@ -14,6 +14,41 @@ import importlib.util
 import os
 import sys
 
+# What numba's own import loads only to look at, and why it is not needed here (_import_numba).
+_NUMBA_LOOKS_AT = {
+    "scipy": "numba imports SciPy only to check that its version is at least 1.0 (hpcps requires 1.10)",
+    "yaml": "numba imports PyYAML only to read a .numba_config.yaml in the current directory",
+}
+
+
+def _import_numba() -> tuple[str, ...]:
+    """Import numba without the two packages its import loads for nothing here: SciPy (a version
+    check, ``numba._ensure_critical_deps``) and PyYAML (``numba.core.config``, for a
+    ``.numba_config.yaml`` file in the current directory). Both imports are optional to numba (it
+    catches their ImportError), and together they were a noticeable part of every rank's start-up.
+    For the length of numba's import only, each is marked not importable (``sys.modules[name] =
+    None``, Python's own way to say so) unless it is loaded already; the marks are then taken away,
+    so a later ``import scipy`` works as usual (the kernel profiler's references; numba's first BLAS
+    call). PyYAML is left importable where the current directory has a ``.numba_config.yaml``, which
+    numba then reads as always. Nothing is done where numba is loaded already or with
+    ``HPCPS_LEAN_NUMBA=0``. Returns the names held back."""
+    if "numba" in sys.modules or os.environ.get("HPCPS_LEAN_NUMBA", "1") == "0":
+        return ()
+    held = tuple(name for name in _NUMBA_LOOKS_AT if name not in sys.modules
+                 and not (name == "yaml" and os.path.isfile(".numba_config.yaml")))
+    for name in held:
+        sys.modules[name] = None
+    try:
+        import numba  # noqa: F401
+    finally:
+        for name in held:
+            if name in sys.modules and sys.modules[name] is None:
+                del sys.modules[name]
+    return held
+
+
+_import_numba()
+
 
 def _answer_numba_blas_probe_from_files() -> bool:
     """Let numba learn that SciPy's BLAS exists without importing it at start-up.
@@ -22,11 +57,13 @@ def _answer_numba_blas_probe_from_files() -> bool:
     asks whether a BLAS is there by importing ``scipy.linalg.cython_blas`` (``ensure_blas``, called
     as ``numba.np.arraymath`` is imported). With SciPy 1.17 that import pulls in its array-API
     layer, a noticeable part of every hpcps process's start-up, though no hpcps kernel calls a BLAS (the deep
-    models' matrix products are NumPy's). This answers the probe from SciPy's files instead, keeping
-    numba's check that SciPy's BLAS integer width is the one numba was built for; numba's C helper
-    still imports the module itself at the first BLAS call. Nothing is changed when numba has
-    already loaded that module, when its ``ensure_blas`` is not where this expects it (another
-    numba), or with ``HPCPS_LAZY_BLAS=0``. Returns whether the probe is now answered here."""
+    models' matrix products are NumPy's). This answers that one probe from SciPy's files instead,
+    and hands ``ensure_blas`` back to numba as it does: every later call (a numba function that
+    uses a BLAS, being typed) is numba's own, which imports the module and checks that SciPy's BLAS
+    integer width is the one numba was built for (that check imports SciPy itself, so it waits for
+    a BLAS to be used too). Nothing is changed when numba has already loaded that module, when its
+    ``ensure_blas`` is not where this expects it (another numba), or with ``HPCPS_LAZY_BLAS=0``.
+    Returns whether the probe is now answered here."""
     if os.environ.get("HPCPS_LAZY_BLAS", "1") == "0":
         return False
     try:
@@ -38,14 +75,12 @@ def _answer_numba_blas_probe_from_files() -> bool:
         return False
 
     def ensure_blas():
+        nl.ensure_blas = real  # (numba.np.arraymath's probe is the first call: the later ones are numba's)
         spec = importlib.util.find_spec("scipy")
         where = list(spec.submodule_search_locations or []) if spec else []
         linalg = os.path.join(where[0], "linalg") if where else ""
         if not (os.path.isdir(linalg) and any(f.startswith("cython_blas") for f in os.listdir(linalg))):
             return real()  # raises numba's own ImportError
-        check = getattr(nl, "_check_lapack_int_width", None)
-        if check is not None:
-            check()
 
     ensure_blas.hpcps_lazy = True
     nl.ensure_blas = ensure_blas

@@ -240,3 +240,13 @@ class KeyIndex:
     def nbytes(self) -> int:
         """Bytes held: the index plus the key array (allocated, not just used)."""
         return self.index.nbytes + self.keys.nbytes
+
+
+def set_up_numba() -> None:
+    """numba's CPU target set up now, as the first call of any compiled kernel does before its own
+    work (numba's typing and lowering registries, SciPy's BLAS probe: about 0.1 s of a process's
+    CPU), here by indexing no keys (:func:`build_index`, which an index calls as it grows, with
+    its own types: its cached code is used later). Called where the time is best spent: on a
+    server while the workers parse their first rows (it then answers their first requests without
+    it), on the main thread before a rank's own threads make their first compiled calls."""
+    KeyIndex.from_keys(np.zeros(0, dtype=np.uint64))

@@ -7,8 +7,10 @@ import sys
 import numpy as np
 import pytest
 
+from hpcps.ps import placement
 from hpcps.ps.layout import Layout, LayoutError
 from hpcps.ps.placement import Placement
+from hpcps_kernels.hashing import feature_key
 
 
 @pytest.mark.parametrize("servers", [1, 2, 3, 5, 8])
@@ -61,6 +63,15 @@ def test_placement_is_the_same_in_every_process():
                            timeout=120, check=True, env=dict(os.environ, PYTHONHASHSEED=seed)).stdout
             for seed in ("1", "2")]
     assert said[0] == said[1] == f"{here.shard_server.tolist()} {here.server_of(keys).tolist()}\n"
+
+
+def test_the_ring_is_feature_keys_of_each_servers_points_and_each_shard():
+    """The ring's positions are hpcps_kernels' feature keys (XXH64 of the point's name, seeded by
+    the server), though made by the xxhash package: the placement of every checkpoint depends on it."""
+    points, owner = placement.ring_points(3, vnodes=5)
+    want = sorted((feature_key(s, f"vnode-{v}"), s) for s in range(3) for v in range(5))
+    assert list(zip(points.tolist(), owner.tolist())) == want
+    assert placement.shard_positions(7).tolist() == [feature_key(0x5EED, f"shard-{s}") for s in range(7)]
 
 
 def test_layout_splits_workers_into_contiguous_groups():

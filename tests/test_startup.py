@@ -24,10 +24,20 @@ def test_the_command_and_the_training_loop_load_no_hdf5_or_arrow_until_asked():
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr[-2000:]
 
 
-def test_a_two_rank_job_says_its_startup_within_its_wall_time(tmp_path):
+# Loaded by nothing a plain 2-rank training job does: HDF5 (checkpoints, model files), Arrow
+# (Parquet, CSV), the synthetic data's generator, the benchmarks and plots, and what numba's import
+# looks at for nothing here (SciPy for a version check, PyYAML for a .numba_config.yaml there is none of)
+NOT_LOADED = ("h5py", "pyarrow", "hpcps.train.synth", "hpcps_kernels.textgen", "scipy", "yaml", "hpcps.bench",
+              "hpcps.plot")
+# the job's command line as `hpcps` runs it (hpcps.cli.main), then the names above it loaded
+PROBE = ("import json, sys; from hpcps.cli import main; code = main(sys.argv[1:]); "
+         f"print('LOADED', json.dumps([m for m in {NOT_LOADED!r} if m in sys.modules]), flush=True); sys.exit(code)")
+
+
+def test_a_two_rank_job_says_its_startup_within_its_wall_time_and_loads_nothing_it_does_not_use(tmp_path):
     s = synth.generate(str(tmp_path / "d"), 100, 100, seed=3, formats=("libsvm",))
     summary = tmp_path / "s.json"
-    cmd = [*mpiexec(), "-n", "2", sys.executable, "-m", "hpcps.cli", "train",
+    cmd = [*mpiexec(), "-n", "2", sys.executable, "-c", PROBE, "train",
            "--set", f"data.train={json.dumps(s.files['train_libsvm'])}",
            "--set", f"data.test={json.dumps(s.files['test_libsvm'])}",
            "--set", "train.progress=false", "--set", "train.epochs=1", "--summary-json", str(summary)]
@@ -42,3 +52,5 @@ def test_a_two_rank_job_says_its_startup_within_its_wall_time(tmp_path):
     assert got["examples"] == 100
     # each role's CPU time in its loop (the largest over its ranks): the worker trained, the server served
     assert got["loop_cpu_s_worker"] > 0 and got["loop_cpu_s_server"] > 0, got
+    # each rank (the server and the worker) loaded none of NOT_LOADED
+    assert [line for line in proc.stdout.splitlines() if line.startswith("LOADED")] == ["LOADED []"] * 2, proc.stdout

@@ -33,6 +33,7 @@ from hpcps.ps.placement import DEFAULT_SHARDS, Placement, new_copies
 from hpcps.ps.server import Server
 from hpcps.ps.tables import SERVER_FUNCTIONS, Features, ServerFunction, TableSpec
 from hpcps_kernels import keys as kkeys
+from hpcps_kernels.hashtable import set_up_numba
 
 
 # what a request and its reply are, in stall messages
@@ -632,6 +633,10 @@ def init(servers: int = 1, worker_groups: int | None = None, staleness: int = 0,
     transport.EXPLAINERS.insert(0, explainer)
     ctx = Context(net, layout, staleness, num_shards, stall_warn_s, stall_timeout_s, backup, replicas)
     ctx.filters = traffic or ctx.filters
+    # numba's start-up now, on this thread: a server's while the workers go on to their data, not at
+    # their first request; a worker's before its data's threads (the count of its part's lines)
+    # make its first compiled call, which, made there, took the main thread's parse 2-4 times as long
+    set_up_numba()
     if fault_tolerance == "ulfm":
         ctx.fault_tolerant = True
         ctx.recovery = recovery.WorkerRecovery(net, layout.servers, stall_timeout_s)

@@ -28,18 +28,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 
-from hpcps_kernels.hashing import feature_key, server_of, shard_of
+from hpcps_kernels.hashing import server_of, shard_of
 from hpcps_kernels.keys import group_by
 
 DEFAULT_SHARDS = 1024
 DEFAULT_VNODES = 128
 
 
+def _feature_keys(pairs) -> np.ndarray:
+    """``hpcps_kernels.hashing.feature_key(field, token)`` of each (field, token) pair, as uint64:
+    the same XXH64, by the xxhash package's C function. The ring's 1,152 keys or more are made
+    by every rank before its first step, and here they take no compiled kernel's first load."""
+    return np.fromiter((xxhash.xxh64_intdigest(token.encode(), seed=field) for field, token in pairs), dtype=np.uint64)
+
+
 def ring_points(num_servers: int, vnodes: int = DEFAULT_VNODES) -> tuple[np.ndarray, np.ndarray]:
     """The consistent-hash ring: sorted point positions and the server owning each."""
-    pos = np.array([feature_key(s, f"vnode-{v}") for s in range(num_servers) for v in range(vnodes)],
-                   dtype=np.uint64)
+    pos = _feature_keys((s, f"vnode-{v}") for s in range(num_servers) for v in range(vnodes))
     owner = np.repeat(np.arange(num_servers, dtype=np.int64), vnodes)
     order = np.argsort(pos, kind="stable")
     return pos[order], owner[order]
@@ -47,7 +54,7 @@ def ring_points(num_servers: int, vnodes: int = DEFAULT_VNODES) -> tuple[np.ndar
 
 def shard_positions(num_shards: int) -> np.ndarray:
     """Each virtual shard's position on the ring."""
-    return np.array([feature_key(0x5EED, f"shard-{s}") for s in range(num_shards)], dtype=np.uint64)
+    return _feature_keys((0x5EED, f"shard-{s}") for s in range(num_shards))
 
 
 def shard_servers(num_shards: int, num_servers: int, vnodes: int = DEFAULT_VNODES) -> np.ndarray:

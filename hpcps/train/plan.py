@@ -20,7 +20,7 @@ from hpcps import config, outputs
 from hpcps.ps import checkpoint
 from hpcps.ps.consistency import Backup
 from hpcps.train import data as tdata
-from hpcps.train import inputs, scaling, synth, tables
+from hpcps.train import inputs, scaling, tables
 from hpcps_kernels import optim
 
 
@@ -272,24 +272,31 @@ def resolve_data(cfg, world) -> tuple[dict, dict | None]:
     paths = {"train": cfg.data.train, "test": cfg.data.test}
     if cfg.data.train:
         return paths, None
-    info = None
-    if world.is_first:
-        out = cfg.synth.dir or os.path.join(synth.cache_dir(), synth.dir_name(
-            cfg.synth.rows, cfg.synth.test_rows, cfg.synth.fields, cfg.synth.interactions, cfg.synth.seed,
-            cfg.data.hash_bits))
-        try:  # the cache's directories are hpcps's own, named by their parameters: replaced if need be
-            s = synth.generate(out, cfg.synth.rows, cfg.synth.test_rows, cfg.synth.fields, cfg.synth.interactions,
-                               cfg.synth.seed, cfg.data.hash_bits, formats=("libsvm",), overwrite=not cfg.synth.dir,
-                               how="give synth.dir another directory (or \"\" to use the cache)")
-            info = {"train": s.files["train_libsvm"], "test": s.files["test_libsvm"],
-                    "best_test_logloss": float(s.best_test_logloss), "best_test_auc": float(s.best_test_auc),
-                    "dir": out, "reused": s.reused}
-        except synth.SynthError as e:
-            info = {"error": f"synth.dir = {cfg.synth.dir!r}: {e}"}
-    info = world.first_decides(info, "broadcast of the synthetic data's paths")
+    info = world.first_decides(_synthetic_set(cfg) if world.is_first else None,
+                               "broadcast of the synthetic data's paths")
     if "error" in info:
         raise TrainError(info["error"])
     return {"train": info["train"], "test": info["test"]}, info
+
+
+def _synthetic_set(cfg) -> dict:
+    """The first rank of a run without ``data.train``: the synthetic set's paths and best metrics
+    (generated, or reused from the cache), or its error. The generator (:mod:`hpcps.train.synth`
+    and its kernels) is imported here, by the one run in a thousand that needs it."""
+    from hpcps.train import synth
+
+    out = cfg.synth.dir or os.path.join(synth.cache_dir(), synth.dir_name(
+        cfg.synth.rows, cfg.synth.test_rows, cfg.synth.fields, cfg.synth.interactions, cfg.synth.seed,
+        cfg.data.hash_bits))
+    try:  # the cache's directories are hpcps's own, named by their parameters: replaced if need be
+        s = synth.generate(out, cfg.synth.rows, cfg.synth.test_rows, cfg.synth.fields, cfg.synth.interactions,
+                           cfg.synth.seed, cfg.data.hash_bits, formats=("libsvm",), overwrite=not cfg.synth.dir,
+                           how="give synth.dir another directory (or \"\" to use the cache)")
+        return {"train": s.files["train_libsvm"], "test": s.files["test_libsvm"],
+                "best_test_logloss": float(s.best_test_logloss), "best_test_auc": float(s.best_test_auc),
+                "dir": out, "reused": s.reused}
+    except synth.SynthError as e:
+        return {"error": f"synth.dir = {cfg.synth.dir!r}: {e}"}
 
 
 # cluster.layout = "auto": the keys a batch holds are measured on the first rows of the training
