@@ -5,7 +5,7 @@ Explained in docs/scaling.md.
     python docs/scaling.py                      # the tables, and docs/scaling.png (needs matplotlib)
     python docs/scaling.py --measured docs/scaling-measured.json --out docs/scaling.png
     python docs/scaling.py fit --ps PS.jsonl... --mpi MPI.jsonl... --job JOB.json... [--batch 1000]
-                               [--cores 2] [--requests worker]
+                               [--cores 2] [--requests worker] [--mpi-hosts MPI-HOSTS.jsonl...]
 
 ``fit`` reads what ``mpiexec -n 2 hpcps bench ps --json``, ``mpiexec -n 2 hpcps bench mpi --json``
 and 2-rank ``hpcps train ... --summary-json JOB.json`` runs wrote (medians over the files of each)
@@ -138,7 +138,8 @@ def fit_command(args) -> None:
         with open(path) as f:
             jobs.append(json.load(f))
     fitted = scaling.fit([r for p in args.ps for r in _json_lines(p)], [r for p in args.mpi for r in _json_lines(p)],
-                         jobs, args.batch, args.cores, args.requests)
+                         jobs, args.batch, args.cores, args.requests,
+                         [r for p in args.mpi_hosts or [] for r in _json_lines(p)])
     path = args.module
     with open(path) as f:
         source = f.read()
@@ -155,6 +156,9 @@ def main() -> None:
         ap.add_argument("--ps", nargs="+", required=True,
                         help="files of mpiexec -n 2 hpcps bench ps --json --sizes 100,1000,10000,100000")
         ap.add_argument("--mpi", nargs="+", required=True, help="files of mpiexec -n 2 hpcps bench mpi --json")
+        ap.add_argument("--mpi-hosts", nargs="+",
+                        help="files of hpcps bench mpi --json between two hosts that share the cores (the "
+                             "namespace hosts): the CPU of a message between hosts; without: kept as it is")
         ap.add_argument("--job", nargs="+", required=True,
                         help="--summary-json files of 2-rank hpcps train jobs (1 server, 1 worker)")
         ap.add_argument("--batch", type=int, default=1000, help="the job's train.batch_size")
