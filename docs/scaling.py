@@ -3,7 +3,7 @@
 Explained in docs/scaling.md.
 
     python docs/scaling.py                      # the tables, and docs/scaling.png (needs matplotlib)
-    python docs/scaling.py --measured docs/scaling-measured.json --out docs/scaling.png
+    python docs/scaling.py --measured docs/scaling-measured.json docs/scaling-measured-16core.json --out docs/scaling.png
     python docs/scaling.py fit --ps PS.jsonl... --mpi MPI.jsonl... --job JOB.json... [--batch 1000]
                                [--cores 2] [--requests worker] [--mpi-hosts MPI-HOSTS.jsonl...]
 
@@ -87,7 +87,8 @@ def tables() -> str:
 
 
 def predicted(point: dict) -> dict:
-    """The model's step for a measured point (its job; this machine's constants, its cores)."""
+    """The model's step for a measured point (its job; the constants of its machine where the point
+    gives them, a 16-core node's, else this module's, and its cores)."""
     return step(Job(**point["job"]), Machine(**point.get("machine", {})))
 
 
@@ -112,7 +113,7 @@ def draw(out: str, measured: list[dict]) -> None:
     if measured:
         pred = [predicted(p)["examples_per_s"] for p in measured]
         got = [p["examples_per_s"] for p in measured]
-        b.scatter(pred, got, color="C3")
+        b.scatter(pred, got, c=["C1" if p.get("machine", {}).get("cores", 2) > 2 else "C3" for p in measured])
         for i, (p, x, y) in enumerate(zip(measured, pred, got)):  # (labels of close points apart)
             b.annotate(p["name"], (x, y), fontsize=7, xytext=(4, (4, -10, 14)[i % 3]), textcoords="offset points")
         lo, hi = min(pred + got) * 0.6, max(pred + got) * 1.5
@@ -120,10 +121,16 @@ def draw(out: str, measured: list[dict]) -> None:
         b.fill_between([lo, hi], [0.7 * lo, 0.7 * hi], [1.3 * lo, 1.3 * hi], color="gray", alpha=0.15,
                        label="0.7-1.3x")
         b.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="model examples/s",
-              ylabel="measured examples/s (training loop)", title="This machine: 2 cores, 2-4 ranks, 1-3 hosts")
+              ylabel="measured examples/s (training loop)",
+              title="Measured: 2 cores, 1-3 hosts (red); a 16-core node (orange)")
         b.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
+
+
+def _read_json(path: str):
+    with open(path) as f:
+        return json.load(f)
 
 
 def _json_lines(path: str) -> list[dict]:
@@ -170,14 +177,14 @@ def main() -> None:
                         help="the file whose FITTED constants are rewritten")
         return fit_command(ap.parse_args(sys.argv[2:]))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--measured", default=os.path.join(ROOT, "docs", "scaling-measured.json"),
-                    help="points measured here (JSON list)")
+    ap.add_argument("--measured", nargs="+", default=[os.path.join(ROOT, "docs", f"scaling-measured{s}.json")
+                                                      for s in ("", "-16core")],
+                    help="points measured (JSON lists: this machine's, a 16-core node's with its constants)")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "scaling.png"))
     args = ap.parse_args()
     print(tables())
     try:
-        with open(args.measured) as f:
-            measured = json.load(f)
+        measured = [p for path in args.measured for p in _read_json(path)]
     except FileNotFoundError:
         measured = []
     for p in measured:
