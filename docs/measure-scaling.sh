@@ -64,16 +64,26 @@ mpi_hosts() {  # mpi_hosts OUT: hpcps bench mpi between two namespace hosts (TCP
     "UCX_RNDV_THRESH=intra:auto,inter:64kb $BIN/mpiexec -n 2 $BIN/hpcps bench mpi --json" >/dev/null || true
 }
 
+train_hosts() {  # train_hosts SERVERS OUT sbatch-args...: a job on namespace hosts (OUT.load as train's)
+  local s=$1 out=$2; shift 2
+  cut -d' ' -f1 /proc/loadavg >"$out.load"
+  HPCPS_CKPT_DIR=$out.ck HPCPS_SERVERS=$s HPCPS_ARGS="${ARGS[*]} --summary-json $out" \
+    sbatch --wait --output="$WORK/job.out" "$@" "$ROOT/slurm/train.sbatch" >/dev/null
+}
+
 if [ "${FIT:-1}" = 1 ]; then
   for i in $(seq "$REPS"); do
     "$BIN/mpiexec" -n 2 "$BIN/hpcps" bench ps --json --sizes 100,1000,10000,100000 >"$WORK/ps-$i.jsonl"
     "$BIN/mpiexec" -n 2 "$BIN/hpcps" bench mpi --json >"$WORK/mpi-$i.jsonl"
-    [ "$HOSTS" = 1 ] && mpi_hosts "$WORK/mpi-hosts-$i.jsonl"
     train 1 1 "$WORK/fit-$i.json"
+    if [ "$HOSTS" = 1 ]; then  # the same job, the server and the worker on two hosts
+      mpi_hosts "$WORK/mpi-hosts-$i.jsonl"
+      train_hosts 1 "$WORK/fit-hosts-$i.json" -N 2 --ntasks=2
+    fi
   done
-  "$PY" docs/scaling.py fit --ps "$WORK"/ps-*.jsonl --mpi "$WORK"/mpi-*.jsonl --job "$WORK"/fit-*.json \
+  "$PY" docs/scaling.py fit --ps "$WORK"/ps-*.jsonl --mpi "$WORK"/mpi-*.jsonl --job "$WORK"/fit-?.json \
     --batch 1000 --cores "$CORES" ${REQUESTS:+--requests "$REQUESTS"} \
-    $([ "$HOSTS" = 1 ] && echo --mpi-hosts "$WORK"/mpi-hosts-*.jsonl)
+    $([ "$HOSTS" = 1 ] && echo --mpi-hosts "$WORK"/mpi-hosts-*.jsonl --job-hosts "$WORK"/fit-hosts-?.json)
 elif [ "$HOSTS" = 1 ]; then
   for i in $(seq "$REPS"); do mpi_hosts "$WORK/mpi-hosts-$i.jsonl"; done
 fi
@@ -98,13 +108,9 @@ print(json.dumps({"cores": int(sys.argv[1]), "latency_s": min(one_way.values()),
                  {"cores": int(sys.argv[1])}))' "$CORES" "$WORK"/mpi-hosts-*.jsonl 2>/dev/null || echo "$HERE")
   run_hosts() {  # run_hosts NAME SERVERS WORKERS HOSTS sbatch-args...
     local name=$1 s=$2 w=$3 h=$4; shift 4
-    for i in $(seq "$REPS"); do
-      cut -d' ' -f1 /proc/loadavg >"$WORK/h-$i.json.load"
-      HPCPS_CKPT_DIR=$WORK/ck-$h-$s-$i HPCPS_SERVERS=$s HPCPS_ARGS="${ARGS[*]} --summary-json $WORK/h-$i.json" \
-        sbatch --wait --output="$WORK/job.out" "$@" "$ROOT/slurm/train.sbatch" >/dev/null
-    done
+    for i in $(seq "$REPS"); do train_hosts "$s" "$WORK/h-$i.json" "$@"; done
     point "$name" "$s" "$w" "$h" "$TCP" "$WORK"/h-*.json
-    rm -f "$WORK"/h-*.json*
+    rm -rf "$WORK"/h-*.json*
   }
   run_hosts "1S+1W, 2 hosts" 1 1 2 -N 2 --ntasks=2
   run_hosts "1S+2W, 3 hosts" 1 2 3 -N 3 --ntasks=3

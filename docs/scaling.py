@@ -6,6 +6,7 @@ Explained in docs/scaling.md.
     python docs/scaling.py --measured docs/scaling-measured.json docs/scaling-measured-16core.json --out docs/scaling.png
     python docs/scaling.py fit --ps PS.jsonl... --mpi MPI.jsonl... --job JOB.json... [--batch 1000]
                                [--cores 2] [--requests worker] [--mpi-hosts MPI-HOSTS.jsonl...]
+                               [--job-hosts JOB-HOSTS.json...]
 
 ``fit`` reads what ``mpiexec -n 2 hpcps bench ps --json``, ``mpiexec -n 2 hpcps bench mpi --json``
 and 2-rank ``hpcps train ... --summary-json JOB.json`` runs wrote (medians over the files of each)
@@ -140,13 +141,11 @@ def _json_lines(path: str) -> list[dict]:
 
 
 def fit_command(args) -> None:
-    jobs = []
-    for path in args.job:
-        with open(path) as f:
-            jobs.append(json.load(f))
+    jobs = [_read_json(p) for p in args.job]
     fitted = scaling.fit([r for p in args.ps for r in _json_lines(p)], [r for p in args.mpi for r in _json_lines(p)],
                          jobs, args.batch, args.cores, args.requests,
-                         [r for p in args.mpi_hosts or [] for r in _json_lines(p)])
+                         [r for p in args.mpi_hosts or [] for r in _json_lines(p)],
+                         [_read_json(p) for p in args.job_hosts or []])
     path = args.module
     with open(path) as f:
         source = f.read()
@@ -166,6 +165,9 @@ def main() -> None:
         ap.add_argument("--mpi-hosts", nargs="+",
                         help="files of hpcps bench mpi --json between two hosts that share the cores (the "
                              "namespace hosts): the CPU of a message between hosts; without: kept as it is")
+        ap.add_argument("--job-hosts", nargs="+",
+                        help="--summary-json files of the --job jobs with the server and the worker on two such "
+                             "hosts: the CPU of a byte between hosts; without: bench mpi's (or kept as it is)")
         ap.add_argument("--job", nargs="+", required=True,
                         help="--summary-json files of 2-rank hpcps train jobs (1 server, 1 worker)")
         ap.add_argument("--batch", type=int, default=1000, help="the job's train.batch_size")

@@ -144,6 +144,13 @@ def test_the_fit_gives_back_the_constants_its_inputs_were_made_with():
     assert fitted["worker_rows_per_s"] == pytest.approx(321e3, rel=1e-3)
     assert fitted["worker_cpu_row_s"] == pytest.approx(1.9e-6) and fitted["server_cpu_step_s"] == pytest.approx(1.2e-3)
     assert fitted["link_cpu_message_s"] == pytest.approx(70e-6) and fitted["link_cpu_byte_s"] == pytest.approx(1.1e-9)
+    # the same jobs on two hosts: their loops' CPU a step grows by the step's 2 messages at 70 µs
+    # and 3 ns a byte; the byte's cost is taken from the jobs, the message's from bench mpi
+    extra = 2 * 70e-6 + measured["bytes_per_worker"] * 3e-9
+    on_hosts = dict(loops, loop_cpu_s_server=loops["loop_cpu_s_server"] + 300 * extra)
+    job = {"servers": 1, "workers": 1, "examples_per_s": measured["examples_per_s"], **loops}
+    from_jobs = scaling.fit(ps, mpi, [job], 1000, 2, "worker", hosts, [{**job, **on_hosts}])
+    assert from_jobs["link_cpu_message_s"] == pytest.approx(70e-6) and from_jobs["link_cpu_byte_s"] == pytest.approx(3e-9)
     src = open(scaling.__file__).read()
     namespace = {}
     exec(scaling.FITTED_BLOCK.search(scaling.fitted_source(src, fitted)).group(2), namespace)

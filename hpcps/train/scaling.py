@@ -31,8 +31,8 @@ FITTED = {
     "worker_rows_per_s": 4.005e+05,
     "worker_cpu_row_s": 1.79e-06,
     "server_cpu_step_s": 0.00148,
-    "link_cpu_message_s": 7.098e-05,
-    "link_cpu_byte_s": 1.099e-09,
+    "link_cpu_message_s": 7.453e-05,
+    "link_cpu_byte_s": 4.543e-09,
 }
 # --- fitted: end ---
 
@@ -317,7 +317,8 @@ def _medians(rows: list[dict], by: tuple, of: tuple) -> list[dict]:
 
 
 def fit(ps_rows: list[dict], mpi_rows: list[dict], jobs: list[dict], batch: int, cores: int,
-        requests: str = "worker", mpi_hosts_rows: list[dict] | None = None) -> dict:
+        requests: str = "worker", mpi_hosts_rows: list[dict] | None = None,
+        jobs_hosts: list[dict] | None = None) -> dict:
     """The constants of :data:`FITTED`, from the rows of one or more runs of each (medians over
     the runs): ``hpcps bench ps --json`` (the server's own time of a pull and of a push,
     ``server_s``, over their keys, a robust line each: their intercepts' sum is the server's fixed
@@ -329,7 +330,9 @@ def fit(ps_rows: list[dict], mpi_rows: list[dict], jobs: list[dict], batch: int,
     makes the model's throughput of that job the median measured, and the CPU costs of ranks
     that share cores (:func:`_cpu_costs`); with ``mpi_hosts_rows`` (``hpcps bench mpi --json``
     between two hosts that share the cores) the CPU of a message between hosts (:func:`_link_costs`),
-    else the constants as they are."""
+    and with ``jobs_hosts`` (summaries of the same jobs with the server and the worker on two such
+    hosts) the CPU of a byte between hosts from the jobs themselves (:func:`_link_byte_of_jobs`);
+    without them, those constants as they are."""
     out: dict = {"requests": requests}
     mpi = _medians(mpi_rows, ("bytes",), ("wait_one_way_s",))
     if not mpi:
@@ -357,7 +360,26 @@ def fit(ps_rows: list[dict], mpi_rows: list[dict], jobs: list[dict], batch: int,
                                             float(np.median([j["examples_per_s"] for j in jobs])))
     link = _link_costs(mpi_rows, mpi_hosts_rows) if mpi_hosts_rows else {
         k: FITTED[k] for k in ("link_cpu_message_s", "link_cpu_byte_s")}
+    if jobs_hosts:
+        link["link_cpu_byte_s"] = _link_byte_of_jobs(jobs, jobs_hosts, job, replace(m, **cpu, **link))
     return {**out, **cpu, **link}
+
+
+def _link_byte_of_jobs(jobs: list[dict], jobs_hosts: list[dict], job: Job, m: Machine) -> float:
+    """The CPU of a byte between hosts as 1 server + 1 worker jobs spend it: the loops' CPU a step
+    (worker's and server's, medians) with the two on hosts that share the cores, less on one host,
+    less the model's ``link_cpu_message_s`` for the step's messages, over the step's bytes (none
+    below 0). It holds what ``bench mpi``'s one message at a time leaves out: a request's several
+    MPI messages (its gradients, a large reply's head apart) and the polls while they move."""
+    if any((j.get("servers"), j.get("workers")) != (1, 1) for j in jobs_hosts):
+        raise ValueError("the jobs' summaries on hosts: need one or more of 1 server and 1 worker")
+
+    def per_step(js: list[dict]) -> float:
+        return float(np.median([(j["loop_cpu_s_worker"] + j["loop_cpu_s_server"]) * job.batch / j["examples"]
+                                for j in js]))
+    r = step(job, m)
+    extra = per_step(jobs_hosts) - per_step(jobs) - r["messages_per_worker"] * m.link_cpu_message_s
+    return max(0.0, extra / r["bytes_per_worker"])
 
 
 LINK_FIT_MAX_BYTES = 1 << 20  # the sizes of bench mpi the link's CPU is fitted on: those of a step's messages
