@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The scaling model's fit and the points of docs/scaling.png measured on this machine:
-#  1. the fit: hpcps bench ps, hpcps bench mpi and a job of 1 server + 1 worker, 3 runs each, read by
-#     `python docs/scaling.py fit`, which rewrites the constants in hpcps/train/scaling.py;
+#  1. the fit: hpcps bench ps, hpcps bench mpi (on one host, and across two namespace hosts: the CPU
+#     of a message between hosts that share the cores, and the link's constants for the points on
+#     hosts) and a job of 1 server + 1 worker, 3 runs each, read by `python docs/scaling.py fit`,
+#     which rewrites the constants in hpcps/train/scaling.py;
 #  2. the points: hpcps train on generated Zipf data (the median of 3 runs each), 2-4 ranks on one host
 #     (shared memory) and 2-3 hosts of the namespace cluster (TCP), written to
 #     docs/scaling-measured.json with the model's Job for each, the loops' CPU seconds and the load
@@ -11,6 +13,8 @@
 #   bash docs/measure-scaling.sh [ROWS]      # default 300000 rows
 #   FIT=0 bash docs/measure-scaling.sh       # the points only, with the constants as they are
 #   REQUESTS=group bash docs/measure-scaling.sh  # the code sends one request per server per group
+#   LAYOUTS="1 1,1 3,2 6,4 12" CLUSTER=0 bash docs/measure-scaling.sh  # other one-host points (servers
+#                                            # workers, comma-separated), no namespace hosts (a 16-core node)
 set -euo pipefail
 ROWS=${1:-300000}
 ROOT=$(pwd)
@@ -25,13 +29,23 @@ trap 'HPCPS_SLURM_DIR=$WORK/slurm "$ROOT/slurm/local-cluster.sh" stop >/dev/null
 ARGS=(--set "data.train=\"$WORK/data/train.svm\"" --set train.epochs=1 --set train.progress=false
       --set train.batch_size=1000)
 POINTS=()
+HOSTS=0  # 1: the namespace cluster runs (root)
+if [ "${CLUSTER:-1}" = 1 ] && HPCPS_SLURM_DIR=$WORK/slurm "$ROOT/slurm/local-cluster.sh" start --nodes 3 >/dev/null; then
+  HOSTS=1
+  export SLURM_CONF=$WORK/slurm/slurm.conf HPCPS_VENV=$(dirname "$BIN")
+else
+  echo "measure-scaling: no namespace cluster here: the one-host points only, the link's CPU as it is" >&2
+fi
 
 point() {  # point NAME SERVERS WORKERS HOSTS MACHINE SUMMARY...: the median run's figures
   POINTS+=("$("$PY" -c 'import json, sys
 name, s, w, hosts, machine, *paths = sys.argv[1:]
 runs = sorted((json.load(open(p)) for p in paths), key=lambda r: r["examples_per_s"])
 r = runs[len(runs) // 2]
-print(json.dumps({"name": name, "job": {"servers": int(s), "workers": int(w), "hosts": int(hosts)},
+job = {"servers": int(s), "workers": int(w), "hosts": int(hosts)}
+if job["hosts"] > 1:  # (every point on hosts has its servers on other hosts than its workers)
+    job["crossing"] = 1.0
+print(json.dumps({"name": name, "job": job,
                   "machine": json.loads(machine), "examples_per_s": round(r["examples_per_s"]),
                   "runs": [round(x["examples_per_s"]) for x in runs], "workers_wait_s": r["max_wait_s"],
                   "loop_cpu_s_worker": r.get("loop_cpu_s_worker"), "loop_cpu_s_server": r.get("loop_cpu_s_server"),
@@ -45,49 +59,62 @@ train() {  # train SERVERS WORKERS OUT (and OUT.load: the load average of the mi
     --summary-json "$3" >/dev/null
 }
 
+mpi_hosts() {  # mpi_hosts OUT: hpcps bench mpi between two namespace hosts (TCP)
+  HPCPS_ARGS="" sbatch --wait --output="$1" -N 2 --ntasks=2 --wrap \
+    "UCX_RNDV_THRESH=intra:auto,inter:64kb $BIN/mpiexec -n 2 $BIN/hpcps bench mpi --json" >/dev/null || true
+}
+
+train_hosts() {  # train_hosts SERVERS OUT sbatch-args...: a job on namespace hosts (OUT.load as train's)
+  local s=$1 out=$2; shift 2
+  cut -d' ' -f1 /proc/loadavg >"$out.load"
+  HPCPS_CKPT_DIR=$out.ck HPCPS_SERVERS=$s HPCPS_ARGS="${ARGS[*]} --summary-json $out" \
+    sbatch --wait --output="$WORK/job.out" "$@" "$ROOT/slurm/train.sbatch" >/dev/null
+}
+
 if [ "${FIT:-1}" = 1 ]; then
   for i in $(seq "$REPS"); do
     "$BIN/mpiexec" -n 2 "$BIN/hpcps" bench ps --json --sizes 100,1000,10000,100000 >"$WORK/ps-$i.jsonl"
     "$BIN/mpiexec" -n 2 "$BIN/hpcps" bench mpi --json >"$WORK/mpi-$i.jsonl"
     train 1 1 "$WORK/fit-$i.json"
+    if [ "$HOSTS" = 1 ]; then  # the same job, the server and the worker on two hosts
+      mpi_hosts "$WORK/mpi-hosts-$i.jsonl"
+      train_hosts 1 "$WORK/fit-hosts-$i.json" -N 2 --ntasks=2
+    fi
   done
-  "$PY" docs/scaling.py fit --ps "$WORK"/ps-*.jsonl --mpi "$WORK"/mpi-*.jsonl --job "$WORK"/fit-*.json \
-    --batch 1000 --cores "$CORES" ${REQUESTS:+--requests "$REQUESTS"}
+  "$PY" docs/scaling.py fit --ps "$WORK"/ps-*.jsonl --mpi "$WORK"/mpi-*.jsonl --job "$WORK"/fit-?.json \
+    --batch 1000 --cores "$CORES" ${REQUESTS:+--requests "$REQUESTS"} \
+    $([ "$HOSTS" = 1 ] && echo --mpi-hosts "$WORK"/mpi-hosts-*.jsonl --job-hosts "$WORK"/fit-hosts-?.json)
+elif [ "$HOSTS" = 1 ]; then
+  for i in $(seq "$REPS"); do mpi_hosts "$WORK/mpi-hosts-$i.jsonl"; done
 fi
 
 HERE="{\"cores\": $CORES}"
-for layout in "1 1" "1 2" "1 3" "2 2"; do
+IFS=, read -ra LAYOUT_LIST <<<"${LAYOUTS:-1 1,1 2,1 3,2 2}"
+for layout in "${LAYOUT_LIST[@]}"; do
   set -- $layout
   for i in $(seq "$REPS"); do train "$1" "$2" "$WORK/s-$i.json"; done
   point "$1S+$2W" "$1" "$2" 1 "$HERE" "$WORK"/s-*.json
   rm -f "$WORK"/s-*.json*
 done
 
-if HPCPS_SLURM_DIR=$WORK/slurm "$ROOT/slurm/local-cluster.sh" start --nodes 3 >/dev/null; then
-  export SLURM_CONF=$WORK/slurm/slurm.conf HPCPS_VENV=$(dirname "$BIN")
-  # TCP between the namespace hosts: hpcps bench mpi across two of them
-  HPCPS_ARGS="" sbatch --wait --output="$WORK/mpi-hosts.out" -N 2 --ntasks=2 --wrap \
-    "$BIN/mpiexec -n 2 $BIN/hpcps bench mpi --json" >/dev/null || true
+if [ "$HOSTS" = 1 ]; then
+  # TCP between the namespace hosts: hpcps bench mpi across two of them (the fit's runs; medians a size)
   TCP=$("$PY" -c 'import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
-print(json.dumps({"cores": int(sys.argv[2]), "latency_s": min(r["wait_one_way_s"] for r in rows),
-                  "link_bytes_per_s": max(r["bytes"] / r["wait_one_way_s"] for r in rows)} if rows else
-                 {"cores": int(sys.argv[2])}))' "$WORK/mpi-hosts.out" "$CORES" 2>/dev/null || echo "$HERE")
+import numpy as np
+rows = [json.loads(l) for p in sys.argv[2:] for l in open(p) if l.startswith("{")]
+one_way = {b: float(np.median([r["wait_one_way_s"] for r in rows if r["bytes"] == b])) for b in {r["bytes"] for r in rows}}
+print(json.dumps({"cores": int(sys.argv[1]), "latency_s": min(one_way.values()),
+                  "link_bytes_per_s": max(b / t for b, t in one_way.items())} if rows else
+                 {"cores": int(sys.argv[1])}))' "$CORES" "$WORK"/mpi-hosts-*.jsonl 2>/dev/null || echo "$HERE")
   run_hosts() {  # run_hosts NAME SERVERS WORKERS HOSTS sbatch-args...
     local name=$1 s=$2 w=$3 h=$4; shift 4
-    for i in $(seq "$REPS"); do
-      cut -d' ' -f1 /proc/loadavg >"$WORK/h-$i.json.load"
-      HPCPS_CKPT_DIR=$WORK/ck-$h-$s-$i HPCPS_SERVERS=$s HPCPS_ARGS="${ARGS[*]} --summary-json $WORK/h-$i.json" \
-        sbatch --wait --output="$WORK/job.out" "$@" "$ROOT/slurm/train.sbatch" >/dev/null
-    done
+    for i in $(seq "$REPS"); do train_hosts "$s" "$WORK/h-$i.json" "$@"; done
     point "$name" "$s" "$w" "$h" "$TCP" "$WORK"/h-*.json
-    rm -f "$WORK"/h-*.json*
+    rm -rf "$WORK"/h-*.json*
   }
   run_hosts "1S+1W, 2 hosts" 1 1 2 -N 2 --ntasks=2
   run_hosts "1S+2W, 3 hosts" 1 2 3 -N 3 --ntasks=3
   run_hosts "2S / 2W, 2 hosts" 2 2 2 -N 2 --ntasks=4 --ntasks-per-node=2
-else
-  echo "measure-scaling: no namespace cluster here: the one-host points only" >&2
 fi
 printf '%s\n' "${POINTS[@]}" | "$PY" -c 'import json, sys; print(json.dumps([json.loads(l) for l in sys.stdin], indent=1))' \
   >docs/scaling-measured.json

@@ -3,9 +3,10 @@
 Explained in docs/scaling.md.
 
     python docs/scaling.py                      # the tables, and docs/scaling.png (needs matplotlib)
-    python docs/scaling.py --measured docs/scaling-measured.json --out docs/scaling.png
+    python docs/scaling.py --measured docs/scaling-measured.json docs/scaling-measured-16core.json --out docs/scaling.png
     python docs/scaling.py fit --ps PS.jsonl... --mpi MPI.jsonl... --job JOB.json... [--batch 1000]
-                               [--cores 2] [--requests worker]
+                               [--cores 2] [--requests worker] [--mpi-hosts MPI-HOSTS.jsonl...]
+                               [--job-hosts JOB-HOSTS.json...]
 
 ``fit`` reads what ``mpiexec -n 2 hpcps bench ps --json``, ``mpiexec -n 2 hpcps bench mpi --json``
 and 2-rank ``hpcps train ... --summary-json JOB.json`` runs wrote (medians over the files of each)
@@ -87,7 +88,8 @@ def tables() -> str:
 
 
 def predicted(point: dict) -> dict:
-    """The model's step for a measured point (its job; this machine's constants, its cores)."""
+    """The model's step for a measured point (its job; the constants of its machine where the point
+    gives them, a 16-core node's, else this module's, and its cores)."""
     return step(Job(**point["job"]), Machine(**point.get("machine", {})))
 
 
@@ -112,7 +114,7 @@ def draw(out: str, measured: list[dict]) -> None:
     if measured:
         pred = [predicted(p)["examples_per_s"] for p in measured]
         got = [p["examples_per_s"] for p in measured]
-        b.scatter(pred, got, color="C3")
+        b.scatter(pred, got, c=["C1" if p.get("machine", {}).get("cores", 2) > 2 else "C3" for p in measured])
         for i, (p, x, y) in enumerate(zip(measured, pred, got)):  # (labels of close points apart)
             b.annotate(p["name"], (x, y), fontsize=7, xytext=(4, (4, -10, 14)[i % 3]), textcoords="offset points")
         lo, hi = min(pred + got) * 0.6, max(pred + got) * 1.5
@@ -120,10 +122,16 @@ def draw(out: str, measured: list[dict]) -> None:
         b.fill_between([lo, hi], [0.7 * lo, 0.7 * hi], [1.3 * lo, 1.3 * hi], color="gray", alpha=0.15,
                        label="0.7-1.3x")
         b.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="model examples/s",
-              ylabel="measured examples/s (training loop)", title="This machine: 2 cores, 2-4 ranks, 1-3 hosts")
+              ylabel="measured examples/s (training loop)",
+              title="Measured: 2 cores, 1-3 hosts (red); a 16-core node (orange)")
         b.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
+
+
+def _read_json(path: str):
+    with open(path) as f:
+        return json.load(f)
 
 
 def _json_lines(path: str) -> list[dict]:
@@ -133,12 +141,11 @@ def _json_lines(path: str) -> list[dict]:
 
 
 def fit_command(args) -> None:
-    jobs = []
-    for path in args.job:
-        with open(path) as f:
-            jobs.append(json.load(f))
+    jobs = [_read_json(p) for p in args.job]
     fitted = scaling.fit([r for p in args.ps for r in _json_lines(p)], [r for p in args.mpi for r in _json_lines(p)],
-                         jobs, args.batch, args.cores, args.requests)
+                         jobs, args.batch, args.cores, args.requests,
+                         [r for p in args.mpi_hosts or [] for r in _json_lines(p)],
+                         [_read_json(p) for p in args.job_hosts or []])
     path = args.module
     with open(path) as f:
         source = f.read()
@@ -155,6 +162,12 @@ def main() -> None:
         ap.add_argument("--ps", nargs="+", required=True,
                         help="files of mpiexec -n 2 hpcps bench ps --json --sizes 100,1000,10000,100000")
         ap.add_argument("--mpi", nargs="+", required=True, help="files of mpiexec -n 2 hpcps bench mpi --json")
+        ap.add_argument("--mpi-hosts", nargs="+",
+                        help="files of hpcps bench mpi --json between two hosts that share the cores (the "
+                             "namespace hosts): the CPU of a message between hosts; without: kept as it is")
+        ap.add_argument("--job-hosts", nargs="+",
+                        help="--summary-json files of the --job jobs with the server and the worker on two such "
+                             "hosts: the CPU of a byte between hosts; without: bench mpi's (or kept as it is)")
         ap.add_argument("--job", nargs="+", required=True,
                         help="--summary-json files of 2-rank hpcps train jobs (1 server, 1 worker)")
         ap.add_argument("--batch", type=int, default=1000, help="the job's train.batch_size")
@@ -166,14 +179,14 @@ def main() -> None:
                         help="the file whose FITTED constants are rewritten")
         return fit_command(ap.parse_args(sys.argv[2:]))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--measured", default=os.path.join(ROOT, "docs", "scaling-measured.json"),
-                    help="points measured here (JSON list)")
+    ap.add_argument("--measured", nargs="+", default=[os.path.join(ROOT, "docs", f"scaling-measured{s}.json")
+                                                      for s in ("", "-16core")],
+                    help="points measured (JSON lists: this machine's, a 16-core node's with its constants)")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "scaling.png"))
     args = ap.parse_args()
     print(tables())
     try:
-        with open(args.measured) as f:
-            measured = json.load(f)
+        measured = [p for path in args.measured for p in _read_json(path)]
     except FileNotFoundError:
         measured = []
     for p in measured:

@@ -68,7 +68,7 @@ def test_mpi_benchmark_reports_blocking_and_sleeping_waits_side_by_side(tmp_path
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [r["bytes"] for r in rows] == [8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 23, 1 << 26]
-    assert all(r["one_way_s"] > 0 and r["wait_one_way_s"] > 0 for r in rows)
+    assert all(r["one_way_s"] > 0 and r["wait_one_way_s"] > 0 and r["wait_cpu_s"] > 0 for r in rows)
     # its figures against what an independent peer counts, and a clock of the test's own
     sizes, reps = [1 << 10, 1 << 20, 1 << 23], 3
     (tmp_path / "peer.py").write_text(PEER_SCRIPT)

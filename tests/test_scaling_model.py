@@ -66,6 +66,26 @@ def test_ranks_that_outnumber_the_cores_share_them():
         scaling.step(replace(JOB, workers=2), replace(wide, worker_cpu_row_s=0, server_cpu_step_s=0))["step_s"])
 
 
+def test_messages_between_hosts_that_share_the_cores_cost_their_tcp_cpu():
+    # 1 server + 2 workers, each on a host of its own, the 3 hosts on 2 cores: a worker's step also
+    # holds its messages' CPU between hosts (both ends), 80 µs a message and 1 ns a byte, at 2/3 of a core
+    m = replace(M, link_cpu_message_s=80e-6, link_cpu_byte_s=1e-9, latency_s=100e-6, link_bytes_per_s=1e9)
+    u = 9000
+    server = 2 * u / 20e6 + 2 * u / 10e6 + 2 * 50e-6
+    job = replace(JOB, workers=2, hosts=3, crossing=1.0)
+    r = scaling.step(job, m)
+    link = 2 * 80e-6 + (u * 12 + u * 12) * 1e-9  # a push-pull and its reply; the worker's bytes both ways
+    assert scaling.link_cpu(job, m, r["bytes_per_worker"], r["messages_per_worker"]) == pytest.approx(link)
+    assert r["CPU shared by ranks"] == pytest.approx((1000 * 2.5e-6 + (server + 1.5e-3) / 2 + link) * 3 / 2)
+    # by default the servers are spread evenly: on 2 hosts half a worker's traffic crosses
+    assert scaling.link_cpu(replace(job, hosts=2, crossing=-1), m, 1e6, 2) == pytest.approx((2 * 80e-6 + 1e-3) / 2)
+    # one host, or a core a rank: no such term
+    assert scaling.step(replace(job, hosts=1), m)["CPU shared by ranks"] == pytest.approx(
+        scaling.step(replace(job, hosts=1), M)["CPU shared by ranks"])
+    assert scaling.step(job, replace(m, cores=3))["step_s"] == pytest.approx(
+        scaling.step(job, replace(M, cores=3, latency_s=100e-6, link_bytes_per_s=1e9))["step_s"])
+
+
 def test_key_curve_interpolates_and_grows_past_its_points_by_heaps_law():
     assert KEYS(1000) == pytest.approx(9000) and KEYS(2000) == pytest.approx(15000)
     assert KEYS(8000) == pytest.approx(24000 * 2 ** math.log2(24000 / 15000))
@@ -107,18 +127,30 @@ def test_the_fit_gives_back_the_constants_its_inputs_were_made_with():
             ps.append({"op": op, "keys": n, "server_s": server, "time_s": server + 35e-6 + 2 * 20e-6})
     ps.append({"op": "pull", "keys": 1000, "server_s": 1.0, "time_s": 1.0})  # a slow outlier (3 runs: median)
     ps.append(dict(ps[2]))
-    mpi = [{"bytes": 8, "wait_one_way_s": 20e-6}, {"bytes": 1 << 20, "wait_one_way_s": (1 << 20) / 4e9}]
+    mpi = [{"bytes": 8, "wait_one_way_s": 20e-6, "wait_cpu_s": 30e-6 + 8 * 0.3e-9},
+           {"bytes": 1 << 20, "wait_one_way_s": (1 << 20) / 4e9, "wait_cpu_s": 30e-6 + (1 << 20) * 0.3e-9}]
+    # between hosts: 70 µs a message and 1.1 ns a byte more CPU (a 64 MB row beyond the fit's sizes)
+    hosts = [{"bytes": b, "wait_one_way_s": 1e-4, "wait_cpu_s": 100e-6 + b * 1.4e-9} for b in (8, 1 << 14, 1 << 20)]
+    hosts.append({"bytes": 1 << 26, "wait_one_way_s": 1.0, "wait_cpu_s": 1.0})
     m = replace(scaling.Machine(cores=2), **true)
     measured = scaling.step(scaling.Job(batch=1000, requests="worker"), replace(m, worker_rows_per_s=321e3))
     # the loops' CPU: 1.9 µs a row in the worker; the server's keys and 1.2 ms more a step
     loops = {"examples": 300_000, "loop_cpu_s_worker": 0.57,
              "loop_cpu_s_server": 300 * (measured["server keys + requests"] + 1.2e-3)}
     fitted = scaling.fit(ps, mpi, [{"servers": 1, "workers": 1, "examples_per_s": measured["examples_per_s"], **loops}],
-                         1000, 2, "worker")
+                         1000, 2, "worker", hosts)
     for k, v in true.items():
         assert fitted[k] == pytest.approx(v, rel=1e-6), k
     assert fitted["worker_rows_per_s"] == pytest.approx(321e3, rel=1e-3)
     assert fitted["worker_cpu_row_s"] == pytest.approx(1.9e-6) and fitted["server_cpu_step_s"] == pytest.approx(1.2e-3)
+    assert fitted["link_cpu_message_s"] == pytest.approx(70e-6) and fitted["link_cpu_byte_s"] == pytest.approx(1.1e-9)
+    # the same jobs on two hosts: their loops' CPU a step grows by the step's 2 messages at 70 µs
+    # and 3 ns a byte; the byte's cost is taken from the jobs, the message's from bench mpi
+    extra = 2 * 70e-6 + measured["bytes_per_worker"] * 3e-9
+    on_hosts = dict(loops, loop_cpu_s_server=loops["loop_cpu_s_server"] + 300 * extra)
+    job = {"servers": 1, "workers": 1, "examples_per_s": measured["examples_per_s"], **loops}
+    from_jobs = scaling.fit(ps, mpi, [job], 1000, 2, "worker", hosts, [{**job, **on_hosts}])
+    assert from_jobs["link_cpu_message_s"] == pytest.approx(70e-6) and from_jobs["link_cpu_byte_s"] == pytest.approx(3e-9)
     src = open(scaling.__file__).read()
     namespace = {}
     exec(scaling.FITTED_BLOCK.search(scaling.fitted_source(src, fitted)).group(2), namespace)
@@ -129,6 +161,10 @@ def test_the_fit_gives_back_the_constants_its_inputs_were_made_with():
         scaling.fit(ps, mpi, [{"servers": 2, "workers": 2, "examples_per_s": 1.0}], 1000, 2)
     with pytest.raises(ValueError, match="no loop_cpu_s_worker"):
         scaling.fit(ps, mpi, [{"servers": 1, "workers": 1, "examples_per_s": 1.0, "examples": 10}], 1000, 2)
+    with pytest.raises(ValueError, match="within a host: need wait_cpu_s"):
+        scaling.fit(ps, [{k: v for k, v in r.items() if k != "wait_cpu_s"} for r in mpi],
+                    [{"servers": 1, "workers": 1, "examples_per_s": measured["examples_per_s"], **loops}], 1000, 2,
+                    "worker", hosts)
 
 
 def _by_hand(ranks: int, cap: int):

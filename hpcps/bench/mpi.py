@@ -8,6 +8,11 @@ median over repetitions, two ways:
 * **hpcps wait**: ``Isend``/``Irecv`` and :func:`hpcps.ps.transport.wait`, which sleeps between polls
   (what hpcps's own messages get). Over shared memory the two are close. Over TCP a message of
   more than the socket's buffer moves only while both sides poll, so the sleeps stretch it.
+
+With the sleeping wait, ``wait_cpu_s`` is rank 0's CPU seconds (user and system: its TCP stack's
+sends and receives included) a round trip: it sends one message and receives one, so it is the CPU
+of both ends of one message. Across hosts, less the same on one host, it is what the scaling
+model charges a message between hosts whose ranks share cores (hpcps/train/scaling.py).
 """
 
 from __future__ import annotations
@@ -91,8 +96,11 @@ def run(comm, sizes=SIZES, reps: int = 10) -> list[dict]:
         rank = comm.Get_rank()
         if rank <= 1:
             half = float(np.median(blocking_pingpong(comm, nbytes, r, 1 - rank))) / 2
+            cpu = time.process_time()
             wait_half = float(np.median(pingpong(comm, nbytes, r, 1 - rank))) / 2
+            cpu = (time.process_time() - cpu) / (r + 1)  # (its warm-up round included)
             rows.append({"bytes": nbytes, "reps": r, "one_way_s": half, "gb_per_s": nbytes / half / 1e9,
-                         "wait_one_way_s": wait_half, "wait_gb_per_s": nbytes / wait_half / 1e9})
+                         "wait_one_way_s": wait_half, "wait_gb_per_s": nbytes / wait_half / 1e9,
+                         "wait_cpu_s": cpu})
         transport.barrier(comm, timeout=120)
     return rows

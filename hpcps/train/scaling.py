@@ -31,6 +31,8 @@ FITTED = {
     "worker_rows_per_s": 4.005e+05,
     "worker_cpu_row_s": 1.79e-06,
     "server_cpu_step_s": 0.00148,
+    "link_cpu_message_s": 7.453e-05,
+    "link_cpu_byte_s": 4.543e-09,
 }
 # --- fitted: end ---
 
@@ -52,6 +54,11 @@ class Machine:
     # 1 worker job spends them
     worker_cpu_row_s: float = FITTED["worker_cpu_row_s"]
     server_cpu_step_s: float = FITTED["server_cpu_step_s"]
+    # CPU seconds of a message between hosts beyond one within a host, a message and a byte, both
+    # ends together (each rank's TCP stack: its system calls, copies and softirq work, and its polls
+    # while the message moves): charged where hosts share the cores (see shared_cores)
+    link_cpu_message_s: float = FITTED["link_cpu_message_s"]
+    link_cpu_byte_s: float = FITTED["link_cpu_byte_s"]
     local_bytes_per_s: float = FITTED["local_bytes_per_s"]  # between ranks of one host
     local_latency_s: float = FITTED["local_latency_s"]
     link_bytes_per_s: float = 25e9 / 8     # a host's link to the others (25 Gb/s Ethernet assumed)
@@ -111,6 +118,14 @@ class Job:
                                        # riding on its first rank's); "group" (train.group_pull): a
                                        # push-pull per server per group. Either carries every table.
     keys: KeyCurve = field(default_factory=KeyCurve)
+    crossing: float = -1.0             # the share of a worker's traffic that goes between hosts; -1:
+                                       # (hosts - 1) / hosts, its servers spread evenly over the hosts
+
+    def crossing_share(self) -> float:
+        """The share of a worker's traffic with its servers that crosses hosts."""
+        if self.hosts <= 1:
+            return 0.0
+        return self.crossing if self.crossing >= 0 else (self.hosts - 1) / self.hosts
 
 
 def _requests(job: Job, u: float, ug: float) -> dict:
@@ -160,7 +175,8 @@ def step(job: Job, m: Machine) -> dict:
     straggler_s = 0.0 if job.staleness < 0 else spread / (job.staleness + 1)
     # every rank shares the cores: the CPU work of a step cannot take less than this
     worker_cpu_s = worker_s + rq["worker_requests"] * m.worker_request_s
-    cpu_s = max((W * worker_cpu_s + S * server_s) / min(m.cores, S + W), shared_cores(job, m, server_s))
+    link_s = link_cpu(job, m, worker_bytes, 2 * rq["worker_requests"])
+    cpu_s = max((W * worker_cpu_s + S * server_s) / min(m.cores, S + W), shared_cores(job, m, server_s, link_s))
     parts = {"worker compute + round trips": worker_s + own_s, "server keys + requests": server_s,
              "network": net_s, "CPU shared by ranks": cpu_s}
     slowest = max(parts, key=parts.get)
@@ -171,18 +187,28 @@ def step(job: Job, m: Machine) -> dict:
             "bytes_per_worker": worker_bytes, "messages_per_worker": 2 * rq["worker_requests"]}
 
 
-def shared_cores(job: Job, m: Machine, server_s: float) -> float:
+def shared_cores(job: Job, m: Machine, server_s: float, link_s: float = 0.0) -> float:
     """A step's time when its ranks outnumber the cores (0 when each has a core of its own): a
     machine of C cores running R busy ranks gives each C/R of a core, and a worker's step holds
-    its own CPU (its rows at ``worker_cpu_row_s``, its parse thread's included) and its share of
+    its own CPU (its rows at ``worker_cpu_row_s``, its parse thread's included), its share of
     the servers' (their keys and requests, ``server_s``, and ``server_cpu_step_s`` each, the rest
     of a server loop's CPU a step: it stays about the same however many requests a server
-    answers), each run at that share: ``(c_w·B + S·(server_s + c_s)/W) · R/C``."""
+    answers) and ``link_s``, its messages' CPU between hosts that share these cores
+    (:func:`link_cpu`), each run at that share: ``(c_w·B + S·(server_s + c_s)/W + link_s) · R/C``."""
     ranks = job.servers + job.workers
     if ranks <= m.cores:
         return 0.0
     servers_cpu = job.servers * (server_s + m.server_cpu_step_s)
-    return (job.batch * m.worker_cpu_row_s + servers_cpu / job.workers) * ranks / m.cores
+    return (job.batch * m.worker_cpu_row_s + servers_cpu / job.workers + link_s) * ranks / m.cores
+
+
+def link_cpu(job: Job, m: Machine, nbytes: float, messages: float) -> float:
+    """The CPU seconds, both ends together, of a worker's ``messages`` messages and ``nbytes``
+    bytes a step with its servers, beyond what they cost within a host: the share of them that
+    crosses hosts (:meth:`Job.crossing_share`) at ``link_cpu_message_s`` a message and
+    ``link_cpu_byte_s`` a byte. It counts only where the ranks outnumber the cores
+    (:func:`shared_cores`), as the rest of that term: with a core a rank it is left out."""
+    return job.crossing_share() * (messages * m.link_cpu_message_s + nbytes * m.link_cpu_byte_s)
 
 
 def cluster(nodes: int, ranks_per_node: int = 16, server_share: float = 0.25, **job) -> tuple[Job, Machine]:
@@ -291,7 +317,8 @@ def _medians(rows: list[dict], by: tuple, of: tuple) -> list[dict]:
 
 
 def fit(ps_rows: list[dict], mpi_rows: list[dict], jobs: list[dict], batch: int, cores: int,
-        requests: str = "worker") -> dict:
+        requests: str = "worker", mpi_hosts_rows: list[dict] | None = None,
+        jobs_hosts: list[dict] | None = None) -> dict:
     """The constants of :data:`FITTED`, from the rows of one or more runs of each (medians over
     the runs): ``hpcps bench ps --json`` (the server's own time of a pull and of a push,
     ``server_s``, over their keys, a robust line each: their intercepts' sum is the server's fixed
@@ -301,7 +328,11 @@ def fit(ps_rows: list[dict], mpi_rows: list[dict], jobs: list[dict], batch: int,
     waits: the latency; the largest bytes/s: the bandwidth) and the ``--summary-json`` of jobs of
     1 server and 1 worker on ``cores`` cores, ``batch`` rows a step: the worker's rows/s that
     makes the model's throughput of that job the median measured, and the CPU costs of ranks
-    that share cores (:func:`_cpu_costs`)."""
+    that share cores (:func:`_cpu_costs`); with ``mpi_hosts_rows`` (``hpcps bench mpi --json``
+    between two hosts that share the cores) the CPU of a message between hosts (:func:`_link_costs`),
+    and with ``jobs_hosts`` (summaries of the same jobs with the server and the worker on two such
+    hosts) the CPU of a byte between hosts from the jobs themselves (:func:`_link_byte_of_jobs`);
+    without them, those constants as they are."""
     out: dict = {"requests": requests}
     mpi = _medians(mpi_rows, ("bytes",), ("wait_one_way_s",))
     if not mpi:
@@ -327,7 +358,48 @@ def fit(ps_rows: list[dict], mpi_rows: list[dict], jobs: list[dict], batch: int,
     cpu = _cpu_costs(jobs, job, m)  # (first: on fewer cores than 2 they bound the job the rate is fitted to)
     out["worker_rows_per_s"] = _worker_rate(job, replace(m, **cpu),
                                             float(np.median([j["examples_per_s"] for j in jobs])))
-    return {**out, **cpu}
+    link = _link_costs(mpi_rows, mpi_hosts_rows) if mpi_hosts_rows else {
+        k: FITTED[k] for k in ("link_cpu_message_s", "link_cpu_byte_s")}
+    if jobs_hosts:
+        link["link_cpu_byte_s"] = _link_byte_of_jobs(jobs, jobs_hosts, job, replace(m, **cpu, **link))
+    return {**out, **cpu, **link}
+
+
+def _link_byte_of_jobs(jobs: list[dict], jobs_hosts: list[dict], job: Job, m: Machine) -> float:
+    """The CPU of a byte between hosts as 1 server + 1 worker jobs spend it: the loops' CPU a step
+    (worker's and server's, medians) with the two on hosts that share the cores, less on one host,
+    less the model's ``link_cpu_message_s`` for the step's messages, over the step's bytes (none
+    below 0). It holds what ``bench mpi``'s one message at a time leaves out: a request's several
+    MPI messages (its gradients, a large reply's head apart) and the polls while they move."""
+    if any((j.get("servers"), j.get("workers")) != (1, 1) for j in jobs_hosts):
+        raise ValueError("the jobs' summaries on hosts: need one or more of 1 server and 1 worker")
+
+    def per_step(js: list[dict]) -> float:
+        return float(np.median([(j["loop_cpu_s_worker"] + j["loop_cpu_s_server"]) * job.batch / j["examples"]
+                                for j in js]))
+    r = step(job, m)
+    extra = per_step(jobs_hosts) - per_step(jobs) - r["messages_per_worker"] * m.link_cpu_message_s
+    return max(0.0, extra / r["bytes_per_worker"])
+
+
+LINK_FIT_MAX_BYTES = 1 << 20  # the sizes of bench mpi the link's CPU is fitted on: those of a step's messages
+
+
+def _link_costs(local_rows: list[dict], hosts_rows: list[dict]) -> dict:
+    """The CPU of a message between hosts beyond one within a host: ``bench mpi``'s ``wait_cpu_s``
+    (a round trip's CPU on one end: one message sent and one received, both ends of a message)
+    over the bytes up to :data:`LINK_FIT_MAX_BYTES`, a robust line across hosts and one within a
+    host (medians over the runs):
+    the difference of their intercepts a message, of their slopes a byte (none below 0)."""
+    lines = []
+    for rows, where in ((local_rows, "within a host"), (hosts_rows, "between hosts")):
+        med = [r for r in _medians(rows, ("bytes",), ("wait_cpu_s",)) if r["bytes"] <= LINK_FIT_MAX_BYTES]
+        if len(med) < 2:
+            raise ValueError(f"hpcps bench mpi rows {where}: need wait_cpu_s at 2 sizes or more "
+                             "(rows of an hpcps older than the fit)")
+        lines.append(_robust_line([r["bytes"] for r in med], [r["wait_cpu_s"] for r in med]))
+    (a0, b0), (a1, b1) = lines
+    return {"link_cpu_message_s": max(0.0, a1 - a0), "link_cpu_byte_s": max(0.0, b1 - b0)}
 
 
 def _cpu_costs(jobs: list[dict], job: Job, m: Machine) -> dict:
