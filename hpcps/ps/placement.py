@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hpcps_kernels.copies import push_slice as copies_slice
 from hpcps_kernels.hashing import feature_key, server_of, shard_of
 from hpcps_kernels.keys import group_by
 
@@ -195,7 +196,4 @@ class Placement:
         backups), in the keys' relative order per server; the same as :meth:`slice` without replicas."""
         if self.replicas == 0:
             return self.slice(keys)
-        keys = np.ascontiguousarray(keys, dtype=np.uint64)
-        copies = self._copies[self.shard_of(keys)]  # (n, replicas + 1), a key's copies on one row
-        order, offsets = group_by(copies.reshape(-1), self.num_servers)
-        return order // copies.shape[1], offsets  # (a row's copies are distinct: no key twice to a server)
+        return copies_slice(np.ascontiguousarray(keys, dtype=np.uint64), self.num_shards, self._copies, self.num_servers)

@@ -20,7 +20,11 @@ serving loop would have to take requests from servers as well as workers); sendi
 copy adds no message and no round trip (the backup's keys ride in the message each server gets
 anyway), keeps the server unchanged, and makes the order argument above hold by construction.
 Its cost is the push's bytes sent ``r + 1`` times by the worker and applied ``r + 1`` times over
-the servers (``hpcps bench ps``: the replication row).
+the servers (``hpcps bench ps``: the replication row). What it adds beside that is two splits of
+a push, one kernel each (:mod:`hpcps_kernels.copies`): the worker's, of its keys by every server
+keeping their shards (:meth:`~hpcps.ps.placement.Placement.push_slice`), and each server's, of
+what it gets into the part it is primary of, applied before its reply, and the backups' part,
+applied after (:meth:`ServerCopies.push_now`).
 
 What else changes on a server (:class:`Replication`): a checkpoint or delta snapshot writes each
 shard once, from its primary (:meth:`Replication.primary_part`); a restore keeps every shard the
@@ -34,11 +38,13 @@ from __future__ import annotations
 import numpy as np
 
 from hpcps.ps.placement import Placement, new_copies
+from hpcps_kernels.copies import split_primary
 from hpcps_kernels.hashing import shard_of, xxh64
 
 # A server count no checkpoint has: restore reads every file and keeps the shards asked for
 # (a server holding backups needs shards of other servers' files).
 EVERY_FILE = 0
+NO_BITS = np.zeros(0, dtype=np.uint8)  # (a push without in-pull bits: split_primary's)
 
 
 def primary_rows_mask(placement: Placement, server: int, keys: np.ndarray) -> np.ndarray:
@@ -197,14 +203,12 @@ class ServerCopies:
         target = self.tables[table]
         if not self.replication.on or self.evicting:
             return target.push(keys, grads, clock, worker, in_pull=in_pull)
-        mine = primary_rows_mask(self.placement, self.index, keys)
-        if not mine.all():
-            self.backlog.append((target, keys[~mine], grads[~mine], clock, worker))
-            if in_pull is not None:  # (a bit per key, packed as it came: protocol.IN_PULL)
-                bits = np.unpackbits(in_pull, count=keys.shape[0], bitorder="little")[mine]
-                in_pull = np.packbits(bits, bitorder="little")
-            keys, grads = keys[mine], grads[mine]
-        return target.push(keys, grads, clock, worker, in_pull=in_pull) if keys.shape[0] else None
+        p = self.placement
+        keys, grads, bits, rest_keys, rest_grads = split_primary(  # (in_pull: a bit per key, protocol.IN_PULL)
+            keys, grads, NO_BITS if in_pull is None else in_pull, p.num_shards, p.shard_server, self.index)
+        if rest_keys.shape[0]:
+            self.backlog.append((target, rest_keys, rest_grads, clock, worker))
+        return target.push(keys, grads, clock, worker, in_pull=None if in_pull is None else bits) if keys.shape[0] else None
 
     def apply_backlog(self) -> None:
         """Apply the backups' part of the pushes :meth:`push_now` kept, in their order."""
