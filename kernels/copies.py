@@ -3,12 +3,13 @@ and which part of what a server receives it is the primary of.
 
 With replicas each key goes to every server keeping its shard (the primary, then the backups),
 and a server applies the part it is primary of before it replies and the rest after. Both
-splits are on a push's critical path, once per push, so each is one kernel: the shard of each
-key hashed once (:func:`hpcps_kernels.hashing.shard_index`), then the keys kept or moved
-without a branch on where each goes. Their NumPy references (a 2-d fancy index and
-:func:`hpcps_kernels.keys.group_by`; a boolean mask and four boolean indexings) cost 4 to 8
-times as much at 10,000 keys: boolean indexing over a mask as good as random mispredicts a
-branch on every other key.
+splits are on a push's critical path, once per push, so each is a kernel: the worker's
+(:func:`push_slice`) puts each server's primary keys first, so that the server's
+(:func:`primary_prefix`) only hashes its keys to find where they end, and applies both parts
+from the message as they are, with no copy (:func:`split_primary` where they come in another
+order). Their NumPy references (a 2-d fancy index and :func:`hpcps_kernels.keys.group_by`; a
+boolean mask and four boolean indexings) cost 4 to 10 times as much at 10,000 keys: boolean
+indexing over a mask as good as random mispredicts a branch on every other key.
 """
 
 from __future__ import annotations
@@ -23,14 +24,16 @@ from .tuning import PUSH_SLICE_SCAN_SERVERS
 
 @njit(cache=True)
 def push_slice(keys, num_shards, copies, num_servers):
-    """Each key to every server of its shard's row of ``copies`` (``num_shards x c``, distinct
-    servers a row): (order, offsets), ``order[offsets[s]:offsets[s + 1]]`` the positions of the
-    keys server ``s`` gets, in their order (sorted keys stay sorted).
+    """Each key to every server of its shard's row of ``copies`` (``num_shards x c``, primary
+    first, distinct servers a row): (order, offsets), ``order[offsets[s]:offsets[s + 1]]`` the
+    positions of the keys server ``s`` gets: those it is primary of, then the others, each part in
+    the keys' order (:func:`primary_prefix` finds the parts' edge on the server).
 
-    Up to ``PUSH_SLICE_SCAN_SERVERS`` servers, a scan of the keys a server, each key's position
-    stored and kept where the server holds its shard (no branch, and no store waiting on
-    another); beyond, a counting sort of the ``n x c`` copies, whose counters' stores each wait
-    on the last one to the same server."""
+    Up to ``PUSH_SLICE_SCAN_SERVERS`` servers, two scans of the keys a server, each key's position
+    stored and kept where the server is its shard's primary (the first scan) or backup (the
+    second): no branch, and no store waiting on another; beyond, a counting sort of the ``n x c``
+    copies (primaries, then backups), whose counters' stores each wait on the last one to the same
+    server."""
     n, c = keys.shape[0], copies.shape[1]
     m = np.uint64(num_shards)
     mask = shard_mask(m)
@@ -39,16 +42,18 @@ def push_slice(keys, num_shards, copies, num_servers):
         shards[i] = shard_index(keys[i], m, mask)
     offsets = np.zeros(num_servers + 1, dtype=np.int64)
     if num_servers <= PUSH_SLICE_SCAN_SERVERS:
-        held = np.zeros((num_servers, num_shards), dtype=np.uint8)
+        held = np.zeros((2, num_servers, num_shards), dtype=np.uint8)  # (primary of it; backup of it)
         for shard in range(num_shards):
-            for j in range(c):
-                held[copies[shard, j], shard] = 1
+            held[0, copies[shard, 0], shard] = 1
+            for j in range(1, c):
+                held[1, copies[shard, j], shard] = 1
         order = np.empty(n * c + 1, dtype=np.int64)  # (the last key's store, kept or not)
         at = 0
         for s in range(num_servers):
-            for i in range(n):
-                order[at] = i
-                at += held[s, shards[i]]
+            for part in range(2):
+                for i in range(n):
+                    order[at] = i
+                    at += held[part, s, shards[i]]
             offsets[s + 1] = at
         return order[:at], offsets
     for i in range(n):
@@ -58,12 +63,31 @@ def push_slice(keys, num_shards, copies, num_servers):
         offsets[s + 1] += offsets[s]
     at = offsets[:-1].copy()
     order = np.empty(n * c, dtype=np.int64)
-    for i in range(n):
-        for j in range(c):
-            s = copies[shards[i], j]
-            order[at[s]] = i
-            at[s] += 1
+    for first, last in ((0, 1), (1, c)):  # (each server's primaries, then its backups)
+        for i in range(n):
+            for j in range(first, last):
+                s = copies[shards[i], j]
+                order[at[s]] = i
+                at[s] += 1
     return order, offsets
+
+
+@njit(cache=True)
+def primary_prefix(keys, num_shards, shard_server, server):
+    """Where a push's keys that ``server`` is primary of (``shard_server``) end, when they come
+    first (as :func:`push_slice` orders them): ``keys[:m]`` are its own, ``keys[m:]`` none; -1
+    where they do not come first (:func:`split_primary` then)."""
+    n = keys.shape[0]
+    m = np.uint64(num_shards)
+    mask = shard_mask(m)
+    edge = n
+    for i in range(n):
+        if shard_server[shard_index(keys[i], m, mask)] == server:
+            if edge < n:
+                return -1
+        elif edge == n:
+            edge = i
+    return edge
 
 
 @njit(cache=True)

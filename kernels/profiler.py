@@ -688,6 +688,7 @@ def warmup_server() -> None:
     # replicas (cluster.replicas): a worker's push to every copy, a server's split of it
     copies.push_slice(k8, 64, np.zeros((64, 2), np.int64), 2)
     copies.split_primary(k8, np.ones((8, 1), np.float32), np.ones(1, np.uint8), 64, table, 0)
+    copies.primary_prefix(k8, 64, table, 0)
     for kind in range(3):
         init.init_values(k8, 1, kind, 0.01, 0, np.empty((8, 1), np.float32))
         init.pull_rows(np.zeros((8, 3), np.float32), sl8, k8, 1, kind, 0.01, 0, np.empty((8, 1), np.float32))

@@ -358,11 +358,20 @@ def shard_of(keys, num_shards):
 
 
 def push_slice(keys, num_shards, copies, num_servers):
-    """Each key to every server of its shard's copies: (order, offsets), as
-    :func:`hpcps_kernels.copies.push_slice`."""
-    held = copies[shard_of(keys, num_shards)]  # (n, c): a key's copies on one row
-    parts = [np.flatnonzero((held == s).any(axis=1)) for s in range(num_servers)]
+    """Each key to every server of its shard's copies, the server's primaries first: (order,
+    offsets), as :func:`hpcps_kernels.copies.push_slice`."""
+    held = copies[shard_of(keys, num_shards)]  # (n, c): a key's copies on one row, primary first
+    parts = [np.concatenate([np.flatnonzero(held[:, 0] == s), np.flatnonzero((held[:, 1:] == s).any(axis=1))])
+             for s in range(num_servers)]
     return np.concatenate([np.zeros(0, np.int64), *parts]), np.cumsum([0] + [p.shape[0] for p in parts])
+
+
+def primary_prefix(keys, num_shards, shard_server, server):
+    """Where the keys ``server`` is primary of end, when they come first; else -1
+    (:func:`hpcps_kernels.copies.primary_prefix`)."""
+    mine = shard_server[shard_of(keys, num_shards)] == server
+    m = int(mine.sum())
+    return m if mine[:m].all() else -1
 
 
 def split_primary(keys, grads, bits, num_shards, shard_server, server):

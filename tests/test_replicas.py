@@ -20,7 +20,7 @@ from hpcps.ps.tables import TableSpec
 from hpcps.train import synth
 from hpcps.train.model_file import ServingModel
 from hpcps_kernels import reference as ref
-from hpcps_kernels.copies import split_primary
+from hpcps_kernels.copies import primary_prefix, split_primary
 from hpcps_kernels.tuning import PUSH_SLICE_SCAN_SERVERS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -89,9 +89,14 @@ def test_a_push_goes_to_every_copy_in_key_order_and_a_pull_to_the_primary():
     order, offsets = p.push_slice(keys)
     copies = p.copies[p.shard_of(keys)]
     assert offsets[-1] == 2 * keys.shape[0]
-    for s in range(4):
+    for s in range(4):  # each once: the keys it is primary of, then those it backs up, each in order
         part = order[offsets[s]:offsets[s + 1]]
-        np.testing.assert_array_equal(part, np.flatnonzero((copies == s).any(axis=1)))  # each once, in order
+        mine = copies[:, 0] == s
+        np.testing.assert_array_equal(part, np.concatenate([np.flatnonzero(mine), np.flatnonzero(copies[:, 1] == s)]))
+        # the server finds where its own end, and says when they do not come first
+        assert primary_prefix(keys[part], p.num_shards, p.shard_server, s) == mine.sum()
+        assert primary_prefix(keys[np.sort(part)], p.num_shards, p.shard_server, s) == -1
+        assert primary_prefix(keys[part][mine.sum():], p.num_shards, p.shard_server, s) == 0
     plain = Placement(4)
     for a, b in zip(plain.push_slice(keys), plain.slice(keys)):
         np.testing.assert_array_equal(a, b)
@@ -103,6 +108,11 @@ def test_a_push_goes_to_every_copy_in_key_order_and_a_pull_to_the_primary():
         got, want = q.push_slice(keys), ref.push_slice(keys, shards, q.copies, servers)
         for a, b in zip(got, want):
             np.testing.assert_array_equal(a, b)
+        order, offsets = got
+        for s in range(servers):
+            part = keys[order[offsets[s]:offsets[s + 1]]]
+            assert primary_prefix(part, shards, q.shard_server, s) == \
+                ref.primary_prefix(part, shards, q.shard_server, s) == (q.server_of(part) == s).sum()
         np.testing.assert_array_equal(q.shard_of(keys), ref.shard_of(keys, shards))
 
 

@@ -193,7 +193,10 @@ class Placement:
 
     def push_slice(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`slice` for a push: each key to every server keeping its shard (primary and
-        backups), in the keys' relative order per server; the same as :meth:`slice` without replicas."""
+        backups); a server's keys of the shards it is primary of first, then the others, each in
+        the keys' relative order (the server applies the first part before it replies:
+        :meth:`hpcps.ps.replication.ServerCopies.push_now`); the same as :meth:`slice` without
+        replicas."""
         if self.replicas == 0:
             return self.slice(keys)
         return copies_slice(np.ascontiguousarray(keys, dtype=np.uint64), self.num_shards, self._copies, self.num_servers)

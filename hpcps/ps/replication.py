@@ -38,7 +38,7 @@ from __future__ import annotations
 import numpy as np
 
 from hpcps.ps.placement import Placement, new_copies
-from hpcps_kernels.copies import split_primary
+from hpcps_kernels.copies import primary_prefix, split_primary
 from hpcps_kernels.hashing import shard_of, xxh64
 
 # A server count no checkpoint has: restore reads every file and keeps the shards asked for
@@ -198,17 +198,24 @@ class ServerCopies:
         With replicas, only its keys of the shards this server is primary of: those of the shards
         it backs up wait in :attr:`backlog` for :meth:`apply_backlog`, once the request is
         answered (nobody reads a backup, so its update need not delay a reply; each key's updates
-        keep their order). Not where rows age or are evicted at a clock: there a backup's rows
+        keep their order). A worker sends a server's own keys first
+        (:meth:`~hpcps.ps.placement.Placement.push_slice`): the two parts are then views of the
+        message (which the backlog keeps alive; nothing writes into a request's buffer). Not where rows age or are evicted at a clock: there a backup's rows
         must have every push of the clock before an eviction, as the primary's have."""
         target = self.tables[table]
         if not self.replication.on or self.evicting:
             return target.push(keys, grads, clock, worker, in_pull=in_pull)
         p = self.placement
-        keys, grads, bits, rest_keys, rest_grads = split_primary(  # (in_pull: a bit per key, protocol.IN_PULL)
-            keys, grads, NO_BITS if in_pull is None else in_pull, p.num_shards, p.shard_server, self.index)
+        edge = primary_prefix(keys, p.num_shards, p.shard_server, self.index)
+        if edge >= 0:  # (its own keys first, as a worker sends them: both parts are views of the message)
+            keys, grads, rest_keys, rest_grads = keys[:edge], grads[:edge], keys[edge:], grads[edge:]
+        else:  # (in_pull: a bit per key, protocol.IN_PULL; the first keys' bits are theirs either way)
+            keys, grads, in_pull, rest_keys, rest_grads = split_primary(
+                keys, grads, NO_BITS if in_pull is None else in_pull, p.num_shards, p.shard_server, self.index)
+            in_pull = in_pull if in_pull.shape[0] else None
         if rest_keys.shape[0]:
             self.backlog.append((target, rest_keys, rest_grads, clock, worker))
-        return target.push(keys, grads, clock, worker, in_pull=None if in_pull is None else bits) if keys.shape[0] else None
+        return target.push(keys, grads, clock, worker, in_pull=in_pull) if keys.shape[0] else None
 
     def apply_backlog(self) -> None:
         """Apply the backups' part of the pushes :meth:`push_now` kept, in their order."""
