@@ -19,7 +19,7 @@ LEVEL = {  # module -> layer: the packages say it (hpcps/ps's pure modules, then
                                     "replication")},
     "hpcps.ps.transport": 2,
     **{f"hpcps.ps.{m}": 3 for m in ("server", "plain_requests", "client", "context", "collectives", "recovery",
-                                    "failover")},
+                                    "failover", "rereplication")},
     **_package("hpcps/train", "hpcps.train", 4),
     **_package("hpcps/bench", "hpcps.bench", 5),
     **{f"hpcps.{m}": 5 for m in ("cli", "supervise", "plot")},

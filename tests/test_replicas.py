@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from hpcps.config import ConfigError, from_dict, load_raw
-from hpcps.ps import checkpoint
+from hpcps.ps import checkpoint, protocol
 from hpcps.ps.placement import Placement, new_copies
 from hpcps.ps.replication import Replication
 from hpcps.ps.server_table import ServerTable
@@ -194,6 +194,22 @@ def test_losing_a_server_promotes_its_backups_and_the_copies_made_restore_every_
         k, rows = tables[s].items()
         np.testing.assert_array_equal(np.sort(k), keys[after.holds(s)[after.shard_of(keys)]])
         np.testing.assert_array_equal(rows, _rows(whole, k))  # parameters and FTRL state, bit for bit
+
+
+def test_a_copy_message_carries_its_shards_clock_and_every_tables_rows_exactly():
+    """``COPY`` (new backups over the wire): tables of odd widths (rows padded to 8 bytes) and an
+    empty one come back as sent."""
+    rng = np.random.default_rng(7)
+    parts = [(rng.integers(0, 2**64, n, dtype=np.uint64), rng.normal(size=(n, w)).astype(np.float32))
+             for n, w in ((5, 3), (0, 2), (7, 1))]
+    sent = protocol.Copy(41, 2, 1, np.array([3, 9, 1000], dtype=np.int64), parts, 12.5)
+    got = protocol.unpack_request(sent.pack(), dims=[])
+    assert isinstance(got, protocol.Copy)
+    assert (got.clock, got.source, got.lost, got.cut_at, got.shards.tolist()) == (41, 2, 1, 12.5, [3, 9, 1000])
+    for (k, r), (gk, gr) in zip(parts, got.parts):
+        assert gk.tobytes() == k.tobytes() and gr.tobytes() == r.tobytes() and gr.shape == r.shape
+    placed = protocol.unpack_request(protocol.Placed(17, 1, 2).pack(), dims=[])
+    assert (placed.op, placed.clock, placed.worker, placed.lost) == (protocol.PLACED, 17, 1, 2)
 
 
 def _rows(table, keys):

@@ -15,6 +15,10 @@ launched from the second environment ``.venv-ft`` (``make install-ft``; ``make t
   training after the kill is printed (``-s``): the longest the first worker's step stood still
   from the kill to the end. Twice: LR (one table), and wide & deep with 16-bit values on the
   wire (its two sparse tables' rows asked again in one request, read in the wire's type).
+* Three servers with ``cluster.replicas = 1`` (2 workers, BSP): server 1 killed, the new backups
+  of its shards copied over the wire between the two survivors (each copies to the other), then
+  server 2 killed once both copies landed, so that the last server goes on from its copies: exit
+  status 0, the model and the last checkpoint bit-identical to the job's without the kills.
 * ``"ulfm"`` under MPICH (the main environment): one line at start-up, exit status 2.
 """
 
@@ -82,6 +86,16 @@ def args(data: str, ck, servers: int, **more) -> list[str]:
     return ["train"] + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
 
 
+def at_the_kill(status, ck, ranks: int) -> bool:
+    """Whether the job's first worker has done KILL_AT_STEP steps (its status file) and all its
+    ``ranks`` are up (their PIDs known)."""
+    try:
+        step = json.loads(status.read_text()).get("global_step", 0)
+    except (OSError, ValueError):
+        step = 0
+    return step >= KILL_AT_STEP and len(rank_pids(str(ck), "OMPI_COMM_WORLD_RANK")) == ranks
+
+
 def kill_mid_run(launcher: list[str], data: str, tmp_path, ranks: int, servers: int, victim: int,
                  more: dict | None = None, stalls: list | None = None) -> tuple:
     """Start the job; once its first worker has done KILL_AT_STEP steps, kill -9 rank ``victim``.
@@ -93,14 +107,7 @@ def kill_mid_run(launcher: list[str], data: str, tmp_path, ranks: int, servers: 
                              *args(data, ck, servers, **(more or {}))], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, cwd=str(tmp_path), start_new_session=True)
     try:
-        def at_the_kill() -> bool:
-            try:
-                step = json.loads(status.read_text()).get("global_step", 0)
-            except (OSError, ValueError):
-                step = 0
-            return step >= KILL_AT_STEP and len(rank_pids(str(ck), "OMPI_COMM_WORLD_RANK")) == ranks
-
-        reached = wait_for(at_the_kill, TIMEOUT, proc)
+        reached = wait_for(lambda: at_the_kill(status, ck, ranks), TIMEOUT, proc)
         assert proc.poll() is None, f"the job ended before the kill:\n{proc.stdout.read()[-3000:]}"
         assert reached, "the job never reached the step of the kill"
         pids = rank_pids(str(ck), "OMPI_COMM_WORLD_RANK")
@@ -232,3 +239,57 @@ def test_a_server_killed_with_a_replica_its_copies_go_on_to_the_same_model(ft_la
         assert np.array_equal(got_keys, keys) and got_rows.tobytes() == rows.tobytes(), f"checkpoint table {name}"
     print(f"\nstall of training after a server's kill -9: {stalls[0]:.3f} s")
     print("\n".join(ln for ln in out.splitlines() if "lost" in ln))
+
+
+def kill_twice(launcher: list[str], data: str, tmp_path, ranks: int, servers: int, victims: tuple[int, int],
+               more: dict, ready) -> tuple:
+    """As :func:`kill_mid_run`, rank ``victims[0]`` killed at step KILL_AT_STEP, and then rank
+    ``victims[1]`` once ``ready(output so far)`` holds. Returns (exit status, output)."""
+    ck, status, log = tmp_path / "ck", tmp_path / "status.json", tmp_path / "out.log"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HPCPS_STATUS_FILE=str(status), HPCPS_TUNE_STATUS_EVERY_S="0")
+    with open(log, "w") as out:
+        proc = subprocess.Popen([*launcher, "-n", str(ranks), os.path.join(FT, "bin", "python"), "-m", "hpcps.cli",
+                                 *args(data, ck, servers, **more)], stdout=out, stderr=subprocess.STDOUT, text=True,
+                                env=env, cwd=str(tmp_path), start_new_session=True)
+    try:
+        reached = wait_for(lambda: at_the_kill(status, ck, ranks), TIMEOUT, proc)
+        assert reached and proc.poll() is None, log.read_text()[-3000:]
+        pids = rank_pids(str(ck), "OMPI_COMM_WORLD_RANK")
+        os.kill(pids[victims[0]], signal.SIGKILL)
+        assert wait_for(lambda: ready(log.read_text()), TIMEOUT, proc) and proc.poll() is None, log.read_text()[-3000:]
+        os.kill(pids[victims[1]], signal.SIGKILL)
+        proc.wait(timeout=TIMEOUT)
+        return proc.returncode, log.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_three_servers_one_lost_new_backups_copied_then_a_second_lost_the_same_model(ft_launcher, shared_keys,
+                                                                                    tmp_path):
+    # 3 servers with 1 replica and 2 workers under BSP: server 1 (rank 1) killed after step 20, its
+    # shards' new backups copied between servers 0 and 2 (each to the other), then server 2 (rank 2)
+    # killed once they landed: server 0 alone goes on from its copies; against the job not killed
+    more = {"cluster.replicas": 1, "optimizer.l1": 0.5, "train.model_out": '"model.h5"', "train.epochs": 2}
+    (tmp_path / "ref").mkdir()
+    ref = subprocess.run([*ft_launcher, "-n", "5", os.path.join(FT, "bin", "python"), "-m", "hpcps.cli",
+                          *args(shared_keys, tmp_path / "ref" / "ck", 3, **more)], capture_output=True, text=True,
+                         timeout=TIMEOUT, cwd=str(tmp_path / "ref"))
+    assert ref.returncode == 0, (ref.stdout + ref.stderr)[-4000:]
+    rc, out = kill_twice(ft_launcher, shared_keys, tmp_path, ranks=5, servers=3, victims=(1, 2), more=more,
+                         ready=lambda text: text.count("new backups of") == 2)
+    assert rc == 0, out[-4000:]
+    assert "Traceback" not in out and "error:" not in out, out[-4000:]
+    assert "Process received signal" not in out and "MPI Error in NBC subrequest" not in out, out[-4000:]
+    landed = [ln for ln in out.splitlines() if "new backups of" in ln]
+    assert sorted(ln.split(":")[1].strip() for ln in landed) == ["server 0", "server 2"], landed
+    got, want = model_rows(tmp_path / "model.h5"), model_rows(tmp_path / "ref" / "model.h5")
+    assert got.keys() == want.keys() and max(len(keys) for keys, _ in want.values()) > 300
+    for name in want:
+        assert np.array_equal(got[name][0], want[name][0]), name
+        assert got[name][1].tobytes() == want[name][1].tobytes(), f"table {name}: the rows differ"
+    for name, (keys, rows) in checkpoint_rows(tmp_path / "ref" / "ck").items():
+        got_keys, got_rows = checkpoint_rows(tmp_path / "ck")[name]
+        assert np.array_equal(got_keys, keys) and got_rows.tobytes() == rows.tobytes(), f"checkpoint table {name}"
+    print("\n" + "\n".join(ln for ln in out.splitlines() if "lost" in ln or "landed" in ln))

@@ -29,7 +29,7 @@ from hpcps.ps import margins  # noqa: F401 - registers the server functions of M
 from hpcps.ps.client import DenseTable, SparseTable, TableSet, push_residual
 from hpcps.ps.consistency import NO_BACKUP, Backup
 from hpcps.ps.layout import Layout, LayoutError, check_world
-from hpcps.ps.placement import DEFAULT_SHARDS, Placement
+from hpcps.ps.placement import DEFAULT_SHARDS, Placement, new_copies
 from hpcps.ps.server import Server
 from hpcps.ps.tables import SERVER_FUNCTIONS, Features, ServerFunction, TableSpec
 from hpcps_kernels import keys as kkeys
@@ -180,8 +180,16 @@ class ContextReplicas:
     def server_lost(self, server: int) -> None:
         """A worker learns that ``server`` is gone (the fault-tolerant transport's event): its
         shards' first backups answer their pulls from now on, pushes go to the new copies, and
-        no request or clock goes to it (requests in flight to it are the transport's to resend)."""
-        self.placement = self.placement.after_loss(server)
+        no request or clock goes to it (requests in flight to it are the transport's to resend).
+        Where its shards get new backups, every server is told first (``PLACED``, with this
+        worker's clock: the copies' clock is agreed on it, :mod:`hpcps.ps.rereplication`)."""
+        before = self.placement
+        self.placement = before.after_loss(server)
+        if new_copies(before.copies, self.placement.copies):
+            notice = protocol.Placed(self.clock_value, self.worker_index, server).pack()
+            for s in self.placement.live_servers:
+                self._clock_sends += failover.start_send(self, notice, s, protocol.TAG_REQUEST,
+                                                         f"notice of the placement without server {server}")
 
 
 class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges, ContextReplicas,
@@ -312,7 +320,8 @@ class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges,
         return self.net.start_send(grads, server, protocol.TAG_GRADS, f"{protocol.OP_NAMES[op]} gradients to server")
 
     def _notify_servers(self, op: int) -> None:
-        self._clock_sends = failover.without_lost(self, transport.completed, self._clock_sends)
+        sends, self._clock_sends = self._clock_sends, []  # (a loss found here may add its notices)
+        self._clock_sends += failover.without_lost(self, transport.completed, sends)
         for server in self.placement.live_servers:
             self.stats["requests"] += 1
             self._clock_sends += failover.start_send(self, protocol.MESSAGES[op](self.clock_value, self.worker_index).pack(),

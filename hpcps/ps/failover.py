@@ -8,11 +8,11 @@ only the lost server's *replies*: the rows a worker pulled from it. Hence:
 
 * **A server** learns of the loss in its serving loop (:class:`hpcps.ps.recovery.ServerRecovery`
   calls :func:`promote`): where every shard of the lost server has a copy left, each shard's first
-  backup becomes its primary (:meth:`hpcps.ps.replication.ServerCopies.rank_lost`); its backlog of
+  backup becomes its primary (:meth:`hpcps.ps.replication.Replication.rank_lost`); its backlog of
   backup pushes is applied first, so that each key's updates keep their order. Its clocks are
-  unchanged (a server is not a worker). Where a shard has no copy left, or new backups would have
-  to be copied over the wire (not done yet: three servers or more), the job ends as without
-  replicas, in one line.
+  unchanged (a server is not a worker). Where a shard has no copy left, the job ends as without
+  replicas, in one line. Where shards are left with fewer than ``r + 1`` copies (three servers
+  or more), new backups are copied over the wire meanwhile (:mod:`hpcps.ps.rereplication`).
 * **A worker** learns of it in a wait for a reply (or the start of a transfer):
   :func:`wait_replies` moves its context to the placement after the loss
   (:meth:`hpcps.ps.context.Context.server_lost`: no request or clock to the lost server from
@@ -37,6 +37,7 @@ import numpy as np
 
 from hpcps.ps import protocol, transport
 from hpcps.ps.replication import primary_rows_mask
+from hpcps.ps.rereplication import Rereplication
 
 _STARTED = time.monotonic()
 
@@ -57,11 +58,9 @@ def promote(server, rank: int) -> None:
     if not copies_left(placement, rank):
         server.recovery.end_job(rank)
     server.apply_backlog()  # (each key's updates in their order, before its copy is primary)
-    moves = server.rank_lost(rank)
-    if moves:
-        raise transport.RankFailed([rank], "serving", f"a lost server ends the job here: {len(moves)} new backup "
-                                                      f"copies would have to be made over the wire, which is not done "
-                                                      f"yet (2 servers with cluster.replicas = 1 go on)")
+    moves = server.replication.rank_lost(rank)
+    if moves:  # (new backups on the survivors, copied over the wire: hpcps.ps.rereplication)
+        server.copying.plan(rank, moves)
     server.failovers.append((rank, round(time.monotonic() - _STARTED, 3)))
     if server.index == min(server.placement.live_servers):
         sys.stderr.write(f"hpcps: server {rank} (rank {rank}) lost: its shards' backups are primary now "
@@ -75,6 +74,18 @@ def plug(server) -> None:
     server.failover_on = True
     server.failovers = []  # (server lost, seconds from the start)
     server.recovery.on_server_lost = lambda rank: promote(server, rank)
+    server.copying = Rereplication(server)
+    server.handlers[protocol.PLACED] = lambda source, r: placed(server, source - server.worker_rank0, r)
+    server.handlers[protocol.COPY] = lambda source, r: server.copying.take(r)
+
+
+def placed(server, worker: int, r: protocol.Placed) -> None:
+    """Worker ``worker``'s ``PLACED``: it sends under the placement without server ``r.lost``
+    from now on. A loss this server did not know of yet is handled first (the worker's pushes
+    that follow may hold rows of the new backups awaited here)."""
+    if r.lost not in server.recovery.lost:
+        server.recovery.ranks_lost(transport.RankFailed([r.lost], "a worker's notice of a lost server"))
+    server.copying.placed_by(worker, r.clock, r.lost)
 
 
 def before_read(server, keys: np.ndarray) -> None:

@@ -56,6 +56,12 @@ Operations:
   counts and pulled values (:func:`tables_reply_bytes`, :func:`tables_reply_parts`). The traffic
   filters apply to it as to a table's own requests (flags as below, and ``TABLE_PUSHES``: each
   table pushes its own subset of the keys, behind the significance filter).
+* ``PLACED`` (a worker to every server, after a lost server whose shards get new backups): from
+  this message on, the worker sends its pushes under the placement without server ``reserved``;
+  ``clock`` is its clock then (every push it sent before has a clock no later). ``COPY`` (a server
+  to a server): new backup copies of whole shards, their rows as the source applied them up to
+  ``clock`` (every push of an earlier clock, none of a later one): see :class:`Copy` and
+  :mod:`hpcps.ps.rereplication`.
 * ``CALL``: a registered server function (the op's word, ``reserved``: its number, in declaration order) over
   ``n_push`` keys (uint64) with ``n_pull`` float32 arguments each; read at ``clock`` like a pull.
   The reply holds its float32 results: a row per key, or one reduction.
@@ -83,9 +89,10 @@ from hpcps_kernels.tuning import GRADS_APART_BYTES, MESSAGE_PAGE_OFFSET, PAGE_BY
 
 PULL, PUSH, CLOCK, DONE, CHECKPOINT, PUSHPULL, MARGINS, RESIDUALS, CALL = 1, 2, 3, 4, 5, 6, 7, 8, 9
 PULLS, PUSHPULLS = 10, 11  # a pull and a push-pull of several tables over the same keys
+PLACED, COPY = 12, 13  # after a lost server: a worker's switch to the new placement; new backups' rows
 OP_NAMES = {PULL: "pull", PUSH: "push", CLOCK: "clock", DONE: "done", CHECKPOINT: "checkpoint",
             PUSHPULL: "push-pull", MARGINS: "margins", RESIDUALS: "residuals", CALL: "call",
-            PULLS: "tables pull", PUSHPULLS: "tables push-pull"}
+            PULLS: "tables pull", PUSHPULLS: "tables push-pull", PLACED: "placed", COPY: "copy"}
 
 REQUEST = np.dtype([("op", "<i8"), ("table", "<i8"), ("req_id", "<i8"), ("n_push", "<i8"),
                     ("n_pull", "<i8"), ("clock", "<i8"), ("worker", "<i8"), ("reserved", "<i8"),
@@ -510,6 +517,74 @@ class Done(Clock):
 
 
 @dataclass(eq=False)
+class Placed(Clock):
+    """``PLACED``: worker ``worker``, at ``clock``, sends its pushes under the placement without
+    server ``lost`` from now on (the header's reserved word). Sizes 0."""
+
+    op: ClassVar[int] = PLACED
+    lost: int = -1
+
+    def pack(self, alloc=None) -> np.ndarray:
+        return _pack(_words(self.op, 0, 0, (0, 0), self.clock, self.worker, self.lost), HEADER_BYTES, alloc)
+
+    @classmethod
+    def unpack(cls, words: list, buf: np.ndarray, dims: list[int], grads: np.ndarray | None) -> "Placed":
+        return cls(words[5], words[6], words[7])
+
+
+@dataclass(eq=False)
+class Copy(Message):
+    """``COPY``: server ``source``'s rows of ``shards`` (new backups on the receiver after server
+    ``lost`` was lost), as applied up to ``clock``: every push of an earlier clock, none of a later
+    one. ``parts``: each table's (keys, rows), in the tables' order; ``cut_at``: when the source
+    read them (``time.monotonic()``, the same clock on one host: the copy's time). Header: the
+    tables' count (``table``), the shards' (``n_push``), ``clock``, ``source`` (``worker``) and
+    ``lost`` (``reserved``); then the shards (int64), ``cut_at`` (float64) and each table's row
+    count and width (int64), keys (uint64) and rows (float32, padded to 8 bytes)."""
+
+    op: ClassVar[int] = COPY
+    clock: int
+    source: int
+    lost: int
+    shards: np.ndarray
+    parts: list
+    cut_at: float = 0.0
+
+    def pack(self, alloc=None) -> np.ndarray:
+        sizes = [16 + 8 * keys.shape[0] + -(-rows.nbytes // 8) * 8 for keys, rows in self.parts]
+        buf = _pack(_words(self.op, len(self.parts), 0, (self.shards.shape[0], 0), self.clock, self.source, self.lost),
+                    HEADER_BYTES + 8 * self.shards.shape[0] + 8 + sum(sizes), alloc)
+        at = HEADER_BYTES + 8 * self.shards.shape[0]
+        buf[HEADER_BYTES:at].view(np.int64)[:] = self.shards
+        buf[at:at + 8].view(np.float64)[0] = self.cut_at
+        at += 8
+        for (keys, rows), size in zip(self.parts, sizes):
+            n = keys.shape[0]
+            width = rows.shape[1] if rows.ndim == 2 else 1
+            buf[at:at + 16].view(np.int64)[:] = (n, width)
+            buf[at + 16:at + 16 + 8 * n].view(np.uint64)[:] = keys
+            buf[at + 16 + 8 * n:at + 16 + 8 * n + rows.nbytes].view(np.float32)[:] = rows.reshape(-1)
+            at += size
+        return buf
+
+    @classmethod
+    def unpack(cls, words: list, buf: np.ndarray, dims: list[int], grads: np.ndarray | None) -> "Copy":
+        _, n_tables, _, n_shards, _, clock, source, lost, _ = words
+        at = HEADER_BYTES + 8 * n_shards
+        shards = buf[HEADER_BYTES:at].view(np.int64).copy()
+        cut_at = float(buf[at:at + 8].view(np.float64)[0])
+        at += 8
+        parts = []
+        for _ in range(n_tables):
+            n, width = (int(v) for v in buf[at:at + 16].view(np.int64))
+            keys = buf[at + 16:at + 16 + 8 * n].view(np.uint64).copy()
+            rows = buf[at + 16 + 8 * n:at + 16 + 8 * n + 4 * n * width].view(np.float32).reshape(n, width).copy()
+            parts.append((keys, rows))
+            at += 16 + 8 * n + -(-4 * n * width // 8) * 8
+        return cls(clock, source, lost, shards, parts, cut_at)
+
+
+@dataclass(eq=False)
 class Checkpoint(Message):
     """``CHECKPOINT``: write the server's shards into the directory ``path`` once every worker
     has reached ``clock``; with ``quorum`` (backup workers: one worker's checkpoint, no other
@@ -775,7 +850,7 @@ class TablesPull(TablesPushPull):
 
 
 MESSAGES = {cls.op: cls for cls in (Pull, Push, PushPull, Clock, Done, Checkpoint, Margins, Residuals, Call,
-                                      TablesPull, TablesPushPull)}
+                                      TablesPull, TablesPushPull, Placed, Copy)}
 
 
 def header(buf: np.ndarray):

@@ -178,9 +178,11 @@ class Replication:
 
 class ServerCopies:
     """What a :class:`hpcps.ps.server.Server` (its ``replication``, ``tables`` and ``index``) does
-    with its copies: its placement, its statistics, its digests, and the loss of a server."""
+    with its copies: its placement, its statistics and its digests (a lost server:
+    :mod:`hpcps.ps.failover`, :mod:`hpcps.ps.rereplication`)."""
 
     failover_on = False  # under ULFM: a lost server's shards promoted here (hpcps.ps.failover.plug)
+    copying = None  # under ULFM: new backups after a lost server (hpcps.ps.rereplication.Rereplication)
 
     @property
     def placement(self) -> Placement:
@@ -203,6 +205,8 @@ class ServerCopies:
         message (which the backlog keeps alive; nothing writes into a request's buffer). Not where rows age or are evicted at a clock: there a backup's rows
         must have every push of the clock before an eviction, as the primary's have."""
         target = self.tables[table]
+        if self.copying is not None:  # (the copies of a lost server's shards are read before clock C's pushes)
+            self.copying.before_push(clock)
         if not self.replication.on or self.evicting:
             return target.push(keys, grads, clock, worker, in_pull=in_pull)
         p = self.placement
@@ -219,6 +223,8 @@ class ServerCopies:
 
     def apply_backlog(self) -> None:
         """Apply the backups' part of the pushes :meth:`push_now` kept, in their order."""
+        if self.backlog and self.copying is not None:  # (new backups awaited: their part held)
+            self.backlog = self.copying.sort_backlog(self.backlog)
         if self.backlog:
             for target, keys, grads, clock, worker in self.backlog:
                 target.push(keys, grads, clock, worker)
@@ -232,24 +238,3 @@ class ServerCopies:
     def replica_digests(self) -> np.ndarray:
         """This server's :meth:`Replication.digests` of its tables (after serving)."""
         return self.replication.digests(self.tables)
-
-    def rank_lost(self, server: int) -> list[tuple[int, int, int]]:
-        """The event of a lost server (raised by the fault-tolerant transport): each of its shards'
-        first backup is primary from now on (it holds the rows already: nothing moves for that),
-        and new backups are planned on the survivors. Returns every copy to make, ``(shard,
-        source, target)``; the rows this server is the source of are ready in
-        :attr:`copies_out` (target -> parts for :meth:`take_copy` there).
-
-        The copies are the rows as applied now: the caller (the fault-tolerant transport) calls
-        this where the source keeps no push of the moved shards for later (under BSP, once the
-        clock in progress has completed on it and its backlog is applied), and the workers send
-        the pushes after it under the new placement (:meth:`hpcps.ps.context.Context.server_lost`),
-        so that a new backup gets every push exactly once: those before in the copy, those after
-        from the workers."""
-        moves = self.replication.rank_lost(server)
-        self.copies_out = self.replication.copy_out(self.tables, moves)
-        return moves
-
-    def take_copy(self, parts: list[tuple]) -> None:
-        """Load the shards a source sent this server (a new backup's rows: :meth:`rank_lost`)."""
-        Replication.copy_in(self.tables, parts)

@@ -471,7 +471,8 @@ class ServingLoop:
     def run(self) -> None:
         server = self.server
         server.stats.update(idle_gap_wall_s=0.0, idle_gap_cpu_s=0.0)
-        while not server.workers.all_done or server.workers.waiting:
+        while (server.copying is not None and server.copying.due()) or not server.workers.all_done \
+                or server.workers.waiting:  # (due: new backups after a lost server, hpcps.ps.rereplication)
             try:
                 self._serve_one()
             except transport.RankFailed as e:  # (under ULFM: a rank is gone)

@@ -409,6 +409,7 @@ class StepPipeline:
         a late backup worker skips their steps (:mod:`hpcps.train.stragglers`)."""
         self.finish()
         self.ahead = []
+        self.refetch.clear()  # (ids of the batches dropped: a later batch may reuse one)
 
     def pull_rows(self, batch) -> tuple:
         """(pos, the rows of every table) for a batch outside training (pulls in flight together)."""
