@@ -752,7 +752,8 @@ def _kernel_dispatchers() -> list:
     """Every kernel's dispatcher in this package (the compiled functions its modules define)."""
     from numba.core.registry import CPUDispatcher
 
-    mods = (admission, copies, deep, directindex, hashing, hashtable, init, keys, metrics, models, optim, parse, textgen)
+    mods = (admission, copies, deep, directindex, hashing, hashtable, init, keys, metrics, models, optim, parse,
+            textgen)
     return [obj for mod in mods for obj in vars(mod).values()
             if isinstance(obj, CPUDispatcher) and obj.__module__ == mod.__name__]
 

@@ -199,4 +199,5 @@ class Placement:
         replicas."""
         if self.replicas == 0:
             return self.slice(keys)
-        return copies_slice(np.ascontiguousarray(keys, dtype=np.uint64), self.num_shards, self._copies, self.num_servers)
+        keys = np.ascontiguousarray(keys, dtype=np.uint64)
+        return copies_slice(keys, self.num_shards, self._copies, self.num_servers)

@@ -200,10 +200,11 @@ class ServerCopies:
         With replicas, only its keys of the shards this server is primary of: those of the shards
         it backs up wait in :attr:`backlog` for :meth:`apply_backlog`, once the request is
         answered (nobody reads a backup, so its update need not delay a reply; each key's updates
-        keep their order). A worker sends a server's own keys first
-        (:meth:`~hpcps.ps.placement.Placement.push_slice`): the two parts are then views of the
-        message (which the backlog keeps alive; nothing writes into a request's buffer). Not where rows age or are evicted at a clock: there a backup's rows
-        must have every push of the clock before an eviction, as the primary's have."""
+        keep their order). Not where rows age or are evicted at a clock: there a backup's rows
+        must have every push of the clock before an eviction, as the primary's have. A worker
+        sends a server's own keys first (:meth:`~hpcps.ps.placement.Placement.push_slice`): the
+        two parts are then views of the message (which the backlog keeps alive; nothing writes
+        into a request's buffer)."""
         target = self.tables[table]
         if self.copying is not None:  # (the copies of a lost server's shards are read before clock C's pushes)
             self.copying.before_push(clock)
