@@ -84,7 +84,7 @@ KNOBS = (
          KERNELS_BENCH + " --kernel unique", compiled=True, minimum=16),
     Knob("PUSH_SLICE_SCAN_SERVERS", 8, "a push under replicas is sliced by a scan of its keys a server up to "
          "this many servers, else by a counting sort of its keys' copies (the kernel alone, 10,000 keys, 1 "
-         "replica: the scan 20 us at 2 servers, 51 at 8, 69 at 12; the sort 50-55 us at any, twice that at its "
+         "replica, at load 7: the scan 33 us at 2 servers, 50 at 4, 91 at 8; the sort 67-108 us, 110-160 at its "
          "median)", "mpiexec -n 3 hpcps bench ps --replicas 1", compiled=True, minimum=1),
     # kernels (runtime: the server's two threads)
     Knob("PARALLEL_MIN_KEYS", 1 << 16, "pushes of fewer keys (and fewer than PARALLEL_MIN_VALUES values) "
