@@ -6,7 +6,7 @@ each kernel compiles on first call, into numba's on-disk cache (``NUMBA_CACHE_DI
 
 Modules: ``keys`` (batch unique keys, segment reduce, merge, radix sort), ``models`` (LR and FM
 forward/backward), ``optim`` (SGD, AdaGrad, FTRL, Adam on slot rows), ``hashtable`` (uint64 → slot
-index), ``fused`` (a request's lookups with its rows' reads or updates, in one pass), ``hashing`` (XXH64 feature hashing), ``parse`` (libsvm, Criteo TSV), ``metrics`` (AUC,
+index), ``fused`` (a request's lookups with its rows' reads or updates, in one pass), ``hashing`` (XXH64 feature hashing, keys' shards), ``copies`` (a push's keys to every copy of their shards, and a server's primary part), ``parse`` (libsvm, Criteo TSV), ``metrics`` (AUC,
 logloss), ``reference`` (NumPy/SciPy references), ``profiler``; ``tuning`` holds every tuned number (prefetch distances, thresholds) with its environment override.
 """
 

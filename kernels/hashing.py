@@ -153,13 +153,30 @@ def mix64(x):
 SHARD_SALT = np.uint64(0x5BD1E9955BD1E995)
 
 
+@njit(inline="always")
+def shard_mask(n):
+    """What :func:`shard_index` takes beside ``n`` shards (uint64): ``n - 1`` where ``n`` is a
+    power of two (the default 1024), else 0."""
+    return n - np.uint64(1) if n > np.uint64(0) and (n & (n - np.uint64(1))) == np.uint64(0) else np.uint64(0)
+
+
+@njit(inline="always")
+def shard_index(key, n, mask):
+    """The virtual shard of ``key`` among ``n`` (uint64; ``mask``: :func:`shard_mask`):
+    ``mix64(key ^ SHARD_SALT) % n``, by a bitwise and where ``n`` is a power of two (the same
+    number, where a 64-bit division costs six times the rest of the hash)."""
+    h = mix64(key ^ SHARD_SALT)
+    return np.int64(h & mask) if mask else np.int64(h % n)
+
+
 @njit(cache=True)
 def shard_of(keys, num_shards):
     """Virtual shard of every key (int64)."""
     out = np.empty(keys.shape[0], dtype=np.int64)
     n = np.uint64(num_shards)
+    mask = shard_mask(n)
     for i in range(keys.shape[0]):
-        out[i] = np.int64(mix64(keys[i] ^ SHARD_SALT) % n)
+        out[i] = shard_index(keys[i], n, mask)
     return out
 
 
@@ -168,8 +185,9 @@ def server_of(keys, num_shards, shard_server):
     """Server of every key (int64), through its shard."""
     out = np.empty(keys.shape[0], dtype=np.int64)
     n = np.uint64(num_shards)
+    mask = shard_mask(n)
     for i in range(keys.shape[0]):
-        out[i] = shard_server[np.int64(mix64(keys[i] ^ SHARD_SALT) % n)]
+        out[i] = shard_server[shard_index(keys[i], n, mask)]
     return out
 
 

@@ -35,8 +35,8 @@ import time
 import numpy as np
 from numba import njit
 
-from . import (admission, deep, directindex, ffm, fused, hashing, hashtable, init, keys, metrics, models, optim, parse,
-               textgen, tuning, wire)
+from . import (admission, copies, deep, directindex, ffm, fused, hashing, hashtable, init, keys, metrics, models, optim,
+               parse, textgen, tuning, wire)
 from . import reference as ref
 
 ROOF_BYTES = 512 << 20
@@ -685,6 +685,10 @@ def warmup_server() -> None:
     sl8 = np.arange(8, dtype=np.int64)
     table = np.zeros(64, dtype=np.int64)
     keys.group_by(hashing.server_of(k8, 64, table), 1)
+    # replicas (cluster.replicas): a worker's push to every copy, a server's split of it
+    copies.push_slice(k8, 64, np.zeros((64, 2), np.int64), 2)
+    copies.split_primary(k8, np.ones((8, 1), np.float32), np.ones(1, np.uint8), 64, table, 0)
+    copies.primary_prefix(k8, 64, table, 0)
     for kind in range(3):
         init.init_values(k8, 1, kind, 0.01, 0, np.empty((8, 1), np.float32))
         init.pull_rows(np.zeros((8, 3), np.float32), sl8, k8, 1, kind, 0.01, 0, np.empty((8, 1), np.float32))
@@ -748,7 +752,8 @@ def _kernel_dispatchers() -> list:
     """Every kernel's dispatcher in this package (the compiled functions its modules define)."""
     from numba.core.registry import CPUDispatcher
 
-    mods = (admission, deep, directindex, hashing, hashtable, init, keys, metrics, models, optim, parse, textgen)
+    mods = (admission, copies, deep, directindex, hashing, hashtable, init, keys, metrics, models, optim, parse,
+            textgen)
     return [obj for mod in mods for obj in vars(mod).values()
             if isinstance(obj, CPUDispatcher) and obj.__module__ == mod.__name__]
 

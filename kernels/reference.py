@@ -349,3 +349,34 @@ def bf16_bits(values):
     nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
     rounded[nan] = (bits[nan] >> np.uint32(16)) | np.uint32(0x40)
     return rounded.astype(np.uint16)
+
+
+def shard_of(keys, num_shards):
+    """Each key's virtual shard, in Python integers (:func:`hpcps_kernels.hashing.shard_of`)."""
+    from .hashing import SHARD_SALT, mix64
+    return np.array([int(mix64(np.uint64(k) ^ SHARD_SALT)) % num_shards for k in keys], dtype=np.int64)
+
+
+def push_slice(keys, num_shards, copies, num_servers):
+    """Each key to every server of its shard's copies, the server's primaries first: (order,
+    offsets), as :func:`hpcps_kernels.copies.push_slice`."""
+    held = copies[shard_of(keys, num_shards)]  # (n, c): a key's copies on one row, primary first
+    parts = [np.concatenate([np.flatnonzero(held[:, 0] == s), np.flatnonzero((held[:, 1:] == s).any(axis=1))])
+             for s in range(num_servers)]
+    return np.concatenate([np.zeros(0, np.int64), *parts]), np.cumsum([0] + [p.shape[0] for p in parts])
+
+
+def primary_prefix(keys, num_shards, shard_server, server):
+    """Where the keys ``server`` is primary of end, when they come first; else -1
+    (:func:`hpcps_kernels.copies.primary_prefix`)."""
+    mine = shard_server[shard_of(keys, num_shards)] == server
+    m = int(mine.sum())
+    return m if mine[:m].all() else -1
+
+
+def split_primary(keys, grads, bits, num_shards, shard_server, server):
+    """The part of a push ``server`` is primary of, then the rest (:func:`hpcps_kernels.copies.split_primary`)."""
+    mine = shard_server[shard_of(keys, num_shards)] == server
+    if bits.shape[0]:
+        bits = np.packbits(np.unpackbits(bits, count=keys.shape[0], bitorder="little")[mine], bitorder="little")
+    return keys[mine], grads[mine], bits, keys[~mine], grads[~mine]

@@ -82,6 +82,10 @@ KNOBS = (
     Knob("DEDUP_MAX_FIRST_SLOTS", 1 << 16, "the scratch table starts at most this large, then doubles as "
          "keys arrive (load <= 1/2): a large batch of repeated keys does not clear a large table",
          KERNELS_BENCH + " --kernel unique", compiled=True, minimum=16),
+    Knob("PUSH_SLICE_SCAN_SERVERS", 8, "a push under replicas is sliced by a scan of its keys a server up to "
+         "this many servers, else by a counting sort of its keys' copies (the kernel alone, 10,000 keys, 1 "
+         "replica, at load 7: the scan 33 us at 2 servers, 50 at 4, 91 at 8; the sort 67-108 us, 110-160 at its "
+         "median)", "mpiexec -n 3 hpcps bench ps --replicas 1", compiled=True, minimum=1),
     # kernels (runtime: the server's two threads)
     Knob("PARALLEL_MIN_KEYS", 1 << 16, "pushes of fewer keys (and fewer than PARALLEL_MIN_VALUES values) "
          "run on one thread: handing half to a second thread costs about 0.1-0.3 ms",

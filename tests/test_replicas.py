@@ -19,6 +19,9 @@ from hpcps.ps.server_table import ServerTable
 from hpcps.ps.tables import TableSpec
 from hpcps.train import synth
 from hpcps.train.model_file import ServingModel
+from hpcps_kernels import reference as ref
+from hpcps_kernels.copies import primary_prefix, split_primary
+from hpcps_kernels.tuning import PUSH_SLICE_SCAN_SERVERS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -86,12 +89,50 @@ def test_a_push_goes_to_every_copy_in_key_order_and_a_pull_to_the_primary():
     order, offsets = p.push_slice(keys)
     copies = p.copies[p.shard_of(keys)]
     assert offsets[-1] == 2 * keys.shape[0]
-    for s in range(4):
+    for s in range(4):  # each once: the keys it is primary of, then those it backs up, each in order
         part = order[offsets[s]:offsets[s + 1]]
-        np.testing.assert_array_equal(part, np.flatnonzero((copies == s).any(axis=1)))  # each once, in order
+        mine = copies[:, 0] == s
+        np.testing.assert_array_equal(part, np.concatenate([np.flatnonzero(mine), np.flatnonzero(copies[:, 1] == s)]))
+        # the server finds where its own end, and says when they do not come first
+        assert primary_prefix(keys[part], p.num_shards, p.shard_server, s) == mine.sum()
+        assert primary_prefix(keys[np.sort(part)], p.num_shards, p.shard_server, s) == -1
+        assert primary_prefix(keys[part][mine.sum():], p.num_shards, p.shard_server, s) == 0
     plain = Placement(4)
     for a, b in zip(plain.push_slice(keys), plain.slice(keys)):
         np.testing.assert_array_equal(a, b)
+    # both ways of the kernel (a scan a server up to PUSH_SLICE_SCAN_SERVERS, else a counting
+    # sort), with shard counts a power of two (a mask) and not (a division), against NumPy's
+    for servers, replicas, shards in ((2, 1, 1024), (3, 1, 100), (PUSH_SLICE_SCAN_SERVERS + 2, 2, 1024),
+                                      (PUSH_SLICE_SCAN_SERVERS + 1, 1, 999)):
+        q = Placement(servers, num_shards=shards, replicas=replicas)
+        got, want = q.push_slice(keys), ref.push_slice(keys, shards, q.copies, servers)
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)
+        order, offsets = got
+        for s in range(servers):
+            part = keys[order[offsets[s]:offsets[s + 1]]]
+            assert primary_prefix(part, shards, q.shard_server, s) == \
+                ref.primary_prefix(part, shards, q.shard_server, s) == (q.server_of(part) == s).sum()
+        np.testing.assert_array_equal(q.shard_of(keys), ref.shard_of(keys, shards))
+
+
+@pytest.mark.parametrize("dim", [1, 3])
+def test_a_server_splits_a_push_into_the_part_it_is_primary_of_and_the_rest(dim):
+    """What a server applies before its reply (its primary part, with the in-pull bits of its
+    keys) and after (the backups' part), each in the push's order, as NumPy's masks give them."""
+    rng = np.random.default_rng(5)
+    keys = np.unique(rng.integers(0, 2**64, 1001, dtype=np.uint64))
+    grads = rng.normal(size=(keys.shape[0], dim)).astype(np.float32)
+    bits = np.packbits(rng.random(keys.shape[0]) < 0.5, bitorder="little")
+    for shards in (1024, 100):
+        p = Placement(3, num_shards=shards, replicas=1)
+        for server in range(3):
+            for b in (bits, bits[:0]):
+                got = split_primary(keys, grads, b, shards, p.shard_server, server)
+                want = ref.split_primary(keys, grads, b, shards, p.shard_server, server)
+                for x, y in zip(got, want):
+                    np.testing.assert_array_equal(x, y)
+                assert got[0].shape[0] + got[3].shape[0] == keys.shape[0] and 0 < got[0].shape[0] < keys.shape[0]
 
 
 def test_replicas_need_more_servers_and_no_features_a_copy_would_see_differently():

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from hpcps_kernels.copies import push_slice as copies_slice
 from hpcps_kernels.hashing import server_of, shard_of
 from hpcps_kernels.keys import group_by
 
@@ -199,10 +200,11 @@ class Placement:
 
     def push_slice(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`slice` for a push: each key to every server keeping its shard (primary and
-        backups), in the keys' relative order per server; the same as :meth:`slice` without replicas."""
+        backups); a server's keys of the shards it is primary of first, then the others, each in
+        the keys' relative order (the server applies the first part before it replies:
+        :meth:`hpcps.ps.replication.ServerCopies.push_now`); the same as :meth:`slice` without
+        replicas."""
         if self.replicas == 0:
             return self.slice(keys)
         keys = np.ascontiguousarray(keys, dtype=np.uint64)
-        copies = self._copies[self.shard_of(keys)]  # (n, replicas + 1), a key's copies on one row
-        order, offsets = group_by(copies.reshape(-1), self.num_servers)
-        return order // copies.shape[1], offsets  # (a row's copies are distinct: no key twice to a server)
+        return copies_slice(keys, self.num_shards, self._copies, self.num_servers)

@@ -20,7 +20,11 @@ serving loop would have to take requests from servers as well as workers); sendi
 copy adds no message and no round trip (the backup's keys ride in the message each server gets
 anyway), keeps the server unchanged, and makes the order argument above hold by construction.
 Its cost is the push's bytes sent ``r + 1`` times by the worker and applied ``r + 1`` times over
-the servers (``hpcps bench ps``: the replication row).
+the servers (``hpcps bench ps``: the replication row). What it adds beside that is two splits of
+a push, one kernel each (:mod:`hpcps_kernels.copies`): the worker's, of its keys by every server
+keeping their shards (:meth:`~hpcps.ps.placement.Placement.push_slice`), and each server's, of
+what it gets into the part it is primary of, applied before its reply, and the backups' part,
+applied after (:meth:`ServerCopies.push_now`).
 
 What else changes on a server (:class:`Replication`): a checkpoint or delta snapshot writes each
 shard once, from its primary (:meth:`Replication.primary_part`); a restore keeps every shard the
@@ -34,11 +38,13 @@ from __future__ import annotations
 import numpy as np
 
 from hpcps.ps.placement import Placement, new_copies
+from hpcps_kernels.copies import primary_prefix, split_primary
 from hpcps_kernels.hashing import shard_of, xxh64
 
 # A server count no checkpoint has: restore reads every file and keeps the shards asked for
 # (a server holding backups needs shards of other servers' files).
 EVERY_FILE = 0
+NO_BITS = np.zeros(0, dtype=np.uint8)  # (a push without in-pull bits: split_primary's)
 
 
 def primary_rows_mask(placement: Placement, server: int, keys: np.ndarray) -> np.ndarray:
@@ -195,19 +201,25 @@ class ServerCopies:
         it backs up wait in :attr:`backlog` for :meth:`apply_backlog`, once the request is
         answered (nobody reads a backup, so its update need not delay a reply; each key's updates
         keep their order). Not where rows age or are evicted at a clock: there a backup's rows
-        must have every push of the clock before an eviction, as the primary's have."""
+        must have every push of the clock before an eviction, as the primary's have. A worker
+        sends a server's own keys first (:meth:`~hpcps.ps.placement.Placement.push_slice`): the
+        two parts are then views of the message (which the backlog keeps alive; nothing writes
+        into a request's buffer)."""
         target = self.tables[table]
         if self.copying is not None:  # (the copies of a lost server's shards are read before clock C's pushes)
             self.copying.before_push(clock)
         if not self.replication.on or self.evicting:
             return target.push(keys, grads, clock, worker, in_pull=in_pull)
-        mine = primary_rows_mask(self.placement, self.index, keys)
-        if not mine.all():
-            self.backlog.append((target, keys[~mine], grads[~mine], clock, worker))
-            if in_pull is not None:  # (a bit per key, packed as it came: protocol.IN_PULL)
-                bits = np.unpackbits(in_pull, count=keys.shape[0], bitorder="little")[mine]
-                in_pull = np.packbits(bits, bitorder="little")
-            keys, grads = keys[mine], grads[mine]
+        p = self.placement
+        edge = primary_prefix(keys, p.num_shards, p.shard_server, self.index)
+        if edge >= 0:  # (its own keys first, as a worker sends them: both parts are views of the message)
+            keys, grads, rest_keys, rest_grads = keys[:edge], grads[:edge], keys[edge:], grads[edge:]
+        else:  # (in_pull: a bit per key, protocol.IN_PULL; the first keys' bits are theirs either way)
+            keys, grads, in_pull, rest_keys, rest_grads = split_primary(
+                keys, grads, NO_BITS if in_pull is None else in_pull, p.num_shards, p.shard_server, self.index)
+            in_pull = in_pull if in_pull.shape[0] else None
+        if rest_keys.shape[0]:
+            self.backlog.append((target, rest_keys, rest_grads, clock, worker))
         return target.push(keys, grads, clock, worker, in_pull=in_pull) if keys.shape[0] else None
 
     def apply_backlog(self) -> None:
