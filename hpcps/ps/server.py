@@ -289,7 +289,7 @@ class Server(ServerReads, PlainRequests, ServerCopies):
         self.replies = Replies(net, server_index, self.pool, self.workers, self.tables)
         self.snapshots = deltas.DeltaWriter(server_index, placement.num_servers, placement.num_shards)
         self.snapshots.narrow = self.replication.primary_part  # (a delta writes each shard once too)
-        self.stats = {"requests": 0, "idle_s": 0.0, "busy_s": 0.0, "deferred": 0}
+        self.stats = {"requests": 0, "general_requests": 0, "idle_s": 0.0, "busy_s": 0.0, "deferred": 0}
         # (op, keys pushed, keys pulled, seconds handling it) of every request, when a list
         # (``hpcps bench ps``: the server's own time beside the round trip)
         self.trace: list | None = None
@@ -329,7 +329,7 @@ class Server(ServerReads, PlainRequests, ServerCopies):
         the pull answered, and then (the reply gone) the push's other keys."""
         worker = source - self.worker_rank0
         self._advance(worker, r)
-        if r.in_pull is not None and self._answers_at_once(r):
+        if r.in_pull is not None and self._answers_at_once(r.push_keys.shape[0], r.clock, r.worker, r.pull_clock):
             rests = [(self.tables[t], self.push_now(worker, t, k, g, r.clock, r.in_pull)) for t, k, g in pushes]
             serve(source, r)
             for table, rest in rests:
@@ -346,15 +346,16 @@ class Server(ServerReads, PlainRequests, ServerCopies):
         for w in range(worker, worker + r.clock_workers):
             self.workers.advance(w, r.clock + 1)
 
-    def _answers_at_once(self, r: protocol.PushPull | protocol.TablesPushPull) -> bool:
-        """Whether a push-pull's push is applied now and its pull answered now, with nothing else
+    def _answers_at_once(self, n_push: int, clock: int, worker: int, pull_clock: int) -> bool:
+        """Whether a push-pull (of ``n_push`` keys at ``clock`` from ``worker``, its header's, pulling
+        at ``pull_clock``) has its push applied now and its pull answered now, with nothing else
         served or applied in between: no push kept for its turn, no read waiting, no eviction due,
         under BSP every worker past the push's clock, and the pull ready."""
-        if self.workers.waiting or self.evicting or r.push_keys.shape[0] == 0:
+        if self.workers.waiting or self.evicting or n_push == 0:
             return False
-        if self.staleness == 0 and (r.clock >= self.workers.min_clock() or self.workers.is_late(r.worker, r.clock)):
+        if self.staleness == 0 and (clock >= self.workers.min_clock() or self.workers.is_late(worker, clock)):
             return False  # (BSP: its clock not complete, or complete without it: a backup worker's late push)
-        return self.workers.ready(r)
+        return self.workers.readable(pull_clock)
 
     def _handle_push(self, source: int, r: protocol.Push) -> None:
         self._push(source - self.worker_rank0, r)
