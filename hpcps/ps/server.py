@@ -456,6 +456,9 @@ class Server(ServerReads, PlainRequests, ServerCopies):
         return self.stats
 
 
+QUIET_S = 0.5  # a serving loop this long without a request counts its CPU while idle (idle_gap_cpu_s)
+
+
 class ServingLoop:
     """Receives a server's requests and hands each to :meth:`Server.handle` until every worker is
     done and nothing waits: it polls and sleeps between polls (no spinning), warns of reads that
@@ -467,7 +470,9 @@ class ServingLoop:
         self.warned: set = set()  # the stalled reads already reported
         self.last_check = time.monotonic()
         self.last_request = time.perf_counter()  # when the last request's handling ended
-        self.idle_since_cpu: float | None = time.process_time()  # the CPU clock when the loop went idle
+        # a quiet spell's clocks (wall, CPU), read once the loop has had no request for QUIET_S
+        # (the CPU clock is a system call: not read once a request), else None
+        self.quiet_since: tuple[float, float] | None = None
 
     def run(self) -> None:
         server = self.server
@@ -492,11 +497,14 @@ class ServingLoop:
         self._handle_timed(source, buf, words, grads, probed)
 
     def _idle(self) -> None:
-        """No request: finish the sends that are done, check for stalled reads now and then, sleep."""
+        """No request: while the poller spins, poll again at once; else finish the sends that are
+        done, check for stalled reads now and then, sleep."""
         server = self.server
+        if self.poll.spinning():  # (the bookkeeping once a sleep, not once a poll)
+            return
         server.replies.drop_completed()
-        if self.idle_since_cpu is None:  # (read once per idle spell, not per request)
-            self.idle_since_cpu = time.process_time()
+        if self.quiet_since is None and time.perf_counter() - self.last_request > QUIET_S:
+            self.quiet_since = (time.perf_counter(), time.process_time())
         now = time.monotonic()
         if now - self.last_check > 1.0:
             self._warn_of_stalled_reads()
@@ -507,10 +515,10 @@ class ServingLoop:
                       probed: float) -> None:
         server, stats = self.server, self.server.stats
         t = time.perf_counter()
-        if t - self.last_request > 0.5 and self.idle_since_cpu is not None:  # a quiet spell: what did waiting cost?
-            stats["idle_gap_wall_s"] += t - self.last_request
-            stats["idle_gap_cpu_s"] += time.process_time() - self.idle_since_cpu
-        self.idle_since_cpu = None
+        if self.quiet_since is not None:  # a quiet spell: what did waiting cost?
+            stats["idle_gap_wall_s"] += t - self.quiet_since[0]
+            stats["idle_gap_cpu_s"] += time.process_time() - self.quiet_since[1]
+            self.quiet_since = None
         server.handle(source, buf, grads, words)
         end = time.perf_counter()
         stats["busy_s"] += end - t
