@@ -493,7 +493,8 @@ class ServingLoop:
             return
         source, buf = got
         words = protocol.request_words(buf)
-        grads = self._apart_grads(source, buf, words)  # (a transfer: before the request's own time)
+        # (a transfer: before the request's own time; the flag checked here, on every request)
+        grads = self._apart_grads(source, buf, words) if words[8] & protocol.GRADS_APART else None
         self._handle_timed(source, buf, words, grads, probed)
 
     def _idle(self) -> None:
@@ -524,7 +525,7 @@ class ServingLoop:
         stats["busy_s"] += end - t
         sent = server.replies.take_posted_bytes()
         # keep polling without sleep while the replies just queued should be in transfer
-        self.poll.reset(sent)
+        self.poll.reset(sent, end)
         self.last_request = end
         if server.trace is not None:  # (the bytes as MPI carried them: the probed size, the replies queued;
             looped = time.perf_counter()  # the loop's time on it: from the poll that found it to the next poll)

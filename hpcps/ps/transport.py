@@ -578,8 +578,8 @@ def start_send(comm: MPI.Comm, array: np.ndarray, dest: int, tag: int, what: str
     The receiver must post :func:`start_recv` with an array of the same size in bytes.
     """
     if array.dtype == np.uint8 and array.ndim == 1 and array.nbytes <= MAX_MESSAGE_BYTES \
-            and array.flags.c_contiguous:  # a message of bytes, whole (every request and reply)
-        return [Pending(comm.Isend(array, dest=dest, tag=tag), what, dest, (array,), array.nbytes)]
+            and array.flags.c_contiguous:  # a message of bytes, whole (every request and reply): its type given
+        return [Pending(comm.Isend([array, MPI.BYTE], dest=dest, tag=tag), what, dest, (array,), array.nbytes)]
     array = np.ascontiguousarray(array)
     return [Pending(comm.Isend(c, dest=dest, tag=tag), what, dest, (array, c), c.nbytes) for c in _chunks(array)]
 
@@ -659,9 +659,11 @@ class Poller:
         self.last = time.perf_counter()
         self.reset()
 
-    def reset(self, nbytes: int = 0) -> None:
-        """Work was done: spin again, longer while ``nbytes`` are still being transferred."""
-        now = time.perf_counter()
+    def reset(self, nbytes: int = 0, now: float | None = None) -> None:
+        """Work was done (it ended at ``now``, ``time.perf_counter()``'s, where read): spin again,
+        longer while ``nbytes`` are still being transferred."""
+        if now is None:
+            now = time.perf_counter()
         self.gap = 0.8 * self.gap + 0.2 * (now - self.last)
         self.last = now
         self.start = now
@@ -743,15 +745,18 @@ class BufferPool:
         return sum(b.nbytes for b in self._buffers)
 
 
-def probe_request(comm: MPI.Comm, tag: int, take: Callable[[int], np.ndarray] | None = None
-                  ) -> tuple[int, np.ndarray] | None:
+def probe_request(comm: MPI.Comm, tag: int, take: Callable[[int], np.ndarray] | None = None,
+                  status: MPI.Status | None = None) -> tuple[int, np.ndarray] | None:
     """Receive one whole pending message of ``tag`` from any rank, if there is one, into
-    ``take(nbytes)`` (a :meth:`BufferPool.take`; default ``np.empty``).
+    ``take(nbytes)`` (a :meth:`BufferPool.take`; default ``np.empty``); ``status``: the
+    ``MPI.Status`` to probe with (a serving loop's own, reused: one made per poll costs as much as
+    the probe), else a new one.
 
     Returns ``(source, bytes)`` or ``None`` without waiting. Uses a matched probe, so the message
-    found is the one received even with several threads.
+    found is the one received even with several threads (each with its own ``status``).
     """
-    status = MPI.Status()
+    if status is None:
+        status = MPI.Status()
     try:
         msg = comm.Improbe(source=MPI.ANY_SOURCE, tag=tag, status=status)
     except MPI.Exception as e:
@@ -760,7 +765,7 @@ def probe_request(comm: MPI.Comm, tag: int, take: Callable[[int], np.ndarray] | 
         return None
     n = status.Get_count(MPI.BYTE)
     buf = np.empty(n, dtype=np.uint8) if take is None else take(n)
-    msg.Recv(buf)
+    msg.Recv([buf, MPI.BYTE])  # (bytes: the buffer's type given, not inferred)
     return status.Get_source(), buf
 
 
@@ -1017,6 +1022,8 @@ class Transport:
 class MPITransport(Transport):
     """Messages between the ranks of an MPI job (the module's functions over :attr:`world`)."""
 
+    probe_status: MPI.Status | None = None  # the serving loop's status of its probes (made at its first)
+
     @classmethod
     def split(cls, world: MPI.Comm, group: int, is_worker: bool, timeout: float | None,
               fault_tolerant: bool = False) -> "MPITransport":
@@ -1050,7 +1057,9 @@ class MPITransport(Transport):
 
     def probe_request(self, tag: int, take: Callable[[int], np.ndarray] | None = None
                       ) -> tuple[int, np.ndarray] | None:
-        return probe_request(self.world, tag, take)
+        if self.probe_status is None:  # (one, reused: requests are probed for by one thread, the serving loop)
+            self.probe_status = MPI.Status()
+        return probe_request(self.world, tag, take, self.probe_status)
 
 
 class Loopback(Transport):
