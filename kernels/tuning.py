@@ -105,7 +105,8 @@ KNOBS = (
     Knob("POLL_MAX_SLEEP_S", 1e-3, "the longest sleep of a wait's back-off", PS_BENCH),
     Knob("POLL_SHORT_MAX_SLEEP_S", 2e-4, "the longest sleep of a worker's wait for replies in the training "
          "loop (sub-millisecond answers)", "hpcps bench vw (the training loop's examples/s)"),
-    Knob("POLL_MAX_ADAPTIVE_SPIN_S", 1e-3, "the longest a wait for large messages spins for their transfer",
+    Knob("POLL_MAX_ADAPTIVE_SPIN_S", 1e-3, "a serving loop polls without sleeping for twice the recent gap "
+         "between its requests where that is at most this long (a longer gap is waited asleep)",
          PS_BENCH + " (100,000-key pushes and pulls)"),
     Knob("SPIN_BYTES_PER_S", 2e9, "a wait for large messages polls without sleeping for as long as their "
          "transfer takes at this rate: MPICH moves a large message only while both sides call into MPI",
@@ -118,8 +119,11 @@ KNOBS = (
     Knob("POLL_ACTIVE_MAX_SLEEP_S", 1e-4, "a serving loop's sleeps stay this short for POLL_ACTIVE_WINDOW_S "
          "after its last work: a step's first request is answered at once, not after a grown back-off",
          "hpcps bench deep (W&D, SSP 2, pipelined)"),
-    Knob("POLL_ACTIVE_WINDOW_S", 2e-3, "see POLL_ACTIVE_MAX_SLEEP_S: about a step's compute gap",
-         "hpcps bench deep (W&D, SSP 2, pipelined)"),
+    Knob("POLL_ACTIVE_WINDOW_S", 2e-3, "see POLL_ACTIVE_MAX_SLEEP_S: at least this long, else twice the recent "
+         "gap between a serving loop's requests (a step's compute gap)", "hpcps bench deep (W&D, SSP 2, pipelined)"),
+    Knob("POLL_ACTIVE_MAX_WINDOW_S", 2e-2, "a serving loop's sleeps stay short for twice the recent gap between "
+         "its requests, at most this long (an idle server's sleeps then grow to POLL_MAX_SLEEP_S)",
+         "a BSP job's loop_cpu_s_server and time_s (docs/benchmarks.md)"),
     # the parameter server: large messages (hpcps.ps.transport, hpcps.ps.protocol)
     Knob("POOL_MIN_BYTES", 16 << 20, "messages this large and larger go into reused buffers (no page faults of "
          "fresh ones)", PS_BENCH + " --sizes 1000000", minimum=1),

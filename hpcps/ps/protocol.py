@@ -372,6 +372,13 @@ def plain_pushed(buf: np.ndarray, n_push: int, n_pull: int, dim: int) -> tuple:
             buf[end:end + 8 * n_pull].view(np.uint64) if n_pull else NO_KEYS)
 
 
+def plain_in_pull(buf: np.ndarray, n_push: int, n_pull: int, dim: int) -> np.ndarray:
+    """The in-pull bits (``IN_PULL``) of a push-pull otherwise laid out as :func:`plain_pushed`
+    reads it: the ``ceil(n_push / 8)`` bytes after its pulled keys."""
+    at = HEADER_BYTES + (8 + 4 * dim) * n_push + 8 * n_pull
+    return buf[at:at + (n_push + 7) // 8]
+
+
 def _pack_pushed(words: tuple, keys: np.ndarray, grads: np.ndarray, pull_keys: np.ndarray,
                  in_pull: np.ndarray | None, alloc, apart: bool, enc: Encoding = PLAIN) -> np.ndarray:
     """The layout of a push and a push-pull (sizes: the pushed keys, the pulled keys): the keys,

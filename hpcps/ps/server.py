@@ -289,7 +289,7 @@ class Server(ServerReads, PlainRequests, ServerCopies):
         self.replies = Replies(net, server_index, self.pool, self.workers, self.tables)
         self.snapshots = deltas.DeltaWriter(server_index, placement.num_servers, placement.num_shards)
         self.snapshots.narrow = self.replication.primary_part  # (a delta writes each shard once too)
-        self.stats = {"requests": 0, "idle_s": 0.0, "busy_s": 0.0, "deferred": 0}
+        self.stats = {"requests": 0, "general_requests": 0, "idle_s": 0.0, "busy_s": 0.0, "deferred": 0}
         # (op, keys pushed, keys pulled, seconds handling it) of every request, when a list
         # (``hpcps bench ps``: the server's own time beside the round trip)
         self.trace: list | None = None
@@ -329,7 +329,7 @@ class Server(ServerReads, PlainRequests, ServerCopies):
         the pull answered, and then (the reply gone) the push's other keys."""
         worker = source - self.worker_rank0
         self._advance(worker, r)
-        if r.in_pull is not None and self._answers_at_once(r):
+        if r.in_pull is not None and self._answers_at_once(r.push_keys.shape[0], r.clock, r.worker, r.pull_clock):
             rests = [(self.tables[t], self.push_now(worker, t, k, g, r.clock, r.in_pull)) for t, k, g in pushes]
             serve(source, r)
             for table, rest in rests:
@@ -346,15 +346,16 @@ class Server(ServerReads, PlainRequests, ServerCopies):
         for w in range(worker, worker + r.clock_workers):
             self.workers.advance(w, r.clock + 1)
 
-    def _answers_at_once(self, r: protocol.PushPull | protocol.TablesPushPull) -> bool:
-        """Whether a push-pull's push is applied now and its pull answered now, with nothing else
+    def _answers_at_once(self, n_push: int, clock: int, worker: int, pull_clock: int) -> bool:
+        """Whether a push-pull (of ``n_push`` keys at ``clock`` from ``worker``, its header's, pulling
+        at ``pull_clock``) has its push applied now and its pull answered now, with nothing else
         served or applied in between: no push kept for its turn, no read waiting, no eviction due,
         under BSP every worker past the push's clock, and the pull ready."""
-        if self.workers.waiting or self.evicting or r.push_keys.shape[0] == 0:
+        if self.workers.waiting or self.evicting or n_push == 0:
             return False
-        if self.staleness == 0 and (r.clock >= self.workers.min_clock() or self.workers.is_late(r.worker, r.clock)):
+        if self.staleness == 0 and (clock >= self.workers.min_clock() or self.workers.is_late(worker, clock)):
             return False  # (BSP: its clock not complete, or complete without it: a backup worker's late push)
-        return self.workers.ready(r)
+        return self.workers.readable(pull_clock)
 
     def _handle_push(self, source: int, r: protocol.Push) -> None:
         self._push(source - self.worker_rank0, r)
@@ -455,6 +456,9 @@ class Server(ServerReads, PlainRequests, ServerCopies):
         return self.stats
 
 
+QUIET_S = 0.5  # a serving loop this long without a request counts its CPU while idle (idle_gap_cpu_s)
+
+
 class ServingLoop:
     """Receives a server's requests and hands each to :meth:`Server.handle` until every worker is
     done and nothing waits: it polls and sleeps between polls (no spinning), warns of reads that
@@ -466,7 +470,9 @@ class ServingLoop:
         self.warned: set = set()  # the stalled reads already reported
         self.last_check = time.monotonic()
         self.last_request = time.perf_counter()  # when the last request's handling ended
-        self.idle_since_cpu: float | None = time.process_time()  # the CPU clock when the loop went idle
+        # a quiet spell's clocks (wall, CPU), read once the loop has had no request for QUIET_S
+        # (the CPU clock is a system call: not read once a request), else None
+        self.quiet_since: tuple[float, float] | None = None
 
     def run(self) -> None:
         server = self.server
@@ -488,15 +494,19 @@ class ServingLoop:
             return
         source, buf = got
         words = protocol.request_words(buf)
-        grads = self._apart_grads(source, buf, words)  # (a transfer: before the request's own time)
+        # (a transfer: before the request's own time; the flag checked here, on every request)
+        grads = self._apart_grads(source, buf, words) if words[8] & protocol.GRADS_APART else None
         self._handle_timed(source, buf, words, grads, probed)
 
     def _idle(self) -> None:
-        """No request: finish the sends that are done, check for stalled reads now and then, sleep."""
+        """No request: while the poller spins, poll again at once; else finish the sends that are
+        done, check for stalled reads now and then, sleep."""
         server = self.server
+        if self.poll.spinning():  # (the bookkeeping once a sleep, not once a poll)
+            return
         server.replies.drop_completed()
-        if self.idle_since_cpu is None:  # (read once per idle spell, not per request)
-            self.idle_since_cpu = time.process_time()
+        if self.quiet_since is None and time.perf_counter() - self.last_request > QUIET_S:
+            self.quiet_since = (time.perf_counter(), time.process_time())
         now = time.monotonic()
         if now - self.last_check > 1.0:
             self._warn_of_stalled_reads()
@@ -507,16 +517,16 @@ class ServingLoop:
                       probed: float) -> None:
         server, stats = self.server, self.server.stats
         t = time.perf_counter()
-        if t - self.last_request > 0.5 and self.idle_since_cpu is not None:  # a quiet spell: what did waiting cost?
-            stats["idle_gap_wall_s"] += t - self.last_request
-            stats["idle_gap_cpu_s"] += time.process_time() - self.idle_since_cpu
-        self.idle_since_cpu = None
+        if self.quiet_since is not None:  # a quiet spell: what did waiting cost?
+            stats["idle_gap_wall_s"] += t - self.quiet_since[0]
+            stats["idle_gap_cpu_s"] += time.process_time() - self.quiet_since[1]
+            self.quiet_since = None
         server.handle(source, buf, grads, words)
         end = time.perf_counter()
         stats["busy_s"] += end - t
         sent = server.replies.take_posted_bytes()
         # keep polling without sleep while the replies just queued should be in transfer
-        self.poll.reset(sent)
+        self.poll.reset(sent, end)
         self.last_request = end
         if server.trace is not None:  # (the bytes as MPI carried them: the probed size, the replies queued;
             looped = time.perf_counter()  # the loop's time on it: from the poll that found it to the next poll)

@@ -68,11 +68,13 @@ from mpi4py import MPI  # noqa: E402
 # request's send), it spins only for the rest's transfer from then: a worker that has sent a large
 # push then sleeps while the server works on it, which leaves the core to a server's second thread
 # (hpcps_kernels.parallel). A serving loop's sleeps stay short (POLL_ACTIVE_MAX_SLEEP_S) for
-# POLL_ACTIVE_WINDOW_S after its last piece of work: a step's first request, after a gap of about
-# a millisecond (the worker computing), is answered within this, not after a grown back-off.
+# POLL_ACTIVE_WINDOW_S after its last piece of work, or for twice the recent gap between its
+# pieces of work (up to POLL_ACTIVE_MAX_WINDOW_S): a step's first request, after a gap of a
+# millisecond or more (the worker computing), is answered within this, not after a grown back-off.
 # The numbers are tuned knobs (hpcps_kernels.tuning, docs/tuning.md).
 from hpcps_kernels.tuning import (LOST_RANK_QUIET_S, MESSAGE_PAGE_OFFSET, PAGE_BYTES, POLL_ACTIVE_MAX_SLEEP_S,
-                                  POLL_ACTIVE_WINDOW_S, POLL_MAX_ADAPTIVE_SPIN_S, POLL_MAX_SLEEP_S,
+                                  POLL_ACTIVE_MAX_WINDOW_S, POLL_ACTIVE_WINDOW_S, POLL_MAX_ADAPTIVE_SPIN_S,
+                                  POLL_MAX_SLEEP_S,
                                   POLL_MIN_SLEEP_S, POLL_SHORT_MAX_SLEEP_S, POLL_SPIN_S, POOL_MAX_BYTES,
                                   POOL_MIN_BYTES, SPIN_BYTES_PER_S, SPIN_RESET_BYTES, SPIN_WHOLE_REPLY_BYTES)
 
@@ -576,8 +578,8 @@ def start_send(comm: MPI.Comm, array: np.ndarray, dest: int, tag: int, what: str
     The receiver must post :func:`start_recv` with an array of the same size in bytes.
     """
     if array.dtype == np.uint8 and array.ndim == 1 and array.nbytes <= MAX_MESSAGE_BYTES \
-            and array.flags.c_contiguous:  # a message of bytes, whole (every request and reply)
-        return [Pending(comm.Isend(array, dest=dest, tag=tag), what, dest, (array,), array.nbytes)]
+            and array.flags.c_contiguous:  # a message of bytes, whole (every request and reply): its type given
+        return [Pending(comm.Isend([array, MPI.BYTE], dest=dest, tag=tag), what, dest, (array,), array.nbytes)]
     array = np.ascontiguousarray(array)
     return [Pending(comm.Isend(c, dest=dest, tag=tag), what, dest, (array, c), c.nbytes) for c in _chunks(array)]
 
@@ -638,12 +640,18 @@ def tag_upper_bound(comm: MPI.Comm) -> int:
 
 class Poller:
     """The back-off of a serving loop: call :meth:`idle` after a poll that found nothing (it
-    sleeps as :func:`wait` does and returns the seconds slept) and :meth:`reset` after work.
+    sleeps as :func:`wait` does and returns the seconds slept; :meth:`spinning` says whether it
+    would only return) and :meth:`reset` after work.
 
-    The pure-polling window adapts to the traffic: twice the recent gap between pieces of work
-    (an exponential average), clamped to [POLL_SPIN_S, POLL_MAX_ADAPTIVE_SPIN_S]. While requests
-    come every few hundred microseconds the loop catches them without sleeping (a sleep would add
-    up to its length to each request's latency); once they stop it falls back to sleeping.
+    The pure-polling window adapts to the traffic. While requests come every few hundred
+    microseconds (twice the recent gap between pieces of work, an exponential average, at most
+    POLL_MAX_ADAPTIVE_SPIN_S) the loop polls for that long and catches them without sleeping (a
+    sleep would add up to its length to each request's latency). Where the gap is longer (a
+    training step's compute between its requests) a spin would end before the next request comes
+    and only take the core from the ranks computing: the loop polls for POLL_SPIN_S (and a reply's
+    transfer), then sleeps, its sleeps kept short (POLL_ACTIVE_MAX_SLEEP_S) for twice that gap,
+    within [POLL_ACTIVE_WINDOW_S, POLL_ACTIVE_MAX_WINDOW_S], so the next request is answered within
+    a short sleep; once requests stop the sleeps grow to POLL_MAX_SLEEP_S.
     """
 
     def __init__(self):
@@ -651,22 +659,30 @@ class Poller:
         self.last = time.perf_counter()
         self.reset()
 
-    def reset(self, nbytes: int = 0) -> None:
-        """Work was done: spin again, longer while ``nbytes`` are still being transferred."""
-        now = time.perf_counter()
+    def reset(self, nbytes: int = 0, now: float | None = None) -> None:
+        """Work was done (it ended at ``now``, ``time.perf_counter()``'s, where read): spin again,
+        longer while ``nbytes`` are still being transferred."""
+        if now is None:
+            now = time.perf_counter()
         self.gap = 0.8 * self.gap + 0.2 * (now - self.last)
         self.last = now
         self.start = now
         self.sleep = POLL_MIN_SLEEP_S
-        self.spin = spin_budget(nbytes) + min(max(2.0 * self.gap, POLL_SPIN_S), POLL_MAX_ADAPTIVE_SPIN_S)
+        window = 2.0 * self.gap
+        self.spin = spin_budget(nbytes) + (max(window, POLL_SPIN_S) if window <= POLL_MAX_ADAPTIVE_SPIN_S else 0.0)
+        self.active = min(max(window, POLL_ACTIVE_WINDOW_S), POLL_ACTIVE_MAX_WINDOW_S)
+
+    def spinning(self) -> bool:
+        """Whether :meth:`idle` would return at once (its pure-polling window is not over)."""
+        return time.perf_counter() - self.start < self.spin
 
     def idle(self) -> float:
-        if time.perf_counter() - self.start < self.spin:
-            return 0.0
         t = time.perf_counter()
+        if t - self.start < self.spin:
+            return 0.0
         time.sleep(self.sleep)
         # short sleeps while active (see POLL_ACTIVE_MAX_SLEEP_S), then back off to POLL_MAX_SLEEP_S
-        cap = POLL_ACTIVE_MAX_SLEEP_S if t - self.last < POLL_ACTIVE_WINDOW_S else POLL_MAX_SLEEP_S
+        cap = POLL_ACTIVE_MAX_SLEEP_S if t - self.last < self.active else POLL_MAX_SLEEP_S
         self.sleep = min(self.sleep * 2.0, cap)
         return time.perf_counter() - t
 
@@ -729,15 +745,18 @@ class BufferPool:
         return sum(b.nbytes for b in self._buffers)
 
 
-def probe_request(comm: MPI.Comm, tag: int, take: Callable[[int], np.ndarray] | None = None
-                  ) -> tuple[int, np.ndarray] | None:
+def probe_request(comm: MPI.Comm, tag: int, take: Callable[[int], np.ndarray] | None = None,
+                  status: MPI.Status | None = None) -> tuple[int, np.ndarray] | None:
     """Receive one whole pending message of ``tag`` from any rank, if there is one, into
-    ``take(nbytes)`` (a :meth:`BufferPool.take`; default ``np.empty``).
+    ``take(nbytes)`` (a :meth:`BufferPool.take`; default ``np.empty``); ``status``: the
+    ``MPI.Status`` to probe with (a serving loop's own, reused: one made per poll costs as much as
+    the probe), else a new one.
 
     Returns ``(source, bytes)`` or ``None`` without waiting. Uses a matched probe, so the message
-    found is the one received even with several threads.
+    found is the one received even with several threads (each with its own ``status``).
     """
-    status = MPI.Status()
+    if status is None:
+        status = MPI.Status()
     try:
         msg = comm.Improbe(source=MPI.ANY_SOURCE, tag=tag, status=status)
     except MPI.Exception as e:
@@ -746,7 +765,7 @@ def probe_request(comm: MPI.Comm, tag: int, take: Callable[[int], np.ndarray] | 
         return None
     n = status.Get_count(MPI.BYTE)
     buf = np.empty(n, dtype=np.uint8) if take is None else take(n)
-    msg.Recv(buf)
+    msg.Recv([buf, MPI.BYTE])  # (bytes: the buffer's type given, not inferred)
     return status.Get_source(), buf
 
 
@@ -1003,6 +1022,8 @@ class Transport:
 class MPITransport(Transport):
     """Messages between the ranks of an MPI job (the module's functions over :attr:`world`)."""
 
+    probe_status: MPI.Status | None = None  # the serving loop's status of its probes (made at its first)
+
     @classmethod
     def split(cls, world: MPI.Comm, group: int, is_worker: bool, timeout: float | None,
               fault_tolerant: bool = False) -> "MPITransport":
@@ -1036,7 +1057,9 @@ class MPITransport(Transport):
 
     def probe_request(self, tag: int, take: Callable[[int], np.ndarray] | None = None
                       ) -> tuple[int, np.ndarray] | None:
-        return probe_request(self.world, tag, take)
+        if self.probe_status is None:  # (one, reused: requests are probed for by one thread, the serving loop)
+            self.probe_status = MPI.Status()
+        return probe_request(self.world, tag, take, self.probe_status)
 
 
 class Loopback(Transport):
