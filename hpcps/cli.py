@@ -842,7 +842,7 @@ def _add_bench(sub) -> None:
     b.add_argument("--staleness", type=counts(0), default="0",
                    help="hpcps consistency per job: 0 = BSP, s > 0 = SSP s with train.pull_early (the pipelined step)")
     b.add_argument("--json", default="", help="also write the results here")
-    b.set_defaults(func=_cmd_bench_vw)
+    b.set_defaults(func=_cmd_bench_vw, own_jobs=True)
     b = bsub.add_parser("inputs", help="a training job from gzip text beside the same job from plain text (its own jobs)")
     b.add_argument("--dir", default="/tmp/hpcps-bench-inputs", help="where the data and results go")
     b.add_argument("--rows", type=count(), default=1_000_000)
@@ -851,7 +851,7 @@ def _add_bench(sub) -> None:
     b.add_argument("--epochs", type=count(), default=1)
     b.add_argument("--repeats", type=count(), default=3, help="jobs of each input, alternating plain and gzip")
     b.add_argument("--json", default="", help="also write the results here")
-    b.set_defaults(func=_cmd_bench_inputs)
+    b.set_defaults(func=_cmd_bench_inputs, own_jobs=True)
     b = bsub.add_parser("backup", help="backup workers (b = 1) against b = 0 with a worker stopped for seconds (its own jobs)")
     b.add_argument("--dir", default="/tmp/hpcps-bench-backup", help="where the data and results go")
     b.add_argument("--rows", type=count(), default=300_000,
@@ -862,18 +862,18 @@ def _add_bench(sub) -> None:
     b.add_argument("--at", type=count(), default=50, help="the first worker's step after which it is stopped")
     b.add_argument("--repeats", type=count(), default=3, help="jobs of each b, alternating")
     b.add_argument("--json", default="", help="also write the results here")
-    b.set_defaults(func=_cmd_bench_backup)
+    b.set_defaults(func=_cmd_bench_backup, own_jobs=True)
     b = bsub.add_parser("margins", help="computing on the servers (model.compute) vs pulling weights: bytes and speed")
     b.add_argument("--dir", default="/tmp/hpcps-bench-margins")
     b.add_argument("--rows", type=count(), default=300_000)
     b.add_argument("--ranks", type=count(2), default=2)
     b.add_argument("--batch-size", type=count(), default=1000)
-    b.set_defaults(func=_cmd_bench_margins)
+    b.set_defaults(func=_cmd_bench_margins, own_jobs=True)
     b = bsub.add_parser("deep", help="Wide & Deep jobs at 2 and 4 ranks, per stage, beside one NumPy process")
     b.add_argument("--dir", default="/tmp/hpcps-bench-deep")
     b.add_argument("--rows", type=count(), default=300_000)
     b.add_argument("--batch-size", type=count(), default=1000)
-    b.set_defaults(func=_cmd_bench_deep)
+    b.set_defaults(func=_cmd_bench_deep, own_jobs=True)
     b = bsub.add_parser("checkpoint", help="checkpoint write/read throughput and resume time beside a plain file copy")
     b.add_argument("--keys", type=counts(), default="10000000,100000000", help="table sizes, comma-separated")
     b.add_argument("--dir", default="/tmp/hpcps-bench-checkpoint", help="a directory on the disk to measure")
@@ -924,6 +924,10 @@ def main(argv: list[str] | None = None) -> int:
     from hpcps.outputs import OutputError
     from hpcps.ps import signals  # (NumPy and numba come with it: after entry's gc.disable)
 
+    if getattr(args, "own_jobs", False) and _launched_ranks()[1] > 1:
+        rank, size = _launched_ranks()
+        return _fail(f"hpcps bench {args.what} starts its own mpiexec jobs: run it without mpiexec "
+                     f"(it was started as one of {size} ranks)" if rank == 0 else "")
     if args.command in ("train", "tune"):
         signals.install()  # a stop signal before training starts is kept for its first step
     else:
@@ -942,6 +946,19 @@ def main(argv: list[str] | None = None) -> int:
         if sys.excepthook is not sys.__excepthook__:  # the abort handler: it ends every rank of the job
             raise
         return _fail_unexpected(e)
+
+
+def _launched_ranks() -> tuple[int, int]:
+    """(this process's rank, the ranks launched together) as the launcher's environment says
+    (MPICH's Hydra and Slurm's PMI: ``PMI_RANK``/``PMI_SIZE``; Open MPI: ``OMPI_COMM_WORLD_*``),
+    without starting MPI; (0, 1) outside a launcher."""
+    env = os.environ
+    size = env.get("PMI_SIZE") or env.get("OMPI_COMM_WORLD_SIZE") or "1"
+    rank = env.get("PMI_RANK") or env.get("OMPI_COMM_WORLD_RANK") or "0"
+    try:
+        return int(rank), int(size)
+    except ValueError:
+        return 0, 1
 
 
 def _reader_gone() -> int:

@@ -109,3 +109,17 @@ def test_every_key_is_described_where_it_is_defined():
     for cls in (config.Cluster, config.Data, config.Synth, config.Model, config.Optimizer, config.Train,
                 config.Checkpoint):
         assert all(f.metadata.get("help") for f in dataclasses.fields(cls)), cls.__name__
+
+
+def test_a_benchmark_that_starts_its_own_jobs_refuses_to_run_under_mpiexec(tmp_path):
+    """`mpiexec -n 2 hpcps bench deep` would start two drivers writing the same directory: the
+    first rank says why in one line, every rank exits 2, and nothing is written."""
+    from hpcps.bench.vw import mpiexec_command
+
+    out = subprocess.run([mpiexec_command(), "-n", "2", *HPCPS, "bench", "deep", "--dir", str(tmp_path / "b")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    lines = [l for l in out.stderr.splitlines() if "error" in l]
+    assert lines == ["hpcps: error: hpcps bench deep starts its own mpiexec jobs: run it without mpiexec "
+                     "(it was started as one of 2 ranks)"], out.stderr
+    assert not (tmp_path / "b").exists()
