@@ -39,6 +39,7 @@ def test_a_chain_of_changed_parts_gives_the_table_exactly_through_admission_and_
     keys, rows, last = np.zeros(0, np.uint64), np.zeros((0, 3), np.float32), np.zeros(0, np.int64)
     rng = np.random.default_rng(5)
     removed_seen = 0
+    first, merged = None, None  # (the table after the first delta; the later ones merged, as a restore reads them)
     for clock in range(1, 40):
         pushed = np.unique(rng.integers(0, 3000 if clock < 20 else 300, 200).astype(np.uint64))
         t.push(pushed, rng.normal(size=(pushed.shape[0], 1)).astype(np.float32), clock)
@@ -46,7 +47,11 @@ def test_a_chain_of_changed_parts_gives_the_table_exactly_through_admission_and_
         if clock % 3 == 0:  # a delta
             name, dkeys, drows, state = deltas.changed_part(t)
             removed_seen += state["removed"].shape[0]
-            keys, rows, last = deltas.apply_delta(keys, rows, last, (dkeys, drows, state["last"], state["removed"]))
+            delta = (dkeys, drows, state["last"], state["removed"])
+            if first is not None:
+                merged = deltas.merge_deltas(merged, tuple(a.copy() for a in delta))
+            keys, rows, last = deltas.apply_delta(keys, rows, last, delta)
+            first = first or (keys.copy(), rows.copy(), last.copy())
             now_keys, now_rows = t.items()
             order, now = np.argsort(keys), np.argsort(now_keys)
             np.testing.assert_array_equal(keys[order], now_keys[now])
@@ -54,6 +59,9 @@ def test_a_chain_of_changed_parts_gives_the_table_exactly_through_admission_and_
             np.testing.assert_array_equal(last[order], t.last[: now_keys.shape[0]][now])
             assert state["evicted"] == t.evicted and ("pending_keys" in state or "count_buckets" in state)
     assert removed_seen > 0 and t.evicted > 0  # (eviction ran, and the deltas said which keys went)
+    got, order = deltas.apply_delta(*first, merged), np.argsort(keys)  # (the later deltas merged into one)
+    for g, w in zip(got, (keys, rows, last)):
+        np.testing.assert_array_equal(g[np.argsort(got[0])], w[order])
 
 
 def test_apply_delta_gives_the_rebuilt_table_with_keys_updated_new_removed_and_removed_again():

@@ -250,6 +250,16 @@ def apply_delta(keys: np.ndarray, rows: np.ndarray, last: np.ndarray | None, del
     return keys, rows, last
 
 
+def merge_deltas(older: tuple | None, newer: tuple) -> tuple:
+    """One delta (keys, rows, last, removed) that applied to a table gives what ``older`` then
+    ``newer`` give: ``newer``'s rows replace ``older``'s, a key ``newer`` removes goes, and the
+    removed keys are both's (a key removed and then pushed again is among the keys, which win)."""
+    if older is None:
+        return newer
+    keys, rows, last = apply_delta(*older[:3], newer)
+    return keys, rows, last, np.concatenate([older[3], newer[3]])
+
+
 def chain_of(ckpt: str, manifest: dict) -> list[tuple[str, dict]]:
     """(path, manifest) of the snapshots a restore of ``ckpt`` reads, in order: itself for a full
     checkpoint; for a delta, its base, the deltas before it, and itself."""
@@ -293,6 +303,7 @@ def restore(tables: list[ServerTable], ckpt: str, manifest: dict, server: int, s
         name = table.spec.name
         keys, rows = checkpoint.read_for_server(chain[0][0], chain[0][1], name, *where)
         state = checkpoint.read_state_for_server(chain[0][0], chain[0][1], name, *where)
+        merged, newest = None, state  # the chain's deltas as one (:func:`merge_deltas`): the table gone over once
         for path, m in chain[1:]:
             same = m["layout"]["servers"] == num_servers and m["layout"]["num_shards"] == shard_server.shape[0]
             files = [checkpoint.server_file(path, server)] if same else [os.path.join(path, e["name"]) for e in m["files"]]
@@ -300,8 +311,10 @@ def restore(tables: list[ServerTable], ckpt: str, manifest: dict, server: int, s
                                       for f in files]) if files else np.zeros(0, dtype=np.uint64)
             dkeys, drows = checkpoint.read_for_server(path, m, name, *where)
             dstate = checkpoint.read_state_for_server(path, m, name, *where)
-            keys, rows, last = apply_delta(keys, rows, state.get("last"), (dkeys, drows, dstate.get("last"), removed))
-            state = {**dstate, **({"last": last} if last is not None else {})}
+            merged, newest = merge_deltas(merged, (dkeys, drows, dstate.get("last"), removed)), dstate
+        if merged is not None:
+            keys, rows, last = apply_delta(keys, rows, state.get("last"), merged)
+            state = {**newest, **({"last": last} if last is not None else {})}
         table.restore_checkpoint(keys, rows, state, manifest["clock"], own=True)  # (read for it alone)
     if tracked(ckpt):
         track_changes(tables)
