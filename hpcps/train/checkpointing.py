@@ -108,6 +108,8 @@ class Checkpointing:
         snapshot (by seconds, unless not ``by_time``: the first worker's clock), 0 = nothing."""
         ck, now = self.cfg.checkpoint, time.monotonic()
         timed = by_time and self.first
+        if self.step_s is None:  # (the first step: the work a kill could lose starts here)
+            self.schedule.start(now)
         self.step_s, self.step_at = (0.0 if self.step_s is None else now - self.step_at), now
         return 2 if (bool(ck.every_steps and global_step % ck.every_steps == 0)
                      or bool(timed and ck.every_s and now - self.last_save >= ck.every_s)) else int(

@@ -10,16 +10,19 @@ snapshot under way). So the next snapshot is taken ``I`` seconds after the data 
 a step early (a snapshot starts at a step's end), where ``I`` plus its expected write is ``D``:
 
 * a full snapshot's write is expected to take the longest of the recent full ones;
-* a delta writes the rows changed since the snapshot before, more of them over a longer time: a
-  recent delta that took ``w`` seconds over an interval of ``i`` expects ``w * I / i`` over an
-  ``I`` longer than ``i`` (never less than ``w``), so that ``I = D / (1 + w / i)``; the least ``I``
-  of the recent deltas is taken.
+* a delta writes the rows changed since the snapshot before, more of them over a longer time, fewer
+  over a shorter one: a recent delta that took ``w`` seconds over an interval of ``i`` expects
+  ``w * I / i`` over ``I``, so that ``I = D / (1 + w / i)``; the least ``I`` of the recent deltas
+  is taken. (Expecting no less than ``w`` over a shorter interval would answer one slow write
+  with snapshots back to back, each waiting for the one before, training with them.)
 
 The time from a committed snapshot's data point to its successor's commit, the most a kill can
 lose, then stays within ``D`` while each write takes no longer than so expected. Before any write
-of a kind is seen, ``I`` is half the interval. Snapshots are written one at a time, so where a write
-takes longer than half the interval the next one waits for it and the bound fails:
-:meth:`SnapshotSchedule.over_half` says so, once.
+of a kind is seen, ``I`` is half the interval; the run's first data point is its first step
+(:meth:`SnapshotSchedule.start`: its start-up trained nothing). Snapshots are written one at a
+time, so where a write takes longer than the interval before it the next one waits for it, and
+where it takes more than half of ``D`` the bound cannot hold: :meth:`SnapshotSchedule.over_half`
+says so, once.
 """
 
 from __future__ import annotations
@@ -50,8 +53,12 @@ class SnapshotSchedule:
         seen, d = self.writes[kind], self.interval
         if not seen:
             return d / 2
-        return min(d / (1 + took / covered) if kind == "delta" and covered > 0 and covered + took <= d
-                   else d - took for covered, took in seen)
+        return min(d / (1 + took / covered) if kind == "delta" and covered > 0 else d - took for covered, took in seen)
+
+    def start(self, now: float) -> None:
+        """Training starts at ``now``: the first data point (before any snapshot of this run)."""
+        if self.pending is None and self.committed_point is None:
+            self.point = now
 
     def deadline(self, kind: str) -> float:
         """The latest data point of the next snapshot (of ``kind``) that keeps the bound."""
