@@ -39,7 +39,6 @@ def test_a_chain_of_changed_parts_gives_the_table_exactly_through_admission_and_
     keys, rows, last = np.zeros(0, np.uint64), np.zeros((0, 3), np.float32), np.zeros(0, np.int64)
     rng = np.random.default_rng(5)
     removed_seen = 0
-    first, later = None, []  # (the table after the first delta; the later ones, merged as a restore reads them)
     for clock in range(1, 40):
         pushed = np.unique(rng.integers(0, 3000 if clock < 20 else 300, 200).astype(np.uint64))
         t.push(pushed, rng.normal(size=(pushed.shape[0], 1)).astype(np.float32), clock)
@@ -47,11 +46,7 @@ def test_a_chain_of_changed_parts_gives_the_table_exactly_through_admission_and_
         if clock % 3 == 0:  # a delta
             name, dkeys, drows, state = deltas.changed_part(t)
             removed_seen += state["removed"].shape[0]
-            delta = (dkeys, drows, state["last"], state["removed"])
-            if first is not None:
-                later.append(tuple(a.copy() for a in delta))
-            keys, rows, last = deltas.apply_delta(keys, rows, last, delta)
-            first = first or (keys.copy(), rows.copy(), last.copy())
+            keys, rows, last = deltas.apply_delta(keys, rows, last, (dkeys, drows, state["last"], state["removed"]))
             now_keys, now_rows = t.items()
             order, now = np.argsort(keys), np.argsort(now_keys)
             np.testing.assert_array_equal(keys[order], now_keys[now])
@@ -59,9 +54,6 @@ def test_a_chain_of_changed_parts_gives_the_table_exactly_through_admission_and_
             np.testing.assert_array_equal(last[order], t.last[: now_keys.shape[0]][now])
             assert state["evicted"] == t.evicted and ("pending_keys" in state or "count_buckets" in state)
     assert removed_seen > 0 and t.evicted > 0  # (eviction ran, and the deltas said which keys went)
-    got, order = deltas.apply_delta(*first, deltas.merge_deltas(later)), np.argsort(keys)  # (merged into one)
-    for g, w in zip(got, (keys, rows, last)):
-        np.testing.assert_array_equal(g[np.argsort(got[0])], w[order])
 
 
 def test_apply_delta_gives_the_rebuilt_table_with_keys_updated_new_removed_and_removed_again():
@@ -77,21 +69,6 @@ def test_apply_delta_gives_the_rebuilt_table_with_keys_updated_new_removed_and_r
     order, want_order = np.argsort(got[0]), np.argsort(want[0])
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g[order], w[want_order])
-
-
-def test_deltas_merged_into_one_give_what_they_give_in_order():
-    u = lambda *k: np.array(k, dtype=np.uint64)  # noqa: E731
-    f = lambda *v: np.array(v, dtype=np.float32).reshape(-1, 1)  # noqa: E731
-    chain = [(u(1, 2, 3), f(1, 2, 3), None, u(9)),
-             (u(2, 9), f(20, 90), None, u(1, 2)),  # 1 goes; 2 removed and pushed again; 9 back
-             (u(4), f(4), None, u(3))]             # 3, new in the first, goes
-    keys, rows, last, removed = deltas.merge_deltas(chain)
-    assert dict(zip(keys.tolist(), rows[:, 0].tolist())) == {2: 20, 9: 90, 4: 4} and sorted(removed.tolist()) == [1, 3]
-    base = (u(1, 3, 5, 9), f(-1, -3, -5, -9), None)
-    one, in_order = deltas.apply_delta(base[0], base[1].copy(), None, (keys, rows, last, removed)), base
-    for d in chain:
-        in_order = deltas.apply_delta(*in_order, d)
-    assert sorted(zip(one[0].tolist(), one[1][:, 0].tolist())) == sorted(zip(in_order[0].tolist(), in_order[1][:, 0].tolist()))
 
 
 def test_a_delta_whose_write_fails_is_one_line_and_nothing_is_committed(tmp_path):

@@ -250,28 +250,6 @@ def apply_delta(keys: np.ndarray, rows: np.ndarray, last: np.ndarray | None, del
     return keys, rows, last
 
 
-def merge_deltas(chain: list[tuple]) -> tuple:
-    """One delta (keys, rows, last, removed) that, applied to a table, gives what the deltas of
-    ``chain`` give applied in order: each key's last event wins, a row or a removal (within a
-    delta a removal comes first: a key both removed and among its keys was pushed again). In one
-    pass over the deltas' keys (their events, newest first, through a hash index), not one per delta."""
-    if len(chain) == 1:
-        return chain[0]
-    events = [part for dkeys, _, _, removed in chain for part in (removed, dkeys)]
-    keys = np.concatenate(events).astype(np.uint64, copy=False)
-    is_row = np.concatenate([np.full(e.shape[0], n % 2 == 1) for n, e in enumerate(events)])
-    row_of = np.where(is_row, np.cumsum(is_row) - 1, -1)  # (into the deltas' rows, concatenated)
-    newest_first = KeyIndex(keys.shape[0]).lookup_or_insert(keys[::-1])
-    # a key's first appearance, newest first, takes a slot above every slot before it
-    first = newest_first > np.maximum.accumulate(np.concatenate([[-1], newest_first[:-1]]))
-    last_event = keys.shape[0] - 1 - np.flatnonzero(first)
-    row = row_of[last_event]
-    kept, gone = last_event[row >= 0], last_event[row < 0]
-    rows = np.concatenate([d[1] for d in chain])[row[row >= 0]]
-    lasts = None if any(d[2] is None for d in chain) else np.concatenate([d[2] for d in chain])[row[row >= 0]]
-    return keys[kept], rows, lasts, keys[gone]
-
-
 def chain_of(ckpt: str, manifest: dict) -> list[tuple[str, dict]]:
     """(path, manifest) of the snapshots a restore of ``ckpt`` reads, in order: itself for a full
     checkpoint; for a delta, its base, the deltas before it, and itself."""
@@ -315,7 +293,6 @@ def restore(tables: list[ServerTable], ckpt: str, manifest: dict, server: int, s
         name = table.spec.name
         keys, rows = checkpoint.read_for_server(chain[0][0], chain[0][1], name, *where)
         state = checkpoint.read_state_for_server(chain[0][0], chain[0][1], name, *where)
-        chained, newest = [], state  # the chain's deltas, applied as one (:func:`merge_deltas`): the table gone over once
         for path, m in chain[1:]:
             same = m["layout"]["servers"] == num_servers and m["layout"]["num_shards"] == shard_server.shape[0]
             files = [checkpoint.server_file(path, server)] if same else [os.path.join(path, e["name"]) for e in m["files"]]
@@ -323,10 +300,8 @@ def restore(tables: list[ServerTable], ckpt: str, manifest: dict, server: int, s
                                       for f in files]) if files else np.zeros(0, dtype=np.uint64)
             dkeys, drows = checkpoint.read_for_server(path, m, name, *where)
             dstate = checkpoint.read_state_for_server(path, m, name, *where)
-            chained, newest = [*chained, (dkeys, drows, dstate.get("last"), removed)], dstate
-        if chained:
-            keys, rows, last = apply_delta(keys, rows, state.get("last"), merge_deltas(chained))
-            state = {**newest, **({"last": last} if last is not None else {})}
+            keys, rows, last = apply_delta(keys, rows, state.get("last"), (dkeys, drows, dstate.get("last"), removed))
+            state = {**dstate, **({"last": last} if last is not None else {})}
         table.restore_checkpoint(keys, rows, state, manifest["clock"], own=True)  # (read for it alone)
     if tracked(ckpt):
         track_changes(tables)
