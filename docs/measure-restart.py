@@ -72,9 +72,10 @@ def train_args(work: str, ckdir: str, epochs: int, delta_s: float) -> list[str]:
     return [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
 
 
-def rank_pid(status_path: str, rank: int) -> int | None:
-    """The PID of the hpcps rank ``rank`` of the job whose supervisor writes ``status_path``."""
-    want = {f"HPCPS_STATUS_FILE={status_path}".encode(), f"PMI_RANK={rank}".encode()}
+def rank_pid(status_path: str, rank: int, variable: str = "PMI_RANK") -> int | None:
+    """The PID of the hpcps rank ``rank`` of the job whose supervisor writes ``status_path`` (the
+    launcher's rank ``variable``: MPICH's PMI_RANK, Open MPI's OMPI_COMM_WORLD_RANK)."""
+    want = {f"HPCPS_STATUS_FILE={status_path}".encode(), f"{variable}={rank}".encode()}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             env = set(open(f"/proc/{pid}/environ", "rb").read().split(b"\0"))

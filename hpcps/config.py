@@ -198,7 +198,9 @@ class Checkpoint:
     keep: int = described(3, "good full checkpoints of this run kept (each with its delta snapshots)")
     delta_every_steps: int = described(0, "a delta snapshot (only the rows changed since the snapshot before) "
                                           "every N steps (0 = off)")
-    delta_every_s: float = described(0.0, "a delta snapshot every T seconds (0 = off)")
+    delta_every_s: float = described(0.0, "delta snapshots timed so that a kill loses at most T seconds of "
+                                          "training: each committed within T s of the step of the one before "
+                                          "(0 = off)")
     full_every: int = described(10, "with delta snapshots: a full checkpoint instead of every Nth delta (bounds "
                                     "the chain a restore reads)")
     on_signal: str = described("exit", "after a SIGUSR1/SIGTERM checkpoint: exit (status 75) or continue")

@@ -5,6 +5,7 @@ write; the chaos schedule under them."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -97,14 +98,14 @@ def delta_args(data, ckpt_dir, model_out, servers=1, **sets):
 
 
 def start_and_kill(data, tmp, rank, after, servers=1, **sets):
-    """Start a job with delta snapshots; once the snapshot ``after`` (a directory name) is
-    committed, kill -9 ``rank``. Returns the job's output."""
+    """Start a job with delta snapshots; once the snapshot ``after`` (a directory name, or a glob
+    pattern of one) is committed, kill -9 ``rank``. Returns the job's output."""
     ckdir = tmp / "ck"
     n = servers + 2
     proc = subprocess.Popen([*mpiexec(), "-n", str(n), *HPCPS, *delta_args(data, ckdir, tmp / "never.h5", servers, **sets)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    appeared = wait_for(lambda: os.path.exists(ckdir / after), 240, proc)
+    appeared = wait_for(lambda: glob.glob(str(ckdir / after)), 240, proc)
     assert proc.poll() is None, f"the job ended before {after}:\n{proc.stdout.read()[-3000:]}"
     assert appeared, f"{after} never appeared"
     pids = rank_pids(str(ckdir))
@@ -154,6 +155,19 @@ def test_kill_9_then_resume_from_a_delta_chain_is_bit_identical(job_data, refere
     assert checkpoint.is_delta(found) and m["base"]["name"] == "ckpt-0000000500", found
     rc, out = run_job(3, delta_args(job_data, tmp_path / "ck", tmp_path / "model.h5") + ["--resume", "auto"])
     assert rc == 0 and f"resuming from {found}" in out, out[-3000:]
+    assert_same_model(tmp_path / "model.h5", reference)
+
+
+def test_timed_deltas_are_committed_and_a_kill_resumes_from_them_bit_identical(job_data, reference, tmp_path):
+    # checkpoint.delta_every_s (the schedule that bounds the work lost: tests/test_snapshot_schedule.py):
+    # the server killed once a delta is committed
+    timed = {"checkpoint.delta_every_steps": 0, "checkpoint.delta_every_s": 0.2}
+    start_and_kill(job_data, tmp_path, 0, "delta-*[0-9]", **timed)
+    found, m = checkpoint.newest_good(str(tmp_path / "ck"))
+    assert checkpoint.is_delta(found) and checkpoint.step_of(m["base"]["name"]) < checkpoint.step_of(found), found
+    rc, out = run_job(3, delta_args(job_data, tmp_path / "ck", tmp_path / "model.h5", **timed) + ["--resume", "auto"])
+    assert rc == 0 and f"resuming from {found}" in out, out[-3000:]
+    assert "a kill would have lost at most" in out and "checkpoint.delta_every_s = 0.2 bounds it" in out, out[-3000:]
     assert_same_model(tmp_path / "model.h5", reference)
 
 

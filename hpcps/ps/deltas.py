@@ -136,12 +136,14 @@ class DeltaWriter:
 class Commits:
     """The first worker's delta commits, on a thread: :meth:`start` one when its servers have
     copied their rows, :meth:`wait` for it before the next snapshot. :attr:`last` is the newest
-    delta committed (path, manifest checksum); :attr:`failed` says why the newest one was not."""
+    delta committed (path, manifest checksum) and :attr:`done_at` when (``time.monotonic()``);
+    :attr:`failed` says why the newest one was not."""
 
     def __init__(self, report=checkpoint.say):
         self.report = report
         self.thread: threading.Thread | None = None
         self.last: tuple[str, str] | None = None
+        self.done_at: float | None = None
         self.failed = ""
 
     def wait(self) -> None:
@@ -153,7 +155,7 @@ class Commits:
         """Commit the delta in ``tmp`` once its ``servers`` files are written; returns the path it
         will have."""
         self.wait()
-        self.last, self.failed = None, ""
+        self.last, self.done_at, self.failed = None, None, ""
         self.thread = threading.Thread(target=self._commit, args=(tmp, manifest, servers, keep, timeout),
                                        name="delta commit", daemon=True)
         self.thread.start()
@@ -170,7 +172,8 @@ class Commits:
             os.remove(path + WRITTEN)
         try:
             final = checkpoint.commit(tmp, {**manifest, "files": files}, keep, self.report)
-            self.last = final, checkpoint.read_manifest(final)["manifest_xxh64"]
+            done_at = time.monotonic()
+            self.last, self.done_at = (final, checkpoint.read_manifest(final)["manifest_xxh64"]), done_at
         except (OSError, checkpoint.CheckpointError) as e:
             return self._fail(tmp, str(checkpoint.write_failure(os.path.join(tmp, checkpoint.MANIFEST), e, "the first worker")
                                        if isinstance(e, OSError) else e))

@@ -13,6 +13,9 @@ Delta snapshots (``delta_every_steps`` / ``delta_every_s``, :mod:`hpcps.ps.delta
 same points over the run's newest full checkpoint, written while training goes on; every
 ``full_every``-th one, the first one with no full checkpoint to be taken over (none yet in this
 run's lineage, or one resumed from elsewhere), and the one after a delta that failed, are full.
+``delta_every_s`` bounds the work a kill loses: each snapshot is taken early enough that it is
+committed within that many seconds of the data point of the one before
+(:mod:`hpcps.train.snapshot_schedule`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import time
 from hpcps.ps import checkpoint, deltas, signals
 from hpcps.train.flush import flush_filters
 from hpcps.train.quorum_checkpoints import QuorumCheckpoints, stop_wanted
+from hpcps.train.snapshot_schedule import SnapshotSchedule
 
 EXIT_PREEMPTED = 75  # the job stopped on SIGUSR1/SIGTERM after writing a checkpoint (EX_TEMPFAIL)
 EXIT_INTERRUPTED = signals.EXIT_INTERRUPTED  # 130: the job stopped on SIGINT (after its checkpoint, if any)
@@ -48,7 +52,10 @@ class Checkpointing:
         self.workers = ctx.among_workers
         self.written: str | None = None  # the newest checkpoint this run wrote (first worker)
         self.data_meaning = plan.data_meaning() if (first and self.cfg.checkpoint.dir) else None
-        self.last_save = self.last_snapshot = time.monotonic()
+        self.last_save = self.step_at = time.monotonic()  # (step_at: the last step's end)
+        self.step_s: float | None = None  # the last step's length (None before the first: start-up is no step)
+        # first worker: when the next delta_every_s snapshot is due (each committed in time)
+        self.schedule = SnapshotSchedule(self.cfg.checkpoint.delta_every_s, self.last_save)
         self.saved_at = -1  # the step of this run's newest checkpoint in checkpoint.dir
         # first worker, with delta snapshots: the chain they extend ({"base": {name, manifest_xxh64},
         # "deltas_before": [...]}), None until a full checkpoint they can be taken over
@@ -101,10 +108,33 @@ class Checkpointing:
         snapshot (by seconds, unless not ``by_time``: the first worker's clock), 0 = nothing."""
         ck, now = self.cfg.checkpoint, time.monotonic()
         timed = by_time and self.first
+        if self.step_s is None:  # (the first step: the work a kill could lose starts here)
+            self.schedule.start(now)
+        self.step_s, self.step_at = (0.0 if self.step_s is None else now - self.step_at), now
         return 2 if (bool(ck.every_steps and global_step % ck.every_steps == 0)
                      or bool(timed and ck.every_s and now - self.last_save >= ck.every_s)) else int(
             bool(ck.delta_every_steps and global_step % ck.delta_every_steps == 0)
-            or bool(timed and ck.delta_every_s and now - self.last_snapshot >= ck.delta_every_s))
+            or bool(timed and ck.delta_every_s and self.snapshot_due(now)))
+
+    def snapshot_due(self, now: float) -> bool:
+        """First worker: whether the next ``delta_every_s`` snapshot is due after this step
+        (:meth:`SnapshotSchedule.due`, for the kind it will be)."""
+        self._note_commit()
+        ck, chain = self.cfg.checkpoint, self.chain
+        under_way = int(self.commits.thread is not None)  # (a delta the chain will hold by then)
+        delta = chain is not None and len(chain["deltas_before"]) + under_way + 1 < ck.full_every
+        return self.schedule.due(now, self.step_s, "delta" if delta else "full")
+
+    def _note_commit(self) -> None:
+        """First worker: the delta under way, once committed (or failed), told to the schedule."""
+        if self.schedule.pending is None or self.schedule.pending[0] != "delta":
+            return
+        if self.commits.done_at is not None:
+            self.schedule.committed(self.commits.done_at)
+            if line := self.schedule.over_half():
+                print(f"hpcps train: warning: {line}", flush=True)
+        elif self.commits.failed:
+            self.schedule.missed()
 
     def act(self, want: int, epoch: int, step: int, global_step: int) -> int:
         """Collective over the workers: the checkpoint the workers agreed on after step ``step``
@@ -112,7 +142,7 @@ class Checkpointing:
         snapshot). Returns the exit status the run stops with on the signal, else 0."""
         ck = self.cfg.checkpoint
         self.save(epoch, step + 1, global_step, "signal" if want >= 3 else "periodic", delta=want == 1)
-        self.saved_at, self.last_snapshot = global_step, time.monotonic()
+        self.saved_at, self.step_at = global_step, time.monotonic()  # (the next step's length without the pause)
         if want >= 3:
             if ck.on_signal == "exit" or want == 4:  # (SIGINT always stops)
                 return EXIT_INTERRUPTED if want == 4 else EXIT_PREEMPTED
@@ -134,8 +164,11 @@ class Checkpointing:
         self._delta_committed()
         if self.delta_pauses:
             p = self.delta_pauses
+            bound = self.cfg.checkpoint.delta_every_s
+            lost = (f"; a kill would have lost at most {self.schedule.most_lost:.2f} s of training "
+                    f"(checkpoint.delta_every_s = {bound:g} bounds it)" if bound and self.schedule.most_lost else "")
             print(f"hpcps train: {len(p)} delta snapshot(s); training waited {sum(p):.2f} s for them in all "
-                  f"(median {sorted(p)[len(p) // 2]:.3f} s, longest {max(p):.3f} s)", flush=True)
+                  f"(median {sorted(p)[len(p) // 2]:.3f} s, longest {max(p):.3f} s){lost}", flush=True)
 
     def save(self, epoch_next: int, step_next: int, global_step: int, reason: str, delta: bool = False) -> None:
         """Collective over the workers: a checkpoint (or a delta snapshot, when one can be taken)
@@ -147,6 +180,7 @@ class Checkpointing:
             if self.quorum is not None:
                 self.quorum.finish_asked(block=True)  # (backup workers: a checkpoint asked alone, in first)
             delta = self.delta_possible(delta)
+            self.schedule.taken(self.step_at, "delta" if delta else "full")  # (its data point: the step's end)
             path = self.ctx.save_checkpoint(self.cfg.checkpoint.dir, global_step,
                                             self.manifest(epoch_next, step_next, global_step, reason, delta),
                                             self.cfg.checkpoint.keep, delta=self.commits if delta else None,
@@ -179,8 +213,10 @@ class Checkpointing:
         next one is full). Returns whether it was written."""
         if path is None:
             self.chain = None
+            self.schedule.missed()
             return False
         if not delta:
+            self.schedule.committed(time.monotonic())
             self.written, self.last_save = path, time.monotonic()
             if self.deltas_on:
                 self._extend_chain(path, checkpoint.read_manifest(path))
@@ -193,6 +229,7 @@ class Checkpointing:
         if not self.first or self.commits.thread is None:
             return
         self.commits.wait()
+        self._note_commit()
         if self.commits.last:
             self.written = self.commits.last[0]
             self._extend_chain(self.commits.last[0], checkpoint.read_manifest(self.commits.last[0]))

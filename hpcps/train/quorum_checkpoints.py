@@ -85,6 +85,7 @@ class QuorumCheckpoints:
         if step + ahead > next_meeting(step, loop.steps, ck.cfg.train.eval_every if loop.test is not None else 0):
             return  # (its clock before the workers' next meeting: a stop's agreement moves every worker to it)
         delta = ck.delta_possible(self.pending == 1)
+        ck.schedule.taken(time.monotonic(), "delta" if delta else "full")  # (about its data point: a few steps on)
         at = global_step + ahead
         manifest = ck.manifest(epoch, step + ahead + 1, at, "periodic", delta)
         asked = context.ask_for_checkpoint(ctx, ck.cfg.checkpoint.dir, at, ctx.clock_value + ahead, delta,
@@ -105,7 +106,7 @@ class QuorumCheckpoints:
         path = context.commit_checkpoint(ctx, asked, manifest, self.ck.cfg.checkpoint.keep,
                                          self.ck.commits if delta else None)
         if self.ck.committed(path, "periodic", delta):
-            self.ck.saved_at, self.ck.last_snapshot = manifest["position"]["global_step"], time.monotonic()
+            self.ck.saved_at = manifest["position"]["global_step"]
         else:
             self.pending = self.pending or want
 
