@@ -123,7 +123,7 @@ def draw(out: str, measured: list[dict]) -> None:
         got = [p["examples_per_s"] for p in measured]
         b.scatter(pred, got, c=["C1" if p.get("machine", {}).get("cores", 2) > 2 else "C3" for p in measured])
         for i, (p, x, y) in enumerate(zip(measured, pred, got)):  # (labels of close points apart)
-            b.annotate(p["name"], (x, y), fontsize=7, xytext=(4, (4, -10, 14)[i % 3]), textcoords="offset points")
+            b.annotate(p["name"].removeprefix("16 cores: "), (x, y), fontsize=7, xytext=(4, (4, -10, 14)[i % 3]), textcoords="offset points")
         lo, hi = min(pred + got) * 0.6, max(pred + got) * 1.5
         b.plot([lo, hi], [lo, hi], ":", color="gray", label="model = measured")
         b.fill_between([lo, hi], [0.7 * lo, 0.7 * hi], [1.3 * lo, 1.3 * hi], color="gray", alpha=0.15,
