@@ -7,6 +7,7 @@ Explained in docs/scaling.md.
     python docs/scaling.py fit --ps PS.jsonl... --mpi MPI.jsonl... --job JOB.json... [--batch 1000]
                                [--cores 2] [--requests worker] [--mpi-hosts MPI-HOSTS.jsonl...]
                                [--job-hosts JOB-HOSTS.json...]
+    python docs/scaling.py fit-terms [--write]  # the job's terms on the 16-core node's points, left out in turn
 
 ``fit`` reads what ``mpiexec -n 2 hpcps bench ps --json``, ``mpiexec -n 2 hpcps bench mpi --json``
 and 2-rank ``hpcps train ... --summary-json JOB.json`` runs wrote (medians over the files of each)
