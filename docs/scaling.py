@@ -7,6 +7,7 @@ Explained in docs/scaling.md.
     python docs/scaling.py fit --ps PS.jsonl... --mpi MPI.jsonl... --job JOB.json... [--batch 1000]
                                [--cores 2] [--requests worker] [--mpi-hosts MPI-HOSTS.jsonl...]
                                [--job-hosts JOB-HOSTS.json...]
+    python docs/scaling.py fit-terms [--write]  # the job's terms on the 16-core node's points, left out in turn
 
 ``fit`` reads what ``mpiexec -n 2 hpcps bench ps --json``, ``mpiexec -n 2 hpcps bench mpi --json``
 and 2-rank ``hpcps train ... --summary-json JOB.json`` runs wrote (medians over the files of each)
@@ -20,6 +21,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 from functools import lru_cache
 
 import numpy as np
@@ -48,10 +50,13 @@ def zipf_unique_keys(rows: int, fields: int = 39, seed: int = 0) -> float:
     return float(np.unique(keys[present]).size)
 
 
-def auto(nodes: int, **job) -> scaling.Choice:
-    """The layout auto picks on ``nodes`` nodes of 16 ranks (25 Gb/s Ethernet)."""
-    j, m = cluster(nodes, **job)
-    return scaling.choose(nodes * 16, j, m)
+@lru_cache(maxsize=None)
+def auto(nodes: int, requests: str = "worker") -> scaling.Choice:
+    """The layout auto picks on ``nodes`` nodes of 16 ranks (25 Gb/s Ethernet) with ``requests``
+    ("worker", "group", or "auto": either, as hpcps train picks them: group pulls only on several hosts)."""
+    j, m = cluster(nodes, requests="worker" if requests == "auto" else requests)
+    both = ("worker", "group") if requests == "auto" and nodes > 1 else ()
+    return scaling.choose(nodes * 16, j, m, requests=both)
 
 
 def _row(name: str, r: dict) -> str:
@@ -76,10 +81,11 @@ def tables() -> str:
         rows.append((f"{nodes} nodes, S={job.servers}, groups of 12, batch 10k", job, m))
     lines += [_row(name, step(job, m)) for name, job, m in rows]
     lines += ["", "The layout auto picks (cluster.layout = \"auto\"), 16 ranks a node:", ""]
-    for requests in ("worker", "group"):
+    for requests in ("worker", "group", "auto"):
         for nodes in AUTO_NODES:
-            c = auto(nodes, requests=requests)
-            lines.append(_row(f"{nodes} nodes: S={c.servers}, g={c.group}, B={c.batch}, {requests}", c.step))
+            c = auto(nodes, requests)
+            lines.append(_row(f"{nodes} nodes: S={c.servers}, g={c.group}, B={c.batch}, {requests}"
+                              + (f" ({c.requests})" if requests == "auto" else ""), c.step))
     lines += ["", "Server ranks whose memory holds the model (128 GB nodes of 16 ranks):"]
     for feats in (1e8, 1e9, 1e10):
         lines.append(f"  {feats:.0e} keys: LR {scaling.servers_for(feats, 1):>5} ranks, "
@@ -101,9 +107,11 @@ def draw(out: str, measured: list[dict]) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.8))
     nodes = np.unique(np.geomspace(1, 1000, 25).astype(int))
     for requests, color in (("worker", "C0"), ("group", "C2")):
-        ys = [auto(n, requests=requests).step["examples_per_s"] for n in nodes]
+        ys = [auto(int(n), requests).step["examples_per_s"] for n in nodes]
         what = "a pull per worker" if requests == "worker" else "one request per server per group"
         a.plot(nodes, ys, "-", color=color, marker=".", label=f"auto layout, {what}")
+    ys = [auto(int(n), "auto").step["examples_per_s"] for n in nodes]
+    a.plot(nodes, ys, "-", color="k", lw=0.8, label="auto layout as hpcps train picks it (group pulls from 2 nodes)")
     ys = [step(*cluster(n))["examples_per_s"] for n in nodes]
     a.plot(nodes, ys, "--", color="C0", label="servers 25 % of ranks, no groups, batch 1000")
     a.plot(nodes, ys[0] * nodes, ":", color="gray", label="linear from 1 node (fixed layout)")
@@ -116,7 +124,7 @@ def draw(out: str, measured: list[dict]) -> None:
         got = [p["examples_per_s"] for p in measured]
         b.scatter(pred, got, c=["C1" if p.get("machine", {}).get("cores", 2) > 2 else "C3" for p in measured])
         for i, (p, x, y) in enumerate(zip(measured, pred, got)):  # (labels of close points apart)
-            b.annotate(p["name"], (x, y), fontsize=7, xytext=(4, (4, -10, 14)[i % 3]), textcoords="offset points")
+            b.annotate(p["name"].removeprefix("16 cores: "), (x, y), fontsize=7, xytext=(4, (4, -10, 14)[i % 3]), textcoords="offset points")
         lo, hi = min(pred + got) * 0.6, max(pred + got) * 1.5
         b.plot([lo, hi], [lo, hi], ":", color="gray", label="model = measured")
         b.fill_between([lo, hi], [0.7 * lo, 0.7 * hi], [1.3 * lo, 1.3 * hi], color="gray", alpha=0.15,
@@ -156,7 +164,59 @@ def fit_command(args) -> None:
     print(f"wrote {os.path.relpath(path)}")
 
 
+NODE = os.path.join(ROOT, "docs", "scaling-measured-16core.json")
+LADDER = ("16 cores: 1S+3W", "16 cores: 2S+6W", "16 cores: 4S+12W", "16 cores: 8 separate 1S+1W at once")
+
+
+def _ratios(points: list[dict], m: Machine) -> list[float]:
+    return [p["examples_per_s"] / step(Job(**p["job"]), m)["examples_per_s"] for p in points]
+
+
+def fit_terms_command(args) -> None:
+    """The job's terms from a node's points: fitted on all of them (written to scaling.py's
+    JOB_TERMS and the points' machine with --write), on the first run's (LADDER) to check on the
+    later runs', and each point left out in turn: a table of measured / modelled for each."""
+    points = _read_json(args.points)
+    m0 = Machine(**points[0]["machine"])
+    fit_of = [p for p in points if p["name"] != args.rate_point]
+    pairs = lambda ps: [(Job(**p["job"]), p["examples_per_s"]) for p in ps]  # noqa: E731
+    terms = scaling.fit_job_terms(pairs(fit_of), m0, args.rate_of)
+    ladder = scaling.fit_job_terms(pairs([p for p in fit_of if p["name"] in LADDER]), m0, args.rate_of)
+    print("fitted on all:", {k: f"{v:.4g}" for k, v in terms.items()})
+    print("fitted on the first run's (1S+3W, 2S+6W, 4S+12W, 8 at once):", {k: f"{v:.4g}" for k, v in ladder.items()})
+    loo = {}
+    for i, p in enumerate(fit_of):
+        t = scaling.fit_job_terms(pairs(fit_of[:i] + fit_of[i + 1:]), m0, args.rate_of)
+        loo[p["name"]] = _ratios([p], replace(m0, **t))[0]
+    new, first = replace(m0, **terms), replace(m0, **ladder)
+    print("\n| point | measured | fitted on all | on the first run's | left out |\n|---|---|---|---|---|")
+    for p in points:
+        a, f = _ratios([p], new)[0], _ratios([p], first)[0]
+        lo = f"{loo[p['name']]:.2f}×" if p["name"] in loo else "(the rate's)"
+        print(f"| {p['name'].removeprefix('16 cores: ')} | {p['examples_per_s']:,} ex/s | {a:.2f}× | {f:.2f}× | {lo} |")
+    if args.write:
+        for p in points:
+            p["machine"]["worker_rows_per_s"] = float(f"{terms['worker_rows_per_s']:.4g}")
+        with open(args.points, "w") as f:
+            f.write(json.dumps(points, indent=1) + "\n")
+        with open(args.module) as f:
+            source = f.read()
+        job_terms = {k: terms[k] for k in scaling.JOB_TERMS}
+        with open(args.module, "w") as f:
+            f.write(scaling.fitted_source(source, job_terms, scaling.JOB_TERMS_BLOCK, "JOB_TERMS"))
+        print(f"wrote {os.path.relpath(args.module)} and {os.path.relpath(args.points)}")
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["fit-terms"]:
+        ap = argparse.ArgumentParser(prog="scaling.py fit-terms", description="fit the job's terms on a node's points")
+        ap.add_argument("--points", default=NODE, help="the node's points (JSON, with its constants)")
+        ap.add_argument("--rate-point", default="16 cores: 1S+1W", help="the point of the fit's 1+1 (not fitted on)")
+        ap.add_argument("--rate-of", type=float, default=427130.0,
+                        help="the examples/s of the fit's 1 server + 1 worker jobs (the model's 1+1 stays there)")
+        ap.add_argument("--write", action="store_true", help="write JOB_TERMS and the points' worker rate")
+        ap.add_argument("--module", default=os.path.join(ROOT, "hpcps", "train", "scaling.py"))
+        return fit_terms_command(ap.parse_args(sys.argv[2:]))
     if sys.argv[1:2] == ["fit"]:
         ap = argparse.ArgumentParser(prog="scaling.py fit", description="re-fit the model's constants")
         ap.add_argument("--ps", nargs="+", required=True,

@@ -350,23 +350,27 @@ def model_shape(cfg) -> tuple[int, int, int]:
 def decide_layout(cfg, ranks: int, hosts: int, cores: int, keys: scaling.KeyCurve, rows: int
                   ) -> tuple[int, int, int, str]:
     """cluster.layout = "auto" (the first rank): (servers, worker_groups, batch_size, the line
-    that says why), each part the user set (not at its default) kept. ``rows``: the training
+    that says why, train.group_pull), each part the user set (not at its default) kept; group pulls
+    where the model gives them more than 5 % over a pull per worker, a group merges its keys and
+    there are several hosts (on one host they were measured slower: docs/scaling.md). ``rows``: the training
     file's rows (:func:`training_rows`): batches as :func:`auto_batch_size` makes them at most,
     or beyond AUTO_BATCH_MAX rows, up to 10,000, as long as an epoch keeps AUTO_BATCH_STEPS steps."""
     cl, tr = cfg.cluster, cfg.train
     fixed = {k: v for k, v in (("cluster.servers", cl.servers if cl.servers != 1 else 0),
                                ("cluster.worker_groups", cl.worker_groups), ("train.batch_size", tr.batch_size)) if v}
     dim, state, tables_ = model_shape(cfg)
-    job = scaling.Job(dim=dim, state=state, staleness=cl.staleness, hosts=hosts, tables=tables_, keys=keys)
+    job = scaling.Job(dim=dim, state=state, staleness=cl.staleness, hosts=hosts, tables=tables_, keys=keys,
+                      requests="group" if tr.group_pull else "worker")
     def cap(workers: int) -> int:
         return min(scaling.BATCHES[-1], max(AUTO_BATCH_MIN, math.ceil(rows / workers / AUTO_BATCH_STEPS)))
     merges = tr.aggregate and cfg.model.compute == "workers"  # (else a group is one worker)
     c = scaling.choose(ranks, job, scaling.Machine(cores=cores), fixed.get("cluster.servers", 0),
                        fixed.get("cluster.worker_groups", 0), fixed.get("train.batch_size", 0), cap,
                        max_servers=cl.num_shards, max_group=scaling.MAX_GROUP if merges else 1,
-                       min_servers=cl.replicas + 1)
+                       min_servers=cl.replicas + 1, requests=("worker", "group") if merges and hosts > 1 else ())
     groups = 0 if c.groups == c.workers and not cl.worker_groups else c.groups
-    return c.servers, groups, c.batch, scaling.explain(c, fixed) + f"; keys a batch from {keys.source}"
+    return (c.servers, groups, c.batch, scaling.explain(c, fixed) + f"; keys a batch from {keys.source}",
+            c.requests == "group")
 
 
 def choose_layout(cfg, world, path, fmt: str):
@@ -390,6 +394,6 @@ def choose_layout(cfg, world, path, fmt: str):
         rows = 0 if cfg.train.batch_size else training_rows(cfg, path, world.size, rows_a_byte)
         picked = decide_layout(cfg, world.size, len(per_host), sum(per_host.values()), keys, rows)
         print(f"hpcps train: {picked[3]}", flush=True)
-    servers, groups, batch, _ = world.first_decides(picked, "broadcast of the layout")
+    servers, groups, batch, _, group_pull = world.first_decides(picked, "broadcast of the layout")
     return replace(cfg, cluster=replace(cfg.cluster, servers=servers, worker_groups=groups),
-                   train=replace(cfg.train, batch_size=batch))
+                   train=replace(cfg.train, batch_size=batch, group_pull=group_pull))

@@ -12,6 +12,7 @@ and a 2-rank job's summary (:func:`fit`).
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from dataclasses import dataclass, field, replace
@@ -28,13 +29,23 @@ FITTED = {
     "server_push_keys_per_s": 4.474e+07,
     "server_request_s": 3.306e-05,
     "worker_request_s": 0.0002362,
-    "worker_rows_per_s": 4.005e+05,
+    "worker_rows_per_s": 5.089e+05,
     "worker_cpu_row_s": 1.79e-06,
-    "server_cpu_step_s": 0.00148,
+    "server_cpu_step_s": 0.001145,
     "link_cpu_message_s": 7.453e-05,
     "link_cpu_byte_s": 4.543e-09,
 }
 # --- fitted: end ---
+
+# The job's terms (see Machine): written by `python docs/scaling.py fit-terms` from the 16-core
+# node's points (docs/scaling-measured-16core.json; see fit_job_terms).
+# --- job terms: begin ---
+JOB_TERMS = {
+    "server_job_request_s": 0.0003354,
+    "contention": 0.1842,
+    "straggler_cv": 0.01361,
+}
+# --- job terms: end ---
 
 
 @dataclass(frozen=True)
@@ -63,7 +74,15 @@ class Machine:
     local_latency_s: float = FITTED["local_latency_s"]
     link_bytes_per_s: float = 25e9 / 8     # a host's link to the others (25 Gb/s Ethernet assumed)
     latency_s: float = 5e-6                # one way across hosts
-    straggler_cv: float = 0.10             # spread of a worker's step time (coefficient of variation)
+    # Fitted on a 16-core node's jobs (docs/scaling.md, "A 16-core node"), not by `fit`: what a job's
+    # step costs beyond the benches. A server's cost of a request in a job beyond bench ps's (the
+    # requests of W workers that come together each step, their gradients' messages, the clock);
+    # the contention of the ranks busy on one node (memory and caches shared): each rank's work
+    # takes 1 + contention * (busy ranks - 2) / cores longer, 0 for the 2 ranks the rates are
+    # fitted on; the spread of a worker's step time (coefficient of variation) for the stragglers
+    server_job_request_s: float = JOB_TERMS["server_job_request_s"]
+    contention: float = JOB_TERMS["contention"]
+    straggler_cv: float = JOB_TERMS["straggler_cv"]
 
 
 # Distinct keys in the first rows of `hpcps gen-data`'s Zipf data (each of 39 fields Zipf(1.25)
@@ -118,6 +137,7 @@ class Job:
                                        # riding on its first rank's); "group" (train.group_pull): a
                                        # push-pull per server per group. Either carries every table.
     keys: KeyCurve = field(default_factory=KeyCurve)
+    node_ranks: int = 0                # ranks busy on a node beside other jobs' (0: the job's own only)
     crossing: float = -1.0             # the share of a worker's traffic that goes between hosts; -1:
                                        # (hosts - 1) / hosts, its servers spread evenly over the hosts
 
@@ -156,15 +176,20 @@ def step(job: Job, m: Machine) -> dict:
         worker_bytes = u * row_bytes + ug * row_bytes / g
     rq = _requests(job, u, ug)
     extra_floats = max(0, d * (1 + job.state) - 3) / m.server_floats_per_s
-    server_s = (rq["pull_keys"] * (1 / m.server_pull_keys_per_s + extra_floats)
-                + rq["push_keys"] * (1 / m.server_push_keys_per_s + extra_floats)
-                + rq["server_requests"] * m.server_request_s)
-    worker_s = job.batch / m.worker_rows_per_s
+    slower = contended(job, m)
+    server_s = slower * (rq["pull_keys"] * (1 / m.server_pull_keys_per_s + extra_floats)
+                         + rq["push_keys"] * (1 / m.server_push_keys_per_s + extra_floats)
+                         + rq["server_requests"] * (m.server_request_s + m.server_job_request_s))
+    worker_s = slower * job.batch / m.worker_rows_per_s
     remote = job.hosts > 1
     bw, lat = (m.link_bytes_per_s, m.latency_s) if remote else (m.local_bytes_per_s, m.local_latency_s)
     # bytes through one host's link per step: the servers' traffic on it (both ways)
     net_s = W * worker_bytes / job.hosts / bw if remote else 0.0
     served = (u if job.requests == "worker" else ug / g) / S / m.server_push_keys_per_s
+    # BSP's phases: the servers apply the pushes once all have come, then answer the pulls, so a
+    # worker waits for the whole of the servers' step, not only its keys' share (ASP: the two
+    # overlap); SSP s lets 1/(s + 1) of it stay in the worker's path
+    phases_s = max(0.0, server_s / (job.staleness + 1) - served) if job.staleness >= 0 else 0.0
     own_s = 4 * lat + worker_bytes / bw + served + rq["worker_requests"] * m.worker_request_s
     if job.requests == "group" and g > 1:     # the exchange inside the group (shared memory if on one host)
         inside = g <= (S + W) / job.hosts
@@ -179,12 +204,25 @@ def step(job: Job, m: Machine) -> dict:
     cpu_s = max((W * worker_cpu_s + S * server_s) / min(m.cores, S + W), shared_cores(job, m, server_s, link_s))
     parts = {"worker compute + round trips": worker_s + own_s, "server keys + requests": server_s,
              "network": net_s, "CPU shared by ranks": cpu_s}
-    slowest = max(parts, key=parts.get)
-    t = parts[slowest] + allreduce_s + straggler_s
+    paths = {**parts, "worker compute + round trips": worker_s + own_s + phases_s}
+    slowest = max(paths, key=paths.get)
+    t = paths[slowest] + allreduce_s + straggler_s
+    if slowest.startswith("worker") and phases_s + served > worker_s:  # its path is mostly the servers' step
+        slowest = "server keys + requests"
     return {"step_s": t, "examples_per_s": W * job.batch / t, "bottleneck": slowest, **parts,
-            "allreduce": allreduce_s, "stragglers": straggler_s, "unique_per_worker": u,
+            "phases": phases_s, "allreduce": allreduce_s, "stragglers": straggler_s, "unique_per_worker": u,
             "server_requests": rq["server_requests"], "keys_per_request": rq["keys_per_request"],
             "bytes_per_worker": worker_bytes, "messages_per_worker": 2 * rq["worker_requests"]}
+
+
+def contended(job: Job, m: Machine) -> float:
+    """How much longer a rank's work takes for the ranks busy beside it on its node (their memory
+    and caches shared): ``1 + contention * (busy - 2) / cores``, the busy ranks and cores a node's
+    (no more busy than cores: beyond, :func:`shared_cores` counts the sharing), 1 for the 2 ranks
+    the rates are fitted on."""
+    per_node = m.cores / job.hosts
+    busy = min(job.node_ranks or (job.servers + job.workers) / job.hosts, per_node)
+    return 1.0 + m.contention * max(0.0, busy - 2) / per_node
 
 
 def shared_cores(job: Job, m: Machine, server_s: float, link_s: float = 0.0) -> float:
@@ -243,6 +281,7 @@ class Choice:
     batch: int
     workers: int
     step: dict
+    requests: str = FITTED["requests"]  # "group": train.group_pull (one push-pull per server per group)
 
 
 def _server_counts(ranks: int) -> list[int]:
@@ -254,15 +293,15 @@ def _server_counts(ranks: int) -> list[int]:
 
 def choose(ranks: int, job: Job, m: Machine, servers: int = 0, groups: int = 0, batch: int = 0,
            batch_cap=lambda workers: BATCHES[-1], max_servers: int = 1 << 30, max_group: int = MAX_GROUP,
-           min_servers: int = 1) -> Choice:
+           min_servers: int = 1, requests: tuple = ()) -> Choice:
     """The layout of ``ranks`` ranks with the highest modelled throughput: ``job`` gives the rest
     (model, data, hosts); ``servers``, ``groups`` (the number of worker groups) and ``batch``, when
     not 0, are fixed by the user. Batches are those of :data:`BATCHES` up to ``batch_cap(workers)``
     (or the cap alone, below the smallest); from ``min_servers`` (each shard's copies) to ``max_servers``
-    servers, and groups of ``max_group``.
-    Among the layouts within :data:`NEAR` of the best, the one with
-    the fewest rows a group's step (g·B: the smallest effective batch), then the smallest group,
-    then the fastest."""
+    servers, and groups of ``max_group``; ``requests``: the ways of sending requests tried (``Job.requests``;
+    none: the job's). Among the layouts within :data:`NEAR` of the best, the one with the job's own
+    requests (the default's, where it is as fast), then the fewest rows a group's step (g·B: the
+    smallest effective batch), then the smallest group, then the fastest."""
     found = []
     for S in [servers] if servers else [c for c in _server_counts(ranks) if min_servers <= c <= max_servers]:
         W = ranks - S
@@ -273,18 +312,17 @@ def choose(ranks: int, job: Job, m: Machine, servers: int = 0, groups: int = 0, 
         most = min(W, max_group, math.ceil(ranks / job.hosts))
         sizes = ([(groups, max(1, round(W / groups)))] if groups else
                  [(W // g, g) for g in range(1, most + 1) if W % g == 0])
-        for G, g in sizes:
-            for B in batches:
-                if G <= W:
-                    r = step(replace(job, servers=S, workers=W, group=g, batch=B), m)
-                    found.append((r["examples_per_s"], S, G, g, B, W, r))
+        for (G, g), B, how in itertools.product(sizes, batches, requests or (job.requests,)):
+            if G <= W and (how == job.requests or g > 1):  # (a group of 1 sends as a worker does)
+                r = step(replace(job, servers=S, workers=W, group=g, batch=B, requests=how), m)
+                found.append((r["examples_per_s"], S, G, g, B, W, r, how))
     if not found:
         raise ValueError(f"no layout of {ranks} ranks with {servers or 'any number of'} server(s) and "
                          f"{groups or 'any number of'} worker group(s)")
     best = max(f[0] for f in found)
-    eps, S, G, g, B, W, r = min((f for f in found if f[0] >= (1 - NEAR) * best),
-                                key=lambda f: (f[4] * f[3], f[3], -f[0], f[1]))
-    return Choice(S, G, g, B, W, r)
+    eps, S, G, g, B, W, r, how = min((f for f in found if f[0] >= (1 - NEAR) * best),
+                                     key=lambda f: (f[7] != job.requests, f[4] * f[3], f[3], -f[0], f[1]))
+    return Choice(S, G, g, B, W, r, how)
 
 
 def explain(c: Choice, fixed: dict) -> str:
@@ -292,7 +330,8 @@ def explain(c: Choice, fixed: dict) -> str:
     the parts the user set (their keys), which auto kept."""
     r = c.step
     kept = f" ({', '.join(f'{k} as set' for k in fixed)})" if fixed else ""
-    return (f"layout auto: {c.servers} server(s), {c.groups} group(s) of {c.group}, batch {c.batch}{kept} — "
+    pulls = ", train.group_pull" if c.requests == "group" else ""
+    return (f"layout auto: {c.servers} server(s), {c.groups} group(s) of {c.group}, batch {c.batch}{pulls}{kept} — "
             f"the model's step: {r['step_s'] * 1e3:.2f} ms, {r['examples_per_s']:,.0f} examples/s, bottleneck "
             f"{r['bottleneck']}, {r['keys_per_request']:.0f} keys a request")
 
@@ -429,10 +468,58 @@ def _worker_rate(job: Job, m: Machine, measured: float) -> float:
 
 
 FITTED_BLOCK = re.compile(r"(# --- fitted: begin ---\n)(.*?)(# --- fitted: end ---)", re.S)
+JOB_TERMS_BLOCK = re.compile(r"(# --- job terms: begin ---\n)(.*?)(# --- job terms: end ---)", re.S)
 
 
-def fitted_source(source: str, fitted: dict) -> str:
-    """This module's source ``source`` with :data:`FITTED` replaced by ``fitted``."""
+def fitted_source(source: str, fitted: dict, block: re.Pattern = FITTED_BLOCK, name: str = "FITTED") -> str:
+    """This module's source ``source`` with :data:`FITTED` (or the dict ``name`` of ``block``,
+    e.g. :data:`JOB_TERMS`) replaced by ``fitted``."""
     body = "".join(f"    \"{k}\": \"{v}\",\n" if isinstance(v, str) else f"    \"{k}\": {float(v):.4g},\n"
                    for k, v in fitted.items())
-    return FITTED_BLOCK.sub(lambda mt: mt.group(1) + "FITTED = {\n" + body + "}\n" + mt.group(3), source, count=1)
+    return block.sub(lambda mt: mt.group(1) + name + " = {\n" + body + "}\n" + mt.group(3), source, count=1)
+
+
+JOB_TERM_NAMES = ("server_job_request_s", "straggler_cv")  # fitted together; contention apart
+
+
+def fit_job_terms(points: list[tuple[Job, float]], m: Machine, rate_of: float, rate_job: Job = Job()) -> dict:
+    """The job's terms of :class:`Machine` from measured points of one node (each a :class:`Job`
+    and its examples/s; ``m`` the node's constants from :func:`fit`): ``worker_rows_per_s`` again
+    at each try, so that the model's ``rate_job`` (the fit's 1 server + 1 worker) stays at
+    ``rate_of`` (the examples/s of the fit's jobs); ``contention`` from the points of separate jobs at once (``node_ranks``; their
+    median), where the job alone is the 1 + 1 of the rate; then ``server_job_request_s`` and
+    ``straggler_cv``, least squares of log(measured / model) over the other points."""
+    from scipy.optimize import least_squares
+
+    def with_terms(**terms) -> Machine:
+        t = replace(m, **terms)
+        return replace(t, worker_rows_per_s=_worker_rate(rate_job, t, rate_of))
+
+    apart = [(j, x) for j, x in points if j.node_ranks]
+    rest = [(j, x) for j, x in points if not j.node_ranks]
+
+    def contention(terms: dict) -> float:  # the median of the separate jobs' (bisection: it slows them)
+        found = []
+        for job, measured in apart:
+            lo, hi = 0.0, 4.0
+            for _ in range(40):
+                mid = (lo + hi) / 2
+                if step(job, with_terms(**{**terms, "contention": mid}))["examples_per_s"] > measured:
+                    lo = mid
+                else:
+                    hi = mid
+            found.append((lo + hi) / 2)
+        return float(np.median(found)) if found else kappa
+
+    def resid(p, kappa):
+        t = with_terms(contention=kappa, **dict(zip(JOB_TERM_NAMES, p)))
+        return [math.log(x / step(j, t)["examples_per_s"]) for j, x in rest]
+    p = [max(getattr(m, k), 1e-6) for k in JOB_TERM_NAMES]
+    kappa = m.contention
+    for _ in range(4):  # the two depend on each other a little (the separate jobs' requests): in turn
+        kappa = contention(dict(zip(JOB_TERM_NAMES, p)))
+        if rest:
+            p = list(least_squares(resid, p, args=(kappa,), bounds=([0.0] * len(p), [np.inf] * len(p)),
+                                   x_scale=p, diff_step=1e-2).x)
+    t = with_terms(contention=kappa, **dict(zip(JOB_TERM_NAMES, map(float, p))))
+    return {"contention": kappa, **{k: getattr(t, k) for k in JOB_TERM_NAMES}, "worker_rows_per_s": t.worker_rows_per_s}
