@@ -15,6 +15,7 @@ from hpcps.config import ConfigError, from_dict, load_raw
 from hpcps.ps import checkpoint, protocol
 from hpcps.ps.placement import Placement, new_copies
 from hpcps.ps.replication import Replication
+from hpcps.ps.rereplication import insert_rows
 from hpcps.ps.server_table import ServerTable
 from hpcps.ps.tables import TableSpec
 from hpcps.train import synth
@@ -188,7 +189,7 @@ def test_losing_a_server_promotes_its_backups_and_the_copies_made_restore_every_
     sent = [r.copy_out([tables[r.server]], moves[0]) for r in survivors]
     for out in sent:
         for target, parts in out.items():
-            Replication.copy_in([tables[target]], parts)
+            insert_rows([tables[target]], [(keys, rows) for _, keys, rows, _ in parts])
     after = survivors[0].placement
     for s in (0, 1):
         k, rows = tables[s].items()
