@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 
 from hpcps.config import ConfigError, from_dict, load_raw
-from hpcps.ps import checkpoint, protocol
+from hpcps.ps import checkpoint, failover, protocol, transport
 from hpcps.ps.placement import Placement, new_copies
 from hpcps.ps.replication import Replication
+from hpcps.ps.rereplication import insert_rows
+from hpcps.ps.server import Server
 from hpcps.ps.server_table import ServerTable
 from hpcps.ps.tables import TableSpec
 from hpcps.train import synth
@@ -188,7 +190,7 @@ def test_losing_a_server_promotes_its_backups_and_the_copies_made_restore_every_
     sent = [r.copy_out([tables[r.server]], moves[0]) for r in survivors]
     for out in sent:
         for target, parts in out.items():
-            Replication.copy_in([tables[target]], parts)
+            insert_rows([tables[target]], [(keys, rows) for _, keys, rows, _ in parts])
     after = survivors[0].placement
     for s in (0, 1):
         k, rows = tables[s].items()
@@ -210,6 +212,35 @@ def test_a_copy_message_carries_its_shards_clock_and_every_tables_rows_exactly()
         assert gk.tobytes() == k.tobytes() and gr.tobytes() == r.tobytes() and gr.shape == r.shape
     placed = protocol.unpack_request(protocol.Placed(17, 1, 2).pack(), dims=[])
     assert (placed.op, placed.clock, placed.worker, placed.lost) == (protocol.PLACED, 17, 1, 2)
+
+
+@pytest.mark.parametrize("settled", [False, True])
+def test_a_second_loss_before_a_landed_copy_has_every_push_before_it_ends_the_job(settled):
+    """A server (of 3, 1 replica, BSP, its transport the in-process one) given new backups after
+    server 1's loss, their copy landed at clock 5: server 2 lost while pushes of a clock before 5
+    may still be kept for their turn here ends the job (as a primary's they would be applied again
+    over the copy's rows); once every worker is at clock 5, the loss is survived."""
+    server = Server(transport.Loopback(), 0, 1, 1, [TableSpec("w", dim=2)], Placement(3, num_shards=64, replicas=1), 0)
+    server.net.deliver = lambda source, buf: None  # (this server's copies to server 2: not followed here)
+    failover.plug(server)
+    failover.promote(server, 1)
+    mine = [shard for shard, _, target in new_copies(Placement(3, 64, replicas=1).copies,
+                                                     server.placement.copies) if target == 0]
+    server.copying.placed_by(0, 4, 1)
+    server.copying.before_push(5)  # (this server's copies cut at clock 5 and sent)
+    width = server.tables[0].items()[1].shape[1]
+    server.copying.take(protocol.Copy(5, 2, 1, np.array(mine, dtype=np.int64),
+                                      [(np.zeros(0, dtype=np.uint64), np.zeros((0, width), dtype=np.float32))]))
+    assert mine and not server.copying.busy
+    if settled:
+        server.handle(1, protocol.Clock(5, 0).pack())
+        assert not server.copying.due()
+        failover.promote(server, 2)
+        assert server.placement.lost == (1, 2)
+    else:
+        with pytest.raises(transport.RankFailed) as failed:
+            failover.promote(server, 2)
+        assert failed.value.ranks == (2,) and "second server lost before the new backups" in failed.value.why
 
 
 def _rows(table, keys):

@@ -59,6 +59,7 @@ def promote(server, rank: int) -> None:
         server.recovery.end_job(rank)
     server.apply_backlog()  # (each key's updates in their order, before its copy is primary)
     moves = server.replication.rank_lost(rank)
+    server.copying.check_promoted(rank)
     if moves:  # (new backups on the survivors, copied over the wire: hpcps.ps.rereplication)
         server.copying.plan(rank, moves)
     server.failovers.append((rank, round(time.monotonic() - _STARTED, 3)))

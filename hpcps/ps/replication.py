@@ -138,7 +138,7 @@ class Replication:
         backups are their primaries now) and return the copies to make, ``(shard, source,
         target)`` (:func:`hpcps.ps.placement.new_copies`); this server sends those whose
         ``source`` it is (:meth:`copy_out`) and loads those whose ``target`` it is
-        (:meth:`copy_in`)."""
+        (:func:`hpcps.ps.rereplication.insert_rows`)."""
         before = self.placement
         self.placement = before.after_loss(server)
         return new_copies(before.copies, self.placement.copies)
@@ -162,18 +162,6 @@ class Replication:
                 parts.append((table.spec.name, keys[sel].copy(), rows[sel].copy(), last))
             out[target] = parts
         return out
-
-    @staticmethod
-    def copy_in(tables: list, parts: list[tuple]) -> None:
-        """Add a source's :meth:`copy_out` rows to this server's tables (new shards: no key of
-        theirs is here yet)."""
-        by_name = {t.spec.name: t for t in tables}
-        for name, keys, rows, last in parts:
-            table = by_name[name]
-            have_keys, have_rows, state = table.copy_contents()
-            if last is not None and isinstance(state.get("last"), np.ndarray):
-                state["last"] = np.concatenate([state["last"], last])
-            table.set_contents((np.concatenate([have_keys, keys]), np.concatenate([have_rows, rows]), state))
 
 
 class ServerCopies:

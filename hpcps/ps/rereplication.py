@@ -32,7 +32,8 @@ A server that learns of the loss from a worker's ``PLACED`` before its own MPI s
 the loss right then (a new backup must hold the pushes that follow it). Not done here, each
 ending the job in one line as without replicas: copies under SSP or ASP (pushes are applied as
 they arrive, there is no clock to cut at), with rows that age or are evicted, and a second loss
-while copies are under way. A second loss after the copies landed is survived as the first.
+while copies are under way, or before a new backup has had (and dropped) every push its landed copy
+holds already (:meth:`Rereplication.check_promoted`). A second loss after that is survived as the first.
 """
 
 from __future__ import annotations
@@ -107,6 +108,20 @@ class Rereplication:
         self.waiting_for = int((self.from_clock == HOLD).sum())
         self.sorting = self.sorting or bool(self.waiting_for)
         self._find_boundary()
+
+    def check_promoted(self, lost: int) -> None:
+        """After server ``lost``'s shards were promoted (this server's placement is the one without
+        it): where this server is now primary of a shard whose copy landed here at clock ``C``
+        but pushes of a clock before ``C`` may still be kept for their turn (:meth:`due` has not
+        forgotten ``C`` yet), the job ends as for a loss while copies are under way: applied as a
+        primary's, those pushes would not be dropped (:meth:`sort_backlog` sees only the backups'
+        part) and would update rows the copy holds them in already."""
+        if self.landed_by is None:
+            return
+        landed = (self.from_clock >= 0) & (self.from_clock < END)
+        if (landed & (self.server.placement.shard_server == self.server.index)).any():
+            raise transport.RankFailed([lost], "serving", "a second server lost before the new backups copied "
+                                                          "after the first held every push before their copy")
 
     def placed_by(self, worker: int, clock: int, lost: int) -> None:
         """Worker ``worker``'s ``PLACED``: from clock ``clock`` on it sends under the placement
