@@ -138,7 +138,8 @@ def prepare(args, data: str) -> None:
     t = time.time()
     main_bin = os.path.join(ROOT, ".venv", "bin")
     subprocess.run([main_bin + "/mpiexec", "-n", "3", main_bin + "/hpcps", "train",
-                    *restart.train_args(data, f"{data}/base", 1, 2.0)], check=True, stdout=subprocess.DEVNULL)
+                    *restart.train_args(data, f"{data}/base", 1, 2.0)], check=True, stdout=subprocess.DEVNULL,
+                   timeout=1800)  # (a 10 M-key job: minutes, never hours)
     print(f"the {args.keys}-key checkpoint: {time.time() - t:.0f} s ({data}/base)", flush=True)
 
 

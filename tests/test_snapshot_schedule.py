@@ -101,3 +101,14 @@ def test_full_writes_are_expected_as_long_and_deltas_as_long_for_the_time_they_c
     s.missed()
     s.committed(9.0)  # (nothing under way: ignored)
     assert [pytest.approx(w) for w in s.writes["delta"]] == [(0.5, 0.25)] and s.point == 2.0
+
+
+def test_a_full_write_longer_than_the_interval_spaces_full_snapshots_by_half_of_it_and_is_said():
+    """A full snapshot that takes longer than ``D`` to write cannot keep the bound: the next one is
+    still half an interval on (not at every step, holding training at each), and a line says so."""
+    s = SnapshotSchedule(D, 0.0)
+    s.taken(0.0, "full")
+    s.committed(3.0)
+    assert s.next_interval("full") == pytest.approx(D / 2)
+    assert not s.due(0.5, STEP, "full") and s.due(D / 2, STEP, "full")
+    assert "more than half" in s.over_half() and s.over_half() == ""

@@ -217,6 +217,8 @@ class Checkpointing:
             return False
         if not delta:
             self.schedule.committed(time.monotonic())
+            if line := self.schedule.over_half():
+                print(f"hpcps train: warning: {line}", flush=True)
             self.written, self.last_save = path, time.monotonic()
             if self.deltas_on:
                 self._extend_chain(path, checkpoint.read_manifest(path))

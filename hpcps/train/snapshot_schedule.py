@@ -9,7 +9,9 @@ before it; the worst kill comes just before the next one commits. Taking snapsho
 snapshot under way). So the next snapshot is taken ``I`` seconds after the data point before, and
 a step early (a snapshot starts at a step's end), where ``I`` plus its expected write is ``D``:
 
-* a full snapshot's write is expected to take the longest of the recent full ones;
+* a full snapshot's write is expected to take the longest of the recent full ones (``I`` no less
+  than ``D / 2``: a full write longer than that cannot keep the bound, and full snapshots taken at
+  every step would hold training at each);
 * a delta writes the rows changed since the snapshot before, more of them over a longer time, fewer
   over a shorter one: a recent delta that took ``w`` seconds over an interval of ``i`` expects
   ``w * I / i`` over ``I``, so that ``I = D / (1 + w / i)``; the least ``I`` of the recent deltas
@@ -53,7 +55,8 @@ class SnapshotSchedule:
         seen, d = self.writes[kind], self.interval
         if not seen:
             return d / 2
-        return min(d / (1 + took / covered) if kind == "delta" and covered > 0 else d - took for covered, took in seen)
+        return min(d / (1 + took / covered) if kind == "delta" and covered > 0 else max(d - took, d / 2)
+                   for covered, took in seen)
 
     def start(self, now: float) -> None:
         """Training starts at ``now``: the first data point (before any snapshot of this run)."""
