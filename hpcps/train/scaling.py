@@ -23,17 +23,17 @@ import numpy as np
 # --- fitted: begin ---
 FITTED = {
     "requests": "worker",
-    "local_latency_s": 7.47e-06,
-    "local_bytes_per_s": 8.26e+09,
-    "server_pull_keys_per_s": 5.555e+07,
-    "server_push_keys_per_s": 4.474e+07,
-    "server_request_s": 3.306e-05,
-    "worker_request_s": 0.0002362,
-    "worker_rows_per_s": 5.089e+05,
-    "worker_cpu_row_s": 1.79e-06,
-    "server_cpu_step_s": 0.001145,
-    "link_cpu_message_s": 7.453e-05,
-    "link_cpu_byte_s": 4.543e-09,
+    "local_latency_s": 7.628e-06,
+    "local_bytes_per_s": 5.289e+09,
+    "server_pull_keys_per_s": 8.13e+07,
+    "server_push_keys_per_s": 6.945e+07,
+    "server_request_s": 1.067e-05,
+    "worker_request_s": 0.0003334,
+    "worker_rows_per_s": 1.343e+06,
+    "worker_cpu_row_s": 1.545e-06,
+    "server_cpu_step_s": 0.0002906,
+    "link_cpu_message_s": 1.371e-06,
+    "link_cpu_byte_s": 2.105e-09,
 }
 # --- fitted: end ---
 
