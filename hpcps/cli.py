@@ -924,8 +924,8 @@ def main(argv: list[str] | None = None) -> int:
     from hpcps.outputs import OutputError
     from hpcps.ps import signals  # (NumPy and numba come with it: after entry's gc.disable)
 
-    if getattr(args, "own_jobs", False) and _launched_ranks()[1] > 1:
-        rank, size = _launched_ranks()
+    rank, size = _launched_ranks()
+    if getattr(args, "own_jobs", False) and size > 1:
         return _fail(f"hpcps bench {args.what} starts its own mpiexec jobs: run it without mpiexec "
                      f"(it was started as one of {size} ranks)" if rank == 0 else "")
     if args.command in ("train", "tune"):

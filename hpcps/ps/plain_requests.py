@@ -29,9 +29,9 @@ import numpy as np
 from hpcps.ps import protocol
 
 PULL, PUSH, PUSHPULL = protocol.PULL, protocol.PUSH, protocol.PUSHPULL
-IN_PULL, CLOCK_WORKERS_SHIFT = protocol.IN_PULL, protocol.CLOCK_WORKERS_SHIFT
+IN_PULL = protocol.IN_PULL
 # the flags a push-pull may have and still take the plain way: its in-pull marks, its group's clock
-PLAIN_PUSH_PULL_FLAGS = IN_PULL | -(1 << CLOCK_WORKERS_SHIFT)
+PLAIN_PUSH_PULL_FLAGS = IN_PULL | -(1 << protocol.CLOCK_WORKERS_SHIFT)
 
 
 class PlainRequests:
@@ -101,9 +101,8 @@ class PlainRequests:
             return False
         worker, dim = source - self.worker_rank0, self.dims[table]
         keys, grads, pull_keys = protocol.plain_pushed(buf, n_push, n_pull, dim)
-        workers, pull_clock = self.workers, clock + 1 + ahead
-        for w in range(worker, worker + max(1, flags >> CLOCK_WORKERS_SHIFT)):
-            workers.advance(w, clock + 1)
+        pull_clock = clock + 1 + ahead
+        self._advance(worker, protocol.clock_workers_of(flags), clock)
         if flags & IN_PULL and self._answers_at_once(n_push, clock, sender, pull_clock):
             rest = self.push_now(worker, table, keys, grads, clock, protocol.plain_in_pull(buf, n_push, n_pull, dim))
             self.answer_pull(source, PUSHPULL, req_id, table, pull_keys)
@@ -113,7 +112,7 @@ class PlainRequests:
         if n_push:
             self._plain_push_part(worker, table, req_id, clock, sender, keys, grads)
         self._after_clock()
-        if n_pull == 0 or workers.readable(pull_clock):
+        if n_pull == 0 or self.workers.readable(pull_clock):
             self.answer_pull(source, PUSHPULL, req_id, table, pull_keys)
         else:  # (its message, made now: read when the clocks allow it)
             self._defer_plain(source, protocol.unpack_request(buf, self.dims, words=words))

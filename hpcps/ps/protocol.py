@@ -191,6 +191,11 @@ def clock_workers_flags(n: int) -> int:
     return n << CLOCK_WORKERS_SHIFT if n > 1 else 0
 
 
+def clock_workers_of(flags: int) -> int:
+    """The workers whose clock a push-pull of these request flags carries (:func:`clock_workers_flags`)."""
+    return max(1, flags >> CLOCK_WORKERS_SHIFT)
+
+
 def margin_width(dim: int) -> int:
     """Partial sums per row a ``MARGINS`` reply carries for a table of ``dim``: 1 for LR, and
     ``dim + 1`` for an FM (linear part, the k factor sums, the sum of squares)."""
@@ -498,7 +503,7 @@ class PushPull(TableMessage):
         _, table, req_id, n_push, n_pull, clock, worker, ahead, flags = words
         keys, grads, pull_keys, in_pull, enc = _unpack_pushed(buf, words, dims[table], grads, lists)
         return cls(table, req_id, clock, worker, keys, grads, pull_keys, ahead, in_pull, bool(flags & GRADS_APART),
-                   max(1, flags >> CLOCK_WORKERS_SHIFT), enc)
+                   clock_workers_of(flags), enc)
 
 
 @dataclass(eq=False)
@@ -842,7 +847,7 @@ class TablesPushPull(Message):
             sends = [np.unpackbits(buf[at + i * bits:at + (i + 1) * bits], count=n_push, bitorder="little").view(bool)
                      for i in range(n_tables)]
         return cls(tables, req_id, clock, worker, push_keys, table_grads, pull_keys, ahead, in_pull,
-                   max(1, flags >> CLOCK_WORKERS_SHIFT), Encoding.of(flags, push_list, pull_list), sends)
+                   clock_workers_of(flags), Encoding.of(flags, push_list, pull_list), sends)
 
 
 class TablesPull(TablesPushPull):

@@ -328,7 +328,7 @@ class Server(ServerReads, PlainRequests, ServerCopies):
         applied in between (:meth:`_answers_at_once`), the push's keys the pull reads are updated,
         the pull answered, and then (the reply gone) the push's other keys."""
         worker = source - self.worker_rank0
-        self._advance(worker, r)
+        self._advance(worker, r.clock_workers, r.clock)
         if r.in_pull is not None and self._answers_at_once(r.push_keys.shape[0], r.clock, r.worker, r.pull_clock):
             rests = [(self.tables[t], self.push_now(worker, t, k, g, r.clock, r.in_pull)) for t, k, g in pushes]
             serve(source, r)
@@ -341,10 +341,11 @@ class Server(ServerReads, PlainRequests, ServerCopies):
         self._after_clock()
         self._serve_or_defer(source, r)
 
-    def _advance(self, worker: int, r: protocol.PushPull | protocol.TablesPushPull) -> None:
-        """A push-pull's clock advance: the sender's, or its group's (``clock_workers`` from it on)."""
-        for w in range(worker, worker + r.clock_workers):
-            self.workers.advance(w, r.clock + 1)
+    def _advance(self, worker: int, clock_workers: int, clock: int) -> None:
+        """A push-pull's clock advance past ``clock``: the sender's, or its group's (``clock_workers``
+        from ``worker`` on)."""
+        for w in range(worker, worker + clock_workers):
+            self.workers.advance(w, clock + 1)
 
     def _answers_at_once(self, n_push: int, clock: int, worker: int, pull_clock: int) -> bool:
         """Whether a push-pull (of ``n_push`` keys at ``clock`` from ``worker``, its header's, pulling

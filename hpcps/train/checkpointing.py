@@ -130,11 +130,16 @@ class Checkpointing:
         if self.schedule.pending is None or self.schedule.pending[0] != "delta":
             return
         if self.commits.done_at is not None:
-            self.schedule.committed(self.commits.done_at)
-            if line := self.schedule.over_half():
-                print(f"hpcps train: warning: {line}", flush=True)
+            self._snapshot_committed(self.commits.done_at)
         elif self.commits.failed:
             self.schedule.missed()
+
+    def _snapshot_committed(self, at: float) -> None:
+        """First worker: the snapshot under way committed at ``at``, told to the schedule (and a
+        write too long for ``delta_every_s`` said, once)."""
+        self.schedule.committed(at)
+        if line := self.schedule.over_half():
+            print(f"hpcps train: warning: {line}", flush=True)
 
     def act(self, want: int, epoch: int, step: int, global_step: int) -> int:
         """Collective over the workers: the checkpoint the workers agreed on after step ``step``
@@ -216,9 +221,7 @@ class Checkpointing:
             self.schedule.missed()
             return False
         if not delta:
-            self.schedule.committed(time.monotonic())
-            if line := self.schedule.over_half():
-                print(f"hpcps train: warning: {line}", flush=True)
+            self._snapshot_committed(time.monotonic())
             self.written, self.last_save = path, time.monotonic()
             if self.deltas_on:
                 self._extend_chain(path, checkpoint.read_manifest(path))
