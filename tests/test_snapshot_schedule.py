@@ -85,6 +85,15 @@ def test_writes_over_half_the_interval_are_said_once_and_come_back_to_back():
     assert all(b[0] == a[1] for a, b in zip(snaps[1:], snaps[2:]))  # (each waits for the one before)
 
 
+def test_without_timed_snapshots_no_write_is_said_to_be_over_half_the_interval():
+    """A signal's checkpoint (or one by count) with ``checkpoint.delta_every_s = 0`` warned that it
+    took more than half of an interval of 0."""
+    s = SnapshotSchedule(0.0, 0.0)
+    s.taken(1.0, "full")
+    s.committed(1.2)
+    assert s.over_half() == ""
+
+
 def test_full_writes_are_expected_as_long_and_deltas_as_long_for_the_time_they_cover():
     s = SnapshotSchedule(D, 0.0)
     s.taken(0.0, "full")

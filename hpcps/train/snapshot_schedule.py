@@ -91,9 +91,10 @@ class SnapshotSchedule:
 
     def over_half(self) -> str:
         """Once, when a recent write took more than half the interval (the bound cannot hold: the
-        next snapshot waits for it), a line saying so; else ''."""
+        next snapshot waits for it), a line saying so; else '' (always without timed snapshots:
+        ``checkpoint.delta_every_s = 0``, the checkpoints a signal or a count asks for)."""
         longest = max((took for seen in self.writes.values() for _, took in seen), default=0.0)
-        if self.warned or longest <= self.interval / 2:
+        if self.warned or not self.interval or longest <= self.interval / 2:
             return ""
         self.warned = True
         return (f"a snapshot took {longest:.2f} s from its step to its commit, more than half of "
