@@ -226,10 +226,10 @@ def test_b_1_with_checkpoints_goes_on_without_a_stopped_worker_and_resumes(refer
     assert abs(resumed["test_logloss"] - ref["test_logloss"]) < 0.005
 
 
-def signalled_job(tmp, data, sets: dict, sig: int, rank: int, at: int) -> tuple[int, str]:
+def signalled_job(tmp, data, sets: dict, sig: int, rank: int | tuple, at: int) -> tuple[int, str]:
     """A 4-rank job of ``cluster.backup_workers = 1`` and ``sets`` (key: TOML value); ``sig`` (0:
-    none) sent to rank ``rank`` alone once the first worker is past step ``at``. Returns (its exit
-    status, its output)."""
+    none) sent to rank ``rank`` alone (or to each of a tuple of ranks) once the first worker is past
+    step ``at``. Returns (its exit status, its output)."""
     status, summary = tmp / "status.json", tmp / f"summary-{time.monotonic_ns()}.json"
     sets = {"data.train": json.dumps(data[0]), "data.test": json.dumps(data[1]), "train.progress": "false",
             "cluster.backup_workers": 1, **sets}
@@ -243,7 +243,8 @@ def signalled_job(tmp, data, sets: dict, sig: int, rank: int, at: int) -> tuple[
                 and time.monotonic() < deadline:
             time.sleep(0.01)
         if sig and proc.poll() is None:
-            os.kill(bench_backup.rank_pid(str(summary), rank), sig)
+            for r in rank if isinstance(rank, tuple) else (rank,):
+                os.kill(bench_backup.rank_pid(str(summary), r), sig)
         out, _ = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
@@ -251,11 +252,12 @@ def signalled_job(tmp, data, sets: dict, sig: int, rank: int, at: int) -> tuple[
     return proc.returncode, out
 
 
-def test_a_signal_to_one_worker_is_agreed_where_the_workers_meet_and_resume_finishes(reference, tmp_path):
+def test_a_signal_to_one_worker_is_agreed_by_every_worker_and_resume_finishes(reference, tmp_path):
     """Under backup workers the workers no longer agree at each step whether to checkpoint: a stop
-    signal to worker rank 2 alone is agreed before the loop's next collective (an evaluation every
-    60 steps, or the epoch's end), every worker moved to the same clock; the signal's checkpoint is
-    written there, the job exits 75, and --resume auto trains on from it to the last step."""
+    signal to worker rank 2 alone is told to the servers, which report it to the other workers, so
+    it is agreed within a few steps, at the latest before the loop's next collective (an evaluation
+    every 60 steps), every worker moved to the same clock; the signal's checkpoint is written
+    there, the job exits 75, and --resume auto trains on from it to the last step."""
     tmp, data, ref = reference
     ck = tmp_path / "ck"
     sets = {"train.batch_size": 20, "train.epochs": EPOCHS, "train.eval_every": 60, "checkpoint.dir": json.dumps(str(ck))}
@@ -265,11 +267,52 @@ def test_a_signal_to_one_worker_is_agreed_where_the_workers_meet_and_resume_fini
     m = json.load(open(ck / name / "manifest.json"))
     pos = m["position"]
     assert m["reason"] == "signal" and m["clock"] == pos["global_step"], m
-    assert (pos["step"] - 1) % 60 == 0 or pos["step"] > ROWS // 3 // 20, pos  # (an evaluation's step, or the epoch's end)
+    assert 30 < pos["step"] <= 61, pos  # (after the signal, no later than the evaluation after it)
     rc, out = signalled_job(tmp_path, data, {**sets, "checkpoint.resume": '"auto"'}, 0, 0, 0)
     assert rc == 0 and f"resuming from {ck / name}" in out, out[-3000:]
     last = json.load(open(ck / max(os.listdir(ck)) / "manifest.json"))
     assert last["reason"] == "end of training" and last["position"]["epoch"] == EPOCHS + 1
+
+
+def test_a_signal_to_more_workers_than_b_is_told_to_the_servers_and_nobody_waits_for_a_clock():
+    """The rules: a stop known to a server (a worker's STOPPING, or its own signal) under backup
+    workers answers every read at once until the signal's checkpoint; a signal forwarded is
+    reported as the server's own but is not its own (its own SIGTERM after it is no second one)."""
+    from hpcps.ps import signals
+    w = WorkerClocks(3, 0, Backup(1))
+    w.advance(0, 5)  # (worker 0 ahead, workers 1 and 2 at clock 0: stopped in the agreement)
+    assert not w.ready(pull(5))
+    w.stopping = True
+    assert w.ready(pull(5))
+    assert signals.requested() is None
+    signals.forwarded(signal.SIGUSR1)
+    signals.forwarded(signal.SIGTERM)
+    assert signals.requested() == signal.SIGTERM and signals._state["signal"] is None
+    signals.clear()
+    assert signals.requested() is None
+    msg = protocol.Stopping(7, 2, int(signal.SIGTERM))
+    words = protocol.request_words(msg.pack())
+    got = protocol.MESSAGES[words[0]].unpack(list(words), None, [], None)
+    assert (type(got), got.clock, got.worker, got.signal) == (protocol.Stopping, 7, 2, signal.SIGTERM)
+
+
+def test_a_signal_to_two_of_three_workers_with_b_1_stops_the_job_with_its_checkpoint(reference, tmp_path):
+    """SIGTERM to two of the three workers (more than b = 1, as a scheduler's preemption signal to
+    some ranks): the two join the agreement at once and push nothing more, so the clock a third
+    worker ahead waits for never completes. They tell the servers first (STOPPING), which answer
+    every read at once and report the stop: the third joins after its step, and the job writes the
+    signal's checkpoint at one clock for all and exits 75 (it stalled until
+    ``cluster.stall_timeout_s`` and died without a checkpoint before)."""
+    tmp, data, ref = reference
+    ck = tmp_path / "ck"
+    sets = {"train.batch_size": 20, "train.epochs": EPOCHS, "checkpoint.dir": json.dumps(str(ck)),
+            "cluster.stall_timeout_s": 40, "cluster.stall_warn_s": 20}
+    rc, out = signalled_job(tmp_path, data, sets, signal.SIGTERM, (2, 3), 30)
+    assert rc == 75, out[-3000:]
+    (name,) = os.listdir(ck)
+    m = json.load(open(ck / name / "manifest.json"))
+    assert m["reason"] == "signal" and m["clock"] == m["position"]["global_step"] > 30, m
+    assert "StallError" not in out, out[-3000:]
 
 
 def test_the_chaos_kill_schedule_with_b_1_finishes_with_a_finite_model_near_the_reference(tmp_path):

@@ -102,6 +102,10 @@ class WorkerClocks:
         self.buffered: list[tuple[int, int, int, protocol.Push]] = []
         self.seq = 0
         self._min_clock: int | None = None  # min_clock() until a clock moves (every reply carries it)
+        # backup workers: a stop is wanted (workers are joining the agreement on it): every read is
+        # answered at once until its checkpoint, as a late worker's is (no worker waits for those
+        # in the agreement, who push nothing more)
+        self.stopping = False
 
     @property
     def waiting(self) -> bool:
@@ -148,8 +152,9 @@ class WorkerClocks:
 
     def readable(self, clock: int) -> bool:
         """Whether a read at ``clock`` is answered now: once every worker (but the backups) has
-        reached ``clock - staleness``; at once under ASP."""
-        return self.staleness < 0 or clock - self.staleness <= self.min_clock()
+        reached ``clock - staleness``; at once under ASP, and while a stop is agreed under backup
+        workers (:attr:`stopping`)."""
+        return self.staleness < 0 or clock - self.staleness <= self.min_clock() or self.stopping
 
     def missed(self, r: protocol.Checkpoint) -> bool:
         """A quorum checkpoint that came after its clock completed (its pushes applied): the model

@@ -320,12 +320,12 @@ class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges,
         (``protocol.GRADS_APART``); returns the pending sends."""
         return self.net.start_send(grads, server, protocol.TAG_GRADS, f"{protocol.OP_NAMES[op]} gradients to server")
 
-    def _notify_servers(self, op: int) -> None:
+    def _notify_servers(self, op: int, *more) -> None:
         sends, self._clock_sends = self._clock_sends, []  # (a loss found here may add its notices)
         self._clock_sends += failover.without_lost(self, transport.completed, sends)
         for server in self.placement.live_servers:
             self.stats["requests"] += 1
-            self._clock_sends += failover.start_send(self, protocol.MESSAGES[op](self.clock_value, self.worker_index).pack(),
+            self._clock_sends += failover.start_send(self, protocol.MESSAGES[op](self.clock_value, self.worker_index, *more).pack(),
                                                      server, protocol.TAG_REQUEST, f"{protocol.OP_NAMES[op]} message to server")
 
     @property
@@ -505,6 +505,13 @@ class AskedCheckpoint:
     replies: list
     pending: list
     servers: list  # the servers asked (under replicas, those not lost: they hold every shard)
+
+
+def forward_stop(ctx: Context, sig: int) -> None:
+    """Backup workers: this worker saw stop signal ``sig`` and joins the agreement on it: every
+    server told first (``protocol.STOPPING``), so that it reports the stop to the workers not in
+    the agreement yet and holds none of their reads meanwhile."""
+    ctx._notify_servers(protocol.STOPPING, int(sig))
 
 
 def ask_for_checkpoint(ctx: Context, root: str, step: int, clock: int, delta: bool, track: bool,

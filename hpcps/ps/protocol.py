@@ -62,6 +62,10 @@ Operations:
   to a server): new backup copies of whole shards, their rows as the source applied them up to
   ``clock`` (every push of an earlier clock, none of a later one): see :class:`Copy` and
   :mod:`hpcps.ps.rereplication`.
+* ``STOPPING`` (a worker to every server, under backup workers): the worker saw a stop signal
+  (``reserved``: its number) and joins the workers' agreement on it; the server reports it as its
+  own (``STOP`` in its replies) and answers every read at once until the signal's checkpoint, so
+  that no worker waits for those in the agreement (:mod:`hpcps.train.quorum_checkpoints`).
 * ``CALL``: a registered server function (the op's word, ``reserved``: its number, in declaration order) over
   ``n_push`` keys (uint64) with ``n_pull`` float32 arguments each; read at ``clock`` like a pull.
   The reply holds its float32 results: a row per key, or one reduction.
@@ -90,9 +94,11 @@ from hpcps_kernels.tuning import GRADS_APART_BYTES, MESSAGE_PAGE_OFFSET, PAGE_BY
 PULL, PUSH, CLOCK, DONE, CHECKPOINT, PUSHPULL, MARGINS, RESIDUALS, CALL = 1, 2, 3, 4, 5, 6, 7, 8, 9
 PULLS, PUSHPULLS = 10, 11  # a pull and a push-pull of several tables over the same keys
 PLACED, COPY = 12, 13  # after a lost server: a worker's switch to the new placement; new backups' rows
+STOPPING = 14  # backup workers: a worker saw a stop signal (the signal's number: the reserved word)
 OP_NAMES = {PULL: "pull", PUSH: "push", CLOCK: "clock", DONE: "done", CHECKPOINT: "checkpoint",
             PUSHPULL: "push-pull", MARGINS: "margins", RESIDUALS: "residuals", CALL: "call",
-            PULLS: "tables pull", PUSHPULLS: "tables push-pull", PLACED: "placed", COPY: "copy"}
+            PULLS: "tables pull", PUSHPULLS: "tables push-pull", PLACED: "placed", COPY: "copy",
+            STOPPING: "stopping"}
 
 REQUEST = np.dtype([("op", "<i8"), ("table", "<i8"), ("req_id", "<i8"), ("n_push", "<i8"),
                     ("n_pull", "<i8"), ("clock", "<i8"), ("worker", "<i8"), ("reserved", "<i8"),
@@ -545,6 +551,22 @@ class Placed(Clock):
 
 
 @dataclass(eq=False)
+class Stopping(Clock):
+    """``STOPPING`` (backup workers): worker ``worker``, at ``clock``, saw stop signal ``signal`` (the
+    header's reserved word) and joins the workers' agreement on it. Sizes 0."""
+
+    op: ClassVar[int] = STOPPING
+    signal: int = 0
+
+    def pack(self, alloc=None) -> np.ndarray:
+        return _pack(_words(self.op, 0, 0, (0, 0), self.clock, self.worker, self.signal), HEADER_BYTES, alloc)
+
+    @classmethod
+    def unpack(cls, words: list, buf: np.ndarray, dims: list[int], grads: np.ndarray | None) -> "Stopping":
+        return cls(words[5], words[6], words[7])
+
+
+@dataclass(eq=False)
 class Copy(Message):
     """``COPY``: server ``source``'s rows of ``shards`` (new backups on the receiver after server
     ``lost`` was lost), as applied up to ``clock``: every push of an earlier clock, none of a later
@@ -862,7 +884,7 @@ class TablesPull(TablesPushPull):
 
 
 MESSAGES = {cls.op: cls for cls in (Pull, Push, PushPull, Clock, Done, Checkpoint, Margins, Residuals, Call,
-                                      TablesPull, TablesPushPull, Placed, Copy)}
+                                      TablesPull, TablesPushPull, Placed, Copy, Stopping)}
 
 
 def header(buf: np.ndarray):

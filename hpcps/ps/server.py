@@ -262,6 +262,21 @@ class ServerReads:
             self._apply_pushes_due()
         if r.for_signal:  # (this server's own signal is answered: no more STOP in its replies)
             signals.clear()
+            self.workers.stopping = False
+
+    def _handle_stopping(self, source: int, r: protocol.Stopping) -> None:
+        """A worker saw stop signal ``r.signal`` (backup workers): reported as this server's own."""
+        signals.forwarded(r.signal)
+        self.stop_known()
+
+    def stop_known(self) -> None:
+        """A stop is wanted (this server's signal, or a worker's forwarded): under backup workers
+        every read is answered at once until the signal's checkpoint (``WorkerClocks.stopping``):
+        a worker held for a clock the workers in the agreement will not push would never see the
+        stop, and they would wait for it until ``cluster.stall_timeout_s``."""
+        if self.workers.late is not None and not self.workers.stopping:
+            self.workers.stopping = True
+            self._serve_reads_due()
 
 
 class Server(ServerReads, PlainRequests, ServerCopies):
@@ -303,7 +318,7 @@ class Server(ServerReads, PlainRequests, ServerCopies):
             protocol.MARGINS: self._serve_or_defer, protocol.CALL: self._serve_or_defer,
             protocol.PUSHPULL: self._handle_push_pull, protocol.PUSH: self._handle_push,
             protocol.RESIDUALS: self._handle_residuals, protocol.CLOCK: self._handle_clock,
-            protocol.DONE: self._handle_done,
+            protocol.DONE: self._handle_done, protocol.STOPPING: self._handle_stopping,
             protocol.PULLS: self._serve_or_defer, protocol.PUSHPULLS: self._handle_tables_push_pull,
         }
         self.plain = self.plain_handlers()  # op -> its plain way (source, message, header words) -> done
@@ -508,6 +523,8 @@ class ServingLoop:
         server.replies.drop_completed()
         if self.quiet_since is None and time.perf_counter() - self.last_request > QUIET_S:
             self.quiet_since = (time.perf_counter(), time.process_time())
+        if signals.requested():  # (this server's own stop signal)
+            server.stop_known()
         now = time.monotonic()
         if now - self.last_check > 1.0:
             self._warn_of_stalled_reads()

@@ -23,7 +23,7 @@ STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130
 _PRIORITY = {signal.SIGINT: 3, signal.SIGTERM: 2, signal.SIGUSR1: 1}  # which one a stop reports
 
-_state: dict = {"signal": None, "installed": False, "defer": True, "prefix": "hpcps: ", "first": True,
+_state: dict = {"signal": None, "forwarded": None, "installed": False, "defer": True, "prefix": "hpcps: ", "first": True,
                 "why": "", "end": os._exit}
 
 
@@ -75,8 +75,21 @@ def stop_now(signum: int, again: bool = False) -> None:
 
 
 def requested() -> int | None:
-    """The stop signal received (the one a stop reports: SIGINT before SIGTERM before SIGUSR1), or None."""
-    return _state["signal"]
+    """The stop signal received or forwarded (the one a stop reports: SIGINT before SIGTERM before
+    SIGUSR1), or None."""
+    own, told = _state["signal"], _state["forwarded"]
+    if own is None or told is None:
+        return own if told is None else told
+    return own if _PRIORITY[own] >= _PRIORITY[told] else told
+
+
+def forwarded(signum: int) -> None:
+    """A stop signal another rank received, reported by this one as if its own (:func:`requested`)
+    but not counted as one here: a signal of its own after it is still the first (a server told of
+    a worker's SIGTERM before its own SIGTERM comes must not stop at once)."""
+    told = _state["forwarded"]
+    if told is None or _PRIORITY[signum] > _PRIORITY[told]:
+        _state["forwarded"] = signum
 
 
 def exit_status(signum: int | None) -> int:
@@ -86,4 +99,4 @@ def exit_status(signum: int | None) -> int:
 
 
 def clear() -> None:
-    _state["signal"] = None
+    _state["signal"] = _state["forwarded"] = None

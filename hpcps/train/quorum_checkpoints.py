@@ -14,7 +14,11 @@ nobody waits for the ``b`` slowest workers, checkpoints included:
   the model, not in the checkpoint (as a dropped late push). The position is the first worker's
   step, the same step for every worker on resume (a late worker's rows before it are skipped);
 - stop signals (SIGINT, SIGTERM, SIGUSR1, or a server's) are agreed where the workers meet
-  anyway: a worker that sees one joins the agreement at once; the others join it before the
+  anyway: a worker that sees one tells every server (``protocol.STOPPING``) and joins the
+  agreement at once. The servers then report the stop in every reply and answer every read at
+  once until the signal's checkpoint, so each other worker sees it after its step in flight and
+  joins too (more than ``b`` workers in the agreement push nothing more: a worker held for a clock
+  they leave incomplete would otherwise wait for them); those that see none join it before the
   loop's next collective (an evaluation, the epoch's end), where every worker agrees, once each
   between two of them (:meth:`QuorumCheckpoints.at_collective`). Every worker then moves to the
   largest clock among them, skipping the steps between (as a late worker does), and the
@@ -67,6 +71,7 @@ class QuorumCheckpoints:
         sig = self.ck.ctx.stop_signal
         if sig and not self.agreed:
             self.agreed = True
+            context.forward_stop(self.ck.ctx, sig)  # (the others learn of it from the servers, none held meanwhile)
             return self.agree(stop_wanted(sig), epoch, step)
         if self.ck.first:
             self.finish_asked(block=False)  # (one in flight: only a count's due is kept for later)
