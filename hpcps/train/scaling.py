@@ -248,8 +248,8 @@ def shared_cores(job: Job, m: Machine, server_s: float, link_s: float = 0.0, wor
     1 worker job's), ``worker_request_s`` for each of its further ``requests`` (its packing and
     posting) and ``link_s`` (:func:`link_cpu`, its messages' CPU between hosts that share these
     cores); a server's is ``server_s`` (its keys and requests) and ``server_cpu_step_s`` (the rest
-    of its loop). The step is the critical path
-    through BSP's phases, each phase's CPU on the cores it has:
+    of its loop). The step is the critical path through BSP's phases, each phase's CPU on the
+    cores it has:
 
     * the workers' rows, and under SSP ``s`` the share ``1 - 1/(s + 1)`` of the servers' work
       that overlaps them (all of it under ASP), over the C cores less what the servers' polls
