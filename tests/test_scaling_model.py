@@ -415,3 +415,16 @@ def test_auto_turns_group_pulls_on_across_hosts_where_the_model_says_so():
     assert not plan_module.decide_layout(cfg, 16, 1, 16, KEYS, 10 ** 9)[4]
     no_merge = config.from_dict({"cluster": {"layout": "auto"}, "train": {"aggregate": False}})
     assert not plan_module.decide_layout(no_merge, 1600, 100, 1600, KEYS, 10 ** 9)[4]
+
+
+def test_auto_keeps_one_server_on_one_host_whose_ranks_outnumber_its_cores():
+    # an FM on 8 ranks of 2 cores: one server (a copy of each shard with cluster.replicas), where
+    # a second was measured slower than the model gives it; set by hand, the servers are kept
+    fm = {"cluster": {"layout": "auto"}, "model": {"type": "fm", "factors": 4}}
+    assert plan_module.decide_layout(config.from_dict(fm), 8, 1, 2, KEYS, 10 ** 7)[0] == 1
+    copies = config.from_dict({**fm, "cluster": {"layout": "auto", "replicas": 1}})
+    assert plan_module.decide_layout(copies, 8, 1, 2, KEYS, 10 ** 7)[0] == 2
+    by_hand = config.from_dict({**fm, "cluster": {"layout": "auto", "servers": 3}})
+    assert plan_module.decide_layout(by_hand, 8, 1, 2, KEYS, 10 ** 7)[0] == 3
+    # with a core a rank, or on several hosts, the model's count (more than one here)
+    assert plan_module.decide_layout(config.from_dict(fm), 8, 1, 8, KEYS, 10 ** 7)[0] > 1
