@@ -7,7 +7,10 @@
 #  2. the points: hpcps train on generated Zipf data (the median of 3 runs each), 2-4 ranks on one host
 #     (shared memory) and 2-3 hosts of the namespace cluster (TCP), written to
 #     docs/scaling-measured.json with the model's Job for each, the loops' CPU seconds and the load
-#     average before each run (other work on the machine takes cores the model gives the job).
+#     average before each run (other work on the machine takes cores the model gives the job);
+#  3. the servers' poll share fitted on the points' loops' CPU seconds (`python docs/scaling.py
+#     fit-polls --write`, which rewrites POLLS in hpcps/train/scaling.py) and the points' table,
+#     measured / modelled, each also with the share fitted on the others.
 # Needs root for the cluster (the one-host points run without it). Run from the repository root:
 #
 #   bash docs/measure-scaling.sh [ROWS]      # default 300000 rows
@@ -15,6 +18,8 @@
 #   REQUESTS=group bash docs/measure-scaling.sh  # the code sends one request per server per group
 #   LAYOUTS="1 1,1 3,2 6,4 12" CLUSTER=0 bash docs/measure-scaling.sh  # other one-host points (servers
 #                                            # workers, comma-separated), no namespace hosts (a 16-core node)
+#   LAYOUTS="1 2,2 1 2000" FIT=0 CLUSTER=0 bash docs/measure-scaling.sh  # a point's batch as a third
+#                                            # field (default 1000): a layout auto picks beside another
 set -euo pipefail
 ROWS=${1:-300000}
 ROOT=$(pwd)
@@ -37,26 +42,28 @@ else
   echo "measure-scaling: no namespace cluster here: the one-host points only, the link's CPU as it is" >&2
 fi
 
-point() {  # point NAME SERVERS WORKERS HOSTS MACHINE SUMMARY...: the median run's figures
-  POINTS+=("$("$PY" -c 'import json, sys
+point() {  # point NAME SERVERS WORKERS HOSTS MACHINE SUMMARY...: the median run's figures (BATCH: its batch)
+  POINTS+=("$(BATCH=${BATCH:-1000} "$PY" -c 'import json, os, sys
 name, s, w, hosts, machine, *paths = sys.argv[1:]
 runs = sorted((json.load(open(p)) for p in paths), key=lambda r: r["examples_per_s"])
 r = runs[len(runs) // 2]
 job = {"servers": int(s), "workers": int(w), "hosts": int(hosts)}
+if os.environ["BATCH"] != "1000":
+    job["batch"] = int(os.environ["BATCH"])
 if job["hosts"] > 1:  # (every point on hosts has its servers on other hosts than its workers)
     job["crossing"] = 1.0
 print(json.dumps({"name": name, "job": job,
-                  "machine": json.loads(machine), "examples_per_s": round(r["examples_per_s"]),
+                  "machine": json.loads(machine), "examples_per_s": round(r["examples_per_s"]), "examples": r["examples"],
                   "runs": [round(x["examples_per_s"]) for x in runs], "workers_wait_s": r["max_wait_s"],
                   "loop_cpu_s_worker": r.get("loop_cpu_s_worker"), "loop_cpu_s_server": r.get("loop_cpu_s_server"),
                   "load": [float(open(p + ".load").read()) for p in paths]}))' "$@")")
   echo "${POINTS[-1]}"
 }
 
-train() {  # train SERVERS WORKERS OUT (and OUT.load: the load average of the minute before it started)
+train() {  # train SERVERS WORKERS OUT [BATCH] (and OUT.load: the load average of the minute before it started)
   cut -d' ' -f1 /proc/loadavg >"$3.load"
   "$BIN/mpiexec" -n $(($1 + $2)) "$BIN/hpcps" train "${ARGS[@]}" --set cluster.servers="$1" \
-    --summary-json "$3" >/dev/null
+    --set train.batch_size="${4:-1000}" --summary-json "$3" >/dev/null
 }
 
 mpi_hosts() {  # mpi_hosts OUT: hpcps bench mpi between two namespace hosts (TCP)
@@ -92,8 +99,8 @@ HERE="{\"cores\": $CORES}"
 IFS=, read -ra LAYOUT_LIST <<<"${LAYOUTS:-1 1,1 2,1 3,2 2}"
 for layout in "${LAYOUT_LIST[@]}"; do
   set -- $layout
-  for i in $(seq "$REPS"); do train "$1" "$2" "$WORK/s-$i.json"; done
-  point "$1S+$2W" "$1" "$2" 1 "$HERE" "$WORK"/s-*.json
+  for i in $(seq "$REPS"); do train "$1" "$2" "$WORK/s-$i.json" "${3:-1000}"; done
+  BATCH=${3:-1000} point "$1S+$2W${3:+, batch $3}" "$1" "$2" 1 "$HERE" "$WORK"/s-*.json
   rm -f "$WORK"/s-*.json*
 done
 
@@ -119,6 +126,10 @@ fi
 printf '%s\n' "${POINTS[@]}" | "$PY" -c 'import json, sys; print(json.dumps([json.loads(l) for l in sys.stdin], indent=1))' \
   >docs/scaling-measured.json
 echo "wrote docs/scaling-measured.json"
+# the servers' poll share from the points' loops' CPU seconds (FIT=1; with FIT=0 the table alone),
+# and each point's measured / modelled, fitted and left out; again later with
+# `python docs/scaling.py fit-polls [--write]`
+"$PY" docs/scaling.py fit-polls $([ "${FIT:-1}" = 1 ] && echo --write)
 "$PY" -c 'import json, sys
 loads = sorted(x for p in json.load(open(sys.argv[1])) for x in p.get("load", []))
 if loads and loads[len(loads) // 2] > 2:

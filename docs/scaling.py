@@ -8,6 +8,7 @@ Explained in docs/scaling.md.
                                [--cores 2] [--requests worker] [--mpi-hosts MPI-HOSTS.jsonl...]
                                [--job-hosts JOB-HOSTS.json...]
     python docs/scaling.py fit-terms [--write]  # the job's terms on the 16-core node's points, left out in turn
+    python docs/scaling.py fit-polls [--write]  # the servers' poll share on this machine's points, its table
 
 ``fit`` reads what ``mpiexec -n 2 hpcps bench ps --json``, ``mpiexec -n 2 hpcps bench mpi --json``
 and 2-rank ``hpcps train ... --summary-json JOB.json`` runs wrote (medians over the files of each)
@@ -207,6 +208,44 @@ def fit_terms_command(args) -> None:
         print(f"wrote {os.path.relpath(args.module)} and {os.path.relpath(args.points)}")
 
 
+HERE_POINTS = os.path.join(ROOT, "docs", "scaling-measured.json")
+
+
+def fit_polls_command(args) -> None:
+    """The servers' poll share (scaling.POLLS) from this machine's points' loops' CPU seconds
+    (written with --write), and the table of measured / modelled: each point with the share
+    fitted on all of them, and with the share fitted on the others (left out)."""
+    points = _read_json(args.points)
+    runs = [(Job(**p["job"]), Machine(**p.get("machine", {})), p) for p in points]
+    try:
+        share = scaling.fit_poll_share(runs)
+    except ValueError as e:  # (no point on hosts: the table with the share as it is)
+        share, args.write = Machine().server_poll_share, False
+        print(f"{e}: server_poll_share kept at {share:.4g}")
+    print(f"server_poll_share: {share:.4g} (each point's on hosts: "
+          + ", ".join(f"{p['name']} {x:.2f}" for j, m, p in runs for x in [scaling.poll_share_of(j, m, p)]
+                      if x is not None and j.crossing_share() > 0) + ")")
+    print("\n| point | measured (loop), runs | model | measured / model | left out | load before | model's bottleneck |"
+          "\n|---|---|---|---|---|---|---|")
+    for i, (j, m, p) in enumerate(runs):
+        try:
+            alone = scaling.fit_poll_share(runs[:i] + runs[i + 1:])
+        except ValueError:  # (no other point to fit on: the share as it is)
+            alone = m.server_poll_share
+        r, lo = step(j, replace(m, server_poll_share=share)), step(j, replace(m, server_poll_share=alone))
+        spread = f" ({min(p['runs']) / 1e3:,.0f} k-{max(p['runs']) / 1e3:,.0f} k)" if p.get("runs") else ""
+        load = f"{min(p['load']):.1f}-{max(p['load']):.1f}" if p.get("load") else "-"
+        print(f"| {p['name']} | {p['examples_per_s']:,} ex/s{spread} | {r['examples_per_s']:,.0f} ex/s | "
+              f"{p['examples_per_s'] / r['examples_per_s']:.2f}× | {p['examples_per_s'] / lo['examples_per_s']:.2f}× | "
+              f"{load} | {r['bottleneck']} |")
+    if args.write:
+        with open(args.module) as f:
+            source = f.read()
+        with open(args.module, "w") as f:
+            f.write(scaling.fitted_source(source, {"server_poll_share": share}, scaling.POLLS_BLOCK, "POLLS"))
+        print(f"wrote {os.path.relpath(args.module)}")
+
+
 def main() -> None:
     if sys.argv[1:2] == ["fit-terms"]:
         ap = argparse.ArgumentParser(prog="scaling.py fit-terms", description="fit the job's terms on a node's points")
@@ -217,6 +256,13 @@ def main() -> None:
         ap.add_argument("--write", action="store_true", help="write JOB_TERMS and the points' worker rate")
         ap.add_argument("--module", default=os.path.join(ROOT, "hpcps", "train", "scaling.py"))
         return fit_terms_command(ap.parse_args(sys.argv[2:]))
+    if sys.argv[1:2] == ["fit-polls"]:
+        ap = argparse.ArgumentParser(prog="scaling.py fit-polls",
+                                     description="fit the servers' poll share on this machine's points")
+        ap.add_argument("--points", default=HERE_POINTS, help="the points (JSON, as docs/measure-scaling.sh writes)")
+        ap.add_argument("--write", action="store_true", help="write POLLS in hpcps/train/scaling.py")
+        ap.add_argument("--module", default=os.path.join(ROOT, "hpcps", "train", "scaling.py"))
+        return fit_polls_command(ap.parse_args(sys.argv[2:]))
     if sys.argv[1:2] == ["fit"]:
         ap = argparse.ArgumentParser(prog="scaling.py fit", description="re-fit the model's constants")
         ap.add_argument("--ps", nargs="+", required=True,

@@ -352,7 +352,9 @@ def decide_layout(cfg, ranks: int, hosts: int, cores: int, keys: scaling.KeyCurv
     """cluster.layout = "auto" (the first rank): (servers, worker_groups, batch_size, the line
     that says why, train.group_pull), each part the user set (not at its default) kept; group pulls
     where the model gives them more than 5 % over a pull per worker, a group merges its keys and
-    there are several hosts (on one host they were measured slower: docs/scaling.md). ``rows``: the training
+    there are several hosts (on one host they were measured slower: docs/scaling.md); on one host
+    whose ranks outnumber its cores, one server (a copy of each shard: a second measured slower
+    there than the model gives it). ``rows``: the training
     file's rows (:func:`training_rows`): batches as :func:`auto_batch_size` makes them at most,
     or beyond AUTO_BATCH_MAX rows, up to 10,000, as long as an epoch keeps AUTO_BATCH_STEPS steps."""
     cl, tr = cfg.cluster, cfg.train
@@ -364,9 +366,12 @@ def decide_layout(cfg, ranks: int, hosts: int, cores: int, keys: scaling.KeyCurv
     def cap(workers: int) -> int:
         return min(scaling.BATCHES[-1], max(AUTO_BATCH_MIN, math.ceil(rows / workers / AUTO_BATCH_STEPS)))
     merges = tr.aggregate and cfg.model.compute == "workers"  # (else a group is one worker)
+    # one host whose ranks outnumber its cores: one server (a copy of each shard), where a second
+    # was measured slower than the model gives it (docs/scaling.md, "cluster.layout = auto")
+    most_servers = cl.num_shards if hosts > 1 or ranks <= cores else cl.replicas + 1
     c = scaling.choose(ranks, job, scaling.Machine(cores=cores), fixed.get("cluster.servers", 0),
                        fixed.get("cluster.worker_groups", 0), fixed.get("train.batch_size", 0), cap,
-                       max_servers=cl.num_shards, max_group=scaling.MAX_GROUP if merges else 1,
+                       max_servers=most_servers, max_group=scaling.MAX_GROUP if merges else 1,
                        min_servers=cl.replicas + 1, requests=("worker", "group") if merges and hosts > 1 else ())
     groups = 0 if c.groups == c.workers and not cl.worker_groups else c.groups
     return (c.servers, groups, c.batch, scaling.explain(c, fixed) + f"; keys a batch from {keys.source}",

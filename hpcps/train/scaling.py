@@ -47,6 +47,15 @@ JOB_TERMS = {
 }
 # --- job terms: end ---
 
+# What a serving loop's polls take of the cores while it waits for requests across hosts (see
+# shared_cores): written by `python docs/scaling.py fit-polls` from the loops' CPU seconds of the
+# points measured on this machine (docs/scaling-measured.json; see fit_poll_share).
+# --- poll share: begin ---
+POLLS = {
+    "server_poll_share": 0.3365,
+}
+# --- poll share: end ---
+
 
 @dataclass(frozen=True)
 class Machine:
@@ -70,6 +79,10 @@ class Machine:
     # while the message moves): charged where hosts share the cores (see shared_cores)
     link_cpu_message_s: float = FITTED["link_cpu_message_s"]
     link_cpu_byte_s: float = FITTED["link_cpu_byte_s"]
+    # the share of a core a server's loop takes while it waits for requests from other hosts (its
+    # short sleeps between polls, each poll a pass over the TCP sockets), where the ranks outnumber
+    # the cores (see shared_cores); within a host its polls are reads of shared memory: none counted
+    server_poll_share: float = POLLS["server_poll_share"]
     local_bytes_per_s: float = FITTED["local_bytes_per_s"]  # between ranks of one host
     local_latency_s: float = FITTED["local_latency_s"]
     link_bytes_per_s: float = 25e9 / 8     # a host's link to the others (25 Gb/s Ethernet assumed)
@@ -201,7 +214,8 @@ def step(job: Job, m: Machine) -> dict:
     # every rank shares the cores: the CPU work of a step cannot take less than this
     worker_cpu_s = worker_s + rq["worker_requests"] * m.worker_request_s
     link_s = link_cpu(job, m, worker_bytes, 2 * rq["worker_requests"])
-    cpu_s = max((W * worker_cpu_s + S * server_s) / min(m.cores, S + W), shared_cores(job, m, server_s, link_s))
+    cpu_s = max((W * worker_cpu_s + S * server_s) / min(m.cores, S + W),
+                shared_cores(job, m, server_s, link_s, worker_s, own_s - served, rq["worker_requests"]))
     parts = {"worker compute + round trips": worker_s + own_s, "server keys + requests": server_s,
              "network": net_s, "CPU shared by ranks": cpu_s}
     paths = {**parts, "worker compute + round trips": worker_s + own_s + phases_s}
@@ -225,19 +239,37 @@ def contended(job: Job, m: Machine) -> float:
     return 1.0 + m.contention * max(0.0, busy - 2) / per_node
 
 
-def shared_cores(job: Job, m: Machine, server_s: float, link_s: float = 0.0) -> float:
-    """A step's time when its ranks outnumber the cores (0 when each has a core of its own): a
-    machine of C cores running R busy ranks gives each C/R of a core, and a worker's step holds
-    its own CPU (its rows at ``worker_cpu_row_s``, its parse thread's included), its share of
-    the servers' (their keys and requests, ``server_s``, and ``server_cpu_step_s`` each, the rest
-    of a server loop's CPU a step: it stays about the same however many requests a server
-    answers) and ``link_s``, its messages' CPU between hosts that share these cores
-    (:func:`link_cpu`), each run at that share: ``(c_w·B + S·(server_s + c_s)/W + link_s) · R/C``."""
-    ranks = job.servers + job.workers
-    if ranks <= m.cores:
+def shared_cores(job: Job, m: Machine, server_s: float, link_s: float = 0.0, worker_s: float = 0.0,
+                 trips_s: float = 0.0, requests: float = 1.0) -> float:
+    """A step's time when its R ranks outnumber the C cores (0 when each has a core of its own),
+    work-conserving: a core that one rank leaves (a server asleep between requests, a worker
+    waiting for its reply) is taken by another. A worker's CPU a step is its rows at
+    ``worker_cpu_row_s`` (its parse thread's included, and its one request's: a 1 server +
+    1 worker job's), ``worker_request_s`` for each of its further ``requests`` (its packing and
+    posting) and ``link_s`` (:func:`link_cpu`, its messages' CPU between hosts that share these
+    cores); a server's is ``server_s`` (its keys and requests) and ``server_cpu_step_s`` (the rest
+    of its loop). The step is the critical path through BSP's phases, each phase's CPU on the
+    cores it has:
+
+    * the workers' rows, and under SSP ``s`` the share ``1 - 1/(s + 1)`` of the servers' work
+      that overlaps them (all of it under ASP), over the C cores less what the servers' polls
+      take (:attr:`Machine.server_poll_share` of a core each while they wait for requests from
+      other hosts, no more than a rank's share ``C/R``), no faster than a worker's wall-time rate
+      ``worker_s``;
+    * then ``trips_s``, the worker's round trips (its latencies, bytes and requests' fixed cost);
+    * then the rest of the servers' step, each server on a core of its own where there are as
+      many cores, else ``S/C`` of its time.
+
+    So it is never less than all the step's CPU over the C cores, however it interleaves."""
+    S, W, C = job.servers, job.workers, m.cores
+    if S + W <= C:
         return 0.0
-    servers_cpu = job.servers * (server_s + m.server_cpu_step_s)
-    return (job.batch * m.worker_cpu_row_s + servers_cpu / job.workers + link_s) * ranks / m.cores
+    worker_cpu = job.batch * m.worker_cpu_row_s + (requests - 1) * m.worker_request_s + link_s
+    server_cpu = server_s + m.server_cpu_step_s
+    apart = 0.0 if job.staleness < 0 else 1.0 / (job.staleness + 1)  # of the servers' step, after the rows
+    polls = S * min(m.server_poll_share, C / (S + W)) * job.crossing_share()
+    rows = max((W * worker_cpu + (1 - apart) * S * server_cpu) / (C - polls), worker_s)
+    return rows + trips_s + apart * server_cpu * max(1.0, S / C)
 
 
 def link_cpu(job: Job, m: Machine, nbytes: float, messages: float) -> float:
@@ -477,6 +509,40 @@ def fitted_source(source: str, fitted: dict, block: re.Pattern = FITTED_BLOCK, n
     body = "".join(f"    \"{k}\": \"{v}\",\n" if isinstance(v, str) else f"    \"{k}\": {float(v):.4g},\n"
                    for k, v in fitted.items())
     return block.sub(lambda mt: mt.group(1) + name + " = {\n" + body + "}\n" + mt.group(3), source, count=1)
+
+
+POLLS_BLOCK = re.compile(r"(# --- poll share: begin ---\n)(.*?)(# --- poll share: end ---)", re.S)
+
+
+def poll_share_of(job: Job, m: Machine, point: dict) -> float | None:
+    """The share of a core a server's loop took while it waited, at a measured ``point`` of
+    ``job`` (its ``examples``, ``examples_per_s`` and busiest server's ``loop_cpu_s_server``):
+    the loop's CPU a step beyond the model's work of it (its keys and requests, the rest of its
+    loop, and its end of the link's CPU, half of each worker's :func:`link_cpu` for the requests
+    it answers) over the step's time beyond that work. None where the point lacks them."""
+    if not all(point.get(k) for k in ("examples", "examples_per_s", "loop_cpu_s_server")):
+        return None
+    r = step(job, m)
+    rows = job.workers * job.batch  # a step's rows
+    cpu = point["loop_cpu_s_server"] * rows / point["examples"]
+    link = link_cpu(job, m, r["bytes_per_worker"], r["messages_per_worker"]) * job.workers / (2 * job.servers)
+    work = r["server keys + requests"] + m.server_cpu_step_s + link
+    wall = rows / point["examples_per_s"]
+    return min(1.0, max(0.0, (cpu - work) / (wall - work))) if wall > work else None
+
+
+def fit_poll_share(points: list[tuple[Job, Machine, dict]]) -> float:
+    """:attr:`Machine.server_poll_share` from measured points (each its :class:`Job`, the
+    :class:`Machine` it ran on, and its figures): the median of :func:`poll_share_of` over the
+    points where the model counts it, those whose servers answer workers on other hosts and
+    whose ranks outnumber the cores (from the loops' CPU seconds, not from the points'
+    throughput: what the servers spent, not how well the model then does)."""
+    shares = [x for j, m, p in points if j.crossing_share() > 0 and j.servers + j.workers > m.cores
+              for x in [poll_share_of(j, m, p)] if x is not None]
+    if not shares:
+        raise ValueError("no point on several hosts with more ranks than cores, its examples and "
+                         "loop_cpu_s_server (as docs/measure-scaling.sh writes them)")
+    return float(np.median(shares))
 
 
 JOB_TERM_NAMES = ("server_job_request_s", "straggler_cv")  # fitted together; contention apart
