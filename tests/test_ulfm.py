@@ -304,11 +304,18 @@ def test_three_servers_one_lost_new_backups_copied_then_a_second_lost_the_same_m
     print("\n" + "\n".join(ln for ln in out.splitlines() if "lost" in ln or "landed" in ln))
 
 
+@pytest.mark.parametrize("groups", [
+    {},
+    # one group of 2 whose first rank pushes and pulls for both: it tells the servers of the new
+    # placement for its member too (who sends them nothing until its end), so the copies are
+    # made while training goes on
+    {"cluster.worker_groups": 1, "train.group_pull": "true"},
+], ids=["workers", "group-pull"])
 def test_three_servers_under_asp_one_lost_new_backups_get_every_push_exactly_once(ft_launcher, shared_keys,
-                                                                                  tmp_path):
+                                                                                  tmp_path, groups):
     # 3 servers with 1 replica and 2 workers under ASP: server 1 (rank 1) killed after step 20, its
     # shards' new backups copied between servers 0 and 2 while the workers push on
-    more = {"cluster.replicas": 1, "cluster.staleness": -1, "train.epochs": 2}
+    more = {"cluster.replicas": 1, "cluster.staleness": -1, "train.epochs": 2, **groups}
     summary = tmp_path / "summary.json"
     rc, out, _ = kill_mid_run(ft_launcher, shared_keys, tmp_path, ranks=5, servers=3, victim=1, more=more,
                               flags=("--summary-json", str(summary)))
@@ -318,6 +325,9 @@ def test_three_servers_under_asp_one_lost_new_backups_get_every_push_exactly_onc
     landed = [ln for ln in out.splitlines() if "new backups of" in ln]
     assert sorted(ln.split(":")[1].strip() for ln in landed) == ["server 0", "server 2"], out[-4000:]
     assert all("cut at the workers' notices" in ln for ln in landed), landed
+    lines = out.splitlines()
+    ended = [i for i, ln in enumerate(lines) if "(end of training)" in ln]
+    assert ended and max(i for i, ln in enumerate(lines) if "new backups of" in ln) < ended[0], out[-4000:]
     got = json.loads(summary.read_text())
     assert got["servers_lost"][0]["server"] == 1 and got["replica_shards_differing"] == 0, got
     # each key's z: its rows' sum of 0.5 - label over the 2 epochs, each push applied once

@@ -8,7 +8,9 @@ workers send it directly. Under BSP that is agreed on a clock, ``C`` (under ASP:
 
 * **A worker** that learns of the loss moves to the new placement and, before any other request,
   tells every server so (``PLACED``, with its clock ``K``: every push it sent before has a clock
-  of at most ``K``; :meth:`hpcps.ps.context.ContextReplicas.server_lost`). A worker's messages to
+  of at most ``K``; :meth:`hpcps.ps.context.ContextReplicas.server_lost`). Under
+  ``train.group_pull`` a group's first rank tells it for its members too: they push nothing
+  (their first rank pushes for the group) and would tell it only at their end. A worker's messages to
   a server arrive in the order it sent them, so each server sees exactly which of its pushes came
   before the switch.
 * **The source** (the shard's primary after the loss) waits for every worker's ``PLACED`` (a
