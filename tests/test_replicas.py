@@ -243,6 +243,59 @@ def test_a_second_loss_before_a_landed_copy_has_every_push_before_it_ends_the_jo
         assert failed.value.ranks == (2,) and "second server lost before the new backups" in failed.value.why
 
 
+def test_under_asp_a_copy_cut_at_the_notices_gives_the_new_backup_every_push_once():
+    """ASP, 3 servers with 1 replica, 2 workers, server 1 lost: server 0 copies shards to server 2.
+    On server 0 (the source) a push sent after its worker's PLACED is kept until every PLACED is
+    in: the copy holds the pushes sent before (g1, g3) and not g2, sent after; g2 is applied
+    after the cut. On server 2 (the new backup) g2 is held until the copy lands and then applied
+    on its rows: both copies end with g1, g3 and g2 applied once each, in that order, bit for bit
+    (FTRL: the order and a push applied twice would change them)."""
+    spec, placement = TableSpec("w", dim=1, optimizer="ftrl"), Placement(3, num_shards=64, replicas=1)
+    moved = [shard for shard, source, target in new_copies(placement.copies, placement.after_loss(1).copies)
+             if (source, target) == (0, 2)]
+    keys = np.array([k for k in range(1, 4000) if int(placement.shard_of(np.array([k], np.uint64))[0]) in moved][:40],
+                    dtype=np.uint64)
+    g1, g2, g3 = (np.full((keys.shape[0], 1), v, np.float32) for v in (0.5, -1.5, 0.25))
+    servers, sent = {}, []
+    for index in (0, 2):
+        server = servers[index] = Server(transport.Loopback(), index, 2, 3, [spec], placement, -1)
+        server.net.deliver = lambda source, buf: sent.append(protocol.unpack_request(buf.copy(), dims=[]))
+        failover.plug(server)
+        failover.promote(server, 1)
+
+    def push(server, worker, grads):
+        server.push_now(worker, 0, keys, grads, 7)
+        server.apply_backlog()
+
+    source, backup = servers[0], servers[2]
+    push(source, 0, g1)
+    source.handle(3, protocol.Placed(7, 0, 1).pack())
+    push(source, 0, g2)  # (sent after worker 0's PLACED: kept)
+    assert source.copying.kept and not sent
+    push(source, 1, g3)  # (worker 1's, before its PLACED)
+    source.handle(4, protocol.Placed(7, 1, 1).pack())
+    source.copying.due()
+    copy = [c for c in sent if c.source == 0]
+    assert len(copy) == 1 and copy[0].clock == -1 and not source.copying.kept
+    before = ServerTable(spec)
+    for g in (g1, g3):
+        before.push(keys, g)
+    assert _rows(before, copy[0].parts[0][0]).tobytes() == copy[0].parts[0][1].tobytes()
+    assert np.array_equal(np.sort(copy[0].parts[0][0]), np.sort(keys))
+    for worker in (0, 1):
+        backup.handle(3 + worker, protocol.Placed(7, worker, 1).pack())
+    backup.copying.due()  # (its own copies to server 0, cut and sent)
+    push(backup, 0, g2)  # (held: the copy has not landed)
+    assert backup.tables[0].size == 0 and backup.copying.busy
+    backup.copying.take(copy[0])
+    assert not backup.copying.busy
+    after = ServerTable(spec)
+    for g in (g1, g3, g2):
+        after.push(keys, g)
+    for server in (source, backup):
+        assert _rows(server.tables[0], keys).tobytes() == _rows(after, keys).tobytes(), server.index
+
+
 def _rows(table, keys):
     """The stored rows (parameters and state) of ``keys`` in ``table``."""
     all_keys, all_rows = table.items()

@@ -19,6 +19,13 @@ launched from the second environment ``.venv-ft`` (``make install-ft``; ``make t
   of its shards copied over the wire between the two survivors (each copies to the other), then
   server 2 killed once both copies landed, so that the last server goes on from its copies: exit
   status 0, the model and the last checkpoint bit-identical to the job's without the kills.
+* The same under ASP (``cluster.staleness = -1``), server 1 killed: the copies are cut at the
+  workers' notices of the new placement, the sources keeping the pushes sent after a notice until
+  then. Exit status 0, and every push applied exactly once on every copy: with FTRL's L1 far above
+  any gradient every weight stays zero, so each push is ``0.5 - label`` summed over its batch's
+  rows whatever the order, and sums of halves are exact in float32; each key's ``z`` must then be
+  its rows' sum of ``0.5 - label`` (the data says it), and every backup's rows, ``n`` included,
+  bit-identical to its primary's (the end of serving's digests).
 * ``"ulfm"`` under MPICH (the main environment): one line at start-up, exit status 2.
 """
 
@@ -97,14 +104,16 @@ def at_the_kill(status, ck, ranks: int) -> bool:
 
 
 def kill_mid_run(launcher: list[str], data: str, tmp_path, ranks: int, servers: int, victim: int,
-                 more: dict | None = None, stalls: list | None = None) -> tuple:
-    """Start the job; once its first worker has done KILL_AT_STEP steps, kill -9 rank ``victim``.
+                 more: dict | None = None, stalls: list | None = None, flags: tuple = ()) -> tuple:
+    """Start the job (``flags``: more of its command line); once its first worker has done
+    KILL_AT_STEP steps, kill -9 rank ``victim``.
     Returns (exit status, output, seconds from the kill to the job's end); ``stalls`` gets the
     longest time the first worker's step stood still after the kill (:func:`longest_stall`)."""
     ck, status = tmp_path / "ck", tmp_path / "status.json"
     env = dict(os.environ, PYTHONUNBUFFERED="1", HPCPS_STATUS_FILE=str(status), HPCPS_TUNE_STATUS_EVERY_S="0")
     proc = subprocess.Popen([*launcher, "-n", str(ranks), os.path.join(FT, "bin", "python"), "-m", "hpcps.cli",
-                             *args(data, ck, servers, **(more or {}))], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             *args(data, ck, servers, **(more or {})), *flags], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
                             env=env, cwd=str(tmp_path), start_new_session=True)
     try:
         reached = wait_for(lambda: at_the_kill(status, ck, ranks), TIMEOUT, proc)
@@ -293,3 +302,45 @@ def test_three_servers_one_lost_new_backups_copied_then_a_second_lost_the_same_m
         got_keys, got_rows = checkpoint_rows(tmp_path / "ck")[name]
         assert np.array_equal(got_keys, keys) and got_rows.tobytes() == rows.tobytes(), f"checkpoint table {name}"
     print("\n" + "\n".join(ln for ln in out.splitlines() if "lost" in ln or "landed" in ln))
+
+
+@pytest.mark.parametrize("groups", [
+    {},
+    # one group of 2 whose first rank pushes and pulls for both: it tells the servers of the new
+    # placement for its member too (who sends them nothing until its end), so the copies are
+    # made while training goes on
+    {"cluster.worker_groups": 1, "train.group_pull": "true"},
+], ids=["workers", "group-pull"])
+def test_three_servers_under_asp_one_lost_new_backups_get_every_push_exactly_once(ft_launcher, shared_keys,
+                                                                                  tmp_path, groups):
+    # 3 servers with 1 replica and 2 workers under ASP: server 1 (rank 1) killed after step 20, its
+    # shards' new backups copied between servers 0 and 2 while the workers push on
+    more = {"cluster.replicas": 1, "cluster.staleness": -1, "train.epochs": 2, **groups}
+    summary = tmp_path / "summary.json"
+    rc, out, _ = kill_mid_run(ft_launcher, shared_keys, tmp_path, ranks=5, servers=3, victim=1, more=more,
+                              flags=("--summary-json", str(summary)))
+    assert rc == 0, out[-4000:]
+    assert "Traceback" not in out and "error:" not in out, out[-4000:]
+    assert "Process received signal" not in out and "MPI Error in NBC subrequest" not in out, out[-4000:]
+    landed = [ln for ln in out.splitlines() if "new backups of" in ln]
+    assert sorted(ln.split(":")[1].strip() for ln in landed) == ["server 0", "server 2"], out[-4000:]
+    assert all("cut at the workers' notices" in ln for ln in landed), landed
+    lines = out.splitlines()
+    ended = [i for i, ln in enumerate(lines) if "(end of training)" in ln]
+    assert ended and max(i for i, ln in enumerate(lines) if "new backups of" in ln) < ended[0], out[-4000:]
+    got = json.loads(summary.read_text())
+    assert got["servers_lost"][0]["server"] == 1 and got["replica_shards_differing"] == 0, got
+    # each key's z: its rows' sum of 0.5 - label over the 2 epochs, each push applied once
+    want: dict[int, float] = {}
+    for line in open(shared_keys):
+        label, *feats = line.split()
+        for f in feats:
+            k = int(f.split(":")[0])
+            want[k] = want.get(k, 0.0) + 2 * (0.5 - int(label))
+    newest, manifest = checkpoint.newest_good(str(tmp_path / "ck"))
+    keys, rows = checkpoint.read_shards(newest, manifest, "w", np.ones(manifest["layout"]["num_shards"], bool))
+    z = dict(zip(keys.tolist(), rows[:, 1].tolist()))  # FTRL's [w | z | n]
+    assert (rows[:, 0] == 0).all() and len(want) > 300
+    wrong = {k: (z.get(k), v) for k, v in want.items() if z.get(k) != v}
+    assert not wrong, f"{len(wrong)} keys' pushes not applied exactly once: {list(wrong.items())[:10]}"
+    print("\n" + "\n".join(ln for ln in out.splitlines() if "lost" in ln or "backups" in ln))

@@ -156,6 +156,9 @@ class ContextReplicas:
     rank's), ``every_rank``."""
 
     failovers: tuple = ()  # the servers lost, (server, clock, seconds): hpcps.ps.failover
+    # the workers from this one on whose clocks its push-pulls carry (train.group_pull's first rank:
+    # its group, whose other members send the servers nothing while training)
+    carried_workers = 1
 
     def compare_replicas(self) -> dict:
         """Collective over the world, once serving is done: each server's digest of every shard
@@ -183,14 +186,17 @@ class ContextReplicas:
         shards' first backups answer their pulls from now on, pushes go to the new copies, and
         no request or clock goes to it (requests in flight to it are the transport's to resend).
         Where its shards get new backups, every server is told first (``PLACED``, with this
-        worker's clock: the copies' clock is agreed on it, :mod:`hpcps.ps.rereplication`)."""
+        worker's clock: the copies' clock is agreed on it, :mod:`hpcps.ps.rereplication`); a
+        group's first rank under ``train.group_pull`` tells it for its members too (they push
+        nothing, and would tell it only at their end)."""
         before = self.placement
         self.placement = before.after_loss(server)
         if new_copies(before.copies, self.placement.copies):
-            notice = protocol.Placed(self.clock_value, self.worker_index, server).pack()
-            for s in self.placement.live_servers:
-                self._clock_sends += failover.start_send(self, notice, s, protocol.TAG_REQUEST,
-                                                         f"notice of the placement without server {server}")
+            for worker in range(self.worker_index, self.worker_index + self.carried_workers):
+                notice = protocol.Placed(self.clock_value, worker, server).pack()
+                for s in self.placement.live_servers:
+                    self._clock_sends += failover.start_send(self, notice, s, protocol.TAG_REQUEST,
+                                                             f"notice of the placement without server {server}")
 
 
 class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges, ContextReplicas,

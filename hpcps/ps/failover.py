@@ -76,7 +76,7 @@ def plug(server) -> None:
     server.failovers = []  # (server lost, seconds from the start)
     server.recovery.on_server_lost = lambda rank: promote(server, rank)
     server.copying = Rereplication(server)
-    server.handlers[protocol.PLACED] = lambda source, r: placed(server, source - server.worker_rank0, r)
+    server.handlers[protocol.PLACED] = lambda source, r: placed(server, r.worker, r)  # (a group's for its members too)
     server.handlers[protocol.COPY] = lambda source, r: server.copying.take(r)
 
 

@@ -4,11 +4,13 @@ shard whose copies fell below ``r + 1`` gets a new backup on the survivor the pl
 over the wire from its primary, while training goes on.
 
 The copy must give the new backup every push exactly once: those the copy holds, and those the
-workers send it directly. Under BSP that is agreed on a clock, ``C``:
+workers send it directly. Under BSP that is agreed on a clock, ``C`` (under ASP: below):
 
 * **A worker** that learns of the loss moves to the new placement and, before any other request,
   tells every server so (``PLACED``, with its clock ``K``: every push it sent before has a clock
-  of at most ``K``; :meth:`hpcps.ps.context.ContextReplicas.server_lost`). A worker's messages to
+  of at most ``K``; :meth:`hpcps.ps.context.ContextReplicas.server_lost`). Under
+  ``train.group_pull`` a group's first rank tells it for its members too: they push nothing
+  (their first rank pushes for the group) and would tell it only at their end. A worker's messages to
   a server arrive in the order it sent them, so each server sees exactly which of its pushes came
   before the switch.
 * **The source** (the shard's primary after the loss) waits for every worker's ``PLACED`` (a
@@ -28,12 +30,37 @@ workers send it directly. Under BSP that is agreed on a clock, ``C``:
   (:meth:`Rereplication.sort_backlog`, over the backups' part of the pushes, which is all it
   gets of them: a backup is not read).
 
+Under ASP a server applies pushes as they arrive: there is no clock to cut at. The cut is made at
+the workers' ``PLACED`` instead, each worker's own (a consistent cut, as Chandy and Lamport's
+markers): the copy holds every push a worker sent before its ``PLACED``, and none it sent after.
+
+* **The source**, from a worker's ``PLACED`` on, keeps that worker's pushes (all of them, in
+  their order) instead of applying them (:meth:`Rereplication.keeps`). Once every worker's
+  ``PLACED`` is in (or the worker is done or lost), the moved shards' rows are read and sent,
+  and the pushes kept are applied, in their order (:meth:`Rereplication.cut`). Its rows then
+  hold every push before each worker's ``PLACED`` (each came before it on the same channel and
+  was applied on arrival) and none after. Reads meanwhile see the rows without the pushes kept:
+  under ASP a read is promised no push, and the wait is the workers' notices' (milliseconds).
+* **The new backup** gets from each worker only pushes sent after that worker's ``PLACED`` (the
+  old placement did not send it those shards): it holds them until the copy lands and then
+  applies every one, in their order; none is dropped. So each push reaches each copy once, and the
+  backup's rows equal the primary's up to the interleaving of two workers' pushes, as any two
+  copies' under ASP.
+
+Why not a cut by a per-worker sequence of pushes (the source telling, for each worker, the last
+push it applied, and the new backup dropping those up to it): a push goes to each server as a
+message of its own, with a request id of its own, so nothing in the messages says which of the
+new backup's is which of the source's; a sequence would be a new header word on every request.
+The cut at ``PLACED`` needs none, and the new backup drops nothing.
+
 A server that learns of the loss from a worker's ``PLACED`` before its own MPI says so handles
 the loss right then (a new backup must hold the pushes that follow it). Not done here, each
-ending the job in one line as without replicas: copies under SSP or ASP (pushes are applied as
-they arrive, there is no clock to cut at), with rows that age or are evicted, and a second loss
-while copies are under way, or before a new backup has had (and dropped) every push its landed copy
-holds already (:meth:`Rereplication.check_promoted`). A second loss after that is survived as the first.
+ending the job in one line as without replicas: copies under SSP (the source's kept pushes would
+be missing from reads the staleness bound promises them to, and deferring those reads could wait
+on a worker that learns of the loss only through them), with rows that age or are evicted, and a
+second loss while copies are under way, or before a new backup has had (and dropped) every push
+its landed copy holds already (:meth:`Rereplication.check_promoted`, BSP). A second loss after
+that is survived as the first.
 """
 
 from __future__ import annotations
@@ -48,6 +75,7 @@ from hpcps_kernels.hashing import shard_of
 
 HOLD = np.iinfo(np.int64).max  # a shard's first clock taken from the workers: none yet (its copy awaited)
 END = HOLD - 1  # a copy's clock when it was cut once every worker was done (it holds every push)
+NOTICES = -1  # an ASP copy's clock: cut at the workers' PLACED (it holds no push sent after; none dropped)
 
 
 def insert_rows(tables: list, parts: list[tuple[np.ndarray, np.ndarray]]) -> None:
@@ -63,6 +91,11 @@ def insert_rows(tables: list, parts: list[tuple[np.ndarray, np.ndarray]]) -> Non
         store.rows[slots] = rows
         if store.changed is not None:  # (delta snapshots: rows this server may write once primary)
             store.mark_changed(slots)
+
+
+def cut_said(clock: int) -> str:
+    """Where a copy was cut, in its lines."""
+    return "at the end" if clock == END else "at the workers' notices" if clock == NOTICES else f"at clock {clock}"
 
 
 class Rereplication:
@@ -83,6 +116,8 @@ class Rereplication:
         self.placed: dict[int, int] = {}  # worker -> its clock at PLACED (the loss ``lost``)
         self.boundary: int | None = None  # C, once every worker's PLACED is in
         self.lost_at = 0.0
+        self.asp = server.staleness < 0  # (the copies cut at the workers' PLACED, the pushes after it kept)
+        self.kept: list = []  # ASP, a source: the pushes sent after their worker's PLACED, until the cut
 
     @property
     def busy(self) -> bool:
@@ -94,7 +129,8 @@ class Rereplication:
         make: wait for this server's own, and hold the pushes of those it is the target of."""
         server = self.server
         why = ("a second server lost while new backups were being copied" if self.busy else
-               "new backups are copied under BSP only (cluster.staleness = 0)" if server.staleness != 0 else
+               "new backups are copied under BSP and ASP only (cluster.staleness 0 or -1, not SSP)"
+               if server.staleness > 0 else
                "new backups are not copied where rows are evicted (features.evict_*)" if server.evicting else "")
         if why:
             raise transport.RankFailed([lost], "serving", why)
@@ -156,14 +192,28 @@ class Rereplication:
             self.sorting = bool(self.waiting_for)
         if self.outgoing:
             self._find_boundary()  # (a worker done or lost since: its PLACED will not come)
-            if workers.all_done and not workers.waiting:
+            if self.asp and self.boundary is not None:
+                self.cut(NOTICES)
+            elif workers.all_done and not workers.waiting:
                 self.cut(END)
             elif self.boundary is not None and workers.min_clock() >= self.boundary:
                 self.cut(self.boundary)
         return self.busy
 
+    def keeps(self, worker: int, table: int, keys: np.ndarray, grads: np.ndarray, clock: int) -> bool:
+        """Before a push of ``clock`` from ``worker`` to table number ``table`` is applied: whether
+        it is kept for :meth:`cut` instead (ASP: its worker's ``PLACED`` came before it and the
+        copies are still to be read); under BSP, :meth:`before_push`."""
+        if not self.asp:
+            self.before_push(clock)
+            return False
+        if self.outgoing and worker in self.placed:
+            self.kept.append((worker, table, keys, grads, clock))
+            return True
+        return False
+
     def before_push(self, clock: int) -> None:
-        """Before a push of ``clock`` is applied: where it is the first of the clock the copies
+        """BSP, before a push of ``clock`` is applied: where it is the first of the clock the copies
         reflect, they are read first."""
         if self.outgoing and self.boundary is not None and clock >= self.boundary:
             self.cut(self.boundary)
@@ -175,6 +225,10 @@ class Rereplication:
         for target, shards in self.outgoing.items():
             self.copy_to(target, sorted(shards), clock, time.monotonic())
         self.outgoing = {}
+        kept, self.kept = self.kept, []
+        for worker, table, keys, grads, at in kept:  # (ASP: the pushes sent after the PLACED, in their order)
+            self.server.push_now(worker, table, keys, grads, at)
+        self.server.apply_backlog()
 
     def copy_to(self, target: int, shards: list[int], clock: int, started: float) -> None:
         """Send server ``target`` the rows of ``shards`` as they are now (``clock``: the copy's),
@@ -191,7 +245,8 @@ class Rereplication:
                                                         f"copy of {len(shards)} shards to server {target}")
         sys.stderr.write(f"hpcps: server {server.index}: copying {len(shards)} shards "
                          f"({sum(int(k.shape[0]) for _, k, _, _ in parts)} rows) to server "
-                         f"{target} as new backups, cut at clock {'the end' if clock == END else clock}, "
+                         f"{target} as new backups, cut {cut_said(clock)}"
+                         f"{f' ({len(self.kept)} pushes sent since kept for it)' if self.asp else ''}, "
                          f"{started - self.lost_at:.3f} s after the loss\n")
 
     def take(self, copy: protocol.Copy) -> None:
@@ -201,17 +256,18 @@ class Rereplication:
         server.apply_backlog()  # (the pushes of shards not awaited; those awaited stay held)
         insert_rows(server.tables, copy.parts)
         self.from_clock[copy.shards] = copy.clock
-        if copy.clock < END:
+        if NOTICES < copy.clock < END:
             self.landed_by = max(copy.clock, self.landed_by or 0)
         self.waiting_for = int((self.from_clock == HOLD).sum())
+        self.sorting = bool((self.from_clock >= 0).any())  # (an ASP copy's shards: nothing held or dropped)
         held, self.held = self.held, []
         server.backlog = held + server.backlog
         server.apply_backlog()
         landed = time.monotonic()
         rows = sum(int(k.shape[0]) for k, _ in copy.parts)
         sys.stderr.write(f"hpcps: server {server.index}: new backups of {copy.shards.shape[0]} shards landed from "
-                         f"server {copy.source} ({rows} rows, {landed - copy.cut_at:.3f} s from its cut at "
-                         f"clock {'the end' if copy.clock == END else copy.clock})\n")
+                         f"server {copy.source} ({rows} rows, {landed - copy.cut_at:.3f} s from its cut "
+                         f"{cut_said(copy.clock)})\n")
 
     def sort_backlog(self, backlog: list) -> list:
         """The backups' part of the pushes to apply now: of the shards awaited, held back (their

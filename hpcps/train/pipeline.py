@@ -135,6 +135,8 @@ class GroupPulls:
         self.size = ctx.group_comm.Get_size()
         self.leader = ctx.group_comm.Get_rank() == 0
         self.widths = [t.dim for t in requests.sparse]
+        if self.leader:  # (after a lost server it tells the servers of the new placement for its group)
+            ctx.carried_workers = self.size
 
     def push_and_pull(self, keys, grads: list, pull_keys: np.ndarray, ahead: int) -> tuple:
         """Group collective: the step's push, clock and pull of ``pull_keys`` (each member's);
