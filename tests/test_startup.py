@@ -26,10 +26,11 @@ def test_the_command_and_the_training_loop_load_no_hdf5_or_arrow_until_asked():
 
 
 # Loaded by nothing a plain 2-rank training job does: HDF5 (checkpoints, model files), Arrow
-# (Parquet, CSV), the synthetic data's generator, the benchmarks and plots, and what numba's import
-# looks at for nothing here (SciPy for a version check, PyYAML for a .numba_config.yaml there is none of)
+# (Parquet, CSV), the synthetic data's generator, the benchmarks and plots, the scaling model (for
+# cluster.layout = "auto"), and what numba's import looks at for nothing here (SciPy for a version
+# check, PyYAML for a .numba_config.yaml there is none of)
 NOT_LOADED = ("h5py", "pyarrow", "hpcps.train.synth", "hpcps_kernels.textgen", "scipy", "yaml", "hpcps.bench",
-              "hpcps.plot")
+              "hpcps.plot", "hpcps.train.scaling")
 # the MPI settings of a job on one host (hpcps.ps.mpi_env), as each rank ended with them
 MPI_ENV = ("UCX_MEM_EVENTS", "MPIR_CVAR_CH4_NETMOD")
 # the job's command line as `hpcps` runs it (hpcps.cli.main), then the names above it loaded
