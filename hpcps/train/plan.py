@@ -15,13 +15,17 @@ import os
 import socket
 import zlib
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from hpcps import config, outputs
 from hpcps.ps import checkpoint
 from hpcps.ps.consistency import Backup
 from hpcps.train import data as tdata
-from hpcps.train import inputs, scaling, tables
+from hpcps.train import inputs, tables
 from hpcps_kernels import optim
+
+if TYPE_CHECKING:  # (imported where cluster.layout = "auto" uses it: a job's start-up without it)
+    from hpcps.train import scaling
 
 
 class TrainError(RuntimeError):
@@ -308,6 +312,8 @@ HEAD_ROWS, HEAD_BYTES = 20_000, 4 << 20
 def head_keys(cfg, path, fmt: str) -> tuple[scaling.KeyCurve, float]:
     """The distinct keys of the first rows of the training data, by rows (or the Zipf curve), and
     the rows a byte of its text (0 where it was not read)."""
+    from hpcps.train import scaling
+
     try:
         first = inputs.data_files(path, "data.train")[0]
         if not fmt or fmt in tables.FORMATS or inputs.compression(first):
@@ -357,6 +363,8 @@ def decide_layout(cfg, ranks: int, hosts: int, cores: int, keys: scaling.KeyCurv
     there than the model gives it). ``rows``: the training
     file's rows (:func:`training_rows`): batches as :func:`auto_batch_size` makes them at most,
     or beyond AUTO_BATCH_MAX rows, up to 10,000, as long as an epoch keeps AUTO_BATCH_STEPS steps."""
+    from hpcps.train import scaling
+
     cl, tr = cfg.cluster, cfg.train
     fixed = {k: v for k, v in (("cluster.servers", cl.servers if cl.servers != 1 else 0),
                                ("cluster.worker_groups", cl.worker_groups), ("train.batch_size", tr.batch_size)) if v}
