@@ -115,14 +115,7 @@ class RowStore:
         """Room and initial values for the rows of the keys inserted since the store held
         ``first_new`` keys (slots from ``first_new`` on), and a direct index once it is due;
         returns how many there are."""
-        if self.index.key_capacity > self.rows.shape[0]:
-            rows = np.zeros((self.index.key_capacity, self.spec.width), dtype=np.float32)
-            rows[:first_new] = self.rows[:first_new]
-            self.rows = rows
-            if self.changed is not None:
-                changed = np.zeros(rows.shape[0], dtype=np.bool_)
-                changed[:first_new] = self.changed[:first_new]
-                self.changed = changed
+        self._room_for_rows(first_new)
         added = self.index.size - first_new
         if added:
             s = self.spec
@@ -132,6 +125,27 @@ class RowStore:
                 self.rows[slots[(keys == key) & (slots >= first_new)], :s.dim] = values
             self._go_direct_when_due()  # (the same slots: the rows stay where they are)
         return added
+
+    def _room_for_rows(self, first_new: int) -> None:
+        """Rows (and change marks) for every slot the index has room for, keeping the first ``first_new``."""
+        if self.index.key_capacity > self.rows.shape[0]:
+            rows = np.zeros((self.index.key_capacity, self.spec.width), dtype=np.float32)
+            rows[:first_new] = self.rows[:first_new]
+            self.rows = rows
+            if self.changed is not None:
+                changed = np.zeros(rows.shape[0], dtype=np.bool_)
+                changed[:first_new] = self.changed[:first_new]
+                self.changed = changed
+
+    def put_rows(self, keys: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Give ``keys`` (unique) the rows ``rows``: a key held gets its row replaced, a new key a
+        slot after the others (in the order given); returns their slots (a delta snapshot restored)."""
+        first_new = self.index.size
+        slots = self.index.lookup_or_insert(np.ascontiguousarray(keys, dtype=np.uint64))
+        self._room_for_rows(first_new)
+        self.rows[slots] = rows
+        self._go_direct_when_due()  # (the same slots)
+        return slots
 
     # -- slots of the pulls before a push --------------------------------------------------------
 
