@@ -143,9 +143,17 @@ def lookup_or_insert(index, keys, size, queries, out, start, limit, tag_bits):
 @njit(cache=True)
 def build_index(keys, size, index, tag_bits, skip_below):
     """Fill the empty ``index`` with slots 0..size-1 of ``keys`` (growth, or loading a shard),
-    leaving out keys below ``skip_below`` (those a direct index addresses itself; 0 for none)."""
+    leaving out keys below ``skip_below`` (those a direct index addresses itself; 0 for none).
+    Prefetches the entry of the key ``2 * PREFETCH_KEYS`` ahead, as :func:`lookup` does: each
+    insertion's first entry is a cache miss in an index larger than the cache (a 10 M-key
+    restore's)."""
     mask = np.uint64(index.shape[0] - 1)
+    ahead = 2 * PREFETCH_KEYS
+    for s in range(min(ahead, size)):
+        prefetch(index, mix64(keys[s]) & mask)
     for s in range(size):
+        if s + ahead < size:
+            prefetch(index, mix64(keys[s + ahead]) & mask)
         if keys[s] < skip_below:
             continue
         h = mix64(keys[s])
@@ -175,20 +183,25 @@ class KeyIndex:
 
     direct = NO_DIRECT  # no key addressed directly (the arrays of hpcps_kernels.fused's kernels)
 
-    def __init__(self, capacity: int = 16):
+    def __init__(self, capacity: int = 16, keys: np.ndarray | None = None):
         capacity = max(int(capacity), 1)
         dtype, self.tag_bits = entry_format(capacity)
         self.index = np.full(index_capacity(capacity), np.iinfo(dtype).max, dtype=dtype)
-        self.keys = np.zeros(capacity, dtype=np.uint64)
+        self.keys = np.zeros(capacity, dtype=np.uint64) if keys is None else keys
         self.size = 0
 
     @classmethod
-    def from_keys(cls, keys: np.ndarray) -> "KeyIndex":
-        """An index whose slot ``s`` holds ``keys[s]`` (keys must be unique)."""
-        entry_format(len(keys))
-        self = cls(max(len(keys), 1))
-        self.keys[: len(keys)] = keys
-        self.size = len(keys)
+    def from_keys(cls, keys: np.ndarray, own: bool = False) -> "KeyIndex":
+        """An index whose slot ``s`` holds ``keys[s]`` (keys must be unique). ``own``: ``keys`` is
+        the caller's to give away (a restore's, read for it): kept as the index's key array when
+        it is one (contiguous uint64), not copied."""
+        n = len(keys)
+        entry_format(n)
+        mine = own and n > 0 and keys.dtype == np.uint64 and keys.flags.c_contiguous and keys.flags.writeable
+        self = cls(max(n, 1), keys if mine else None)
+        if not mine:
+            self.keys[:n] = keys
+        self.size = n
         build_index(self.keys, self.size, self.index, self.tag_bits, np.uint64(0))
         return self
 

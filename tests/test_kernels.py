@@ -364,6 +364,11 @@ def test_key_index_growth_rebuild_and_bytes_per_key():
     assert idx.nbytes() / idx.size <= 4 / (hashtable.HASH_MAX_LOAD / 2) + 8 * 1.5 + 1
     rebuilt = hashtable.KeyIndex.from_keys(idx.keys[: idx.size])
     np.testing.assert_array_equal(rebuilt.lookup(keys_), np.arange(len(keys_)))
+    given = keys_.copy()  # (a restore's keys, given away: kept as the index's, not copied)
+    owned = hashtable.KeyIndex.from_keys(given, own=True)
+    assert owned.keys is given and np.shares_memory(owned.keys, given)
+    np.testing.assert_array_equal(owned.lookup(keys_), np.arange(len(keys_)))
+    np.testing.assert_array_equal(owned.lookup_or_insert(np.array([2**64 - 1, keys_[3]], dtype=np.uint64))[1], 3)
 
 
 def test_sequential_keys_spread_over_the_index():

@@ -56,12 +56,12 @@ class RowStore:
 
     # -- the index -----------------------------------------------------------------------------
 
-    def _new_index(self, keys: np.ndarray):
+    def _new_index(self, keys: np.ndarray, own: bool = False):
         """Direct addressing for a bounded key space once the table holds enough keys to pay for
-        it (:meth:`_direct_now`), else a hash index."""
+        it (:meth:`_direct_now`), else a hash index (``own``: :meth:`KeyIndex.from_keys`)."""
         if self._direct_now(keys.shape[0]):
             return DirectKeyIndex.from_keys(keys, self.spec.key_bits)
-        return KeyIndex.from_keys(keys)
+        return KeyIndex.from_keys(keys, own)
 
     def _direct_now(self, n: int) -> bool:
         """Whether a table of ``n`` keys is addressed directly: a bounded key space whose direct
@@ -182,10 +182,11 @@ class RowStore:
     def load(self, keys: np.ndarray, rows: np.ndarray, own: bool = False) -> None:
         """Replace the contents with ``keys`` and their rows (a new index: the rows may move).
         While changes are tracked, the changed rows kept stay marked, and the keys gone are
-        remembered as removed (an eviction). ``own``: ``rows`` is the caller's to give away (a
-        restore's, read for this): kept as the store's rows when it has their shape, not copied."""
+        remembered as removed (an eviction). ``own``: ``keys`` and ``rows`` are the caller's to give
+        away (a restore's, read for this): kept as the index's keys and the store's rows when they
+        have their shape, not copied."""
         old_keys, old_changed = (self.items()[0], self.changed) if self.changed is not None else (None, None)
-        self.index = self._new_index(np.ascontiguousarray(keys, dtype=np.uint64))
+        self.index = self._new_index(np.ascontiguousarray(keys, dtype=np.uint64), own)
         shape = (self.index.key_capacity, self.spec.width)
         if own and rows.shape == shape and rows.dtype == np.float32 and rows.flags.c_contiguous and rows.flags.writeable:
             self.rows = rows
