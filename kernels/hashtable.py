@@ -37,6 +37,7 @@ NARROW_MAX_KEYS = 2**27 - 1
 WIDE_EMPTY = np.uint64(2**64 - 1)        # an empty wide entry
 WIDE_TAG_BITS = 16                       # wide entries: uint64 = 48-bit slot | 16-bit tag
 MAX_KEYS = 2**48 - 1
+IN_ORDER_WINDOW = 16  # slots a lookup in slot order reads on from the last found (two cache lines of keys)
 NO_DIRECT = np.zeros(0, dtype=np.int32)  # a KeyIndex's direct array (see hpcps_kernels.fused): none
 
 # The kernels below serve both entry widths: numba compiles them once per index dtype; the tag
@@ -98,6 +99,29 @@ def lookup(index, keys, queries, out, tag_bits):
                 prefetch(keys, _slot(e, tag_bits))
         h = hashes[i]
         out[i] = probe(index, keys, queries[i], key_tag(h, tag_bits), h & mask, mask, tag_bits)[0]
+
+
+@njit(cache=True)
+def lookup_in_slot_order(index, keys, size, queries, out, window, tag_bits):
+    """``out[i]`` = the slot of ``queries[i]``, or -1 if absent, as :func:`lookup`, for queries
+    mostly in the order of their slots (a delta snapshot's keys, written in its server's slot
+    order, against the table restored from its base): each is first looked for among the
+    ``window`` slots after the one found before (a sequential read), then probed for."""
+    mask = np.uint64(index.shape[0] - 1)
+    p = 0
+    for i in range(queries.shape[0]):
+        k = queries[i]
+        s = np.int64(-1)
+        for t in range(p, min(size, p + window)):
+            if keys[t] == k:
+                s = np.int64(t)
+                break
+        if s < 0:
+            h = mix64(k)
+            s = probe(index, keys, k, key_tag(h, tag_bits), h & mask, mask, tag_bits)[0]
+        out[i] = s
+        if s >= 0:
+            p = s + 1
 
 
 @njit(cache=True)
@@ -230,6 +254,17 @@ class KeyIndex:
     def lookup(self, queries: np.ndarray) -> np.ndarray:
         out = np.empty(queries.shape[0], dtype=np.int64)
         lookup(self.index, self.keys, queries, out, self.tag_bits)
+        return out
+
+    def lookup_or_insert_in_slot_order(self, queries: np.ndarray) -> np.ndarray:
+        """:meth:`lookup_or_insert` for queries mostly in the order of their slots (a delta
+        snapshot's keys, restored): most found by a sequential read (:func:`lookup_in_slot_order`),
+        the absent ones inserted in their order."""
+        out = np.empty(queries.shape[0], dtype=np.int64)
+        lookup_in_slot_order(self.index, self.keys, self.size, queries, out, IN_ORDER_WINDOW, self.tag_bits)
+        new = np.flatnonzero(out < 0)
+        if new.shape[0]:
+            out[new] = self.lookup_or_insert(queries[new])
         return out
 
     def lookup_or_insert(self, queries: np.ndarray) -> np.ndarray:

@@ -138,10 +138,10 @@ class RowStore:
                 self.changed = changed
 
     def put_rows(self, keys: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """Give ``keys`` (unique) the rows ``rows``: a key held gets its row replaced, a new key a
-        slot after the others (in the order given); returns their slots (a delta snapshot restored)."""
+        """Give ``keys`` (unique; a delta snapshot's, restored: mostly in slot order) the rows ``rows``:
+        a key held gets its row replaced, a new key a slot after the others; returns their slots."""
         first_new = self.index.size
-        slots = self.index.lookup_or_insert(np.ascontiguousarray(keys, dtype=np.uint64))
+        slots = self.index.lookup_or_insert_in_slot_order(np.ascontiguousarray(keys, dtype=np.uint64))
         self._room_for_rows(first_new)
         self.rows[slots] = rows
         self._go_direct_when_due()  # (the same slots)
