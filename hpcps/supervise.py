@@ -55,7 +55,8 @@ def _with_resume(command: list[str]) -> list[str]:
 
 
 def lost_work(status: dict) -> tuple[str, str]:
-    """(checkpoint to be resumed, a sentence on the work lost) from the job's last status."""
+    """(checkpoint to be resumed, a sentence on the work lost) from the job's last status (the
+    checkpoint verified here: the restarted job trusts it, see :func:`_handed_over`)."""
     step = status.get("global_step")
     ckdir = status.get("checkpoint_dir", "")
     found = checkpoint.newest_good(ckdir, report=lambda m: None) if ckdir else None
@@ -67,6 +68,14 @@ def lost_work(status: dict) -> tuple[str, str]:
     if step is None or step <= at:  # the status is written every 0.2 s: it may lag the checkpoint
         return ckpt, f"resuming at step {at}; at most 0.2 s of work lost"
     return ckpt, f"resuming at step {at}; {step - at} step(s) of work lost (the job had reached step {step})"
+
+
+def _handed_over(status: dict) -> dict:
+    """The environment that hands the restarted job what :func:`lost_work` verified in the job's
+    checkpoint directory (:func:`hpcps.ps.checkpoint.verified_under`): verified once, here, while
+    the job is down, not again by its first rank before it restores."""
+    ckdir = status.get("checkpoint_dir", "")
+    return {checkpoint.VERIFIED_ENV: checkpoint.verified_under(ckdir)} if ckdir else {}
 
 
 def _back_off(delay: float, received: list) -> None:
@@ -110,14 +119,14 @@ def run(command: list[str], max_restarts: int = 3, backoff: float = 5.0, backoff
     # a process that exits while the thread loads numba's kernels aborts in free())
     warm = threading.Thread(target=checkpoint.warm_checksums, daemon=True, name="hpcps-warm")
     try:
-        attempt = 0
+        attempt, handed = 0, {}  # handed: what a restart verified, for the job (_handed_over)
         checkpointing = True  # whether the job writes checkpoints (its status says; unknown: assumed)
         while True:
             cmd = command if attempt == 0 or not checkpointing else _with_resume(command)
             write_status(status_path)
             started = time.monotonic()
             try:
-                proc = subprocess.Popen(cmd, env=dict(os.environ, **{STATUS_ENV: status_path}),
+                proc = subprocess.Popen(cmd, env=dict(os.environ, **{STATUS_ENV: status_path}, **handed),
                                         stdin=subprocess.DEVNULL, process_group=0)
             except OSError as e:  # no such launcher, not executable
                 _log(f"cannot start the job: {cmd[0]}: {e.strerror or e}", log_file)
@@ -140,7 +149,7 @@ def run(command: list[str], max_restarts: int = 3, backoff: float = 5.0, backoff
             status = read_status(status_path)
             if "checkpoint_dir" in status:
                 checkpointing = bool(status["checkpoint_dir"])
-            ckpt, lost = lost_work(status)
+            (ckpt, lost), handed = lost_work(status), _handed_over(status)
             if attempt >= max_restarts:
                 _log(f"job failed with exit status {rc} after {time.monotonic() - started:.0f} s; "
                      f"{max_restarts} restart(s) used up, giving up ({lost})", log_file)

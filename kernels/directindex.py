@@ -170,6 +170,9 @@ class DirectKeyIndex:
             if self.size >= self.keys.shape[0]:
                 self.reserve(self.size + max(1024, (queries.shape[0] - done) // 4))
 
+    # (a direct lookup reads one array entry whatever the order: nothing to gain from the slot order)
+    lookup_or_insert_in_slot_order = lookup_or_insert
+
     @property
     def key_capacity(self) -> int:
         return self.keys.shape[0]

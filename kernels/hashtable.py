@@ -37,6 +37,7 @@ NARROW_MAX_KEYS = 2**27 - 1
 WIDE_EMPTY = np.uint64(2**64 - 1)        # an empty wide entry
 WIDE_TAG_BITS = 16                       # wide entries: uint64 = 48-bit slot | 16-bit tag
 MAX_KEYS = 2**48 - 1
+IN_ORDER_WINDOW = 16  # slots a lookup in slot order reads on from the last found (two cache lines of keys)
 NO_DIRECT = np.zeros(0, dtype=np.int32)  # a KeyIndex's direct array (see hpcps_kernels.fused): none
 
 # The kernels below serve both entry widths: numba compiles them once per index dtype; the tag
@@ -101,6 +102,29 @@ def lookup(index, keys, queries, out, tag_bits):
 
 
 @njit(cache=True)
+def lookup_in_slot_order(index, keys, size, queries, out, window, tag_bits):
+    """``out[i]`` = the slot of ``queries[i]``, or -1 if absent, as :func:`lookup`, for queries
+    mostly in the order of their slots (a delta snapshot's keys, written in its server's slot
+    order, against the table restored from its base): each is first looked for among the
+    ``window`` slots after the one found before (a sequential read), then probed for."""
+    mask = np.uint64(index.shape[0] - 1)
+    p = 0
+    for i in range(queries.shape[0]):
+        k = queries[i]
+        s = np.int64(-1)
+        for t in range(p, min(size, p + window)):
+            if keys[t] == k:
+                s = np.int64(t)
+                break
+        if s < 0:
+            h = mix64(k)
+            s = probe(index, keys, k, key_tag(h, tag_bits), h & mask, mask, tag_bits)[0]
+        out[i] = s
+        if s >= 0:
+            p = s + 1
+
+
+@njit(cache=True)
 def lookup_or_insert(index, keys, size, queries, out, start, limit, tag_bits):
     """Slots of ``queries[start:]``, inserting absent keys at slots ``size, size+1, ...``.
 
@@ -143,9 +167,17 @@ def lookup_or_insert(index, keys, size, queries, out, start, limit, tag_bits):
 @njit(cache=True)
 def build_index(keys, size, index, tag_bits, skip_below):
     """Fill the empty ``index`` with slots 0..size-1 of ``keys`` (growth, or loading a shard),
-    leaving out keys below ``skip_below`` (those a direct index addresses itself; 0 for none)."""
+    leaving out keys below ``skip_below`` (those a direct index addresses itself; 0 for none).
+    Prefetches the entry of the key ``2 * PREFETCH_KEYS`` ahead, as :func:`lookup` does: each
+    insertion's first entry is a cache miss in an index larger than the cache (a 10 M-key
+    restore's)."""
     mask = np.uint64(index.shape[0] - 1)
+    ahead = 2 * PREFETCH_KEYS
+    for s in range(min(ahead, size)):
+        prefetch(index, mix64(keys[s]) & mask)
     for s in range(size):
+        if s + ahead < size:
+            prefetch(index, mix64(keys[s + ahead]) & mask)
         if keys[s] < skip_below:
             continue
         h = mix64(keys[s])
@@ -175,20 +207,25 @@ class KeyIndex:
 
     direct = NO_DIRECT  # no key addressed directly (the arrays of hpcps_kernels.fused's kernels)
 
-    def __init__(self, capacity: int = 16):
+    def __init__(self, capacity: int = 16, keys: np.ndarray | None = None):
         capacity = max(int(capacity), 1)
         dtype, self.tag_bits = entry_format(capacity)
         self.index = np.full(index_capacity(capacity), np.iinfo(dtype).max, dtype=dtype)
-        self.keys = np.zeros(capacity, dtype=np.uint64)
+        self.keys = np.zeros(capacity, dtype=np.uint64) if keys is None else keys
         self.size = 0
 
     @classmethod
-    def from_keys(cls, keys: np.ndarray) -> "KeyIndex":
-        """An index whose slot ``s`` holds ``keys[s]`` (keys must be unique)."""
-        entry_format(len(keys))
-        self = cls(max(len(keys), 1))
-        self.keys[: len(keys)] = keys
-        self.size = len(keys)
+    def from_keys(cls, keys: np.ndarray, own: bool = False) -> "KeyIndex":
+        """An index whose slot ``s`` holds ``keys[s]`` (keys must be unique). ``own``: ``keys`` is
+        the caller's to give away (a restore's, read for it): kept as the index's key array when
+        it is one (contiguous uint64), not copied."""
+        n = len(keys)
+        entry_format(n)
+        mine = own and n > 0 and keys.dtype == np.uint64 and keys.flags.c_contiguous and keys.flags.writeable
+        self = cls(max(n, 1), keys if mine else None)
+        if not mine:
+            self.keys[:n] = keys
+        self.size = n
         build_index(self.keys, self.size, self.index, self.tag_bits, np.uint64(0))
         return self
 
@@ -217,6 +254,17 @@ class KeyIndex:
     def lookup(self, queries: np.ndarray) -> np.ndarray:
         out = np.empty(queries.shape[0], dtype=np.int64)
         lookup(self.index, self.keys, queries, out, self.tag_bits)
+        return out
+
+    def lookup_or_insert_in_slot_order(self, queries: np.ndarray) -> np.ndarray:
+        """:meth:`lookup_or_insert` for queries mostly in the order of their slots (a delta
+        snapshot's keys, restored): most found by a sequential read (:func:`lookup_in_slot_order`),
+        the absent ones inserted in their order."""
+        out = np.empty(queries.shape[0], dtype=np.int64)
+        lookup_in_slot_order(self.index, self.keys, self.size, queries, out, IN_ORDER_WINDOW, self.tag_bits)
+        new = np.flatnonzero(out < 0)
+        if new.shape[0]:
+            out[new] = self.lookup_or_insert(queries[new])
         return out
 
     def lookup_or_insert(self, queries: np.ndarray) -> np.ndarray:

@@ -81,6 +81,36 @@ def test_damaged_checkpoint_is_detected_and_the_previous_one_used(tmp_path, dama
     assert not checkpoint.inspect(newest).ok
 
 
+def test_what_supervise_verified_is_not_hashed_again_by_the_job_it_restarts_unless_changed(tmp_path):
+    """hpcps supervise verifies the checkpoint a restart resumes and hands what it verified to the
+    job (checkpoint.VERIFIED_ENV), whose first rank does not hash those files again; a file changed
+    since (size, modification time or inode) is hashed, and its damage found."""
+    _fake_checkpoint(tmp_path, 10)
+    newest, _, _ = _fake_checkpoint(tmp_path, 20)
+    code = ("import os, sys; from hpcps.ps import checkpoint; "
+            "handed = checkpoint.trust_verified(os.environ.get(checkpoint.VERIFIED_ENV, '')); "
+            "found = checkpoint.newest_good(sys.argv[1], report=lambda line: None, trust_unchanged=handed); "
+            "print(os.path.basename(found[0])); print(checkpoint.verified_under(sys.argv[1]))")
+
+    def newest_found(handed: str = "") -> list[str]:  # (a fresh process: the supervisor, or the job restarted)
+        return subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True,
+                              env=dict(os.environ, **{checkpoint.VERIFIED_ENV: handed}), timeout=120).stdout.splitlines()
+
+    name, handed = newest_found()
+    assert name == "ckpt-0000000020" and os.path.abspath(newest) in json.loads(handed)
+    f = os.path.join(newest, "server-1.h5")
+    st = os.stat(f)
+    with open(f, "r+b") as fh:  # damaged, its size and modification time kept
+        fh.seek(st.st_size // 2)
+        b = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([b[0] ^ 0xFF]))
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert newest_found(handed)[0] == "ckpt-0000000020"  # trusted: not hashed again
+    os.utime(f)                                           # changed since the supervisor's check: hashed,
+    assert newest_found(handed)[0] == "ckpt-0000000010"   # the damage found
+
+
 @pytest.mark.parametrize("servers", [1, 2, 3, 5])
 def test_shards_restore_onto_any_number_of_servers(tmp_path, servers):
     ckpt, keys, rows = _fake_checkpoint(tmp_path, 10, servers=2)

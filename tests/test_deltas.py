@@ -37,6 +37,8 @@ def test_a_chain_of_changed_parts_gives_the_table_exactly_through_admission_and_
         admit_count=2, evict_after_steps=3, evict_every_steps=2)))
     t.store.track_changes()
     keys, rows, last = np.zeros(0, np.uint64), np.zeros((0, 3), np.float32), np.zeros(0, np.int64)
+    # the restore's way: the deltas put in place into a table indexed once (deltas.put_delta)
+    restored, restored_last = ServerTable(t.spec), np.zeros(0, np.int64)
     rng = np.random.default_rng(5)
     removed_seen = 0
     for clock in range(1, 40):
@@ -47,6 +49,9 @@ def test_a_chain_of_changed_parts_gives_the_table_exactly_through_admission_and_
             name, dkeys, drows, state = deltas.changed_part(t)
             removed_seen += state["removed"].shape[0]
             keys, rows, last = deltas.apply_delta(keys, rows, last, (dkeys, drows, state["last"], state["removed"]))
+            restored_last = deltas.put_delta(restored, restored_last, (dkeys, drows, state["last"], state["removed"]), clock)
+            for got, want in zip((*restored.items(), restored_last), (keys, rows, last)):
+                np.testing.assert_array_equal(got, want)  # (the same order too)
             now_keys, now_rows = t.items()
             order, now = np.argsort(keys), np.argsort(now_keys)
             np.testing.assert_array_equal(keys[order], now_keys[now])

@@ -364,6 +364,23 @@ def test_key_index_growth_rebuild_and_bytes_per_key():
     assert idx.nbytes() / idx.size <= 4 / (hashtable.HASH_MAX_LOAD / 2) + 8 * 1.5 + 1
     rebuilt = hashtable.KeyIndex.from_keys(idx.keys[: idx.size])
     np.testing.assert_array_equal(rebuilt.lookup(keys_), np.arange(len(keys_)))
+    given = keys_.copy()  # (a restore's keys, given away: kept as the index's, not copied)
+    owned = hashtable.KeyIndex.from_keys(given, own=True)
+    assert owned.keys is given and np.shares_memory(owned.keys, given)
+    np.testing.assert_array_equal(owned.lookup(keys_), np.arange(len(keys_)))
+    np.testing.assert_array_equal(owned.lookup_or_insert(np.array([2**64 - 1, keys_[3]], dtype=np.uint64))[1], 3)
+
+
+def test_lookup_or_insert_in_slot_order_gives_lookup_or_inserts_slots_whatever_the_order():
+    rng = np.random.default_rng(8)
+    held = np.unique(rng.integers(0, 2**64, 50_000, dtype=np.uint64))
+    in_order = held[np.sort(rng.choice(held.shape[0], 20_000, replace=False))]  # (a delta's keys, with jumps)
+    absent = rng.integers(0, 2**64, 500, dtype=np.uint64)
+    for queries in (in_order, rng.permutation(in_order), np.concatenate([in_order[:9_000], absent, in_order[9_000:]]),
+                    held[::-1].copy(), np.zeros(0, dtype=np.uint64)):
+        a, b = hashtable.KeyIndex.from_keys(held), hashtable.KeyIndex.from_keys(held)
+        np.testing.assert_array_equal(a.lookup_or_insert_in_slot_order(queries), b.lookup_or_insert(queries))
+        np.testing.assert_array_equal(a.keys[: a.size], b.keys[: b.size])  # (the absent ones inserted alike)
 
 
 def test_sequential_keys_spread_over_the_index():

@@ -475,6 +475,7 @@ def read_manifest(ckpt: str) -> dict:
 
 # checkpoint path -> its files' (name, size, mtime, inode) when they last verified
 _verified: dict[str, tuple] = {}
+VERIFIED_ENV = "HPCPS_VERIFIED_CHECKPOINTS"  # set by `hpcps supervise` for the job it restarts: verified_under's
 
 
 def _signature(ckpt: str, manifest: dict) -> tuple:
@@ -490,6 +491,27 @@ def _remember_verified(ckpt: str, manifest: dict) -> None:
         _verified[os.path.abspath(ckpt)] = _signature(ckpt, manifest)
     except OSError:
         pass
+
+
+def verified_under(root: str) -> str:
+    """What this process verified under the checkpoint directory ``root``, as JSON: each
+    snapshot's files' (name, size, mtime, inode) when they verified. ``hpcps supervise`` hands it
+    to the job it restarts (:data:`VERIFIED_ENV`), whose :func:`trust_verified` takes it: the
+    snapshot the supervisor found good is not hashed again on the restart's path."""
+    under = os.path.join(os.path.abspath(root), "")
+    return json.dumps({p: sig for p, sig in _verified.items() if p.startswith(under) and os.path.isdir(p)})
+
+
+def trust_verified(text: str) -> bool:
+    """Take another process's :func:`verified_under` as verified here (``verify(...,
+    trust_unchanged=True)`` then hashes only the files changed since); returns whether there was
+    any. Text that is not such JSON is ignored: the files are hashed."""
+    try:
+        given = {p: tuple(tuple(f) for f in sig) for p, sig in json.loads(text).items()} if text else {}
+    except (ValueError, TypeError, AttributeError):
+        return False
+    _verified.update(given)
+    return bool(given)
 
 
 def verify(ckpt: str, trust_unchanged: bool = False) -> dict:
@@ -516,14 +538,17 @@ def verify(ckpt: str, trust_unchanged: bool = False) -> dict:
     return m
 
 
-def newest_good(root: str, report=say, move_damaged: bool = False) -> tuple[str, dict] | None:
+def newest_good(root: str, report=say, move_damaged: bool = False,
+                trust_unchanged: bool = False) -> tuple[str, dict] | None:
     """The newest checkpoint under ``root`` that verifies; damaged ones are reported and skipped,
     and with ``move_damaged`` moved under ``damaged/`` (:func:`quarantine`). A delta snapshot
-    counts with its chain (:func:`good_part_of_chain`): its base and the deltas before it."""
+    counts with its chain (:func:`good_part_of_chain`): its base and the deltas before it.
+    ``trust_unchanged``: :func:`verify`'s, for the newest ones too (a job restarted by ``hpcps
+    supervise``, which verified them: :func:`trust_verified`)."""
     bad_bases: set[str] = set()
     for ckpt in reversed(complete_checkpoints(root)):
         try:
-            m = verify(ckpt)
+            m = verify(ckpt, trust_unchanged)
         except CheckpointError as e:
             moved = quarantine(ckpt, "", lambda line: None) if move_damaged else ""
             report(f"hpcps: checkpoint skipped: {e}" + (f"; moved to {moved}" if moved else ""))

@@ -282,26 +282,66 @@ def read_table(ckpt: str, manifest: dict, table: str) -> tuple[np.ndarray, np.nd
     return keys, rows
 
 
+def _delta_for_server(path: str, manifest: dict, table: str, server: int, shard_server: np.ndarray,
+                      num_servers: int) -> tuple:
+    """(keys, rows, state, removed) of ``table`` in the delta snapshot ``path`` that server
+    ``server`` owns under the placement ``shard_server`` (resharded like a full checkpoint)."""
+    where = (server, shard_server, num_servers)
+    same = manifest["layout"]["servers"] == num_servers and manifest["layout"]["num_shards"] == shard_server.shape[0]
+    files = ([checkpoint.server_file(path, server)] if same
+             else [os.path.join(path, e["name"]) for e in manifest["files"]])
+    removed = (np.concatenate([_removed_for_server(f, table, None if same else shard_server == server) for f in files])
+               if files else np.zeros(0, dtype=np.uint64))
+    dkeys, drows = checkpoint.read_for_server(path, manifest, table, *where)
+    return dkeys, drows, checkpoint.read_state_for_server(path, manifest, table, *where), removed
+
+
+def put_delta(table: ServerTable, last: np.ndarray | None, delta: tuple, clock: int) -> np.ndarray | None:
+    """A delta's (keys, rows, last, removed) put into ``table`` in place: its keys' rows replace
+    theirs, its new keys get rows after the others, its removed keys go; returns ``last`` (each
+    row's last update, by slot) updated alike. A lookup per key of the delta in the table's
+    index, built once for the chain: the same keys, rows and order as :func:`apply_delta`."""
+    dkeys, drows, dlast, removed = delta
+    first_new = table.store.size
+    slots = table.store.put_rows(dkeys, drows)
+    if table.store.size > first_new:
+        table.policies.rows_created(table.store.size - first_new, first_new)
+    both = last is not None and dlast is not None
+    if both:
+        last = np.concatenate([last, np.zeros(table.store.size - last.shape[0], dtype=last.dtype)])
+        last[slots] = dlast
+    removed = removed[~np.isin(removed, dkeys)] if removed.shape[0] else removed
+    gone = table.store.lookup(np.ascontiguousarray(removed, dtype=np.uint64)) if removed.shape[0] else removed
+    gone = gone[gone >= 0]
+    if gone.shape[0]:  # (evicted keys: the others' rows kept in their order, reindexed)
+        keys, rows = table.items()
+        kept = np.ones(keys.shape[0], dtype=bool)
+        kept[gone] = False
+        table.load(keys[kept], rows[kept], clock, own=True)  # (the masks' copies: the table's to keep)
+        last = last[kept] if both else last
+    return last
+
+
 def restore(tables: list[ServerTable], ckpt: str, manifest: dict, server: int, shard_server: np.ndarray,
             num_servers: int) -> None:
     """Load server ``server``'s shards of every table (under the placement ``shard_server`` of
     ``num_servers`` servers) from the snapshot ``ckpt``: a full checkpoint, or a delta read over
-    its chain; then track changes when deltas follow it."""
+    its chain (the base's rows loaded and indexed once, each delta's put in place:
+    :func:`put_delta`); then track changes when deltas follow it."""
     chain = chain_of(ckpt, manifest)
     where = (server, shard_server, num_servers)
+    clock = manifest["clock"]
     for table in tables:
         name = table.spec.name
         keys, rows = checkpoint.read_for_server(chain[0][0], chain[0][1], name, *where)
         state = checkpoint.read_state_for_server(chain[0][0], chain[0][1], name, *where)
+        table.load(keys, rows, clock, own=True)  # (read for it alone)
+        del keys, rows
         for path, m in chain[1:]:
-            same = m["layout"]["servers"] == num_servers and m["layout"]["num_shards"] == shard_server.shape[0]
-            files = [checkpoint.server_file(path, server)] if same else [os.path.join(path, e["name"]) for e in m["files"]]
-            removed = np.concatenate([_removed_for_server(f, name, None if same else shard_server == server)
-                                      for f in files]) if files else np.zeros(0, dtype=np.uint64)
-            dkeys, drows = checkpoint.read_for_server(path, m, name, *where)
-            dstate = checkpoint.read_state_for_server(path, m, name, *where)
-            keys, rows, last = apply_delta(keys, rows, state.get("last"), (dkeys, drows, dstate.get("last"), removed))
+            dkeys, drows, dstate, removed = _delta_for_server(path, m, name, *where)
+            last = put_delta(table, state.get("last"), (dkeys, drows, dstate.get("last"), removed), clock)
             state = {**dstate, **({"last": last} if last is not None else {})}
-        table.restore_checkpoint(keys, rows, state, manifest["clock"], own=True)  # (read for it alone)
+        table.restore_state(state)
+        table.policies.resumed_at(clock)
     if tracked(ckpt):
         track_changes(tables)

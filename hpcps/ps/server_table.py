@@ -191,13 +191,6 @@ class ServerTable:
             self.store.mark_changed(np.arange(self.store.size))
         self.policies.loaded(clock)
 
-    def restore_checkpoint(self, keys: np.ndarray, rows: np.ndarray, state: dict, clock: int,
-                           own: bool = False) -> None:
-        """Load a checkpoint's rows and state, saved at ``clock`` (eviction rounds go on from it)."""
-        self.load(keys, rows, clock, own)
-        self.restore_state(state)
-        self.policies.resumed_at(clock)
-
     def state_arrays(self) -> dict:
         """What a checkpoint keeps beside the rows (see :meth:`RowPolicies.state_arrays`)."""
         return self.policies.state_arrays()

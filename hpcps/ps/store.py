@@ -56,12 +56,12 @@ class RowStore:
 
     # -- the index -----------------------------------------------------------------------------
 
-    def _new_index(self, keys: np.ndarray):
+    def _new_index(self, keys: np.ndarray, own: bool = False):
         """Direct addressing for a bounded key space once the table holds enough keys to pay for
-        it (:meth:`_direct_now`), else a hash index."""
+        it (:meth:`_direct_now`), else a hash index (``own``: :meth:`KeyIndex.from_keys`)."""
         if self._direct_now(keys.shape[0]):
             return DirectKeyIndex.from_keys(keys, self.spec.key_bits)
-        return KeyIndex.from_keys(keys)
+        return KeyIndex.from_keys(keys, own)
 
     def _direct_now(self, n: int) -> bool:
         """Whether a table of ``n`` keys is addressed directly: a bounded key space whose direct
@@ -115,14 +115,7 @@ class RowStore:
         """Room and initial values for the rows of the keys inserted since the store held
         ``first_new`` keys (slots from ``first_new`` on), and a direct index once it is due;
         returns how many there are."""
-        if self.index.key_capacity > self.rows.shape[0]:
-            rows = np.zeros((self.index.key_capacity, self.spec.width), dtype=np.float32)
-            rows[:first_new] = self.rows[:first_new]
-            self.rows = rows
-            if self.changed is not None:
-                changed = np.zeros(rows.shape[0], dtype=np.bool_)
-                changed[:first_new] = self.changed[:first_new]
-                self.changed = changed
+        self._room_for_rows(first_new)
         added = self.index.size - first_new
         if added:
             s = self.spec
@@ -132,6 +125,27 @@ class RowStore:
                 self.rows[slots[(keys == key) & (slots >= first_new)], :s.dim] = values
             self._go_direct_when_due()  # (the same slots: the rows stay where they are)
         return added
+
+    def _room_for_rows(self, first_new: int) -> None:
+        """Rows (and change marks) for every slot the index has room for, keeping the first ``first_new``."""
+        if self.index.key_capacity > self.rows.shape[0]:
+            rows = np.zeros((self.index.key_capacity, self.spec.width), dtype=np.float32)
+            rows[:first_new] = self.rows[:first_new]
+            self.rows = rows
+            if self.changed is not None:
+                changed = np.zeros(rows.shape[0], dtype=np.bool_)
+                changed[:first_new] = self.changed[:first_new]
+                self.changed = changed
+
+    def put_rows(self, keys: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Give ``keys`` (unique; a delta snapshot's, restored: mostly in slot order) the rows ``rows``:
+        a key held gets its row replaced, a new key a slot after the others; returns their slots."""
+        first_new = self.index.size
+        slots = self.index.lookup_or_insert_in_slot_order(np.ascontiguousarray(keys, dtype=np.uint64))
+        self._room_for_rows(first_new)
+        self.rows[slots] = rows
+        self._go_direct_when_due()  # (the same slots)
+        return slots
 
     # -- slots of the pulls before a push --------------------------------------------------------
 
@@ -168,10 +182,11 @@ class RowStore:
     def load(self, keys: np.ndarray, rows: np.ndarray, own: bool = False) -> None:
         """Replace the contents with ``keys`` and their rows (a new index: the rows may move).
         While changes are tracked, the changed rows kept stay marked, and the keys gone are
-        remembered as removed (an eviction). ``own``: ``rows`` is the caller's to give away (a
-        restore's, read for this): kept as the store's rows when it has their shape, not copied."""
+        remembered as removed (an eviction). ``own``: ``keys`` and ``rows`` are the caller's to give
+        away (a restore's, read for this): kept as the index's keys and the store's rows when they
+        have their shape, not copied."""
         old_keys, old_changed = (self.items()[0], self.changed) if self.changed is not None else (None, None)
-        self.index = self._new_index(np.ascontiguousarray(keys, dtype=np.uint64))
+        self.index = self._new_index(np.ascontiguousarray(keys, dtype=np.uint64), own)
         shape = (self.index.key_capacity, self.spec.width)
         if own and rows.shape == shape and rows.dtype == np.float32 and rows.flags.c_contiguous and rows.flags.writeable:
             self.rows = rows

@@ -224,13 +224,15 @@ def resolve_resume(cfg, world) -> tuple[str, dict] | None:
     found, error = None, None
     busy = checkpoint.hold(ck.dir) if world.is_first and ck.dir else None
     if world.is_first and not busy:
+        # a job restarted by hpcps supervise: what it verified is not hashed again (unless changed since)
+        handed = checkpoint.trust_verified(os.environ.get(checkpoint.VERIFIED_ENV, ""))
         if ck.resume == "auto":
-            found = checkpoint.newest_good(ck.dir, report=checkpoint.say, move_damaged=True)
+            found = checkpoint.newest_good(ck.dir, report=checkpoint.say, move_damaged=True, trust_unchanged=handed)
             if found is None:
                 print(f"hpcps: no checkpoint to resume in {ck.dir}: starting from scratch", flush=True)
         else:
             try:
-                found = (ck.resume, checkpoint.verify(ck.resume))
+                found = (ck.resume, checkpoint.verify(ck.resume, trust_unchanged=handed))
             except checkpoint.CheckpointError as e:
                 error = str(e)
         if found and found[1].get("model_fingerprint") != cfg.model_fingerprint():
