@@ -75,21 +75,25 @@ def _sent(ctx, call):
     return out, ctx.stats["requests"] - before
 
 
-def _plain_or_general_run(staleness: int, plain: bool) -> tuple[list, dict, list]:
+def _plain_or_general_run(staleness: int, plain: bool, dim: int = 2) -> tuple[list, dict, list, list]:
     """Pulls, pushes and push-pulls of one FTRL table through a job of one process (its server
-    in the process, reached through the Loopback transport), the server's plain ways on or off:
-    (the rows pulled, the table's rows and state, the ops its plain ways served)."""
+    in the process, reached through the Loopback transport), the server's plain ways and quick
+    pulls on or off: (the rows pulled, the table's rows and state, the ops its plain ways served,
+    those its quick pulls answered)."""
     ctx = hpcps.init(servers=1, staleness=staleness)
-    table = ctx.sparse_table("w", dim=2, **FTRL)
+    table = ctx.sparse_table("w", dim=dim, **FTRL)
     rng = np.random.default_rng(5)
     keys = [np.unique(rng.integers(0, 400, 80)).astype(np.uint64) for _ in range(6)]
     pulled = [table.pull(keys[0])]  # (the first request makes the server)
     served: list = []
-    ways = ctx.server.plain
+    quick: list = []
+    ways, answer = ctx.server.plain, ctx.server.quick_pulls.answer
     ctx.server.plain = {op: (lambda op, way: lambda *a: way(*a) and (served.append(op) or True))(op, way)
                         for op, way in ways.items()} if plain else {}
+    ctx.server.quick_pulls.answer = (lambda *a: answer(*a) and (quick.append(a[1]) or True)) if plain else \
+        (lambda *a: False)
     for step in range(5):
-        grads = rng.normal(size=(keys[step].size, 2)).astype(np.float32)
+        grads = rng.normal(size=(keys[step].size, dim)).astype(np.float32)
         table.wait(table.push(keys[step], grads))
         pulled.append(table.pull(keys[step + 1]))
         pulled.append(table.wait(table.ipushpull(keys[step], grads, keys[step + 1], unique=True)))
@@ -97,7 +101,7 @@ def _plain_or_general_run(staleness: int, plain: bool) -> tuple[list, dict, list
         pulled.append(table.wait(table.ipushpull(keys[step], grads, keys[step + 1], unique=True, in_pull=in_pull)))
     contents = ctx.tables_contents()
     ctx.finalize()
-    return pulled, contents, served
+    return pulled, contents, served, quick
 
 
 @pytest.mark.parametrize("staleness", [-1, 0, 1])
@@ -106,8 +110,25 @@ def test_the_plain_way_of_a_request_gives_the_general_ways_numbers(staleness):
     in-pull marks or without, hpcps.ps.plain_requests) gives the rows pulled and the table of the
     general way (the op's message and handler), bit for bit, under ASP, BSP (its pushes kept for
     their turn, a training step's push-pull answered at once) and SSP; every op the plain way."""
-    pulled, contents, served = _plain_or_general_run(staleness, plain=True)
-    want_pulled, want_contents, _ = _plain_or_general_run(staleness, plain=False)
+    pulled, contents, served, quick = _plain_or_general_run(staleness, plain=True)
+    want_pulled, want_contents, *_ = _plain_or_general_run(staleness, plain=False)
+    _same_run(pulled, contents, want_pulled, want_contents)
+    assert sorted(served) == [protocol.PULL] * 5 + [protocol.PUSH] * 5 + [protocol.PUSHPULL] * 10
+    assert sorted(quick) == [protocol.PULL] * 5 + [protocol.PUSHPULL] * 10  # (the first pull makes the server)
+
+
+def test_quick_pulls_give_the_general_ways_rows_with_keys_of_any_alignment():
+    """A dim-1 table under ASP: a push-pull of an odd number of keys carries its pulled keys 4
+    bytes off their alignment, an even number aligned; the quick pulls (hpcps.ps.quick_pulls),
+    answering both kinds, pulls of absent keys (their initial values) and pulls after pushes
+    that grew the table, give the general way's rows and table, bit for bit."""
+    pulled, contents, _, quick = _plain_or_general_run(-1, plain=True, dim=1)
+    want_pulled, want_contents, *_ = _plain_or_general_run(-1, plain=False, dim=1)
+    _same_run(pulled, contents, want_pulled, want_contents)
+    assert sorted(quick) == [protocol.PULL] * 5 + [protocol.PUSHPULL] * 10
+
+
+def _same_run(pulled: list, contents: dict, want_pulled: list, want_contents: dict) -> None:
     assert len(pulled) == len(want_pulled) == 16
     for got, want in zip(pulled, want_pulled):
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
@@ -115,7 +136,6 @@ def test_the_plain_way_of_a_request_gives_the_general_ways_numbers(staleness):
     want_keys, want_rows, _ = want_contents["w"]
     np.testing.assert_array_equal(keys, want_keys)
     np.testing.assert_array_equal(rows.view(np.uint32), want_rows.view(np.uint32))
-    assert sorted(served) == [protocol.PULL] * 5 + [protocol.PUSH] * 5 + [protocol.PUSHPULL] * 10
 
 
 @pytest.mark.mpi(min_size=4)
