@@ -75,21 +75,25 @@ def _sent(ctx, call):
     return out, ctx.stats["requests"] - before
 
 
-def _plain_or_general_run(staleness: int, plain: bool) -> tuple[list, dict, list]:
+def _plain_or_general_run(staleness: int, plain: bool, dim: int = 2) -> tuple[list, dict, list, list]:
     """Pulls, pushes and push-pulls of one FTRL table through a job of one process (its server
-    in the process, reached through the Loopback transport), the server's plain ways on or off:
-    (the rows pulled, the table's rows and state, the ops its plain ways served)."""
+    in the process, reached through the Loopback transport), the server's plain ways and quick
+    pulls on or off: (the rows pulled, the table's rows and state, the ops its plain ways served,
+    those its quick pulls answered)."""
     ctx = hpcps.init(servers=1, staleness=staleness)
-    table = ctx.sparse_table("w", dim=2, **FTRL)
+    table = ctx.sparse_table("w", dim=dim, **FTRL)
     rng = np.random.default_rng(5)
     keys = [np.unique(rng.integers(0, 400, 80)).astype(np.uint64) for _ in range(6)]
     pulled = [table.pull(keys[0])]  # (the first request makes the server)
     served: list = []
-    ways = ctx.server.plain
+    quick: list = []
+    ways, answer = ctx.server.plain, ctx.server.quick.answer_pull
     ctx.server.plain = {op: (lambda op, way: lambda *a: way(*a) and (served.append(op) or True))(op, way)
                         for op, way in ways.items()} if plain else {}
+    ctx.server.quick.answer_pull = (lambda *a: answer(*a) and (quick.append(a[1]) or True)) if plain else \
+        (lambda *a: False)
     for step in range(5):
-        grads = rng.normal(size=(keys[step].size, 2)).astype(np.float32)
+        grads = rng.normal(size=(keys[step].size, dim)).astype(np.float32)
         table.wait(table.push(keys[step], grads))
         pulled.append(table.pull(keys[step + 1]))
         pulled.append(table.wait(table.ipushpull(keys[step], grads, keys[step + 1], unique=True)))
@@ -97,7 +101,7 @@ def _plain_or_general_run(staleness: int, plain: bool) -> tuple[list, dict, list
         pulled.append(table.wait(table.ipushpull(keys[step], grads, keys[step + 1], unique=True, in_pull=in_pull)))
     contents = ctx.tables_contents()
     ctx.finalize()
-    return pulled, contents, served
+    return pulled, contents, served, quick
 
 
 @pytest.mark.parametrize("staleness", [-1, 0, 1])
@@ -106,16 +110,65 @@ def test_the_plain_way_of_a_request_gives_the_general_ways_numbers(staleness):
     in-pull marks or without, hpcps.ps.plain_requests) gives the rows pulled and the table of the
     general way (the op's message and handler), bit for bit, under ASP, BSP (its pushes kept for
     their turn, a training step's push-pull answered at once) and SSP; every op the plain way."""
-    pulled, contents, served = _plain_or_general_run(staleness, plain=True)
-    want_pulled, want_contents, _ = _plain_or_general_run(staleness, plain=False)
-    assert len(pulled) == len(want_pulled) == 16
+    pulled, contents, served, quick = _plain_or_general_run(staleness, plain=True)
+    want_pulled, want_contents, *_ = _plain_or_general_run(staleness, plain=False)
+    _same_run(pulled, contents, want_pulled, want_contents)
+    assert len(pulled) == 16
+    assert sorted(served) == [protocol.PULL] * 5 + [protocol.PUSH] * 5 + [protocol.PUSHPULL] * 10
+    assert sorted(quick) == [protocol.PULL] * 5 + [protocol.PUSHPULL] * 10  # (the first pull makes the server)
+
+
+def test_quick_pulls_give_the_general_ways_rows_with_keys_of_any_alignment():
+    """A dim-1 table under ASP: a push-pull of an odd number of keys carries its pulled keys 4
+    bytes off their alignment, an even number aligned; the quick pulls (hpcps.ps.quick_requests),
+    answering both kinds, pulls of absent keys (their initial values) and pulls after pushes
+    that grew the table, give the general way's rows and table, bit for bit."""
+    pulled, contents, _, quick = _plain_or_general_run(-1, plain=True, dim=1)
+    want_pulled, want_contents, *_ = _plain_or_general_run(-1, plain=False, dim=1)
+    _same_run(pulled, contents, want_pulled, want_contents)
+    assert sorted(quick) == [protocol.PULL] * 5 + [protocol.PUSHPULL] * 10
+
+
+def _pushes_run(quick: bool) -> tuple[np.ndarray, dict, list]:
+    """ASP pushes of a dim-1 FTRL table in a job of one process, new keys among known ones, then a
+    pull of every key: (the rows pulled, the table, the pushes the quick way applied); ``quick``
+    off: the general way (no plain way either)."""
+    ctx = hpcps.init(servers=1, staleness=-1)
+    table = ctx.sparse_table("w", dim=1, **FTRL)
+    rng = np.random.default_rng(7)
+    table.wait(table.push(np.arange(3, dtype=np.uint64), np.ones((3, 1), np.float32)))  # (makes the server)
+    done: list = []
+    push = ctx.server.quick.push
+    ctx.server.quick.push = lambda *a: push(*a) and (done.append(a[2].shape[0]) or True)
+    if not quick:
+        ctx.server.plain = {}
+    for step in range(6):  # (keys below 100 * (step + 1): new ones at each step, after known ones)
+        keys = np.unique(rng.integers(0, 100 * (step + 1), 61)).astype(np.uint64)
+        table.wait(table.push(keys, rng.normal(size=(keys.size, 1)).astype(np.float32), unique=True))
+    pulled = table.pull(np.arange(600, dtype=np.uint64))
+    contents = ctx.tables_contents()
+    ctx.finalize()
+    return pulled, contents, done
+
+
+def test_quick_pushes_give_the_general_ways_table():
+    """ASP pushes with no pull before them take the quick way (hpcps.ps.quick_requests: the one-pass
+    kernel's compiled version, the keys from the first new one on through the table's push): the
+    table and the rows pulled are the general way's, bit for bit."""
+    pulled, contents, done = _pushes_run(True)
+    want_pulled, want_contents, none = _pushes_run(False)
+    assert len(done) == 6 and none == []
+    _same_run([pulled], contents, [want_pulled], want_contents)
+
+
+def _same_run(pulled: list, contents: dict, want_pulled: list, want_contents: dict) -> None:
+    assert len(pulled) == len(want_pulled)
     for got, want in zip(pulled, want_pulled):
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
     keys, rows, _ = contents["w"]
     want_keys, want_rows, _ = want_contents["w"]
     np.testing.assert_array_equal(keys, want_keys)
     np.testing.assert_array_equal(rows.view(np.uint32), want_rows.view(np.uint32))
-    assert sorted(served) == [protocol.PULL] * 5 + [protocol.PUSH] * 5 + [protocol.PUSHPULL] * 10
 
 
 @pytest.mark.mpi(min_size=4)

@@ -81,14 +81,15 @@ class PlainRequests:
         if n:
             keys, grads, _ = protocol.plain_pushed(buf, n, 0, self.dims[table])
             self._plain_push_part(source - self.worker_rank0, table, req_id, clock, sender, keys, grads)
-        self.replies.ack(source, req_id, table, "push ack")
+        self.quick.ack(source, req_id, table)
         return True
 
     def _plain_push_part(self, worker: int, table: int, req_id: int, clock: int, sender: int, keys: np.ndarray,
                          grads: np.ndarray) -> None:
         """A push's keys applied now (SSP, ASP: no message made), or kept for their turn (BSP)."""
         if self.staleness:
-            self.push_now(worker, table, keys, grads, clock)
+            if not self.quick.push(worker, table, keys, grads, clock):
+                self.push_now(worker, table, keys, grads, clock)
         else:
             self._push(worker, protocol.Push(table, req_id, clock, sender, keys, grads))
 

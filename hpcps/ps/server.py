@@ -42,6 +42,7 @@ from hpcps.ps import checkpoint, deltas, failover, filters, protocol, recovery, 
 from hpcps.ps.consistency import NO_BACKUP, Backup, WorkerClocks
 from hpcps.ps.placement import Placement
 from hpcps.ps.plain_requests import PlainRequests
+from hpcps.ps.quick_requests import QuickRequests
 from hpcps.ps.replication import Replication, ServerCopies
 from hpcps.ps.server_table import ServerTable
 from hpcps.ps.tables import MARGINS_FUNCTION, RESIDUALS_FUNCTION, SERVER_FUNCTIONS, ServerFunction, TableSpec
@@ -194,6 +195,8 @@ class ServerReads:
         two threads (``splits_pull``) is answered as its header, sent once the values are ready,
         then the values: the waiting worker sleeps until the header comes rather than spinning
         through the server's work, which leaves the core to the second thread."""
+        if wire == filters.FP32 and self.quick.answer_pull(source, op, req_id, table, keys):
+            return  # (the commonest pull, in the fewest steps: hpcps.ps.quick_requests)
         failover.before_read(self, keys)
         n, dim = keys.shape[0], self.dims[table]
         apart = splits_pull(n, dim)
@@ -302,6 +305,7 @@ class Server(ServerReads, PlainRequests, ServerCopies):
         self.workers = WorkerClocks(num_workers, staleness, backup)
         self.pool = transport.BufferPool()  # large requests and replies
         self.replies = Replies(net, server_index, self.pool, self.workers, self.tables)
+        self.quick = QuickRequests(self)  # the commonest requests in the fewest steps
         self.snapshots = deltas.DeltaWriter(server_index, placement.num_servers, placement.num_shards)
         self.snapshots.narrow = self.replication.primary_part  # (a delta writes each shard once too)
         self.stats = {"requests": 0, "general_requests": 0, "idle_s": 0.0, "busy_s": 0.0, "deferred": 0}
