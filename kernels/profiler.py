@@ -667,6 +667,7 @@ def warmup_server() -> None:
     ki = hashtable.KeyIndex()
     ki.lookup(ki.keys[:0].copy())
     ki.lookup_or_insert(np.arange(100, dtype=np.uint64))
+    ki.lookup_or_insert_in_slot_order(np.arange(98, 103, dtype=np.uint64))  # (a delta snapshot's rows restored)
     hashtable.KeyIndex.from_keys(np.arange(10, dtype=np.uint64))
     di = directindex.DirectKeyIndex.from_keys(np.array([1, 2**40], dtype=np.uint64), 4)
     di.lookup(np.array([1, 3, 2**40], dtype=np.uint64))
