@@ -429,6 +429,10 @@ def wait(
             # a large message done (a push's send), or the rest of a message started once its
             # first part came (a large reply's payload): spin for the transfers from now on
             spin = time.perf_counter() - start + spin_budget(sum(p.nbytes for p in left))
+        # a request done: test the rest again before sleeping (a test makes MPI's progress, which
+        # can complete a request tested before it in this pass: a rendezvous send's acknowledgement
+        # comes before its reply, so the reply is seen on the next pass, not a back-off sleep later)
+        again = started or len(left) < len(todo)
         todo = left
         elapsed = time.perf_counter() - start
         if warn_after is not None and not warned and elapsed > warn_after:
@@ -439,6 +443,8 @@ def wait(
             raise StallError(
                 f"{rank_prefix()}: no answer after {timeout:g} s: {describe(todo)}{suffix() if callable(suffix) else suffix}"
             )
+        if again:
+            continue
         if background is not None:
             if background():
                 continue
