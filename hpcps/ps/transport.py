@@ -420,7 +420,7 @@ def wait(
     spin = spin_budget(sum(p.nbytes for p in todo))
     start = time.perf_counter()
     sleep = POLL_MIN_SLEEP_S
-    warned = False
+    warned = again = False
     while todo:
         left, started, done_bytes = _test(todo)
         if not left:
@@ -429,10 +429,13 @@ def wait(
             # a large message done (a push's send), or the rest of a message started once its
             # first part came (a large reply's payload): spin for the transfers from now on
             spin = time.perf_counter() - start + spin_budget(sum(p.nbytes for p in left))
-        # a request done: test the rest again before sleeping (a test makes MPI's progress, which
-        # can complete a request tested before it in this pass: a rendezvous send's acknowledgement
-        # comes before its reply, so the reply is seen on the next pass, not a back-off sleep later)
-        again = started or len(left) < len(todo)
+        # most of what was left done in this pass: test the rest once more before sleeping. A test
+        # makes MPI's progress, which can complete a request tested before it in the pass: a
+        # rendezvous send's acknowledgement comes before the reply, so a request's sends were seen
+        # done and its replies, already in, a back-off sleep later. Once, and not for a few of many
+        # (a burst's replies): a stream of completions is not spun through
+        done = len(todo) - len(left)
+        again = not again and 0 < done >= len(left)
         todo = left
         elapsed = time.perf_counter() - start
         if warn_after is not None and not warned and elapsed > warn_after:
