@@ -105,6 +105,39 @@ def test_an_announced_reply_is_waited_for_asleep_until_its_header_comes(monkeypa
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_wait_tests_again_after_a_transfer_completes_before_it_would_sleep():
+    """A request sent above MPI's eager limit completes once the receiver acknowledges it, and
+    the test that sees that acknowledgement can leave the reply that came after it for the next
+    pass: the wait tests again at once rather than after a sleep (its ``background`` is called
+    where it would sleep: never here, as every transfer is done before the wait begins)."""
+    import os
+    import tempfile
+
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD.Dup()
+    flag = os.path.join(comm.bcast(tempfile.mkdtemp() if comm.rank == 0 else None, root=0), "replied")
+    n = 1 << 16  # (above the eager limit of MPICH's and Open MPI's shared memory)
+    if comm.rank == 0:
+        reply, request = np.zeros(1), np.arange(n, dtype=np.uint8)
+        pending = transport.start_recv(comm, reply, 1, 3, "reply") + transport.start_send(comm, request, 1, 5, "request")
+        while not os.path.exists(flag):  # (no MPI call meanwhile: the acknowledgement and the reply wait in its queue)
+            time.sleep(0.01)
+        sleeps = []
+        transport.wait(pending, timeout=60, background=lambda: sleeps.append(1) or False)
+        assert reply[0] == float(request.astype(np.int64).sum()) and sleeps == [], sleeps
+        os.remove(flag)
+        os.rmdir(os.path.dirname(flag))
+    elif comm.rank == 1:
+        got = np.empty(n, dtype=np.uint8)
+        comm.Recv(got, source=0, tag=5)
+        comm.Send(np.full(1, float(got.astype(np.int64).sum())), dest=0, tag=3)  # (what it received, summed)
+        open(flag, "w").close()
+    comm.Barrier()
+    comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_a_reply_says_in_its_header_whether_its_payload_comes_apart():
     """The receiver of a reply posts one receive and reads the framing from the header the
     server wrote (``protocol.PAYLOAD_APART``): a reply sent whole and one sent as header then

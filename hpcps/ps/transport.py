@@ -443,6 +443,14 @@ def wait(
             # a large message done (a push's send), or the rest of a message started once its
             # first part came (a large reply's payload): spin for the transfers from now on
             spin = time.perf_counter() - start + spin_budget(sum(p.nbytes for p in left))
+        # most of what was left done in this pass: test the rest again before sleeping. A test
+        # makes MPI's progress, which can complete a request tested before it in the pass: a
+        # rendezvous send's acknowledgement comes before the reply, so a request's sends were seen
+        # done and its replies, already in, a back-off sleep later. Not for a few of many (a
+        # burst's replies): what is left at least halves with each pass tested again at once, so a
+        # stream of completions is not spun through
+        done = len(todo) - len(left)
+        again = 0 < done >= len(left)
         todo = left
         elapsed = time.perf_counter() - start
         if warn_after is not None and not warned and elapsed > warn_after:
@@ -453,6 +461,8 @@ def wait(
             raise StallError(
                 f"{rank_prefix()}: no answer after {timeout:g} s: {describe(todo)}{suffix() if callable(suffix) else suffix}"
             )
+        if again:
+            continue
         if background is not None:
             if background():
                 continue
