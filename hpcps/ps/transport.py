@@ -57,22 +57,13 @@ from hpcps import errors
 if os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() in ("1", "true", "yes", "on"):
     os.environ.setdefault("OMPI_MCA_async_mpi_finalize", "1")
 
-# MPI is started here, not by mpi4py's import, so that a job on one host gets its settings first
-# (hpcps.ps.mpi_env: each only where the user set none); mpi4py's defaults kept (its thread level,
-# MPI finalized at exit). Where a program of the user's started MPI itself, nothing changes.
-import mpi4py  # noqa: E402
-
+# A job on one host gets its MPI settings before the library loads (hpcps.ps.mpi_env: each only
+# where the user set none), unless a program of the user's loaded it already.
 from hpcps.ps import mpi_env  # noqa: E402
 
-_STARTS_MPI = "mpi4py.MPI" not in sys.modules and bool(mpi4py.rc.initialize)
-if _STARTS_MPI:
+if "mpi4py.MPI" not in sys.modules:
     mpi_env.before_library(os.environ)
-    mpi4py.rc(initialize=False, finalize=True if mpi4py.rc.finalize is None else mpi4py.rc.finalize)
 from mpi4py import MPI  # noqa: E402
-
-if _STARTS_MPI and not MPI.Is_initialized():
-    mpi_env.before_init(os.environ, MPI.Get_library_version())
-    MPI.Init_thread(getattr(MPI, f"THREAD_{str(mpi4py.rc.thread_level).upper()}"))
 
 # Back-off of the polling wait: first POLL_SPIN_S of pure polling (latency of a fast answer stays
 # that of MPI), then sleeps that double from POLL_MIN_SLEEP_S up to POLL_MAX_SLEEP_S. A wait for
