@@ -23,17 +23,17 @@ import numpy as np
 # --- fitted: begin ---
 FITTED = {
     "requests": "worker",
-    "local_latency_s": 7.628e-06,
-    "local_bytes_per_s": 5.289e+09,
-    "server_pull_keys_per_s": 8.13e+07,
-    "server_push_keys_per_s": 6.945e+07,
-    "server_request_s": 1.067e-05,
-    "worker_request_s": 0.0003334,
-    "worker_rows_per_s": 1.343e+06,
-    "worker_cpu_row_s": 1.545e-06,
-    "server_cpu_step_s": 0.0002906,
-    "link_cpu_message_s": 1.371e-06,
-    "link_cpu_byte_s": 2.105e-09,
+    "local_latency_s": 8.368e-06,
+    "local_bytes_per_s": 4.86e+09,
+    "server_pull_keys_per_s": 7.566e+07,
+    "server_push_keys_per_s": 6.489e+07,
+    "server_request_s": 8.912e-06,
+    "worker_request_s": 0.0003416,
+    "worker_rows_per_s": 1.271e+06,
+    "worker_cpu_row_s": 1.61e-06,
+    "server_cpu_step_s": 0.000327,
+    "link_cpu_message_s": 3.81e-07,
+    "link_cpu_byte_s": 2.468e-09,
 }
 # --- fitted: end ---
 
@@ -52,7 +52,7 @@ JOB_TERMS = {
 # points measured on this machine (docs/scaling-measured.json; see fit_poll_share).
 # --- poll share: begin ---
 POLLS = {
-    "server_poll_share": 0.3365,
+    "server_poll_share": 0.3612,
 }
 # --- poll share: end ---
 
