@@ -70,12 +70,13 @@ def lost_work(status: dict) -> tuple[str, str]:
     return ckpt, f"resuming at step {at}; {step - at} step(s) of work lost (the job had reached step {step})"
 
 
-def _handed_over(status: dict) -> dict:
-    """The environment that hands the restarted job what :func:`lost_work` verified in the job's
-    checkpoint directory (:func:`hpcps.ps.checkpoint.verified_under`): verified once, here, while
-    the job is down, not again by its first rank before it restores."""
+def _handed_over(status: dict, ckpt: str) -> dict:
+    """The environment that hands the restarted job what :func:`lost_work` verified of ``ckpt``
+    (and the chain it is taken over) in the job's checkpoint directory
+    (:func:`hpcps.ps.checkpoint.verified_under`): verified once, here, while the job is down, not
+    again by its first rank before it restores."""
     ckdir = status.get("checkpoint_dir", "")
-    return {checkpoint.VERIFIED_ENV: checkpoint.verified_under(ckdir)} if ckdir else {}
+    return {checkpoint.VERIFIED_ENV: checkpoint.verified_under(ckdir, ckpt)} if ckdir and ckpt else {}
 
 
 def _back_off(delay: float, received: list) -> None:
@@ -149,7 +150,8 @@ def run(command: list[str], max_restarts: int = 3, backoff: float = 5.0, backoff
             status = read_status(status_path)
             if "checkpoint_dir" in status:
                 checkpointing = bool(status["checkpoint_dir"])
-            (ckpt, lost), handed = lost_work(status), _handed_over(status)
+            ckpt, lost = lost_work(status)
+            handed = _handed_over(status, ckpt)
             if attempt >= max_restarts:
                 _log(f"job failed with exit status {rc} after {time.monotonic() - started:.0f} s; "
                      f"{max_restarts} restart(s) used up, giving up ({lost})", log_file)

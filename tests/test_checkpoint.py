@@ -111,6 +111,20 @@ def test_what_supervise_verified_is_not_hashed_again_by_the_job_it_restarts_unle
     assert newest_found(handed)[0] == "ckpt-0000000010"   # the damage found
 
 
+def test_what_supervise_hands_over_is_the_resumed_snapshot_alone_and_never_too_large(tmp_path, monkeypatch):
+    """Only the snapshot a restart resumes (and a delta's chain) is handed over, and nothing where
+    the text would be too large for one environment variable (Linux refuses one over 128 KiB at
+    exec: with thousands of servers' files the restart would not start)."""
+    old, _, _ = _fake_checkpoint(tmp_path, 10)
+    new, _, _ = _fake_checkpoint(tmp_path, 20)
+    checkpoint.verify(old)
+    checkpoint.verify(new)
+    assert {os.path.abspath(old), os.path.abspath(new)} <= set(json.loads(checkpoint.verified_under(str(tmp_path))))
+    assert set(json.loads(checkpoint.verified_under(str(tmp_path), new))) == {os.path.abspath(new)}
+    monkeypatch.setattr(checkpoint, "VERIFIED_MAX_BYTES", 10)
+    assert checkpoint.verified_under(str(tmp_path), new) == ""
+
+
 @pytest.mark.parametrize("servers", [1, 2, 3, 5])
 def test_shards_restore_onto_any_number_of_servers(tmp_path, servers):
     ckpt, keys, rows = _fake_checkpoint(tmp_path, 10, servers=2)

@@ -493,13 +493,30 @@ def _remember_verified(ckpt: str, manifest: dict) -> None:
         pass
 
 
-def verified_under(root: str) -> str:
+# the most :func:`verified_under` hands over in one environment variable (Linux refuses a variable
+# over 128 KiB at exec: the restart would not start); past it nothing is handed over (the job hashes)
+VERIFIED_MAX_BYTES = 96 * 1024
+
+
+def verified_under(root: str, ckpt: str = "") -> str:
     """What this process verified under the checkpoint directory ``root``, as JSON: each
-    snapshot's files' (name, size, mtime, inode) when they verified. ``hpcps supervise`` hands it
-    to the job it restarts (:data:`VERIFIED_ENV`), whose :func:`trust_verified` takes it: the
-    snapshot the supervisor found good is not hashed again on the restart's path."""
+    snapshot's files' (name, size, mtime, inode) when they verified; with ``ckpt``, only that
+    snapshot and the chain it is taken over (what a restart from it reads). ``hpcps supervise``
+    hands it to the job it restarts (:data:`VERIFIED_ENV`), whose :func:`trust_verified` takes it:
+    the snapshot the supervisor found good is not hashed again on the restart's path. '' where
+    that would be over :data:`VERIFIED_MAX_BYTES` (thousands of servers' files)."""
     under = os.path.join(os.path.abspath(root), "")
-    return json.dumps({p: sig for p, sig in _verified.items() if p.startswith(under) and os.path.isdir(p)})
+    wanted = None
+    if ckpt:
+        wanted = {os.path.abspath(ckpt)}
+        try:
+            if is_delta(ckpt):
+                wanted |= {os.path.abspath(p) for p, _ in chain_links(ckpt, read_manifest(ckpt))}
+        except (CheckpointError, OSError, ValueError, KeyError):
+            pass  # (its chain unreadable now: only the snapshot itself is handed over)
+    text = json.dumps({p: sig for p, sig in _verified.items()
+                       if p.startswith(under) and os.path.isdir(p) and (wanted is None or p in wanted)})
+    return text if len(text) <= VERIFIED_MAX_BYTES else ""
 
 
 def trust_verified(text: str) -> bool:

@@ -106,6 +106,7 @@ class WorkerClocks:
         # answered at once until its checkpoint, as a late worker's is (no worker waits for those
         # in the agreement, who push nothing more)
         self.stopping = False
+        self.stopped_at = -1  # the clock of the last signal's checkpoint: a STOPPING of it or before is late
 
     @property
     def waiting(self) -> bool:

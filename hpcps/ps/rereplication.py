@@ -40,7 +40,11 @@ markers): the copy holds every push a worker sent before its ``PLACED``, and non
   and the pushes kept are applied, in their order (:meth:`Rereplication.cut`). Its rows then
   hold every push before each worker's ``PLACED`` (each came before it on the same channel and
   was applied on arrival) and none after. Reads meanwhile see the rows without the pushes kept:
-  under ASP a read is promised no push, and the wait is the workers' notices' (milliseconds).
+  under ASP a read is promised no push. The wait lasts until every worker has sent its notice,
+  which a worker sends when a request of its own meets the loss: milliseconds while all train
+  (1-2 pushes kept in docs/measure-rereplication.py), longer if one sits in a collective
+  meanwhile. Not handled: a checkpoint written on the source in that window holds its rows
+  without the pushes kept (they are applied after it).
 * **The new backup** gets from each worker only pushes sent after that worker's ``PLACED`` (the
   old placement did not send it those shards): it holds them until the copy lands and then
   applies every one, in their order; none is dropped. So each push reaches each copy once, and the

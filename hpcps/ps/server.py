@@ -265,10 +265,14 @@ class ServerReads:
             self._apply_pushes_due()
         if r.for_signal:  # (this server's own signal is answered: no more STOP in its replies)
             signals.clear()
-            self.workers.stopping = False
+            self.workers.stopping, self.workers.stopped_at = False, r.clock
 
     def _handle_stopping(self, source: int, r: protocol.Stopping) -> None:
-        """A worker saw stop signal ``r.signal`` (backup workers): reported as this server's own."""
+        """A worker saw stop signal ``r.signal`` (backup workers): reported as this server's own,
+        unless it is one the last signal's checkpoint answered (a worker's notice may come after
+        it: with ``checkpoint.on_signal = "continue"`` it would stop the job again)."""
+        if r.clock <= self.workers.stopped_at:
+            return
         signals.forwarded(r.signal)
         self.stop_known()
 
