@@ -538,36 +538,45 @@ class Done(Clock):
     op: ClassVar[int] = DONE
 
 
+class _Notice(Clock):
+    """A :class:`Clock` with one word more, the header's reserved one (:attr:`word`). Sizes 0."""
+
+    @property
+    def word(self) -> int:
+        raise NotImplementedError
+
+    def pack(self, alloc=None) -> np.ndarray:
+        return _pack(_words(self.op, 0, 0, (0, 0), self.clock, self.worker, self.word), HEADER_BYTES, alloc)
+
+    @classmethod
+    def unpack(cls, words: list, buf: np.ndarray, dims: list[int], grads: np.ndarray | None) -> "_Notice":
+        return cls(words[5], words[6], words[7])
+
+
 @dataclass(eq=False)
-class Placed(Clock):
+class Placed(_Notice):
     """``PLACED``: worker ``worker``, at ``clock``, sends its pushes under the placement without
     server ``lost`` from now on (the header's reserved word). Sizes 0."""
 
     op: ClassVar[int] = PLACED
     lost: int = -1
 
-    def pack(self, alloc=None) -> np.ndarray:
-        return _pack(_words(self.op, 0, 0, (0, 0), self.clock, self.worker, self.lost), HEADER_BYTES, alloc)
-
-    @classmethod
-    def unpack(cls, words: list, buf: np.ndarray, dims: list[int], grads: np.ndarray | None) -> "Placed":
-        return cls(words[5], words[6], words[7])
+    @property
+    def word(self) -> int:
+        return self.lost
 
 
 @dataclass(eq=False)
-class Stopping(Clock):
+class Stopping(_Notice):
     """``STOPPING`` (backup workers): worker ``worker``, at ``clock``, saw stop signal ``signal`` (the
     header's reserved word) and joins the workers' agreement on it. Sizes 0."""
 
     op: ClassVar[int] = STOPPING
     signal: int = 0
 
-    def pack(self, alloc=None) -> np.ndarray:
-        return _pack(_words(self.op, 0, 0, (0, 0), self.clock, self.worker, self.signal), HEADER_BYTES, alloc)
-
-    @classmethod
-    def unpack(cls, words: list, buf: np.ndarray, dims: list[int], grads: np.ndarray | None) -> "Stopping":
-        return cls(words[5], words[6], words[7])
+    @property
+    def word(self) -> int:
+        return self.signal
 
 
 @dataclass(eq=False)

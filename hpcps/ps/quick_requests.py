@@ -60,16 +60,9 @@ class QuickRequests:
     def _header(self, buf: np.ndarray, req_id: int, t) -> None:
         """A reply's header, as ``Replies.new`` writes it: the stop status, the slowest clock,
         the table's counts."""
-        server, policies = self.server, t.policies
+        server = self.server
         protocol.REPLY_HEADER.pack_into(buf, 0, req_id, protocol.stop_status(signals.requested()),
-                                        server.workers.min_clock(), server.index, t.store.index.size,
-                                        policies.admitted, policies.evicted, 0)
-
-    def _post(self, buf: np.ndarray, dest: int, req_id: int, what: str) -> None:
-        """Send a reply whole, as ``Replies.post`` does."""
-        replies = self.server.replies
-        replies.sending += replies.net.start_send(buf, dest, protocol.reply_tag(req_id, replies.tag_ub), what)
-        replies.posted_bytes += buf.nbytes
+                                        server.workers.min_clock(), server.index, *t.counts(), 0)
 
     def answer_pull(self, source: int, op: int, req_id: int, table: int, keys: np.ndarray) -> bool:
         """Answer request ``req_id`` (a pull or a push-pull, ``op``) from rank ``source`` with the
@@ -98,7 +91,7 @@ class QuickRequests:
         worker = source - server.worker_rank0
         if worker >= 0 and t.policies.reuses_slots:
             store.remember_pull(worker, keys, slots)
-        self._post(buf, source, req_id, _WHAT[op])
+        server.replies.post(buf, source, req_id, _WHAT[op], False)
         return True
 
     def push(self, worker: int, table: int, keys: np.ndarray, grads: np.ndarray, clock: int) -> bool:
@@ -127,4 +120,4 @@ class QuickRequests:
         """An empty reply: request ``req_id`` about table ``table`` is done (``Replies.ack``)."""
         buf = np.empty(REPLY_BYTES, dtype=np.uint8)
         self._header(buf, req_id, self.server.tables[table])
-        self._post(buf, source, req_id, "push ack")
+        self.server.replies.post(buf, source, req_id, "push ack", False)
