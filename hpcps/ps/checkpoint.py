@@ -564,6 +564,8 @@ def newest_good(root: str, report=say, move_damaged: bool = False,
     supervise``, which verified them: :func:`trust_verified`)."""
     bad_bases: set[str] = set()
     for ckpt in reversed(complete_checkpoints(root)):
+        if move_damaged and not os.path.isdir(ckpt):
+            continue  # (a damaged base already moved under damaged/ by a newer delta's chain, and said)
         try:
             m = verify(ckpt, trust_unchanged)
         except CheckpointError as e:
