@@ -561,7 +561,12 @@ def _cmd_export(args) -> int:
 
     from_model = os.path.isfile(args.ckpt)
     problem = "" if from_model else _checkpoint_directory_problem(args.ckpt)
-    problem = problem or outputs.clash([("--out", args.out)], [("the model file" if from_model else "the checkpoint", args.ckpt)])
+    snapshots = [] if from_model else [p for p in (args.ckpt, args.since) if p]
+    # (not into any snapshot of the directories read: a chain's base or a delta before it is read too)
+    problem = problem or outputs.clash(
+        [("--out", args.out)], [("the model file" if from_model else "the checkpoint", args.ckpt),
+                                *(("--since", args.since) for _ in snapshots[1:])],
+        [("the checkpoints' directory", os.path.dirname(os.path.normpath(p)) or ".") for p in snapshots])
     if problem:
         return _fail(problem)
     if from_model and args.since:

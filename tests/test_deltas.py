@@ -18,6 +18,7 @@ import pytest
 from hpcps.ps import checkpoint, deltas
 from hpcps.ps.server_table import ServerTable
 from hpcps.ps.tables import Features, TableSpec
+from hpcps.train import synth
 from hpcps.train.model_file import ServingModel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -220,3 +221,56 @@ def test_chaos_schedule_under_delta_snapshots_and_supervise_is_bit_identical(tmp
                                "checkpoint.full_every": 5})
     restarts = [ln for ln in out.splitlines() if "hpcps supervise: job failed" in ln]
     assert "delta snapshot" in out and any("/delta-" in ln for ln in restarts), restarts  # (resumed from a delta)
+
+
+
+@pytest.fixture(scope="module")
+def small_chain(tmp_path_factory):
+    """A one-process job's snapshots (60 steps: full at 10 and 40, deltas at 20, 30, 50 and 60) and
+    the job's arguments."""
+    from test_faults import job, sets
+    tmp = tmp_path_factory.mktemp("chain")
+    data = synth.generate(str(tmp / "d"), 3_000, 10, fields=4, seed=2, formats=("libsvm",))
+    ck = tmp / "ck"
+    args = ["train", "--set", f"data.train={json.dumps(data.files['train_libsvm'])}",
+            *sets(train__epochs=1, train__batch_size=50, train__progress=False, checkpoint__dir=str(ck),
+                  checkpoint__delta_every_steps=10, checkpoint__full_every=3, checkpoint__final=False)]
+    rc, out = job(0, args, timeout=120)
+    assert rc == 0, out[-3000:]
+    names = sorted(os.listdir(ck))
+    assert names == ["ckpt-0000000010", "ckpt-0000000040", *(f"delta-00000000{s}0" for s in "2356")], names
+    return ck, args
+
+
+@pytest.mark.parametrize("out", ["ckpt-0000000040/manifest.json", "damaged/m.h5"])  # (a link of the chain; aside)
+def test_export_never_writes_into_a_snapshot_of_the_chain_it_reads(small_chain, out):
+    # (the base's manifest was overwritten by the model, exit 0: the chain then broken for good)
+    ck, _ = small_chain
+    before = {p: open(p, "rb").read() for p in glob.glob(str(ck / "*" / "*"))}
+    done = subprocess.run([*HPCPS, "export", str(ck / "delta-0000000060"), "--since", str(ck / "delta-0000000030"),
+                           "--out", str(ck / out)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and ("give --out a path outside" in done.stderr or "move it out of" in done.stderr), done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert {p: open(p, "rb").read() for p in glob.glob(str(ck / "*" / "*"))} == before
+    assert not os.path.exists(ck / "damaged")
+
+
+def test_a_damaged_base_is_moved_once_and_resume_goes_on_from_the_chain_before_it(small_chain, tmp_path):
+    # the newest full checkpoint damaged under its deltas: the walk from the newest delta moves it
+    # under damaged/, and met again as a checkpoint of its own it is not moved twice (that raised
+    # FileNotFoundError, exit 1); the run resumes from the newest delta of the chain before it
+    from test_faults import job
+    import shutil
+    ck = tmp_path / "ck"
+    shutil.copytree(small_chain[0], ck)
+    args = [a.replace(str(small_chain[0]), str(ck)) for a in small_chain[1]]
+    base = ck / "ckpt-0000000040" / "server-0.h5"
+    with open(base, "r+b") as f:
+        f.seek(os.path.getsize(base) // 2)
+        f.write(b"\xff" * 64)
+    rc, out = job(0, args + ["--resume", "auto"], timeout=120)
+    assert rc == 0, out[-3000:]
+    said = [ln for ln in out.splitlines() if "ckpt-0000000040" in ln and "fails its XXH64 checksum" in ln]
+    assert len(said) == 1 and "its deltas cannot be used" in said[0], out[-3000:]
+    assert f"resuming from {ck / 'delta-0000000030'}" in out, out[-3000:]
+    assert sorted(os.listdir(ck / "damaged")) == ["ckpt-0000000040"]
