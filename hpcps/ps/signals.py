@@ -24,7 +24,7 @@ EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130
 _PRIORITY = {signal.SIGINT: 3, signal.SIGTERM: 2, signal.SIGUSR1: 1}  # which one a stop reports
 
 _state: dict = {"signal": None, "forwarded": None, "installed": False, "defer": True, "prefix": "hpcps: ", "first": True,
-                "why": "", "end": os._exit}
+                "why": "", "end": os._exit, "stopping_with": None}
 
 
 def install(defer: bool = True, prefix: str = "hpcps: ", first: bool | None = None, why: str = "",
@@ -65,13 +65,22 @@ def stop_now(signum: int, again: bool = False) -> None:
     if not _state["first"]:
         time.sleep(STOP_QUIET_S)
     name = signal.Signals(signum).name
-    why = "again before the checkpoint was written" if again else _state["why"]
+    status = _state["stopping_with"] if again and _state["stopping_with"] else 128 + signum
+    why = ("again after the signal's checkpoint was written" if status != 128 + signum
+           else "again before the checkpoint was written" if again else _state["why"])
     sys.stdout.flush()
-    sys.stderr.write(f"{_state['prefix']}stopped by {name}{': ' + why if why else ''} "
-                     f"(exit status {128 + signum})\n")
+    sys.stderr.write(f"{_state['prefix']}stopped by {name}{': ' + why if why else ''} (exit status {status})\n")
     sys.stderr.flush()
-    _state["end"](128 + signum)
-    os._exit(128 + signum)  # (if ``end`` returned)
+    _state["end"](status)
+    os._exit(status)  # (if ``end`` returned)
+
+
+def checkpoint_written(status: int) -> int:
+    """The signal's checkpoint is committed and the run is stopping with ``status`` (75 or 130),
+    returned: a second signal from now on still ends it at once, with that status (the checkpoint
+    is there to resume from, and a scheduler requeues on 75), not 128 + the signal."""
+    _state["stopping_with"] = status
+    return status
 
 
 def requested() -> int | None:

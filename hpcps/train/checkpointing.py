@@ -150,7 +150,7 @@ class Checkpointing:
         self.saved_at, self.step_at = global_step, time.monotonic()  # (the next step's length without the pause)
         if want >= 3:
             if ck.on_signal == "exit" or want == 4:  # (SIGINT always stops)
-                return EXIT_INTERRUPTED if want == 4 else EXIT_PREEMPTED
+                return signals.checkpoint_written(EXIT_INTERRUPTED if want == 4 else EXIT_PREEMPTED)  # (committed)
             signals.clear()
             self.ctx.server_stop = 0
         return 0
