@@ -79,6 +79,16 @@ def _handed_over(status: dict, ckpt: str) -> dict:
     return {checkpoint.VERIFIED_ENV: checkpoint.verified_under(ckdir, ckpt)} if ckdir and ckpt else {}
 
 
+def _not_restarted(rc: int, signum: int, status: dict, log_file: str) -> int:
+    """Say that the job a signal was passed on to ended with ``rc`` and is not restarted, naming
+    the checkpoint to resume from (a second signal may have ended its ranks as the first one's
+    checkpoint committed, they saying none was written); returns ``rc``."""
+    ckpt = lost_work(status)[0]
+    _log(f"job ended with exit status {rc} after signal {signal.Signals(signum).name}: not restarting"
+         + (f"; --resume auto continues from {ckpt}" if ckpt else ""), log_file)
+    return rc
+
+
 def _back_off(delay: float, received: list) -> None:
     """Wait ``delay`` seconds, less if a signal is received meanwhile."""
     end = time.monotonic() + delay
@@ -144,9 +154,7 @@ def run(command: list[str], max_restarts: int = 3, backoff: float = 5.0, backoff
                      log_file)
                 return rc
             if received:
-                _log(f"job ended with exit status {rc} after signal {signal.Signals(received[-1]).name}: "
-                     f"not restarting", log_file)
-                return rc
+                return _not_restarted(rc, received[-1], read_status(status_path), log_file)
             status = read_status(status_path)
             if "checkpoint_dir" in status:
                 checkpointing = bool(status["checkpoint_dir"])

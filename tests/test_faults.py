@@ -371,6 +371,34 @@ def test_supervise_restarts_a_job_without_checkpoints_from_the_start(tmp_path):
     assert json.load(open(tmp_path / "argv-2")) == ["train"]
 
 
+SIGNALLED_JOB = """
+import json, os, signal, sys, time
+json.dump({"global_step": 12, "checkpoint_dir": sys.argv[1]}, open(os.environ["HPCPS_STATUS_FILE"], "w"))
+signal.signal(signal.SIGTERM, lambda *a: os._exit(143))  # (as a second SIGTERM ends a job at once)
+open(sys.argv[2], "w").close()
+time.sleep(60)
+"""
+
+
+def test_a_job_ended_by_signals_under_supervise_names_the_checkpoint_to_resume_from(tmp_path):
+    """A job whose ranks a second signal ended with 143 while the signal's checkpoint committed (a
+    real process standing in for it, as supervise sees it): supervise does not restart it, and
+    names the newest good checkpoint, which the ranks could not (they said none was written)."""
+    from test_reliability import _tiny_checkpoint
+    tmp, manifest = _tiny_checkpoint(tmp_path / "ck")
+    final = checkpoint.commit(tmp, manifest, keep=3)
+    (tmp_path / "job.py").write_text(SIGNALLED_JOB)
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen([*HPCPS, "supervise", "--backoff", "0", "--", sys.executable, str(tmp_path / "job.py"),
+                             str(tmp_path / "ck"), str(ready)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=ENV)
+    assert wait_for(ready.exists, 60, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 143, out
+    assert f"not restarting; --resume auto continues from {final}" in out, out
+
+
 def test_a_failed_mpi_call_is_reported_as_a_peer_that_died_not_as_a_bug():
     """What a rank says when MPI fails under it (a peer killed, out of memory): one line, no
     "unexpected" (the MPI error is made here: when it happens depends on the launcher's teardown)."""
