@@ -4,7 +4,7 @@ shard whose copies fell below ``r + 1`` gets a new backup on the survivor the pl
 over the wire from its primary, while training goes on.
 
 The copy must give the new backup every push exactly once: those the copy holds, and those the
-workers send it directly. Under BSP that is agreed on a clock, ``C`` (under ASP: below):
+workers send it directly. Under BSP that is agreed on a clock, ``C`` (under SSP and ASP: below):
 
 * **A worker** that learns of the loss moves to the new placement and, before any other request,
   tells every server so (``PLACED``, with its clock ``K``: every push it sent before has a clock
@@ -38,18 +38,19 @@ sent after.
 * **The source** applies every push to its rows as it comes, as always: reads, checkpoints and
   delta snapshots see every push (SSP's bound holds; a snapshot written meanwhile loses none).
   Beside its rows it keeps a *shadow* of the moved shards' rows (:class:`Shadow`), a copy taken
-  when it learns of the loss (before any worker's ``PLACED``: every push applied so far was sent
-  before it), to which it applies, with the table's own rule and in their order of arrival,
-  only the pushes of workers whose ``PLACED`` has not come yet, and of those only their keys of
-  the moved shards (rows created there as the table would). Once every worker's ``PLACED`` is in
-  (or the worker is done or lost), the shadow holds exactly the pushes sent before each worker's
-  notice: it is sent as the copy and dropped (:meth:`Rereplication.cut`). What it costs: the
-  rows the source copies out, held a second time from the loss until every notice is in (as
-  large as the copy it sends), and the pushes sent before a notice applied twice to the moved
-  shards' keys (measured: docs/benchmarks.md). A rule updates each row from its
-  own row and gradient (Adam's step count is per row), which the copy relies on: the shadow's
-  rows are those the table would hold had it had only those pushes. Admission draws per key and
-  clock, as the table does (``admit_count > 1`` and memory budgets do not go with replicas).
+  when it learns of the loss (no push sent after a ``PLACED`` can have come yet: a worker sends
+  its ``PLACED`` first, and a server learns of the loss by then at the latest), to which it
+  applies, with the table's own rule and in their order of arrival, only the pushes of workers
+  whose ``PLACED`` has not come yet, and of those only their keys of the moved shards (rows
+  created there as the table would). Once every worker's ``PLACED`` is in (or the worker is done
+  or lost), the shadow holds exactly the pushes sent before each worker's notice: it is sent as
+  the copy and dropped (:meth:`Rereplication.cut`). What it costs: the rows the source copies out,
+  held a second time from the loss until every notice is in (as large as the copy it sends), and
+  the pushes sent before a notice applied twice to the moved shards' keys (measured:
+  docs/benchmarks.md). A rule updates each row from its own row and gradient (Adam's step count is
+  per row), which the copy relies on: the shadow's rows are those the table would hold had it had
+  only those pushes. Admission draws per key and clock, as the table does (``admit_count > 1`` and
+  memory budgets do not go with replicas).
 * **The new backup** gets from each worker only pushes sent after that worker's ``PLACED`` (the
   old placement did not send it those shards): it holds them until the copy lands and then
   applies every one, in their order; none is dropped. So each push reaches each copy once. The
@@ -57,6 +58,12 @@ sent after.
   have applied a push sent after one worker's notice before one sent before another's, the
   backup applies the latter first (as any two copies under SSP and ASP, whose pushes interleave
   as they arrive).
+
+Why a shadow rather than keeping the pushes sent after a ``PLACED`` aside until the cut (which
+gives the same copy): those pushes would be missing meanwhile from reads (SSP promises them to
+its reads, and deferring a read could wait on a worker that learns of the loss only through it)
+and from a checkpoint or delta snapshot written meanwhile (applied after it, lost on a restore
+from it). The shadow leaves the rows, and all that reads them, as without a loss.
 
 Why not a cut by a per-worker sequence of pushes (the source telling, for each worker, the last
 push it applied, and the new backup dropping those up to it): a push goes to each server as a
@@ -74,6 +81,7 @@ that is survived as the first.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 
@@ -116,7 +124,9 @@ class Shadow:
         for table in tables:
             keys, rows = table.items()
             sel = self.moved[shard_of(np.ascontiguousarray(keys), num_shards)]
-            shadow = ServerTable(table.spec)
+            # (a hash index whatever the key space: a direct index's array, 64 MiB at 24 bits, would
+            # cost its making and its memory for a table held until the notices are in)
+            shadow = ServerTable(dataclasses.replace(table.spec, key_bits=64))
             shadow.threads = table.threads
             shadow.load(keys[sel], rows[sel], own=True)  # (copies: fancy indexing)
             self.tables.append(shadow)
