@@ -16,6 +16,12 @@ stood still from the kill to the end (its status file, written at every step); a
 servers each copy's rows and seconds from the source's cut to its landing (the targets' lines).
 The medians are printed at the end. Use data with many keys (``hpcps gen-data DIR --rows 200000``:
 about 200 k keys on the servers by step 700).
+
+    .venv/bin/python docs/measure-rereplication.py --shadow-costs
+
+measures a source's shadow (SSP, ASP) in process instead: its making over a 200 k-key FTRL table
+with a third of the shards moved, and its apply of a push beside the table's own (medians of 40
+alternating pushes of 100, 1,000 and 10,000 keys).
 """
 
 from __future__ import annotations
@@ -83,7 +89,40 @@ def run(data: str, servers: int, kill_at: int, work: str, staleness: int = 0) ->
             [(int(m[1]), float(m[2]), int(m[3])) for m in SHADOW.finditer(text)])
 
 
+def shadow_costs() -> None:
+    """A shadow's making and its apply of a push beside the table's own (in process)."""
+    import numpy as np
+
+    from hpcps.ps.rereplication import Shadow
+    from hpcps.ps.server_table import ServerTable
+    from hpcps.ps.tables import TableSpec
+
+    rng = np.random.default_rng(0)
+    table = ServerTable(TableSpec("w", dim=1, optimizer="ftrl", key_bits=24))
+    keys = np.unique(rng.integers(1, 1 << 24, 200_000, dtype=np.uint64))
+    table.push(keys, rng.normal(size=(keys.shape[0], 1)).astype(np.float32))
+    started = time.perf_counter()
+    shadow = Shadow([table], list(range(0, 1024, 3)), 1024)
+    print(f"a shadow of {shadow.tables[0].size} rows made in {time.perf_counter() - started:.4f} s")
+    for n in (100, 1000, 10000):
+        own, shadowed = [], []
+        for _ in range(41):
+            k = np.sort(rng.choice(keys, n, replace=False))
+            g = rng.normal(size=(n, 1)).astype(np.float32)
+            for times, push in ((own, lambda: table.push(k, g, 0)), (shadowed, lambda: shadow.push(0, k, g, 0))):
+                t = time.perf_counter()
+                push()
+                times.append(time.perf_counter() - t)
+        own, shadowed = own[1:], shadowed[1:]  # (the first: compiling)
+        print(f"{n} keys: the table's apply {statistics.median(own) * 1e6:.1f} us, the shadow's "
+              f"{statistics.median(shadowed) * 1e6:.1f} us, "
+              f"{statistics.median(b / a for a, b in zip(own, shadowed)):.2f}x (median of the pairs)")
+
+
 def main() -> None:
+    if sys.argv[1:] == ["--shadow-costs"]:
+        shadow_costs()
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("data")
     ap.add_argument("--kill-at", type=int, default=700)
