@@ -328,6 +328,8 @@ def test_three_servers_under_asp_or_ssp_one_lost_new_backups_get_every_push_exac
     landed = [ln for ln in out.splitlines() if "new backups of" in ln]
     assert sorted(ln.split(":")[1].strip() for ln in landed) == ["server 0", "server 2"], out[-4000:]
     assert all("cut at the workers' notices" in ln for ln in landed), landed
+    copied = [ln for ln in out.splitlines() if "as new backups" in ln]  # (the sources': from their shadows)
+    assert len(copied) == 2 and all("applied to its shadow" in ln for ln in copied), copied
     lines = out.splitlines()
     ended = [i for i, ln in enumerate(lines) if "(end of training)" in ln]
     assert ended and max(i for i, ln in enumerate(lines) if "new backups of" in ln) < ended[0], out[-4000:]
