@@ -247,8 +247,9 @@ class Rereplication:
             self.sorting = bool(self.waiting_for)
         if self.outgoing:
             self._find_boundary()  # (a worker done or lost since: its PLACED will not come)
-            if self.at_notices and self.boundary is not None:
-                self.cut(NOTICES)
+            if self.at_notices:  # (every worker done: its boundary is found, the shadow holds every push)
+                if self.boundary is not None:
+                    self.cut(NOTICES)
             elif workers.all_done and not workers.waiting:
                 self.cut(END)
             elif self.boundary is not None and workers.min_clock() >= self.boundary:
