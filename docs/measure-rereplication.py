@@ -3,11 +3,12 @@ takes (rows a second) and how long training stands still, beside the same kill w
 needed.
 
     .venv/bin/python docs/measure-rereplication.py DATA.svm [--kill-at 700] [--runs 3] [--work DIR]
-        [--staleness -1]
+        [--staleness -1|2]
 
 Each run, under ULFM (``.venv-ft``'s ``mpiexec --with-ft ulfm``), trains one epoch of DATA (FTRL,
-batch 100, BSP, or ASP with ``--staleness -1``: the copies cut at the workers' notices, and the
-pushes the sources kept for the cut counted) with ``cluster.replicas = 1`` and 2 workers, and kills server 1 with kill -9 once
+batch 100, BSP, or SSP/ASP with ``--staleness 2`` or ``-1``: the copies cut at the workers' notices,
+each from its source's shadow of the moved rows, whose pushes and their time are counted) with
+``cluster.replicas = 1`` and 2 workers, and kills server 1 with kill -9 once
 the first worker has done ``--kill-at`` steps: with 3 servers (the survivors copy each other the
 new backups of the lost server's shards) and with 2 (each survivor holds every shard: promotion
 only), alternating. Per run: the exit status; the stall, the longest the first worker's step
@@ -15,6 +16,12 @@ stood still from the kill to the end (its status file, written at every step); a
 servers each copy's rows and seconds from the source's cut to its landing (the targets' lines).
 The medians are printed at the end. Use data with many keys (``hpcps gen-data DIR --rows 200000``:
 about 200 k keys on the servers by step 700).
+
+    .venv/bin/python docs/measure-rereplication.py --shadow-costs
+
+measures a source's shadow (SSP, ASP) in process instead: its making over a 200 k-key FTRL table
+with a third of the shards moved, and its apply of a push beside the table's own (medians of 40
+alternating pushes of 100, 1,000 and 10,000 keys).
 """
 
 from __future__ import annotations
@@ -39,12 +46,14 @@ from test_ulfm import longest_stall  # noqa: E402
 
 FT = os.path.join(ROOT, ".venv-ft")
 LANDED = re.compile(r"landed from server \d+ \((\d+) rows, ([0-9.]+) s")
-KEPT = re.compile(r"cut at the workers' notices \((\d+) pushes")
+SHADOW = re.compile(r"cut at the workers' notices \((\d+) pushes sent before their notices applied to its shadow "
+                    r"in ([0-9.]+) s, (\d+) sent after")
 
 
 def run(data: str, servers: int, kill_at: int, work: str, staleness: int = 0) -> tuple[int, float, list, list]:
     """One job killed at step ``kill_at``: (exit status, stall in seconds, [(rows, seconds)] of its
-    copies, the pushes each source kept for its cut under ASP)."""
+    copies, [(pushes before their notices, their seconds, pushes after)] of each source's shadow
+    under SSP and ASP)."""
     os.makedirs(work)
     sets = {"data.train": json.dumps(data), "train.batch_size": 100, "train.epochs": 1, "train.progress": "false",
             "cluster.servers": servers, "cluster.fault_tolerance": '"ulfm"', "optimizer.name": '"ftrl"',
@@ -77,27 +86,60 @@ def run(data: str, servers: int, kill_at: int, work: str, staleness: int = 0) ->
             proc.wait()
     text = open(work + "/out.log").read()
     return (proc.returncode, stall, [(int(m[1]), float(m[2])) for m in LANDED.finditer(text)],
-            [int(m[1]) for m in KEPT.finditer(text)])
+            [(int(m[1]), float(m[2]), int(m[3])) for m in SHADOW.finditer(text)])
+
+
+def shadow_costs() -> None:
+    """A shadow's making and its apply of a push beside the table's own (in process)."""
+    import numpy as np
+
+    from hpcps.ps.rereplication import Shadow
+    from hpcps.ps.server_table import ServerTable
+    from hpcps.ps.tables import TableSpec
+
+    rng = np.random.default_rng(0)
+    table = ServerTable(TableSpec("w", dim=1, optimizer="ftrl", key_bits=24))
+    keys = np.unique(rng.integers(1, 1 << 24, 200_000, dtype=np.uint64))
+    table.push(keys, rng.normal(size=(keys.shape[0], 1)).astype(np.float32))
+    started = time.perf_counter()
+    shadow = Shadow([table], list(range(0, 1024, 3)), 1024)
+    print(f"a shadow of {shadow.tables[0].size} rows made in {time.perf_counter() - started:.4f} s")
+    for n in (100, 1000, 10000):
+        own, shadowed = [], []
+        for _ in range(41):
+            k = np.sort(rng.choice(keys, n, replace=False))
+            g = rng.normal(size=(n, 1)).astype(np.float32)
+            for times, push in ((own, lambda: table.push(k, g, 0)), (shadowed, lambda: shadow.push(0, k, g, 0))):
+                t = time.perf_counter()
+                push()
+                times.append(time.perf_counter() - t)
+        own, shadowed = own[1:], shadowed[1:]  # (the first: compiling)
+        print(f"{n} keys: the table's apply {statistics.median(own) * 1e6:.1f} us, the shadow's "
+              f"{statistics.median(shadowed) * 1e6:.1f} us, "
+              f"{statistics.median(b / a for a, b in zip(own, shadowed)):.2f}x (median of the pairs)")
 
 
 def main() -> None:
+    if sys.argv[1:] == ["--shadow-costs"]:
+        shadow_costs()
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("data")
     ap.add_argument("--kill-at", type=int, default=700)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--work", default=None)
-    ap.add_argument("--staleness", type=int, default=0, choices=(0, -1), help="0 BSP, -1 ASP")
+    ap.add_argument("--staleness", type=int, default=0, help="0 BSP, -1 ASP, s > 0 SSP")
     a = ap.parse_args()
     work = a.work or tempfile.mkdtemp(prefix="hpcps-rerep-")
     stalls: dict[int, list[float]] = {2: [], 3: []}
-    copies, kept = [], []
+    copies, shadows = [], []
     for i in range(a.runs):
         for servers in (2, 3):
-            rc, stall, landed, held = run(os.path.abspath(a.data), servers, a.kill_at, f"{work}/s{servers}-{i}",
+            rc, stall, landed, shadowed = run(os.path.abspath(a.data), servers, a.kill_at, f"{work}/s{servers}-{i}",
                                           a.staleness)
             print(json.dumps({"servers": servers, "exit": rc, "stall_s": round(stall, 3), "copies": landed,
-                              **({"kept": held} if a.staleness else {})}), flush=True)
-            kept += held
+                              **({"shadows": shadowed} if a.staleness else {})}), flush=True)
+            shadows += shadowed
             stalls[servers].append(stall)
             copies += landed
     ratios = [b / a for a, b in zip(stalls[2], stalls[3])]
@@ -107,8 +149,10 @@ def main() -> None:
         print(f"copy: median {statistics.median(t for _, t in copies):.3f} s for "
               f"{statistics.median(n for n, _ in copies):.0f} rows, "
               f"{statistics.median(n / t for n, t in copies if t > 0):,.0f} rows/s (median of {len(copies)})")
-    if kept:
-        print(f"pushes kept by a source for its cut (ASP): median {statistics.median(kept):.0f}, at most {max(kept)}")
+    if shadows:
+        print(f"a source's shadow (SSP, ASP): median {statistics.median(n for n, _, _ in shadows):.0f} pushes before "
+              f"their notices applied in {statistics.median(t for _, t, _ in shadows):.4f} s, "
+              f"{statistics.median(m for _, _, m in shadows):.0f} sent after (median of {len(shadows)} sources)")
 
 
 if __name__ == "__main__":

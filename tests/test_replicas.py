@@ -8,15 +8,16 @@ import os
 import subprocess
 import sys
 
+import h5py
 import numpy as np
 import pytest
 
 from hpcps.config import ConfigError, from_dict, load_raw
-from hpcps.ps import checkpoint, failover, protocol, transport
+from hpcps.ps import checkpoint, deltas, failover, protocol, transport
 from hpcps.ps.placement import Placement, new_copies
 from hpcps.ps.replication import Replication
 from hpcps.ps.rereplication import insert_rows
-from hpcps.ps.server import Server
+from hpcps.ps.server import Server, write_checkpoint_file
 from hpcps.ps.server_table import ServerTable
 from hpcps.ps.tables import TableSpec
 from hpcps.train import synth
@@ -243,13 +244,14 @@ def test_a_second_loss_before_a_landed_copy_has_every_push_before_it_ends_the_jo
         assert failed.value.ranks == (2,) and "second server lost before the new backups" in failed.value.why
 
 
-def test_under_asp_a_copy_cut_at_the_notices_gives_the_new_backup_every_push_once():
-    """ASP, 3 servers with 1 replica, 2 workers, server 1 lost: server 0 copies shards to server 2.
-    On server 0 (the source) a push sent after its worker's PLACED is kept until every PLACED is
-    in: the copy holds the pushes sent before (g1, g3) and not g2, sent after; g2 is applied
-    after the cut. On server 2 (the new backup) g2 is held until the copy lands and then applied
-    on its rows: both copies end with g1, g3 and g2 applied once each, in that order, bit for bit
-    (FTRL: the order and a push applied twice would change them)."""
+def test_under_ssp_a_copy_from_the_shadow_holds_the_pushes_before_the_notices_and_reads_see_every_push(tmp_path):
+    """SSP (staleness 2; ASP takes the same path), 3 servers with 1 replica, 2 workers, server 1
+    lost: server 0 copies shards to server 2. On server 0 (the source) every push is applied to
+    its rows as it comes (g1, g2, g3: a checkpoint and a delta written before the last notice hold
+    g2, sent after worker 0's PLACED), and to the shadow only those sent before their worker's
+    PLACED (g1, g3): the copy. On server 2 (the new backup) g2 is held until the copy lands and
+    then applied on its rows: g1, g3, g2, each once (FTRL: the order and a push applied twice or
+    not at all would change them)."""
     spec, placement = TableSpec("w", dim=1, optimizer="ftrl"), Placement(3, num_shards=64, replicas=1)
     moved = [shard for shard, source, target in new_copies(placement.copies, placement.after_loss(1).copies)
              if (source, target) == (0, 2)]
@@ -258,30 +260,40 @@ def test_under_asp_a_copy_cut_at_the_notices_gives_the_new_backup_every_push_onc
     g1, g2, g3 = (np.full((keys.shape[0], 1), v, np.float32) for v in (0.5, -1.5, 0.25))
     servers, sent = {}, []
     for index in (0, 2):
-        server = servers[index] = Server(transport.Loopback(), index, 2, 3, [spec], placement, -1)
+        server = servers[index] = Server(transport.Loopback(), index, 2, 3, [spec], placement, 2)
         server.net.deliver = lambda source, buf: sent.append(protocol.unpack_request(buf.copy(), dims=[]))
         failover.plug(server)
-        failover.promote(server, 1)
 
     def push(server, worker, grads):
         server.push_now(worker, 0, keys, grads, 7)
         server.apply_backlog()
 
+    def applied(*grads):
+        table = ServerTable(spec)
+        for g in grads:
+            table.push(keys, g)
+        return _rows(table, keys).tobytes()
+
     source, backup = servers[0], servers[2]
     push(source, 0, g1)
+    deltas.track_changes(source.tables)  # (a delta snapshot's marks, from here on)
+    failover.promote(source, 1)
+    failover.promote(backup, 1)
     source.handle(3, protocol.Placed(7, 0, 1).pack())
-    push(source, 0, g2)  # (sent after worker 0's PLACED: kept)
-    assert source.copying.kept and not sent
+    push(source, 0, g2)  # (sent after worker 0's PLACED: its rows, not the shadow)
     push(source, 1, g3)  # (worker 1's, before its PLACED)
+    assert not sent and _rows(source.tables[0], keys).tobytes() == applied(g1, g2, g3)
+    write_checkpoint_file(str(tmp_path), source.tables, 0, source.replication, 7)
+    with h5py.File(checkpoint.server_file(str(tmp_path), 0), "r") as f:
+        assert _by_key(f["tables/w/keys"][...], f["tables/w/rows"][...], keys).tobytes() == applied(g1, g2, g3)
+    _, delta_keys, delta_rows, _ = deltas.changed_part(source.tables[0])
+    assert _by_key(delta_keys, delta_rows, keys).tobytes() == applied(g1, g2, g3)
     source.handle(4, protocol.Placed(7, 1, 1).pack())
     source.copying.due()
     copy = [c for c in sent if c.source == 0]
-    assert len(copy) == 1 and copy[0].clock == -1 and not source.copying.kept
-    before = ServerTable(spec)
-    for g in (g1, g3):
-        before.push(keys, g)
-    assert _rows(before, copy[0].parts[0][0]).tobytes() == copy[0].parts[0][1].tobytes()
+    assert len(copy) == 1 and copy[0].clock == -1 and source.copying.shadow is None
     assert np.array_equal(np.sort(copy[0].parts[0][0]), np.sort(keys))
+    assert _by_key(*copy[0].parts[0], keys).tobytes() == applied(g1, g3)
     for worker in (0, 1):
         backup.handle(3 + worker, protocol.Placed(7, worker, 1).pack())
     backup.copying.due()  # (its own copies to server 0, cut and sent)
@@ -289,16 +301,16 @@ def test_under_asp_a_copy_cut_at_the_notices_gives_the_new_backup_every_push_onc
     assert backup.tables[0].size == 0 and backup.copying.busy
     backup.copying.take(copy[0])
     assert not backup.copying.busy
-    after = ServerTable(spec)
-    for g in (g1, g3, g2):
-        after.push(keys, g)
-    for server in (source, backup):
-        assert _rows(server.tables[0], keys).tobytes() == _rows(after, keys).tobytes(), server.index
+    assert _rows(backup.tables[0], keys).tobytes() == applied(g1, g3, g2)
 
 
 def _rows(table, keys):
     """The stored rows (parameters and state) of ``keys`` in ``table``."""
-    all_keys, all_rows = table.items()
+    return _by_key(*table.items(), keys)
+
+
+def _by_key(all_keys, all_rows, keys):
+    """The rows of ``keys`` among ``all_rows`` (those of ``all_keys``)."""
     where = {int(k): i for i, k in enumerate(all_keys)}
     return all_rows[[where[int(k)] for k in keys]]
 

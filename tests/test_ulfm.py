@@ -19,9 +19,10 @@ launched from the second environment ``.venv-ft`` (``make install-ft``; ``make t
   of its shards copied over the wire between the two survivors (each copies to the other), then
   server 2 killed once both copies landed, so that the last server goes on from its copies: exit
   status 0, the model and the last checkpoint bit-identical to the job's without the kills.
-* The same under ASP (``cluster.staleness = -1``), server 1 killed: the copies are cut at the
-  workers' notices of the new placement, the sources keeping the pushes sent after a notice until
-  then. Exit status 0, and every push applied exactly once on every copy: with FTRL's L1 far above
+* The same under ASP (``cluster.staleness = -1``) and SSP (``2``), server 1 killed: the copies are
+  cut at the workers' notices of the new placement, each source sending a shadow of the moved
+  rows given only the pushes sent before their worker's notice (its rows get every push). Exit
+  status 0, and every push applied exactly once on every copy: with FTRL's L1 far above
   any gradient every weight stays zero, so each push is ``0.5 - label`` summed over its batch's
   rows whatever the order, and sums of halves are exact in float32; each key's ``z`` must then be
   its rows' sum of ``0.5 - label`` (the data says it), and every backup's rows, ``n`` included,
@@ -310,11 +311,13 @@ def test_three_servers_one_lost_new_backups_copied_then_a_second_lost_the_same_m
     # placement for its member too (who sends them nothing until its end), so the copies are
     # made while training goes on
     {"cluster.worker_groups": 1, "train.group_pull": "true"},
-], ids=["workers", "group-pull"])
-def test_three_servers_under_asp_one_lost_new_backups_get_every_push_exactly_once(ft_launcher, shared_keys,
+    # SSP (staleness 2): reads see every push meanwhile, the copies made from the sources' shadows
+    {"cluster.staleness": 2},
+], ids=["workers", "group-pull", "ssp"])
+def test_three_servers_under_asp_or_ssp_one_lost_new_backups_get_every_push_exactly_once(ft_launcher, shared_keys,
                                                                                   tmp_path, groups):
-    # 3 servers with 1 replica and 2 workers under ASP: server 1 (rank 1) killed after step 20, its
-    # shards' new backups copied between servers 0 and 2 while the workers push on
+    # 3 servers with 1 replica and 2 workers under ASP (or SSP): server 1 (rank 1) killed after step
+    # 20, its shards' new backups copied between servers 0 and 2 while the workers push on
     more = {"cluster.replicas": 1, "cluster.staleness": -1, "train.epochs": 2, **groups}
     summary = tmp_path / "summary.json"
     rc, out, _ = kill_mid_run(ft_launcher, shared_keys, tmp_path, ranks=5, servers=3, victim=1, more=more,
@@ -325,6 +328,8 @@ def test_three_servers_under_asp_one_lost_new_backups_get_every_push_exactly_onc
     landed = [ln for ln in out.splitlines() if "new backups of" in ln]
     assert sorted(ln.split(":")[1].strip() for ln in landed) == ["server 0", "server 2"], out[-4000:]
     assert all("cut at the workers' notices" in ln for ln in landed), landed
+    copied = [ln for ln in out.splitlines() if "as new backups" in ln]  # (the sources': from their shadows)
+    assert len(copied) == 2 and all("applied to its shadow" in ln for ln in copied), copied
     lines = out.splitlines()
     ended = [i for i, ln in enumerate(lines) if "(end of training)" in ln]
     assert ended and max(i for i, ln in enumerate(lines) if "new backups of" in ln) < ended[0], out[-4000:]

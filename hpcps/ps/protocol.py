@@ -583,7 +583,8 @@ class Stopping(_Notice):
 class Copy(Message):
     """``COPY``: server ``source``'s rows of ``shards`` (new backups on the receiver after server
     ``lost`` was lost), as applied up to ``clock``: every push of an earlier clock, none of a later
-    one (-1, under ASP: every push sent before its worker's ``PLACED``, none after). ``parts``: each table's (keys, rows), in the tables' order; ``cut_at``: when the source
+    one (-1, under SSP and ASP: every push sent before its worker's ``PLACED``, none after).
+    ``parts``: each table's (keys, rows), in the tables' order; ``cut_at``: when the source
     read them (``time.monotonic()``, the same clock on one host: the copy's time). Header: the
     tables' count (``table``), the shards' (``n_push``), ``clock``, ``source`` (``worker``) and
     ``lost`` (``reserved``); then the shards (int64), ``cut_at`` (float64) and each table's row

@@ -194,8 +194,8 @@ class ServerCopies:
         two parts are then views of the message (which the backlog keeps alive; nothing writes
         into a request's buffer)."""
         target = self.tables[table]
-        if self.copying is not None and self.copying.keeps(worker, table, keys, grads, clock):
-            return None  # (kept until the copies of a lost server's shards are read: hpcps.ps.rereplication)
+        if self.copying is not None:  # (new backups after a lost server: hpcps.ps.rereplication)
+            self.copying.on_push(worker, table, keys, grads, clock)
         if not self.replication.on or self.evicting:
             return target.push(keys, grads, clock, worker, in_pull=in_pull)
         p = self.placement

@@ -4,7 +4,7 @@ shard whose copies fell below ``r + 1`` gets a new backup on the survivor the pl
 over the wire from its primary, while training goes on.
 
 The copy must give the new backup every push exactly once: those the copy holds, and those the
-workers send it directly. Under BSP that is agreed on a clock, ``C`` (under ASP: below):
+workers send it directly. Under BSP that is agreed on a clock, ``C`` (under SSP and ASP: below):
 
 * **A worker** that learns of the loss moves to the new placement and, before any other request,
   tells every server so (``PLACED``, with its clock ``K``: every push it sent before has a clock
@@ -30,26 +30,40 @@ workers send it directly. Under BSP that is agreed on a clock, ``C`` (under ASP:
   (:meth:`Rereplication.sort_backlog`, over the backups' part of the pushes, which is all it
   gets of them: a backup is not read).
 
-Under ASP a server applies pushes as they arrive: there is no clock to cut at. The cut is made at
-the workers' ``PLACED`` instead, each worker's own (a consistent cut, as Chandy and Lamport's
-markers): the copy holds every push a worker sent before its ``PLACED``, and none it sent after.
+Under SSP and ASP a server applies pushes as they arrive: there is no clock to cut at. The cut is
+made at the workers' ``PLACED`` instead, each worker's own (a consistent cut, as Chandy and
+Lamport's markers): the copy holds every push a worker sent before its ``PLACED``, and none it
+sent after.
 
-* **The source**, from a worker's ``PLACED`` on, keeps that worker's pushes (all of them, in
-  their order) instead of applying them (:meth:`Rereplication.keeps`). Once every worker's
-  ``PLACED`` is in (or the worker is done or lost), the moved shards' rows are read and sent,
-  and the pushes kept are applied, in their order (:meth:`Rereplication.cut`). Its rows then
-  hold every push before each worker's ``PLACED`` (each came before it on the same channel and
-  was applied on arrival) and none after. Reads meanwhile see the rows without the pushes kept:
-  under ASP a read is promised no push. The wait lasts until every worker has sent its notice,
-  which a worker sends when a request of its own meets the loss: milliseconds while all train
-  (1-2 pushes kept in docs/measure-rereplication.py), longer if one sits in a collective
-  meanwhile. Not handled: a checkpoint written on the source in that window holds its rows
-  without the pushes kept (they are applied after it).
+* **The source** applies every push to its rows as it comes, as always: reads, checkpoints and
+  delta snapshots see every push (SSP's bound holds; a snapshot written meanwhile loses none).
+  Beside its rows it keeps a *shadow* of the moved shards' rows (:class:`Shadow`), a copy taken
+  when it learns of the loss (no push sent after a ``PLACED`` can have come yet: a worker sends
+  its ``PLACED`` first, and a server learns of the loss by then at the latest), to which it
+  applies, with the table's own rule and in their order of arrival, only the pushes of workers
+  whose ``PLACED`` has not come yet, and of those only their keys of the moved shards (rows
+  created there as the table would). Once every worker's ``PLACED`` is in (or the worker is done
+  or lost), the shadow holds exactly the pushes sent before each worker's notice: it is sent as
+  the copy and dropped (:meth:`Rereplication.cut`). What it costs: the rows the source copies out,
+  held a second time from the loss until every notice is in (as large as the copy it sends), and
+  the pushes sent before a notice applied twice to the moved shards' keys (measured:
+  docs/benchmarks.md). A rule updates each row from its own row and gradient (Adam's step count is
+  per row), which the copy relies on: the shadow's rows are those the table would hold had it had
+  only those pushes. Admission draws per key and clock, as the table does (``admit_count > 1`` and
+  memory budgets do not go with replicas).
 * **The new backup** gets from each worker only pushes sent after that worker's ``PLACED`` (the
   old placement did not send it those shards): it holds them until the copy lands and then
-  applies every one, in their order; none is dropped. So each push reaches each copy once, and the
-  backup's rows equal the primary's up to the interleaving of two workers' pushes, as any two
-  copies' under ASP.
+  applies every one, in their order; none is dropped. So each push reaches each copy once. The
+  backup's rows equal the primary's up to the order of two workers' pushes: the primary may
+  have applied a push sent after one worker's notice before one sent before another's, the
+  backup applies the latter first (as any two copies under SSP and ASP, whose pushes interleave
+  as they arrive).
+
+Why a shadow rather than keeping the pushes sent after a ``PLACED`` aside until the cut (which
+gives the same copy): those pushes would be missing meanwhile from reads (SSP promises them to
+its reads, and deferring a read could wait on a worker that learns of the loss only through it)
+and from a checkpoint or delta snapshot written meanwhile (applied after it, lost on a restore
+from it). The shadow leaves the rows, and all that reads them, as without a loss.
 
 Why not a cut by a per-worker sequence of pushes (the source telling, for each worker, the last
 push it applied, and the new backup dropping those up to it): a push goes to each server as a
@@ -59,9 +73,7 @@ The cut at ``PLACED`` needs none, and the new backup drops nothing.
 
 A server that learns of the loss from a worker's ``PLACED`` before its own MPI says so handles
 the loss right then (a new backup must hold the pushes that follow it). Not done here, each
-ending the job in one line as without replicas: copies under SSP (the source's kept pushes would
-be missing from reads the staleness bound promises them to, and deferring those reads could wait
-on a worker that learns of the loss only through them), with rows that age or are evicted, and a
+ending the job in one line as without replicas: copies with rows that age or are evicted, and a
 second loss while copies are under way, or before a new backup has had (and dropped) every push
 its landed copy holds already (:meth:`Rereplication.check_promoted`, BSP). A second loss after
 that is survived as the first.
@@ -69,17 +81,19 @@ that is survived as the first.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 
 import numpy as np
 
 from hpcps.ps import protocol, transport
+from hpcps.ps.server_table import ServerTable
 from hpcps_kernels.hashing import shard_of
 
 HOLD = np.iinfo(np.int64).max  # a shard's first clock taken from the workers: none yet (its copy awaited)
 END = HOLD - 1  # a copy's clock when it was cut once every worker was done (it holds every push)
-NOTICES = -1  # an ASP copy's clock: cut at the workers' PLACED (it holds no push sent after; none dropped)
+NOTICES = -1  # an SSP or ASP copy's clock: cut at the workers' PLACED (it holds no push sent after; none dropped)
 
 
 def insert_rows(tables: list, parts: list[tuple[np.ndarray, np.ndarray]]) -> None:
@@ -95,6 +109,41 @@ def insert_rows(tables: list, parts: list[tuple[np.ndarray, np.ndarray]]) -> Non
         store.rows[slots] = rows
         if store.changed is not None:  # (delta snapshots: rows this server may write once primary)
             store.mark_changed(slots)
+
+
+class Shadow:
+    """A source's copy of the rows it copies out (under SSP and ASP, from the loss to the cut),
+    given only the pushes sent before their worker's ``PLACED``: ``tables`` (each a
+    :class:`~hpcps.ps.server_table.ServerTable` of the table's spec, holding the rows of
+    ``shards`` of the server's ``tables`` as they are now)."""
+
+    def __init__(self, tables: list, shards: list[int], num_shards: int):
+        self.moved = np.zeros(num_shards, dtype=bool)
+        self.moved[shards] = True
+        self.tables = []
+        for table in tables:
+            keys, rows = table.items()
+            sel = self.moved[shard_of(np.ascontiguousarray(keys), num_shards)]
+            # (a hash index whatever the key space: a direct index's array, 64 MiB at 24 bits, would
+            # cost its making and its memory for a table held until the notices are in)
+            shadow = ServerTable(dataclasses.replace(table.spec, key_bits=64))
+            shadow.threads = table.threads
+            shadow.load(keys[sel], rows[sel], own=True)  # (copies: fancy indexing)
+            self.tables.append(shadow)
+        self.pushes = 0  # pushes applied here (their keys of the moved shards)
+        self.seconds = 0.0  # the time they took (the double apply's cost)
+
+    def push(self, table: int, keys: np.ndarray, grads: np.ndarray, clock: int) -> None:
+        """Apply a push sent before its worker's ``PLACED`` (its keys of the moved shards) as the
+        table applies it (``clock``: admission's draw)."""
+        started = time.perf_counter()
+        sel = self.moved[shard_of(np.ascontiguousarray(keys), self.moved.shape[0])]
+        if sel.all():
+            self.tables[table].push(keys, grads, clock)
+        elif sel.any():
+            self.tables[table].push(keys[sel], grads[sel], clock)
+        self.pushes += 1
+        self.seconds += time.perf_counter() - started
 
 
 def cut_said(clock: int) -> str:
@@ -120,8 +169,9 @@ class Rereplication:
         self.placed: dict[int, int] = {}  # worker -> its clock at PLACED (the loss ``lost``)
         self.boundary: int | None = None  # C, once every worker's PLACED is in
         self.lost_at = 0.0
-        self.asp = server.staleness < 0  # (the copies cut at the workers' PLACED, the pushes after it kept)
-        self.kept: list = []  # ASP, a source: the pushes sent after their worker's PLACED, until the cut
+        self.at_notices = server.staleness != 0  # (SSP, ASP: the copies cut at the workers' PLACED, from a shadow)
+        self.shadow: Shadow | None = None  # a source's, from the loss to the cut (SSP, ASP)
+        self.unshadowed = 0  # pushes after their worker's PLACED meanwhile (the shadow not given them)
 
     @property
     def busy(self) -> bool:
@@ -133,8 +183,6 @@ class Rereplication:
         make: wait for this server's own, and hold the pushes of those it is the target of."""
         server = self.server
         why = ("a second server lost while new backups were being copied" if self.busy else
-               "new backups are copied under BSP and ASP only (cluster.staleness 0 or -1, not SSP)"
-               if server.staleness > 0 else
                "new backups are not copied where rows are evicted (features.evict_*)" if server.evicting else "")
         if why:
             raise transport.RankFailed([lost], "serving", why)
@@ -147,6 +195,9 @@ class Rereplication:
                 self.from_clock[shard] = HOLD
         self.waiting_for = int((self.from_clock == HOLD).sum())
         self.sorting = self.sorting or bool(self.waiting_for)
+        if self.at_notices and self.outgoing:  # (every push applied so far was sent before any PLACED)
+            shards = sorted(s for moved in self.outgoing.values() for s in moved)
+            self.shadow, self.unshadowed = Shadow(server.tables, shards, server.placement.num_shards), 0
         self._find_boundary()
 
     def check_promoted(self, lost: int) -> None:
@@ -196,25 +247,26 @@ class Rereplication:
             self.sorting = bool(self.waiting_for)
         if self.outgoing:
             self._find_boundary()  # (a worker done or lost since: its PLACED will not come)
-            if self.asp and self.boundary is not None:
-                self.cut(NOTICES)
+            if self.at_notices:  # (every worker done: its boundary is found, the shadow holds every push)
+                if self.boundary is not None:
+                    self.cut(NOTICES)
             elif workers.all_done and not workers.waiting:
                 self.cut(END)
             elif self.boundary is not None and workers.min_clock() >= self.boundary:
                 self.cut(self.boundary)
         return self.busy
 
-    def keeps(self, worker: int, table: int, keys: np.ndarray, grads: np.ndarray, clock: int) -> bool:
-        """Before a push of ``clock`` from ``worker`` to table number ``table`` is applied: whether
-        it is kept for :meth:`cut` instead (ASP: its worker's ``PLACED`` came before it and the
-        copies are still to be read); under BSP, :meth:`before_push`."""
-        if not self.asp:
+    def on_push(self, worker: int, table: int, keys: np.ndarray, grads: np.ndarray, clock: int) -> None:
+        """Before a push of ``clock`` from ``worker`` to table number ``table`` is applied (to
+        every key, as always): under SSP and ASP, given to the shadow too where its worker's
+        ``PLACED`` has not come; under BSP, :meth:`before_push`."""
+        if not self.at_notices:
             self.before_push(clock)
-            return False
-        if self.outgoing and worker in self.placed:
-            self.kept.append((worker, table, keys, grads, clock))
-            return True
-        return False
+        elif self.shadow is not None:
+            if worker in self.placed:
+                self.unshadowed += 1
+            else:
+                self.shadow.push(table, keys, grads, clock)
 
     def before_push(self, clock: int) -> None:
         """BSP, before a push of ``clock`` is applied: where it is the first of the clock the copies
@@ -224,21 +276,19 @@ class Rereplication:
 
     def cut(self, clock: int) -> None:
         """Read the moved shards' rows (every push of a clock before ``clock`` applied, none
-        after) and send each target its copy, without waiting."""
-        self.server.apply_backlog()
+        after; at the notices: the shadow's) and send each target its copy, without waiting."""
+        if self.shadow is None:
+            self.server.apply_backlog()
         for target, shards in self.outgoing.items():
             self.copy_to(target, sorted(shards), clock, time.monotonic())
-        self.outgoing = {}
-        kept, self.kept = self.kept, []
-        for worker, table, keys, grads, at in kept:  # (ASP: the pushes sent after the PLACED, in their order)
-            self.server.push_now(worker, table, keys, grads, at)
-        self.server.apply_backlog()
+        self.outgoing, self.shadow = {}, None
 
     def copy_to(self, target: int, shards: list[int], clock: int, started: float) -> None:
         """Send server ``target`` the rows of ``shards`` as they are now (``clock``: the copy's),
         in as many messages as keep each under MPI's 2 GiB (halving the shards)."""
-        server = self.server
-        parts = server.replication.copy_out(server.tables, [(s, server.index, target) for s in shards])[target]
+        server, shadow = self.server, self.shadow
+        tables = server.tables if shadow is None else shadow.tables
+        parts = server.replication.copy_out(tables, [(s, server.index, target) for s in shards])[target]
         msg = protocol.Copy(clock, server.index, self.lost, np.array(shards, dtype=np.int64),
                             [(k, r) for _, k, r, _ in parts], started).pack()
         if msg.nbytes > transport.MAX_MESSAGE_BYTES and len(shards) > 1:
@@ -249,9 +299,14 @@ class Rereplication:
                                                         f"copy of {len(shards)} shards to server {target}")
         sys.stderr.write(f"hpcps: server {server.index}: copying {len(shards)} shards "
                          f"({sum(int(k.shape[0]) for _, k, _, _ in parts)} rows) to server "
-                         f"{target} as new backups, cut {cut_said(clock)}"
-                         f"{f' ({len(self.kept)} pushes sent since kept for it)' if self.asp else ''}, "
+                         f"{target} as new backups, cut {cut_said(clock)}{self._shadow_said()}, "
                          f"{started - self.lost_at:.3f} s after the loss\n")
+
+    def _shadow_said(self) -> str:
+        """What the shadow a copy is read from took, in its line (nothing under BSP)."""
+        shadow = self.shadow
+        return "" if shadow is None else (f" ({shadow.pushes} pushes sent before their notices applied to its "
+                                          f"shadow in {shadow.seconds:.4f} s, {self.unshadowed} sent after)")
 
     def take(self, copy: protocol.Copy) -> None:
         """A copy landed here: load its rows; of the pushes held for its shards, drop those of a
