@@ -86,7 +86,7 @@ def test_a_delta_whose_write_fails_is_one_line_and_nothing_is_committed(tmp_path
     writer, said = deltas.DeltaWriter(0, 1, 64), []
     commits = deltas.Commits(report=said.append)
     writer.take(tmp, [t])
-    commits.start(tmp, {"format": checkpoint.FORMAT, "version": checkpoint.VERSION, "layout": {}}, 1, 3, 60)
+    commits.start(tmp, {"format": checkpoint.FORMAT, "version": checkpoint.VERSION, "layout": {}}, [0], 3, 60)
     writer.wait()
     commits.wait()
     assert commits.last is None and "server 0 cannot write" in commits.failed, commits.failed

@@ -214,9 +214,13 @@ def test_ulfm_under_an_mpi_without_it_is_one_line_at_start_up(tmp_path):
 
 
 @pytest.mark.parametrize("model", [
-    {},  # lr: one table, whose lost rows are asked again as its own pulls
+    # lr: one table, whose lost rows are asked again as its own pulls; delta snapshots, committed
+    # with the survivor's file alone after the loss, and the one the lost server did not write
+    # given up at once (each waited for the lost server's file: the job stood still until
+    # cluster.stall_timeout_s)
+    {"checkpoint.delta_every_steps": 10, "cluster.stall_timeout_s": 60},
     {"model.type": '"wdl"', "filters.wire_dtype": '"fp16"'},  # two tables in one request, 16-bit values
-], ids=["lr", "wdl-fp16"])
+], ids=["lr-deltas", "wdl-fp16"])
 def test_a_server_killed_with_a_replica_its_copies_go_on_to_the_same_model(ft_launcher, shared_keys, tmp_path, model):
     # 2 servers with 1 replica (each holds every shard) and 2 workers under BSP, server 1 (rank 1)
     # killed after step 20; against the same job not killed
@@ -236,6 +240,11 @@ def test_a_server_killed_with_a_replica_its_copies_go_on_to_the_same_model(ft_la
     assert "Process received signal" not in out and "MPI Error in NBC subrequest" not in out, out[-4000:]
     said = [ln for ln in out.splitlines() if "server lost" in ln]
     assert len(said) == 1 and "server 1 at clock" in said[0], out[-4000:]
+    if "checkpoint.delta_every_steps" in model:
+        after = out[out.index("lost: its shards' backups are primary now"):]
+        missed = [ln for ln in out.splitlines() if "delta snapshot" in ln and "not written" in ln]
+        assert "hpcps train: delta snapshot" in after and "still waiting" not in out, out[-4000:]
+        assert all("server 1 was lost before it wrote" in ln for ln in missed), missed
     got, want = model_rows(tmp_path / "model.h5"), model_rows(tmp_path / "ref" / "model.h5")
     assert got.keys() == want.keys() and max(len(keys) for keys, _ in want.values()) > 300
     for name in want:

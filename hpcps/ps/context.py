@@ -497,7 +497,9 @@ def write_checkpoint(ctx: Context, root: str, step: int, manifest: dict, keep: i
     ``track``: delta snapshots follow this checkpoint; ``for_signal``: it is a stop signal's (the
     servers forget theirs once it is written)."""
     asked = ask_for_checkpoint(ctx, root, step, ctx.clock_value, delta is not None, track, for_signal=for_signal)
-    transport.wait(asked.pending, ctx.stall_timeout_s, warn_after=ctx.stall_warn_s)
+    # (a server lost meanwhile under replicas: its loss handled, the others' replies waited for)
+    failover.without_lost(ctx, lambda p: transport.wait(p, ctx.stall_timeout_s, warn_after=ctx.stall_warn_s),
+                          asked.pending)
     return commit_checkpoint(ctx, asked, manifest, keep, delta)
 
 
@@ -556,7 +558,13 @@ def commit_checkpoint(ctx: Context, asked: AskedCheckpoint, manifest: dict, keep
                       delta: deltas.Commits | None = None) -> str | None:
     """First worker only, every server's reply in: the manifest with the files' checksums written
     and the directory renamed (a delta: committed by ``delta``). Returns the checkpoint's path;
-    None when a server missed it (a quorum checkpoint: the directory removed)."""
+    None when a server missed it (a quorum checkpoint) or was lost before it wrote its file (under
+    replicas): the directory removed."""
+    if lost := [s for s in asked.servers if s in ctx.placement.lost]:  # (its shards' backups promoted)
+        shutil.rmtree(asked.tmp, ignore_errors=True)
+        checkpoint.say(f"hpcps train: {'delta snapshot' if delta is not None else 'checkpoint'} {asked.tmp[:-4]} not "
+                       f"written: server {lost[0]} was lost before it wrote its file; the next snapshot is a full one")
+        return None
     results = [protocol.unpack_checkpoint_result(reply) for reply in asked.replies]
     if any(size == protocol.CHECKPOINT_MISSED for size, _ in results):
         shutil.rmtree(asked.tmp, ignore_errors=True)
@@ -572,7 +580,8 @@ def commit_checkpoint(ctx: Context, asked: AskedCheckpoint, manifest: dict, keep
                         "fingerprint": s.fingerprint()} for s in ctx.specs],
             "files": files, **manifest}
     if delta is not None:
-        return delta.start(tmp, full, ctx.layout.servers, keep, ctx.stall_timeout_s)
+        return delta.start(tmp, full, list(asked.servers), keep, ctx.stall_timeout_s,
+                           lambda: ctx.placement.lost)  # (under ULFM: replaced on a loss, read here)
     try:
         return checkpoint.commit(tmp, full, keep)
     except OSError as e:

@@ -151,21 +151,26 @@ class Commits:
             self.thread.join()
             self.thread = None
 
-    def start(self, tmp: str, manifest: dict, servers: int, keep: int, timeout: float) -> str:
-        """Commit the delta in ``tmp`` once its ``servers`` files are written; returns the path it
-        will have."""
+    def start(self, tmp: str, manifest: dict, servers: list[int], keep: int, timeout: float,
+              lost=lambda: ()) -> str:
+        """Commit the delta in ``tmp`` once the files of ``servers`` (those asked: after a server
+        was lost under replicas, the survivors) are written; returns the path it will have.
+        ``lost()``: the servers lost so far (under ULFM), whose files are not waited for: a
+        server lost before it wrote its file fails the delta at once, not after ``timeout``."""
         self.wait()
         self.last, self.done_at, self.failed = None, None, ""
-        self.thread = threading.Thread(target=self._commit, args=(tmp, manifest, servers, keep, timeout),
+        self.thread = threading.Thread(target=self._commit, args=(tmp, manifest, servers, keep, timeout, lost),
                                        name="delta commit", daemon=True)
         self.thread.start()
         return tmp[:-4]
 
-    def _commit(self, tmp: str, manifest: dict, servers: int, keep: int, timeout: float) -> None:
+    def _commit(self, tmp: str, manifest: dict, servers: list[int], keep: int, timeout: float, lost) -> None:
         files, deadline = [], time.monotonic() + timeout
-        for server in range(servers):
+        for server in servers:
             path = checkpoint.server_file(tmp, server)
-            result = _wait_for(path + WRITTEN, deadline)
+            result = _wait_for(path + WRITTEN, deadline, lambda: server in lost())
+            if result is None:
+                return self._fail(tmp, f"server {server} was lost before it wrote {path}")
             if "error" in result:
                 return self._fail(tmp, result["error"])
             files.append({"name": os.path.basename(path), "bytes": result["bytes"], "xxh64": result["xxh64"]})
@@ -185,10 +190,13 @@ class Commits:
         self.report(f"hpcps train: delta snapshot {tmp[:-4]} not written: {why}; the next snapshot is a full one")
 
 
-def _wait_for(path: str, deadline: float) -> dict:
-    """The JSON file ``path`` once it is there (polled, sleeping), or an error past ``deadline``."""
+def _wait_for(path: str, deadline: float, gone) -> dict | None:
+    """The JSON file ``path`` once it is there (polled, sleeping), an error past ``deadline``, or
+    None once ``gone()`` (its writer was lost)."""
     pause = 0.002
     while not os.path.exists(path):
+        if gone():
+            return None
         if time.monotonic() > deadline:
             return {"error": f"{path} not written in time (a server stopped?)"}
         time.sleep(pause)

@@ -170,15 +170,14 @@ def agree_on_plan(cfg, world) -> RunPlan:
     if ck.dir and world.is_first:
         os.makedirs(ck.dir, exist_ok=True)
     run_id = claim_checkpoints(cfg, world, restore)
+    check_world_fits(cfg, world)
     paths, synth_info = resolve_data(cfg, world)
     input_format = _training_format(cfg, world, paths, synth_info)
     auto = not cfg.train.batch_size
     if cfg.cluster.layout == "auto":  # before the world is split: servers, groups and batch
         cfg = choose_layout(cfg, world, paths["train"], input_format)
+        check_world_fits(cfg, world)
     workers = world.size - cfg.cluster.servers if world.size > 1 else 1  # one process: one worker
-    problem = backup_of(cfg).check(workers, cfg.cluster.staleness, cfg.cluster.worker_groups or workers)
-    if problem:  # (every rank decides the same)
-        raise TrainError(problem)
     if not cfg.train.batch_size:  # from the training file's rows (counted as far as it matters)
         enough = AUTO_BATCH_MAX * AUTO_BATCH_STEPS * workers
         rows = tdata.rows_at_least(paths["train"], enough, cfg.data.format) if world.is_first else 0
@@ -388,13 +387,23 @@ def decide_layout(cfg, ranks: int, hosts: int, cores: int, keys: scaling.KeyCurv
             c.requests == "group")
 
 
+def check_world_fits(cfg, world) -> None:
+    """Before any data is read or generated (and again once ``cluster.layout = "auto"`` chose):
+    TrainError, said by the first rank, where the world cannot hold ``cluster.replicas`` (auto) or
+    the backup workers (every rank decides the same)."""
+    r = cfg.cluster.replicas
+    if cfg.cluster.layout == "auto" and r and world.size < r + 2:
+        raise TrainError(f"cluster.replicas = {r} needs at least {r + 1} servers and a worker: run {r + 2} ranks "
+                         f"or more (mpiexec -n {r + 2}; this world has {world.size})" if world.is_first else "")
+    workers = world.size - cfg.cluster.servers if world.size > 1 else 1  # one process: one worker
+    problem = backup_of(cfg).check(workers, cfg.cluster.staleness, cfg.cluster.worker_groups or workers)
+    if problem:
+        raise TrainError(problem if world.is_first else "")
+
+
 def choose_layout(cfg, world, path, fmt: str):
     """Collective over the world, before it is split: ``cfg`` with the servers, worker groups and
     batch ``cluster.layout = "auto"`` picks (:func:`decide_layout`, on the first rank, printed there)."""
-    r = cfg.cluster.replicas
-    if r and world.size < r + 2:  # (every rank decides the same)
-        raise TrainError(f"cluster.replicas = {r} needs at least {r + 1} servers and a worker: run {r + 2} ranks "
-                         f"or more (mpiexec -n {r + 2}; this world has {world.size})")
     if world.size == 1:
         if world.is_first:
             print("hpcps train: layout auto: one process runs its server and its worker inside it: nothing to "
