@@ -807,6 +807,11 @@ def ones(n: int) -> np.ndarray:
     return _ONES[:n]
 
 
+def ones_base() -> np.ndarray:
+    """The array the views :func:`ones` gives now are views of."""
+    return _ONES
+
+
 def _as_bytes(data) -> np.ndarray:
     if isinstance(data, np.ndarray):
         return data.view(np.uint8).reshape(-1)
