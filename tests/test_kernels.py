@@ -464,6 +464,13 @@ def test_libsvm_matches_python_parser(lines, eol):
     assert skipped == 0
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.binary(max_size=300))
+def test_count_bytes_counts_two_bytes_in_one_pass(data):
+    buf = np.frombuffer(bytearray(data), dtype=np.uint8)
+    assert parse.count_bytes(buf, 10, 58) == (data.count(b"\n"), data.count(b":"))
+
+
 @pytest.mark.parametrize("bad,reason", [
     (b"1 3:x", "bad number"), (b"x 3:1", "bad label"), (b"1 3", "expected index:value"),
     (b"1 -3:1", "bad feature index"), (b"1 18446744073709551616:1", "bad feature index"),
