@@ -54,20 +54,32 @@ def lr_forward_backward(indptr, pos, vals, labels, w, grad, scale, l2, loss, wei
 
     ``grad`` (float32, like ``w``) is overwritten. Returns the summed loss (float64).
     A key repeated within a row acts as the sum of its values, as in a sparse vector.
+    ``vals`` None: every value is 1 (binary features: Criteo, ``index:1`` libsvm), a kernel of
+    its own that reads no values, the same figures bit for bit (``x * 1`` is ``x`` exactly).
+    ``pos`` may be of any integer type (a kept batch's uint16 positions are read as they are).
     """
     grad[:] = 0.0
     total = 0.0
     for r in range(indptr.shape[0] - 1):
+        a, b = indptr[r], indptr[r + 1]
         m = 0.0
-        for j in range(indptr[r], indptr[r + 1]):
-            m += np.float64(w[pos[j]]) * vals[j]
+        if vals is None:
+            for j in range(a, b):
+                m += np.float64(w[np.intp(pos[j])])
+        else:
+            for j in range(a, b):
+                m += np.float64(w[np.intp(pos[j])]) * vals[j]
         lo, g = _loss_and_dmargin(m, labels[r], loss)
         if weights is not None:
             lo, g = lo * weights[r], g * weights[r]
         total += lo
         g *= scale
-        for j in range(indptr[r], indptr[r + 1]):
-            grad[pos[j]] += g * vals[j]
+        if vals is None:
+            for j in range(a, b):
+                grad[np.intp(pos[j])] += g
+        else:
+            for j in range(a, b):
+                grad[np.intp(pos[j])] += g * vals[j]
     if l2 > 0.0:
         for u in range(w.shape[0]):
             grad[u] += l2 * w[u]

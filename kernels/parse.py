@@ -793,6 +793,19 @@ def count_byte(buf, value):
     return n
 
 
+@njit(cache=True, nogil=True)
+def count_bytes(buf, first, second):
+    """How many times ``first`` and ``second`` occur in ``buf``: one pass for the two counts that
+    bound a block's rows and keys."""
+    a = 0
+    b = 0
+    for i in range(buf.shape[0]):
+        c = buf[i]
+        a += c == first
+        b += c == second
+    return a, b
+
+
 _ONES = np.ones(0, dtype=np.float32)
 
 
@@ -805,6 +818,11 @@ def ones(n: int) -> np.ndarray:
     if _ONES.shape[0] < n:
         _ONES = np.ones(max(n, 2 * _ONES.shape[0]), dtype=np.float32)
     return _ONES[:n]
+
+
+def ones_base() -> np.ndarray:
+    """The array the views :func:`ones` gives now are views of."""
+    return _ONES
 
 
 def _as_bytes(data) -> np.ndarray:
@@ -838,8 +856,9 @@ def parse_libsvm(data, *, source: str = "<bytes>", first_line: int = 1, skip_bad
     score, label 0); else that is an error naming the line.
     """
     buf = _as_bytes(data)
-    max_rows = int(count_byte(buf, NL)) + 1
-    max_nnz = int(count_byte(buf, COLON)) + (max_rows if bias is not None else 0)
+    newlines, colons = count_bytes(buf, NL, COLON)
+    max_rows = int(newlines) + 1
+    max_nnz = int(colons) + (max_rows if bias is not None else 0)
     return _parse_text(libsvm_kernel, buf, max_rows, max_nnz, source, first_line, skip_bad, binary, seen, bias, bits,
                        need_labels=need_labels, with_weights=with_weights)
 
@@ -874,8 +893,9 @@ def parse_libffm(data, *, source: str = "<bytes>", first_line: int = 1, skip_bad
     if not 1 <= bits <= 48:
         raise ValueError(f"libffm keys need hash bits between 1 and 48 to hold the field above them (got {bits})")
     buf = _as_bytes(data)
-    max_rows = int(count_byte(buf, NL)) + 1
-    max_nnz = int(count_byte(buf, COLON)) // 2 + 1 + (max_rows if bias is not None else 0)
+    newlines, colons = count_bytes(buf, NL, COLON)
+    max_rows = int(newlines) + 1
+    max_nnz = int(colons) // 2 + 1 + (max_rows if bias is not None else 0)
     return _parse_text(libsvm_kernel, buf, max_rows, max_nnz, source, first_line, skip_bad, binary, seen, bias,
                        bits, bits, need_labels=need_labels, with_weights=with_weights)
 

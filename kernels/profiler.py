@@ -623,6 +623,11 @@ def warmup_models() -> None:
     models.lr_forward_backward(indptr, pos32, vals, labels, w, np.empty_like(w), 1.0, 0.0, 0)
     models.fm_forward_backward(indptr, pos32, vals, labels, w, V, np.empty_like(w), np.empty_like(V), 1.0, 0.0, 0,
                                np.empty(4))
+    # binary features (no values read) on the model's column views, at dedup's, a kept batch's
+    # int32 and its uint16 positions
+    W = np.zeros((len(uniq), 1), dtype=np.float32)
+    for p in (pos, pos32, pos.astype(np.uint16)):
+        models.lr_forward_backward(indptr, p, None, labels, W[:, 0], np.empty_like(W)[:, 0], 1.0, 0.0, 0)
     # the deep models: pooling and its transpose (a plain and a column-view embedding), the MLP
     fkeys = idx | np.uint64(1 << 30)
     x = np.empty((nrows, 2 * 2), np.float32)

@@ -179,6 +179,23 @@ def test_lr_matches_scipy(rows, per_row, space, loss, l2):
     np.testing.assert_allclose(margins, X @ w.astype(np.float64), rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("pos_type", [np.int64, np.int32, np.uint16])
+def test_lr_without_values_is_the_kernel_with_values_of_one_bit_for_bit(pos_type):
+    # binary features (vals None: nothing read) and a kept batch's narrow positions, as trained
+    rng = np.random.default_rng(9)
+    indptr, idx, _, labels = random_batch(rng, 300, 39, 5000)
+    uniq, pos = keys.dedup_keys(idx)
+    w = rng.normal(size=len(uniq)).astype(np.float32)
+    weights = rng.random(300).astype(np.float32)
+    for loss, wt in ((models.LOGISTIC, None), (models.SQUARED, weights)):
+        want_g, got_g = np.empty_like(w), np.empty_like(w)
+        want = models.lr_forward_backward(indptr, pos, np.ones(idx.shape[0], np.float32), labels, w, want_g, 0.3, 0.1,
+                                          loss, wt)
+        got = models.lr_forward_backward(indptr, pos.astype(pos_type), None, labels, w, got_g, 0.3, 0.1, loss, wt)
+        assert got == want
+        np.testing.assert_array_equal(got_g, want_g)
+
+
 def test_lr_duplicate_key_in_a_row_acts_as_the_sum_of_its_values():
     indptr = np.array([0, 3], dtype=np.int64)
     idx = np.array([5, 9, 5], dtype=np.uint64)
@@ -445,6 +462,13 @@ def test_libsvm_matches_python_parser(lines, eol):
     np.testing.assert_array_equal(indices, ri)
     np.testing.assert_allclose(values, rv, rtol=2e-7)
     assert skipped == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.binary(max_size=300))
+def test_count_bytes_counts_two_bytes_in_one_pass(data):
+    buf = np.frombuffer(bytearray(data), dtype=np.uint8)
+    assert parse.count_bytes(buf, 10, 58) == (data.count(b"\n"), data.count(b":"))
 
 
 @pytest.mark.parametrize("bad,reason", [

@@ -141,3 +141,40 @@ def test_a_narrowed_batch_gives_a_step_the_same_row_offsets():
             assert b.nbytes < before
         else:
             assert step is b
+
+
+def test_a_kept_pair_of_batches_probes_its_keys_once_and_gives_the_same_mask_after():
+    from hpcps.train import data
+    from hpcps_kernels import keys as kkeys
+
+    rng = np.random.default_rng(6)
+    a, b, c = (_compacted(rng.integers(0, 5000, 4000, dtype=np.uint64)) for _ in range(3))
+    ua, ub, uc = a.wide()[0], b.wide()[0], c.wide()[0]
+    calls = []
+
+    def mask_of(following):
+        calls.append(1)
+        return kkeys.member_mask(ua, following)
+
+    first = a.in_pull(b, lambda: mask_of(ub))
+    np.testing.assert_array_equal(first, np.isin(ua, ub))
+    again = a.in_pull(b, lambda: mask_of(ub))  # the next epoch: the same pair, from its bits
+    assert len(calls) == 1 and again.dtype == np.bool_
+    np.testing.assert_array_equal(again, first)
+    other = a.in_pull(c, lambda: mask_of(uc))  # another batch after it: probed again
+    assert len(calls) == 2
+    np.testing.assert_array_equal(other, np.isin(ua, uc))
+    assert a.nbytes == data.CompactKeys(*a.wide()).nbytes + a.in_next[1].nbytes
+
+
+def test_values_of_shared_ones_are_read_as_none_and_a_criteo_batch_across_blocks_keeps_them():
+    from hpcps.train import data
+
+    assert data.values_if_any(parse.ones(10)) is None and data.values_if_any(data.ones(10)[2:]) is None
+    own = np.ones(10, np.float32)
+    assert data.values_if_any(own) is own  # ones of its own: read as they are (the same figures)
+    labels, indptr, idx, values, _ = parse.parse_criteo(b"1\t5" + b"\t" * 38 + b"\n", bits=24)
+    piece = data.Dataset(labels, indptr, idx, values)
+    joined = data.concatenate([piece, piece])  # (a batch across two parsed blocks)
+    assert joined.values.shape[0] == 2 * idx.shape[0] and data.values_if_any(joined.values) is None
+    np.testing.assert_array_equal(joined.indices, np.concatenate([idx, idx]))

@@ -49,6 +49,18 @@ class _Request:
     owner: object = None                            # a TableSet's request: the set
 
 
+_POSITIONS = np.arange(1 << 16)
+
+
+def positions(n: int) -> np.ndarray:
+    """``np.arange(n)``: a view of one shared array (never written), the positions of a single
+    server's part of a request, which holds every key in order (none made a step)."""
+    global _POSITIONS
+    if _POSITIONS.shape[0] < n:
+        _POSITIONS = np.arange(max(n, 2 * _POSITIONS.shape[0]))
+    return _POSITIONS[:n]
+
+
 def call_result(req: _Request) -> np.ndarray:
     """What a CALL's ``wait`` returns, from its replies: a row per key in request order, or for a
     reduction the sum over the servers."""
@@ -304,7 +316,7 @@ class SparseTable(TableRequests):
         req = _Request(op, self, n_unique=keys.shape[0], clock=ctx.clock_value + ahead, started=time.monotonic())
         if ctx.layout.servers == 1 and keys.shape[0] <= self.max_keys:  # no hashing of keys, no copies
             if op == protocol.PULL:
-                self._message(req, 0, np.arange(keys.shape[0]), None, None, keys)
+                self._message(req, 0, positions(keys.shape[0]), None, None, keys)
             else:
                 self._message(req, 0, None, keys, grads, None, lent=lent)
             return self._register(req)
@@ -398,7 +410,7 @@ class SparseTable(TableRequests):
         req = _Request(protocol.PUSHPULL, self, n_unique=pull_keys.shape[0], clock=ctx.clock_value,
                        started=time.monotonic(), expand=expand, ahead=ahead, clock_workers=clock_workers)
         if ctx.layout.servers == 1:  # nothing to slice: no hashing of keys, no copies
-            self._message(req, 0, np.arange(pull_keys.shape[0]), push_keys, grads, pull_keys, in_pull, lent=not donate)
+            self._message(req, 0, positions(pull_keys.shape[0]), push_keys, grads, pull_keys, in_pull, lent=not donate)
         else:
             push_order, push_offsets = ctx.placement.push_slice(push_keys)  # (to every copy)
             pull_order, pull_offsets = ctx.placement.slice(pull_keys)

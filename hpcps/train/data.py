@@ -185,14 +185,27 @@ def ones(n: int) -> np.ndarray:
     return _ONES[:n]
 
 
+def values_if_any(values: np.ndarray) -> np.ndarray | None:
+    """``values``, or None when they are a view of a shared array of ones (a compacted batch's,
+    or a format whose every value is 1: :func:`hpcps_kernels.parse.ones`): a kernel then reads
+    none (:func:`hpcps_kernels.models.lr_forward_backward`). A batch of ones in an array of its
+    own is read as it is (the same figures)."""
+    base = values.base
+    return None if base is not None and (base is _ONES or base is parse.ones_base()) else values
+
+
 class CompactKeys:
     """A kept batch's unique keys and each nonzero's position among them, in the narrowest form
     that holds them exactly: keys as uint32 when at most a quarter of them need more bits (those,
     such as the bias key, kept apart with their places), positions as uint16 when the batch has at
     most 65,536 unique keys. :meth:`wide` gives back (uint64 keys, int32 positions), equal to the
-    pair kept, for a step (a copy of a batch's keys: microseconds against its step)."""
+    pair kept, for a step (a copy of a batch's keys: microseconds against its step).
 
-    __slots__ = ("keys", "high_at", "high", "pos")
+    ``in_next``: (the CompactKeys of the batch pulled with this one's push, which of this batch's
+    keys are among that batch's, one bit a key): what :meth:`in_pull` gives back in the next
+    epochs for the same pair of batches, instead of probing every key again each epoch."""
+
+    __slots__ = ("keys", "high_at", "high", "pos", "in_next")
     NARROW_POSITIONS = 1 << 16  # unique keys a batch may have for uint16 positions
 
     def __init__(self, uniq: np.ndarray, pos: np.ndarray):
@@ -202,19 +215,31 @@ class CompactKeys:
         else:
             self.keys, self.high_at, self.high = uniq.astype(np.uint32), high_at, uniq[high_at]
         self.pos = pos.astype(np.uint16 if uniq.shape[0] <= self.NARROW_POSITIONS else np.int32)
+        self.in_next = None
 
-    def wide(self) -> tuple:
-        """(unique keys as uint64, positions as int32)."""
+    def in_pull(self, following: "CompactKeys", mask_of) -> np.ndarray:
+        """Whether each of this batch's unique keys is among ``following``'s (bool, in their
+        order): ``mask_of()``'s answer, computed for a pair of batches once, then kept as bits."""
+        if self.in_next is not None and self.in_next[0] is following:
+            n = self.keys.shape[0]
+            return np.unpackbits(self.in_next[1], count=n, bitorder="little").view(np.bool_)
+        mask = mask_of()
+        self.in_next = (following, np.packbits(mask, bitorder="little"))
+        return mask
+
+    def wide(self, narrow: bool = False) -> tuple:
+        """(unique keys as uint64, positions as int32; with ``narrow``, as kept: uint16 or int32)."""
         if self.high_at is None:
             uniq = self.keys
         else:
             uniq = self.keys.astype(np.uint64)
             uniq[self.high_at] = self.high
-        return uniq, self.pos.astype(np.int32)
+        return uniq, self.pos if narrow else self.pos.astype(np.int32)
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.keys, self.high_at, self.high, self.pos) if a is not None)
+        bits = self.in_next[1] if self.in_next is not None else None
+        return sum(a.nbytes for a in (self.keys, self.high_at, self.high, self.pos, bits) if a is not None)
 
 
 @dataclass
@@ -236,19 +261,25 @@ class Dataset:
     @property
     def prepared(self) -> tuple | None:
         """A compacted batch's (unique keys uint64, int32 position of each nonzero among them)."""
-        return None if self.compacted is None else self.compacted.wide()
+        return self.prepared_for(False)
 
-    def compact(self, uniq: np.ndarray, pos: np.ndarray) -> tuple:
+    def prepared_for(self, narrow: bool) -> tuple | None:
+        """:attr:`prepared`, its positions as kept (uint16 where the batch allows) with ``narrow``
+        (for a model whose kernels read any integer type: no copy a step)."""
+        return None if self.compacted is None else self.compacted.wide(narrow)
+
+    def compact(self, uniq: np.ndarray, pos: np.ndarray, narrow: bool = False) -> tuple:
         """Keep the batch's keys as its unique keys and each nonzero's position among them
         (``uniq[pos] == indices``; :class:`CompactKeys`: 2 bytes a nonzero and 4 a unique key at
         most 2**32 where the batch allows, instead of 8 a nonzero), and drop ``indices``: no
         deduplication in the next epochs. Values that are all 1 (Criteo, binary features) become
-        a view of one shared array of ones. Returns (uniq, int32 pos) for this step."""
+        a view of one shared array of ones. Returns (uniq, int32 pos) for this step (``narrow``:
+        the positions as kept, see :meth:`prepared_for`)."""
         self.compacted = CompactKeys(uniq, pos)
         self.indices = None
         if self.values.shape[0] and (self.values == 1.0).all():
             self.values = ones(self.values.shape[0])
-        return uniq, pos.astype(np.int32)
+        return uniq, self.compacted.pos if narrow else pos.astype(np.int32)
 
     def narrow_rows(self) -> None:
         """A batch kept between its epochs: its row offsets as each row's length, uint8 where no
@@ -532,7 +563,8 @@ def _concat(pieces: list) -> tuple:
     offsets = np.cumsum([0] + [p[1][-1] - p[1][0] for p in pieces[:-1]])
     indptr = np.concatenate([[0]] + [p[1][1:] - p[1][0] + o for p, o in zip(pieces, offsets)]).astype(np.int64)
     indices = np.concatenate([p[2] for p in pieces])
-    values = np.concatenate([p[3] for p in pieces])
+    ones_only = all(values_if_any(p[3]) is None for p in pieces)  # (Criteo's: one shared array of ones)
+    values = parse.ones(indices.shape[0]) if ones_only else np.concatenate([p[3] for p in pieces])
     weighted = [_weights_of(p) for p in pieces]
     weights = None if all(w is None for w in weighted) else \
         np.concatenate([np.ones(p[0].shape[0], np.float32) if w is None else w for p, w in zip(pieces, weighted)])

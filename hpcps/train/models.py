@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from hpcps.config import BUILT_IN_MODELS, DEEP, FIELDED, add_choice
-from hpcps.train.data import BIAS_KEY
+from hpcps.train.data import BIAS_KEY, values_if_any
 from hpcps.train.ffm import batch_fields, ffm_margins, field_error
 from hpcps_kernels import deep as kdeep
 from hpcps_kernels import ffm as kffm
@@ -61,6 +61,7 @@ class Model:
                            # keys may then not be compacted: see Dataset.compact)
     fields = 1             # fields per row (the deep models' embeddings)
     times_compute = False  # forward_backward times its own stages (else it is one, "compute")
+    narrow_positions = False  # forward_backward reads a kept batch's positions as kept (uint16 or int32)
 
     def __init__(self, ctx, cfg, bias: float = 0.0, suffix: str = ""):
         self.cfg = cfg
@@ -124,6 +125,8 @@ class Model:
 
 
 class LinearModel(Model):
+    narrow_positions = True
+
     def residuals(self, partials, labels, scale, out, weights=None) -> float:
         return kmodels.lr_residuals(partials, labels, scale, self.loss, out[:, 0], weights)
 
@@ -133,8 +136,8 @@ class LinearModel(Model):
                                  features=cfg.features, init_keys=self.bias_init_keys(1))]
 
     def forward_backward(self, batch, pos, params, grads, scale, dense_ready=None):
-        return kmodels.lr_forward_backward(batch.indptr, pos, batch.values, batch.labels, params[0][:, 0],
-                                           grads[0][:, 0], scale, 0.0, self.loss, batch.weights)
+        return kmodels.lr_forward_backward(batch.indptr, pos, values_if_any(batch.values), batch.labels,
+                                           params[0][:, 0], grads[0][:, 0], scale, 0.0, self.loss, batch.weights)
 
     def margins_into(self, batch, pos, params, out):
         kmodels.lr_predict(batch.indptr, pos, batch.values, params[0][:, 0], out)

@@ -284,13 +284,13 @@ class StepPipeline:
         for p in self.ahead:
             if p.batch is batch:
                 return p
-        prepared = batch.prepared  # (widened from the compact form: once)
+        prepared = batch.prepared_for(self.model.narrow_positions)  # (widened from the compact form: once)
         if prepared is not None:  # a batch kept from an earlier epoch: deduplicated then
             return PreparedBatch(batch, *prepared, from_earlier_epoch=True)
         uniq, pos = (kkeys.unique_keys(batch.indices) if self.sorted else
                      kkeys.dedup_keys(batch.indices, self.model.hashed_keys))
         if batch.keep_prepared:  # kept for the next epochs: compact from now on
-            uniq, pos = batch.compact(uniq, pos)
+            uniq, pos = batch.compact(uniq, pos, self.model.narrow_positions)
         return PreparedBatch(batch, uniq, pos)
 
     def _fetch(self, cur: PreparedBatch) -> None:
@@ -361,7 +361,9 @@ class StepPipeline:
             self.ahead.append(self._prepare(after_pulled))
             last = self.ahead[-1]
             if not early and nxt.from_earlier_epoch and last.from_earlier_epoch and not self.ctx.local:
-                nxt.in_pull = (last, kkeys.member_mask(nxt.uniq, last.uniq, self.model.hashed_keys))
+                # (the same pair of kept batches each epoch: probed in the first, kept as bits)
+                nxt.in_pull = (last, nxt.batch.compacted.in_pull(last.batch.compacted, lambda: kkeys.member_mask(
+                    nxt.uniq, last.uniq, self.model.hashed_keys)))
 
     def _merge_tables(self, uniq, grads: list) -> tuple:
         """(keys, gradients per table, whether the pushes still aggregate). Several tables whose
