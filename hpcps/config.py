@@ -169,7 +169,8 @@ class Train:
 
     epochs: int = described(2, "passes over the training data")
     batch_size: int = described(0, "rows per worker per step; 0 = enough for at least 128 steps an epoch, "
-                                   "between 50 and 1000 (hpcps train prints the number it used)")
+                                   "between 50 and 4000 for lr, 1000 for the models with factors (hpcps "
+                                   "train prints the number it used)")
     gradient: str = described("sum", "sum or mean of a step's per-row gradients per key (sum suits FTRL "
                                      "and AdaGrad; mean with plain SGD minimises the mean loss)")
     aggregate: bool = described(True, "merge a worker group's pushes before sending")

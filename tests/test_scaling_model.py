@@ -319,7 +319,7 @@ def test_a_job_with_layout_auto_prints_its_plan_and_runs_it(tmp_path):
     assert (summary["servers"], summary["workers"]) == (servers, groups * size)
     # (1 server and 2 workers with the constants fitted here; another fit may choose otherwise)
     # the batch as train.batch_size = 0 makes it for 20,000 rows (79 for 2 workers), the most auto allows
-    assert batch == plan_module.auto_batch_size(20000, summary["workers"])
+    assert batch == plan_module.auto_batch_size(20000, summary["workers"], "lr")
     assert f"steps/epoch of {batch} rows (auto)" in out
 
 

@@ -180,10 +180,11 @@ def test_batches_kept_across_epochs_train_what_a_streamed_part_trains(small_data
         np.testing.assert_array_equal(a.values, b.values)
 
 
-def test_auto_batch_size_takes_at_least_128_steps_an_epoch_between_50_and_1000_rows(tmp_path):
+def test_auto_batch_size_takes_at_least_128_steps_an_epoch_between_50_and_1000_or_4000_rows(tmp_path):
     from hpcps.train.plan import auto_batch_size
-    assert [auto_batch_size(r, w) for r, w in [(3000, 2), (30_000, 2), (64_000, 1), (128_001, 1), (1_500_000, 1),
-                                               (0, 1), (500_000, 4)]] == [50, 118, 500, 1000, 1000, 50, 977]
+    sizes = [(3000, 2), (30_000, 2), (64_000, 1), (128_001, 1), (1_500_000, 1), (0, 1), (500_000, 4), (4_000_000, 2)]
+    assert [auto_batch_size(r, w, "fm") for r, w in sizes] == [50, 118, 500, 1000, 1000, 50, 977, 1000]
+    assert [auto_batch_size(r, w, "lr") for r, w in sizes] == [50, 118, 500, 1001, 4000, 50, 977, 4000]
     # the rows are counted as far as it matters: a last line without a newline counts
     path = tmp_path / "t.txt"
     for text, enough, want in [(b"a\nb\nc\n", 10, 3), (b"a\nb\nc", 10, 3), (b"a\nb\nc\n", 2, 2), (b"", 5, 0)]:

@@ -126,7 +126,7 @@ class _SparseModel(BaseEstimator):
                 ctx.load_tables(resumed, self.clock_)
             data = _rows(X, labels)
             data.weights = weights
-            size = tr.batch_size or auto_batch_size(data.rows, 1)
+            size = tr.batch_size or auto_batch_size(data.rows, 1, cfg.model.type)
             batches = [data.batch(lo, lo + size) for lo in range(0, data.rows, size)] * epochs
             pipeline = StepPipeline(ctx, model)
             losses = [pipeline.step(batch, 1.0, batches[i + 1:i + 3]) for i, batch in enumerate(batches)]

@@ -39,18 +39,27 @@ class TrainError(RuntimeError):
 
 
 # train.batch_size = 0 (auto): rows per worker a step, at least AUTO_BATCH_MIN and at most
-# AUTO_BATCH_MAX, so that an epoch takes at least AUTO_BATCH_STEPS steps. A step updates each of its
-# keys once (FTRL and AdaGrad move a key by about the same amount whatever the rows behind its summed
-# gradient), so a small set in batches of 1000 rows gets a few updates an epoch and undertrains; a
-# large one keeps 1000 rows a step, which the servers' per-step cost needs (smaller steps slow the
-# loop for the same test logloss). Calibrated on docs/defaults-sweep.py: more steps an epoch bring
-# more of its sets near their best logloss, fewer rows a step slow the Criteo example's loop.
-AUTO_BATCH_MIN, AUTO_BATCH_MAX, AUTO_BATCH_STEPS = 50, 1000, 128
+# AUTO_BATCH_MAX (AUTO_BATCH_MAX_LINEAR for a linear model), so that an epoch takes at least
+# AUTO_BATCH_STEPS steps. A step updates each of its keys once (FTRL and AdaGrad move a key by about
+# the same amount whatever the rows behind its summed gradient), so a small set in batches of 1000
+# rows gets a few updates an epoch and undertrains; a large one keeps large steps, which the servers'
+# and workers' per-step costs need (smaller steps slow the loop for the same test logloss).
+# Calibrated on docs/defaults-sweep.py: more steps an epoch bring more of its sets near their best
+# logloss, fewer rows a step slow the Criteo example's loop. Past 128,000 rows a worker, steps of
+# 4000 rows left a linear model's test logloss where 1000 did (docs/defaults.md), at 0.4-0.65x the
+# loop time; a factorization machine's rose by 0.0024, so models with factors keep 1000.
+AUTO_BATCH_MIN, AUTO_BATCH_MAX, AUTO_BATCH_MAX_LINEAR, AUTO_BATCH_STEPS = 50, 1000, 4000, 128
 
 
-def auto_batch_size(rows: int, workers: int) -> int:
-    """``train.batch_size`` = 0: the rows a step for ``rows`` rows of training over ``workers``."""
-    return min(AUTO_BATCH_MAX, max(AUTO_BATCH_MIN, math.ceil(rows / max(workers, 1) / AUTO_BATCH_STEPS)))
+def auto_batch_size(rows: int, workers: int, model: str) -> int:
+    """``train.batch_size`` = 0: the rows a step for ``rows`` rows of training over ``workers``,
+    for a model of type ``model`` (``model.type``)."""
+    return min(auto_batch_max(model), max(AUTO_BATCH_MIN, math.ceil(rows / max(workers, 1) / AUTO_BATCH_STEPS)))
+
+
+def auto_batch_max(model: str) -> int:
+    """The most rows a step :func:`auto_batch_size` gives a model of type ``model``."""
+    return AUTO_BATCH_MAX_LINEAR if model == "lr" else AUTO_BATCH_MAX
 
 
 def backup_of(cfg) -> Backup:
@@ -179,10 +188,10 @@ def agree_on_plan(cfg, world) -> RunPlan:
         check_world_fits(cfg, world)
     workers = world.size - cfg.cluster.servers if world.size > 1 else 1  # one process: one worker
     if not cfg.train.batch_size:  # from the training file's rows (counted as far as it matters)
-        enough = AUTO_BATCH_MAX * AUTO_BATCH_STEPS * workers
+        enough = auto_batch_max(cfg.model.type) * AUTO_BATCH_STEPS * workers
         rows = tdata.rows_at_least(paths["train"], enough, cfg.data.format) if world.is_first else 0
         rows = world.first_decides(rows, "broadcast of the training file's rows")
-        cfg = replace(cfg, train=replace(cfg.train, batch_size=auto_batch_size(rows, workers)))
+        cfg = replace(cfg, train=replace(cfg.train, batch_size=auto_batch_size(rows, workers, cfg.model.type)))
     plan = RunPlan(cfg, auto, restore, run_id, paths, synth_info, input_format, workers)
     problem = None
     if world.is_first and restore is not None and not ck.allow_other_data:
@@ -333,9 +342,9 @@ def head_keys(cfg, path, fmt: str) -> tuple[scaling.KeyCurve, float]:
 
 def training_rows(cfg, path, ranks: int, rows_a_byte: float) -> int:
     """The training files' rows (first rank), as far as the batches :func:`decide_layout` tries
-    need them: counted up to an epoch of AUTO_BATCH_STEPS steps of AUTO_BATCH_MAX rows on every
-    worker, beyond that estimated from the files' sizes and ``rows_a_byte`` (plain text)."""
-    enough = AUTO_BATCH_MAX * AUTO_BATCH_STEPS * max(1, ranks - 1)
+    need them: counted up to an epoch of AUTO_BATCH_STEPS steps of the model's most automatic rows a
+    step on every worker, beyond that estimated from the files' sizes and ``rows_a_byte`` (plain text)."""
+    enough = auto_batch_max(cfg.model.type) * AUTO_BATCH_STEPS * max(1, ranks - 1)
     try:
         rows = tdata.rows_at_least(path, enough, cfg.data.format)
         if rows >= enough and rows_a_byte:
@@ -363,7 +372,7 @@ def decide_layout(cfg, ranks: int, hosts: int, cores: int, keys: scaling.KeyCurv
     whose ranks outnumber its cores, one server (a copy of each shard: a second measured slower
     there than the model gives it). ``rows``: the training
     file's rows (:func:`training_rows`): batches as :func:`auto_batch_size` makes them at most,
-    or beyond AUTO_BATCH_MAX rows, up to 10,000, as long as an epoch keeps AUTO_BATCH_STEPS steps."""
+    or beyond them, up to 10,000, as long as an epoch keeps AUTO_BATCH_STEPS steps."""
     from hpcps.train import scaling
 
     cl, tr = cfg.cluster, cfg.train
