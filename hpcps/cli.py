@@ -496,6 +496,14 @@ def _checkpoint_tables(args) -> tuple[dict, list]:
     names = [args.table] if args.table else tables
     if args.table and args.table not in tables:
         raise _Failure(f"no table {args.table!r} in {args.ckpt}; it has {tables}")
+    if since:  # (the rows compared must be the same table's: a model of another type or shape is not)
+        old = {t["name"]: (t["dim"], t["width"]) for t in since[1]["tables"]}
+        for t in m["tables"]:
+            if t["name"] in names and old.get(t["name"]) != (t["dim"], t["width"]):
+                raise _Failure(f"export --since: {args.since} is not a snapshot of the same model as {args.ckpt}: "
+                               f"its tables are {sorted(old)}, and table {t['name']!r} is dim {t['dim']}, "
+                               f"{t['width']} numbers a row here" + (f", {old[t['name']][0]} and {old[t['name']][1]} "
+                                                                    f"there" if t["name"] in old else ""))
     cfg = m.get("config", {})
     model_cfg = cfg.get("model", {})
     out = []
