@@ -424,7 +424,7 @@ def _parse_blocks(piece: Piece, fmt: str, hash_bits: int, skip_bad: bool, binary
                 out = _parse_block(block, path, fmt, hash_bits, skip_bad, binary, fields, seen, need_labels)
             except parse.ParseError as e:
                 line = _count_newlines(path, 0, block_start, kind=kind)[0] + e.line
-                text = str(e).split(": ", 2)[-1] if str(e).count(": ") >= 2 else ""
+                text = f"{e.text[:120]!r}" if e.text else ""  # (as ParseError says it: a reason may hold ': ')
                 raise DataError(f"{path}:{line}: " + (_other_format(fmt, e.text) or e.reason
                                                        + (f": {text}" if text else ""))) from None
             except ValueError as e:  # settings the format cannot take (hash bits for fields)
