@@ -291,3 +291,20 @@ def test_export_since_a_snapshot_of_another_model_is_one_line(small_chain, tmp_p
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and "is not a snapshot of the same model as" in done.stderr, done.stderr
         assert len(done.stderr.strip().splitlines()) == 1 and not os.path.exists(tmp_path / "d.h5"), done.stderr
+
+
+def test_inspect_and_export_name_the_missing_base_of_a_delta(small_chain, tmp_path):
+    # (inspect said every delta OK and exited 0, export 'its chain ... is broken (hpcps inspect
+    # ... says where)' and inspect did not say where)
+    import shutil
+    ck = tmp_path / "ck"
+    shutil.copytree(small_chain[0], ck)
+    shutil.rmtree(ck / "ckpt-0000000040")
+    done = subprocess.run([*HPCPS, "inspect", str(ck)], capture_output=True, text=True, timeout=60)
+    said = [ln for ln in done.stdout.splitlines() if ln.startswith(str(ck))]
+    assert done.returncode == 1 and [ln.split(": ", 1)[1] for ln in said] == ["OK"] * 3 + [
+        f"DAMAGED: its delta chain is broken: {ck / 'ckpt-0000000040'}: no such checkpoint directory"] * 2, done.stdout
+    done = subprocess.run([*HPCPS, "export", str(ck / "delta-0000000060"), "--out", str(tmp_path / "m.h5")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stderr.strip().endswith(
+        f"its chain of delta snapshots is broken: {ck / 'ckpt-0000000040'}: no such checkpoint directory"), done.stderr
