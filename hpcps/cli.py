@@ -437,7 +437,9 @@ def _cmd_inspect(args) -> int:
     for path in paths:
         s = checkpoint.inspect(path)
         m = s.manifest
-        print(f"{path}: {'OK' if s.ok else 'DAMAGED: ' + s.problem}")
+        broken = _chain_broken(path, m) if s.ok else ""
+        problem = s.problem if not s.ok else broken and f"its delta chain is broken: {broken}"
+        print(f"{path}: {'DAMAGED: ' + problem if problem else 'OK'}")
         if m:
             pos = m.get("position", {})
             lay = m.get("layout", {})
@@ -450,7 +452,7 @@ def _cmd_inspect(args) -> int:
                       f"keys below: the rows changed since the snapshot before")
             for t in m.get("tables", []):
                 print(f"  table {t['name']!r}: dim {t['dim']}, {t['optimizer']}, {s.keys.get(t['name'], '?')} keys")
-        bad += not s.ok
+        bad += bool(problem)
     if aside:  # what retention, resume and checkpoint.existing moved aside (never deleted)
         print(f"{args.ckpt}: set aside: " + ", ".join(f"{n} under {d}/" for d, n in aside.items()))
     return 1 if bad else 0
@@ -496,6 +498,14 @@ def _checkpoint_tables(args) -> tuple[dict, list]:
     names = [args.table] if args.table else tables
     if args.table and args.table not in tables:
         raise _Failure(f"no table {args.table!r} in {args.ckpt}; it has {tables}")
+    if since:  # (the rows compared must be the same table's: a model of another type or shape is not)
+        old = {t["name"]: (t["dim"], t["width"]) for t in since[1]["tables"]}
+        for t in m["tables"]:
+            if t["name"] in names and old.get(t["name"]) != (t["dim"], t["width"]):
+                raise _Failure(f"export --since: {args.since} is not a snapshot of the same model as {args.ckpt}: "
+                               f"its tables are {sorted(old)}, and table {t['name']!r} is dim {t['dim']}, "
+                               f"{t['width']} numbers a row here" + (f", {old[t['name']][0]} and {old[t['name']][1]} "
+                                                                    f"there" if t["name"] in old else ""))
     cfg = m.get("config", {})
     model_cfg = cfg.get("model", {})
     out = []
@@ -519,6 +529,21 @@ def _checkpoint_tables(args) -> tuple[dict, list]:
     return attrs, out
 
 
+def _chain_broken(path: str, manifest: dict) -> str:
+    """Why the delta snapshot ``path`` (its own files verified) cannot be restored: the first link
+    of its chain (its base, a delta before it) missing, damaged or another snapshot; '' when it
+    can be, or it is a full checkpoint."""
+    from hpcps.ps import checkpoint
+
+    if manifest.get("snapshot") != "delta":
+        return ""
+    said: list[str] = []
+    found = checkpoint.good_part_of_chain(path, manifest, said.append)
+    if found and found[0] == path:
+        return ""
+    return said[0].split(" broken: ", 1)[-1].rsplit("; ", 1)[0] if said else "a link of it cannot be read"
+
+
 def _verified_snapshot(path: str) -> dict:
     """The manifest of the checkpoint or delta snapshot ``path``, its chain verified; a _Failure
     (1: damaged, 2: no checkpoint) with its line."""
@@ -526,10 +551,9 @@ def _verified_snapshot(path: str) -> dict:
 
     try:
         m = checkpoint.verify(path)
-        found = checkpoint.good_part_of_chain(path, m, lambda line: None) if checkpoint.is_delta(path) else (path, m)
-        if not found or found[0] != path:
-            raise checkpoint.CheckpointError(f"{path}: its chain of delta snapshots is broken (hpcps inspect "
-                                             f"{os.path.dirname(os.path.normpath(path))} says where)")
+        broken = _chain_broken(path, m)
+        if broken:
+            raise checkpoint.CheckpointError(f"{path}: its chain of delta snapshots is broken: {broken}")
         return m
     except checkpoint.CheckpointError as e:  # damaged (1), or no checkpoint at all (2)
         raise _Failure(str(e), 1 if os.path.isfile(os.path.join(path, checkpoint.MANIFEST)) else 2) from None

@@ -274,3 +274,37 @@ def test_a_damaged_base_is_moved_once_and_resume_goes_on_from_the_chain_before_i
     assert len(said) == 1 and "its deltas cannot be used" in said[0], out[-3000:]
     assert f"resuming from {ck / 'delta-0000000030'}" in out, out[-3000:]
     assert sorted(os.listdir(ck / "damaged")) == ["ckpt-0000000040"]
+
+
+def test_export_since_a_snapshot_of_another_model_is_one_line(small_chain, tmp_path):
+    # (an FM checkpoint against the chain's LR snapshot: a KeyError, "unexpected", exit 1)
+    from test_faults import job
+    ck, args = small_chain
+    fm = tmp_path / "fm"
+    train = [a for a in args if a.startswith("data.train=")]
+    rc, out = job(0, ["train", "--set", train[0], "--set", "model.type=fm", "--set", "model.factors=2", "--set",
+                      "train.epochs=1", "--set", "train.batch_size=500", "--set", "train.progress=false",
+                      "--set", f"checkpoint.dir={json.dumps(str(fm))}"], timeout=120)
+    assert rc == 0, out[-3000:]
+    for new, old in ((ck / "delta-0000000060", fm / "ckpt-0000000006"), (fm / "ckpt-0000000006", ck / "delta-0000000060")):
+        done = subprocess.run([*HPCPS, "export", str(new), "--since", str(old), "--out", str(tmp_path / "d.h5")],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and "is not a snapshot of the same model as" in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1 and not os.path.exists(tmp_path / "d.h5"), done.stderr
+
+
+def test_inspect_and_export_name_the_missing_base_of_a_delta(small_chain, tmp_path):
+    # (inspect said every delta OK and exited 0, export 'its chain ... is broken (hpcps inspect
+    # ... says where)' and inspect did not say where)
+    import shutil
+    ck = tmp_path / "ck"
+    shutil.copytree(small_chain[0], ck)
+    shutil.rmtree(ck / "ckpt-0000000040")
+    done = subprocess.run([*HPCPS, "inspect", str(ck)], capture_output=True, text=True, timeout=60)
+    said = [ln for ln in done.stdout.splitlines() if ln.startswith(str(ck))]
+    assert done.returncode == 1 and [ln.split(": ", 1)[1] for ln in said] == ["OK"] * 3 + [
+        f"DAMAGED: its delta chain is broken: {ck / 'ckpt-0000000040'}: no such checkpoint directory"] * 2, done.stdout
+    done = subprocess.run([*HPCPS, "export", str(ck / "delta-0000000060"), "--out", str(tmp_path / "m.h5")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stderr.strip().endswith(
+        f"its chain of delta snapshots is broken: {ck / 'ckpt-0000000040'}: no such checkpoint directory"), done.stderr

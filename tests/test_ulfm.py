@@ -358,3 +358,24 @@ def test_three_servers_under_asp_or_ssp_one_lost_new_backups_get_every_push_exac
     wrong = {k: (z.get(k), v) for k, v in want.items() if z.get(k) != v}
     assert not wrong, f"{len(wrong)} keys' pushes not applied exactly once: {list(wrong.items())[:10]}"
     print("\n" + "\n".join(ln for ln in out.splitlines() if "lost" in ln or "backups" in ln))
+
+
+def test_a_lost_rank_line_never_advises_what_the_job_has_on_already():
+    """Under ULFM (and replicas) a loss that still ends the job (a worker group's gather, a server
+    in a step not failed over) said 'cluster.fault_tolerance = "ulfm" goes on without a lost
+    worker' and 'no replicas of its shards'."""
+    from hpcps.ps.context import lost_rank_line
+    from hpcps.ps.layout import Layout
+    from hpcps.ps.transport import RankFailed
+
+    layout = Layout.plan(4, 2)
+    worker, server = RankFailed([2], "gather of push sizes"), RankFailed([1], "checkpoint reply")
+    said = {(ulfm, r): (lost_rank_line(worker, layout, ulfm, r)[1], lost_rank_line(server, layout, ulfm, r)[1])
+            for ulfm in (False, True) for r in (0, 1)}
+    assert 'fault_tolerance = "ulfm" goes on without a lost worker' in said[False, 0][0]
+    assert "no replicas of its shards" in said[False, 0][1] and "goes on with its shards' copies" in said[False, 1][1]
+    for r in (0, 1):
+        assert "ULFM's limits" in said[True, r][0] and "ulfm" not in said[True, r][0]
+    assert "no replicas" in said[True, 0][1] and "not promoted in this step" in said[True, 1][1]
+    assert all(line.startswith(("worker 0 (rank 2) was lost", "server 1 (rank 1) was lost"))
+               for pair in said.values() for line in pair)

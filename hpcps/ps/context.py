@@ -649,7 +649,7 @@ def init(servers: int = 1, worker_groups: int | None = None, staleness: int = 0,
         transport.EXPLAINERS.remove(explainer)  # (the layout of an earlier context of this process)
 
     def explainer(exc):
-        return lost_rank_line(exc, layout)
+        return lost_rank_line(exc, layout, fault_tolerance == "ulfm", replicas)
 
     explainer.lost_rank_line = True
     transport.EXPLAINERS.insert(0, explainer)
@@ -665,16 +665,26 @@ def init(servers: int = 1, worker_groups: int | None = None, staleness: int = 0,
     return ctx
 
 
-def lost_rank_line(exc: BaseException, layout: Layout) -> tuple[str, str] | None:
-    """What a lost rank (:class:`~hpcps.ps.transport.RankFailed`) means, naming its role."""
+def lost_rank_line(exc: BaseException, layout: Layout, ulfm: bool = False, replicas: int = 0) -> tuple[str, str] | None:
+    """What a lost rank (:class:`~hpcps.ps.transport.RankFailed`) means, naming its role (``ulfm``,
+    ``replicas``: the job's, so that it does not advise what is on already)."""
     if not isinstance(exc, transport.RankFailed) or not exc.ranks:
         return None
     names = [f"{'server' if layout.is_server(r) else 'worker'} "
              f"{r if layout.is_server(r) else layout.worker_index(r)} (rank {r})" for r in exc.ranks]
     servers = any(layout.is_server(r) for r in exc.ranks)
-    why = exc.why or ("a lost server ends the job (no replicas of its shards)" if servers else
-                      "the job cannot go on without it here (cluster.fault_tolerance = \"ulfm\" goes on without a "
-                      "lost worker)")
+    if exc.why:
+        why = exc.why
+    elif servers and replicas:
+        why = ("a lost server ends the job here (its shards' copies are not promoted in this step: "
+               "docs/operations.md, ULFM's limits)" if ulfm else
+               "a lost server ends the job (cluster.fault_tolerance = \"ulfm\" goes on with its shards' copies)")
+    elif servers:
+        why = "a lost server ends the job (no replicas of its shards)"
+    elif ulfm:
+        why = "the job cannot go on without it in this step (docs/operations.md, ULFM's limits)"
+    else:
+        why = "the job cannot go on without it here (cluster.fault_tolerance = \"ulfm\" goes on without a lost worker)"
     return "RankFailed", (f"{', '.join(names)} was lost (killed, or its node failed) during {exc.what or 'the job'}; "
                           f"{why}: hpcps supervise restarts the job from its last checkpoint")
 

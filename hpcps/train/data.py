@@ -455,7 +455,7 @@ def _parse_blocks(piece: Piece, fmt: str, hash_bits: int, skip_bad: bool, binary
                 out = _parse_block(block, path, fmt, hash_bits, skip_bad, binary, fields, seen, need_labels)
             except parse.ParseError as e:
                 line = _count_newlines(path, 0, block_start, kind=kind)[0] + e.line
-                text = str(e).split(": ", 2)[-1] if str(e).count(": ") >= 2 else ""
+                text = f"{e.text[:120]!r}" if e.text else ""  # (as ParseError says it: a reason may hold ': ')
                 raise DataError(f"{path}:{line}: " + (_other_format(fmt, e.text) or e.reason
                                                        + (f": {text}" if text else ""))) from None
             except ValueError as e:  # settings the format cannot take (hash bits for fields)
@@ -699,13 +699,16 @@ def _read_cache(cache: str, path: str, part: int, parts: int, state: dict) -> Da
         return None
     try:
         with open(done) as f:
-            skipped = int(f.read() or 0)
+            skipped, *digest = (f.read() or "0").split()
+        skipped = int(skipped)
         labels, indptr, indices, values = (np.load(os.path.join(cache, f"{n}.npy"), mmap_mode="r")
                                            for n in CACHE_ARRAYS)
         weighted = os.path.join(cache, "weights.npy")
         weights = np.load(weighted, mmap_mode="r") if os.path.exists(weighted) else None
         if weights is not None and weights.shape != labels.shape:
             raise ValueError(f"{weights.shape[0]} weights for {labels.shape[0]} rows")
+        if digest and digest[0] != _cache_digest((labels, indptr, indices, values, weights)):
+            raise ValueError("its arrays fail their XXH64 checksum")  # (a flipped bit: keys or values changed)
         rows, nnz = labels.shape[0], indices.shape[0]
         if (labels.ndim, indptr.ndim, indices.ndim, values.ndim) != (1, 1, 1, 1) or indptr.shape[0] != rows + 1 \
                 or values.shape[0] != nnz or int(indptr[0]) != 0 or int(indptr[-1]) != nnz:
@@ -720,6 +723,17 @@ def _read_cache(cache: str, path: str, part: int, parts: int, state: dict) -> Da
     return Dataset(labels, indptr, indices, values, skipped=skipped, source=path, state=state, weights=weights)
 
 
+def _cache_digest(arrays) -> str:
+    """XXH64 of a cache entry's arrays, in order (None skipped): what its ``done`` file records
+    beside the rows skipped, checked when the entry is read (an entry without it is trusted)."""
+    import xxhash
+    h = xxhash.xxh64()
+    for a in arrays:
+        if a is not None:
+            h.update(memoryview(np.ascontiguousarray(a)).cast("B"))
+    return h.hexdigest()
+
+
 def _write_cache(cache: str, ds: Dataset, part: int, parts: int) -> None:
     """Save the parsed part as its cache entry: written in a temporary directory beside it, then
     renamed. A write that fails (a full disk, no permission) is one warning and leaves nothing
@@ -730,7 +744,7 @@ def _write_cache(cache: str, ds: Dataset, part: int, parts: int) -> None:
         for n in CACHE_ARRAYS + (("weights",) if ds.weights is not None else ()):
             np.save(os.path.join(tmp, f"{n}.npy"), getattr(ds, n))
         with open(os.path.join(tmp, "done"), "w") as f:
-            f.write(str(ds.skipped))
+            f.write(f"{ds.skipped} {_cache_digest(tuple(getattr(ds, n) for n in CACHE_ARRAYS + ('weights',)))}")
     except (OSError, ValueError) as e:  # (numpy raises ValueError for a short write)
         _cache_warning(f"cannot cache {ds.source} (part {part + 1} of {parts}) in {os.path.dirname(cache) or '.'}: "
                        f"{{why}}; the job goes on with the part as parsed, uncached", e, os.path.dirname(cache) or ".")
