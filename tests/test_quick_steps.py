@@ -16,7 +16,8 @@ BIAS = 1 << 40  # a key with given initial values (a model's bias), pushed at ev
 def _steps_run(staleness: int, quick: bool, dim: int) -> tuple[list, dict, list]:
     """Steps of a training loop through a job of one process (its server reached through the
     Loopback transport): each step pushes the keys the step before pulled, with in-pull marks or
-    without, and pulls the next batch's; then push-pulls of the same keys (``hpcps bench ps``'s).
+    without, and pulls the next batch's; then push-pulls of the same keys (``hpcps bench ps``'s),
+    and a pull, then a push of its keys.
     Batches of odd and even sizes (the pulled keys off their alignment or not), new keys among
     known ones, the bias key among them. Returns (the rows pulled, the table, the quick ways
     taken); ``quick`` off: the general way (no plain way either)."""
@@ -31,7 +32,7 @@ def _steps_run(staleness: int, quick: bool, dim: int) -> tuple[list, dict, list]
     pulled = [table.pull(batches[0])]
     taken: list = []
     steps = ctx.server.quick.steps
-    for name in ("push", "step"):
+    for name in ("push", "push_pull", "step"):
         way = getattr(steps, name)
         setattr(steps, name, (lambda name, way: lambda *a: way(*a) and (taken.append(name) or True))(name, way))
     if not quick:
@@ -44,6 +45,10 @@ def _steps_run(staleness: int, quick: bool, dim: int) -> tuple[list, dict, list]
     for _ in range(3):  # (bench ps's push-pull: the same keys pushed and pulled)
         grads = rng.normal(size=(keys.size, dim)).astype(np.float32)
         pulled.append(table.wait(table.ipushpull(keys, grads, keys, unique=True)))
+    keys = batches[7]  # (a pull, then a push of its keys)
+    pulled.append(table.pull(keys))
+    table.wait(table.push(keys, rng.normal(size=(keys.size, dim)).astype(np.float32), unique=True))
+    pulled.append(table.pull(keys))
     contents = ctx.tables_contents()
     ctx.finalize()
     return pulled, contents, taken
@@ -57,11 +62,13 @@ def test_quick_pushes_to_a_pulls_slots_give_the_general_ways_rows_and_table(stal
         pulled, contents, taken = _steps_run(staleness, True, dim)
         want_pulled, want_contents, none = _steps_run(staleness, False, dim)
         assert none == []
-        assert len(pulled) == len(want_pulled) == 12
+        assert len(pulled) == len(want_pulled) == 14
         for got, want in zip(pulled, want_pulled):
             np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
         for got, want in zip(contents["w"][:2], want_contents["w"][:2]):
             np.testing.assert_array_equal(got.view(np.uint32) if got.dtype == np.float32 else got,
                                           want.view(np.uint32) if want.dtype == np.float32 else want)
         # (BSP: a training step's push-pull with its marks; ASP and SSP also the pushes without marks)
-        assert taken == ["step"] * 3 if staleness == 0 else sorted(taken) == ["push"] * 5 + ["step"] * 3
+        # (BSP: a training step's push-pull with its marks; ASP and SSP also the others, and the push)
+        assert taken == ["step"] * 3 if staleness == 0 else \
+            sorted(taken) == ["push"] + ["push_pull"] * 5 + ["step"] * 3

@@ -100,6 +100,8 @@ class PlainRequests:
         _, table, req_id, n_push, n_pull, clock, sender, ahead, flags = words
         if flags & ~PLAIN_PUSH_PULL_FLAGS:
             return False
+        if self.quick.steps.push_pull(source, buf, words):
+            return True  # (ASP, SSP: to a pull's slots, in fewer steps: hpcps.ps.quick_steps)
         worker, dim = source - self.worker_rank0, self.dims[table]
         keys, grads, pull_keys = protocol.plain_pushed(buf, n_push, n_pull, dim)
         pull_clock = clock + 1 + ahead

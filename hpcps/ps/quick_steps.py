@@ -1,7 +1,8 @@
 """A push that takes the slots its worker's pull before it resolved, in the fewest steps: a
 push-pull's push (the same keys pulled, then pushed: ``hpcps bench ps``'s push-pull, a kept
-batch's step under ASP or SSP) and a training step's push-pull with in-pull marks, whose pulled
-part is updated before the reply and the rest after it.
+batch's step under ASP or SSP; the whole request in one method, :meth:`QuickSteps.push_pull`),
+a training step's push-pull with in-pull marks, whose pulled part is updated before the reply
+and the rest after it (:meth:`QuickSteps.step`), and a push after a pull of its keys.
 
 The general way (:meth:`hpcps.ps.replication.ServerCopies.push_now`,
 :meth:`hpcps.ps.server_table.ServerTable.push`, :meth:`hpcps.ps.store.RowStore.slots_of_pull`,
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from hpcps.ps import protocol
 from hpcps_kernels import keys as kkeys
 from hpcps_kernels.entry import run_and_find
 
@@ -92,6 +94,32 @@ class QuickSteps:
         if slots is None:
             return False
         self._rule(table, slots, grads)
+        return True
+
+    def push_pull(self, source: int, buf: np.ndarray, words: tuple) -> bool:
+        """A push-pull without marks under ASP or SSP (request ``buf``, its header's ``words``)
+        whose push takes the slots the worker's pull before resolved (``hpcps bench ps``'s, a
+        kept batch's step without marks), with nothing waiting and the pull readable at once: the
+        clock advanced, the push applied, the pull answered, as ``plain_requests``' way does
+        them, without the calls that do nothing here; False: not done here (nothing applied:
+        the clock's advance, which the general way then repeats, is all)."""
+        _, table, req_id, n_push, n_pull, clock, _, ahead, flags = words
+        server = self.server
+        workers = server.workers
+        if flags or not n_push or not n_pull or not server.staleness or workers.waiting:
+            return False
+        worker = source - server.worker_rank0
+        keys, grads, pull_keys = protocol.plain_pushed(buf, n_push, n_pull, server.dims[table])
+        if not self.quick.pushable(worker, table, keys, grads):
+            return False
+        workers.advance(worker, clock + 1)
+        if not workers.readable(clock + 1 + ahead):
+            return False
+        slots = self._pulled_slots(worker, table, keys)
+        if slots is None:
+            return False
+        self._rule(table, slots, grads)
+        server.answer_pull(source, protocol.PUSHPULL, req_id, table, pull_keys)
         return True
 
     def step(self, source: int, op: int, req_id: int, table: int, keys: np.ndarray, grads: np.ndarray,
