@@ -72,3 +72,21 @@ def test_quick_pushes_to_a_pulls_slots_give_the_general_ways_rows_and_table(stal
         # (BSP: a training step's push-pull with its marks; ASP and SSP also the others, and the push)
         assert taken == ["step"] * 3 if staleness == 0 else \
             sorted(taken) == ["push"] + ["push_pull"] * 5 + ["step"] * 3
+
+
+def test_a_rules_compiled_version_takes_its_parameters_as_one_tuple():
+    """``run_and_find(..., packed=True)``: a rule kernel's ``*args`` go to its compiled version
+    as one tuple, and it updates the rows as the kernel does, bit for bit."""
+    from hpcps_kernels import optim
+    from hpcps_kernels.entry import run_and_find
+
+    rng = np.random.default_rng(1)
+    rows = rng.random((50, 3)).astype(np.float32)
+    want = rows.copy()
+    slots, grads, hp = rng.permutation(50)[:20], rng.normal(size=(20, 1)).astype(np.float32), (0.1, 1.0, 0.01, 0.0)
+    _, found = run_and_find(optim.ftrl, (rows, slots, grads, hp), packed=True)
+    assert found is not optim.ftrl and type(found).__name__ == "builtin_function_or_method"  # (not the dispatch)
+    found(rows, slots, grads, hp)
+    optim.ftrl(want, slots, grads, *hp)
+    optim.ftrl(want, slots, grads, *hp)
+    np.testing.assert_array_equal(rows.view(np.uint32), want.view(np.uint32))

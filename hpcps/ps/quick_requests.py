@@ -49,14 +49,15 @@ class QuickRequests:
         self.kernels: dict[tuple, tuple] = {}
         self.steps = QuickSteps(server, self)  # pushes to the slots of a pull before them
 
-    def _run(self, kind: tuple, kernel, arrays: tuple, args: tuple):
+    def _run(self, kind: tuple, kernel, arrays: tuple, args: tuple, packed: bool = False):
         """``kernel(*args)`` through the version found for ``kind`` while the table's ``arrays``
-        are those it was found for; else through numba's dispatch, finding it."""
+        are those it was found for; else through numba's dispatch, finding it (``packed``: the
+        last of ``args`` is the tuple of the kernel's ``*args``, see ``run_and_find``)."""
         got = self.kernels.get(kind)
         if got is not None and got[0]() is arrays[0] and got[1]() is arrays[1] and got[2]() is arrays[2] \
                 and got[3]() is arrays[3]:
             return got[4](*args)
-        result, found = run_and_find(kernel, args)
+        result, found = run_and_find(kernel, args, packed)
         self.kernels[kind] = (*map(weakref.ref, arrays), found)
         return result
 
@@ -127,7 +128,7 @@ class QuickRequests:
         stop = self._run((protocol.PUSH, table, kflags.aligned, kflags.writeable, gflags.aligned, gflags.writeable),
                          kfused.PUSH[t.fused], (idx.direct, idx.index, idx.keys, rows),
                          (idx.direct, idx.index, idx.keys, keys, idx.tag_bits, rows, grads, np.empty(n, np.int64),
-                          *t.fused_params))
+                          t.fused_params), packed=True)  # (its compiled version takes the rule's parameters as a tuple)
         if stop < n:  # (the keys from the first without a row: looked up, inserted, updated, as push does them)
             t.push(keys[stop:], grads[stop:], clock, worker)
         return True

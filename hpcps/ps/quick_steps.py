@@ -79,12 +79,7 @@ class QuickSteps:
         if f is not None:
             f(t.store.rows, slots, grads, t.rule_args)
             return
-        args, kernel = t.rule_args, t.opt.kernel
-        if args:
-            _, self.found[kind] = run_and_find(kernel, (t.store.rows, slots, grads, *args), len(args))
-        else:  # (a rule without hyper-parameters: through the dispatch)
-            kernel(t.store.rows, slots, grads)
-            self.found[kind] = lambda rows, slots, grads, _: kernel(rows, slots, grads)
+        _, self.found[kind] = run_and_find(t.opt.kernel, (t.store.rows, slots, grads, t.rule_args), packed=True)
 
     def push(self, worker: int, table: int, keys: np.ndarray, grads: np.ndarray) -> bool:
         """Apply a push (ASP, SSP) by ``worker`` of the keys its pull before resolved, as
