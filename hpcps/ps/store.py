@@ -38,8 +38,10 @@ RESOLVED_PULLS = 2
 def given_initial_values(init_keys: list, keys: np.ndarray, slots: np.ndarray, out: np.ndarray) -> None:
     """The rows pulled (``out``) of absent keys (slot -1) whose initial values are given
     (``init_keys``: ``RowStore.init_keys``): those values."""
+    where = np.flatnonzero(slots < 0)  # (the absent keys only: a pull's first pass has a few of many)
+    absent = keys[where]
     for key, values in init_keys:
-        out[(keys == key) & (slots < 0)] = values
+        out[where[absent == key]] = values
 
 
 class RowStore:
