@@ -15,10 +15,18 @@ from __future__ import annotations
 from numba import typeof
 
 
-def run_and_find(kernel, args: tuple) -> tuple:
+def run_and_find(kernel, args: tuple, packed: bool = False) -> tuple:
     """Run numba kernel ``kernel`` on ``args`` through its dispatch; returns (its result, the
     compiled version it ran, a callable taking arguments of ``args``' types), or the kernel itself
-    in place of the version where the dispatch ran one made for other types (converting these)."""
-    result = kernel(*args)
+    in place of the version where the dispatch ran one made for other types (converting these).
+
+    ``packed``: the last of ``args`` is the tuple of the arguments the kernel takes as ``*args``
+    (a rule's hyper-parameters), as its compiled version takes them; the callable returned takes
+    ``args`` so too, whichever it is."""
+    if not packed:
+        result = kernel(*args)
+        found = kernel.overloads.get(tuple(typeof(a) for a in args))
+        return result, (kernel if found is None else found.entry_point)
+    result = kernel(*args[:-1], *args[-1])
     found = kernel.overloads.get(tuple(typeof(a) for a in args))
-    return result, (kernel if found is None else found.entry_point)
+    return result, ((lambda *a: kernel(*a[:-1], *a[-1])) if found is None else found.entry_point)

@@ -62,11 +62,13 @@ def slot_of(direct, index, keys, k, nd, mask, tag_bits):
 @njit(cache=True, nogil=True, error_model="numpy")  # (nogil: see hpcps_kernels.parallel)
 def pull(direct, index, keys, queries, tag_bits, rows, dim, kind, scale, seed, slots, out):
     """A pull in one pass: ``slots[i]`` = the slot of ``queries[i]`` (-1 if absent) and
-    ``out[i]`` = its row's first ``dim`` values, or its initial values if absent."""
+    ``out[i]`` = its row's first ``dim`` values, or its initial values if absent. Returns how
+    many keys were absent (0: the caller has no initial values to fix, e.g. given ones)."""
     nd = np.uint64(direct.shape[0])
     mask = np.uint64(index.shape[0] - 1)
     flat, width, n = rows.reshape(-1), rows.shape[1], queries.shape[0]
     one = np.empty((1, dim), dtype=np.float32)
+    absent = 0
     if in_cache(direct, index, keys, rows):
         for i in range(n):
             s = slot_of(direct, index, keys, queries[i], nd, mask, tag_bits)
@@ -75,10 +77,11 @@ def pull(direct, index, keys, queries, tag_bits, rows, dim, kind, scale, seed, s
                 for d in range(dim):
                     out[i, d] = rows[s, d]
             else:
+                absent += 1
                 init_values(queries[i:i + 1], dim, kind, scale, seed, one)
                 for d in range(dim):
                     out[i, d] = one[0, d]
-        return
+        return absent
     hashes = np.empty(n, dtype=np.uint64)  # (first, in a loop of their own: it vectorises)
     for i in range(n):
         hashes[i] = mix64(queries[i])
@@ -117,9 +120,11 @@ def pull(direct, index, keys, queries, tag_bits, rows, dim, kind, scale, seed, s
             for d in range(dim):
                 out[i, d] = rows[s, d]
         else:
+            absent += 1
             init_values(queries[i:i + 1], dim, kind, scale, seed, one)
             for d in range(dim):
                 out[i, d] = one[0, d]
+    return absent
 
 
 def push_kernel(name: str, constants, update):
@@ -192,18 +197,20 @@ PUSH = {FUSED_SGD: push_kernel("sgd_push", sgd_constants, sgd_update),
 
 
 def index_pull(idx, queries: np.ndarray, rows: np.ndarray, dim: int, kind: int, scale: float, seed: int,
-               out: np.ndarray, threads: TwoThreads | None = None) -> np.ndarray:
+               out: np.ndarray, threads: TwoThreads | None = None) -> tuple[np.ndarray, int]:
     """The slots of ``queries`` in index ``idx`` (a ``KeyIndex`` or a ``DirectKeyIndex``, -1:
     absent) and their rows' first ``dim`` values (or the initializer's) into ``out``, in one pass
-    (:func:`pull`; with ``threads``, a large pull's halves at once)."""
+    (:func:`pull`; with ``threads``, a large pull's halves at once); returns (the slots, how many
+    keys were absent)."""
     n = queries.shape[0]
     slots = np.empty(n, dtype=np.int64)
     if not worth_splitting(threads, n, dim, pull=True):  # (most pulls: no closure on their way)
-        pull(idx.direct, idx.index, idx.keys, queries, idx.tag_bits, rows, dim, kind, scale, seed, slots, out)
-        return slots
-    run_split(threads, n, lambda lo, hi: pull(idx.direct, idx.index, idx.keys, queries[lo:hi], idx.tag_bits, rows,
-                                              dim, kind, scale, seed, slots[lo:hi], out[lo:hi]), dim, pull=True)
-    return slots
+        return slots, pull(idx.direct, idx.index, idx.keys, queries, idx.tag_bits, rows, dim, kind, scale, seed,
+                           slots, out)
+    absent = run_split(threads, n, lambda lo, hi: pull(idx.direct, idx.index, idx.keys, queries[lo:hi], idx.tag_bits,
+                                                       rows, dim, kind, scale, seed, slots[lo:hi], out[lo:hi]),
+                       dim, pull=True)
+    return slots, sum(absent)
 
 
 def index_push(idx, queries: np.ndarray, rows: np.ndarray, grads: np.ndarray, rule: int, hp: tuple,

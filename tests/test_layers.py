@@ -18,7 +18,7 @@ LEVEL = {  # module -> layer: the packages say it (hpcps/ps's pure modules, then
                                     "store", "policies", "server_table", "consistency", "margins", "deltas", "filters",
                                     "replication", "mpi_env")},
     "hpcps.ps.transport": 2,
-    **{f"hpcps.ps.{m}": 3 for m in ("server", "plain_requests", "quick_requests", "client", "context", "collectives", "recovery",
+    **{f"hpcps.ps.{m}": 3 for m in ("server", "plain_requests", "quick_requests", "quick_steps", "client", "context", "collectives", "recovery",
                                     "failover", "rereplication")},
     **_package("hpcps/train", "hpcps.train", 4),
     **_package("hpcps/bench", "hpcps.bench", 5),

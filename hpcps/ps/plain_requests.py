@@ -100,12 +100,17 @@ class PlainRequests:
         _, table, req_id, n_push, n_pull, clock, sender, ahead, flags = words
         if flags & ~PLAIN_PUSH_PULL_FLAGS:
             return False
+        if self.quick.steps.push_pull(source, buf, words):
+            return True  # (ASP, SSP: to a pull's slots, in fewer steps: hpcps.ps.quick_steps)
         worker, dim = source - self.worker_rank0, self.dims[table]
         keys, grads, pull_keys = protocol.plain_pushed(buf, n_push, n_pull, dim)
         pull_clock = clock + 1 + ahead
         self._advance(worker, protocol.clock_workers_of(flags), clock)
         if flags & IN_PULL and self._answers_at_once(n_push, clock, sender, pull_clock):
-            rest = self.push_now(worker, table, keys, grads, clock, protocol.plain_in_pull(buf, n_push, n_pull, dim))
+            in_pull = protocol.plain_in_pull(buf, n_push, n_pull, dim)
+            if self.quick.steps.step(source, PUSHPULL, req_id, table, keys, grads, in_pull, pull_keys):
+                return True  # (the same, in fewer steps: hpcps.ps.quick_steps)
+            rest = self.push_now(worker, table, keys, grads, clock, in_pull)
             self.answer_pull(source, PUSHPULL, req_id, table, pull_keys)
             if rest is not None:
                 self.tables[table].apply_after_reply(rest)

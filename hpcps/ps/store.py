@@ -35,6 +35,15 @@ from hpcps_kernels.tuning import DIRECT_AT_ONCE_BITS, DIRECT_FROM_SHIFT
 RESOLVED_PULLS = 2
 
 
+def given_initial_values(init_keys: list, keys: np.ndarray, slots: np.ndarray, out: np.ndarray) -> None:
+    """The rows pulled (``out``) of absent keys (slot -1) whose initial values are given
+    (``init_keys``: ``RowStore.init_keys``): those values."""
+    where = np.flatnonzero(slots < 0)  # (the absent keys only: a pull's first pass has a few of many)
+    absent = keys[where]
+    for key, values in init_keys:
+        out[where[absent == key]] = values
+
+
 class RowStore:
     """One table's keys and rows on a server: ``index`` gives a key's slot, ``rows[slot]`` its row."""
 
@@ -97,11 +106,10 @@ class RowStore:
         """Values of ``keys`` into ``out`` (n, dim), the initializer's for absent keys; returns
         their slots (-1: absent). The lookups and the rows' values in one pass, either index."""
         s = self.spec
-        slots = kfused.index_pull(self.index, keys, self.rows, s.dim, self.init_kind, s.init_scale, s.seed, out,
-                                  threads)
-        if self.init_keys:
-            for key, values in self.init_keys:  # absent keys with given initial values
-                out[(keys == key) & (slots < 0)] = values
+        slots, absent = kfused.index_pull(self.index, keys, self.rows, s.dim, self.init_kind, s.init_scale, s.seed,
+                                          out, threads)
+        if absent and self.init_keys:
+            given_initial_values(self.init_keys, keys, slots, out)
         return slots
 
     def push_in_one_pass(self, keys: np.ndarray, grads: np.ndarray, rule: int, params: tuple,

@@ -1,0 +1,92 @@
+"""A push to the slots its worker's pull before it resolved, the quick way (hpcps.ps.quick_steps):
+the same rows pulled and the same table as the general way, bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import hpcps
+from hpcps.ps import quick_steps
+
+FTRL = {"optimizer": "ftrl", "params": {"alpha": 0.1, "beta": 1.0, "l1": 0.01}}
+BIAS = 1 << 40  # a key with given initial values (a model's bias), pushed at every step
+
+
+def _steps_run(staleness: int, quick: bool, dim: int) -> tuple[list, dict, list]:
+    """Steps of a training loop through a job of one process (its server reached through the
+    Loopback transport): each step pushes the keys the step before pulled, with in-pull marks or
+    without, and pulls the next batch's; then push-pulls of the same keys (``hpcps bench ps``'s),
+    and a pull, then a push of its keys.
+    Batches of odd and even sizes (the pulled keys off their alignment or not), new keys among
+    known ones, the bias key among them. Returns (the rows pulled, the table, the quick ways
+    taken); ``quick`` off: the general way (no plain way either)."""
+    ctx = hpcps.init(servers=1, staleness=staleness)
+    table = ctx.sparse_table("w", dim=dim, init="normal", init_keys=((BIAS, (0.5,) * dim),), **FTRL)
+    rng = np.random.default_rng(3)
+    # (keys below 300 pushed first; batches 3 and 6 bring new ones)
+    batches = [np.append(np.unique(rng.integers(0, 300 + 50 * (b in (3, 6)), 61 + b)), BIAS).astype(np.uint64)
+               for b in range(9)]
+    known = np.arange(300, dtype=np.uint64)
+    table.wait(table.push(known, rng.normal(size=(known.size, dim)).astype(np.float32)))  # (makes the server)
+    pulled = [table.pull(batches[0])]
+    taken: list = []
+    steps = ctx.server.quick.steps
+    for name in ("push", "push_pull", "step"):
+        way = getattr(steps, name)
+        setattr(steps, name, (lambda name, way: lambda *a: way(*a) and (taken.append(name) or True))(name, way))
+    if not quick:
+        ctx.server.plain = {}
+    for b in range(8):
+        keys, grads = batches[b], rng.normal(size=(batches[b].size, dim)).astype(np.float32)
+        in_pull = np.isin(keys, batches[b + 1]) if b % 4 < 2 else None  # (a training step's marks, or none)
+        pulled.append(table.wait(table.ipushpull(keys, grads, batches[b + 1], unique=True, in_pull=in_pull)))
+    keys = batches[8]
+    for _ in range(3):  # (bench ps's push-pull: the same keys pushed and pulled)
+        grads = rng.normal(size=(keys.size, dim)).astype(np.float32)
+        pulled.append(table.wait(table.ipushpull(keys, grads, keys, unique=True)))
+    keys = batches[7]  # (a pull, then a push of its keys)
+    pulled.append(table.pull(keys))
+    table.wait(table.push(keys, rng.normal(size=(keys.size, dim)).astype(np.float32), unique=True))
+    pulled.append(table.pull(keys))
+    contents = ctx.tables_contents()
+    ctx.finalize()
+    return pulled, contents, taken
+
+
+@pytest.mark.parametrize("staleness", [-1, 0, 1])
+def test_quick_pushes_to_a_pulls_slots_give_the_general_ways_rows_and_table(staleness):
+    """ASP, BSP and SSP, dim 1 and 3: every step's rows and the table the general way's, bit for
+    bit, with the quick ways taken where they apply."""
+    for dim in (1, 3):
+        pulled, contents, taken = _steps_run(staleness, True, dim)
+        want_pulled, want_contents, none = _steps_run(staleness, False, dim)
+        assert none == []
+        assert len(pulled) == len(want_pulled) == 14
+        for got, want in zip(pulled, want_pulled):
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+        for got, want in zip(contents["w"][:2], want_contents["w"][:2]):
+            np.testing.assert_array_equal(got.view(np.uint32) if got.dtype == np.float32 else got,
+                                          want.view(np.uint32) if want.dtype == np.float32 else want)
+        # (BSP: a training step's push-pull with its marks; ASP and SSP also the pushes without marks)
+        # (BSP: a training step's push-pull with its marks; ASP and SSP also the others, and the push)
+        assert taken == ["step"] * 3 if staleness == 0 else \
+            sorted(taken) == ["push"] + ["push_pull"] * 5 + ["step"] * 3
+
+
+def test_a_rules_compiled_version_takes_its_parameters_as_one_tuple():
+    """``run_and_find(..., packed=True)``: a rule kernel's ``*args`` go to its compiled version
+    as one tuple, and it updates the rows as the kernel does, bit for bit."""
+    from hpcps_kernels import optim
+    from hpcps_kernels.entry import run_and_find
+
+    rng = np.random.default_rng(1)
+    rows = rng.random((50, 3)).astype(np.float32)
+    want = rows.copy()
+    slots, grads, hp = rng.permutation(50)[:20], rng.normal(size=(20, 1)).astype(np.float32), (0.1, 1.0, 0.01, 0.0)
+    _, found = run_and_find(optim.ftrl, (rows, slots, grads, hp), packed=True)
+    assert found is not optim.ftrl and type(found).__name__ == "builtin_function_or_method"  # (not the dispatch)
+    found(rows, slots, grads, hp)
+    optim.ftrl(want, slots, grads, *hp)
+    optim.ftrl(want, slots, grads, *hp)
+    np.testing.assert_array_equal(rows.view(np.uint32), want.view(np.uint32))
