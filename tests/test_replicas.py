@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import h5py
 import numpy as np
@@ -299,6 +300,10 @@ def test_under_ssp_a_copy_from_the_shadow_holds_the_pushes_before_the_notices_an
     backup.copying.due()  # (its own copies to server 0, cut and sent)
     push(backup, 0, g2)  # (held: the copy has not landed)
     assert backup.tables[0].size == 0 and backup.copying.busy
+    backup.stall_timeout_s, backup.copying.lost_at = 5.0, time.monotonic() - 6.0  # (a copy that never lands)
+    with pytest.raises(transport.StallError, match=r"server 2: the copies of \d+ shards .* never landed from "
+                                                   r"server\(s\) 0 in cluster.stall_timeout_s = 5 s"):
+        backup.copying.due()
     backup.copying.take(copy[0])
     assert not backup.copying.busy
     assert _rows(backup.tables[0], keys).tobytes() == applied(g1, g3, g2)

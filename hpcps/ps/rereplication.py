@@ -146,6 +146,16 @@ class Shadow:
         self.seconds += time.perf_counter() - started
 
 
+def overdue(copying) -> transport.StallError:
+    """The error of a :class:`Rereplication` whose awaited copies have not landed within
+    ``cluster.stall_timeout_s`` of the loss (their sources named)."""
+    server = copying.server
+    return transport.StallError(
+        f"server {server.index}: the copies of {copying.waiting_for} shards as new backups after server "
+        f"{copying.lost} was lost never landed from server(s) {', '.join(map(str, sorted(copying.awaited_from)))} "
+        f"in cluster.stall_timeout_s = {server.stall_timeout_s:g} s")
+
+
 def cut_said(clock: int) -> str:
     """Where a copy was cut, in its lines."""
     return "at the end" if clock == END else "at the workers' notices" if clock == NOTICES else f"at clock {clock}"
@@ -169,6 +179,7 @@ class Rereplication:
         self.placed: dict[int, int] = {}  # worker -> its clock at PLACED (the loss ``lost``)
         self.boundary: int | None = None  # C, once every worker's PLACED is in
         self.lost_at = 0.0
+        self.awaited_from: set[int] = set()  # the servers whose copies land here (the loss ``lost``)
         self.at_notices = server.staleness != 0  # (SSP, ASP: the copies cut at the workers' PLACED, from a shadow)
         self.shadow: Shadow | None = None  # a source's, from the loss to the cut (SSP, ASP)
         self.unshadowed = 0  # pushes after their worker's PLACED meanwhile (the shadow not given them)
@@ -187,12 +198,13 @@ class Rereplication:
         if why:
             raise transport.RankFailed([lost], "serving", why)
         self.lost, self.placed, self.boundary, self.lost_at = lost, {}, None, time.monotonic()
-        self.outgoing = {}
+        self.outgoing, self.awaited_from = {}, set()
         for shard, source, target in moves:
             if source == server.index:
                 self.outgoing.setdefault(target, []).append(shard)
             if target == server.index:
                 self.from_clock[shard] = HOLD
+                self.awaited_from.add(source)
         self.waiting_for = int((self.from_clock == HOLD).sum())
         self.sorting = self.sorting or bool(self.waiting_for)
         if self.at_notices and self.outgoing:  # (every push applied so far was sent before any PLACED)
@@ -239,7 +251,8 @@ class Rereplication:
     def due(self) -> bool:
         """Between requests: send the copies once their clock is reached (every push before it
         applied) or every worker is done (every push applied); whether copies are still under way.
-        A landed copy's clock is forgotten once every push before it has been applied here."""
+        A landed copy's clock is forgotten once every push before it has been applied here; one
+        awaited past ``cluster.stall_timeout_s`` after the loss ends the job (:func:`overdue`)."""
         workers = self.server.workers
         if self.landed_by is not None and workers.min_clock() >= self.landed_by:
             self.from_clock[(self.from_clock >= 0) & (self.from_clock < END)] = -1
@@ -254,6 +267,8 @@ class Rereplication:
                 self.cut(END)
             elif self.boundary is not None and workers.min_clock() >= self.boundary:
                 self.cut(self.boundary)
+        if self.waiting_for and time.monotonic() - self.lost_at > self.server.stall_timeout_s:
+            raise overdue(self)
         return self.busy
 
     def on_push(self, worker: int, table: int, keys: np.ndarray, grads: np.ndarray, clock: int) -> None:
