@@ -676,15 +676,19 @@ def test_a_label_far_out_of_range_stops_training_with_one_line_and_keeps_the_goo
     assert [os.path.basename(p) for p in found][-1] == ("ckpt-0000000035" if every == 7 else "ckpt-0000000030")
 
 
-@pytest.mark.parametrize("written", [False, True])
+@pytest.mark.parametrize("written", [False, True, "then another run"])
 def test_a_second_signal_after_the_signals_checkpoint_keeps_its_exit_status(written):
     # a rank that gets SIGTERM twice: before the checkpoint is written, 143 (nothing to resume
     # from); once it is (the rank on its way out, exit 75), the second one said so and 75 kept,
-    # for a scheduler to requeue (it said "before the checkpoint was written" and exited 143)
+    # for a scheduler to requeue (it said "before the checkpoint was written" and exited 143); a
+    # later run in the same process (signals installed again) starts without it
+    again = "signals.clear()\nsignals.install(defer=True, first=True)\nos.kill(os.getpid(), signal.SIGTERM)\n"
     script = ("import os, signal\nfrom hpcps.ps import signals\nsignals.install(defer=True, first=True)\n"
               "os.kill(os.getpid(), signal.SIGTERM)\nassert signals.requested() == signal.SIGTERM\n"
               + ("signals.checkpoint_written(75)\n" if written else "")
+              + (again if written == "then another run" else "")
               + "os.kill(os.getpid(), signal.SIGTERM)\nraise SystemExit(9)\n")
+    written = written is True
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == (75 if written else 143), done.stderr
     assert done.stderr.strip() == ("hpcps: stopped by SIGTERM: again after the signal's checkpoint was written (exit "

@@ -158,6 +158,9 @@ def test_resume_over_other_data_is_an_error_unless_allowed(small, tmp_path):
                          (dict(data__train=str(other)), "the training file differs")):
         rc, out = job(2, ["train", *sets(**{**base, **change}), "--resume", "auto"])
         assert rc == 2 and what in out and "allow_other_data" in out, out[-2000:]
+    # the automatic batch size resumes at the checkpoint's rows a step (the rule may give others)
+    rc, out = job(2, ["train", *sets(**{**base, "train__batch_size": 0}), "--resume", "auto"])
+    assert rc == 0 and "resuming from" in out and "of 100 rows (auto)" in out, out[-2000:]
     rc, out = job(2, ["train", *sets(**{**base, "train__batch_size": 50, "checkpoint__allow_other_data": True}),
                       "--resume", "auto"])
     assert rc == 0 and "resuming from" in out, out[-2000:]

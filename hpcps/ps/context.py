@@ -558,12 +558,12 @@ def commit_checkpoint(ctx: Context, asked: AskedCheckpoint, manifest: dict, keep
                       delta: deltas.Commits | None = None) -> str | None:
     """First worker only, every server's reply in: the manifest with the files' checksums written
     and the directory renamed (a delta: committed by ``delta``). Returns the checkpoint's path;
-    None when a server missed it (a quorum checkpoint) or was lost before it wrote its file (under
+    None when a server missed it (a quorum checkpoint) or was lost while it was written (under
     replicas): the directory removed."""
     if lost := [s for s in asked.servers if s in ctx.placement.lost]:  # (its shards' backups promoted)
         shutil.rmtree(asked.tmp, ignore_errors=True)
         checkpoint.say(f"hpcps train: {'delta snapshot' if delta is not None else 'checkpoint'} {asked.tmp[:-4]} not "
-                       f"written: server {lost[0]} was lost before it wrote its file; the next snapshot is a full one")
+                       f"written: server {lost[0]} was lost while it was written; the next snapshot is a full one")
         return None
     results = [protocol.unpack_checkpoint_result(reply) for reply in asked.replies]
     if any(size == protocol.CHECKPOINT_MISSED for size, _ in results):

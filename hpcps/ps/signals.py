@@ -39,7 +39,7 @@ def install(defer: bool = True, prefix: str = "hpcps: ", first: bool | None = No
     as it kills the others)."""
     if first is None:
         first = int(os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or 0) == 0
-    _state.update(defer=defer, prefix=prefix, first=first, why=why, end=end or os._exit)
+    _state.update(defer=defer, prefix=prefix, first=first, why=why, end=end or os._exit, stopping_with=None)
     if threading.current_thread() is not threading.main_thread():
         return  # (only the main thread can catch signals: a training run inside a thread of a program)
     if not _state["installed"]:
@@ -75,11 +75,12 @@ def stop_now(signum: int, again: bool = False) -> None:
     os._exit(status)  # (if ``end`` returned)
 
 
-def checkpoint_written(status: int) -> int:
-    """The signal's checkpoint is committed and the run is stopping with ``status`` (75 or 130),
-    returned: a second signal from now on still ends it at once, with that status (the checkpoint
-    is there to resume from, and a scheduler requeues on 75), not 128 + the signal."""
-    _state["stopping_with"] = status
+def checkpoint_written(status: int, committed: bool = True) -> int:
+    """The run is stopping with ``status`` (75 or 130), returned, after the signal's checkpoint;
+    where it was ``committed``, a second signal from now on still ends it at once with that status
+    (the checkpoint is there to resume from, and a scheduler requeues on 75), not 128 + the signal."""
+    if committed:
+        _state["stopping_with"] = status
     return status
 
 

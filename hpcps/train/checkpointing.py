@@ -145,12 +145,11 @@ class Checkpointing:
         """Collective over the workers: the checkpoint the workers agreed on after step ``step``
         (``want``: 4 = SIGINT somewhere, 3 = another stop signal, 2 = periodic, 1 = a delta
         snapshot). Returns the exit status the run stops with on the signal, else 0."""
-        ck = self.cfg.checkpoint
-        self.save(epoch, step + 1, global_step, "signal" if want >= 3 else "periodic", delta=want == 1)
+        written = self.save(epoch, step + 1, global_step, "signal" if want >= 3 else "periodic", delta=want == 1)
         self.saved_at, self.step_at = global_step, time.monotonic()  # (the next step's length without the pause)
         if want >= 3:
-            if ck.on_signal == "exit" or want == 4:  # (SIGINT always stops)
-                return signals.checkpoint_written(EXIT_INTERRUPTED if want == 4 else EXIT_PREEMPTED)  # (committed)
+            if self.cfg.checkpoint.on_signal == "exit" or want == 4:  # (SIGINT always stops)
+                return signals.checkpoint_written(EXIT_INTERRUPTED if want == 4 else EXIT_PREEMPTED, written)
             signals.clear()
             self.ctx.server_stop = 0
         return 0
@@ -175,10 +174,10 @@ class Checkpointing:
             print(f"hpcps train: {len(p)} delta snapshot(s); training waited {sum(p):.2f} s for them in all "
                   f"(median {sorted(p)[len(p) // 2]:.3f} s, longest {max(p):.3f} s){lost}", flush=True)
 
-    def save(self, epoch_next: int, step_next: int, global_step: int, reason: str, delta: bool = False) -> None:
+    def save(self, epoch_next: int, step_next: int, global_step: int, reason: str, delta: bool = False) -> bool:
         """Collective over the workers: a checkpoint (or a delta snapshot, when one can be taken)
-        whose position is the step to run next."""
-        t = time.perf_counter()
+        whose position is the step to run next; whether it was committed (a signal's; else True)."""
+        t, path = time.perf_counter(), None
         self.pipeline.finish()  # every worker: its pushes acknowledged
         flush_filters(self.ctx, self.pipeline)  # (filters.push_threshold: the checkpoint holds every update)
         if self.first:
@@ -194,6 +193,7 @@ class Checkpointing:
             if delta:
                 self.delta_pauses.append(time.perf_counter() - t)  # (the rows copied; written meanwhile)
         self.workers.wait_for_all("checkpoint barrier")
+        return reason != "signal" or self.workers.first_decides(path is not None, "the signal's checkpoint committed")
 
     def delta_possible(self, delta: bool) -> bool:
         """First worker: whether a delta snapshot asked for can be one (the one before committed;

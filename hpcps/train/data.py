@@ -780,12 +780,9 @@ def rows_at_least(spec, enough: int, fmt: str = "auto") -> int:
 
 
 def _lines_at_least(path: str, enough: int, kind: str) -> int:
-    """The lines of ``path`` (compressed as ``kind`` says), counted until ``enough``; ``enough``
-    at once for plain text whose size holds twice that many lines of its first 4 MiB's length
-    (reading the lines of a large file, 190 MB at 512,000 rows, would hold up every rank)."""
+    """The lines of ``path`` (compressed as ``kind`` says), counted until ``enough``."""
     n, last = 0, b""
     buf = bytearray(4 << 20)
-    size = os.path.getsize(path) if not kind else 0
     with inputs.open_stream(path, kind) as f:
         while n < enough:
             got = _read_into(f, memoryview(buf), path)
@@ -793,9 +790,6 @@ def _lines_at_least(path: str, enough: int, kind: str) -> int:
                 return n + (1 if last not in (b"", b"\n") else 0)
             n += buf.count(b"\n", 0, got)
             last = bytes(buf[got - 1:got])
-            if size and n and size * n >= 2 * enough * got:  # (first pass: ``got`` bytes read so far)
-                return enough
-            size = 0
     return n
 
 

@@ -46,8 +46,8 @@ class TrainError(RuntimeError):
 # and workers' per-step costs need (smaller steps slow the loop for the same test logloss).
 # Calibrated on docs/defaults-sweep.py: more steps an epoch bring more of its sets near their best
 # logloss, fewer rows a step slow the Criteo example's loop. Past 128,000 rows a worker, steps of
-# 4000 rows left a linear model's test logloss where 1000 did (docs/defaults.md), at 0.4-0.65x the
-# loop time; a factorization machine's rose by 0.0024, so models with factors keep 1000.
+# 4000 rows left a linear model's test logloss where 1000 did, in less loop time; a factorization
+# machine's rose, so models with factors keep 1000 (docs/defaults.md has the figures).
 AUTO_BATCH_MIN, AUTO_BATCH_MAX, AUTO_BATCH_MAX_LINEAR, AUTO_BATCH_STEPS = 50, 1000, 4000, 128
 
 
@@ -187,7 +187,12 @@ def agree_on_plan(cfg, world) -> RunPlan:
         cfg = choose_layout(cfg, world, paths["train"], input_format)
         check_world_fits(cfg, world)
     workers = world.size - cfg.cluster.servers if world.size > 1 else 1  # one process: one worker
-    if not cfg.train.batch_size:  # from the training file's rows (counted as far as it matters)
+    resumed = (restore[1].get("data") or {}).get("batch_size") if restore else None
+    if not cfg.train.batch_size and isinstance(resumed, int) and resumed > 0:
+        # (a resumed run keeps the rows a step it was started with, which its data position counts,
+        # though this version's rule would give another number: its lr cap was 1000 before)
+        cfg = replace(cfg, train=replace(cfg.train, batch_size=resumed))
+    elif not cfg.train.batch_size:  # from the training file's rows (counted as far as it matters)
         enough = auto_batch_max(cfg.model.type) * AUTO_BATCH_STEPS * workers
         rows = tdata.rows_at_least(paths["train"], enough, cfg.data.format) if world.is_first else 0
         rows = world.first_decides(rows, "broadcast of the training file's rows")
