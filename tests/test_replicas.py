@@ -20,7 +20,7 @@ from hpcps.ps.replication import Replication
 from hpcps.ps.rereplication import insert_rows
 from hpcps.ps.server import Server, write_checkpoint_file
 from hpcps.ps.server_table import ServerTable
-from hpcps.ps.tables import TableSpec
+from hpcps.ps.tables import Features, TableSpec
 from hpcps.train import synth
 from hpcps.train.model_file import ServingModel
 from hpcps_kernels import reference as ref
@@ -307,6 +307,121 @@ def test_under_ssp_a_copy_from_the_shadow_holds_the_pushes_before_the_notices_an
     backup.copying.take(copy[0])
     assert not backup.copying.busy
     assert _rows(backup.tables[0], keys).tobytes() == applied(g1, g3, g2)
+
+
+# -- the shadow's copy (SSP, ASP): each compared with a table given only the pushes before the notices
+
+def _moved_and_kept(placement):
+    """Keys of the shards server 0 copies to server 2 after server 1's loss (``moved``), and of
+    shards server 0 holds and copies nowhere (``kept``), 400 of each, in an order mixing none."""
+    moved = {shard for shard, source, target in new_copies(placement.copies, placement.after_loss(1).copies)
+             if (source, target) == (0, 2)}
+    held = {s for s in range(placement.num_shards) if 0 in placement.after_loss(1).copies[s]} - moved
+    candidates = np.arange(1, 20_000, dtype=np.uint64)
+    shards = placement.shard_of(candidates)
+    pick = lambda wanted: candidates[np.isin(shards, sorted(wanted))][:400]  # noqa: E731
+    return pick(moved), pick(held)
+
+
+def _copy_of_the_shadow(specs, staleness, before, placed_first, notices):
+    """Server 0 of 3 (1 replica, 2 workers, ``staleness``) applies ``before`` (pushes
+    ``(worker, table, keys, grads, clock)``), learns of server 1's loss, gets worker 0's
+    ``PLACED``, then ``placed_first`` (worker 0's pushes: after its notice; worker 1's: before),
+    then worker 1's ``PLACED``. Returns the shadow's keys per table before that last notice, the
+    copy it sends server 2 (a ``protocol.Copy``), and a fresh ServerTable per spec given only the
+    pushes sent before the notices, in their order (``notices``: which pushes those are)."""
+    placement, sent = Placement(3, num_shards=64, replicas=1), []
+    source = Server(transport.Loopback(), 0, 2, 3, specs, placement, staleness)
+    source.net.deliver = lambda to, buf: sent.append(protocol.unpack_request(buf.copy(), dims=[]))
+    failover.plug(source)
+    for worker, table, keys, grads, clock in before:
+        source.push_now(worker, table, keys, grads, clock)
+        source.apply_backlog()
+    failover.promote(source, 1)
+    source.handle(3, protocol.Placed(7, 0, 1).pack())
+    for worker, table, keys, grads, clock in placed_first:
+        source.push_now(worker, table, keys, grads, clock)
+        source.apply_backlog()
+    shadow_keys = [np.sort(t.items()[0]) for t in source.copying.shadow.tables]
+    source.handle(4, protocol.Placed(7, 1, 1).pack())
+    source.copying.due()
+    assert not source.copying.outgoing and source.copying.shadow is None  # (sent; its own copy from 2 awaited)
+    copy, = [c for c in sent if c.source == 0]
+    expected = [ServerTable(spec) for spec in specs]
+    for worker, table, keys, grads, clock in [*before, *notices]:
+        expected[table].push(keys, grads, clock)
+    return shadow_keys, copy, expected
+
+
+def _assert_copy_is(copy, expected, moved):
+    """``copy`` holds, per table, exactly the rows of ``expected`` (tables) of the keys of the moved
+    shards (``moved``) they hold, bit for bit (parameters and optimizer state)."""
+    assert copy.clock == -1 and len(copy.parts) == len(expected)
+    for (keys, rows), table in zip(copy.parts, expected):
+        held = table.items()[0]
+        want = np.sort(held[np.isin(held, moved)])
+        assert np.array_equal(np.sort(keys), want) and want.shape[0] > 0
+        assert _by_key(keys, rows, want).tobytes() == _rows(table, want).tobytes()
+
+
+def test_a_push_partly_in_the_moved_shards_gives_the_shadow_only_those_keys():
+    """SSP, FTRL: pushes mixing keys of the moved shards with keys server 0 keeps (the shadow's
+    ``sel.any()`` branch). The shadow holds only the moved shards' keys, and the copy equals a
+    table given the pushes before the notices (worker 1's mixed push), not worker 0's after its
+    notice."""
+    spec = TableSpec("w", dim=1, optimizer="ftrl")
+    moved, kept = _moved_and_kept(Placement(3, num_shards=64, replicas=1))
+    mixed = np.concatenate([kept[:100], moved[:100], kept[100:200], moved[100:200]])  # (interleaved)
+    grads = lambda v: np.linspace(-v, v, mixed.shape[0], dtype=np.float32).reshape(-1, 1)  # noqa: E731
+    before = [(0, 0, mixed, grads(1.0), 3)]
+    late, early = (0, 0, mixed[::-1].copy(), grads(2.0), 8), (1, 0, mixed, grads(0.5), 6)
+    shadow_keys, copy, expected = _copy_of_the_shadow([spec], 2, before, [late, early], [early])
+    assert np.array_equal(shadow_keys[0], np.sort(moved[:200]))  # (none of the kept shards' keys)
+    _assert_copy_is(copy, expected, moved)
+
+
+def test_a_push_of_keys_new_to_the_table_creates_the_shadows_rows_as_the_table_would():
+    """SSP: keys first pushed after the loss, in the moved shards and not, to a table whose rows
+    start from a seeded uniform initializer, with FTRL's state, admitted by a draw per key and
+    clock (``admit_probability``): the shadow creates, and leaves out, exactly the rows the table
+    would."""
+    spec = TableSpec("w", dim=1, optimizer="ftrl", init="uniform", init_scale=0.5, seed=11,
+                     features=Features(admit_probability=0.5))
+    moved, kept = _moved_and_kept(Placement(3, num_shards=64, replicas=1))
+    old, new = np.concatenate([moved[:50], kept[:50]]), np.concatenate([kept[50:150], moved[50:250]])
+    g = lambda keys, v: np.full((keys.shape[0], 1), v, np.float32)  # noqa: E731
+    before = [(0, 0, old, g(old, 1.0), 2)]
+    early = (1, 0, np.concatenate([new, old]), g(np.concatenate([new, old]), -0.75), 5)
+    only_moved = (1, 0, moved[300:400].copy(), g(moved[300:400], 0.25), 6)  # (every key moved: the whole push)
+    late = (0, 0, moved[250:300].copy(), g(moved[250:300], 3.0), 9)  # (new too: after the notice, not copied)
+    shadow_keys, copy, expected = _copy_of_the_shadow([spec], 2, before, [early, late, only_moved],
+                                                      [early, only_moved])
+    admitted = expected[0].items()[0]
+    for new_moved in (moved[50:250], moved[300:400]):  # (the draw admits some new keys, not all)
+        assert 0 < np.isin(new_moved, admitted).sum() < new_moved.shape[0]
+    assert not np.isin(moved[250:300], copy.parts[0][0]).any()
+    _assert_copy_is(copy, expected, moved)
+
+
+def test_under_asp_the_shadow_copies_two_tables_one_of_dim_1_plus_k():
+    """ASP (staleness -1): a linear table (FTRL, dim 1) and an FM-like one (Adam, dim 1 + 4,
+    normal initializer, a direct index on the source): pushes to each, before and after the
+    notices, with keys new and old; the copy holds each table's rows as a table given only the
+    pushes before the notices."""
+    specs = [TableSpec("w", dim=1, optimizer="ftrl"),
+             TableSpec("v", dim=5, optimizer="adam", init="normal", init_scale=0.1, seed=3, key_bits=16)]
+    moved, kept = _moved_and_kept(Placement(3, num_shards=64, replicas=1))
+    both = np.concatenate([moved[:150], kept[:150]])
+    g = lambda t, keys, v: np.full((keys.shape[0], specs[t].dim), v, np.float32)  # noqa: E731
+    before = [(0, t, both, g(t, both, 0.5), 1) for t in (0, 1)]
+    more = np.concatenate([both, moved[150:200]])
+    early = [(1, 0, more, g(0, more, -0.25), 4), (1, 1, moved[100:200].copy(), g(1, moved[100:200], 2.0), 4),
+             (1, 1, more, g(1, more, 0.75), 5)]
+    late = [(0, 1, both, g(1, both, 1.5), 6), (0, 0, both, g(0, both, -1.0), 6)]
+    shadow_keys, copy, expected = _copy_of_the_shadow(specs, -1, before, [early[0], late[0], early[1], late[1], early[2]],
+                                                      early)
+    assert [k.shape[0] for k in shadow_keys] == [200, 200]
+    _assert_copy_is(copy, expected, moved)
 
 
 def _rows(table, keys):
