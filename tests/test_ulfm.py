@@ -18,7 +18,8 @@ launched from the second environment ``.venv-ft`` (``make install-ft``; ``make t
 * A server lost once serving is done (it kills itself there: ``HPCPS_TEST_KILL``), where no
   worker's request meets the loss: with a replica its shards are promoted at the end (exit status
   0, the summary's "server lost", every key in the model and its count); without, one line and
-  exit status 1 (no model missing its rows).
+  exit status 1 (no model missing its rows). Also killed in the end's sums, after the agreement on
+  the servers lost: the sums are done again once it is failed over.
 * Three servers with ``cluster.replicas = 1`` (2 workers, BSP): server 1 killed, the new backups
   of its shards copied over the wire between the two survivors (each copies to the other), then
   server 2 killed once both copies landed, so that the last server goes on from its copies: exit
@@ -217,19 +218,22 @@ def test_ulfm_under_an_mpi_without_it_is_one_line_at_start_up(tmp_path):
     assert len(lines) == 1 and "has no ULFM" in lines[0] and "--with-ft ulfm" in lines[0], out[-3000:]
 
 
-@pytest.mark.parametrize("replicas", [1, 0], ids=["promoted", "no-copy"])
+@pytest.mark.parametrize("replicas, point", [(1, "served"), (0, "served"), (1, "summing")],
+                         ids=["promoted", "no-copy", "during-the-sums"])
 def test_a_server_lost_after_serving_is_failed_over_or_ends_the_job_never_drops_its_rows(ft_launcher, shared_keys,
-                                                                                        tmp_path, replicas):
+                                                                                        tmp_path, replicas, point):
     # server 1 (rank 1) kills itself once its serving is done (HPCPS_TEST_KILL), every reply it
     # owed sent: no worker's request meets its loss, only the end's collectives (which shrank to
     # the survivors). The job exited 0 with the survivor's primary shards alone: half the model's
-    # rows and of its key count, 'the backups of 1024 of 1024 shards differ', no "server lost"
+    # rows and of its key count, 'the backups of 1024 of 1024 shards differ', no "server lost".
+    # "summing": killed in the end's sums (after the servers lost were agreed on), which are
+    # done again once it is failed over (the first sums' digests lacked its copies: no warning)
     more = {"cluster.replicas": replicas, "optimizer.l1": 0.5, "train.model_out": '"model.h5"'}
     summary = tmp_path / "summary.json"
     proc = subprocess.run([*ft_launcher, "-n", "4", os.path.join(FT, "bin", "python"), "-m", "hpcps.cli",
                            *args(shared_keys, tmp_path / "ck", 2, **more), "--summary-json", str(summary)],
                           capture_output=True, text=True, timeout=TIMEOUT, cwd=str(tmp_path),
-                          env=dict(os.environ, HPCPS_TEST_KILL="served:1"))
+                          env=dict(os.environ, HPCPS_TEST_KILL=f"{point}:1"))
     out = proc.stdout + proc.stderr
     assert "Traceback" not in out and "Process received signal" not in out, out[-4000:]
     if not replicas:  # (its rows are nowhere else: one line, exit status 1, no model)

@@ -174,12 +174,18 @@ class ContextReplicas:
             mine[:, :now.copies.shape[1]] = self.server.replica_digests()
         every = self.every_rank.reduce(mine.reshape(-1), "sum", "sum of the replicas' digests")
         differing = replication.differing_shards(every.reshape(mine.shape)[:, :now.copies.shape[1]])
+        return {"replica_copies": int(every.shape[0]), "replica_shards_differing": differing}
+
+    def warn_of_differing_replicas(self, compared: dict) -> None:
+        """The first worker's warning where :meth:`compare_replicas` found backups that differ
+        from their primary (said once its sums are final: under ULFM they are done again where
+        a server is lost during them, :func:`hpcps.ps.failover.after_serving`)."""
         # (under BSP a failover would not continue the same model; under SSP and ASP two workers'
         # pushes may interleave differently on two copies: counted, not a warning)
+        differing = compared.get("replica_shards_differing", 0)
         if differing and self.worker_index == 0 and self.staleness == 0:
-            sys.stderr.write(f"hpcps: warning: the backups of {differing} of {mine.shape[0]} shards differ from "
-                             f"their primary's rows at the end of serving\n")
-        return {"replica_copies": int(every.shape[0]), "replica_shards_differing": differing}
+            sys.stderr.write(f"hpcps: warning: the backups of {differing} of {self.placement.num_shards} shards "
+                             f"differ from their primary's rows at the end of serving\n")
 
     def server_lost(self, server: int) -> None:
         """A worker learns that ``server`` is gone (the fault-tolerant transport's event): its

@@ -100,6 +100,7 @@ def agree_on_the_end(ctx, preempted: int, loop_cpu_s: float = 0.0) -> dict:
                                                rss if ctx.is_server else 0.0, loop_cpu_s if ctx.is_worker else 0.0,
                                                loop_cpu_s if ctx.is_server else 0.0]),
                                      "max", "agreement on the end of training")
+        failover.killed_here_in_tests(ctx, "summing")
         st = ctx.server_stats or {}  # server ranks, or a one-process job's in-process server
         counts = np.array([sum(st.get(k, [])) for k in ("keys", "admitted", "evicted")], dtype=np.int64)
         counts = ctx.every_rank.reduce(counts, "sum", "sum of the servers' key counts")
@@ -107,6 +108,7 @@ def agree_on_the_end(ctx, preempted: int, loop_cpu_s: float = 0.0) -> dict:
 
     # (under ULFM, a server lost after the last request that would have met its loss: failed over first)
     flag, counts, replicas = failover.after_serving(ctx, sums)
+    ctx.warn_of_differing_replicas(replicas)
     counts[1:] //= ctx.placement.replicas + 1  # (every copy of a shard admits and evicts the same keys)
     keys = {"table_keys": int(counts[0]), "admitted_keys": int(counts[1]), "evicted_keys": int(counts[2]), **replicas}
     return {"preempted": int(flag[0]), "worker_rss": float(flag[1]), "server_rss": float(flag[2]),
