@@ -29,7 +29,7 @@ from hpcps.ps import margins  # noqa: F401 - registers the server functions of M
 from hpcps.ps.client import DenseTable, SparseTable, TableSet, push_residual
 from hpcps.ps.consistency import NO_BACKUP, Backup
 from hpcps.ps.layout import Layout, LayoutError, check_world
-from hpcps.ps.placement import DEFAULT_SHARDS, Placement, new_copies
+from hpcps.ps.placement import DEFAULT_SHARDS, Placement
 from hpcps.ps.server import Server
 from hpcps.ps.tables import SERVER_FUNCTIONS, Features, ServerFunction, TableSpec
 from hpcps_kernels import keys as kkeys
@@ -191,18 +191,19 @@ class ContextReplicas:
         """A worker learns that ``server`` is gone (the fault-tolerant transport's event): its
         shards' first backups answer their pulls from now on, pushes go to the new copies, and
         no request or clock goes to it (requests in flight to it are the transport's to resend).
-        Where its shards get new backups, every server is told first (``PLACED``, with this
-        worker's clock: the copies' clock is agreed on it, :mod:`hpcps.ps.rereplication`); a
-        group's first rank under ``train.group_pull`` tells it for its members too (they push
-        nothing, and would tell it only at their end)."""
-        before = self.placement
-        self.placement = before.after_loss(server)
-        if new_copies(before.copies, self.placement.copies):
-            for worker in range(self.worker_index, self.worker_index + self.carried_workers):
-                notice = protocol.Placed(self.clock_value, worker, server).pack()
-                for s in self.placement.live_servers:
-                    self._clock_sends += failover.start_send(self, notice, s, protocol.TAG_REQUEST,
-                                                             f"notice of the placement without server {server}")
+        Every server is told first (``PLACED``, with this worker's clock), so that each has failed
+        over before this worker's next request reaches it: a checkpoint asked of the survivors
+        alone, written by one that had not learned of the loss yet, would hold only the shards
+        it was primary of before. Where its shards get new backups, the copies' clock is agreed
+        on the notices (:mod:`hpcps.ps.rereplication`); a group's first rank under
+        ``train.group_pull`` tells it for its members too (they push nothing, and would tell it
+        only at their end)."""
+        self.placement = self.placement.after_loss(server)
+        for worker in range(self.worker_index, self.worker_index + self.carried_workers):
+            notice = protocol.Placed(self.clock_value, worker, server).pack()
+            for s in self.placement.live_servers:
+                self._clock_sends += failover.start_send(self, notice, s, protocol.TAG_REQUEST,
+                                                         f"notice of the placement without server {server}")
 
 
 class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges, ContextReplicas,
