@@ -15,6 +15,11 @@ launched from the second environment ``.venv-ft`` (``make install-ft``; ``make t
   training after the kill is printed (``-s``): the longest the first worker's step stood still
   from the kill to the end. Twice: LR (one table), and wide & deep with 16-bit values on the
   wire (its two sparse tables' rows asked again in one request, read in the wire's type).
+* A server lost once serving is done (it kills itself there: ``HPCPS_TEST_KILL``), where no
+  worker's request meets the loss: with a replica its shards are promoted at the end (exit status
+  0, the summary's "server lost", every key in the model and its count); without, one line and
+  exit status 1 (no model missing its rows). Also killed in the end's sums, after the agreement on
+  the servers lost: the sums are done again once it is failed over.
 * Three servers with ``cluster.replicas = 1`` (2 workers, BSP): server 1 killed, the new backups
   of its shards copied over the wire between the two survivors (each copies to the other), then
   server 2 killed once both copies landed, so that the last server goes on from its copies: exit
@@ -211,6 +216,40 @@ def test_ulfm_under_an_mpi_without_it_is_one_line_at_start_up(tmp_path):
     assert proc.returncode == 2, out[-3000:]
     lines = [ln for ln in out.splitlines() if "fault_tolerance" in ln]
     assert len(lines) == 1 and "has no ULFM" in lines[0] and "--with-ft ulfm" in lines[0], out[-3000:]
+
+
+@pytest.mark.parametrize("replicas, point", [(1, "served"), (0, "served"), (1, "summing")],
+                         ids=["promoted", "no-copy", "during-the-sums"])
+def test_a_server_lost_after_serving_is_failed_over_or_ends_the_job_never_drops_its_rows(ft_launcher, shared_keys,
+                                                                                        tmp_path, replicas, point):
+    # server 1 (rank 1) kills itself once its serving is done (HPCPS_TEST_KILL), every reply it
+    # owed sent: no worker's request meets its loss, only the end's collectives (which shrank to
+    # the survivors). The job exited 0 with the survivor's primary shards alone: half the model's
+    # rows and of its key count, 'the backups of 1024 of 1024 shards differ', no "server lost".
+    # "summing": killed in the end's sums (after the servers lost were agreed on), which are
+    # done again once it is failed over (the first sums' digests lacked its copies: no warning)
+    more = {"cluster.replicas": replicas, "optimizer.l1": 0.5, "train.model_out": '"model.h5"'}
+    summary = tmp_path / "summary.json"
+    proc = subprocess.run([*ft_launcher, "-n", "4", os.path.join(FT, "bin", "python"), "-m", "hpcps.cli",
+                           *args(shared_keys, tmp_path / "ck", 2, **more), "--summary-json", str(summary)],
+                          capture_output=True, text=True, timeout=TIMEOUT, cwd=str(tmp_path),
+                          env=dict(os.environ, HPCPS_TEST_KILL=f"{point}:1"))
+    out = proc.stdout + proc.stderr
+    assert "Traceback" not in out and "Process received signal" not in out, out[-4000:]
+    if not replicas:  # (its rows are nowhere else: one line, exit status 1, no model)
+        said = [ln for ln in out.splitlines() if ln.startswith("hpcps: ")]
+        assert proc.returncode == 1 and not (tmp_path / "model.h5").exists(), out[-4000:]
+        assert len(said) == 1 and "server 1 (rank 1) was lost" in said[0] and "no copy left" in said[0], out[-4000:]
+        return
+    assert proc.returncode == 0 and "shards differ" not in out, out[-4000:]
+    got = json.loads(summary.read_text())
+    assert got["servers_lost"][0]["server"] == 1 and got["replica_shards_differing"] == 0, got
+    # every key in the model and its count, each row the end of training's checkpoint's (both
+    # servers wrote it before the loss)
+    keys, rows = model_rows(tmp_path / "model.h5")["w"]
+    ck_keys, ck_rows = checkpoint_rows(tmp_path / "ck")["w"]
+    assert np.array_equal(keys, ck_keys) and got["table_keys"] == keys.shape[0] > 300, (got, keys.shape)
+    assert rows.reshape(-1).tobytes() == np.ascontiguousarray(ck_rows[:, 0]).tobytes()
 
 
 @pytest.mark.parametrize("model", [

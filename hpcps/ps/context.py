@@ -29,7 +29,7 @@ from hpcps.ps import margins  # noqa: F401 - registers the server functions of M
 from hpcps.ps.client import DenseTable, SparseTable, TableSet, push_residual
 from hpcps.ps.consistency import NO_BACKUP, Backup
 from hpcps.ps.layout import Layout, LayoutError, check_world
-from hpcps.ps.placement import DEFAULT_SHARDS, Placement, new_copies
+from hpcps.ps.placement import DEFAULT_SHARDS, Placement
 from hpcps.ps.server import Server
 from hpcps.ps.tables import SERVER_FUNCTIONS, Features, ServerFunction, TableSpec
 from hpcps_kernels import keys as kkeys
@@ -174,29 +174,36 @@ class ContextReplicas:
             mine[:, :now.copies.shape[1]] = self.server.replica_digests()
         every = self.every_rank.reduce(mine.reshape(-1), "sum", "sum of the replicas' digests")
         differing = replication.differing_shards(every.reshape(mine.shape)[:, :now.copies.shape[1]])
+        return {"replica_copies": int(every.shape[0]), "replica_shards_differing": differing}
+
+    def warn_of_differing_replicas(self, compared: dict) -> None:
+        """The first worker's warning where :meth:`compare_replicas` found backups that differ
+        from their primary (said once its sums are final: under ULFM they are done again where
+        a server is lost during them, :func:`hpcps.ps.failover.after_serving`)."""
         # (under BSP a failover would not continue the same model; under SSP and ASP two workers'
         # pushes may interleave differently on two copies: counted, not a warning)
+        differing = compared.get("replica_shards_differing", 0)
         if differing and self.worker_index == 0 and self.staleness == 0:
-            sys.stderr.write(f"hpcps: warning: the backups of {differing} of {mine.shape[0]} shards differ from "
-                             f"their primary's rows at the end of serving\n")
-        return {"replica_copies": int(every.shape[0]), "replica_shards_differing": differing}
+            sys.stderr.write(f"hpcps: warning: the backups of {differing} of {self.placement.num_shards} shards "
+                             f"differ from their primary's rows at the end of serving\n")
 
     def server_lost(self, server: int) -> None:
         """A worker learns that ``server`` is gone (the fault-tolerant transport's event): its
         shards' first backups answer their pulls from now on, pushes go to the new copies, and
         no request or clock goes to it (requests in flight to it are the transport's to resend).
-        Where its shards get new backups, every server is told first (``PLACED``, with this
-        worker's clock: the copies' clock is agreed on it, :mod:`hpcps.ps.rereplication`); a
-        group's first rank under ``train.group_pull`` tells it for its members too (they push
-        nothing, and would tell it only at their end)."""
-        before = self.placement
-        self.placement = before.after_loss(server)
-        if new_copies(before.copies, self.placement.copies):
-            for worker in range(self.worker_index, self.worker_index + self.carried_workers):
-                notice = protocol.Placed(self.clock_value, worker, server).pack()
-                for s in self.placement.live_servers:
-                    self._clock_sends += failover.start_send(self, notice, s, protocol.TAG_REQUEST,
-                                                             f"notice of the placement without server {server}")
+        Every server is told first (``PLACED``, with this worker's clock), so that each has failed
+        over before this worker's next request reaches it: a checkpoint asked of the survivors
+        alone, written by one that had not learned of the loss yet, would hold only the shards
+        it was primary of before. Where its shards get new backups, the copies' clock is agreed
+        on the notices (:mod:`hpcps.ps.rereplication`); a group's first rank under
+        ``train.group_pull`` tells it for its members too (they push nothing, and would tell it
+        only at their end)."""
+        self.placement = self.placement.after_loss(server)
+        for worker in range(self.worker_index, self.worker_index + self.carried_workers):
+            notice = protocol.Placed(self.clock_value, worker, server).pack()
+            for s in self.placement.live_servers:
+                self._clock_sends += failover.start_send(self, notice, s, protocol.TAG_REQUEST,
+                                                         f"notice of the placement without server {server}")
 
 
 class Context(collectives.ContextCollectives, TableDeclarations, GroupExchanges, ContextReplicas,

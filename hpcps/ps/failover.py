@@ -30,6 +30,8 @@ the context's ``failovers`` for the run's summary.
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import time
 
@@ -62,11 +64,17 @@ def promote(server, rank: int) -> None:
     server.copying.check_promoted(rank)
     if moves:  # (new backups on the survivors, copied over the wire: hpcps.ps.rereplication)
         server.copying.plan(rank, moves)
+    promoted(server, rank)
+
+
+def promoted(server, rank: int) -> None:
+    """Server ``rank``'s shards promoted on ``server``: its loss recorded, and said by the first
+    server left."""
     server.failovers.append((rank, round(time.monotonic() - _STARTED, 3)))
     if server.index == min(server.placement.live_servers):
         sys.stderr.write(f"hpcps: server {rank} (rank {rank}) lost: its shards' backups are primary now "
                          f"(server {server.index} serving {int(server.placement.holds(server.index).sum())} "
-                         f"of {placement.num_shards} shards)\n")
+                         f"of {server.placement.num_shards} shards)\n")
 
 
 def plug(server) -> None:
@@ -202,6 +210,82 @@ def ask_again(ctx, req, servers: set[int], wait) -> None:
         req.parts += again.parts
         req.servers += again.servers
         req.asked += again.asked
+
+
+# -- the end of a run --------------------------------------------------------------------------
+
+def after_serving(ctx, work):
+    """Collective over every rank once serving is done (the end of a run, under ULFM): the servers
+    lost that a rank knows of agreed on, each failed over here (:func:`lost_after_serving`), then
+    ``work()`` (the end's reductions: key counts, the replicas' digests), done again where a rank
+    is lost during it (a server's counts and digests would be missing from the sums). Returns
+    what ``work()`` returned."""
+    while True:
+        lost_after_serving(ctx)
+        size = ctx.every_rank.size
+        out = work()
+        if ctx.every_rank.size == size:  # (no rank lost meanwhile)
+            return out
+
+
+def lost_after_serving(ctx) -> None:
+    """Collective over every rank once serving is done: a server lost where no worker's request
+    met its loss (after the last reply it owed a worker, or after serving) is known to the ranks
+    only from a collective's shrink, or to the servers alone. Every rank agrees on the servers lost
+    (any rank's knowledge), and each one this rank has not failed over yet is failed over here as
+    in a step: under replicas its shards' first backups become primary (the model and the key
+    counts keep its rows; the workers record it for the summary's "server lost" line); where its
+    shards have no copy left, the job ends in one line, exit status 1 (the model would lack its
+    rows). Nothing without ULFM (a lost rank ends the job there)."""
+    if not ctx.fault_tolerant:
+        return
+    size = -1
+    while size != ctx.every_rank.size:  # (a rank lost during the agreement: again, with it)
+        size = ctx.every_rank.size
+        known = np.zeros(ctx.layout.servers, dtype=np.int64)
+        known[sorted(_servers_known_lost(ctx))] = 1
+        known = ctx.every_rank.reduce(known, "max", "agreement on the servers lost")
+    placement = ctx.server.placement if ctx.is_server else ctx.placement
+    for rank in [r for r in np.flatnonzero(known).tolist() if r not in placement.lost]:
+        placement = ctx.server.placement if ctx.is_server else ctx.placement
+        if not (placement.replicas and copies_left(placement, rank)):
+            ctx.every_rank.end_job_by_first(
+                f"error: server {rank} (rank {rank}) was lost (killed, or its node failed) at the end of the run, "
+                f"after serving, and its shards have no copy left: the model and its key counts would lack its "
+                f"rows, so neither is written; hpcps supervise restarts the job from its last checkpoint", 1,
+                "the end of a job that lost a server")
+        if ctx.is_server:
+            _promote_after_serving(ctx, rank)
+        else:
+            ctx.placement = placement.after_loss(rank)
+            ctx.failovers += ((rank, ctx.clock_value, round(time.monotonic() - _STARTED, 3)),)
+
+
+def _servers_known_lost(ctx) -> set[int]:
+    """The servers this rank knows are lost: from a shrink or a failed transfer, failed over by
+    its placement, or (a server) from its serving loop."""
+    known = set(ctx.net.lost) | set((ctx.server.placement if ctx.is_server else ctx.placement).lost)
+    if ctx.is_server:
+        known |= set(ctx.server.recovery.lost)
+    return {r for r in known if r < ctx.layout.servers}
+
+
+def _promote_after_serving(ctx, rank: int) -> None:
+    """A server, serving done: server ``rank``'s shards promoted (:func:`promote` without new
+    backups: the run is over), and its statistics' key counts those of the shards it holds now."""
+    server = ctx.server
+    server.apply_backlog()
+    server.replication.rank_lost(rank)
+    server.recovery.lost[rank] = -1
+    promoted(server, rank)
+    ctx.server_stats = server.final_stats()
+
+
+def killed_here_in_tests(ctx, point: str) -> None:
+    """Tests only: with ``HPCPS_TEST_KILL = "POINT:RANK"``, world rank RANK kills itself (SIGKILL)
+    at ``point``: a loss at a moment a kill from outside rarely hits (tests/test_ulfm.py)."""
+    if os.environ.get("HPCPS_TEST_KILL") == f"{point}:{ctx.rank}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def summary(ctx) -> dict:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hpcps import outputs
+from hpcps.ps import failover
 from hpcps.ps.collectives import World
 from hpcps.ps.context import init
 from hpcps.ps.filters import SATURATED_KEY, SAVED_KEYS
@@ -93,16 +94,23 @@ def agree_on_the_end(ctx, preempted: int, loop_cpu_s: float = 0.0) -> dict:
     if ctx.is_worker:
         ctx.finish_serving()
     rss = _peak_rss_mb()
-    flag = ctx.every_rank.reduce(np.array([float(preempted), rss if ctx.is_worker else 0.0,
-                                           rss if ctx.is_server else 0.0, loop_cpu_s if ctx.is_worker else 0.0,
-                                           loop_cpu_s if ctx.is_server else 0.0]),
-                                 "max", "agreement on the end of training")
-    st = ctx.server_stats or {}  # server ranks, or a one-process job's in-process server
-    counts = np.array([sum(st.get(k, [])) for k in ("keys", "admitted", "evicted")], dtype=np.int64)
-    counts = ctx.every_rank.reduce(counts, "sum", "sum of the servers' key counts")
+
+    def sums():
+        flag = ctx.every_rank.reduce(np.array([float(preempted), rss if ctx.is_worker else 0.0,
+                                               rss if ctx.is_server else 0.0, loop_cpu_s if ctx.is_worker else 0.0,
+                                               loop_cpu_s if ctx.is_server else 0.0]),
+                                     "max", "agreement on the end of training")
+        failover.killed_here_in_tests(ctx, "summing")
+        st = ctx.server_stats or {}  # server ranks, or a one-process job's in-process server
+        counts = np.array([sum(st.get(k, [])) for k in ("keys", "admitted", "evicted")], dtype=np.int64)
+        counts = ctx.every_rank.reduce(counts, "sum", "sum of the servers' key counts")
+        return flag, counts, ctx.compare_replicas()  # (cluster.replicas: every backup against its primary)
+
+    # (under ULFM, a server lost after the last request that would have met its loss: failed over first)
+    flag, counts, replicas = failover.after_serving(ctx, sums)
+    ctx.warn_of_differing_replicas(replicas)
     counts[1:] //= ctx.placement.replicas + 1  # (every copy of a shard admits and evicts the same keys)
-    keys = {"table_keys": int(counts[0]), "admitted_keys": int(counts[1]), "evicted_keys": int(counts[2]),
-            **ctx.compare_replicas()}  # (cluster.replicas: every backup against its primary)
+    keys = {"table_keys": int(counts[0]), "admitted_keys": int(counts[1]), "evicted_keys": int(counts[2]), **replicas}
     return {"preempted": int(flag[0]), "worker_rss": float(flag[1]), "server_rss": float(flag[2]),
             "worker_loop_cpu_s": float(flag[3]), "server_loop_cpu_s": float(flag[4]), "key_counts": keys,
             "stalled_workers": agree_on_stalls(ctx)}
@@ -112,6 +120,7 @@ def serve(ctx, cfg, plan, model) -> Result:
     """A server rank: answer requests until every worker is done, then write the model."""
     cpu0 = time.process_time()
     ctx.serve(plan.restore)
+    failover.killed_here_in_tests(ctx, "served")
     preempted = agree_on_the_end(ctx, 0, time.process_time() - cpu0)["preempted"]
     if cfg.train.model_out and not preempted:
         agree_model_written(ctx, export_model(ctx, cfg, model, plan.input_format))

@@ -182,6 +182,9 @@ def export_from_servers(ctx, table_names, path: str, attrs: dict) -> None:
         if servers.is_first:
             tables.append((name, all_keys, all_vals.reshape(-1, dim),
                            {"dim": dim, "init": spec.init, "init_scale": spec.init_scale, "seed": spec.seed}))
+    if servers.size < len(ctx.server.placement.live_servers):  # (under ULFM: one lost while gathering)
+        raise outputs.OutputError(f"{path}: not written: a server was lost while the model was gathered from "
+                                  f"the servers (its rows would be missing from it)")
     if servers.is_first:
         write(path, tables, attrs=attrs)
 
