@@ -174,15 +174,7 @@ def _count_read(path: str, start: int, end: int | None, kernel: bool, kind: str,
     return n, last
 
 
-_ONES = np.ones(1 << 16, dtype=np.float32)
-
-
-def ones(n: int) -> np.ndarray:
-    """``n`` float32 ones: a view of one array shared by every compacted batch (never written)."""
-    global _ONES
-    if _ONES.shape[0] < n:
-        _ONES = np.ones(max(n, 2 * _ONES.shape[0]), dtype=np.float32)
-    return _ONES[:n]
+ones = parse.ones  # (``n`` float32 ones: views of one shared array, never written)
 
 
 def values_if_any(values: np.ndarray) -> np.ndarray | None:
@@ -191,7 +183,7 @@ def values_if_any(values: np.ndarray) -> np.ndarray | None:
     none (:func:`hpcps_kernels.models.lr_forward_backward`). A batch of ones in an array of its
     own is read as it is (the same figures)."""
     base = values.base
-    return None if base is not None and (base is _ONES or base is parse.ones_base()) else values
+    return None if base is not None and base is parse.ones_base() else values
 
 
 class CompactKeys:
@@ -335,7 +327,7 @@ class Dataset:
     @property
     def nbytes(self) -> int:
         keys = self.indices.nbytes if self.indices is not None else getattr(self.compacted, "nbytes", 0)
-        values = self.values.nbytes if self.values.base is not _ONES else 0
+        values = self.values.nbytes if values_if_any(self.values) is not None else 0
         rows = self.indptr if self.indptr is not None else self.row_lengths
         return self.labels.nbytes + rows.nbytes + keys + values + getattr(self.weights, "nbytes", 0)
 
