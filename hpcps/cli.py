@@ -535,13 +535,7 @@ def _chain_broken(path: str, manifest: dict) -> str:
     can be, or it is a full checkpoint."""
     from hpcps.ps import checkpoint
 
-    if manifest.get("snapshot") != "delta":
-        return ""
-    said: list[str] = []
-    found = checkpoint.good_part_of_chain(path, manifest, said.append)
-    if found and found[0] == path:
-        return ""
-    return said[0].split(" broken: ", 1)[-1].rsplit("; ", 1)[0] if said else "a link of it cannot be read"
+    return checkpoint.first_broken_link(path, manifest)[2] if manifest.get("snapshot") == "delta" else ""
 
 
 def _verified_snapshot(path: str) -> dict:

@@ -594,6 +594,19 @@ def good_part_of_chain(ckpt: str, manifest: dict, report=say, move_damaged: bool
     its base and every delta before it verify and are the snapshots it was taken over; else the
     one before the first damaged delta (which is reported in one line and, with ``move_damaged``,
     moved under ``damaged/``); None when the base is missing or damaged."""
+    last, path, why = first_broken_link(ckpt, manifest)
+    if not why:
+        return ckpt, manifest
+    moved = quarantine(path, "", lambda line: None) if move_damaged and os.path.isdir(path) else ""
+    then = f"resuming from {last[0]}, the last good one" if last else "its deltas cannot be used"
+    report(f"hpcps: delta chain of {ckpt} broken: {why}" + (f" (moved to {moved})" if moved else "") + f"; {then}")
+    return last
+
+
+def first_broken_link(ckpt: str, manifest: dict) -> tuple[tuple[str, dict] | None, str, str]:
+    """A delta's chain walked from its base: (the last link that verifies before the first that
+    does not, or None; that link's path; why it cannot be used), or (the last link, "", "") when
+    every link verifies and is the snapshot ``ckpt`` was taken over."""
     last = None
     for path, digest in chain_links(ckpt, manifest):
         try:
@@ -601,12 +614,9 @@ def good_part_of_chain(ckpt: str, manifest: dict, report=say, move_damaged: bool
             if m.get("manifest_xxh64") != digest:
                 raise CheckpointError(f"{path}: not the snapshot {os.path.basename(ckpt)} was taken over (its manifest differs)")
         except CheckpointError as e:
-            moved = quarantine(path, "", lambda line: None) if move_damaged and os.path.isdir(path) else ""
-            then = f"resuming from {last[0]}, the last good one" if last else "its deltas cannot be used"
-            report(f"hpcps: delta chain of {ckpt} broken: {e}" + (f" (moved to {moved})" if moved else "") + f"; {then}")
-            return last
+            return last, path, str(e)
         last = (path, m)
-    return ckpt, manifest
+    return last, "", ""
 
 
 def _read(path: str, table: str) -> tuple[np.ndarray, np.ndarray]:
