@@ -193,3 +193,21 @@ def test_a_libsvm_part_of_ones_shares_them_other_values_stay_and_views_outlive_t
     parse.ones(parse.ones_base().shape[0] + 1)  # the shared array grows: a view of the one before still reads as ones
     assert earlier.base is not parse.ones_base() and data.values_if_any(earlier) is None
 
+
+def test_a_test_set_kept_for_scoring_holds_each_batch_sorted_keys_once(tmp_path):
+    from hpcps.train import data, evaluation, synth
+
+    d = synth.generate(str(tmp_path), 10, 2500, fields=39, seed=4, hash_bits=24, formats=("libsvm",))
+    whole = data.load_part(d.files["test_libsvm"], 0, 1, "libsvm", binary=True)
+    want = [whole.batch(lo, lo + 1000) for lo in range(0, whole.rows, 1000)]
+    kept = evaluation.KeptTestSet(whole, 1000)
+    assert kept.rows == whole.rows == 2500 and kept.labels is whole.labels and len(kept.batches) == 3
+    for lo, w in zip(range(0, whole.rows, 1000), want):
+        b = kept.batch(lo, lo + 1000)
+        uniq, pos = b.prepared
+        np.testing.assert_array_equal(uniq, np.unique(w.indices))  # (what a pull of the batch asks for)
+        np.testing.assert_array_equal(uniq[pos], w.indices)
+        np.testing.assert_array_equal(b.indptr, w.indptr)
+        assert b.compacted.pos.dtype == np.uint16 and data.values_if_any(b.values) is None
+    with pytest.raises(ValueError, match="not a batch"):
+        kept.batch(500, 1500)
