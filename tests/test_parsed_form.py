@@ -180,13 +180,13 @@ def test_values_of_shared_ones_are_read_as_none_and_a_criteo_batch_across_blocks
     np.testing.assert_array_equal(joined.indices, np.concatenate([idx, idx]))
 
 
-def test_a_libsvm_part_of_ones_shares_them_other_values_stay_and_views_outlive_the_shared_array(tmp_path):
+def test_a_libsvm_stream_of_ones_shares_them_other_values_stay_and_views_outlive_the_shared_array(tmp_path):
     from hpcps.train import data
 
     (tmp_path / "ones.svm").write_text("1 3:1 7:1\n0 2:1\n")
     (tmp_path / "values.svm").write_text("1 3:1 7:0.5\n0 2:1\n")
-    ones = data.load_part(str(tmp_path / "ones.svm"), 0, 1, "libsvm", binary=True)
-    other = data.load_part(str(tmp_path / "values.svm"), 0, 1, "libsvm", binary=True)
+    ones, other = (next(data.PartStream(str(tmp_path / name), 0, 1, "libsvm", binary=True).open().batches(2))
+                   for name in ("ones.svm", "values.svm"))
     assert data.values_if_any(ones.values) is None and ones.values.shape[0] == 5 and (ones.values == 1).all()
     assert data.values_if_any(other.values) is other.values and other.values[1] == np.float32(0.5)
     earlier = parse.ones(4)

@@ -485,19 +485,19 @@ def _parse_block(block, path: str, fmt: str, hash_bits: int, skip_bad: bool, bin
         return parse.parse_criteo(block, source=path, first_line=1, skip_bad=skip_bad, bits=hash_bits,
                                   bias=int(BIAS_KEY), fields=fields, **rows)
     reader = TEXT_PARSERS.get(fmt, parse.parse_libsvm)
-    return _shared_ones(reader(block, source=path, first_line=1, skip_bad=skip_bad, binary=binary, seen=seen,
-                               bias=int(BIAS_KEY), bits=hash_bits, **(rows if fmt in BUILT_IN_FORMATS else {})))
+    return reader(block, source=path, first_line=1, skip_bad=skip_bad, binary=binary, seen=seen,
+                  bias=int(BIAS_KEY), bits=hash_bits, **(rows if fmt in BUILT_IN_FORMATS else {}))
 
 
-def _shared_ones(out: tuple) -> tuple:
-    """A parsed block's (labels, indptr, indices, values, ...) with values that are all 1 (binary
-    features: libsvm's ``key:1``) as a view of the shared ones (:func:`ones`), as Criteo's are:
-    the block and the batches joined across blocks carry no values (4 bytes a nonzero of memory
-    and copying), and the LR kernel reads none (:func:`values_if_any`; the same figures)."""
-    values = out[3]
+def _shared_ones(values: np.ndarray) -> np.ndarray:
+    """A streamed slice's values, or where they are all 1 (binary features: libsvm's ``key:1``) a
+    view of the shared ones (:func:`ones`), as Criteo's are: the slice and the batches joined
+    across slices carry no values (4 bytes a nonzero of memory and copying), and the LR kernel
+    reads none (:func:`values_if_any`; the same figures). Not for a part loaded whole: the
+    shared array would grow to its size for the rest of the run."""
     if values.shape[0] and values_if_any(values) is not None and (values == 1.0).all():
-        return (*out[:3], ones(values.shape[0]), *out[4:])
-    return out
+        return ones(values.shape[0])
+    return values
 
 
 # data.format -> its parser, ``parse(block, *, source, first_line, skip_bad, binary, seen, bias,
@@ -1098,7 +1098,7 @@ class PartStream:
         return self.slices.current
 
     def _dataset(self, out) -> Dataset:
-        ds = Dataset(*out[:5], self.path, weights=_weights_of(out[:4] + out[5:]))
+        ds = Dataset(*out[:3], _shared_ones(out[3]), out[4], self.path, weights=_weights_of(out[:4] + out[5:]))
         self.labels.see(ds)  # (finite, their range)
         return ds
 
