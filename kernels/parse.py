@@ -29,6 +29,7 @@ then ``key & mask``. Every value is 1.0.
 from __future__ import annotations
 
 import math
+import weakref
 
 import numpy as np
 from numba import njit
@@ -807,6 +808,7 @@ def count_bytes(buf, first, second):
 
 
 _ONES = np.ones(0, dtype=np.float32)
+_EARLIER_ONES: list = []  # weak references to the arrays _ONES was before it grew (views of them remain)
 
 
 def ones(n: int) -> np.ndarray:
@@ -816,6 +818,7 @@ def ones(n: int) -> np.ndarray:
     read-only arrays."""
     global _ONES
     if _ONES.shape[0] < n:
+        _EARLIER_ONES[:] = [r for r in _EARLIER_ONES if r() is not None] + [weakref.ref(_ONES)]
         _ONES = np.ones(max(n, 2 * _ONES.shape[0]), dtype=np.float32)
     return _ONES[:n]
 
@@ -823,6 +826,12 @@ def ones(n: int) -> np.ndarray:
 def ones_base() -> np.ndarray:
     """The array the views :func:`ones` gives now are views of."""
     return _ONES
+
+
+def is_ones(values: np.ndarray) -> bool:
+    """Whether ``values`` is a view :func:`ones` gave, now or before its shared array grew."""
+    base = values.base
+    return base is not None and (base is _ONES or any(r() is base for r in _EARLIER_ONES))
 
 
 def _as_bytes(data) -> np.ndarray:

@@ -178,3 +178,36 @@ def test_values_of_shared_ones_are_read_as_none_and_a_criteo_batch_across_blocks
     joined = data.concatenate([piece, piece])  # (a batch across two parsed blocks)
     assert joined.values.shape[0] == 2 * idx.shape[0] and data.values_if_any(joined.values) is None
     np.testing.assert_array_equal(joined.indices, np.concatenate([idx, idx]))
+
+
+def test_a_libsvm_stream_of_ones_shares_them_other_values_stay_and_views_outlive_the_shared_array(tmp_path):
+    from hpcps.train import data
+
+    (tmp_path / "ones.svm").write_text("1 3:1 7:1\n0 2:1\n")
+    (tmp_path / "values.svm").write_text("1 3:1 7:0.5\n0 2:1\n")
+    ones, other = (next(data.PartStream(str(tmp_path / name), 0, 1, "libsvm", binary=True).open().batches(2))
+                   for name in ("ones.svm", "values.svm"))
+    assert data.values_if_any(ones.values) is None and ones.values.shape[0] == 5 and (ones.values == 1).all()
+    assert data.values_if_any(other.values) is other.values and other.values[1] == np.float32(0.5)
+    earlier = parse.ones(4)
+    parse.ones(parse.ones_base().shape[0] + 1)  # the shared array grows: a view of the one before still reads as ones
+    assert earlier.base is not parse.ones_base() and data.values_if_any(earlier) is None
+
+
+def test_a_test_set_kept_for_scoring_holds_each_batch_sorted_keys_once(tmp_path):
+    from hpcps.train import data, evaluation, synth
+
+    d = synth.generate(str(tmp_path), 10, 2500, fields=39, seed=4, hash_bits=24, formats=("libsvm",))
+    whole = data.load_part(d.files["test_libsvm"], 0, 1, "libsvm", binary=True)
+    want = [whole.batch(lo, lo + 1000) for lo in range(0, whole.rows, 1000)]
+    kept = evaluation.KeptTestSet(whole, 1000)
+    assert kept.rows == whole.rows == 2500 and kept.labels is whole.labels and len(kept.batches) == 3
+    for lo, w in zip(range(0, whole.rows, 1000), want):
+        b = kept.batch(lo, lo + 1000)
+        uniq, pos = b.prepared
+        np.testing.assert_array_equal(uniq, np.unique(w.indices))  # (what a pull of the batch asks for)
+        np.testing.assert_array_equal(uniq[pos], w.indices)
+        np.testing.assert_array_equal(b.indptr, w.indptr)
+        assert b.compacted.pos.dtype == np.uint16 and data.values_if_any(b.values) is None
+    with pytest.raises(ValueError, match="not a batch"):
+        kept.batch(500, 1500)

@@ -182,8 +182,7 @@ def values_if_any(values: np.ndarray) -> np.ndarray | None:
     or a format whose every value is 1: :func:`hpcps_kernels.parse.ones`): a kernel then reads
     none (:func:`hpcps_kernels.models.lr_forward_backward`). A batch of ones in an array of its
     own is read as it is (the same figures)."""
-    base = values.base
-    return None if base is not None and base is parse.ones_base() else values
+    return None if parse.is_ones(values) else values
 
 
 class CompactKeys:
@@ -269,7 +268,7 @@ class Dataset:
         the positions as kept, see :meth:`prepared_for`)."""
         self.compacted = CompactKeys(uniq, pos)
         self.indices = None
-        if self.values.shape[0] and (self.values == 1.0).all():
+        if values_if_any(self.values) is not None and self.values.shape[0] and (self.values == 1.0).all():
             self.values = ones(self.values.shape[0])
         return uniq, self.compacted.pos if narrow else pos.astype(np.int32)
 
@@ -488,6 +487,17 @@ def _parse_block(block, path: str, fmt: str, hash_bits: int, skip_bad: bool, bin
     reader = TEXT_PARSERS.get(fmt, parse.parse_libsvm)
     return reader(block, source=path, first_line=1, skip_bad=skip_bad, binary=binary, seen=seen,
                   bias=int(BIAS_KEY), bits=hash_bits, **(rows if fmt in BUILT_IN_FORMATS else {}))
+
+
+def _shared_ones(values: np.ndarray) -> np.ndarray:
+    """A streamed slice's values, or where they are all 1 (binary features: libsvm's ``key:1``) a
+    view of the shared ones (:func:`ones`), as Criteo's are: the slice and the batches joined
+    across slices carry no values (4 bytes a nonzero of memory and copying), and the LR kernel
+    reads none (:func:`values_if_any`; the same figures). Not for a part loaded whole: the
+    shared array would grow to its size for the rest of the run."""
+    if values.shape[0] and values_if_any(values) is not None and (values == 1.0).all():
+        return ones(values.shape[0])
+    return values
 
 
 # data.format -> its parser, ``parse(block, *, source, first_line, skip_bad, binary, seen, bias,
@@ -1088,7 +1098,7 @@ class PartStream:
         return self.slices.current
 
     def _dataset(self, out) -> Dataset:
-        ds = Dataset(*out[:5], self.path, weights=_weights_of(out[:4] + out[5:]))
+        ds = Dataset(*out[:3], _shared_ones(out[3]), out[4], self.path, weights=_weights_of(out[:4] + out[5:]))
         self.labels.see(ds)  # (finite, their range)
         return ds
 

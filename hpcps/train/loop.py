@@ -32,7 +32,7 @@ from hpcps.train import data as tdata
 from hpcps.train import model_file
 from hpcps.train.checkpointing import Checkpointing, catch_stop_signals
 from hpcps.train.early_stop import EarlyStopping
-from hpcps.train.evaluation import evaluate, predict
+from hpcps.train.evaluation import evaluate, kept_for_scoring, predict
 from hpcps.train.feed import BatchFeed
 from hpcps.train.flush import flush_filters
 from hpcps.train.loading import initial_bias, load_part, model_fields, parse_ahead
@@ -199,8 +199,7 @@ class Trainer:
         self.feed: BatchFeed | None = None
         self.late: LateWorker | None = None  # backup workers: this worker's skips when late
         self.takeover: Takeover | None = None
-        self.reporter: Reporter | None = None
-        self.checkpoints: Checkpointing | None = None
+        self.reporter, self.checkpoints = None, None  # its Reporter and Checkpointing
         self.steps, self.scale = 0, 1.0  # steps per epoch, and the gradient's scale
         self.start = (1, 1, 0)  # where training starts: epoch, step, and the steps done before
         self.global_step = 0  # steps done since the start of training
@@ -249,6 +248,7 @@ class Trainer:
         bias, fields = initial_bias(ctx, cfg, self.train), model_fields(ctx, cfg, paths["train"])
         self.model = self.build_model(bias, fields)
         self.model.hashed_keys = getattr(self.train, "fmt", "") in tdata.HASHED_FORMATS
+        self.test = kept_for_scoring(self.test, self.model, cfg.train.batch_size)  # (deduplicated once)
         self.pipeline = StepPipeline(ctx, self.model)
         self.early = self.early_stopping()
 

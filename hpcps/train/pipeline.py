@@ -416,8 +416,13 @@ class StepPipeline:
         self.refetch.clear()  # (ids of the batches dropped: a later batch may reuse one)
 
     def pull_rows(self, batch) -> tuple:
-        """(pos, the rows of every table) for a batch outside training (pulls in flight together)."""
-        uniq, pos = kkeys.unique_keys(batch.indices)
+        """(pos, the rows of every table) for a batch outside training (pulls in flight together);
+        a batch kept compacted (:class:`hpcps.train.evaluation.KeptTestSet`) is not deduplicated again."""
+        if batch.compacted is None:
+            uniq, pos = kkeys.unique_keys(batch.indices)
+        else:  # (int64 positions, as unique_keys gives: the kernels already compiled for them)
+            uniq, kept = batch.compacted.wide(narrow=True)
+            pos = kept.astype(np.int64)
         return pos, self.requests.rows(self.requests.ipull(uniq))
 
     def margins(self, batch) -> np.ndarray:
