@@ -32,6 +32,9 @@ launched from the second environment ``.venv-ft`` (``make install-ft``; ``make t
   rows whatever the order, and sums of halves are exact in float32; each key's ``z`` must then be
   its rows' sum of ``0.5 - label`` (the data says it), and every backup's rows, ``n`` included,
   bit-identical to its primary's (the end of serving's digests).
+* A rank lost before MPI start-up finished (it kills itself there: ``HPCPS_TEST_KILL``): the
+  others waited in Open MPI's start-up for ever; now they end after
+  ``HPCPS_TUNE_MPI_START_UP_TIMEOUT_S`` with a line naming it, exit status 1.
 * ``"ulfm"`` under MPICH (the main environment): one line at start-up, exit status 2.
 """
 
@@ -206,6 +209,21 @@ def test_a_server_killed_without_replicas_ends_the_job_in_one_line(ft_launcher, 
     assert len(said) == 1, out[-4000:]
     assert "server 1 (rank 1) was lost" in said[0] and "hpcps supervise restarts" in said[0], said
     assert after_kill < 60, after_kill  # (ended by the ranks left, not by a stall timeout)
+
+
+def test_a_rank_lost_in_mpi_start_up_ends_the_others_after_the_start_up_timeout(ft_launcher, tmp_path):
+    # rank 1 kills itself before MPI has started: ranks 0 and 2 waited in PMIx_Get for good
+    env = dict(os.environ, HPCPS_TEST_KILL="start-up:1", HPCPS_TUNE_MPI_START_UP_TIMEOUT_S="3")
+    began = time.monotonic()
+    proc = subprocess.run([*ft_launcher, "-n", "3", os.path.join(FT, "bin", "python"), "-m", "hpcps.cli", "train",
+                           "--set", 'cluster.fault_tolerance="ulfm"', "--set", "synth.rows=100"],
+                          capture_output=True, text=True, timeout=120, cwd=str(tmp_path), env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and time.monotonic() - began < 60, out[-3000:]
+    said = [ln for ln in out.splitlines() if ln.startswith("hpcps: ")]
+    assert said and all("MPI start-up did not finish within 3 s" in ln and "HPCPS_TUNE_MPI_START_UP_TIMEOUT_S" in ln
+                        for ln in said), out[-3000:]
+    assert "Timeout (" not in out and "Traceback" not in out, out[-3000:]  # (faulthandler's dump kept off)
 
 
 def test_ulfm_under_an_mpi_without_it_is_one_line_at_start_up(tmp_path):
