@@ -24,6 +24,9 @@ launched from the second environment ``.venv-ft`` (``make install-ft``; ``make t
   of its shards copied over the wire between the two survivors (each copies to the other), then
   server 2 killed once both copies landed, so that the last server goes on from its copies: exit
   status 0, the model and the last checkpoint bit-identical to the job's without the kills.
+* Servers 1 and 2 killed together (3 servers, 1 replica): the shards whose copies were on both
+  have none left (a copy awaited from a lost server counted as one): one line, exit status 1.
+  The job had gone on, or waited for the copy, and hung past the test's 240 s.
 * The same under ASP (``cluster.staleness = -1``) and SSP (``2``), server 1 killed: the copies are
   cut at the workers' notices of the new placement, each source sending a shadow of the moved
   rows given only the pushes sent before their worker's notice (its rows get every push). Exit
@@ -370,6 +373,15 @@ def test_three_servers_one_lost_new_backups_copied_then_a_second_lost_the_same_m
         got_keys, got_rows = checkpoint_rows(tmp_path / "ck")[name]
         assert np.array_equal(got_keys, keys) and got_rows.tobytes() == rows.tobytes(), f"checkpoint table {name}"
     print("\n" + "\n".join(ln for ln in out.splitlines() if "lost" in ln or "landed" in ln))
+
+
+def test_three_servers_two_lost_at_once_without_a_copy_end_the_job_in_one_line(ft_launcher, shared_keys, tmp_path):
+    # servers 1 and 2 killed together: the shards whose copies were both on them have none left
+    rc, out = kill_twice(ft_launcher, shared_keys, tmp_path, ranks=5, servers=3, victims=(1, 2),
+                         more={"cluster.replicas": 1, "train.epochs": 2}, ready=lambda text: True)
+    said = [ln for ln in out.splitlines() if ln.startswith("hpcps: ") and "error:" in ln]
+    print("\n" + "\n".join(ln for ln in out.splitlines() if ln.startswith("hpcps")))
+    assert rc == 1 and len(said) == 1 and "was lost" in said[0], out[-4000:]
 
 
 @pytest.mark.parametrize("groups", [
