@@ -61,7 +61,8 @@ class Cluster:
                                        "backup instances): a clock completes once W - b of the W workers pushed "
                                        "it; a late worker goes on with the current model and, once W - b workers "
                                        "ended an epoch, skips the rest of it (its rows counted). 0 <= b < W; "
-                                       "needs one worker per group. See docs/operations.md")
+                                       "needs one worker per group (layout auto keeps one). See "
+                                       "docs/operations.md")
     late_pushes: str = described("next", "backup workers: what a push of a clock that completed without it "
                                          "does: next = applied with the next clock, drop = dropped (TensorFlow's "
                                          "sync replicas)")
@@ -513,9 +514,12 @@ def _check(cfg: Config) -> None:
     if cfg.cluster.backup_workers and cfg.cluster.staleness != 0:
         raise ConfigError(f"cluster.backup_workers = {cfg.cluster.backup_workers} is for BSP (cluster.staleness = 0, "
                           f"got {cfg.cluster.staleness}): under SSP and ASP nobody waits for the slowest worker anyway")
-    if cfg.cluster.backup_workers and cfg.cluster.worker_groups:
+    if cfg.cluster.backup_workers and 0 < cfg.cluster.worker_groups <= cfg.cluster.backup_workers:
+        # (more groups than backups: judged against the world, hpcps.train.plan.check_world_fits)
         raise ConfigError(f"cluster.backup_workers = {cfg.cluster.backup_workers} needs one worker per group "
-                          f"(cluster.worker_groups = 0): a group's members wait for each other in its merge")
+                          f"(cluster.worker_groups = 0, or as many as the workers; got {cfg.cluster.worker_groups}, "
+                          f"which leaves no more workers than backups): a group's members wait for each other "
+                          f"in its merge")
     if cfg.train.group_pull and not cfg.train.aggregate:
         raise ConfigError("train.group_pull needs train.aggregate = true (the group's first rank pushes for the group)")
     if cfg.train.pull_early and cfg.model.compute == "servers":

@@ -54,29 +54,30 @@ def _with_resume(command: list[str]) -> list[str]:
     return [*command, "--resume", "auto"]
 
 
-def lost_work(status: dict) -> tuple[str, str]:
-    """(checkpoint to be resumed, a sentence on the work lost) from the job's last status (the
-    checkpoint verified here: the restarted job trusts it, see :func:`_handed_over`)."""
+def lost_work(status: dict) -> tuple[str, str, dict | None]:
+    """(checkpoint to be resumed, a sentence on the work lost, the checkpoint's manifest) from the
+    job's last status (the checkpoint verified here: the restarted job trusts it, see
+    :func:`_handed_over`)."""
     step = status.get("global_step")
     ckdir = status.get("checkpoint_dir", "")
     found = checkpoint.newest_good(ckdir, report=lambda m: None) if ckdir else None
     if found is None:
         return "", (f"no checkpoint yet: all {step} step(s) lost" if step is not None
-                    else "no status from the job: the work lost is unknown")
+                    else "no status from the job: the work lost is unknown"), None
     ckpt, manifest = found
     at = manifest.get("position", {}).get("global_step", 0)
     if step is None or step <= at:  # the status is written every 0.2 s: it may lag the checkpoint
-        return ckpt, f"resuming at step {at}; at most 0.2 s of work lost"
-    return ckpt, f"resuming at step {at}; {step - at} step(s) of work lost (the job had reached step {step})"
+        return ckpt, f"resuming at step {at}; at most 0.2 s of work lost", manifest
+    return ckpt, f"resuming at step {at}; {step - at} step(s) of work lost (the job had reached step {step})", manifest
 
 
-def _handed_over(status: dict, ckpt: str) -> dict:
+def _handed_over(status: dict, ckpt: str, manifest: dict | None = None) -> dict:
     """The environment that hands the restarted job what :func:`lost_work` verified of ``ckpt``
-    (and the chain it is taken over) in the job's checkpoint directory
+    (whose ``manifest`` it read) and the chain it is taken over, in the job's checkpoint directory
     (:func:`hpcps.ps.checkpoint.verified_under`): verified once, here, while the job is down, not
     again by its first rank before it restores."""
     ckdir = status.get("checkpoint_dir", "")
-    return {checkpoint.VERIFIED_ENV: checkpoint.verified_under(ckdir, ckpt)} if ckdir and ckpt else {}
+    return {checkpoint.VERIFIED_ENV: checkpoint.verified_under(ckdir, ckpt, manifest)} if ckdir and ckpt else {}
 
 
 def _not_restarted(rc: int, signum: int, status: dict, log_file: str) -> int:
@@ -158,8 +159,8 @@ def run(command: list[str], max_restarts: int = 3, backoff: float = 5.0, backoff
             status = read_status(status_path)
             if "checkpoint_dir" in status:
                 checkpointing = bool(status["checkpoint_dir"])
-            ckpt, lost = lost_work(status)
-            handed = _handed_over(status, ckpt)
+            ckpt, lost, manifest = lost_work(status)
+            handed = _handed_over(status, ckpt, manifest)
             if attempt >= max_restarts:
                 _log(f"job failed with exit status {rc} after {time.monotonic() - started:.0f} s; "
                      f"{max_restarts} restart(s) used up, giving up ({lost})", log_file)

@@ -152,6 +152,10 @@ KNOBS = (
          "(no temporary array the size of a table)", "mpiexec -n 2 hpcps bench checkpoint", minimum=1),
     Knob("STOP_QUIET_S", 1.0, "on a stop signal, a rank other than the first waits this long before it speaks "
          "for itself (one message for the job, not one a rank)", "tests/test_faults.py (signals)"),
+    Knob("MPI_START_UP_TIMEOUT_S", 300.0, "under ULFM, a rank whose MPI start-up has not finished after this "
+         "long ends with a line saying so (a rank lost before it finished leaves the others in Open MPI's start-up "
+         "for ever); as cluster.stall_timeout_s's default, which is read after MPI has started",
+         "tests/test_ulfm.py (a rank lost in start-up)", minimum=1.0),
     Knob("LOST_RANK_QUIET_S", 3.0, "under ULFM, a rank that meets a lost rank it cannot go on without waits this "
          "long before it ends the job itself: meanwhile the first rank alive says it (one line, not one a rank)",
          "tests/test_ulfm.py (a server killed)", minimum=0.0),

@@ -16,7 +16,7 @@ LEVEL = {  # module -> layer: the packages say it (hpcps/ps's pure modules, then
     **{f"hpcps.{m}": 1 for m in ("config", "malloc", "errors", "outputs")},
     **{f"hpcps.ps.{m}": 1 for m in ("layout", "placement", "protocol", "tables", "signals", "checkpoint",
                                     "store", "policies", "server_table", "consistency", "margins", "deltas", "filters",
-                                    "replication", "mpi_env")},
+                                    "replication", "mpi_env", "start_up")},
     "hpcps.ps.transport": 2,
     **{f"hpcps.ps.{m}": 3 for m in ("server", "plain_requests", "quick_requests", "quick_steps", "client", "context", "collectives", "recovery",
                                     "failover", "rereplication")},

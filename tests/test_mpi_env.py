@@ -4,6 +4,10 @@ tests/test_startup.py.)"""
 
 from __future__ import annotations
 
+import os
+
+import pytest
+
 from hpcps.ps import mpi_env
 
 ONE_HOST = {"PMI_SIZE": "2", "MPI_LOCALNRANKS": "2", "PMI_RANK": "0"}
@@ -30,3 +34,16 @@ def test_the_users_settings_are_never_overridden():
     assert chosen({**ONE_HOST, "UCX_MEM_EVENTS": "yes"}) == {}
     for name in mpi_env.NOLOCAL_VARIABLES:  # local messages through the network module
         assert chosen({**ONE_HOST, name: "1"}) == {}
+
+
+def test_mpi_start_up_is_watched_under_ulfm_only():
+    # (a plain job starts nothing; the watch itself: tests/test_ulfm.py, a rank lost in start-up)
+    from hpcps.ps import start_up
+
+    assert start_up.watch({"PMI_RANK": "0"}) is None and start_up.watch({"OMPI_MCA_mpi_ft_enable": "0"}) is None
+    w = start_up.watch({"OMPI_MCA_mpi_ft_enable": "1", "OMPI_COMM_WORLD_RANK": "3"}, seconds=60)
+    assert w is not None
+    start_up.started(w)  # (cancelled and reaped: no child left)
+    with pytest.raises(ChildProcessError):
+        os.waitpid(w.pid, os.WNOHANG)
+    assert "rank 3: error: MPI start-up did not finish within 60 s" in start_up.timed_out_line("3", 60)

@@ -107,6 +107,7 @@ def test_a_label_two_stops_the_job_naming_file_and_line(small, tmp_path):
     # (these two were said by every rank)
     (3, {"cluster__backup_workers": 2}, "less than the number of workers (2)"),
     (3, {"cluster__layout": "auto", "cluster__replicas": 2}, "run 4 ranks or more"),
+    (4, {"cluster__worker_groups": 2, "cluster__backup_workers": 1}, "got 2 groups of 3 workers"),
 ])
 def test_layout_errors_are_one_line_exit_2_before_any_data(tmp_path, n, extra, match):
     synth_dir = tmp_path / "synth"
@@ -116,6 +117,33 @@ def test_layout_errors_are_one_line_exit_2_before_any_data(tmp_path, n, extra, m
     assert len(errors) == 1 and match in errors[0], out[-2000:]  # (once, by the first rank)
     assert "Traceback" not in out
     assert not synth_dir.exists() or not os.listdir(synth_dir)  # nothing was generated
+
+
+def test_auto_layout_with_backup_workers_keeps_a_worker_a_group_and_more_workers_than_backups():
+    # it chose groups of several workers (3 groups of 6 on 8 ranks of 8 cores), which the backup
+    # workers' check then refused; with cluster.worker_groups set, as many workers as groups
+    from hpcps.train import plan, scaling
+
+    def chosen(ranks, cores, hosts, **cluster):
+        cfg = config.from_dict({"cluster": {"layout": "auto", **cluster}})
+        servers, groups, *_ = plan.decide_layout(cfg, ranks, hosts, cores, scaling.KeyCurve(), 10 ** 7)
+        assert plan.backup_of(cfg).check(ranks - servers, 0, groups or ranks - servers) is None
+        return servers, groups
+
+    assert chosen(8, 8, 1)[1] not in (0, 6)  # (without backups: groups of several workers)
+    assert chosen(8, 8, 1, backup_workers=1) == (2, 0)
+    assert chosen(1600, 1600, 100, backup_workers=2)[1] == 0
+    assert chosen(8, 8, 1, backup_workers=1, worker_groups=3) == (5, 3)
+    assert chosen(4, 2, 1, backup_workers=2) == (1, 0)
+
+
+def test_auto_layout_takes_worker_groups_with_backup_workers_that_one_server_would_not_fit(tmp_path):
+    # 4 ranks, 2 groups, a backup: the check before the layout refused it (3 workers with one
+    # server, not one a group); auto gives 2 servers and 2 workers, a group each
+    rc, out = job(4, ["train", *sets(synth__dir=str(tmp_path / "synth"), synth__rows=1000, train__epochs=1,
+                                     train__progress=False, cluster__layout="auto", cluster__worker_groups=2,
+                                     cluster__backup_workers=1)], timeout=120)
+    assert rc == 0 and "layout auto: 2 server(s), 2 group(s) of 1" in out, out[-2000:]
 
 
 def test_layout_plan_checks_shards_against_servers():

@@ -317,3 +317,14 @@ def test_a_group_clock_lets_the_others_on_and_a_stall_still_names_the_group_behi
         assert f"step {it} {[-2.0 * (it + 1)] * 3}" in out
     assert "step 3" not in out
     assert "waits" in out and "rank(s) [1, 2]" in out  # the server names the group behind
+
+
+def test_the_shared_positions_are_read_only_views_of_one_arange():
+    # every single-server request holds a view of one array: none may write to it, as it grows too
+    from hpcps.ps import client
+
+    for n in (10, (1 << 16) + 5):
+        got = client.positions(n)
+        assert np.array_equal(got, np.arange(n)) and not got.flags.writeable
+        with pytest.raises(ValueError):
+            got[0] = 1

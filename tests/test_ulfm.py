@@ -24,6 +24,9 @@ launched from the second environment ``.venv-ft`` (``make install-ft``; ``make t
   of its shards copied over the wire between the two survivors (each copies to the other), then
   server 2 killed once both copies landed, so that the last server goes on from its copies: exit
   status 0, the model and the last checkpoint bit-identical to the job's without the kills.
+* Servers 1 and 2 killed together (3 servers, 1 replica): the shards whose copies were on both
+  have none left (a copy awaited from a lost server counted as one): one line, exit status 1.
+  The job had gone on, or waited for the copy, and hung past the test's 240 s.
 * The same under ASP (``cluster.staleness = -1``) and SSP (``2``), server 1 killed: the copies are
   cut at the workers' notices of the new placement, each source sending a shadow of the moved
   rows given only the pushes sent before their worker's notice (its rows get every push). Exit
@@ -32,6 +35,9 @@ launched from the second environment ``.venv-ft`` (``make install-ft``; ``make t
   rows whatever the order, and sums of halves are exact in float32; each key's ``z`` must then be
   its rows' sum of ``0.5 - label`` (the data says it), and every backup's rows, ``n`` included,
   bit-identical to its primary's (the end of serving's digests).
+* A rank lost before MPI start-up finished (it kills itself there: ``HPCPS_TEST_KILL``): the
+  others waited in Open MPI's start-up for ever; now they end after
+  ``HPCPS_TUNE_MPI_START_UP_TIMEOUT_S`` with a line naming it, exit status 1.
 * ``"ulfm"`` under MPICH (the main environment): one line at start-up, exit status 2.
 """
 
@@ -208,6 +214,21 @@ def test_a_server_killed_without_replicas_ends_the_job_in_one_line(ft_launcher, 
     assert after_kill < 60, after_kill  # (ended by the ranks left, not by a stall timeout)
 
 
+def test_a_rank_lost_in_mpi_start_up_ends_the_others_after_the_start_up_timeout(ft_launcher, tmp_path):
+    # rank 1 kills itself before MPI has started: ranks 0 and 2 waited in PMIx_Get for good
+    env = dict(os.environ, HPCPS_TEST_KILL="start-up:1", HPCPS_TUNE_MPI_START_UP_TIMEOUT_S="3")
+    began = time.monotonic()
+    proc = subprocess.run([*ft_launcher, "-n", "3", os.path.join(FT, "bin", "python"), "-m", "hpcps.cli", "train",
+                           "--set", 'cluster.fault_tolerance="ulfm"', "--set", "synth.rows=100"],
+                          capture_output=True, text=True, timeout=120, cwd=str(tmp_path), env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and time.monotonic() - began < 60, out[-3000:]
+    said = [ln for ln in out.splitlines() if ln.startswith("hpcps: ")]
+    assert said and all("MPI start-up did not finish within 3 s" in ln and "HPCPS_TUNE_MPI_START_UP_TIMEOUT_S" in ln
+                        for ln in said), out[-3000:]
+    assert "Timeout (" not in out and "Traceback" not in out, out[-3000:]  # (faulthandler's dump kept off)
+
+
 def test_ulfm_under_an_mpi_without_it_is_one_line_at_start_up(tmp_path):
     proc = subprocess.run([*mpiexec(), "-n", "2", sys.executable, "-m", "hpcps.cli", "train",
                            "--set", 'cluster.fault_tolerance="ulfm"', "--set", "synth.rows=100"],
@@ -352,6 +373,15 @@ def test_three_servers_one_lost_new_backups_copied_then_a_second_lost_the_same_m
         got_keys, got_rows = checkpoint_rows(tmp_path / "ck")[name]
         assert np.array_equal(got_keys, keys) and got_rows.tobytes() == rows.tobytes(), f"checkpoint table {name}"
     print("\n" + "\n".join(ln for ln in out.splitlines() if "lost" in ln or "landed" in ln))
+
+
+def test_three_servers_two_lost_at_once_without_a_copy_end_the_job_in_one_line(ft_launcher, shared_keys, tmp_path):
+    # servers 1 and 2 killed together: the shards whose copies were both on them have none left
+    rc, out = kill_twice(ft_launcher, shared_keys, tmp_path, ranks=5, servers=3, victims=(1, 2),
+                         more={"cluster.replicas": 1, "train.epochs": 2}, ready=lambda text: True)
+    said = [ln for ln in out.splitlines() if ln.startswith("hpcps: ") and "error:" in ln]
+    print("\n" + "\n".join(ln for ln in out.splitlines() if ln.startswith("hpcps")))
+    assert rc == 1 and len(said) == 1 and "was lost" in said[0], out[-4000:]
 
 
 @pytest.mark.parametrize("groups", [

@@ -498,20 +498,21 @@ def _remember_verified(ckpt: str, manifest: dict) -> None:
 VERIFIED_MAX_BYTES = 96 * 1024
 
 
-def verified_under(root: str, ckpt: str = "") -> str:
+def verified_under(root: str, ckpt: str = "", manifest: dict | None = None) -> str:
     """What this process verified under the checkpoint directory ``root``, as JSON: each
     snapshot's files' (name, size, mtime, inode) when they verified; with ``ckpt``, only that
     snapshot and the chain it is taken over (what a restart from it reads). ``hpcps supervise``
     hands it to the job it restarts (:data:`VERIFIED_ENV`), whose :func:`trust_verified` takes it:
     the snapshot the supervisor found good is not hashed again on the restart's path. '' where
-    that would be over :data:`VERIFIED_MAX_BYTES` (thousands of servers' files)."""
+    that would be over :data:`VERIFIED_MAX_BYTES` (thousands of servers' files). ``manifest``:
+    ``ckpt``'s, where the caller has read it (else it is read here, for a delta's chain)."""
     under = os.path.join(os.path.abspath(root), "")
     wanted = None
     if ckpt:
         wanted = {os.path.abspath(ckpt)}
         try:
             if is_delta(ckpt):
-                wanted |= {os.path.abspath(p) for p, _ in chain_links(ckpt, read_manifest(ckpt))}
+                wanted |= {os.path.abspath(p) for p, _ in chain_links(ckpt, manifest or read_manifest(ckpt))}
         except (CheckpointError, OSError, ValueError, KeyError):
             pass  # (its chain unreadable now: only the snapshot itself is handed over)
     text = json.dumps({p: sig for p, sig in _verified.items()

@@ -50,6 +50,7 @@ class _Request:
 
 
 _POSITIONS = np.arange(1 << 16)
+_POSITIONS.flags.writeable = False  # (shared by every request: a write through a view would reach them all)
 
 
 def positions(n: int) -> np.ndarray:
@@ -58,6 +59,7 @@ def positions(n: int) -> np.ndarray:
     global _POSITIONS
     if _POSITIONS.shape[0] < n:
         _POSITIONS = np.arange(max(n, 2 * _POSITIONS.shape[0]))
+        _POSITIONS.flags.writeable = False
     return _POSITIONS[:n]
 
 
@@ -593,11 +595,11 @@ class TableSet:
             union = np.logical_or.reduce(sends)
             if ctx.layout.servers == 1:  # (every table's rows as they are, in the keys' order)
                 at = np.flatnonzero(union)
-                return [(push_keys[at], [g for _, g in grads], np.arange(pull_keys.shape[0]),
+                return [(push_keys[at], [g for _, g in grads], positions(pull_keys.shape[0]),
                          (n, in_pull is not None), [m[at] for m in sends])]
             rank = [np.cumsum(m) - 1 for m in sends]  # (a sent key's row among the table's rows)
         if ctx.layout.servers == 1:
-            pushed, pull_parts = [np.arange(n)], [np.arange(pull_keys.shape[0])]
+            pushed, pull_parts = [positions(n)], [positions(pull_keys.shape[0])]
         else:
             push_order, push_offsets = ctx.placement.push_slice(push_keys)  # (to every copy)
             pull_order, pull_offsets = ctx.placement.slice(pull_keys)

@@ -55,7 +55,8 @@ class Backup:
                     f"workers ({num_workers})")
         if groups is not None and groups != num_workers:
             return (f"cluster.backup_workers = {self.workers} needs one worker per group (cluster.worker_groups "
-                    f"= 0; got {groups} groups of {num_workers} workers): a group's members wait for each other")
+                    f"= 0, or as many as the workers; got {groups} groups of {num_workers} workers): a group's members "
+                    f"wait for each other")
         return None
 
 

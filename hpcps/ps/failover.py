@@ -59,6 +59,8 @@ def promote(server, rank: int) -> None:
     placement = server.placement
     if not copies_left(placement, rank):
         server.recovery.end_job(rank)
+    if server.copying.busy:  # (a copy awaited here counts as a copy in the placement, not landed yet)
+        raise transport.RankFailed([rank], "serving", "a second server lost while new backups were being copied")
     server.apply_backlog()  # (each key's updates in their order, before its copy is primary)
     moves = server.replication.rank_lost(rank)
     server.copying.check_promoted(rank)

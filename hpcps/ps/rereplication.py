@@ -156,6 +156,17 @@ def overdue(copying) -> transport.StallError:
         f"in cluster.stall_timeout_s = {server.stall_timeout_s:g} s")
 
 
+def check_awaited(copying) -> None:
+    """Where copies are awaited by a :class:`Rereplication`: RankFailed where a source of theirs
+    is known lost (they never come: the job ends at once), the :func:`overdue` error past
+    ``cluster.stall_timeout_s`` from the loss."""
+    gone = copying.awaited_from & set(transport.failed_ranks())
+    if gone:
+        raise transport.RankFailed(sorted(gone), "serving", "a second server lost while new backups were being copied")
+    if time.monotonic() - copying.lost_at > copying.server.stall_timeout_s:
+        raise overdue(copying)
+
+
 def cut_said(clock: int) -> str:
     """Where a copy was cut, in its lines."""
     return "at the end" if clock == END else "at the workers' notices" if clock == NOTICES else f"at clock {clock}"
@@ -252,7 +263,7 @@ class Rereplication:
         """Between requests: send the copies once their clock is reached (every push before it
         applied) or every worker is done (every push applied); whether copies are still under way.
         A landed copy's clock is forgotten once every push before it has been applied here; one
-        awaited past ``cluster.stall_timeout_s`` after the loss ends the job (:func:`overdue`)."""
+        that cannot land (its source lost, or past the timeout) ends the job (:func:`check_awaited`)."""
         workers = self.server.workers
         if self.landed_by is not None and workers.min_clock() >= self.landed_by:
             self.from_clock[(self.from_clock >= 0) & (self.from_clock < END)] = -1
@@ -267,8 +278,8 @@ class Rereplication:
                 self.cut(END)
             elif self.boundary is not None and workers.min_clock() >= self.boundary:
                 self.cut(self.boundary)
-        if self.waiting_for and time.monotonic() - self.lost_at > self.server.stall_timeout_s:
-            raise overdue(self)
+        if self.waiting_for:
+            check_awaited(self)
         return self.busy
 
     def on_push(self, worker: int, table: int, keys: np.ndarray, grads: np.ndarray, clock: int) -> None:

@@ -61,9 +61,17 @@ if os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() in ("1", "true", "yes", 
 # where the user set none), unless a program of the user's loaded it already.
 from hpcps.ps import mpi_env  # noqa: E402
 
+# Under ULFM a watcher bounds MPI's own start-up (hpcps.ps.start_up), stopped once MPI has started.
+from hpcps.ps import start_up  # noqa: E402
+
+_watcher = None
 if "mpi4py.MPI" not in sys.modules:
     mpi_env.before_library(os.environ)
-from mpi4py import MPI  # noqa: E402
+    _watcher = start_up.watch(os.environ)
+try:
+    from mpi4py import MPI  # noqa: E402
+finally:
+    start_up.started(_watcher)
 
 # Back-off of the polling wait: first POLL_SPIN_S of pure polling (latency of a fast answer stays
 # that of MPI), then sleeps that double from POLL_MIN_SLEEP_S up to POLL_MAX_SLEEP_S. A wait for

@@ -179,13 +179,13 @@ def agree_on_plan(cfg, world) -> RunPlan:
     if ck.dir and world.is_first:
         os.makedirs(ck.dir, exist_ok=True)
     run_id = claim_checkpoints(cfg, world, restore)
-    check_world_fits(cfg, world)
+    check_world_fits(cfg, world, chosen=cfg.cluster.layout != "auto")
     paths, synth_info = resolve_data(cfg, world)
     input_format = _training_format(cfg, world, paths, synth_info)
     auto = not cfg.train.batch_size
     if cfg.cluster.layout == "auto":  # before the world is split: servers, groups and batch
         cfg = choose_layout(cfg, world, paths["train"], input_format)
-        check_world_fits(cfg, world)
+        check_world_fits(cfg, world, chosen=True)
     workers = world.size - cfg.cluster.servers if world.size > 1 else 1  # one process: one worker
     resumed = (restore[1].get("data") or {}).get("batch_size") if restore else None
     if not cfg.train.batch_size and isinstance(resumed, int) and resumed > 0:
@@ -392,7 +392,11 @@ def decide_layout(cfg, ranks: int, hosts: int, cores: int, keys: scaling.KeyCurv
     # one host whose ranks outnumber its cores: one server (a copy of each shard), where a second
     # was measured slower than the model gives it (docs/scaling.md, "cluster.layout = auto")
     most_servers = cl.num_shards if hosts > 1 or ranks <= cores else cl.replicas + 1
-    c = scaling.choose(ranks, job, scaling.Machine(cores=cores), fixed.get("cluster.servers", 0),
+    servers = fixed.get("cluster.servers", 0)
+    if cl.backup_workers:  # a worker a group, more workers than backups (Backup.check)
+        merges, most_servers = False, min(most_servers, ranks - cl.backup_workers - 1)
+        servers = servers or (ranks - cl.worker_groups if cl.worker_groups else 0)
+    c = scaling.choose(ranks, job, scaling.Machine(cores=cores), servers,
                        fixed.get("cluster.worker_groups", 0), fixed.get("train.batch_size", 0), cap,
                        max_servers=most_servers, max_group=scaling.MAX_GROUP if merges else 1,
                        min_servers=cl.replicas + 1, requests=("worker", "group") if merges and hosts > 1 else ())
@@ -401,18 +405,36 @@ def decide_layout(cfg, ranks: int, hosts: int, cores: int, keys: scaling.KeyCurv
             c.requests == "group")
 
 
-def check_world_fits(cfg, world) -> None:
+def check_world_fits(cfg, world, chosen: bool = True) -> None:
     """Before any data is read or generated (and again once ``cluster.layout = "auto"`` chose):
     TrainError, said by the first rank, where the world cannot hold ``cluster.replicas`` (auto) or
-    the backup workers (every rank decides the same)."""
+    the backup workers (every rank decides the same). ``chosen``: the servers and groups are the
+    ones the run uses; else (auto, before it chose) the layout auto can choose that suits them best."""
     r = cfg.cluster.replicas
     if cfg.cluster.layout == "auto" and r and world.size < r + 2:
         raise TrainError(f"cluster.replicas = {r} needs at least {r + 1} servers and a worker: run {r + 2} ranks "
                          f"or more (mpiexec -n {r + 2}; this world has {world.size})" if world.is_first else "")
-    workers = world.size - cfg.cluster.servers if world.size > 1 else 1  # one process: one worker
-    problem = backup_of(cfg).check(workers, cfg.cluster.staleness, cfg.cluster.worker_groups or workers)
+    workers, groups = workers_and_groups(cfg, world.size, chosen)
+    problem = backup_of(cfg).check(workers, cfg.cluster.staleness, groups)
     if problem:
         raise TrainError(problem if world.is_first else "")
+
+
+def workers_and_groups(cfg, ranks: int, chosen: bool = True) -> tuple[int, int]:
+    """(workers, worker groups) of a world of ``ranks`` ranks: the configuration's, or where
+    ``cluster.layout = "auto"`` has not ``chosen`` yet, those it can choose that suit backup workers
+    best: the most workers (its servers as set, else one server, or each shard's copies), or, with
+    ``cluster.worker_groups`` set and ``cluster.servers`` not, a worker a group (:func:`decide_layout`)."""
+    cl = cfg.cluster
+    if ranks == 1:  # one process: one worker
+        return 1, 1
+    if chosen or cl.servers != 1:
+        workers = ranks - cl.servers
+        return workers, cl.worker_groups or workers
+    if cl.worker_groups and cl.backup_workers:
+        return cl.worker_groups, cl.worker_groups
+    workers = ranks - max(1, cl.replicas + 1)
+    return workers, cl.worker_groups or workers
 
 
 def choose_layout(cfg, world, path, fmt: str):
