@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from hpcps.ps import protocol
-from hpcps.ps.store import given_initial_values
+from hpcps.ps.store import find_pull, given_initial_values
 from hpcps_kernels import fused as kfused
 from hpcps_kernels import keys as kkeys
 from hpcps_kernels.entry import run_and_find
@@ -56,23 +56,21 @@ class QuickSteps:
         pulls = store.resolved.get(worker)
         if not pulls:
             return None
-        n, kf = keys.shape[0], keys.flags
-        absent = np.empty(n, dtype=np.int64)
-        for i, (got_keys, got_slots, index) in enumerate(pulls):
-            if index is not store.index:
-                continue
-            gf = got_keys.flags
-            if got_keys.dtype is not keys.dtype or not gf.c_contiguous:
-                return None
-            m = self._call(("reusable_slots", gf.aligned, gf.writeable, kf.aligned, kf.writeable),
-                           kkeys.reusable_slots, (got_keys, got_slots, keys, absent))
-            if m > 0:
-                return None  # (keys absent then: the general way inserts them)
-            if m == 0:
-                del pulls[i]
-                store.reused += n
-                return got_slots
-        return None
+        n = keys.shape[0]
+        i, m = find_pull(pulls, store.index, keys, np.empty(n, dtype=np.int64), self._reusable)
+        if i < 0 or m > 0:
+            return None  # (m > 0: keys absent then, which the general way inserts)
+        store.reused += n
+        return pulls.pop(i)[1]
+
+    def _reusable(self, got_keys: np.ndarray, got_slots: np.ndarray, keys: np.ndarray, absent: np.ndarray):
+        """``reusable_slots`` through its compiled version; None where a pull's keys are not of the
+        push's type or not contiguous (look no further)."""
+        gf, kf = got_keys.flags, keys.flags
+        if got_keys.dtype is not keys.dtype or not gf.c_contiguous:
+            return None
+        return self._call(("reusable_slots", gf.aligned, gf.writeable, kf.aligned, kf.writeable),
+                          kkeys.reusable_slots, (got_keys, got_slots, keys, absent))
 
     def _rule(self, table: int, slots: np.ndarray, grads: np.ndarray) -> None:
         """The table's rule over the rows at ``slots`` (``Optimizer.run`` on one thread; its
