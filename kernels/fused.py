@@ -34,7 +34,7 @@ from .hashing import mix64
 from .hashtable import key_tag, probe
 from .init import init_values
 from .optim import (FUSED_ADAGRAD, FUSED_ADAM, FUSED_FTRL, FUSED_SGD, adagrad_constants, adagrad_update,
-                    adam_constants, adam_update, ftrl_constants, ftrl_update, sgd_constants, sgd_update)
+                    adam_constants, adam_update, ahead_keys, ftrl_constants, ftrl_update, sgd_constants, sgd_update)
 from .parallel import TwoThreads, run_split, worth_splitting
 from .tuning import CACHED_TABLE_BYTES, PREFETCH_KEYS
 
@@ -189,11 +189,64 @@ def push_kernel(name: str, constants, update):
     return njit(cache=True, nogil=True, error_model="numpy")(kernel)  # (nogil: see hpcps_kernels.parallel)
 
 
+def push_pull_kernel(name: str, constants, update):
+    """The push-pull of the one-pass rule defined by ``constants`` and ``update`` whose push takes
+    the slots a pull of the same keys resolved: ``kernel(direct, index, keys, tag_bits, rows,
+    got_keys, got_slots, queries, grads, pull_keys, kind, scale, seed, slots, out, *hp)`` applies
+    ``grads[i]`` to row ``got_slots[i]`` in order, as the rule's kernel does on rows narrower
+    than ``TWO_PASS_DIM`` (the same inlined update, in float64: the same bits), then pulls
+    ``pull_keys`` as :func:`pull` does (``slots``, ``out``; the pull's ``dim`` is ``out``'s).
+
+    Returns -1, nothing changed, unless ``got_keys`` are ``queries`` and every one of them had a
+    slot (``got_slots[i] >= 0``: the general way inserts the others); else the number of pulled
+    keys absent. A pull of the keys just pushed (ps-lite's push-pull) reads the rows at
+    ``got_slots`` without looking its keys up again."""
+
+    def kernel(direct, index, keys, tag_bits, rows, got_keys, got_slots, queries, grads, pull_keys, kind, scale,
+               seed, slots, out, *hp):
+        n, dim, pull_dim = queries.shape[0], grads.shape[1], out.shape[1]
+        if got_keys.shape[0] != n:
+            return -1
+        for i in range(n):
+            if got_keys[i] != queries[i] or got_slots[i] < 0:
+                return -1
+        flat, width = rows.reshape(-1), rows.shape[1]
+        ahead = ahead_keys(width)
+        c = constants(np.float64, hp)
+        for i in range(n):  # (the rule kernel's loop, its prefetch included)
+            if i + ahead < n:
+                p = got_slots[i + ahead] * width
+                prefetch_lines(flat, p, p + width)
+            update(rows, got_slots[i], grads, i, None, dim, np.float64, c)
+        same = pull_keys.shape[0] == n
+        for i in range(n if same else 0):
+            if pull_keys[i] != queries[i]:
+                same = False
+                break
+        if not same:
+            return pull(direct, index, keys, pull_keys, tag_bits, rows, pull_dim, kind, scale, seed, slots, out)
+        for i in range(n):
+            s = got_slots[i]
+            slots[i] = s
+            for d in range(pull_dim):
+                out[i, d] = rows[s, d]
+        return 0
+
+    kernel.__name__ = kernel.__qualname__ = name
+    return njit(cache=True, nogil=True, error_model="numpy")(kernel)
+
+
 # the fused push of each built-in one-pass rule, by its code (Optimizer.fused)
 PUSH = {FUSED_SGD: push_kernel("sgd_push", sgd_constants, sgd_update),
         FUSED_ADAGRAD: push_kernel("adagrad_push", adagrad_constants, adagrad_update),
         FUSED_FTRL: push_kernel("ftrl_push", ftrl_constants, ftrl_update),
         FUSED_ADAM: push_kernel("adam_push", adam_constants, adam_update)}
+
+# the push-pull to a pull's slots of each built-in one-pass rule, by its code
+PUSH_PULL = {FUSED_SGD: push_pull_kernel("sgd_push_pull", sgd_constants, sgd_update),
+             FUSED_ADAGRAD: push_pull_kernel("adagrad_push_pull", adagrad_constants, adagrad_update),
+             FUSED_FTRL: push_pull_kernel("ftrl_push_pull", ftrl_constants, ftrl_update),
+             FUSED_ADAM: push_pull_kernel("adam_push_pull", adam_constants, adam_update)}
 
 
 def index_pull(idx, queries: np.ndarray, rows: np.ndarray, dim: int, kind: int, scale: float, seed: int,

@@ -690,6 +690,14 @@ def warmup_server() -> None:
         if rule.fused_rule(1) >= 0:
             fused.index_push(di, q2, np.ones((di.key_capacity, rule.width(1)), np.float32), g, rule.fused_rule(1),
                              rule.fused_params(rule.params), np.empty(2, np.int64))
+    for rule in optim.REGISTRY.values():  # a push-pull to a pull's slots (ASP, SSP), keys either side aligned or not
+        if rule.fused_rule(1) >= 0:
+            rows = np.ones((di.key_capacity, rule.width(1)), np.float32)
+            for got, pulled in ((q2, q2), (q2, q3u[:2]), (q3u[:2], q3u[:2]), (q3u[:2], q2)):
+                fused.PUSH_PULL[rule.fused_rule(1)](di.direct, di.index, di.keys, di.tag_bits, rows, got,
+                                                    np.zeros(2, np.int64), q2, g, pulled, init.NORMAL, 0.01, 0,
+                                                    np.empty(2, np.int64), np.empty((2, 1), np.float32),
+                                                    *rule.fused_params(rule.params))
     # the server: placement, row initialisation, pulls; the client's row scatter/gather
     k8 = np.arange(8, dtype=np.uint64)
     sl8 = np.arange(8, dtype=np.int64)

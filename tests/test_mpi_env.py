@@ -19,8 +19,9 @@ def chosen(environ: dict) -> dict:
     return {name: env[name] for name in mpi_env.before_library(env)}
 
 
-def test_one_host_gets_no_ucx_memory_events():
-    assert chosen(ONE_HOST) == {"UCX_MEM_EVENTS": "no"}
+def test_one_host_gets_no_ucx_memory_events_and_eager_messages_under_32_kib():
+    assert chosen(ONE_HOST) == {"UCX_MEM_EVENTS": "no", **mpi_env.EAGER}
+    assert int(mpi_env.EAGER["MPIR_CVAR_CH4_SHM_POSIX_IQUEUE_CELL_SIZE"]) > 32768  # (a message under it fits a cell)
 
 
 def test_nothing_where_the_job_spans_hosts_or_another_launcher_started_it():
@@ -31,7 +32,9 @@ def test_nothing_where_the_job_spans_hosts_or_another_launcher_started_it():
 
 
 def test_the_users_settings_are_never_overridden():
-    assert chosen({**ONE_HOST, "UCX_MEM_EVENTS": "yes"}) == {}
+    assert chosen({**ONE_HOST, "UCX_MEM_EVENTS": "yes"}) == mpi_env.EAGER
+    for name in ("MPIR_CVAR_CH4_SHM_POSIX_IQUEUE_CELL_SIZE", "MPICH_CH4_IPC_CMA_P2P_THRESHOLD"):  # (either spelling)
+        assert chosen({**ONE_HOST, name: "16384"}) == {"UCX_MEM_EVENTS": "no"}
     for name in mpi_env.NOLOCAL_VARIABLES:  # local messages through the network module
         assert chosen({**ONE_HOST, name: "1"}) == {}
 

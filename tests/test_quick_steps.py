@@ -13,7 +13,7 @@ FTRL = {"optimizer": "ftrl", "params": {"alpha": 0.1, "beta": 1.0, "l1": 0.01}}
 BIAS = 1 << 40  # a key with given initial values (a model's bias), pushed at every step
 
 
-def _steps_run(staleness: int, quick: bool, dim: int) -> tuple[list, dict, list]:
+def _steps_run(staleness: int, quick: bool, dim: int, opt: dict = FTRL) -> tuple[list, dict, list]:
     """Steps of a training loop through a job of one process (its server reached through the
     Loopback transport): each step pushes the keys the step before pulled, with in-pull marks or
     without, and pulls the next batch's; then push-pulls of the same keys (``hpcps bench ps``'s),
@@ -22,7 +22,7 @@ def _steps_run(staleness: int, quick: bool, dim: int) -> tuple[list, dict, list]
     known ones, the bias key among them. Returns (the rows pulled, the table, the quick ways
     taken); ``quick`` off: the general way (no plain way either)."""
     ctx = hpcps.init(servers=1, staleness=staleness)
-    table = ctx.sparse_table("w", dim=dim, init="normal", init_keys=((BIAS, (0.5,) * dim),), **FTRL)
+    table = ctx.sparse_table("w", dim=dim, init="normal", init_keys=((BIAS, (0.5,) * dim),), **opt)
     rng = np.random.default_rng(3)
     # (keys below 300 pushed first; batches 3 and 6 bring new ones)
     batches = [np.append(np.unique(rng.integers(0, 300 + 50 * (b in (3, 6)), 61 + b)), BIAS).astype(np.uint64)
@@ -32,7 +32,7 @@ def _steps_run(staleness: int, quick: bool, dim: int) -> tuple[list, dict, list]
     pulled = [table.pull(batches[0])]
     taken: list = []
     steps = ctx.server.quick.steps
-    for name in ("push", "push_pull", "step"):
+    for name in ("push", "push_pull", "step", "_push_pull_at_once"):
         way = getattr(steps, name)
         setattr(steps, name, (lambda name, way: lambda *a: way(*a) and (taken.append(name) or True))(name, way))
     if not quick:
@@ -70,8 +70,24 @@ def test_quick_pushes_to_a_pulls_slots_give_the_general_ways_rows_and_table(stal
                                           want.view(np.uint32) if want.dtype == np.float32 else want)
         # (BSP: a training step's push-pull with its marks; ASP and SSP also the pushes without marks)
         # (BSP: a training step's push-pull with its marks; ASP and SSP also the others, and the push)
+        # (and the push-pulls by one kernel: 2 of other keys pulled, 3 of the keys pushed)
         assert taken == ["step"] * 3 if staleness == 0 else \
-            sorted(taken) == ["push"] + ["push_pull"] * 5 + ["step"] * 3
+            sorted(taken) == ["_push_pull_at_once"] * 5 + ["push"] + ["push_pull"] * 5 + ["step"] * 3
+
+
+def test_adams_push_pull_by_one_kernel_gives_the_general_ways_rows_and_table():
+    """Adam, ASP, dim 3 (a row with values after its runs, unlike FTRL's above): its push-pull
+    kernel (``hpcps_kernels.fused.PUSH_PULL``) gives the general way's rows and table, bit for
+    bit. (SGD and AdaGrad share FTRL's shape of row; each rule compiles kernels of its own,
+    seconds a rule on a clean clone.)"""
+    pulled, contents, taken = _steps_run(-1, True, 3, {"optimizer": "adam"})
+    want_pulled, want_contents, _ = _steps_run(-1, False, 3, {"optimizer": "adam"})
+    assert taken.count("_push_pull_at_once") == 5, taken
+    for got, want in zip(pulled, want_pulled):
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    for got, want in zip(contents["w"][:2], want_contents["w"][:2]):
+        np.testing.assert_array_equal(got.view(np.uint32) if got.dtype == np.float32 else got,
+                                      want.view(np.uint32) if want.dtype == np.float32 else want)
 
 
 def test_a_rules_compiled_version_takes_its_parameters_as_one_tuple():

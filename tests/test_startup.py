@@ -32,7 +32,7 @@ def test_the_command_and_the_training_loop_load_no_hdf5_or_arrow_until_asked():
 NOT_LOADED = ("h5py", "pyarrow", "hpcps.train.synth", "hpcps_kernels.textgen", "scipy", "yaml", "hpcps.bench",
               "hpcps.plot", "hpcps.train.scaling")
 # the MPI settings of a job on one host (hpcps.ps.mpi_env), as each rank ended with them
-MPI_ENV = ("UCX_MEM_EVENTS",)
+MPI_ENV = ("UCX_MEM_EVENTS", "MPIR_CVAR_CH4_IPC_CMA_P2P_THRESHOLD")
 # the job's command line as `hpcps` runs it (hpcps.cli.main), then the names above it loaded (each
 # on a line of its own: the other rank's summary may be mid-line in mpiexec's merged output)
 PROBE = ("import json, os, sys; from hpcps.cli import main; code = main(sys.argv[1:]); "
@@ -60,8 +60,10 @@ def test_a_two_rank_job_says_its_startup_within_its_wall_time_and_loads_nothing_
     assert got["loop_cpu_s_worker"] > 0 and got["loop_cpu_s_server"] > 0, got
     # each rank (the server and the worker) loaded none of NOT_LOADED
     assert [line for line in proc.stdout.splitlines() if line.startswith("LOADED")] == ["LOADED []"] * 2, proc.stdout
-    # and, all on this host, started MPI without UCX's memory hooks (where the tests' environment
-    # did not set it, and local messages go through shared memory)
+    # and, all on this host, started MPI without UCX's memory hooks and with messages under 32 KiB
+    # eager (where the tests' environment did not set them, and local messages go through shared memory)
     ranks = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("MPI_ENV")]
     local = not any(n in os.environ for n in mpi_env.NOLOCAL_VARIABLES)
-    assert ranks == [[os.environ.get("UCX_MEM_EVENTS", "no" if local else None)]] * 2, proc.stdout
+    eager = None if any(n in os.environ for n in mpi_env.EAGER) else mpi_env.EAGER["MPIR_CVAR_CH4_IPC_CMA_P2P_THRESHOLD"]
+    assert ranks == [[os.environ.get("UCX_MEM_EVENTS", "no" if local else None),
+                      os.environ.get("MPIR_CVAR_CH4_IPC_CMA_P2P_THRESHOLD", eager if local else None)]] * 2, proc.stdout

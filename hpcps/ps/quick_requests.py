@@ -61,7 +61,7 @@ class QuickRequests:
         self.kernels[kind] = (*map(weakref.ref, arrays), found)
         return result
 
-    def _header(self, buf: np.ndarray, req_id: int, t) -> None:
+    def header(self, buf: np.ndarray, req_id: int, t) -> None:
         """A reply's header, as ``Replies.new`` writes it: the stop status, the slowest clock,
         the table's counts."""
         server = self.server
@@ -84,7 +84,7 @@ class QuickRequests:
         out = buf[REPLY_BYTES:].view(np.float32).reshape(n, dim)
         if not out.flags.carray:
             return False
-        self._header(buf, req_id, t)
+        self.header(buf, req_id, t)
         idx, rows, slots = store.index, store.rows, np.empty(n, dtype=np.int64)
         # (a push-pull's pulled keys follow its gradients: not 8-byte aligned where it pushes an odd
         # number of values, and numba compiles a version for such keys of its own)
@@ -136,5 +136,5 @@ class QuickRequests:
     def ack(self, source: int, req_id: int, table: int) -> None:
         """An empty reply: request ``req_id`` about table ``table`` is done (``Replies.ack``)."""
         buf = np.empty(REPLY_BYTES, dtype=np.uint8)
-        self._header(buf, req_id, self.server.tables[table])
+        self.header(buf, req_id, self.server.tables[table])
         self.server.replies.post(buf, source, req_id, "push ack", False)

@@ -21,8 +21,13 @@ from __future__ import annotations
 import numpy as np
 
 from hpcps.ps import protocol
+from hpcps.ps.store import find_pull, given_initial_values
+from hpcps_kernels import fused as kfused
 from hpcps_kernels import keys as kkeys
 from hpcps_kernels.entry import run_and_find
+from hpcps_kernels.parallel import splits_pull
+
+REPLY_BYTES = protocol.REPLY_BYTES
 
 
 class QuickSteps:
@@ -36,11 +41,11 @@ class QuickSteps:
         # each argument's type is fixed by these (dtypes, dimensions and layout checked before)
         self.found: dict[tuple, object] = {}
 
-    def _call(self, kind: tuple, kernel, args: tuple):
+    def _call(self, kind: tuple, kernel, args: tuple, packed: bool = False):
         f = self.found.get(kind)
         if f is not None:
             return f(*args)
-        result, self.found[kind] = run_and_find(kernel, args)
+        result, self.found[kind] = run_and_find(kernel, args, packed)
         return result
 
     def _pulled_slots(self, worker: int, table: int, keys: np.ndarray) -> np.ndarray | None:
@@ -51,23 +56,21 @@ class QuickSteps:
         pulls = store.resolved.get(worker)
         if not pulls:
             return None
-        n, kf = keys.shape[0], keys.flags
-        absent = np.empty(n, dtype=np.int64)
-        for i, (got_keys, got_slots, index) in enumerate(pulls):
-            if index is not store.index:
-                continue
-            gf = got_keys.flags
-            if got_keys.dtype is not keys.dtype or not gf.c_contiguous:
-                return None
-            m = self._call(("reusable_slots", gf.aligned, gf.writeable, kf.aligned, kf.writeable),
-                           kkeys.reusable_slots, (got_keys, got_slots, keys, absent))
-            if m > 0:
-                return None  # (keys absent then: the general way inserts them)
-            if m == 0:
-                del pulls[i]
-                store.reused += n
-                return got_slots
-        return None
+        n = keys.shape[0]
+        i, m = find_pull(pulls, store.index, keys, np.empty(n, dtype=np.int64), self._reusable)
+        if i < 0 or m > 0:
+            return None  # (m > 0: keys absent then, which the general way inserts)
+        store.reused += n
+        return pulls.pop(i)[1]
+
+    def _reusable(self, got_keys: np.ndarray, got_slots: np.ndarray, keys: np.ndarray, absent: np.ndarray):
+        """``reusable_slots`` through its compiled version; None where a pull's keys are not of the
+        push's type or not contiguous (look no further)."""
+        gf, kf = got_keys.flags, keys.flags
+        if got_keys.dtype is not keys.dtype or not gf.c_contiguous:
+            return None
+        return self._call(("reusable_slots", gf.aligned, gf.writeable, kf.aligned, kf.writeable),
+                          kkeys.reusable_slots, (got_keys, got_slots, keys, absent))
 
     def _rule(self, table: int, slots: np.ndarray, grads: np.ndarray) -> None:
         """The table's rule over the rows at ``slots`` (``Optimizer.run`` on one thread; its
@@ -110,11 +113,55 @@ class QuickSteps:
         workers.advance(worker, clock + 1)
         if not workers.readable(clock + 1 + ahead):
             return False
+        if self._push_pull_at_once(source, worker, table, req_id, keys, grads, pull_keys):
+            return True
         slots = self._pulled_slots(worker, table, keys)
         if slots is None:
             return False
         self._rule(table, slots, grads)
         server.answer_pull(source, protocol.PUSHPULL, req_id, table, pull_keys)
+        return True
+
+    def _push_pull_at_once(self, source: int, worker: int, table: int, req_id: int, keys: np.ndarray,
+                           grads: np.ndarray, pull_keys: np.ndarray) -> bool:
+        """:meth:`push_pull`'s push to the slots of the worker's last pull and its pull, by one call
+        of the rule's push-pull kernel (:data:`hpcps_kernels.fused.PUSH_PULL`): the same kernels'
+        work, in the same order, as the push to those slots, then ``answer_pull``; False where
+        that last pull was not of the same keys, each found then, or the pull is not one
+        ``QuickRequests.answer_pull`` takes (nothing changed: the slower steps look further)."""
+        server = self.server
+        t = server.tables[table]
+        store = t.store
+        pulls = store.resolved.get(worker)
+        if not pulls or server.backlog:
+            return False
+        got_keys, got_slots, index = pulls[0]
+        n, dim = pull_keys.shape[0], store.spec.dim
+        if index is not store.index or got_keys.dtype is not keys.dtype or splits_pull(n, dim):
+            return False
+        gf, kf, pf, sf = got_keys.flags, keys.flags, pull_keys.flags, grads.flags
+        if not (gf.c_contiguous and pf.c_contiguous):
+            return False
+        buf = server.replies.take(REPLY_BYTES + 4 * n * dim)
+        out = buf[REPLY_BYTES:].view(np.float32).reshape(n, dim)
+        if not out.flags.carray:
+            return False
+        idx, slots = store.index, np.empty(n, dtype=np.int64)
+        absent = self._call(("push_pull", t.fused, gf.aligned, gf.writeable, kf.aligned, kf.writeable, sf.aligned,
+                             sf.writeable, pf.aligned, pf.writeable), kfused.PUSH_PULL[t.fused],
+                            (idx.direct, idx.index, idx.keys, idx.tag_bits, store.rows, got_keys, got_slots, keys,
+                             grads, pull_keys, store.init_kind, store.spec.init_scale, store.spec.seed, slots, out,
+                             t.fused_params), packed=True)
+        if absent < 0:
+            return False
+        del pulls[0]
+        store.reused += keys.shape[0]
+        if absent and store.init_keys:
+            given_initial_values(store.init_keys, pull_keys, slots, out)
+        self.quick.header(buf, req_id, t)
+        if t.policies.reuses_slots:
+            store.remember_pull(worker, pull_keys, slots)
+        server.replies.post(buf, source, req_id, "push-pull reply", False)
         return True
 
     def step(self, source: int, op: int, req_id: int, table: int, keys: np.ndarray, grads: np.ndarray,

@@ -44,6 +44,22 @@ def given_initial_values(init_keys: list, keys: np.ndarray, slots: np.ndarray, o
         out[where[absent == key]] = values
 
 
+def find_pull(pulls: list, index, keys: np.ndarray, absent: np.ndarray, reusable=kkeys.reusable_slots) -> tuple:
+    """``(i, m)``: kept pull ``i`` of ``pulls`` (a worker's in :attr:`RowStore.resolved`, the latest
+    first) was of ``keys`` and resolved through ``index`` (the store's now), ``m`` of them absent
+    then (their positions in ``absent[:m]``); ``(-1, -1)``: none was. ``reusable(got_keys,
+    got_slots, keys, absent)`` compares one, as :func:`hpcps_kernels.keys.reusable_slots` does
+    (-1: other keys), or returns None: look no further. Nothing is taken."""
+    for i, (got_keys, got_slots, got_index) in enumerate(pulls):
+        if got_index is index:
+            m = reusable(got_keys, got_slots, keys, absent)
+            if m is None:
+                break
+            if m >= 0:
+                return i, m
+    return -1, -1
+
+
 class RowStore:
     """One table's keys and rows on a server: ``index`` gives a key's slot, ``rows[slot]`` its row."""
 
@@ -171,14 +187,10 @@ class RowStore:
         if not pulls:
             return None
         absent = np.empty(keys.shape[0], dtype=np.int64)
-        for i, (got_keys, got_slots, index) in enumerate(pulls):
-            m = kkeys.reusable_slots(got_keys, got_slots, keys, absent) if index is self.index else -1
-            if m >= 0:
-                del pulls[i]
-                break
-        else:
+        i, m = find_pull(pulls, self.index, keys, absent)
+        if i < 0:
             return None
-        slots = got_slots  # the pull's own array, used by nothing else now: completed in place
+        slots = pulls.pop(i)[1]  # the pull's own array, used by nothing else now: completed in place
         if m:
             absent = absent[:m]
             slots[absent] = self.index.lookup_or_insert(keys[absent])
