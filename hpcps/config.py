@@ -111,6 +111,9 @@ class Data:
                                           "the same order")
     predict: str = described("", "after training, score this data (the same forms) ... (\"\" = none)")
     predict_out: str = described("", "... into this one, one score per row in input order")
+    allow_other_hashing: bool = described(False, "test and score data.test and data.predict even where their "
+                                                 "format makes keys another way than data.train's (refused "
+                                                 "otherwise, as by hpcps eval without --allow-other-hashing)")
 
 
 @dataclass(frozen=True)
