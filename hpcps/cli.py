@@ -211,7 +211,8 @@ def _cmd_predict(args) -> int:
     files = inputs.data_files(args.data, "--data")  # (a file, a glob or a directory of part files)
     for f in files:
         tdata.check_file(f)  # (what --data is, before it is compared with --out)
-    problem = outputs.clash([("--out", out)], [*(("--data", f) for f in files), ("--model", args.model)])
+    problem = outputs.clash([("--out", out)], [*(("--data", f) for f in files), ("--model", args.model),
+                                               *_trained_on(args.model)])
     if problem:
         return _fail(problem)
     predictor, ds = _load_for_serving(args)
@@ -475,6 +476,35 @@ def _export_format(manifest: dict) -> str:
     return "" if fmt == "auto" else fmt
 
 
+def _trained_on(source: str) -> list[tuple[str, str]]:
+    """The data files of the run that wrote the model file or checkpoint ``source`` (its
+    ``data.train``, ``data.test`` and ``data.predict``, and the training file's path as its manifest
+    recorded it), as inputs for :func:`hpcps.outputs.clash`: an export or a prediction from it must
+    not overwrite them (a mistyped ``--out train.svm``). [] where none is known."""
+    import json
+
+    from hpcps.ps import checkpoint
+
+    try:
+        if os.path.isfile(source):
+            import h5py
+
+            with h5py.File(source, "r") as f:
+                cfg, recorded = json.loads(f.attrs.get("config", "{}")), {}
+        else:
+            with open(os.path.join(source, checkpoint.MANIFEST)) as f:
+                manifest = json.load(f)
+            cfg, recorded = manifest.get("config", {}), manifest.get("data", {}).get("train", {})
+    except (OSError, ValueError, TypeError, AttributeError):
+        return []  # (what is not a model or checkpoint is said where it is read)
+    data = cfg.get("data", {}) if isinstance(cfg, dict) else {}
+    named = [(f"{source}'s data.{k}", data.get(k)) for k in ("train", "test", "predict")]
+    paths = [(w, p) for w, v in named for p in ([v] if isinstance(v, str) else v if isinstance(v, list) else [])]
+    if isinstance(recorded, dict) and isinstance(recorded.get("path"), str):
+        paths.append((f"{source}'s training file", recorded["path"]))
+    return [(w, p) for w, p in paths if isinstance(p, str) and p]
+
+
 def _checkpoint_directory_problem(path: str) -> str:
     """What to say when ``path`` is a checkpoint.dir, not one of its checkpoints ('' if not)."""
     from hpcps.ps import checkpoint
@@ -583,7 +613,7 @@ def _cmd_export(args) -> int:
     # (not into any snapshot of the directories read: a chain's base or a delta before it is read too)
     problem = problem or outputs.clash(
         [("--out", args.out)], [("the model file" if from_model else "the checkpoint", args.ckpt),
-                                *(("--since", args.since) for _ in snapshots[1:])],
+                                *(("--since", args.since) for _ in snapshots[1:]), *_trained_on(args.ckpt)],
         [("the checkpoints' directory", os.path.dirname(os.path.normpath(p)) or ".") for p in snapshots])
     if problem:
         return _fail(problem)
