@@ -292,7 +292,8 @@ def fingerprint_differences(then: dict, now: dict) -> list[str]:
                 out[names.get(part, part)] = value
         return out
     a, b = (flat(json.loads(json.dumps(d))) for d in (then, now))  # as stored: tuples are lists
-    return [f"{k} was {a.get(k, 'unset')}, now {b.get(k, 'unset')}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    unset = "its default"  # (an optimizer's key not set: the optimizer's own default)
+    return [f"{k} was {a.get(k, unset)}, now {b.get(k, unset)}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
