@@ -205,7 +205,7 @@ def _cmd_eval(args) -> int:
 def _cmd_predict(args) -> int:
     import numpy as np
 
-    from hpcps import outputs
+    from hpcps import config, outputs
     from hpcps.train import data as tdata
     from hpcps.train import inputs
     from hpcps.train.evaluation import write_scores
@@ -215,7 +215,7 @@ def _cmd_predict(args) -> int:
     for f in files:
         tdata.check_file(f)  # (what --data is, before it is compared with --out)
     problem = outputs.clash([("--out", out)], [*(("--data", f) for f in files), ("--model", args.model),
-                                               *_trained_on(args.model)])
+                                               *_trained_on(args.model)]) or config.output_problem("--out", out)
     if problem:
         return _fail(problem)
     predictor, ds = _load_for_serving(args)
@@ -607,7 +607,7 @@ class _Failure(Exception):
 
 
 def _cmd_export(args) -> int:
-    from hpcps import outputs
+    from hpcps import config, outputs
     from hpcps.train import model_file
 
     from_model = os.path.isfile(args.ckpt)
@@ -618,6 +618,7 @@ def _cmd_export(args) -> int:
         [("--out", args.out)], [("the model file" if from_model else "the checkpoint", args.ckpt),
                                 *(("--since", args.since) for _ in snapshots[1:]), *_trained_on(args.ckpt)],
         [("the checkpoints' directory", os.path.dirname(os.path.normpath(p)) or ".") for p in snapshots])
+    problem = problem or config.output_problem("--out", args.out)  # (before the tables are read)
     if problem:
         return _fail(problem)
     if from_model and args.since:

@@ -616,13 +616,22 @@ def check_paths(cfg: Config, config_file: str = "", outputs=(), data: dict | Non
             if why:
                 return f"{key} = {d!r} is not writable: {why}"
     for key, path in outs:
-        if path:
-            if os.path.isdir(path):
-                return f"{key} = {path!r} is a directory, not a file"
-            why = _writable_dir(os.path.dirname(os.path.abspath(path)))
-            if why:
-                return f"{key} = {path!r}: cannot write in {os.path.dirname(os.path.abspath(path))}: {why}"
+        problem = output_problem(key, path)
+        if problem:
+            return problem
     return None
+
+
+def output_problem(key: str, path: str) -> str | None:
+    """Why the output file ``path`` (``key`` names it: a config key or a command's option) could
+    not be written, or None; its directory is made if missing (as train.model_out's is)."""
+    if not path:
+        return None
+    named = f"{key} {path!r}" if key.startswith("-") else f"{key} = {path!r}"
+    if os.path.isdir(path):
+        return f"{named} is a directory, not a file"
+    why = _writable_dir(os.path.dirname(os.path.abspath(path)))
+    return f"{named}: cannot write in {os.path.dirname(os.path.abspath(path))}: {why}" if why else None
 
 
 def parse_overrides(items: list[str]) -> dict:

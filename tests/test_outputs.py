@@ -255,15 +255,20 @@ def test_training_with_a_test_or_predict_file_of_another_formats_keys_is_refused
 
 def test_export_and_predict_do_not_overwrite_the_models_training_data(data, tmp_path):
     """A mistyped --out naming the file the model was trained on: refused in one line, exit 2 (export
-    overwrote it with the model, exit 0); another path is written as before."""
+    overwrote it with the model, exit 0); another path is written."""
     before = read(data["train_libsvm"])
     for cmd in (["export", data["model"], "--format", "text"], ["predict", "--model", data["model"],
                                                                  "--data", data["test_libsvm"]]):
         rc, out = job(0, [*cmd, "--out", data["train_libsvm"]])
         assert rc == 2 and len(error_lines(out)) == 1 and "data.train" in out and "would overwrite an input" in out, out
     assert read(data["train_libsvm"]) == before
-    rc, out = job(0, ["export", data["model"], "--format", "text", "--out", str(tmp_path / "m.txt")])
-    assert rc == 0 and (tmp_path / "m.txt").stat().st_size > 0, out
+    # another path is written, its directory made as train.model_out's is (they failed after the
+    # work, "No such file or directory", exit 2)
+    rc, out = job(0, ["export", data["model"], "--format", "text", "--out", str(tmp_path / "new" / "m.txt")])
+    assert rc == 0 and (tmp_path / "new" / "m.txt").stat().st_size > 0, out
+    rc, out = job(0, ["predict", "--model", data["model"], "--data", data["test_libsvm"], "--out",
+                      str(tmp_path / "new2" / "s.txt")])
+    assert rc == 0 and len((tmp_path / "new2" / "s.txt").read_text().splitlines()) == 1000, out
 
 
 def test_a_damaged_model_file_is_refused_and_inspect_says_so(data, tmp_path):
