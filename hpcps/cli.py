@@ -73,6 +73,9 @@ def _collective_config(args, world, prepare=None):
             checked = config.from_dict(prepared[0][1]) if args.command == "tune" else cfg
             problem = config.check_paths(checked, args.config or "", [("--summary-json", args.summary_json),
                                                                      ("--out", getattr(args, "out", ""))])
+            from hpcps.ps.server import server_threads_problem  # (the first rank is a server)
+
+            problem = problem or server_threads_problem()  # (an environment setting: said before any data)
             if problem:
                 raise config.ConfigError(problem)
         except config.ConfigError as e:
@@ -202,7 +205,7 @@ def _cmd_eval(args) -> int:
 def _cmd_predict(args) -> int:
     import numpy as np
 
-    from hpcps import outputs
+    from hpcps import config, outputs
     from hpcps.train import data as tdata
     from hpcps.train import inputs
     from hpcps.train.evaluation import write_scores
@@ -211,7 +214,8 @@ def _cmd_predict(args) -> int:
     files = inputs.data_files(args.data, "--data")  # (a file, a glob or a directory of part files)
     for f in files:
         tdata.check_file(f)  # (what --data is, before it is compared with --out)
-    problem = outputs.clash([("--out", out)], [*(("--data", f) for f in files), ("--model", args.model)])
+    problem = outputs.clash([("--out", out)], [*(("--data", f) for f in files), ("--model", args.model),
+                                               *_trained_on(args.model)]) or config.output_problem("--out", out)
     if problem:
         return _fail(problem)
     predictor, ds = _load_for_serving(args)
@@ -475,6 +479,35 @@ def _export_format(manifest: dict) -> str:
     return "" if fmt == "auto" else fmt
 
 
+def _trained_on(source: str) -> list[tuple[str, str]]:
+    """The data files of the run that wrote the model file or checkpoint ``source`` (its
+    ``data.train``, ``data.test`` and ``data.predict``, and the training file's path as its manifest
+    recorded it), as inputs for :func:`hpcps.outputs.clash`: an export or a prediction from it must
+    not overwrite them (a mistyped ``--out train.svm``). [] where none is known."""
+    import json
+
+    from hpcps.ps import checkpoint
+
+    try:
+        if os.path.isfile(source):
+            import h5py
+
+            with h5py.File(source, "r") as f:
+                cfg, recorded = json.loads(f.attrs.get("config", "{}")), {}
+        else:
+            with open(os.path.join(source, checkpoint.MANIFEST)) as f:
+                manifest = json.load(f)
+            cfg, recorded = manifest.get("config", {}), manifest.get("data", {}).get("train", {})
+    except (OSError, ValueError, TypeError, AttributeError):
+        return []  # (what is not a model or checkpoint is said where it is read)
+    data = cfg.get("data", {}) if isinstance(cfg, dict) else {}
+    named = [(f"{source}'s data.{k}", data.get(k)) for k in ("train", "test", "predict")]
+    paths = [(w, p) for w, v in named for p in ([v] if isinstance(v, str) else v if isinstance(v, list) else [])]
+    if isinstance(recorded, dict) and isinstance(recorded.get("path"), str):
+        paths.append((f"{source}'s training file", recorded["path"]))
+    return [(w, p) for w, p in paths if isinstance(p, str) and p]
+
+
 def _checkpoint_directory_problem(path: str) -> str:
     """What to say when ``path`` is a checkpoint.dir, not one of its checkpoints ('' if not)."""
     from hpcps.ps import checkpoint
@@ -574,7 +607,7 @@ class _Failure(Exception):
 
 
 def _cmd_export(args) -> int:
-    from hpcps import outputs
+    from hpcps import config, outputs
     from hpcps.train import model_file
 
     from_model = os.path.isfile(args.ckpt)
@@ -583,8 +616,9 @@ def _cmd_export(args) -> int:
     # (not into any snapshot of the directories read: a chain's base or a delta before it is read too)
     problem = problem or outputs.clash(
         [("--out", args.out)], [("the model file" if from_model else "the checkpoint", args.ckpt),
-                                *(("--since", args.since) for _ in snapshots[1:])],
+                                *(("--since", args.since) for _ in snapshots[1:]), *_trained_on(args.ckpt)],
         [("the checkpoints' directory", os.path.dirname(os.path.normpath(p)) or ".") for p in snapshots])
+    problem = problem or config.output_problem("--out", args.out)  # (before the tables are read)
     if problem:
         return _fail(problem)
     if from_model and args.since:

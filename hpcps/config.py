@@ -112,6 +112,9 @@ class Data:
                                           "the same order")
     predict: str = described("", "after training, score this data (the same forms) ... (\"\" = none)")
     predict_out: str = described("", "... into this one, one score per row in input order")
+    allow_other_hashing: bool = described(False, "test and score data.test and data.predict even where their "
+                                                 "format makes keys another way than data.train's (refused "
+                                                 "otherwise, as by hpcps eval without --allow-other-hashing)")
 
 
 @dataclass(frozen=True)
@@ -290,7 +293,8 @@ def fingerprint_differences(then: dict, now: dict) -> list[str]:
                 out[names.get(part, part)] = value
         return out
     a, b = (flat(json.loads(json.dumps(d))) for d in (then, now))  # as stored: tuples are lists
-    return [f"{k} was {a.get(k, 'unset')}, now {b.get(k, 'unset')}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    unset = "its default"  # (an optimizer's key not set: the optimizer's own default)
+    return [f"{k} was {a.get(k, unset)}, now {b.get(k, unset)}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
@@ -616,13 +620,22 @@ def check_paths(cfg: Config, config_file: str = "", outputs=(), data: dict | Non
             if why:
                 return f"{key} = {d!r} is not writable: {why}"
     for key, path in outs:
-        if path:
-            if os.path.isdir(path):
-                return f"{key} = {path!r} is a directory, not a file"
-            why = _writable_dir(os.path.dirname(os.path.abspath(path)))
-            if why:
-                return f"{key} = {path!r}: cannot write in {os.path.dirname(os.path.abspath(path))}: {why}"
+        problem = output_problem(key, path)
+        if problem:
+            return problem
     return None
+
+
+def output_problem(key: str, path: str) -> str | None:
+    """Why the output file ``path`` (``key`` names it: a config key or a command's option) could
+    not be written, or None; its directory is made if missing (as train.model_out's is)."""
+    if not path:
+        return None
+    named = f"{key} {path!r}" if key.startswith("-") else f"{key} = {path!r}"
+    if os.path.isdir(path):
+        return f"{named} is a directory, not a file"
+    why = _writable_dir(os.path.dirname(os.path.abspath(path)))
+    return f"{named}: cannot write in {os.path.dirname(os.path.abspath(path))}: {why}" if why else None
 
 
 def parse_overrides(items: list[str]) -> dict:

@@ -30,8 +30,25 @@ def one_line(exc: BaseException, explained: tuple[str, str] | None = None) -> tu
         return f"{type(exc).__name__}: {first}", status
     if isinstance(exc, OSError):
         return f"{type(exc).__name__}: {first}", 1
+    if isinstance(exc, MemoryError):  # (a run-time failure the user can act on, not a bug)
+        return f"MemoryError: out of memory{': ' + first if first else ''}{memory_limit()}", 1
     hint = "" if debugging() else " (unexpected: HPCPS_DEBUG=1 prints the traceback)"
     return f"{type(exc).__name__}: {first}{hint}", 1
+
+
+def memory_limit() -> str:
+    """What bounds this process's memory where a limit does (``ulimit -v``: RLIMIT_AS), and what
+    lowers a job's need, for a MemoryError's line; '' where no limit is set."""
+    try:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    except (ImportError, OSError, ValueError):
+        return ""
+    if limit == resource.RLIM_INFINITY:
+        return ""
+    return (f" (this process's address space is limited to {limit / 2**20:,.0f} MiB, ulimit -v; "
+            f"data.memory_mb bounds the parsed rows a worker holds, more workers share them)")
 
 
 def print_traceback(exc: BaseException) -> None:

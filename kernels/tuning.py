@@ -17,6 +17,7 @@ checked by tests/test_tuning.py).
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import os
 from dataclasses import dataclass
@@ -176,6 +177,13 @@ _BY_NAME = {k.name: k for k in KNOBS}
 
 
 def _values(environ) -> dict:
+    """Every knob's value in ``environ``; a ``HPCPS_TUNE_`` variable that names no knob (a misspelt
+    one would leave its knob at the default unseen) is an error naming it, as a misspelt config key is."""
+    unknown = sorted(v for v in environ if v.startswith(ENV_PREFIX) and v[len(ENV_PREFIX):] not in _BY_NAME)
+    if unknown:
+        near = difflib.get_close_matches(unknown[0][len(ENV_PREFIX):], _BY_NAME, 1)
+        raise ValueError(f"{unknown[0]}: no such knob" + (f" (did you mean {ENV_PREFIX}{near[0]}?)" if near else "")
+                         + "; the knobs are in docs/tuning.md")
     return {k.name: k.read(environ) for k in KNOBS}
 
 

@@ -123,3 +123,15 @@ def test_a_benchmark_that_starts_its_own_jobs_refuses_to_run_under_mpiexec(tmp_p
     assert lines == ["hpcps: error: hpcps bench deep starts its own mpiexec jobs: run it without mpiexec "
                      "(it was started as one of 2 ranks)"], out.stderr
     assert not (tmp_path / "b").exists()
+
+
+def test_the_next_commands_a_run_prints_are_runnable_with_spaces_in_its_paths():
+    """A run's outputs named 'my model.h5' (as a user's 'Run 1/' folder): each printed command
+    parses back to the paths, as README says of them ("each runnable as printed")."""
+    from hpcps.train import report
+    cfg = config.from_dict(config.load_raw(None, ["train.model_out='my model.h5'", "train.metrics='run ü.jsonl'"]))
+    text = report.next_steps(cfg, {"test": "te st.svm"}, "ck pt/step-1")
+    commands = {line.split()[0]: shlex.split(line)[1:] for line in text.split("next:")[1].splitlines() if line.strip()}
+    assert commands["export"] == ["hpcps", "export", "ck pt/step-1", "--out", "model.h5"], text
+    assert commands["evaluate"] == ["hpcps", "eval", "--model", "my model.h5", "--data", "te st.svm"], text
+    assert commands["predict"][3] == "my model.h5" and commands["plot"][2] == "run ü.jsonl", text

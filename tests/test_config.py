@@ -65,6 +65,8 @@ def test_fingerprint_differences_name_the_settings():
     b = config.from_dict({"model": {"type": "fm", "factors": 4}, "data": {"hash_bits": 22}, "train": {"epochs": 9}})
     assert config.fingerprint_differences(a.to_dict(), b.to_dict()) == [
         "data.hash_bits was 20, now 22", "model.factors was 8, now 4", "optimizer.l2 was 0.0, now 10.0"]
+    d = config.from_dict({"model": {"type": "fm"}, "optimizer": {"l2": 0, "alpha": 0.5}, "data": {"hash_bits": 20}})
+    assert config.fingerprint_differences(d.to_dict(), a.to_dict()) == ["optimizer.alpha was 0.5, now its default"]
     # the data paths, the epochs and the layout are not fingerprinted: a run may go on with others
     c = config.from_dict({"model": {"type": "fm"}, "optimizer": {"l2": 0}, "cluster": {"servers": 3},
                           "data": {"hash_bits": 20, "train": "other.svm"}, "train": {"epochs": 9, "model_out": "x.h5"}})

@@ -238,6 +238,39 @@ def test_eval_and_predict_of_another_formats_keys_are_refused(data, tmp_path):
     assert rc == 0 and last_json(out)["auc"] > 0.6, out
 
 
+def test_training_with_a_test_or_predict_file_of_another_formats_keys_is_refused(data, tmp_path):
+    """As eval and predict refuse them: a test file in Criteo TSV beside libsvm training rows gave
+    test metrics of a model that knows none of its keys, exit 0."""
+    base = sets(data__train=data["train_libsvm"], train__progress=False, train__model_out=str(tmp_path / "m.h5"))
+    for extra, key in ((sets(data__test=data["test_criteo"]), "data.test"),
+                       (sets(data__predict=data["test_vw"], data__predict_out=str(tmp_path / "s")), "data.predict")):
+        rc, out = job(0, ["train", *base, *extra])
+        assert rc == 2 and len(error_lines(out)) == 1 and f"{key} = " in out and "in libsvm format" in out, out
+    assert os.listdir(tmp_path) == []  # (refused before training: no model, no scores)
+    # gen-data's Criteo keys are its libsvm keys: asked for, that test file scores as the libsvm one
+    rc, out = job(0, ["train", *base, *sets(data__test=data["test_criteo"], data__allow_other_hashing=True,
+                                            train__epochs=1)])
+    assert rc == 0 and "test logloss" in out, out
+
+
+def test_export_and_predict_do_not_overwrite_the_models_training_data(data, tmp_path):
+    """A mistyped --out naming the file the model was trained on: refused in one line, exit 2 (export
+    overwrote it with the model, exit 0); another path is written."""
+    before = read(data["train_libsvm"])
+    for cmd in (["export", data["model"], "--format", "text"], ["predict", "--model", data["model"],
+                                                                 "--data", data["test_libsvm"]]):
+        rc, out = job(0, [*cmd, "--out", data["train_libsvm"]])
+        assert rc == 2 and len(error_lines(out)) == 1 and "data.train" in out and "would overwrite an input" in out, out
+    assert read(data["train_libsvm"]) == before
+    # another path is written, its directory made as train.model_out's is (they failed after the
+    # work, "No such file or directory", exit 2)
+    rc, out = job(0, ["export", data["model"], "--format", "text", "--out", str(tmp_path / "new" / "m.txt")])
+    assert rc == 0 and (tmp_path / "new" / "m.txt").stat().st_size > 0, out
+    rc, out = job(0, ["predict", "--model", data["model"], "--data", data["test_libsvm"], "--out",
+                      str(tmp_path / "new2" / "s.txt")])
+    assert rc == 0 and len((tmp_path / "new2" / "s.txt").read_text().splitlines()) == 1000, out
+
+
 def test_a_damaged_model_file_is_refused_and_inspect_says_so(data, tmp_path):
     raw = bytearray(read(data["model"]))
     with h5py.File(data["model"], "r") as f:

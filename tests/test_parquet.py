@@ -209,3 +209,20 @@ def test_a_parquet_file_in_row_ranges_resumes_exactly(files, tmp_path):
     resumed = fit(files["parquet"], tmp_path, "resumed", 3, said=f"resuming from {newest}", checkpoint__dir=str(ck),
                   checkpoint__resume="auto", **common)
     assert_same_model(resumed, reference)
+
+
+def test_an_infinite_value_or_a_list_column_is_named_with_its_row(tmp_path):
+    """An inf in a float feature column (Parquet or CSV) is its column and its row in the file, not a
+    NaN loss at run time; a list column is one line, not pyarrow's error."""
+    inf = np.zeros(300)
+    inf[250] = np.inf
+    t = pa.table({"label": np.ones(300), "f": inf})
+    pq.write_table(t, tmp_path / "inf.parquet", row_group_size=100)
+    pcsv.write_csv(t, tmp_path / "inf.csv")
+    for name in ("inf.parquet", "inf.csv"):
+        assert data.load_part(str(tmp_path / name), 0, 2).rows == 150  # rows 1-150 are finite
+        with pytest.raises(data.DataError, match=rf"{name}: column 'f', row 251: value is infinite"):
+            data.load_part(str(tmp_path / name), 1, 2)  # (its rows start at the file's 151st)
+    pq.write_table(pa.table({"label": [1.0], "f": [[1, 2]]}), tmp_path / "list.parquet")
+    with pytest.raises(data.DataError, match=r"list.parquet: column 'f' holds list<.*feature_columns"):
+        data.load_part(str(tmp_path / "list.parquet"), 0, 1)

@@ -281,3 +281,24 @@ def test_one_line_tells_a_known_failure_from_a_bug():
         ("OSError: [Errno 28] No space left on device", 1)
     line, status = errors.one_line(KeyError("x"))
     assert status == 1 and line.startswith("KeyError: 'x'") and "HPCPS_DEBUG=1" in line
+
+
+def test_out_of_memory_under_an_address_space_limit_is_one_line_that_names_the_limit():
+    """A MemoryError is the user's limit (ulimit -v, a batch system's), not a bug: its line says
+    so and which limit, without the 'unexpected' of a bug; exit status 1."""
+    code = textwrap.dedent("""
+        import resource
+        import numpy as np
+        from hpcps import errors
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, resource.getrlimit(resource.RLIMIT_AS)[1]))
+        try:
+            np.empty(4 << 30, np.uint8)
+        except MemoryError as e:
+            print(*errors.one_line(e), sep="|")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, OPENBLAS_NUM_THREADS="1")).stdout
+    assert out.startswith("MemoryError: out of memory: Unable to allocate 4.00 GiB") and "limited to 3,072 MiB" in out, out
+    assert "unexpected" not in out and out.rstrip().endswith("|1"), out
+    line, status = errors.one_line(MemoryError())
+    assert status == 1 and line.startswith("MemoryError: out of memory") and "unexpected" not in line

@@ -103,7 +103,7 @@ def test_a_label_two_stops_the_job_naming_file_and_line(small, tmp_path):
     (1, {"cluster__servers": 2}, "one process runs 1 server and 1 worker inside it"),
     (2, {"cluster__servers": 3}, "too small for 3 server"),
     (3, {"cluster__servers": 2, "cluster__num_shards": 1}, "1 virtual shard"),
-    (3, {"cluster__worker_groups": 5}, "worker_groups must be between 1"),
+    (3, {"cluster__worker_groups": 5}, "cluster.worker_groups must be between 1"),
     # (these two were said by every rank)
     (3, {"cluster__backup_workers": 2}, "less than the number of workers (2)"),
     (3, {"cluster__layout": "auto", "cluster__replicas": 2}, "run 4 ranks or more"),

@@ -34,10 +34,12 @@ NOT_LOADED = ("h5py", "pyarrow", "hpcps.train.synth", "hpcps_kernels.textgen", "
 # the MPI settings of a job on one host (hpcps.ps.mpi_env), as each rank ended with them
 MPI_ENV = ("UCX_MEM_EVENTS", "MPIR_CVAR_CH4_IPC_CMA_P2P_THRESHOLD")
 # the job's command line as `hpcps` runs it (hpcps.cli.main), then the names above it loaded (each
-# on a line of its own: the other rank's summary may be mid-line in mpiexec's merged output)
-PROBE = ("import json, os, sys; from hpcps.cli import main; code = main(sys.argv[1:]); "
-         f"print('\\nLOADED', json.dumps([m for m in {NOT_LOADED!r} if m in sys.modules]), flush=True); "
-         f"print('\\nMPI_ENV', json.dumps([os.environ.get(n) for n in {MPI_ENV!r}]), flush=True); sys.exit(code)")
+# on a line of its own, in one write: the other rank's summary may be mid-line in mpiexec's merged
+# output, and print's separate writes of its arguments let it land between them: 'LOADED-----')
+PROBE = ("import json, os, sys; from hpcps.cli import main; code = main(sys.argv[1:]); sys.stdout.flush(); "
+         f"os.write(1, ('\\nLOADED ' + json.dumps([m for m in {NOT_LOADED!r} if m in sys.modules]) + '\\n').encode()); "
+         f"os.write(1, ('\\nMPI_ENV ' + json.dumps([os.environ.get(n) for n in {MPI_ENV!r}]) + '\\n').encode()); "
+         "sys.exit(code)")
 
 
 def test_a_two_rank_job_says_its_startup_within_its_wall_time_and_loads_nothing_it_does_not_use(tmp_path):

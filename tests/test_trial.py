@@ -362,6 +362,19 @@ def test_a_criteo_file_read_as_another_format_says_it_looks_like_criteo(tmp_path
     assert f"{d.files['test_criteo']}:1: not a libsvm line: it has Criteo's 40 tab-separated columns" in line, line
 
 
+def test_a_directory_of_libsvm_and_vw_files_names_the_vw_file_as_vw(tmp_path):
+    """A data set's format is detected from its first file: a VW part beside libsvm parts was
+    'bad feature index' at its line 1, not that it is VW."""
+    d = synth.generate(str(tmp_path / "d"), 300, 100, fields=8, seed=2, formats=("libsvm", "vw"))
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    shutil.copy(d.files["train_libsvm"], parts / "a.svm")
+    shutil.copy(d.files["train_vw"], parts / "b.vw")
+    rc, out = job(0, ["train", *sets(data__train=str(parts), train__epochs=1, train__progress=False)])
+    line = one_error(rc, out)
+    assert f"{parts / 'b.vw'}:1: not a libsvm line: it has VW's '|'" in line and "read it as vw" in line, line
+
+
 def test_serving_commands_name_a_directory_fifo_or_standard_input(model, tmp_path):
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)

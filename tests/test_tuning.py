@@ -57,6 +57,24 @@ def test_a_malformed_override_is_one_line_naming_the_variable(value, words):
     assert len(lines) == 1 and lines[0].startswith(f"hpcps: HPCPS_TUNE_PREFETCH_KEYS={value!r}: {words}"), r.stderr
 
 
+def test_a_misspelt_knob_is_one_line_naming_it_and_the_knob_meant():
+    r = _python("import hpcps_kernels", {"HPCPS_TUNE_PREFETCH_KEY": "8"}, timeout=60)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0] == "hpcps: HPCPS_TUNE_PREFETCH_KEY: no such knob (did you mean HPCPS_TUNE_PREFETCH_KEYS?); the " \
+                       "knobs are in docs/tuning.md", r.stderr
+
+
+def test_a_bad_server_threads_setting_is_one_line_before_the_job_starts(tmp_path):
+    """It was a ValueError 'unexpected' (exit 1) once the server made its tables, after start-up."""
+    data = tmp_path / "d.svm"
+    data.write_text("1 3:1\n0 4:1\n")
+    r = subprocess.run([sys.executable, "-m", "hpcps.cli", "train", "--set", f"data.train={str(data)!r}"],
+                       env=dict(os.environ, HPCPS_SERVER_THREADS="3"), capture_output=True, text=True, timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2 and out.strip() == "hpcps: error: HPCPS_SERVER_THREADS must be 1 or 2 (got '3')", out
+
+
 def test_a_float_knob_takes_a_float_and_overrides_are_listed():
     env = {"HPCPS_TUNE_STATUS_EVERY_S": "0.5", "HPCPS_TUNE_PREFETCH_KEYS": "16"}  # (the second is its default)
     assert tuning.overridden(env) == {"STATUS_EVERY_S": 0.5}

@@ -40,19 +40,19 @@ class Layout:
         ``num_shards``, when given, must be at least ``servers`` (every server owns a shard).
         """
         if servers < 1:
-            raise LayoutError(f"servers must be at least 1 (got {servers})")
+            raise LayoutError(f"cluster.servers must be at least 1 (got {servers})")
         workers = world_size - servers
         if workers < 1:
             raise LayoutError(
                 f"a world of {world_size} rank(s) is too small for {servers} server(s) and at least one "
-                f"worker: run with mpiexec -n {servers + 1} or more, or use fewer servers")
+                f"worker: run with mpiexec -n {servers + 1} or more, or use fewer servers (cluster.servers)")
         if num_shards is not None and num_shards < servers:
             raise LayoutError(f"{num_shards} virtual shard(s) cannot be spread over {servers} servers: "
                               f"set cluster.num_shards to at least {servers} (default 1024)")
         groups = workers if worker_groups is None else worker_groups
         if groups < 1 or groups > workers:
             raise LayoutError(
-                f"worker_groups must be between 1 and the number of workers ({workers} = {world_size} ranks "
+                f"cluster.worker_groups must be between 1 and the number of workers ({workers} = {world_size} ranks "
                 f"- {servers} servers), got {worker_groups}")
         return cls(world_size, servers, groups)
 

@@ -52,13 +52,19 @@ from hpcps_kernels.parallel import TwoThreads, splits_pull
 transport.EXPLAINERS.append(checkpoint.explain_write_failure)
 
 
+def server_threads_problem() -> str | None:
+    """What is wrong with ``HPCPS_SERVER_THREADS`` (said before a job starts), or None."""
+    value = os.environ.get("HPCPS_SERVER_THREADS", "2").strip()
+    return None if value in ("1", "2") else f"HPCPS_SERVER_THREADS must be 1 or 2 (got {value!r})"
+
+
 def server_threads() -> TwoThreads | None:
     """Whether a server runs the halves of a large push or pull at once (``HPCPS_SERVER_THREADS``:
     2, the default, or 1; see :mod:`hpcps_kernels.parallel`)."""
-    value = os.environ.get("HPCPS_SERVER_THREADS", "2").strip()
-    if value not in ("1", "2"):
-        raise ValueError(f"HPCPS_SERVER_THREADS must be 1 or 2 (got {value!r})")
-    return TwoThreads() if value == "2" else None
+    problem = server_threads_problem()
+    if problem:
+        raise ValueError(problem)
+    return TwoThreads() if os.environ.get("HPCPS_SERVER_THREADS", "2").strip() == "2" else None
 
 
 def server_tables(specs: list[TableSpec]) -> tuple[list[ServerTable], TwoThreads | None]:

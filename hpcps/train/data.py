@@ -550,8 +550,15 @@ def _other_format(fmt: str, line: str) -> str | None:
                 + ("; its fields are index:value pairs, as in libsvm: read it as libsvm (or auto)" if pairs else ""))
     if fmt != "criteo" and criteo and not pairs:
         return (f"not a {fmt} line: it has Criteo's {columns} tab-separated columns: read it as criteo "
-                f"(or auto)")
+                f"(or auto)" + _ONE_FORMAT)
+    if fmt != "vw" and "|" in line and not pairs:
+        return f"not a {fmt} line: it has VW's '|' before its features: read it as vw (or auto)" + _ONE_FORMAT
     return None
+
+
+# (auto detects a data set's format from its first file: another file of a directory or list in
+# another format fails at its first line)
+_ONE_FORMAT = "; with auto, every file of a data set is read in its first file's format"
 
 
 def _concat(pieces: list) -> tuple:

@@ -262,6 +262,23 @@ def _read(path: str) -> tuple[dict, list[tuple[str, dict, np.ndarray, np.ndarray
     return attrs, tables
 
 
+def other_keys(fmt: str, other: str) -> bool:
+    """Whether rows read as ``other`` get their keys another way than rows read as ``fmt``."""
+    return fmt != other and KEY_HASHING.get(fmt) != KEY_HASHING.get(other)
+
+
+def scored_format_clash(train_fmt: str, key: str, path: str, fmt: str) -> str | None:
+    """Why a model trained on ``train_fmt`` rows cannot be judged on (or score) the rows of
+    ``path`` (configuration ``key``) read as ``fmt``, or None: their keys are made another way,
+    so every test metric would be that of a model that knows none of them (``hpcps eval`` and
+    ``predict`` refuse such data likewise)."""
+    if not train_fmt or not other_keys(train_fmt, fmt):
+        return None
+    return (f"{key} = {path!r} is read as {fmt} (keys: {KEY_HASHING.get(fmt, fmt)}) but data.train as {train_fmt} "
+            f"(keys: {KEY_HASHING.get(train_fmt, train_fmt)}): the model would know none of its keys. Give "
+            f"{key} in {train_fmt} format, or set data.allow_other_hashing = true to score it anyway")
+
+
 class ServingModel:
     """A model file loaded for lookups (no MPI), its checksum verified (files written before
     version 3 have none). ``tables`` by name; ``keys``, ``values`` and :meth:`pull` are the main
@@ -310,7 +327,7 @@ class ServingModel:
             return (f"{self.path} was trained with {self.hash_bits} hash bits; with {hash_bits} the rows of {data} "
                     f"get other keys, unknown to the model. Leave out --hash-bits, or {how}")
         mine = self.input_format
-        if mine and fmt != mine and KEY_HASHING.get(fmt) != KEY_HASHING.get(mine):
+        if mine and other_keys(mine, fmt):
             return (f"{self.path} was trained on {mine} rows (keys: {KEY_HASHING.get(mine, mine)}); {data} is read "
                     f"as {fmt} (keys: {KEY_HASHING.get(fmt, fmt)}), whose keys are unknown to the model. Give the "
                     f"rows in {mine} format, or {how}")

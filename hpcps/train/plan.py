@@ -21,7 +21,7 @@ from hpcps import config, outputs
 from hpcps.ps import checkpoint
 from hpcps.ps.consistency import Backup
 from hpcps.train import data as tdata
-from hpcps.train import inputs, tables
+from hpcps.train import inputs, model_file, tables
 from hpcps_kernels import optim
 
 if TYPE_CHECKING:  # (imported where cluster.layout = "auto" uses it: a job's start-up without it)
@@ -219,12 +219,24 @@ def _training_format(cfg, world, paths: dict, synth_info: dict | None) -> str:
             problem = outputs.clash(*config.path_roles(cfg, data=paths))
         try:
             fmt = tdata.detect_format(paths["train"], cfg.data.format)
+            problem = problem or _scored_format_clash(cfg, paths, fmt)
         except (OSError, tdata.DataError):
             pass  # (a missing file, or a FIFO, is reported where it is loaded)
     problem, fmt = world.first_decides((problem, fmt), "broadcast of the training file's format")
     if problem:
         raise TrainError(problem)
     return fmt
+
+
+def _scored_format_clash(cfg, paths: dict, fmt: str) -> str | None:
+    """Why data.test or data.predict cannot be scored by a model of ``fmt`` rows (their keys made
+    another way), or None; unless ``data.allow_other_hashing``."""
+    for key, spec in (("data.test", paths["test"]), ("data.predict", cfg.data.predict)):
+        if spec and not cfg.data.allow_other_hashing:
+            problem = model_file.scored_format_clash(fmt, key, spec, tdata.detect_format(spec, cfg.data.format, key))
+            if problem:
+                return problem
+    return None
 
 
 def resolve_resume(cfg, world) -> tuple[str, dict] | None:

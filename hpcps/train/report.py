@@ -274,7 +274,7 @@ def next_steps(cfg, paths: dict, ckpt: str | None, synth_info: dict | None = Non
     tr = cfg.train
     test = paths.get("test")  # (a glob is quoted for the shell; a list of files is no one --data)
     test = shlex.quote(test) if test and isinstance(test, str) else "TEST_FILE"
-    model = tr.model_out or "MODEL.h5"
+    model = shlex.quote(tr.model_out) if tr.model_out else "MODEL.h5"  # (each command runnable as printed)
     out = ["where things went:"]
     if synth_info:
         out.append(f"  data         {synth_info['dir']} (synthetic; "
@@ -286,8 +286,8 @@ def next_steps(cfg, paths: dict, ckpt: str | None, synth_info: dict | None = Non
             "next:"]
     if ckpt:
         out.append("  resume       the same command with --resume auto (continues from the newest checkpoint)")
-        out.append(f"  export       hpcps export {ckpt} --out model.h5")
+        out.append(f"  export       hpcps export {shlex.quote(ckpt)} --out model.h5")
     out.append(f"  evaluate     hpcps eval --model {model} --data {test}")
     out.append(f"  predict      hpcps predict --model {model} --data {test} --out scores.txt")
-    out.append(f"  plot         hpcps plot {tr.metrics or 'run.jsonl'} -o run.png")
+    out.append(f"  plot         hpcps plot {shlex.quote(tr.metrics) if tr.metrics else 'run.jsonl'} -o run.png")
     return "\n".join(out)

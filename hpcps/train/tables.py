@@ -122,20 +122,21 @@ def blocks(piece: Piece, fmt: str, hash_bits: int, binary: bool, bias: int, colu
                         f"(got {hash_bits})")
     mask = np.uint64((1 << hash_bits) - 1) if hash_bits < 64 else np.uint64(2 ** 64 - 1)
     chosen = None
-    for table in _row_ranges(piece, fmt):
+    for first, table in _row_ranges(piece, fmt):
         if chosen is None:
             names = table.column_names
             chosen = _columns(piece.path, names, columns, need_labels)
         for lo in range(0, table.num_rows, BLOCK_ROWS):
             yield _block(piece.path, table.slice(lo, BLOCK_ROWS), names, *chosen, mask, binary, bias,
-                         hash_bits if fields else -1)
+                         hash_bits if fields else -1, first + lo)
 
 
 def _row_ranges(piece: Piece, fmt: str):
-    """Tables of rows ``[start, end)`` of ``piece.path``, in order: of a Parquet file, one a row
-    group that holds some (the other row groups are not read), of a CSV file the whole range."""
+    """``(first row's index in the file, table)`` of rows ``[start, end)`` of ``piece.path``, in
+    order: of a Parquet file, one a row group that holds some (the other row groups are not read),
+    of a CSV file the whole range."""
     if fmt != "parquet":
-        yield read(piece.path, fmt).slice(piece.start, piece.end - piece.start)
+        yield piece.start, read(piece.path, fmt).slice(piece.start, piece.end - piece.start)
         return
     pa, pq, _ = pyarrow_modules()
     try:
@@ -145,7 +146,7 @@ def _row_ranges(piece: Piece, fmt: str):
             n = f.metadata.row_group(g).num_rows
             a, b = max(piece.start, at), min(piece.end, at + n)
             if b > a:
-                yield f.read_row_group(g).slice(a - at, b - a)
+                yield a, f.read_row_group(g).slice(a - at, b - a)
             at += n
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"data file {piece.path}: not a readable parquet file: {e}") from None
@@ -163,9 +164,10 @@ def _columns(path: str, names: list, columns: Columns, need_labels: bool):
     return label, columns.weight, features
 
 
-def _block(path, t, names, label, weight, features, mask, binary, bias, shift):
+def _block(path, t, names, label, weight, features, mask, binary, bias, shift, first=0):
     """One block of a table's rows in CSR, with the bias key last in each row (``shift`` >= 0: each
-    key with its feature column's position above that bit)."""
+    key with its feature column's position above that bit; ``first``: the block's first row's
+    index in the file, for errors)."""
     pa = pyarrow_modules()[0]
     rows = t.num_rows
     labels = _floats(t.column(label), path, label) if label else np.zeros(rows, np.float32)
@@ -179,8 +181,12 @@ def _block(path, t, names, label, weight, features, mask, binary, bias, shift):
     for field, name in enumerate(features):
         c = names.index(name)
         col = t.column(name)
+        if pa.types.is_nested(col.type):
+            raise DataError(f"data file {path}: column {name!r} holds {col.type} values: a feature column holds "
+                            f"one number or one category a row (leave it out with data.feature_columns)")
         if pa.types.is_floating(col.type):
             v = col.to_numpy(zero_copy_only=False).astype(np.float32)
+            _finite_or_missing(v, path, name, first)
             keys.append(np.full(rows, np.uint64(c) & mask, np.uint64))
             vals.append(v)
             present.append(~np.isnan(v) & np.asarray(col.is_valid()))
@@ -201,6 +207,17 @@ def _block(path, t, names, label, weight, features, mask, binary, bias, shift):
         raise DataError(f"data file {path}: column {weight!r}: weight {weights[weights < 0][0]:g} (a weight is a "
                         f"number >= 0)")
     return labels, indptr, k[p], v[p], 0, weights
+
+
+def _finite_or_missing(values: np.ndarray, path: str, name: str, first: int) -> None:
+    """A numeric feature's values as float32 are each a number or NaN (missing): an infinite one
+    (or one past float32's range) is an error naming the column and the row (from 1, the header
+    not counted), as a text format's ``index:inf`` names its line."""
+    bad = np.isinf(values)
+    if bad.any():
+        row = int(np.argmax(bad))
+        raise DataError(f"data file {path}: column {name!r}, row {first + row + 1}: value is infinite or "
+                        f"past float32's range ({values[row]})")
 
 
 def _floats(col, path: str, name: str) -> np.ndarray:
