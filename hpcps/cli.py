@@ -73,7 +73,7 @@ def _collective_config(args, world, prepare=None):
             checked = config.from_dict(prepared[0][1]) if args.command == "tune" else cfg
             problem = config.check_paths(checked, args.config or "", [("--summary-json", args.summary_json),
                                                                      ("--out", getattr(args, "out", ""))])
-            from hpcps.ps.server import server_threads_problem  # (the first rank is a server)
+            from hpcps_kernels.parallel import server_threads_problem  # (the first rank is a server)
 
             problem = problem or server_threads_problem()  # (an environment setting: said before any data)
             if problem:

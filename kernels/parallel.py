@@ -14,10 +14,18 @@ start (the server then sends the reply's header apart, ``hpcps.ps.protocol.PAYLO
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from .tuning import PARALLEL_MIN_KEYS, PARALLEL_MIN_PULL_WORK, PARALLEL_MIN_VALUES, PULL_KEY_VALUES
+
+
+def server_threads_problem() -> str | None:
+    """What is wrong with ``HPCPS_SERVER_THREADS`` (1 or 2: whether a server runs the halves of a
+    large push or pull at once), or None; the command line says it before a job starts."""
+    value = os.environ.get("HPCPS_SERVER_THREADS", "2").strip()
+    return None if value in ("1", "2") else f"HPCPS_SERVER_THREADS must be 1 or 2 (got {value!r})"
 
 
 class TwoThreads:

@@ -46,16 +46,10 @@ from hpcps.ps.quick_requests import QuickRequests
 from hpcps.ps.replication import Replication, ServerCopies
 from hpcps.ps.server_table import ServerTable
 from hpcps.ps.tables import MARGINS_FUNCTION, RESIDUALS_FUNCTION, SERVER_FUNCTIONS, ServerFunction, TableSpec
-from hpcps_kernels.parallel import TwoThreads, splits_pull
+from hpcps_kernels.parallel import TwoThreads, server_threads_problem, splits_pull
 
 # a checkpoint write that fails late, in HDF5's release of the file's objects, says so in one line
 transport.EXPLAINERS.append(checkpoint.explain_write_failure)
-
-
-def server_threads_problem() -> str | None:
-    """What is wrong with ``HPCPS_SERVER_THREADS`` (said before a job starts), or None."""
-    value = os.environ.get("HPCPS_SERVER_THREADS", "2").strip()
-    return None if value in ("1", "2") else f"HPCPS_SERVER_THREADS must be 1 or 2 (got {value!r})"
 
 
 def server_threads() -> TwoThreads | None:
