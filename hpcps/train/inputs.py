@@ -289,7 +289,7 @@ def split(files: list[str], sizes: list[int], kinds: list[str], workers: int, ke
     if packed:
         raise DataError(f"{key}: {describe(files)}: {len(packed)} {packed[0][1]}-compressed file(s) among {n} for "
                         f"{workers} workers: a compressed file cannot be split, so each worker reads whole files; "
-                        f"give at least {workers} files (or decompress them) or use at most {n} workers")
+                        f"give at least {workers} files (or decompress them) or use at most {n} worker{'s' if n > 1 else ''}")
     total = sum(sizes)
     cuts = [_cut_at(files, sizes, total * w // workers) for w in range(workers)] + [(n, 0)]
     return [_pieces_between(files, sizes, cuts[w], cuts[w + 1]) for w in range(workers)]
