@@ -68,7 +68,6 @@ def test_quick_pushes_to_a_pulls_slots_give_the_general_ways_rows_and_table(stal
         for got, want in zip(contents["w"][:2], want_contents["w"][:2]):
             np.testing.assert_array_equal(got.view(np.uint32) if got.dtype == np.float32 else got,
                                           want.view(np.uint32) if want.dtype == np.float32 else want)
-        # (BSP: a training step's push-pull with its marks; ASP and SSP also the pushes without marks)
         # (BSP: a training step's push-pull with its marks; ASP and SSP also the others, and the push)
         # (and the push-pulls by one kernel: 2 of other keys pulled, 3 of the keys pushed)
         assert taken == ["step"] * 3 if staleness == 0 else \
@@ -106,3 +105,51 @@ def test_a_rules_compiled_version_takes_its_parameters_as_one_tuple():
     optim.ftrl(want, slots, grads, *hp)
     optim.ftrl(want, slots, grads, *hp)
     np.testing.assert_array_equal(rows.view(np.uint32), want.view(np.uint32))
+
+
+def _two_tables_run(quick: bool) -> tuple[list, list]:
+    """Push-pulls by one kernel through two tables, one of an initial scale given as an int (a
+    compiled version of its own), then again once the first table's index entries widened in
+    place (as ``KeyIndex.reserve`` widens them past ``NARROW_MAX_KEYS`` keys). Returns (the rows
+    pulled, the quick ways taken); ``quick`` off: the general way."""
+    from hpcps_kernels.hashtable import WIDE_TAG_BITS, build_index
+
+    ctx = hpcps.init(servers=1, staleness=-1)
+    tables = [ctx.sparse_table("b", init="normal", init_scale=1, **FTRL),
+              ctx.sparse_table("a", init="normal", init_scale=0.5, **FTRL)]
+    rng = np.random.default_rng(5)
+    keys, other = np.arange(10, 74, dtype=np.uint64), np.arange(40, 120, dtype=np.uint64)  # (other: some absent)
+    for t in tables:
+        t.wait(t.push(keys, rng.normal(size=(keys.size, 1)).astype(np.float32)))
+    taken: list = []
+    steps = ctx.server.quick.steps
+    way = steps._push_pull_at_once
+    steps._push_pull_at_once = lambda *a: way(*a) and (taken.append(a[2]) or True)
+    if not quick:
+        ctx.server.plain = {}
+    pulled = []
+    for widened in (False, True):
+        if widened:  # (the first table's index: its entries made 64-bit in place, the keys' slots kept)
+            ki = ctx.server.tables[0].store.index
+            ki.index, ki.tag_bits = np.full(ki.index.shape[0], np.iinfo(np.uint64).max, np.uint64), WIDE_TAG_BITS
+            build_index(ki.keys, ki.size, ki.index, ki.tag_bits, np.uint64(0))
+        for t in tables:
+            pulled.append(t.pull(keys))
+            pulled.append(t.wait(t.ipushpull(keys, rng.normal(size=(keys.size, 1)).astype(np.float32), other,
+                                             unique=True)))
+    ctx.finalize()
+    return pulled, taken
+
+
+def test_push_pulls_by_one_kernel_of_two_tables_and_an_index_widened_in_place():
+    """The push-pull kernel's compiled version is found per table and for its index's arrays, as
+    the quick pull's: a table whose initial scale is an int beside one whose is 0.5 (the version
+    found for the first took the second's 0.5 as 0: absent keys pulled as zeros), and an index
+    whose entries widened in place (the version found before could not take its 64-bit entries: an
+    error on the server), give the general way's rows, bit for bit."""
+    pulled, taken = _two_tables_run(True)
+    want, none = _two_tables_run(False)
+    assert none == [] and taken == [0, 1, 0, 1]
+    for got, expected in zip(pulled, want):
+        np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32))
+    assert np.any(pulled[3][-40:] != 0)  # (the absent keys' initial values, scale 0.5)

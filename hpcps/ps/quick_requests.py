@@ -49,7 +49,7 @@ class QuickRequests:
         self.kernels: dict[tuple, tuple] = {}
         self.steps = QuickSteps(server, self)  # pushes to the slots of a pull before them
 
-    def _run(self, kind: tuple, kernel, arrays: tuple, args: tuple, packed: bool = False):
+    def run(self, kind: tuple, kernel, arrays: tuple, args: tuple, packed: bool = False):
         """``kernel(*args)`` through the version found for ``kind`` while the table's ``arrays``
         are those it was found for; else through numba's dispatch, finding it (``packed``: the
         last of ``args`` is the tuple of the kernel's ``*args``, see ``run_and_find``)."""
@@ -88,7 +88,7 @@ class QuickRequests:
         idx, rows, slots = store.index, store.rows, np.empty(n, dtype=np.int64)
         # (a push-pull's pulled keys follow its gradients: not 8-byte aligned where it pushes an odd
         # number of values, and numba compiles a version for such keys of its own)
-        absent = self._run((protocol.PULL, table, flags.aligned, flags.writeable), kfused.pull,
+        absent = self.run((protocol.PULL, table, flags.aligned, flags.writeable), kfused.pull,
                            (idx.direct, idx.index, idx.keys, rows),
                            (idx.direct, idx.index, idx.keys, keys, idx.tag_bits, rows, dim, store.init_kind,
                             spec.init_scale, spec.seed, slots, out))
@@ -125,7 +125,7 @@ class QuickRequests:
             return self.steps.push(worker, table, keys, grads)
         kflags, gflags = keys.flags, grads.flags
         idx, rows = store.index, store.rows
-        stop = self._run((protocol.PUSH, table, kflags.aligned, kflags.writeable, gflags.aligned, gflags.writeable),
+        stop = self.run((protocol.PUSH, table, kflags.aligned, kflags.writeable, gflags.aligned, gflags.writeable),
                          kfused.PUSH[t.fused], (idx.direct, idx.index, idx.keys, rows),
                          (idx.direct, idx.index, idx.keys, keys, idx.tag_bits, rows, grads, np.empty(n, np.int64),
                           t.fused_params), packed=True)  # (its compiled version takes the rule's parameters as a tuple)

@@ -41,11 +41,11 @@ class QuickSteps:
         # each argument's type is fixed by these (dtypes, dimensions and layout checked before)
         self.found: dict[tuple, object] = {}
 
-    def _call(self, kind: tuple, kernel, args: tuple, packed: bool = False):
+    def _call(self, kind: tuple, kernel, args: tuple):
         f = self.found.get(kind)
         if f is not None:
             return f(*args)
-        result, self.found[kind] = run_and_find(kernel, args, packed)
+        result, self.found[kind] = run_and_find(kernel, args)
         return result
 
     def _pulled_slots(self, worker: int, table: int, keys: np.ndarray) -> np.ndarray | None:
@@ -137,7 +137,8 @@ class QuickSteps:
             return False
         got_keys, got_slots, index = pulls[0]
         n, dim = pull_keys.shape[0], store.spec.dim
-        if index is not store.index or got_keys.dtype is not keys.dtype or splits_pull(n, dim):
+        if index is not store.index or got_keys.dtype is not keys.dtype or got_keys.shape[0] != keys.shape[0] \
+                or splits_pull(n, dim):
             return False
         gf, kf, pf, sf = got_keys.flags, keys.flags, pull_keys.flags, grads.flags
         if not (gf.c_contiguous and pf.c_contiguous):
@@ -147,11 +148,14 @@ class QuickSteps:
         if not out.flags.carray:
             return False
         idx, slots = store.index, np.empty(n, dtype=np.int64)
-        absent = self._call(("push_pull", t.fused, gf.aligned, gf.writeable, kf.aligned, kf.writeable, sf.aligned,
-                             sf.writeable, pf.aligned, pf.writeable), kfused.PUSH_PULL[t.fused],
-                            (idx.direct, idx.index, idx.keys, idx.tag_bits, store.rows, got_keys, got_slots, keys,
-                             grads, pull_keys, store.init_kind, store.spec.init_scale, store.spec.seed, slots, out,
-                             t.fused_params), packed=True)
+        # (found per table and for the index's and rows' arrays, as the quick pull's: an index widened
+        # in place, or another table's initial scale of another type, takes another compiled version)
+        absent = self.quick.run(("push_pull", table, gf.aligned, gf.writeable, kf.aligned, kf.writeable, sf.aligned,
+                                 sf.writeable, pf.aligned, pf.writeable), kfused.PUSH_PULL[t.fused],
+                                (idx.direct, idx.index, idx.keys, store.rows),
+                                (idx.direct, idx.index, idx.keys, idx.tag_bits, store.rows, got_keys, got_slots, keys,
+                                 grads, pull_keys, store.init_kind, store.spec.init_scale, store.spec.seed, slots, out,
+                                 t.fused_params), packed=True)
         if absent < 0:
             return False
         del pulls[0]
