@@ -24,6 +24,14 @@ def test_one_host_gets_no_ucx_memory_events_and_eager_messages_under_32_kib():
     assert int(mpi_env.EAGER["MPIR_CVAR_CH4_SHM_POSIX_IQUEUE_CELL_SIZE"]) > 32768  # (a message under it fits a cell)
 
 
+def test_many_ranks_on_a_host_keep_mpichs_cells():
+    # (each rank's cells 5x larger, mapped by every rank it sends to: not for a node of many ranks)
+    many = str(mpi_env.EAGER_MAX_LOCAL_RANKS + 1)
+    assert chosen({"PMI_SIZE": many, "MPI_LOCALNRANKS": many}) == {"UCX_MEM_EVENTS": "no"}
+    n = str(mpi_env.EAGER_MAX_LOCAL_RANKS)
+    assert chosen({"PMI_SIZE": n, "MPI_LOCALNRANKS": n}) == {"UCX_MEM_EVENTS": "no", **mpi_env.EAGER}
+
+
 def test_nothing_where_the_job_spans_hosts_or_another_launcher_started_it():
     assert chosen({"PMI_SIZE": "4", "MPI_LOCALNRANKS": "2"}) == {}
     assert chosen({"PMI_SIZE": "2", "PMI_RANK": "1"}) == {}  # (Slurm's PMI: no local count)
@@ -33,7 +41,9 @@ def test_nothing_where_the_job_spans_hosts_or_another_launcher_started_it():
 
 def test_the_users_settings_are_never_overridden():
     assert chosen({**ONE_HOST, "UCX_MEM_EVENTS": "yes"}) == mpi_env.EAGER
-    for name in ("MPIR_CVAR_CH4_SHM_POSIX_IQUEUE_CELL_SIZE", "MPICH_CH4_IPC_CMA_P2P_THRESHOLD"):  # (either spelling)
+    for name in ("MPIR_CVAR_CH4_SHM_POSIX_IQUEUE_CELL_SIZE", "MPICH_CH4_IPC_CMA_P2P_THRESHOLD",  # (any spelling,
+                 "MPIR_PARAM_CH4_PACK_BUFFER_SIZE", "MPIR_CVAR_CH4_SHM_POSIX_IQUEUE_NUM_CELLS",  # any setting of
+                 "MPICH_CH4_IPC_CMA_ENABLE", "MPIR_CVAR_CH4_SHM_POSIX_EAGER"):  # the cells or the rendezvous)
         assert chosen({**ONE_HOST, name: "16384"}) == {"UCX_MEM_EVENTS": "no"}
     for name in mpi_env.NOLOCAL_VARIABLES:  # local messages through the network module
         assert chosen({**ONE_HOST, name: "1"}) == {}

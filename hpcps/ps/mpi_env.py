@@ -12,11 +12,14 @@ has set nothing:
 * Messages under 32 KiB sent eagerly, through MPICH's shared-memory cells (:data:`EAGER`): by
   default a message over about 8 KiB goes by its cross-memory (CMA) rendezvous, which completes
   only once the receiver has matched it and the sender has made progress again, and a server then
-  pays that handshake on each such request (a 1,000-key push is 12 KB, a push-pull 20 KB: about
-  6 µs more to receive than an 8 KB pull, docs/benchmarks.md). The cells are made larger than the
-  threshold (a message just under it fits one, with its header), and MPICH's pack buffer as large
-  as a cell (it must be); larger messages keep the rendezvous, a single copy. Set only where the
-  user set none of the three.
+  pays that handshake on each such request (a 1,000-key push is 12 KB, a push-pull 20 KB: more
+  to receive than an 8 KB pull, docs/benchmarks.md). The cells are made larger than the threshold
+  (a message just under it fits one, with its header), and MPICH's pack buffer as large as a cell
+  (it must be); larger messages keep the rendezvous, a single copy. The cells are shared memory,
+  each rank's 5x the default (2.6 MB against 0.5), mapped by every rank it sends to: only for at
+  most :data:`EAGER_MAX_LOCAL_RANKS` ranks on the host (a node of many ranks keeps MPICH's sizes,
+  and a container's small ``/dev/shm`` its room), and only where the user set none of MPICH's
+  settings of these cells or of its CMA rendezvous.
 
 Not chosen: MPICH's OFI network module (``MPIR_CVAR_CH4_NETMOD=ofi``), which starts a little faster
 than UCX's but makes every poll for a message costlier (a serving loop's request 1.5-3 µs more,
@@ -37,6 +40,10 @@ NOLOCAL_VARIABLES = ("MPIR_CVAR_NOLOCAL", "MPICH_NOLOCAL", "MPIR_PARAM_NOLOCAL")
 # threshold, the cells' size, the pack buffer's (at least a cell's)
 EAGER = {"MPIR_CVAR_CH4_IPC_CMA_P2P_THRESHOLD": "32768", "MPIR_CVAR_CH4_SHM_POSIX_IQUEUE_CELL_SIZE": "40960",
          "MPIR_CVAR_CH4_PACK_BUFFER_SIZE": "40960"}
+EAGER_MAX_LOCAL_RANKS = 16  # (16 ranks' cells: 42 MB of shared memory in all, against 8 MB)
+# a user's setting of any of these (under any of MPICH's spellings) leaves EAGER unset
+_EAGER_FAMILIES = ("CH4_IPC_CMA_", "CH4_SHM_POSIX_IQUEUE_", "CH4_PACK_BUFFER_", "CH4_SHM_POSIX_EAGER")
+_SPELLINGS = ("MPIR_CVAR_", "MPICH_", "MPIR_PARAM_")
 
 
 def one_host(environ: MutableMapping[str, str]) -> bool:
@@ -46,10 +53,11 @@ def one_host(environ: MutableMapping[str, str]) -> bool:
     return bool(local) and local == size and not any(name in environ for name in NOLOCAL_VARIABLES)
 
 
-def _set_by_user(environ: MutableMapping[str, str], name: str) -> bool:
-    """Whether MPICH variable ``name`` (``MPIR_CVAR_X``) is set under any of its spellings."""
-    base = name.removeprefix("MPIR_CVAR_")
-    return any(prefix + base in environ for prefix in ("MPIR_CVAR_", "MPICH_", "MPIR_PARAM_"))
+def _eager_set_by_user(environ: MutableMapping[str, str]) -> bool:
+    """Whether the user set any of MPICH's settings of its cells, its pack buffers or its CMA
+    rendezvous (``MPIR_CVAR_CH4_SHM_POSIX_IQUEUE_NUM_CELLS``, ``MPICH_CH4_IPC_CMA_ENABLE``, ...)."""
+    return any(name.startswith(prefix + family) for name in environ for prefix in _SPELLINGS
+               for family in _EAGER_FAMILIES)
 
 
 def before_library(environ: MutableMapping[str, str]) -> list[str]:
@@ -59,7 +67,8 @@ def before_library(environ: MutableMapping[str, str]) -> list[str]:
     if not one_host(environ):
         return []
     chosen = {} if "UCX_MEM_EVENTS" in environ else {"UCX_MEM_EVENTS": "no"}
-    if not any(_set_by_user(environ, name) for name in EAGER):
+    local = environ["MPI_LOCALNRANKS"]
+    if local.isdigit() and int(local) <= EAGER_MAX_LOCAL_RANKS and not _eager_set_by_user(environ):
         chosen.update(EAGER)
     environ.update(chosen)
     return list(chosen)
