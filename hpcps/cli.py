@@ -481,12 +481,15 @@ def _export_format(manifest: dict) -> str:
 
 def _trained_on(source: str) -> list[tuple[str, str]]:
     """The data files of the run that wrote the model file or checkpoint ``source`` (its
-    ``data.train``, ``data.test`` and ``data.predict``, and the training file's path as its manifest
-    recorded it), as inputs for :func:`hpcps.outputs.clash`: an export or a prediction from it must
-    not overwrite them (a mistyped ``--out train.svm``). [] where none is known."""
+    ``data.train``, ``data.test`` and ``data.predict``, each directory's or glob's files, and the
+    training file's path as its manifest recorded it), as inputs for :func:`hpcps.outputs.clash`:
+    an export or a prediction from it must not overwrite them (a mistyped ``--out train.svm``),
+    though it may write beside them (``--out parts/scores.txt``: nothing reads that directory
+    now). [] where none is known."""
     import json
 
     from hpcps.ps import checkpoint
+    from hpcps.train import inputs
 
     try:
         if os.path.isfile(source):
@@ -505,7 +508,15 @@ def _trained_on(source: str) -> list[tuple[str, str]]:
     paths = [(w, p) for w, v in named for p in ([v] if isinstance(v, str) else v if isinstance(v, list) else [])]
     if isinstance(recorded, dict) and isinstance(recorded.get("path"), str):
         paths.append((f"{source}'s training file", recorded["path"]))
-    return [(w, p) for w, p in paths if isinstance(p, str) and p]
+    files = []
+    for what, path in paths:
+        if not isinstance(path, str) or not path:
+            continue
+        try:
+            files += [(what, f) for f in inputs.data_files(path, what)]
+        except (OSError, inputs.DataError):  # (a directory emptied since: nothing of it to overwrite)
+            pass
+    return [(w, p) for w, p in files if p and not os.path.isdir(p)]
 
 
 def _checkpoint_directory_problem(path: str) -> str:

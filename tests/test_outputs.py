@@ -271,6 +271,26 @@ def test_export_and_predict_do_not_overwrite_the_models_training_data(data, tmp_
     assert rc == 0 and len((tmp_path / "new2" / "s.txt").read_text().splitlines()) == 1000, out
 
 
+def test_an_export_or_prediction_may_write_beside_the_part_files_a_model_was_trained_on(tmp_path):
+    """A model trained on a directory of part files: an --out that is one of them is refused, one
+    beside them is not (the directory was refused whole, as if it were being read)."""
+    import json
+
+    from hpcps import cli, outputs
+
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    (parts / "part-0.svm").write_text("1 3:1\n")
+    model = tmp_path / "m.h5"
+    with h5py.File(model, "w") as f:  # (what _trained_on reads of a model file: its config's data)
+        f.attrs["config"] = json.dumps({"data": {"train": str(parts), "test": [str(tmp_path / "gone")]}})
+    trained_on = cli._trained_on(str(model))
+    assert (f"{model}'s data.train", str(parts / "part-0.svm")) in trained_on
+    assert str(parts) not in [p for _, p in trained_on]
+    assert outputs.clash([("--out", str(parts / "scores.txt"))], trained_on) is None
+    assert "would overwrite an input" in outputs.clash([("--out", str(parts / "part-0.svm"))], trained_on)
+
+
 def test_a_damaged_model_file_is_refused_and_inspect_says_so(data, tmp_path):
     raw = bytearray(read(data["model"]))
     with h5py.File(data["model"], "r") as f:
