@@ -21,10 +21,16 @@ from typing import Callable
 from .tuning import PARALLEL_MIN_KEYS, PARALLEL_MIN_PULL_WORK, PARALLEL_MIN_VALUES, PULL_KEY_VALUES
 
 
+def server_threads_setting() -> str:
+    """``HPCPS_SERVER_THREADS``: "2" (the default), a server runs the halves of a large push or
+    pull at once; "1", it does not; anything else is :func:`server_threads_problem`'s."""
+    return os.environ.get("HPCPS_SERVER_THREADS", "2").strip()
+
+
 def server_threads_problem() -> str | None:
-    """What is wrong with ``HPCPS_SERVER_THREADS`` (1 or 2: whether a server runs the halves of a
-    large push or pull at once), or None; the command line says it before a job starts."""
-    value = os.environ.get("HPCPS_SERVER_THREADS", "2").strip()
+    """What is wrong with ``HPCPS_SERVER_THREADS``, or None; the command line says it before a
+    job starts."""
+    value = server_threads_setting()
     return None if value in ("1", "2") else f"HPCPS_SERVER_THREADS must be 1 or 2 (got {value!r})"
 
 

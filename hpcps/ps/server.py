@@ -31,7 +31,6 @@ back-off (:mod:`hpcps.ps.transport`), so an idle server costs almost no CPU.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import Callable
@@ -46,7 +45,7 @@ from hpcps.ps.quick_requests import QuickRequests
 from hpcps.ps.replication import Replication, ServerCopies
 from hpcps.ps.server_table import ServerTable
 from hpcps.ps.tables import MARGINS_FUNCTION, RESIDUALS_FUNCTION, SERVER_FUNCTIONS, ServerFunction, TableSpec
-from hpcps_kernels.parallel import TwoThreads, server_threads_problem, splits_pull
+from hpcps_kernels.parallel import TwoThreads, server_threads_problem, server_threads_setting, splits_pull
 
 # a checkpoint write that fails late, in HDF5's release of the file's objects, says so in one line
 transport.EXPLAINERS.append(checkpoint.explain_write_failure)
@@ -58,7 +57,7 @@ def server_threads() -> TwoThreads | None:
     problem = server_threads_problem()
     if problem:
         raise ValueError(problem)
-    return TwoThreads() if os.environ.get("HPCPS_SERVER_THREADS", "2").strip() == "2" else None
+    return TwoThreads() if server_threads_setting() == "2" else None
 
 
 def server_tables(specs: list[TableSpec]) -> tuple[list[ServerTable], TwoThreads | None]:

@@ -16,7 +16,9 @@ MPI while it holds Python's lock, so no Python thread can watch it. Two things t
   end, when the rank ends in any way.
 
 Both are cancelled (the C thread stopped, the watcher killed and reaped) once MPI has started.
-Only under ULFM: elsewhere MPI ends a job that lost a rank, and nothing is started.
+Only under ULFM: elsewhere MPI ends a job that lost a rank, and nothing is started. Python keeps
+one such timer a process: one set before (a user's) is replaced, and not set again after. Each
+rank that times out says its own line.
 """
 
 from __future__ import annotations
@@ -73,6 +75,9 @@ def watch(environ: Mapping[str, str], seconds: float = MPI_START_UP_TIMEOUT_S) -
         pid = os.posix_spawn("/bin/sh", ["sh", "-c", _WATCHER, "sh", timed_out_line(rank, seconds)], dict(environ),
                              file_actions=[(os.POSIX_SPAWN_DUP2, read_end, 0),
                                            (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0)])
+    except OSError:  # (no shell to start: MPI starts unwatched, as elsewhere)
+        os.close(write_end)
+        return None
     finally:
         os.close(read_end)
     faulthandler.dump_traceback_later(seconds, exit=True, file=write_end)
