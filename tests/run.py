@@ -81,7 +81,9 @@ def streams(argv: list[str]) -> list[str]:
         return []
     if importlib.util.find_spec("xdist") is None:
         return []
-    return ["-n", str(n), "--dist", "loadscope", "--no-loadscope-reorder"]  # tests/conftest.py orders the modules
+    # (tests/conftest.py orders the modules; a worker that dies -- the kernel's OOM killer -- ends the
+    # run, its test named, rather than being replaced: xdist's loadscope scheduler then waited for ever)
+    return ["-n", str(n), "--dist", "loadscope", "--no-loadscope-reorder", "--max-worker-restart=0"]
 
 
 def run(cmd: list[str], env: dict, timeout: float | None = None) -> int:
@@ -147,7 +149,8 @@ def main(argv: list[str]) -> int:
         rdir = os.path.join(tmp, "serial")
         ignore = [f"--ignore={w}" for w in WAITING] if waiting else []
         rc = run([py, "-m", "pytest", "-m", "not mpi", "--durations=25", *streams(argv), *argv, *ignore],
-                 dict(env, HPCPS_TEST_REPORT_DIR=rdir))  # (the slowest tests, for the log)
+                 dict(env, HPCPS_TEST_REPORT_DIR=rdir),  # (the slowest tests, for the log)
+                 timeout=float(os.environ.get("HPCPS_SERIAL_TIMEOUT", "3600")))  # (each test has its own, 300 s)
         add_serial(rdir, rc, "serial pytest", totals, problems, skipped)
 
         # 3. MPI tests, grouped by world size.
