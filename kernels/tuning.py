@@ -163,6 +163,10 @@ KNOBS = (
     # training
     Knob("PARSE_BLOCK_BYTES", 1 << 30, "a worker's part of a text file is parsed in blocks of at most this "
          "many bytes (usually one): bounds the parse's buffers", "hpcps train with data.memory_mb", minimum=1 << 20),
+    Knob("STREAM_BLOCK_BYTES", 64 << 20, "a compressed stream's text (gzip, zstd, ...) is parsed in blocks of at "
+         "most this many bytes: its size is not known before it is read, and a block's buffer is made whole "
+         "(at PARSE_BLOCK_BYTES, each small .gz file took a zero-filled GiB)", "hpcps train on gzipped part files",
+         minimum=1 << 20),
     Knob("EVAL_BATCH_ROWS", 4096, "rows a worker scores at once at least, whatever the training's batch: "
          "fewer, larger pulls", "hpcps eval on a 1M-row test set", minimum=1),
     Knob("STATUS_EVERY_S", 0.2, "supervise's status file is written at most this often",

@@ -29,7 +29,7 @@ import numpy as np
 from hpcps.train import inputs, tables
 from hpcps.train.inputs import BOM, DataChanged, DataError, Piece, check_file, check_unchanged, file_state
 from hpcps_kernels import parse
-from hpcps_kernels.tuning import PARSE_AHEAD_BYTES, PARSE_BLOCK_BYTES
+from hpcps_kernels.tuning import PARSE_AHEAD_BYTES, PARSE_BLOCK_BYTES, STREAM_BLOCK_BYTES
 
 # feature_key(0xB1A5, "bias"), written out so that importing this module compiles nothing
 BIAS_KEY = np.uint64(871999724124195170)
@@ -403,8 +403,8 @@ def _parse_blocks(piece: Piece, fmt: str, hash_bits: int, skip_bad: bool, binary
     (an :class:`hpcps.train.inputs.Tee`), if not from the file. ``need_labels`` False: rows without
     a label are read (label 0; a registered format's parser is not asked)."""
     path, kind = piece.path, piece.compression
-    block_bytes = block_bytes or PARSE_BLOCK_BYTES
-    end = piece.end if not kind else 1 << 62  # (a stream: read to its end)
+    block_bytes = block_bytes or (STREAM_BLOCK_BYTES if kind else PARSE_BLOCK_BYTES)
+    end = piece.end if not kind else 1 << 62  # (a stream: read to its end, its size unknown)
     buf = bytearray(min(block_bytes, end - piece.start) + (1 << 16))
     view = memoryview(buf)
     seen = np.zeros(2, dtype=np.int64)  # binary labels: a 0 / a -1 met in an earlier block
