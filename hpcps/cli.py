@@ -486,8 +486,6 @@ def _trained_on(source: str) -> list[tuple[str, str]]:
     an export or a prediction from it must not overwrite them (a mistyped ``--out train.svm``),
     though it may write beside them (``--out parts/scores.txt``: nothing reads that directory
     now). [] where none is known."""
-    import json
-
     from hpcps.ps import checkpoint
     from hpcps.train import inputs
 
@@ -498,10 +496,9 @@ def _trained_on(source: str) -> list[tuple[str, str]]:
             with h5py.File(source, "r") as f:
                 cfg, recorded = json.loads(f.attrs.get("config", "{}")), {}
         else:
-            with open(os.path.join(source, checkpoint.MANIFEST)) as f:
-                manifest = json.load(f)
+            manifest = checkpoint.read_manifest(source)
             cfg, recorded = manifest.get("config", {}), manifest.get("data", {}).get("train", {})
-    except (OSError, ValueError, TypeError, AttributeError):
+    except (OSError, ValueError, TypeError, AttributeError, checkpoint.CheckpointError):
         return []  # (what is not a model or checkpoint is said where it is read)
     data = cfg.get("data", {}) if isinstance(cfg, dict) else {}
     named = [(f"{source}'s data.{k}", data.get(k)) for k in ("train", "test", "predict")]

@@ -49,20 +49,20 @@ import numpy as np
 
 from hpcps import errors
 
+# Under ULFM a watcher bounds MPI's own start-up (hpcps.ps.start_up), stopped once MPI has started.
+from hpcps.ps import start_up
+
 # Under ULFM (Open MPI launched with --with-ft ulfm) MPI_Finalize's PMIx fence over every rank of
 # the job may wait for ever on a rank that died (open-mpi/ompi#9434, #11404: seen here in 2 of 10
 # jobs that lost a server, every survivor asleep in ompi_mpi_finalize): Open MPI's
 # async_mpi_finalize skips it. Nothing is left for it to do: Context.finalize ends with a barrier
 # of the survivors once every transfer of theirs is complete. Read by MPI_Init, so set here.
-if os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() in ("1", "true", "yes", "on"):
+if start_up.under_ulfm(os.environ):
     os.environ.setdefault("OMPI_MCA_async_mpi_finalize", "1")
 
 # A job on one host gets its MPI settings before the library loads (hpcps.ps.mpi_env: each only
 # where the user set none), unless a program of the user's loaded it already.
 from hpcps.ps import mpi_env  # noqa: E402
-
-# Under ULFM a watcher bounds MPI's own start-up (hpcps.ps.start_up), stopped once MPI has started.
-from hpcps.ps import start_up  # noqa: E402
 
 _watcher = None
 if "mpi4py.MPI" not in sys.modules:
@@ -139,7 +139,7 @@ def ulfm_missing() -> str | None:
     if not library.startswith("Open MPI") or not hasattr(MPI.Comm, "Shrink"):
         return (f"this MPI ({' '.join(library.split(',')[0].split())}) has no ULFM; install Open MPI beside it (make install-ft: "
                 f".venv-ft) and launch with .venv-ft/bin/mpiexec --with-ft ulfm")
-    if os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() not in ("1", "true", "yes", "on"):
+    if not start_up.under_ulfm(os.environ):
         return "Open MPI without ULFM enabled: launch with mpiexec --with-ft ulfm"
     return None
 

@@ -268,8 +268,7 @@ class Dataset:
         the positions as kept, see :meth:`prepared_for`)."""
         self.compacted = CompactKeys(uniq, pos)
         self.indices = None
-        if values_if_any(self.values) is not None and self.values.shape[0] and (self.values == 1.0).all():
-            self.values = ones(self.values.shape[0])
+        self.values = _shared_ones(self.values)
         return uniq, self.compacted.pos if narrow else pos.astype(np.int32)
 
     def narrow_rows(self) -> None:
@@ -494,7 +493,8 @@ def _shared_ones(values: np.ndarray) -> np.ndarray:
     view of the shared ones (:func:`ones`), as Criteo's are: the slice and the batches joined
     across slices carry no values (4 bytes a nonzero of memory and copying), and the LR kernel
     reads none (:func:`values_if_any`; the same figures). Not for a part loaded whole: the
-    shared array would grow to its size for the rest of the run."""
+    shared array would grow to its size for the rest of the run (a batch of it once compacted:
+    :meth:`Dataset.compact`)."""
     if values.shape[0] and values_if_any(values) is not None and (values == 1.0).all():
         return ones(values.shape[0])
     return values
